@@ -1,0 +1,1 @@
+"""Figures: matplotlib, one function per figure, taking analysis results (never raw argv)."""

@@ -1,0 +1,1 @@
+"""fa_forensics.numerics"""

@@ -1,0 +1,211 @@
+"""ReplayConfig: every knob the papers turn, as one frozen dataclass.
+
+Semantics follow the hardware: products of bf16 / fp16 / fp8 inputs are exact in fp32 and
+accumulate in fp32 (or in the tensor-core model); rounding happens only at the explicit casts
+named here. Defaults are the paper's BF16 setting, i.e. its pure-PyTorch FlashAttention-2 run
+under BF16 autocast: inputs in bf16, P̄ cast to bf16, the P̄V product returned in bf16 (autocast
+rounds each matmul's fp32 result), O stored in bf16, fp32 backward.
+
+Never mutate a config: derive one with `dataclasses.replace(cfg, ...)` or `cfg.with_(...)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from fa_forensics.errors import ConfigError
+
+
+class Precision(str, enum.Enum):
+    """A floating-point format a tensor is held in or cast to."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8_E4M3 = "fp8_e4m3"  # e4m3fn: no infinities, saturates at ±448 in the casts we model
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class Rounding(str, enum.Enum):
+    """Rounding of the P̄ and O casts."""
+
+    NEAREST_EVEN = "nearest-even"  # what the hardware does
+    STOCHASTIC = "stochastic"  # the blog's principled fix (seeded)
+
+
+class Softmax(str, enum.Enum):
+    """Which row-wise shift m is used in P̄ = exp(S - m)."""
+
+    STANDARD = "standard"  # m = running row max
+    STABILIZED = "stabilized"  # the paper's Algorithm 3 (β, ε)
+    FIXED_OFFSET = "fixed-offset"  # m = row max + offset: App. C's rejected alternative
+
+
+class KVOrder(str, enum.Enum):
+    """Direction in which KV blocks are visited by the forward kernel."""
+
+    FORWARD = "forward"
+    REVERSE = "reverse"
+
+
+class DeltaSource(str, enum.Enum):
+    """How the backward pass computes δ (paper §3.2's isolation experiments)."""
+
+    O_LOWP = "o-lowp"  # rowsum(dO ∘ O_lp): O as stored by the forward pass (standard FA2)
+    O_HIGHP = "o-highp"  # rowsum(dO ∘ O_hp): O computed entirely in fp32 in the forward pass
+    O_RECOMPUTED = "o-recomputed"  # O recomputed in the backward as P̄V / ℓ in fp32
+    DP_P = "dp-p"  # rowsum(dP ∘ P), dP = dO Vᵀ: the mathematically equal form without O
+
+
+class Accumulation(str, enum.Enum):
+    """Accumulation model of every matrix product."""
+
+    IEEE = "ieee"  # exact products, fp32 additions in sequential order, one rounding each
+    TENSOR_CORE = "tensor-core"  # Khattak & Mikaitis model: groups of F, truncating alignment, RZ
+
+
+class PScaleMode(str, enum.Enum):
+    """How the fp8 P scale S is applied (they give different bits)."""
+
+    EXPONENT_OFFSET = "exponent-offset"  # FlashAttention-3: exp2(s - m + log2 S)
+    MULTIPLY = "multiply"  # FlashInfer: exp2(s - m) * S
+
+
+class GPUModel(str, enum.Enum):
+    """Which tensor-core parameters the tensor-core accumulation model uses."""
+
+    H100 = "h100"  # bf16/fp16: F = 16, neab = 2; fp8: F = 32, neab = -10
+    A100 = "a100"  # bf16/fp16: F = 8, neab = 1
+
+
+_LOW_PRECISION = {Precision.BF16, Precision.FP16, Precision.FP8_E4M3, Precision.FP8_E5M2}
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Every knob of one attention replay. Field defaults = the paper's BF16 setting."""
+
+    # dtypes: inputs, the P̄ cast before P̄V, the P̄V product (and running O accumulator), O as stored
+    input_dtype: Precision = Precision.BF16
+    p_dtype: Precision = Precision.BF16
+    pv_dtype: Precision = Precision.BF16
+    o_dtype: Precision = Precision.BF16
+    # fp8 P scale S: P̄ is multiplied by S before its cast, O divided by S·ℓ in the epilogue
+    p_scale: float = 1.0
+    p_scale_mode: PScaleMode = PScaleMode.EXPONENT_OFFSET
+    # tiling: None = no tiling (block = the whole sequence)
+    block_m: Optional[int] = None
+    block_n: Optional[int] = None
+    kv_order: KVOrder = KVOrder.FORWARD
+    causal: Optional[bool] = None  # None = take it from the dump / caller
+    scale: Optional[float] = None  # softmax scale α; None = from the dump, else 1/sqrt(D)
+    # softmax shift
+    softmax: Softmax = Softmax.STANDARD
+    beta: float = 2.0
+    eps: float = 1e-3
+    offset: float = 0.0  # only for Softmax.FIXED_OFFSET: m = rowmax + offset
+    # rounding of the P̄ and O casts
+    rounding: Rounding = Rounding.NEAREST_EVEN
+    seed: int = 0  # for stochastic rounding
+    # backward
+    delta: DeltaSource = DeltaSource.O_LOWP
+    ds_dtype: Precision = Precision.FP32  # dtype dS is cast to before dQ = dS K and dK = dSᵀ Q
+    # accumulation model of every matrix product
+    accumulation: Accumulation = Accumulation.IEEE
+    gpu: GPUModel = GPUModel.H100
+
+    def __post_init__(self) -> None:
+        # Accept plain strings for enum fields (from the CLI or JSON) and normalize them.
+        for f in dataclasses.fields(self):
+            kind = _ENUM_FIELDS.get(f.name)
+            value = getattr(self, f.name)
+            if kind is not None and not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, f.name, kind(value))
+                except ValueError:
+                    choices = ", ".join(m.value for m in kind)
+                    raise ConfigError(f"ReplayConfig.{f.name}={value!r} is not one of: {choices}") from None
+        if not (math.isfinite(self.p_scale) and self.p_scale > 0):
+            raise ConfigError(f"ReplayConfig.p_scale={self.p_scale!r} must be a positive finite number")
+        for name in ("block_m", "block_n"):
+            b = getattr(self, name)
+            if b is not None and (not isinstance(b, int) or b < 1):
+                raise ConfigError(f"ReplayConfig.{name}={b!r} must be a positive integer or None (no tiling)")
+        if self.softmax is Softmax.STABILIZED and not self.beta > 1:
+            raise ConfigError(f"ReplayConfig.beta={self.beta!r} must be > 1 for the stabilized softmax (the paper uses 2 to 8)")
+        if not self.eps >= 0:
+            raise ConfigError(f"ReplayConfig.eps={self.eps!r} must be >= 0")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ConfigError(f"ReplayConfig.scale={self.scale!r} must be a positive finite number or None")
+
+    # ---- derived configs -------------------------------------------------------------------
+    def with_(self, **changes) -> "ReplayConfig":
+        """A copy with some fields changed (alias of dataclasses.replace)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "ReplayConfig":
+        """A named recipe; see PRESETS for the list."""
+        try:
+            factory = PRESETS[name]
+        except KeyError:
+            raise ConfigError(f"unknown replay preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+        return factory()
+
+    @property
+    def is_low_precision(self) -> bool:
+        """True when any cast in the forward pass rounds below fp32."""
+        return any(d in _LOW_PRECISION for d in (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype))
+
+    def describe(self) -> str:
+        """One line naming the fields that differ from the defaults."""
+        default = ReplayConfig()
+        diffs = []
+        for f in dataclasses.fields(self):
+            v, d = getattr(self, f.name), getattr(default, f.name)
+            if v != d:
+                diffs.append(f"{f.name}={v.value if isinstance(v, enum.Enum) else v}")
+        return ", ".join(diffs) or "paper default (bf16)"
+
+
+_ENUM_FIELDS = {
+    "input_dtype": Precision,
+    "p_dtype": Precision,
+    "pv_dtype": Precision,
+    "o_dtype": Precision,
+    "p_scale_mode": PScaleMode,
+    "kv_order": KVOrder,
+    "softmax": Softmax,
+    "rounding": Rounding,
+    "delta": DeltaSource,
+    "ds_dtype": Precision,
+    "accumulation": Accumulation,
+    "gpu": GPUModel,
+}
+
+_FP32 = Precision.FP32
+
+
+def _fp8(scale: float) -> ReplayConfig:
+    # The FP8 paper's kernel-faithful setting: Q, K, V fp32 to isolate the P cast; P̄·S cast to E4M3;
+    # ℓ from the pre-cast fp32 P̄; O accumulated from the cast P̄ in fp32; epilogue O / (S·ℓ); block 64.
+    return ReplayConfig(
+        input_dtype=_FP32, p_dtype=Precision.FP8_E4M3, pv_dtype=_FP32, o_dtype=_FP32,
+        p_scale=scale, block_m=64, block_n=64,
+    )
+
+
+PRESETS = {
+    "bf16": lambda: ReplayConfig(),
+    "fp32": lambda: ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32),
+    "stabilized": lambda: ReplayConfig(softmax=Softmax.STABILIZED),
+    # hardware flash-attention kernels: P̄ cast to bf16, fp32 accumulator, O rounded once after 1/ℓ
+    "bf16-hw": lambda: ReplayConfig(pv_dtype=_FP32, block_m=128, block_n=64, accumulation=Accumulation.TENSOR_CORE),
+    "stochastic": lambda: ReplayConfig(rounding=Rounding.STOCHASTIC),
+    "fp8-s1": lambda: _fp8(1.0),
+    "fp8-s256": lambda: _fp8(256.0),
+    "fp8-s448": lambda: _fp8(448.0),
+}
