@@ -12,6 +12,7 @@ import enum
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -35,10 +36,18 @@ AccumulationOpt = Annotated[str, typer.Option("--accumulation", help="Accumulati
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Show library warnings (e.g. incomplete steps in a dump) as one yellow line, not two."""
+    err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
-    """Run a command body; map errors to one line and exit code 2."""
+    """Run a command body; map errors to one line and exit code 2, warnings to one line."""
     try:
-        return fn()
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = _one_line_warning
+            return fn()
     except typer.Exit:
         raise
     except UserError as exc:

@@ -1,11 +1,65 @@
 """`fa-forensics import` / `export`: convert between safetensors files and dump stores."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from fa_forensics.commands.common import register_not_available
+from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, run_cli, write_json
+
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the destination if it exists.")]
+
+
+def _report(verb: str, result) -> None:
+    console.print(
+        f"{verb} {result.n_tensors} tensors ({len(result.steps)} steps, layers {result.layers}) "
+        f"{result.source} -> {result.destination} (causal={result.causal}, scale={'1/sqrt(D)' if result.scale is None else result.scale})",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def import_cmd(
+    file: Annotated[Path, typer.Argument(help="safetensors file with tensors named step{S}.layer{L}.{q,k,v,o,do,x}.", show_default=False)],
+    to: Annotated[Path, typer.Option("--to", help="Dump store (.zarr) to create.", show_default=False)],
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Import a safetensors file (names step{S}.layer{L}.{q,k,v,o,do,x}; metadata causal, scale) into a dump store."""
+
+    def body() -> None:
+        from fa_forensics.dump.safetensors_io import import_safetensors
+
+        result = import_safetensors(file, to, overwrite=overwrite)
+        _report("imported", result)
+        write_json(json_out, result)
+
+    run_cli(debug, body)
+
+
+def export_cmd(
+    dump: DumpArg,
+    to: Annotated[Path, typer.Option("--to", help="safetensors file to write.", show_default=False)],
+    step: StepOpt = None,
+    layer: LayerOpt = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Export a dump store's complete steps to a safetensors file with the same tensor names, dtypes kept."""
+
+    def body() -> None:
+        from fa_forensics.dump.safetensors_io import export_safetensors
+
+        result = export_safetensors(dump, to, steps=step, layers=layer, overwrite=overwrite)
+        _report("exported", result)
+        write_json(json_out, result)
+
+    run_cli(debug, body)
 
 
 def register(app: typer.Typer) -> None:
-    register_not_available(app, "import", "Import a safetensors file (names step{S}.layer{L}.{q,k,v,o,do,x}) into a dump store.", "issue 2")
-    register_not_available(app, "export", "Export a dump store to a safetensors file with the same tensor names.", "issue 2")
+    app.command("import")(import_cmd)
+    app.command("export")(export_cmd)

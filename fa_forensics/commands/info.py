@@ -1,10 +1,95 @@
-"""`fa-forensics info`: Describe a dump: steps, layers, heads, shapes, dtypes, capture settings."""
+"""`fa-forensics info`: describe a dump: steps, layers, heads, shapes, dtypes, capture settings."""
 from __future__ import annotations
 
-import typer
+import warnings
+from typing import Annotated, Any, Optional
 
-from fa_forensics.commands.common import register_not_available
+import typer
+from rich.table import Table
+
+from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, run_cli, write_json
+
+RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to describe (default 0).")]
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    if not values:
+        return "none"
+    parts, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(parts)
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items()) if d else "-"
+
+
+def render(summary: dict[str, Any]) -> None:
+    """Print a dump summary as rich tables."""
+    run = Table(title=f"dump {summary['path']}", show_header=False, title_justify="left")
+    run.add_column("field", style="bold")
+    run.add_column("value")
+    for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank"):
+        run.add_row(key, str(summary.get(key)))
+    run.add_row("model", _kv(summary.get("model") or {}))
+    run.add_row("capture", _kv(summary.get("capture") or {}))
+    run.add_row("steps", f"{_ranges(summary['steps'])} ({len(summary['steps'])} complete)")
+    if summary["incomplete_steps"]:
+        run.add_row("incomplete steps", f"[yellow]{_ranges(summary['incomplete_steps'])} (cut off while writing; skipped)[/]")
+    losses = {s: a.get("loss") for s, a in summary.get("step_attrs", {}).items() if a.get("loss") is not None}
+    if losses:
+        run.add_row("loss", ", ".join(f"{s}: {v:.4g}" for s, v in list(losses.items())[:8]) + (" ..." if len(losses) > 8 else ""))
+    if summary.get("timeline"):
+        run.add_row("timeline", _kv({k: tuple(v) for k, v in summary["timeline"].items()}))
+    console.print(run)
+
+    layers = Table(title="layers", title_justify="left")
+    for col in ("layer", "module", "heads", "head_dim", "scale", "causal"):
+        layers.add_column(col)
+    arrays = Table(title="arrays", title_justify="left")
+    for col in ("layer", "array", "shape", "dtype", "chunks"):
+        arrays.add_column(col)
+    for l in summary["layers"]:
+        info = summary["layer_info"][str(l)]
+        layers.add_row(str(l), str(info["module"] or "-"), str(info["n_heads"]), str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]))
+        for n, a in summary["arrays"][str(l)].items():
+            arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]), "×".join(str(x) for x in a["chunks"]))
+    console.print(layers)
+    console.print(arrays)
+
+    truth = summary.get("ground_truth")
+    if truth:
+        gt = Table(title="ground truth (planted by synth)", show_header=False, title_justify="left")
+        gt.add_column("field", style="bold")
+        gt.add_column("value")
+        for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength", "sink_heads", "seed"):
+            gt.add_row(key, str(truth.get(key)))
+        gt.add_row("tied rows", f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in {len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")
+        console.print(gt)
+
+
+def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None, debug: DebugOpt = False) -> None:
+    """Describe a dump: steps (incomplete ones apart), layers, heads, shapes, dtypes, capture settings."""
+
+    def body() -> None:
+        from fa_forensics.dump import IncompleteStepWarning, open_dump
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IncompleteStepWarning)  # shown in the table instead
+            d = open_dump(dump, rank=rank)
+        summary = d.summary(step=step, layer=layer)
+        render(summary)
+        write_json(json_out, summary)
+
+    run_cli(debug, body)
 
 
 def register(app: typer.Typer) -> None:
-    register_not_available(app, "info", "Describe a dump: steps, layers, heads, shapes, dtypes, capture settings.", "issue 2")
+    app.command("info")(info)

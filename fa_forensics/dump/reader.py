@@ -1,0 +1,355 @@
+"""Lazy reader of format-v1 dump stores.
+
+`open_dump(path)` reads root metadata only; step, layer and array metadata are read (and
+cached) when first asked for, and array values only by `Dump.read`. Every problem a user can
+cause (wrong path, not a dump, unknown format, missing step / layer / array / head) raises a
+one-line `DumpError` that says what exists.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import zarr
+
+from fa_forensics.dump.schema import (
+    ATTRS_KEY,
+    FORMAT_VERSION,
+    HEAD_TENSORS,
+    LAYER_RE,
+    RANK_RE,
+    STEP_RE,
+    TENSOR_NAMES,
+    TIMELINE_GROUP,
+    LayerInfo,
+    decode,
+    layer_key,
+    rank_key,
+    step_key,
+    supported_dtype_names,
+)
+from fa_forensics.errors import DumpError
+
+
+class IncompleteStepWarning(UserWarning):
+    """A step of the dump was cut off (no `complete` flag); it is skipped."""
+
+
+def _fmt(values: Iterable[Any], limit: int = 12) -> str:
+    values = list(values)
+    if not values:
+        return "none"
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f", ... ({len(values)} in all)" if len(values) > limit else "")
+
+
+def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
+    if sel is None:
+        return None
+    if isinstance(sel, (int, np.integer)):
+        return [int(sel)]
+    return [int(s) for s in sel]
+
+
+def open_dump(path, rank: int | None = None) -> "Dump":
+    """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0)."""
+    p = Path(path)
+    hint = "give the path of a .zarr dump made by `fa-forensics capture`, `synth` or `import`"
+    if not p.exists():
+        raise DumpError(f"no dump at {p}: the path does not exist; {hint}")
+    if not p.is_dir():
+        raise DumpError(f"{p} is a file, not a dump store (a .zarr folder); {hint}")
+    if not any(p.iterdir()):
+        raise DumpError(f"{p} is an empty folder, not a dump; {hint}")
+    if not (p / "zarr.json").is_file():
+        kind = "a zarr v2 store" if (p / ".zgroup").exists() else "not a zarr store (no zarr.json)"
+        raise DumpError(f"{p} is {kind}, not an fa-forensics dump; {hint}")
+    try:
+        root = zarr.open_group(str(p), mode="r")
+        attrs = dict(root.attrs)
+    except Exception as exc:
+        raise DumpError(f"{p} cannot be opened as a zarr group ({type(exc).__name__}: {exc}); {hint}") from None
+    meta = attrs.get(ATTRS_KEY)
+    if not isinstance(meta, dict):
+        raise DumpError(f"{p} is a zarr store but not an fa-forensics dump (no '{ATTRS_KEY}' attributes); {hint}")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DumpError(f"{p} has dump format_version {version!r}, this fa-forensics reads format {FORMAT_VERSION}; use a matching fa-forensics version or re-capture the dump")
+    return Dump(p, root, meta, rank)
+
+
+class Dump:
+    """One rank's tree of a dump store. Steps, layers and heads are ints; arrays come back as torch tensors."""
+
+    def __init__(self, path: Path, root: zarr.Group, attrs: dict[str, Any], rank: int | None = None):
+        self.path = Path(path)
+        self.attrs = attrs
+        self._root = root
+        self.world_size = int(attrs.get("world_size", 1) or 1)
+        self.rank = int(rank or 0)
+        self._tree = self._rank_tree(self.rank)
+        self._step_groups: dict[int, zarr.Group] = {}
+        self._layer_groups: dict[tuple[int, int], zarr.Group] = {}
+        self._checked: set[tuple[int, int]] = set()
+        if self.incomplete_steps:
+            warnings.warn(
+                f"{self.path}: step(s) {_fmt(self.incomplete_steps)} are incomplete (cut off while writing) and are skipped",
+                IncompleteStepWarning,
+                stacklevel=3,
+            )
+
+    def _rank_tree(self, rank: int) -> zarr.Group:
+        root_keys = set(self._root.group_keys())
+        ranks = sorted(int(m.group(1)) for k in root_keys if (m := RANK_RE.match(k)))
+        if rank == 0 and not (rank_key(0) in root_keys and not any(STEP_RE.match(k) for k in root_keys)):
+            return self._root
+        if rank_key(rank) not in root_keys:
+            have = sorted({0, *ranks})
+            raise DumpError(f"rank {rank} is not in {self.path} (ranks: {_fmt(have)}); pick one of those with --rank")
+        return self._root[rank_key(rank)]
+
+    # -- steps ----------------------------------------------------------------------------
+    @cached_property
+    def _step_status(self) -> dict[int, bool]:
+        """step -> complete? (from each step group's attrs; unreadable metadata counts as incomplete)."""
+        status: dict[int, bool] = {}
+        for key in self._tree.group_keys():
+            m = STEP_RE.match(key)
+            if not m:
+                continue
+            step = int(m.group(1))
+            try:
+                g = self._tree[key]
+                status[step] = g.attrs.get("complete") is True
+                if status[step]:
+                    self._step_groups[step] = g
+            except Exception:  # metadata cut mid-write
+                status[step] = False
+        return dict(sorted(status.items()))
+
+    @property
+    def steps(self) -> list[int]:
+        """Sorted complete step numbers."""
+        return [s for s, ok in self._step_status.items() if ok]
+
+    @property
+    def incomplete_steps(self) -> list[int]:
+        """Steps that were cut off while writing (skipped by every reader method)."""
+        return [s for s, ok in self._step_status.items() if not ok]
+
+    def _step(self, step: int) -> zarr.Group:
+        step = int(step)
+        if step in self._step_groups:
+            return self._step_groups[step]
+        if step in self.incomplete_steps:
+            raise DumpError(f"step {step} in {self.path} is incomplete (cut off while writing); complete steps: {_fmt(self.steps)}")
+        raise DumpError(f"step {step} is not in {self.path}; complete steps: {_fmt(self.steps)}")
+
+    def step_attrs(self, step: int) -> dict[str, Any]:
+        """The step's attributes: step, complete, loss (if recorded), ..."""
+        return dict(self._step(step).attrs)
+
+    # -- layers and heads -----------------------------------------------------------------
+    def layers(self, step: int | None = None) -> list[int]:
+        """Layers of `step`, or the union over complete steps when step is None."""
+        steps = self.steps if step is None else [int(step)]
+        found: set[int] = set()
+        for s in steps:
+            for key in self._step(s).group_keys():
+                if m := LAYER_RE.match(key):
+                    found.add(int(m.group(1)))
+        return sorted(found)
+
+    def _layer(self, step: int, layer: int) -> zarr.Group:
+        key = (int(step), int(layer))
+        if key not in self._layer_groups:
+            sg = self._step(step)
+            lk = layer_key(layer)
+            if lk not in sg:
+                raise DumpError(f"layer {layer} is not in step {step} of {self.path}; layers: {_fmt(self.layers(step))}")
+            self._layer_groups[key] = sg[lk]
+        return self._layer_groups[key]
+
+    def _array_names(self, step: int, layer: int) -> list[str]:
+        g = self._layer(step, layer)
+        present = [n for n in TENSOR_NAMES if n in set(g.array_keys())]
+        if (int(step), int(layer)) not in self._checked:
+            listed = g.attrs.get("arrays", present)
+            missing = [n for n in listed if n not in present]
+            if missing:
+                raise DumpError(
+                    f"step {step} layer {layer} of {self.path} lists array(s) {_fmt(missing)} that are missing from the store "
+                    f"(damaged dump; present: {_fmt(present)}); re-capture or re-import it"
+                )
+            self._checked.add((int(step), int(layer)))
+        return present
+
+    def has(self, step: int, layer: int, name: str) -> bool:
+        """Whether step/layer/name exists (False for a missing step or layer, too)."""
+        try:
+            return name in self._array_names(step, layer)
+        except DumpError:
+            return False
+
+    def _array(self, step: int, layer: int, name: str) -> zarr.Array:
+        if name not in TENSOR_NAMES:
+            raise DumpError(f"unknown array name {name!r}; dump arrays are {', '.join(TENSOR_NAMES)}")
+        names = self._array_names(step, layer)
+        if name not in names:
+            raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: {_fmt(names)}")
+        return self._layer(step, layer)[name]
+
+    def layer_info(self, step: int, layer: int) -> LayerInfo:
+        """Attention settings and array shapes of one layer of one step."""
+        g = self._layer(step, layer)
+        a = dict(g.attrs)
+        arrays = {n: tuple(int(s) for s in self._array(step, layer, n).shape) for n in self._array_names(step, layer)}
+        head_shape = next((arrays[n] for n in HEAD_TENSORS if n in arrays), None)
+        n_heads = int(a.get("n_heads") or (head_shape[1] if head_shape else 0))
+        head_dim = int(a.get("head_dim") or (head_shape[3] if head_shape else 0))
+        scale = a.get("scale")
+        scale = float(scale) if scale is not None else (1.0 / math.sqrt(head_dim) if head_dim else float("nan"))
+        return LayerInfo(
+            module=a.get("module"),
+            n_heads=n_heads,
+            head_dim=head_dim,
+            scale=scale,
+            causal=bool(a.get("causal", True)),
+            dtype=str(a.get("dtype") or "unknown"),
+            arrays=arrays,
+        )
+
+    def heads(self, step: int, layer: int) -> list[int]:
+        """Head indices stored for one layer (0 .. n_heads-1)."""
+        return list(range(self.layer_info(step, layer).n_heads))
+
+    # -- values ---------------------------------------------------------------------------
+    def read(self, step: int, layer: int, name: str, heads=None, batch=None) -> torch.Tensor:
+        """One array as a torch tensor in its original dtype (bf16 / fp8 bit-exact).
+
+        heads: int | list[int] | slice | None (dim 1 of q/k/v/o/do; ignored for x);
+        batch: int | slice | None (dim 0). An int keeps its dimension, so q/k/v/o/do always
+        come back 4-D (B', H', T, D) and x 3-D (B', T, C).
+        """
+        arr = self._array(step, layer, name)
+        where = f"step {step} layer {layer} array '{name}' of {self.path}"
+        b_sel = self._index(batch, arr.shape[0], "batch", where)
+        sel: tuple = (b_sel,)
+        if name in HEAD_TENSORS:
+            sel = (b_sel, self._index(heads, arr.shape[1], "head", where))
+        dname = arr.attrs.get("dtype", str(arr.dtype))
+        if dname not in supported_dtype_names():
+            raise DumpError(f"{where} has unknown dtype attribute {dname!r}; supported: {', '.join(supported_dtype_names())}")
+        data = arr.oindex[sel] if any(isinstance(s, list) for s in sel) else arr[sel]
+        return decode(np.asarray(data), dname)
+
+    @staticmethod
+    def _index(sel, size: int, what: str, where: str):
+        if sel is None:
+            return slice(None)
+        if isinstance(sel, slice):
+            if len(range(*sel.indices(size))) == 0:
+                raise DumpError(f"{what} selection {sel.start}:{sel.stop} is empty for {where} ({size} {what}s: 0..{size - 1})")
+            return sel
+        idx = _as_list(sel)
+        bad = [i for i in idx if not 0 <= i < size]
+        if bad:
+            raise DumpError(f"{what} {_fmt(bad)} not in {where}; it has {size} {what}s: 0..{size - 1}")
+        return idx
+
+    # -- selections and summaries ---------------------------------------------------------
+    def select(self, steps=None, layers=None, heads=None) -> list[tuple[int, int, list[int]]]:
+        """(step, layer, heads) triples for the selection; None = everything that exists.
+
+        Raises DumpError naming what is missing and what exists.
+        """
+        step_list = _as_list(steps)
+        if step_list is None:
+            step_list = self.steps
+            if not step_list:
+                raise DumpError(f"{self.path} has no complete step (incomplete: {_fmt(self.incomplete_steps)}); re-capture it")
+        out: list[tuple[int, int, list[int]]] = []
+        for s in step_list:
+            self._step(s)  # raises with the list of steps
+            layer_list = _as_list(layers)
+            for l in layer_list if layer_list is not None else self.layers(s):
+                self._array_names(s, l)  # raises for a missing layer or a damaged one
+                have = self.heads(s, l)
+                head_list = _as_list(heads)
+                if head_list is None:
+                    head_list = have
+                bad = [h for h in head_list if h not in have]
+                if bad:
+                    raise DumpError(f"head {_fmt(bad)} not in step {s} layer {l} of {self.path}; heads: 0..{len(have) - 1}")
+                out.append((s, l, head_list))
+        return out
+
+    @property
+    def ground_truth(self) -> dict[str, Any] | None:
+        """What `synth` planted (None for a captured dump)."""
+        gt = self.attrs.get("ground_truth")
+        return dict(gt) if isinstance(gt, dict) else None
+
+    @cached_property
+    def timeline(self) -> dict[str, np.ndarray] | None:
+        """Per-step series (name -> array with a leading step axis), or None if none were recorded."""
+        if TIMELINE_GROUP not in set(self._tree.group_keys()):
+            return None
+        tl = self._tree[TIMELINE_GROUP]
+        return {k: np.asarray(tl[k][...]) for k in sorted(tl.array_keys())}
+
+    def summary(self, step: int | None = None, layer: int | None = None) -> dict[str, Any]:
+        """Everything `fa-forensics info --json` prints (keys documented in the README).
+
+        Layer details come from the first complete step holding each layer, or from `step`;
+        `layer` restricts them to one layer. A missing step or layer raises DumpError.
+        """
+        if step is not None or layer is not None:
+            self.select(steps=step, layers=layer)
+        layers = self.layers(step) if layer is None else [int(layer)]
+        arrays: dict[str, dict[str, Any]] = {}
+        heads: dict[str, list[int]] = {}
+        layer_infos: dict[str, dict[str, Any]] = {}
+        for l in layers:
+            s = int(step) if step is not None else next(s for s in self.steps if l in self.layers(s))
+            info = self.layer_info(s, l)
+            heads[str(l)] = list(range(info.n_heads))
+            layer_infos[str(l)] = {k: v for k, v in info.to_dict().items() if k != "arrays"}
+            arrays[str(l)] = {
+                n: {"shape": list(shape), "dtype": self._layer(s, l)[n].attrs.get("dtype"), "chunks": list(self._layer(s, l)[n].chunks)}
+                for n, shape in info.arrays.items()
+            }
+        # every complete step is checked for damage, not only the first of each layer
+        for s in self.steps:
+            for l in self.layers(s):
+                self._array_names(s, l)
+        timeline = self.timeline
+        return {
+            "path": str(self.path),
+            "format_version": self.attrs.get("format_version"),
+            "tool_version": self.attrs.get("tool_version"),
+            "torch_version": self.attrs.get("torch_version"),
+            "device": self.attrs.get("device"),
+            "amp_dtype": self.attrs.get("amp_dtype"),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "model": self.attrs.get("model", {}),
+            "capture": self.attrs.get("capture", {}),
+            "steps": self.steps,
+            "incomplete_steps": self.incomplete_steps,
+            "step_attrs": {str(s): {k: v for k, v in self.step_attrs(s).items() if k not in ("step", "complete")} for s in self.steps},
+            "layers": layers,
+            "heads": heads,
+            "layer_info": layer_infos,
+            "arrays": arrays,
+            "timeline": {k: list(v.shape) for k, v in timeline.items()} if timeline else None,
+            "ground_truth": self.ground_truth,
+        }
+
+    def __repr__(self) -> str:
+        return f"Dump({str(self.path)!r}, steps={self.steps}, rank={self.rank})"

@@ -1,0 +1,166 @@
+"""Convert between safetensors files and dump stores.
+
+Tensor names are `step{S}.layer{L}.{q,k,v,o,do,x}` (q, k, v, o, do: (B, H, T, D); x: (B, T, C)).
+File metadata `causal` ("true" / "false") and `scale` (a float as text) apply to every layer;
+they default to causal and 1/sqrt(D). Dtypes are kept, so export∘import is the identity on tensors.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fa_forensics.dump.reader import open_dump
+from fa_forensics.dump.schema import HEAD_TENSORS, TENSOR_NAMES, dtype_name, supported_dtype_names
+from fa_forensics.dump.writer import DumpWriter, _existing_format
+from fa_forensics.errors import DumpError
+
+NAME_RE = re.compile(r"^step(\d+)\.layer(\d+)\.(" + "|".join(TENSOR_NAMES) + r")$")
+NAME_PATTERN = "step{S}.layer{L}.{q,k,v,o,do,x}"
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What an import or export moved."""
+
+    source: str
+    destination: str
+    steps: list[int]
+    layers: list[int]
+    n_tensors: int
+    causal: bool
+    scale: float | None  # None: 1/sqrt(D) per layer
+
+
+def _parse_causal(text: str | None, src: Path) -> bool:
+    if text is None:
+        return True
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise DumpError(f"{src}: metadata causal={text!r} must be \"true\" or \"false\"; fix the file's metadata")
+    return value == "true"
+
+
+def _parse_scale(text: str | None, src: Path) -> float | None:
+    if text is None:
+        return None
+    try:
+        scale = float(text)
+    except ValueError:
+        raise DumpError(f"{src}: metadata scale={text!r} is not a number; write it as a float in text, e.g. \"0.125\"") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise DumpError(f"{src}: metadata scale={text!r} must be a positive finite float")
+    return scale
+
+
+def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
+    """Read FILE.safetensors into a new dump store at `dst` (written aside, then moved in place)."""
+    from safetensors import SafetensorError, safe_open
+
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise DumpError(f"no safetensors file at {src}; give the path of an existing .safetensors file")
+    if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())):
+        if not overwrite:
+            raise DumpError(f"{dst} already exists; pass --overwrite to replace it or choose another --to")
+        if not dst.is_dir() or _existing_format(dst) is None:
+            raise DumpError(f"{dst} exists and is not an fa-forensics dump; refusing to overwrite it, choose another --to")
+    try:
+        with safe_open(str(src), framework="pt") as f:
+            metadata = f.metadata() or {}
+            names = list(f.keys())
+            bad = [n for n in names if not NAME_RE.match(n)]
+            if bad:
+                raise DumpError(f"{src}: tensor name {bad[0]!r} does not match {NAME_PATTERN} (e.g. step100.layer1.q); rename the tensors")
+            if not names:
+                raise DumpError(f"{src} holds no tensors; expected names like {NAME_PATTERN}")
+            causal = _parse_causal(metadata.get("causal"), src)
+            scale = _parse_scale(metadata.get("scale"), src)
+            by_step: dict[int, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+            for n in names:
+                s, l, t = NAME_RE.match(n).groups()
+                tensor = f.get_tensor(n)
+                want = 4 if t in HEAD_TENSORS else 3
+                if tensor.dim() != want:
+                    raise DumpError(f"{src}: {n} has shape {tuple(tensor.shape)}, expected {want} dims ({'B, H, T, D' if want == 4 else 'B, T, C'})")
+                if dtype_name(tensor.dtype) not in supported_dtype_names():
+                    raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; supported: {', '.join(supported_dtype_names())}")
+                by_step[int(s)][int(l)][t] = tensor
+    except SafetensorError as exc:
+        raise DumpError(f"{src} is not a readable safetensors file ({exc}); check the file") from None
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"  # beside dst, so the final move is a rename
+    try:
+        run_attrs = {"device": "cpu", "model": {}, "capture": {"source": "safetensors", "file": src.name}}
+        writer = DumpWriter(tmp, run_attrs)
+        for s in sorted(by_step):
+            for l in sorted(by_step[s]):
+                tensors = by_step[s][l]
+                head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
+                attrs = {"causal": causal}
+                if head is not None:
+                    attrs.update(n_heads=head.shape[1], head_dim=head.shape[3], dtype=dtype_name(head.dtype))
+                    attrs["scale"] = scale if scale is not None else 1.0 / math.sqrt(head.shape[3])
+                for t in TENSOR_NAMES:
+                    if t in tensors:
+                        writer.write_array(s, l, t, tensors[t], layer_attrs=attrs)
+            writer.complete_step(s)
+        writer.close()
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    layers = sorted({l for s in by_step for l in by_step[s]})
+    return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale)
+
+
+def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bool = False) -> ConvertResult:
+    """Write the complete steps of a dump (or a selection) to one safetensors file, dtypes kept."""
+    from safetensors.torch import save_file
+
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise DumpError(f"{dst} already exists; pass --overwrite to replace it or choose another --to")
+    if dst.is_dir():
+        raise DumpError(f"{dst} is a folder; --to must be a file path ending in .safetensors")
+    dump = open_dump(dump_path)
+    triples = dump.select(steps=steps, layers=layers)
+    tensors: dict[str, torch.Tensor] = {}
+    settings = set()
+    for s, l, _heads in triples:
+        info = dump.layer_info(s, l)
+        settings.add((info.causal, info.scale, info.head_dim))
+        for t in info.arrays:
+            tensors[f"step{s}.layer{l}.{t}"] = dump.read(s, l, t).contiguous()
+    causal = {c for c, _, _ in settings}
+    if len(causal) > 1:
+        raise DumpError(f"layers of {dump.path} disagree on causal, but a safetensors file has one; export one layer at a time with --layer")
+    default_scale = all(math.isclose(sc, 1.0 / math.sqrt(d), rel_tol=1e-7) for _, sc, d in settings if d)
+    scales = {sc for _, sc, _ in settings}
+    if not default_scale and len(scales) > 1:
+        raise DumpError(f"layers of {dump.path} disagree on scale, but a safetensors file has one; export one layer at a time with --layer")
+    causal_value = causal.pop() if causal else True
+    metadata = {"causal": "true" if causal_value else "false"}
+    scale = None if default_scale else scales.pop()
+    if scale is not None:
+        metadata["scale"] = repr(float(scale))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return ConvertResult(str(dump.path), str(dst), sorted({s for s, _, _ in triples}), sorted({l for _, l, _ in triples}), len(tensors), causal_value, scale)

@@ -1,0 +1,117 @@
+"""Dump format v1: names, layout and dtype encodings shared by the writer and the reader.
+
+Layout (zarr v3), see DESIGN.md:
+    run.zarr/                      attrs.fa_forensics = {format_version: 1, ...}
+      [rank_{r}/]                  ranks r > 0 of a multi-rank run write their own subtree
+        step_{S:09d}/              attrs: {step, loss?, complete: true written last}
+          layer_{L:03d}/           attrs: {module, n_heads, head_dim, scale, causal, dtype, arrays}
+            q k v o do             (B, H, T, D), chunks (1, 1, T, D): one head of one tensor
+            x                      (B, T, C),    chunks (1, T, C)
+      timeline/                    per-step series, first axis = monitored step
+
+zarr has no bf16 / fp8: those are stored as their bit patterns (uint16 / uint8) and the array
+attribute `dtype` names the original torch dtype, so a round trip is bit-exact.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+ATTRS_KEY = "fa_forensics"  # root attribute holding the run description
+TENSOR_NAMES = ("q", "k", "v", "o", "do", "x")
+HEAD_TENSORS = ("q", "k", "v", "o", "do")  # (B, H, T, D); x is (B, T, C)
+TIMELINE_GROUP = "timeline"
+
+STEP_RE = re.compile(r"^step_(\d{9})$")
+LAYER_RE = re.compile(r"^layer_(\d{3})$")
+RANK_RE = re.compile(r"^rank_(\d+)$")
+
+
+def step_key(step: int) -> str:
+    return f"step_{int(step):09d}"
+
+
+def layer_key(layer: int) -> str:
+    return f"layer_{int(layer):03d}"
+
+
+def rank_key(rank: int) -> str:
+    return f"rank_{int(rank)}"
+
+
+# torch dtype <-> (stored numpy dtype, attribute name). bf16 / fp8 go through same-width ints.
+_STORED = {
+    torch.float32: ("float32", None),
+    torch.float64: ("float64", None),
+    torch.float16: ("float16", None),
+    torch.bfloat16: ("uint16", torch.int16),
+    torch.float8_e4m3fn: ("uint8", torch.uint8),
+    torch.float8_e5m2: ("uint8", torch.uint8),
+}
+_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _STORED}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16', 'float8_e4m3fn', ... (the torch name without the 'torch.' prefix)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def supported_dtype_names() -> list[str]:
+    return sorted(_BY_NAME)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named by an array's `dtype` attribute; KeyError if unknown."""
+    return _BY_NAME[name]
+
+
+def encode(tensor: torch.Tensor):
+    """Tensor -> (numpy array to store, dtype attribute). Bit-exact for every supported dtype."""
+    if tensor.dtype not in _STORED:
+        raise ValueError(f"dtype {tensor.dtype} cannot be stored; supported: {', '.join(supported_dtype_names())}")
+    stored, carrier = _STORED[tensor.dtype]
+    t = tensor.detach().to("cpu").contiguous()
+    if carrier is not None:
+        t = t.view(carrier)
+    return t.numpy().view(stored), dtype_name(tensor.dtype)
+
+
+def decode(array, name: str) -> torch.Tensor:
+    """Stored numpy array + dtype attribute -> tensor in the original dtype (no copy of values)."""
+    import numpy as np
+
+    dtype = torch_dtype(name)
+    stored, carrier = _STORED[dtype]
+    a = np.ascontiguousarray(array)
+    if carrier is None:
+        return torch.from_numpy(a.astype(stored, copy=False))
+    carrier_np = {torch.int16: "int16", torch.uint8: "uint8"}[carrier]
+    return torch.from_numpy(a.view(carrier_np)).view(dtype)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What one layer of one step holds: attention settings and array shapes."""
+
+    module: str | None
+    n_heads: int
+    head_dim: int
+    scale: float
+    causal: bool
+    dtype: str
+    arrays: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "n_heads": self.n_heads,
+            "head_dim": self.head_dim,
+            "scale": self.scale,
+            "causal": self.causal,
+            "dtype": self.dtype,
+            "arrays": {k: list(v) for k, v in self.arrays.items()},
+        }

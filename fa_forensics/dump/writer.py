@@ -1,0 +1,237 @@
+"""DumpWriter: create (or extend) a format-v1 dump store, one array at a time.
+
+A step's `complete` flag is written last, in its own metadata write, after every array of the
+step is on disk: a process killed mid-step leaves a step the reader reports as incomplete,
+never one it mistakes for whole.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import zarr
+import zarr.codecs
+
+from fa_forensics.dump.schema import (
+    ATTRS_KEY,
+    FORMAT_VERSION,
+    HEAD_TENSORS,
+    TENSOR_NAMES,
+    TIMELINE_GROUP,
+    dtype_name,
+    encode,
+    layer_key,
+    rank_key,
+    step_key,
+)
+from fa_forensics.errors import DumpError
+
+# Flat chunk files ("c.0.1.0.0") instead of nested folders: one file per head, no folder per index.
+CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
+_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype")
+
+
+def _existing_format(path: Path) -> int | None:
+    """format_version of an existing fa-forensics store at `path`, or None if it is not one."""
+    try:
+        group = zarr.open_group(str(path), mode="r")
+        meta = dict(group.attrs).get(ATTRS_KEY)
+    except Exception:  # not zarr, zarr v2, unreadable: not ours
+        return None
+    if not isinstance(meta, Mapping):
+        return None
+    return meta.get("format_version")
+
+
+def _default_run_attrs(run_attrs: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    from fa_forensics import __version__
+
+    attrs = {
+        "tool_version": __version__,
+        "torch_version": torch.__version__,
+        "device": "cpu",
+        "amp_dtype": None,
+        "model": {},
+        "capture": {},
+    }
+    attrs.update(dict(run_attrs))
+    attrs["format_version"] = FORMAT_VERSION
+    attrs["world_size"] = int(world_size)
+    return attrs
+
+
+class DumpWriter:
+    """Write q, k, v, o, do, x arrays into a format-v1 store.
+
+    DumpWriter(path, run_attrs, overwrite=False, rank=0, world_size=1):
+    - a missing path or an empty folder: a new store with root attrs `fa_forensics = run_attrs`
+      (format_version, tool_version, torch_version filled in);
+    - an existing format-1 dump: re-opened to add steps (run_attrs are not changed);
+    - anything else (a file, a folder that is not a dump, another format): DumpError, unless
+      overwrite=True and it is an fa-forensics dump (then, from rank 0 only, it is replaced).
+    Rank r > 0 writes under `rank_{r}/`; rank 0 writes the root tree. Meant for one writer
+    thread per rank; a lock makes concurrent calls from several threads safe, not fast.
+    """
+
+    def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0, world_size: int = 1):
+        self.path = Path(path)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._root = self._open_root(dict(run_attrs or {}), overwrite)
+        self._tree = self._root if self.rank == 0 else self._root.require_group(rank_key(self.rank))
+        self._steps: dict[int, zarr.Group] = {}
+        self._layers: dict[tuple[int, int], zarr.Group] = {}
+
+    # -- store ----------------------------------------------------------------------------
+    def _open_root(self, run_attrs: dict[str, Any], overwrite: bool) -> zarr.Group:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise DumpError(f"{p} exists and is a file, not a dump store; choose another path")
+        is_empty_dir = p.is_dir() and not any(p.iterdir())
+        if p.exists() and not is_empty_dir:
+            version = _existing_format(p)
+            if version is None:
+                raise DumpError(f"{p} exists and is not an fa-forensics dump; refusing to write into it, choose another path")
+            if overwrite and self.rank == 0:
+                shutil.rmtree(p)
+            elif version != FORMAT_VERSION:
+                raise DumpError(f"{p} is a dump of format_version {version}, this tool writes {FORMAT_VERSION}; pass overwrite to replace it")
+            else:
+                return zarr.open_group(str(p), mode="r+")
+        root = zarr.open_group(str(p), mode="a")
+        if ATTRS_KEY not in root.attrs:
+            root.attrs[ATTRS_KEY] = _default_run_attrs(run_attrs, self.world_size)
+        return root
+
+    def _step_group(self, step: int) -> zarr.Group:
+        if step not in self._steps:
+            key = step_key(step)
+            if key in self._tree:
+                g = self._tree[key]
+                if g.attrs.get("complete") is True:
+                    raise DumpError(f"step {step} is already complete in {self.path}; write to a new store or pass overwrite")
+            else:
+                g = self._tree.create_group(key, attributes={"step": int(step), "complete": False})
+            self._steps[step] = g
+        return self._steps[step]
+
+    def _layer_group(self, step: int, layer: int, tensor: torch.Tensor, name: str, layer_attrs: Mapping[str, Any] | None) -> zarr.Group:
+        key = (step, layer)
+        given = {k: v for k, v in dict(layer_attrs or {}).items() if v is not None}
+        unknown = set(given) - set(_LAYER_ATTR_KEYS)
+        if unknown:
+            raise ValueError(f"unknown layer_attrs {sorted(unknown)}; allowed: {_LAYER_ATTR_KEYS}")
+        if key not in self._layers:
+            sg = self._step_group(step)
+            lk = layer_key(layer)
+            if lk in sg:
+                self._layers[key] = sg[lk]
+            else:
+                attrs = {"module": None, "causal": True, "arrays": []}
+                if name in HEAD_TENSORS:
+                    B, H, T, D = tensor.shape
+                    attrs.update(n_heads=int(H), head_dim=int(D), scale=1.0 / math.sqrt(D), dtype=dtype_name(tensor.dtype))
+                attrs.update(given)
+                self._layers[key] = sg.create_group(lk, attributes=attrs)
+                return self._layers[key]
+        g = self._layers[key]
+        update = dict(given)
+        if name in HEAD_TENSORS and "n_heads" not in g.attrs:  # x came first: fill in from this tensor
+            B, H, T, D = tensor.shape
+            update = {"n_heads": int(H), "head_dim": int(D), "scale": 1.0 / math.sqrt(D), "dtype": dtype_name(tensor.dtype), **update}
+        if update:
+            g.attrs.update(update)
+        return g
+
+    # -- public API -----------------------------------------------------------------------
+    def write_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: Mapping[str, Any] | None = None) -> None:
+        """Store one tensor (already on the CPU) bit-exactly as step/layer/name.
+
+        q, k, v, o, do: (B, H, T, D), chunks (1, 1, T, D); x: (B, T, C), chunks (1, T, C).
+        layer_attrs (module, n_heads, head_dim, scale, causal, dtype) are set on first use of
+        the layer; missing ones are inferred (scale 1/sqrt(D), causal True).
+        """
+        if name not in TENSOR_NAMES:
+            raise ValueError(f"unknown tensor name {name!r}; expected one of {', '.join(TENSOR_NAMES)}")
+        want_dim = 4 if name in HEAD_TENSORS else 3
+        if tensor.dim() != want_dim:
+            raise ValueError(f"{name} must have {want_dim} dims ({'B, H, T, D' if want_dim == 4 else 'B, T, C'}), got shape {tuple(tensor.shape)}")
+        data, dname = encode(tensor)
+        chunks = (1, 1, *data.shape[2:]) if want_dim == 4 else (1, *data.shape[1:])
+        with self._lock:
+            self._check_open()
+            lg = self._layer_group(int(step), int(layer), tensor, name, layer_attrs)
+            arr = lg.create_array(
+                name,
+                shape=data.shape,
+                dtype=data.dtype,
+                chunks=chunks,
+                compressors=zarr.codecs.ZstdCodec(),
+                chunk_key_encoding=CHUNK_KEY_ENCODING,
+                attributes={"dtype": dname},
+                overwrite=True,
+            )
+            arr[...] = data
+            names = sorted(set(lg.attrs.get("arrays", [])) | {name}, key=TENSOR_NAMES.index)
+            lg.attrs["arrays"] = names
+
+    def complete_step(self, step: int, loss: float | None = None, **attrs: Any) -> None:
+        """Mark a step whole: its other attrs first, then `complete: True` in a last write."""
+        with self._lock:
+            self._check_open()
+            if int(step) not in self._steps and step_key(step) not in self._tree:
+                raise DumpError(f"nothing was written for step {step}; write its arrays before complete_step")
+            g = self._step_group(int(step))
+            extra = dict(attrs)
+            if loss is not None:
+                extra["loss"] = float(loss)
+            if extra:
+                g.attrs.update(extra)
+            g.attrs["complete"] = True  # last: a cut-off step never reads as complete
+
+    def append_timeline(self, step: int, **series: Any) -> None:
+        """Append one row (this step) to per-step series under timeline/.
+
+        Each value may be a scalar or an array (e.g. (L, H)); the stored series gets a leading
+        step axis. Series not given at this step get a NaN row; new series are back-filled with NaN.
+        """
+        with self._lock:
+            self._check_open()
+            tl = self._tree.require_group(TIMELINE_GROUP)
+            n_rows = tl["step"].shape[0] if "step" in tl else 0
+            rows = {"step": np.asarray([int(step)], dtype="int64")}
+            for key, value in series.items():
+                if key == "step":
+                    raise ValueError("'step' is the timeline's own axis; pass it as the first argument")
+                v = np.asarray(value.detach().cpu().float() if isinstance(value, torch.Tensor) else value, dtype="float64")
+                rows[key] = v[None]
+            for key in list(tl.array_keys()):
+                if key not in rows:
+                    arr = tl[key]
+                    rows[key] = np.full((1, *arr.shape[1:]), np.nan, dtype=arr.dtype)
+            for key, row in rows.items():
+                if key not in tl:
+                    arr = tl.create_array(key, shape=(0, *row.shape[1:]), dtype=row.dtype, chunks=(256, *row.shape[1:]), compressors=zarr.codecs.ZstdCodec())
+                    if n_rows:
+                        arr.append(np.full((n_rows, *row.shape[1:]), np.nan if row.dtype.kind == "f" else -1, dtype=row.dtype), axis=0)
+                tl[key].append(row, axis=0)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("DumpWriter is closed")
+
+    def __enter__(self) -> "DumpWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,77 @@
+"""Shared fixtures: the planted sample dump and a factory for small fresh dumps."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PLANTED_DUMP = REPO / "sample_dumps" / "planted.zarr"
+
+
+def build_dump(
+    path: Path,
+    *,
+    steps: Iterable[int] = (0, 1),
+    layers: Iterable[int] = (0,),
+    batch: int = 1,
+    heads: int = 2,
+    seq: int = 16,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    names: Sequence[str] = ("q", "k", "v", "o", "do", "x"),
+    incomplete: Iterable[int] = (),
+    causal: bool = True,
+    scale: float | None = None,
+    seed: int = 0,
+    run_attrs: dict | None = None,
+) -> Path:
+    """Write a small dump of random q, k, v, do, x (N(0, 1) in `dtype`) with o = the BF16 reference
+    output (fp32 softmax attention for other dtypes). Steps in `incomplete` are written but never
+    marked complete, as if the writer had been killed."""
+    from fa_forensics.dump import DumpWriter
+    from fa_forensics.planted import bf16_reference
+
+    g = torch.Generator().manual_seed(seed)
+    attrs = {"model": {"name": "test"}, "capture": {"source": "tests"}, "amp_dtype": str(dtype).removeprefix("torch.")}
+    attrs.update(run_attrs or {})
+    writer = DumpWriter(path, attrs)
+    alpha = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    incomplete = set(incomplete)
+    for s in sorted(set(steps) | incomplete):
+        for l in layers:
+            q, k, v, do = (torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype) for _ in range(4))  # (B, H, T, D)
+            x = torch.randn(batch, seq, heads * head_dim, generator=g).to(dtype)  # (B, T, C)
+            if dtype == torch.bfloat16:
+                o, _ = bf16_reference(q, k, v, causal=causal, scale=alpha)
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=alpha).to(dtype)
+            tensors = {"q": q, "k": k, "v": v, "o": o, "do": do, "x": x}
+            for n in names:
+                writer.write_array(s, l, n, tensors[n], layer_attrs={"module": f"blocks.{l}.attn", "causal": causal, "scale": alpha})
+        if s not in incomplete:
+            writer.complete_step(s, loss=1.0 + s)
+    writer.close()
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def planted_dump() -> Path:
+    """Path of sample_dumps/planted.zarr (made by `fa-forensics synth`, see docs/_parts/dump.md)."""
+    if not (PLANTED_DUMP / "zarr.json").is_file():
+        pytest.fail(f"{PLANTED_DUMP} is missing; regenerate it with the synth command in docs/_parts/dump.md")
+    return PLANTED_DUMP
+
+
+@pytest.fixture
+def make_dump(tmp_path):
+    """Factory: make_dump(name="d.zarr", **build_dump options) -> Path of a fresh small dump under tmp_path."""
+    counter = iter(range(10_000))
+
+    def _make(name: str | None = None, **kwargs) -> Path:
+        return build_dump(tmp_path / (name or f"dump{next(counter)}.zarr"), **kwargs)
+
+    return _make

@@ -1,0 +1,114 @@
+"""safetensors import / export: bit-exact round trips, metadata, clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from fa_forensics.dump import open_dump
+from fa_forensics.dump.safetensors_io import export_safetensors, import_safetensors
+from fa_forensics.errors import DumpError
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _tensors(seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for s in (7, 30):
+        for l in (0, 2):
+            for n in ("q", "k", "v", "o", "do"):
+                t[f"step{s}.layer{l}.{n}"] = torch.randn(2, 3, 8, 4, generator=g).to(torch.bfloat16)  # (B, H, T, D)
+            t[f"step{s}.layer{l}.x"] = torch.randn(2, 8, 12, generator=g).to(torch.bfloat16)  # (B, T, C)
+    t["step30.layer2.q"] = (torch.randn(2, 3, 8, 4, generator=g) * 50).to(torch.float8_e4m3fn)
+    t["step30.layer2.k"] = torch.randn(2, 3, 8, 4, generator=g).to(torch.float16)
+    return t
+
+
+def test_export_of_import_is_the_identity(tmp_path):
+    src = tmp_path / "in.safetensors"
+    tensors = _tensors()
+    save_file(tensors, src, metadata={"causal": "false", "scale": "0.3"})
+    res = import_safetensors(src, tmp_path / "d.zarr")
+    assert res.steps == [7, 30] and res.layers == [0, 2] and res.n_tensors == len(tensors)
+    d = open_dump(tmp_path / "d.zarr")
+    info = d.layer_info(30, 2)
+    assert info.causal is False and info.scale == 0.3 and info.dtype == "float8_e4m3fn"
+    assert _same(d.read(30, 2, "q"), tensors["step30.layer2.q"])
+    export_safetensors(tmp_path / "d.zarr", tmp_path / "out.safetensors")
+    back = load_file(tmp_path / "out.safetensors")
+    assert set(back) == set(tensors)
+    assert all(_same(back[n], tensors[n]) for n in tensors)
+    with safe_open(str(tmp_path / "out.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"causal": "false", "scale": "0.3"}
+
+
+def test_import_of_export_is_the_identity(make_dump, tmp_path):
+    path = make_dump(steps=(0, 3), layers=(0, 1), batch=2)
+    export_safetensors(path, tmp_path / "f.safetensors")
+    import_safetensors(tmp_path / "f.safetensors", tmp_path / "again.zarr")
+    a, b = open_dump(path), open_dump(tmp_path / "again.zarr")
+    assert a.steps == b.steps and a.layers() == b.layers()
+    for s, l, _ in a.select():
+        assert a.layer_info(s, l).arrays == b.layer_info(s, l).arrays
+        assert a.layer_info(s, l).scale == b.layer_info(s, l).scale
+        for n in a.layer_info(s, l).arrays:
+            assert _same(a.read(s, l, n), b.read(s, l, n))
+
+
+def test_defaults_are_causal_and_inverse_sqrt_d(tmp_path):
+    save_file({"step1.layer0.q": torch.zeros(1, 2, 4, 16)}, tmp_path / "f.safetensors")
+    import_safetensors(tmp_path / "f.safetensors", tmp_path / "d.zarr")
+    info = open_dump(tmp_path / "d.zarr").layer_info(1, 0)
+    assert info.causal is True and info.scale == 0.25
+
+
+def test_export_selection_and_refusals(make_dump, tmp_path):
+    path = make_dump(steps=(0, 1), layers=(0, 1))
+    res = export_safetensors(path, tmp_path / "one.safetensors", steps=1, layers=[0])
+    assert sorted(load_file(tmp_path / "one.safetensors")) == [f"step1.layer0.{n}" for n in sorted(("q", "k", "v", "o", "do", "x"))]
+    assert res.n_tensors == 6
+    with pytest.raises(DumpError, match="already exists; pass --overwrite"):
+        export_safetensors(path, tmp_path / "one.safetensors")
+    with pytest.raises(DumpError, match="step 12345 is not in"):
+        export_safetensors(path, tmp_path / "two.safetensors", steps=12345)
+    assert not (tmp_path / "two.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "tensors, metadata, match",
+    [
+        ({"layer0.q": torch.zeros(1, 1, 2, 2)}, None, r"does not match step\{S\}\.layer\{L\}\.\{q,k,v,o,do,x\}"),
+        ({"step1.layer0.w": torch.zeros(1, 1, 2, 2)}, None, "does not match"),
+        ({"step1.layer0.q": torch.zeros(1, 2, 2)}, None, "expected 4 dims"),
+        ({"step1.layer0.x": torch.zeros(1, 2, 2, 2)}, None, "expected 3 dims"),
+        ({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, {"causal": "yes"}, "causal='yes'"),
+        ({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, {"scale": "big"}, "scale='big' is not a number"),
+    ],
+)
+def test_bad_files_give_one_line_and_write_nothing(tmp_path, tensors, metadata, match):
+    save_file(tensors, tmp_path / "f.safetensors", metadata=metadata)
+    with pytest.raises(DumpError, match=match) as exc:
+        import_safetensors(tmp_path / "f.safetensors", tmp_path / "d.zarr")
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "d.zarr").exists() and [p.name for p in tmp_path.iterdir()] == ["f.safetensors"]
+
+
+def test_import_refuses_to_clobber(make_dump, tmp_path):
+    save_file({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, tmp_path / "f.safetensors")
+    path = make_dump()
+    with pytest.raises(DumpError, match="already exists; pass --overwrite"):
+        import_safetensors(tmp_path / "f.safetensors", path)
+    import_safetensors(tmp_path / "f.safetensors", path, overwrite=True)
+    assert open_dump(path).steps == [1]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("keep")
+    with pytest.raises(DumpError, match="not an fa-forensics dump"):
+        import_safetensors(tmp_path / "f.safetensors", tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes" / "a.txt").read_text() == "keep"
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
+    with pytest.raises(DumpError, match="not a readable safetensors file"):
+        import_safetensors(tmp_path / "junk.safetensors", tmp_path / "new.zarr")
