@@ -1,0 +1,71 @@
+"""Timeline: the training-time view of a monitored run (paper Fig. 2, 3, 11, 13).
+
+Turns the `timeline/` arrays of a dump into a `TimelineResult`: the loss per monitored step,
+the per-(layer, head) series, and the correlation between repeated-maximum counts and the
+loss (Fig. 13's leading-indicator claim) with a permutation-free Spearman test.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import numpy as np
+from scipy import stats as sps
+
+from fa_forensics.errors import DumpError
+from fa_forensics.monitor.stats import TIMELINE_METRICS
+
+
+@dataclass(frozen=True)
+class TimelineResult:
+    """Series over monitored steps. `series[metric]` is (S, L, H); NaN where not measured."""
+
+    steps: np.ndarray  # (S,)
+    loss: np.ndarray  # (S,)
+    series: Mapping[str, np.ndarray]
+    n_layers: int
+    n_heads: int
+    # Leading indicator: Spearman ρ between the total repeated-maximum count and the loss
+    ties_loss_spearman: Optional[float]
+    ties_loss_p_value: Optional[float]
+    # Which head has the largest final W_Q spectral norm (the paper's Fig. 3 picks head 8)
+    top_wq_head: Optional[tuple[int, int]]
+
+
+def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = "the dump") -> TimelineResult:
+    """Build the result from the arrays read by `read_timeline` (raises DumpError if none)."""
+    if not timeline or "step" not in timeline or len(timeline["step"]) == 0:
+        raise DumpError(f"{where} has no timeline; record one with `fa-forensics capture --monitor-every N ...`")
+    steps = np.asarray(timeline["step"])
+    loss = np.asarray(timeline.get("loss", np.full(len(steps), np.nan)), dtype=np.float64)
+    series = {m: np.asarray(timeline[m], dtype=np.float64) for m in TIMELINE_METRICS if m in timeline}
+    shape = next(iter(series.values())).shape if series else (len(steps), 0, 0)
+    ties = series.get("near_max_ties")
+    rho = p = None
+    if ties is not None and np.isfinite(loss).sum() >= 3:
+        total = np.nansum(ties, axis=(1, 2))
+        ok = np.isfinite(loss)
+        if np.ptp(total[ok]) > 0 and np.ptp(loss[ok]) > 0:
+            res = sps.spearmanr(total[ok], loss[ok])
+            rho, p = float(res.statistic), float(res.pvalue)
+    top = None
+    wq = series.get("wq_sigma")
+    if wq is not None and np.isfinite(wq[-1]).any():
+        flat = np.nanargmax(wq[-1])
+        top = tuple(int(i) for i in np.unravel_index(flat, wq.shape[1:]))
+    return TimelineResult(steps=steps, loss=loss, series=series, n_layers=shape[1], n_heads=shape[2],
+                          ties_loss_spearman=rho, ties_loss_p_value=p, top_wq_head=top)
+
+
+def timeline_json(result: TimelineResult) -> dict:
+    """The documented --json payload: steps[], loss[], series.<metric>[layer][head][step]."""
+    return {
+        "steps": result.steps.tolist(),
+        "loss": result.loss.tolist(),
+        "n_layers": result.n_layers,
+        "n_heads": result.n_heads,
+        "series": {m: np.transpose(a, (1, 2, 0)).tolist() for m, a in result.series.items()},
+        "ties_loss_spearman": result.ties_loss_spearman,
+        "ties_loss_p_value": result.ties_loss_p_value,
+        "top_wq_head": list(result.top_wq_head) if result.top_wq_head else None,
+    }

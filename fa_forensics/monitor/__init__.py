@@ -1,0 +1,10 @@
+"""Cheap per-step attention statistics for the training monitor (issue 6).
+
+- `stats.head_statistics(q, k, ...)`: max logit, repeated-maximum rows, extra P̄ == 1 entries,
+  mean top-1 probability per head, computed in row chunks (no whole T×T matrix).
+- `spectral.SpectralTracker`: warm-started power iteration for per-head ‖W_Q‖₂.
+- `alarm.AlarmRule`: robust z-score rule over a trailing window that flags a step/layer/head.
+"""
+from fa_forensics.monitor.alarm import Alarm, AlarmRule  # noqa: F401
+from fa_forensics.monitor.spectral import SpectralTracker, find_query_weights  # noqa: F401
+from fa_forensics.monitor.stats import HeadStats, head_statistics  # noqa: F401

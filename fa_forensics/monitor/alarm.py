@@ -1,0 +1,90 @@
+"""The early-warning rule of the training monitor.
+
+Rule (documented in the README): for each watched series — per (layer, head) the count of
+rows with a repeated maximum (`near_max_ties`) and the W_Q spectral norm (`wq_sigma`), and the
+loss — keep a trailing window of the last `window` monitored values. A new value raises an
+alarm when its robust z-score
+
+    z = (x − median(window)) / (1.4826 · MAD(window) + floor)
+
+exceeds `z_threshold` and it has moved by more than `min_change` (relative to the median for
+the spectral norm and the loss, absolute for tie counts), once at least `min_history` values
+are in the window. The floor keeps a perfectly flat history from turning noise into alarms.
+Only upward moves alarm: more tied maxima, a growing W_Q norm, a loss spike.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One alarm: which step, where (layer/head; None for the loss), which metric, how far out."""
+
+    step: int
+    metric: str
+    value: float
+    baseline: float
+    z: float
+    layer: Optional[int] = None
+    head: Optional[int] = None
+
+    def message(self) -> str:
+        where = "" if self.layer is None else f" layer {self.layer} head {self.head}"
+        return (f"fa-forensics alarm: step {self.step}{where}: {self.metric} = {self.value:.4g} "
+                f"(trailing median {self.baseline:.4g}, robust z = {self.z:.1f})")
+
+
+_RELATIVE = {"wq_sigma": True, "loss": True, "near_max_ties": False}
+
+
+@dataclass
+class AlarmRule:
+    """Robust z-score rule over a trailing window; call `observe` once per monitored step."""
+
+    window: int = 20
+    min_history: int = 8
+    z_threshold: float = 6.0
+    min_change: dict = field(default_factory=lambda: {"near_max_ties": 4.0, "wq_sigma": 0.05, "loss": 0.25})
+    _history: dict = field(default_factory=dict, repr=False)
+
+    def _check(self, key: tuple, metric: str, step: int, value: float, layer=None, head=None) -> Optional[Alarm]:
+        hist = self._history.setdefault(key, deque(maxlen=self.window))
+        alarm = None
+        if np.isfinite(value) and len(hist) >= self.min_history:
+            arr = np.asarray(hist, dtype=np.float64)
+            med = float(np.median(arr))
+            mad = float(np.median(np.abs(arr - med)))
+            floor = max(abs(med) * 1e-3, 1e-6) if _RELATIVE[metric] else 0.5
+            z = (value - med) / (1.4826 * mad + floor)
+            change = (value - med) / abs(med) if _RELATIVE[metric] and med != 0 else value - med
+            if z > self.z_threshold and change > self.min_change[metric]:
+                alarm = Alarm(step=step, metric=metric, value=float(value), baseline=med, z=float(z), layer=layer, head=head)
+        if np.isfinite(value):
+            hist.append(float(value))
+        return alarm
+
+    def observe(self, step: int, loss: Optional[float] = None, near_max_ties=None, wq_sigma=None) -> list[Alarm]:
+        """Feed one step's statistics; return the alarms it raises.
+
+        near_max_ties, wq_sigma: array-likes of shape (L, H) (NaN where unknown) or None.
+        """
+        alarms = []
+        if loss is not None:
+            a = self._check(("loss",), "loss", step, float(loss))
+            if a:
+                alarms.append(a)
+        for metric, table in (("near_max_ties", near_max_ties), ("wq_sigma", wq_sigma)):
+            if table is None:
+                continue
+            table = np.asarray(table, dtype=np.float64)
+            for layer in range(table.shape[0]):
+                for head in range(table.shape[1]):
+                    a = self._check((metric, layer, head), metric, step, table[layer, head], layer, head)
+                    if a:
+                        alarms.append(a)
+        return alarms

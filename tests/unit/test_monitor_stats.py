@@ -1,0 +1,87 @@
+"""Per-head monitor statistics against brute force on real numerics."""
+import numpy as np
+import pytest
+import torch
+
+from fa_forensics.monitor import AlarmRule, SpectralTracker, find_query_weights, head_statistics
+
+
+def _brute(q, k, scale, eps, causal=True):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale  # (B, H, T, T)
+    T = q.shape[2]
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -torch.inf)
+    r_m = s.amax(-1, keepdim=True)
+    ties = (((r_m - s) <= eps).sum(-1) > 1).sum((0, 2))
+    p_bar = torch.exp((s - r_m).float())
+    ones = (p_bar.bfloat16() == 1).sum(-1)
+    top1 = (1 / torch.exp(s - r_m).sum(-1)).mean((0, 2))
+    return s.amax((0, 2, 3)), ties, (ones - 1).clamp(min=0).sum((0, 2)), top1
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 512])
+def test_head_statistics_match_brute_force_on_planted_ties(chunk):
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 3, 96, 16
+    q = torch.randn(B, H, T, D, generator=g).bfloat16()
+    k = torch.randn(B, H, T, D, generator=g).bfloat16()
+    # head 1: keys 5 and 9 identical and queries aligned with them → exact repeated maxima
+    k[:, 1, 9] = k[:, 1, 5]
+    q[:, 1, 9:] = (4 * k[:, 1, 5]).unsqueeze(1)
+    scale = D ** -0.5
+    got = head_statistics(q, k, scale=scale, eps=1e-3, chunk=chunk)
+    max_logit, ties, p_one_extra, top1 = _brute(q, k, scale, 1e-3)
+    torch.testing.assert_close(got.max_logit, max_logit.float(), rtol=1e-6, atol=1e-5)
+    assert got.near_max_ties.tolist() == ties.tolist()
+    assert got.p_one_extra.tolist() == p_one_extra.tolist()
+    torch.testing.assert_close(got.top1_prob, top1.float(), rtol=1e-4, atol=1e-5)
+    # every row of head 1 from token 9 on has its maximum twice (keys 5 and 9)
+    assert got.near_max_ties[1] >= B * (T - 9)
+    assert got.near_max_ties[1] > 10 * max(int(got.near_max_ties[0]), int(got.near_max_ties[2]), 1)
+
+
+def test_spectral_tracker_converges_to_matrix_norm_with_warm_start():
+    torch.manual_seed(0)
+    C, H = 64, 4
+    attn = torch.nn.Module()
+    attn.c_attn = torch.nn.Linear(C, 3 * C, bias=False)  # nanoGPT layout
+    w_heads = find_query_weights(attn, n_heads=H)
+    assert w_heads.shape == (H, C // H, C)
+    exact = torch.linalg.matrix_norm(w_heads.float(), ord=2)
+    tracker = SpectralTracker(iterations=3)
+    for _ in range(15):  # steps with unchanged weights: warm start converges
+        sigma = tracker.sigma(0, w_heads)
+    torch.testing.assert_close(sigma, exact, rtol=1e-3, atol=0)
+
+
+def test_query_weights_of_hf_layouts():
+    C, H = 32, 4
+
+    class Conv1D(torch.nn.Module):  # HF GPT-2 stores (C, 3C) and computes x @ W
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(C, 3 * C))
+
+    gpt2 = torch.nn.Module()
+    gpt2.c_attn = Conv1D()
+    w = find_query_weights(gpt2, H)
+    torch.testing.assert_close(w.reshape(C, C), gpt2.c_attn.weight[:, :C].t())
+    llama = torch.nn.Module()
+    llama.q_proj = torch.nn.Linear(C, C, bias=False)
+    torch.testing.assert_close(find_query_weights(llama, H).reshape(C, C), llama.q_proj.weight)
+    assert find_query_weights(torch.nn.Module(), H) is None
+
+
+def test_alarm_fires_on_growing_ties_and_loss_spike_not_on_noise():
+    rule = AlarmRule(window=20, min_history=8)
+    rng = np.random.default_rng(0)
+    for step in range(40):  # noisy but stationary: no alarm
+        ties = rng.poisson(5, size=(2, 3))
+        assert rule.observe(step, loss=3 + 0.05 * rng.standard_normal(), near_max_ties=ties) == []
+    ties = rng.poisson(5, size=(2, 3))
+    ties[1, 2] = 60
+    alarms = rule.observe(40, loss=3.0, near_max_ties=ties)
+    assert [(a.metric, a.layer, a.head) for a in alarms] == [("near_max_ties", 1, 2)]
+    assert "step 40 layer 1 head 2" in alarms[0].message()
+    alarms = rule.observe(41, loss=9.0, near_max_ties=rng.poisson(5, size=(2, 3)))
+    assert [a.metric for a in alarms] == ["loss"]
