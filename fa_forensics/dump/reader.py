@@ -301,7 +301,13 @@ class Dump:
         if TIMELINE_GROUP not in set(self._tree.group_keys()):
             return None
         tl = self._tree[TIMELINE_GROUP]
-        return {k: np.asarray(tl[k][...]) for k in sorted(tl.array_keys())}
+        arrays = {k: tl[k] for k in sorted(tl.array_keys())}
+        if not arrays:
+            return None
+        # Rows are appended array by array: a run killed mid-append leaves one array a row
+        # longer. Keep only the rows every array holds, never a half-written row.
+        n = min(a.shape[0] for a in arrays.values())
+        return {k: np.asarray(a[:n]) for k, a in arrays.items()}
 
     def summary(self, step: int | None = None, layer: int | None = None) -> dict[str, Any]:
         """Everything `fa-forensics info --json` prints (keys documented in the README).
