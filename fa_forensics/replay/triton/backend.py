@@ -1,0 +1,110 @@
+"""replay(..., backend="triton"): run the Triton kernels under a ReplayConfig and build a ReplayOut.
+
+Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before
+triton is first imported; the tests do this). The kernels implement the emulator's numerics
+contract (replay/emulate/forward.py, backward.py) with these known differences:
+- exp(x) is evaluated as exp2(x·log2 e) (the tutorial's and the hardware's way): P may differ
+  from the emulator's torch.exp by an ulp of fp32 before the P̄ cast;
+- on a GPU, low-precision dots run on tensor cores (their accumulation is the `tensor-core`
+  model, not `ieee`); under the interpreter the test suite's compatibility layer makes every
+  dot the `ieee` sequential fp32 walk. `ReplayOut.accumulation` says which one ran;
+- stochastic rounding is not implemented in the kernels (use backend "emulate").
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from fa_forensics.errors import UserError
+from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding
+from fa_forensics.replay.out import PBarStats, ReplayOut
+
+_FP32 = Precision.FP32
+
+
+class TritonBackendError(UserError):
+    """The triton backend cannot run this replay here."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _device_for(q: torch.Tensor) -> torch.device:
+    if q.is_cuda:
+        return q.device
+    if interpreting():
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    raise TritonBackendError(
+        "replay: backend triton needs a CUDA GPU (none found) or TRITON_INTERPRET=1 set before triton is imported; use --backend emulate")
+
+
+def to_input(x: torch.Tensor, fmt: Precision, device: torch.device) -> torch.Tensor:
+    """x rounded once (nearest-even) to fmt, contiguous, on device. fp8 e4m3 saturates at ±448."""
+    from fa_forensics.replay.triton.launch import TORCH_DTYPES
+
+    if x.dtype == torch.float64:  # one rounding from fp64, not fp64 → fp32 → fmt
+        from fa_forensics.replay.emulate.run import to_input_dtype
+        from fa_forensics.replay.config import ReplayConfig as _Cfg
+
+        x = to_input_dtype(x, _Cfg(input_dtype=fmt))
+    x = x.to(device)
+    if fmt is Precision.FP8_E4M3:
+        x = x.float().clamp(-448.0, 448.0)
+    elif fmt is Precision.FP8_E5M2:
+        x = x.float().clamp(-57344.0, 57344.0)
+    return x.to(TORCH_DTYPES[fmt]).contiguous()
+
+
+def _stats(rows: torch.Tensor) -> PBarStats:
+    """Per-row kernel counters (B, H, T, 4) int32 → PBarStats of (B, H) int64."""
+    rows = rows.to("cpu", torch.int64)
+    B, H, T, _ = rows.shape
+    return PBarStats(
+        repeated_max_rows=(rows[..., 0] > 1).sum(-1),
+        p_one_count=rows[..., 1].sum(-1),
+        stabilized_rows=(rows[..., 2] > 0).sum(-1),
+        p_zeroed=rows[..., 3].sum(-1),
+        rows=torch.full((B, H), T, dtype=torch.int64),
+    )
+
+
+def _check_supported(config: ReplayConfig) -> None:
+    if config.rounding is Rounding.STOCHASTIC:
+        raise TritonBackendError("replay: backend triton implements nearest-even casts only; use --backend emulate for rounding=stochastic")
+
+
+def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
+                  do: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None) -> ReplayOut:
+    """The Triton twin of the emulator: same arguments, same ReplayOut (tensors on the CPU)."""
+    _check_supported(config)
+    from fa_forensics.replay.triton import launch  # imports triton: only now
+
+    device = _device_for(q)
+    B, H, T, D = q.shape
+    scale = float(scale) if scale is not None else D ** -0.5
+    qi, ki, vi = (to_input(x, config.input_dtype, device) for x in (q, k, v))  # (B, H, T, D)
+    plan = launch.plan_for(config, T, D)
+    o, lse, stats = launch.forward(qi, ki, vi, config, plan, causal=causal, scale=scale)
+    delta = dq = dk = dv = None
+    if do is not None:
+        doi = to_input(do, config.input_dtype, device)
+        if config.delta is DeltaSource.O_LOWP:
+            delta = launch.delta(qi, ki, vi, doi, o, lse, "o", plan, causal=causal, scale=scale)
+        elif config.delta is DeltaSource.O_HIGHP:
+            twin = config.with_(p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32, p_scale=1.0)
+            o_hp, _, _ = launch.forward(qi, ki, vi, twin, plan, causal=causal, scale=scale)
+            delta = launch.delta(qi, ki, vi, doi, o_hp, lse, "o", plan, causal=causal, scale=scale)
+        else:
+            delta = launch.delta(qi, ki, vi, doi, None, lse, config.delta.value, plan, causal=causal, scale=scale)
+        dq, dk, dv = launch.backward(qi, ki, vi, doi, lse, delta, config, plan, causal=causal, scale=scale)
+    low_dots = config.input_dtype is not _FP32 or config.p_dtype is not _FP32 or config.ds_dtype is not _FP32
+    accumulation = "tensor-core" if (device.type == "cuda" and low_dots) else "ieee"
+    cpu = (lambda t: None if t is None else t.cpu())
+    return ReplayOut(o=o.cpu(), lse=lse.cpu(), stats=_stats(stats), delta=cpu(delta), dq=cpu(dq), dk=cpu(dk), dv=cpu(dv),
+                     config=config, backend="triton", accumulation=accumulation)
