@@ -1,10 +1,74 @@
-"""`fa-forensics report`: Run every analysis with defaults and write one HTML page."""
+"""`fa-forensics report DUMP --out DIR`: every analysis with its defaults, assembled into DIR/index.html."""
 from __future__ import annotations
 
-import typer
+import time
+from pathlib import Path
+from typing import Annotated, Optional
 
-from fa_forensics.commands.common import register_not_available
+import typer
+from rich.table import Table
+
+from fa_forensics.commands.common import (
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, StepOpt,
+    console, ensure_out_dir, err_console, run_cli, write_json,
+)
+from fa_forensics.errors import UserError
+
+ReportOutOpt = Annotated[Optional[Path], typer.Option(
+    "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.", metavar="DIR")]
+
+
+def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, json_path) -> None:
+    from fa_forensics.analyses.selection import check_accumulation, check_backend
+    from fa_forensics.dump import open_dump
+    from fa_forensics.report.html import findings, write_report
+    from fa_forensics.report.run import ANALYSES, run_all
+
+    if out is None:
+        raise UserError("report needs --out DIR (where index.html and its figures go)")
+    check_accumulation(accumulation)
+    check_backend(backend)
+    dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
+    out = ensure_out_dir(out)
+    t0 = time.perf_counter()
+    done = []
+
+    def on_start(name: str) -> None:
+        done.append(name)
+        err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
+
+    sections = run_all(dump_path, out, step=step, layer=layer, head=head, accumulation=accumulation,
+                       backend=backend, on_start=on_start)
+    seconds = time.perf_counter() - t0
+    info = {"steps": len(dump.steps), "layers": len(dump.layers()), "accumulation": accumulation, "backend": backend}
+    index = write_report(out, str(dump_path), sections, info=info, seconds=seconds)
+
+    table = Table(title=f"report: {dump_path}")
+    for c in ("analysis", "exit", "seconds", "figures", "result"):
+        table.add_column(c)
+    for s in sections:
+        table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
+    console.print(table)
+    write_json(json_path, {
+        "index": str(index), "seconds": seconds, "findings": findings(sections),
+        "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
+                      "seconds": s.seconds, "json": s.data} for s in sections],
+    })
+    ok = sum(s.ok for s in sections)
+    console.print(f"[bold]verdict:[/] {ok} of {len(sections)} analyses reported; wrote {index}")
 
 
 def register(app: typer.Typer) -> None:
-    register_not_available(app, "report", "Run every analysis with defaults and write one HTML page.", "issue 5")
+    @app.command("report", help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
+    def report(
+        dump: DumpArg,
+        out: ReportOutOpt = None,
+        step: StepOpt = None,
+        layer: LayerOpt = None,
+        head: HeadOpt = None,
+        accumulation: AccumulationOpt = "ieee",
+        backend: BackendOpt = "emulate",
+        json_path: JsonOpt = None,
+        debug: DebugOpt = False,
+    ) -> None:
+        run_cli(debug, lambda: run(dump, out, step, layer, head, accumulation, backend, json_path))

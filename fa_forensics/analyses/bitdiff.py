@@ -1,0 +1,221 @@
+"""bitdiff, tensor mode: compare two O tensors bit by bit (mismatches, ULP distances, the bias map).
+
+The two sides are any of: the O stored in the dump, O replayed under preset A, O replayed under
+preset B. They may be held in different formats (e.g. bf16 and fp32): bits are compared in the
+COARSER of the two formats (fewer fraction bits), the finer side rounded to it nearest-even first,
+because that is what a store in the coarser format would hold. Signed errors (a − b) are taken on
+the unrounded values in fp64.
+
+The bias map is the mean signed error per (layer, head, feature) over every batch row and token
+of every selected step, with its standard error and a two-sided sign test. A feature is "biased"
+when its sign-test p-value is below 0.01 / (number of cells tested) (Bonferroni), so that a map of
+hundreds of cells does not report chance hits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP
+ALPHA = 0.01
+TOP_K = 10
+
+_DTYPE_FORMAT = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+_FRACTION_BITS = {"fp32": 23, "fp16": 10, "bf16": 7, "fp8_e4m3": 3, "fp8_e5m2": 2}
+
+
+def format_of(x: torch.Tensor) -> str:
+    """The numerics format name of a tensor's dtype (fp64 counts as fp32: analyses never store fp64)."""
+    if x.dtype == torch.float64:
+        return "fp32"
+    try:
+        return _DTYPE_FORMAT[x.dtype]
+    except KeyError:
+        raise ValueError(f"no float format for dtype {x.dtype}") from None
+
+
+def coarser(fmt_a: str, fmt_b: str) -> str:
+    """The format with fewer fraction bits (ties: the first)."""
+    return fmt_a if _FRACTION_BITS[fmt_a] <= _FRACTION_BITS[fmt_b] else fmt_b
+
+
+@dataclass(frozen=True)
+class LargestDiff:
+    """One of the largest |a − b| elements, with both sides' bit strings in their own formats."""
+
+    step: int
+    layer: int
+    head: int
+    batch: int
+    row: int
+    feature: int
+    a: float
+    b: float
+    diff: float
+    ulp: int  # signed ULP distance in the comparison format
+    a_bits: str
+    b_bits: str
+
+
+@dataclass(frozen=True)
+class BiasCell:
+    """Mean signed error a − b of one (layer, head, feature) over all rows, with its uncertainty."""
+
+    layer: int
+    head: int
+    feature: int
+    mean: float
+    se: float
+    p_value: float  # two-sided sign test
+    frac_positive: float
+    n: int
+
+
+@dataclass(frozen=True)
+class LayerStepDiff:
+    """Sufficient statistics of one layer-step's comparison (to be merged across steps)."""
+
+    step: int
+    layer: int
+    heads: list[int]
+    fmt: str
+    n: int  # elements compared
+    mismatches: int
+    ulp_counts: torch.Tensor  # (2·ULP_CLIP + 1,) int64 for distances −CLIP..CLIP (ends clipped)
+    s1: torch.Tensor  # (h, D) Σ (a − b)
+    s2: torch.Tensor  # (h, D) Σ (a − b)²
+    n_pos: torch.Tensor  # (h, D)
+    n_neg: torch.Tensor  # (h, D)
+    rows: int  # rows per cell (B·T)
+    largest: list[LargestDiff]
+
+
+@dataclass(frozen=True)
+class BitdiffResult:
+    """The comparison of side A against side B over the whole selection."""
+
+    a: str
+    b: str
+    fmt: str  # comparison format
+    n_elements: int
+    mismatch_rate: float
+    ulp_hist: dict  # {"bins": [labels], "counts": [ints]}; bins "<=-8", "-7", ..., "7", ">=8"
+    mean_signed_error: list[BiasCell]  # every (layer, head, feature) cell
+    biased_features: list[BiasCell]  # the significant ones, largest |mean| first
+    largest: list[LargestDiff]
+    alpha: float = ALPHA
+    n_cells: int = 0
+    steps: list[int] = field(default_factory=list)
+
+
+def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: int, heads: list[int],
+                       top_k: int = TOP_K) -> LayerStepDiff:
+    """Compare two (B, h, T, D) O tensors of one layer-step bit by bit."""
+    from fa_forensics.numerics import bit_string, round_to, ulp_distance
+
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    fa, fb = format_of(a), format_of(b)
+    fmt = coarser(fa, fb)
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)  # (B, h, T, D)
+    ar = round_to(a.to(torch.float32), fmt) if fa != fmt else a.to(torch.float32)
+    br = round_to(b.to(torch.float32), fmt) if fb != fmt else b.to(torch.float32)
+    ulp = ulp_distance(ar, br, fmt).to(torch.int64)  # (B, h, T, D) signed: a − b in ulps
+    nan = torch.isnan(a64) | torch.isnan(b64)
+    mismatch = int(((ar != br) & ~nan).sum() + nan.sum())
+    counts = torch.bincount((ulp.clamp(-ULP_CLIP, ULP_CLIP) + ULP_CLIP).reshape(-1), minlength=2 * ULP_CLIP + 1)
+
+    d = (a64 - b64).nan_to_num(0.0)  # (B, h, T, D)
+    B, h, T, D = d.shape
+    s1 = d.sum(dim=(0, 2))  # (h, D)
+    s2 = (d * d).sum(dim=(0, 2))
+    n_pos = (d > 0).sum(dim=(0, 2))
+    n_neg = (d < 0).sum(dim=(0, 2))
+
+    largest = []
+    k = min(top_k, d.numel())
+    if k:
+        idx = d.abs().reshape(-1).topk(k).indices.tolist()
+        for i in idx:
+            bi, hi, ti, fi = i // (h * T * D), (i // (T * D)) % h, (i // D) % T, i % D
+            if d[bi, hi, ti, fi] == 0:
+                continue
+            va, vb = float(a64[bi, hi, ti, fi]), float(b64[bi, hi, ti, fi])
+            largest.append(LargestDiff(step=step, layer=layer, head=heads[hi], batch=bi, row=ti, feature=fi,
+                                       a=va, b=vb, diff=va - vb, ulp=int(ulp[bi, hi, ti, fi]),
+                                       a_bits=bit_string(va, fa), b_bits=bit_string(vb, fb)))
+    return LayerStepDiff(step=step, layer=layer, heads=list(heads), fmt=fmt, n=d.numel(), mismatches=mismatch,
+                         ulp_counts=counts, s1=s1, s2=s2, n_pos=n_pos, n_neg=n_neg, rows=B * T, largest=largest)
+
+
+def ulp_bins() -> list[str]:
+    """Labels of the ULP histogram bins."""
+    return [f"<=-{ULP_CLIP}"] + [str(i) for i in range(-ULP_CLIP + 1, ULP_CLIP)] + [f">={ULP_CLIP}"]
+
+
+def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, alpha: float = ALPHA,
+              top_k: int = TOP_K) -> BitdiffResult:
+    """Merge per-layer-step statistics (pooling steps per (layer, head)) into the bias map."""
+    from scipy.stats import binomtest
+
+    if not parts:
+        raise ValueError("nothing to summarize")
+    pooled: dict[tuple[int, int], list] = {}
+    for p in parts:
+        for hi, head in enumerate(p.heads):
+            key = (p.layer, head)
+            acc = pooled.setdefault(key, [0, 0.0, 0.0, 0, 0])
+            acc[0] += p.rows
+            acc[1] = acc[1] + p.s1[hi]
+            acc[2] = acc[2] + p.s2[hi]
+            acc[3] = acc[3] + p.n_pos[hi]
+            acc[4] = acc[4] + p.n_neg[hi]
+    cells = []
+    for (layer, head), (n, s1, s2, npos, nneg) in sorted(pooled.items()):
+        mean = s1 / n  # (D,)
+        var = (s2 - n * mean * mean).clamp(min=0) / max(n - 1, 1)
+        se = (var / n).sqrt()
+        for f in range(mean.numel()):
+            k, m = int(npos[f]), int(npos[f] + nneg[f])
+            p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
+            cells.append(BiasCell(layer=layer, head=head, feature=f, mean=float(mean[f]), se=float(se[f]),
+                                  p_value=p, frac_positive=k / m if m else float("nan"), n=int(n)))
+    threshold = alpha / max(len(cells), 1)
+    biased = sorted((c for c in cells if c.p_value < threshold), key=lambda c: -abs(c.mean))
+    n_el = sum(p.n for p in parts)
+    counts = sum(p.ulp_counts for p in parts)
+    largest = sorted((d for p in parts for d in p.largest), key=lambda d: -abs(d.diff))[:top_k]
+    return BitdiffResult(
+        a=a_name, b=b_name, fmt=parts[0].fmt, n_elements=n_el,
+        mismatch_rate=sum(p.mismatches for p in parts) / n_el if n_el else float("nan"),
+        ulp_hist={"bins": ulp_bins(), "counts": [int(c) for c in counts]},
+        mean_signed_error=cells, biased_features=biased, largest=largest, alpha=alpha, n_cells=len(cells),
+        steps=sorted({p.step for p in parts}),
+    )
+
+
+def bias_map(result: BitdiffResult) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+    """(row labels (layer, head), mean (R, D), p-value (R, D)) for the bias-map figure."""
+    rows = sorted({(c.layer, c.head) for c in result.mean_signed_error})
+    D = 1 + max(c.feature for c in result.mean_signed_error)
+    index = {r: i for i, r in enumerate(rows)}
+    mean = torch.full((len(rows), D), math.nan, dtype=torch.float64)
+    pval = torch.ones((len(rows), D), dtype=torch.float64)
+    for c in result.mean_signed_error:
+        mean[index[(c.layer, c.head)], c.feature] = c.mean
+        pval[index[(c.layer, c.head)], c.feature] = c.p_value
+    return rows, mean, pval
+
+
+def side_config_name(name: str) -> Optional[str]:
+    """None for 'dump' (the stored O), else the preset name."""
+    return None if name == "dump" else name

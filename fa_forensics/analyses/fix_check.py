@@ -1,0 +1,265 @@
+"""fix-check: does the stabilized softmax (paper §4, Algorithm 3) remove the bias, and do the
+alternatives (App. C's fixed offset, stochastic rounding, P̄V in fp32)?
+
+Every variant is the paper's BF16 setting (`ReplayConfig()`, chosen accumulation) with one change,
+replayed forward only and compared with the fp32 replay of the same stored inputs:
+  - baseline:      no change;
+  - stabilized:    softmax = stabilized (β, ε): m = β·r_m (r_m > 0) or 0 (r_m < 0) in rows whose
+                   maximum is repeated (within ε), so max P̄ < 1 there;
+  - fixed-offset:  m = rowmax + offset in every row (App. C): the largest P̄ is e^(−offset), a
+                   constant that the bf16 cast rounds the same way every time (for offset 1:
+                   e^(−1) = 0.36788 → 0.36719, −0.19 %), so with same-sign V the bias comes back;
+  - stochastic:    stochastic rounding of the P̄ and O casts (the blog's fix);
+  - fp32-pv:       the P̄V product and its accumulator kept in fp32.
+
+The bias is measured where the baseline is most biased: the (layer, head, feature) cell with the
+largest |mean(O_lp − O_hp)| among the cells whose sign test passes Bonferroni at 0.01 (else the
+cell with the largest |z|). Each variant reports, in that cell, the mean O error ± se and its
+sign-test p-value, and in that head Σ_T(δ_v − δ_hp) ± se with δ = rowsum(dO ∘ O) (exactly the
+backward's δ for O_lp; no backward pass is run).
+
+Verdict rule (exit code of the command): the fix removes the bias (0) when the baseline bias is
+significant (p < 0.01), the fixed replay has no NaN, and either bias_reduction = |baseline bias| /
+|fixed bias| ≥ 10 or the fixed bias is not significant (p ≥ 0.01). No significant baseline bias:
+nothing to remove (0). Otherwise 1. An alternative is "still biased" when its bias in the target
+cell is significant (p < 0.01).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
+from fa_forensics.replay.config import Accumulation, ReplayConfig, Rounding, Softmax
+
+ALPHA = 0.01
+MIN_REDUCTION = 10.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One replay configuration of the fix check."""
+
+    name: str
+    role: str  # "baseline" | "fixed" | "alternative"
+    config: ReplayConfig
+    what: str  # one line for tables
+
+
+def fix_variants(accumulation: str = "ieee", beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0) -> list[Variant]:
+    """Baseline, the stabilized fix and the alternatives, in that order."""
+    base = ReplayConfig(accumulation=Accumulation(accumulation))
+    return [
+        Variant("baseline", "baseline", base, "paper BF16 setting"),
+        Variant("stabilized", "fixed", base.with_(softmax=Softmax.STABILIZED, beta=beta, eps=eps),
+                f"stabilized softmax β={beta:g}, ε={eps:g}"),
+        Variant("fixed-offset", "alternative", base.with_(softmax=Softmax.FIXED_OFFSET, offset=offset),
+                f"m = rowmax + {offset:g} (App. C)"),
+        Variant("stochastic", "alternative", base.with_(rounding=Rounding.STOCHASTIC), "stochastic rounding of P̄ and O casts"),
+        Variant("fp32-pv", "alternative", base.with_(pv_dtype="fp32"), "P̄V product and accumulator in fp32"),
+    ]
+
+
+@dataclass(frozen=True)
+class VariantLayerStep:
+    """What one variant gave on one layer-step (merged across steps by `summarize_fix`)."""
+
+    diff: LayerStepDiff  # O_v vs O_hp sufficient statistics
+    delta_err: Optional[torch.Tensor]  # (B, h, T) fp64 δ_v − δ_hp, None without dO
+    max_abs_err: float
+    nan_count: int
+    p_zeroed: int
+    p_one_count: int
+    stabilized_rows: int
+    repeated_max_rows: int
+    max_p_bar_repeated: float  # max P̄ in rows with a repeated maximum (nan when none)
+
+
+def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Tensor], stats, *, step: int, layer: int,
+                    heads: list[int], max_p_bar_repeated: float = math.nan) -> VariantLayerStep:
+    """Compare one variant's O (B, h, T, D) with the fp32 replay's; δ error from dO when given."""
+    v64, h64 = o_v.to(torch.float64), o_hp.to(torch.float64)
+    diff = compare_layer_step(o_v, o_hp, step=step, layer=layer, heads=heads, top_k=0)
+    delta_err = None
+    if do is not None:
+        delta_err = (do.to(torch.float64) * (v64 - h64)).sum(dim=-1)  # (B, h, T) δ_v − δ_hp
+    err = (v64 - h64).abs()
+    t = stats.total()
+    return VariantLayerStep(
+        diff=diff, delta_err=delta_err,
+        max_abs_err=float(err.nan_to_num(0.0).max()) if err.numel() else 0.0,
+        nan_count=int(torch.isnan(v64).sum()), p_zeroed=t["p_zeroed"], p_one_count=t["p_one_count"],
+        stabilized_rows=t["stabilized_rows"], repeated_max_rows=t["repeated_max_rows"],
+        max_p_bar_repeated=max_p_bar_repeated,
+    )
+
+
+def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """S = α·q·kᵀ (B, h, T, T) in fp32, correctly rounded from the exact products (fp64 sum); causal
+    positions masked with −inf. Exact ties (identical keys) stay exact ties."""
+    s = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)).to(torch.float32) * float(scale)  # (B, h, T, T)
+    s = s.to(torch.float32)
+    if causal:
+        T = s.shape[-1]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
+    """Max P̄ (after the P̄ cast) over rows whose maximum score is attained more than once.
+
+    Untiled formula of the paper on the scores s (B, h, T, T) from `scores_fp32`: r_m = rowmax S,
+    r_s = #{S ≥ r_m − ε}; the shift m per config.softmax (standard: r_m; stabilized: β·r_m if
+    r_m > 0 and r_s > 1, 0 if r_m < 0 and r_s > 1; fixed offset: r_m + offset); the row's largest
+    P̄ is cast(exp(r_m − m)). nan when no row has a repeated maximum.
+    """
+    from fa_forensics.numerics import round_to
+
+    r_m = s.amax(dim=-1)  # (B, h, T)
+    repeated = (s == r_m[..., None]).sum(dim=-1) > 1
+    if not bool(repeated.any()):
+        return math.nan
+    m = r_m.clone()
+    if config.softmax is Softmax.STABILIZED:
+        r_s = (r_m[..., None] - s <= config.eps).sum(dim=-1)
+        m = torch.where((r_m > 0) & (r_s > 1), config.beta * r_m, m)
+        m = torch.where((r_m < 0) & (r_s > 1), torch.zeros_like(m), m)
+    elif config.softmax is Softmax.FIXED_OFFSET:
+        m = r_m + config.offset
+    p_max = torch.exp((r_m - m)[repeated])  # (n,) fp32
+    fmt = config.p_dtype.value
+    p_max = p_max if fmt == "fp32" else round_to(p_max, fmt)
+    return float(p_max.max())
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """One variant's numbers over the whole selection."""
+
+    name: str
+    role: str
+    what: str
+    o_bias: float  # mean (O_v − O_hp) in the target cell
+    o_bias_se: float
+    o_bias_p: float  # sign test
+    delta_err_sum: Optional[float]  # Σ_T (δ_v − δ_hp) in the target head, all steps and batch rows
+    delta_err_se: Optional[float]
+    delta_p: Optional[float]
+    max_abs_err: float  # max |O_v − O_fp32| over the selection
+    nan_count: int
+    underflow: int  # P̄ entries > 0 zeroed by the cast
+    p_one_count: int
+    triggered_rows: int  # rows where the stabilized shift fired
+    repeated_max_rows: int
+    max_p_bar: float  # max P̄ in rows with a repeated maximum
+    still_biased: bool  # significant (p < 0.01) bias left in the target cell
+
+
+@dataclass(frozen=True)
+class FixCheckResult:
+    """The fix check's answer."""
+
+    target: dict  # {layer, head, feature}
+    baseline: VariantResult
+    fixed: VariantResult
+    alternatives: list[VariantResult]
+    bias_reduction: float  # |baseline o_bias| / |fixed o_bias| (inf when the fixed bias is 0)
+    max_p_bar: float
+    triggered_rows: int
+    nan_count: int
+    removed: bool
+    verdict: str
+    exit_code: int
+
+
+def pick_target(cells: list[BiasCell], alpha: float = ALPHA) -> BiasCell:
+    """The baseline's most biased cell (see the module docstring)."""
+    threshold = alpha / max(len(cells), 1)
+    significant = [c for c in cells if c.p_value < threshold]
+    if significant:
+        return max(significant, key=lambda c: abs(c.mean))
+    return max(cells, key=lambda c: abs(c.mean / c.se) if c.se > 0 else 0.0)
+
+
+def _variant_result(v: Variant, parts: list[VariantLayerStep], target: BiasCell) -> VariantResult:
+    from fa_forensics.analyses.stats import sign_test, sum_se
+
+    cells = summarize([p.diff for p in parts], v.name, "fp32").mean_signed_error
+    cell = next(c for c in cells if (c.layer, c.head, c.feature) == (target.layer, target.head, target.feature))
+    dsum = dse = dp = None
+    deltas = []
+    for p in parts:
+        if p.delta_err is not None and p.diff.layer == target.layer and target.head in p.diff.heads:
+            deltas.append(p.delta_err[:, p.diff.heads.index(target.head)].reshape(-1))
+    if deltas:
+        d = torch.cat(deltas)
+        s = sum_se(d)
+        dsum, dse, dp = s.value, s.se, sign_test(d).p_value
+    maxp = [p.max_p_bar_repeated for p in parts if not math.isnan(p.max_p_bar_repeated)]
+    return VariantResult(
+        name=v.name, role=v.role, what=v.what, o_bias=cell.mean, o_bias_se=cell.se, o_bias_p=cell.p_value,
+        delta_err_sum=dsum, delta_err_se=dse, delta_p=dp,
+        max_abs_err=max(p.max_abs_err for p in parts), nan_count=sum(p.nan_count for p in parts),
+        underflow=sum(p.p_zeroed for p in parts), p_one_count=sum(p.p_one_count for p in parts),
+        triggered_rows=sum(p.stabilized_rows for p in parts), repeated_max_rows=sum(p.repeated_max_rows for p in parts),
+        max_p_bar=max(maxp) if maxp else math.nan, still_biased=cell.p_value < ALPHA,
+    )
+
+
+def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerStep]]) -> FixCheckResult:
+    """Merge every variant's layer-steps, pick the target cell from the baseline, decide the verdict."""
+    base = next(v for v in variants if v.role == "baseline")
+    cells = summarize([p.diff for p in parts[base.name]], base.name, "fp32").mean_signed_error
+    target = pick_target(cells)
+    results = {v.name: _variant_result(v, parts[v.name], target) for v in variants}
+    baseline = results[base.name]
+    fixed = results[next(v.name for v in variants if v.role == "fixed")]
+    alternatives = [results[v.name] for v in variants if v.role == "alternative"]
+    reduction = abs(baseline.o_bias) / abs(fixed.o_bias) if fixed.o_bias != 0 else math.inf
+
+    where = f"layer {target.layer} head {target.head} feature {target.feature}"
+    numbers = (f"O bias {baseline.o_bias:+.3e} ± {baseline.o_bias_se:.1e} (p={baseline.o_bias_p:.2g}) → "
+               f"{fixed.o_bias:+.3e} ± {fixed.o_bias_se:.1e} (p={fixed.o_bias_p:.2g}), reduction {reduction:.1f}x")
+    still = [a.name for a in alternatives if a.still_biased]
+    tail = f"; still biased: {', '.join(still)}" if still else "; no alternative left a significant bias"
+    if fixed.nan_count:
+        removed, verdict = False, f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at {where}"
+    elif baseline.o_bias_p >= ALPHA:
+        removed, verdict = True, f"NO BIAS TO REMOVE: the baseline shows no significant O bias at {where} ({numbers})"
+    elif reduction >= MIN_REDUCTION or fixed.o_bias_p >= ALPHA:
+        removed, verdict = True, f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
+    else:
+        removed, verdict = False, f"FIX DOES NOT REMOVE THE BIAS at {where}: {numbers}{tail}"
+    return FixCheckResult(
+        target={"layer": target.layer, "head": target.head, "feature": target.feature},
+        baseline=baseline, fixed=fixed, alternatives=alternatives, bias_reduction=reduction,
+        max_p_bar=fixed.max_p_bar, triggered_rows=fixed.triggered_rows, nan_count=fixed.nan_count,
+        removed=removed, verdict=verdict, exit_code=0 if removed else 1,
+    )
+
+
+def fix_check_dump(dump, step=None, layer=None, head=None, *, beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0,
+                   accumulation: str = "ieee", backend: str = "emulate", on_progress=None) -> FixCheckResult:
+    """Run the fix check on every selected layer-step: one batched forward replay per variant plus
+    the fp32 replay; δ errors from the stored dO (when present)."""
+    from fa_forensics.analyses.selection import check_accumulation, check_backend, hp_config, load, replay_layer, select
+
+    check_accumulation(accumulation)
+    check_backend(backend)
+    variants = fix_variants(accumulation, beta, eps, offset)
+    parts: dict[str, list[VariantLayerStep]] = {v.name: [] for v in variants}
+    for sel in select(dump, step, layer, head):
+        t = load(dump, sel)
+        hp = replay_layer(t, hp_config(), backward=False, backend=backend)
+        s = scores_fp32(t.q, t.k, t.scale, t.causal)  # (B, h, T, T)
+        for v in variants:
+            out = replay_layer(t, v.config, backward=False, backend=backend)
+            maxp = max_p_bar_in_repeated_rows(s, v.config)
+            parts[v.name].append(measure_variant(out.o, hp.o, t.do, out.stats, step=sel.step, layer=sel.layer,
+                                                 heads=sel.heads, max_p_bar_repeated=maxp))
+            if on_progress is not None:
+                on_progress()
+    return summarize_fix(variants, parts)

@@ -1,0 +1,356 @@
+"""pv-trace: the error of one P̄V dot product, term by term, down to the bits (paper Eq. 4-5, Fig. 6).
+
+For a query row T and a feature i the paper compares (Eq. 4)
+
+    Ō_lp[T, i] − Ō_hp[T, i] = (P̄_lp[T, :] V[:, i])_lp − (P̄_hp[T, :] V[:, i])_hp
+
+where (·)_lp is the dot product accumulated in fp32 (under the chosen accumulation model) and
+rounded ONCE to the P̄V dtype (bf16 in the paper's setting), and (·)_hp is all fp32. Eq. 5 plots the
+same difference for every prefix t:
+
+    error(t) = round_pv(acc_lp(t)) − acc_hp(t),   acc(t) = the fp32 accumulator after terms 0..t.
+
+What "the error that entered at term t" means here (the definition this module uses): since the
+bf16 rounding happens once at the end, no rounding error is *carried* from term to term; instead
+error(t) is what a bf16 result would be off by if the sum stopped at t. The jump at t is
+error_step(t) = error(t) − error(t−1) (error(−1) = 0), so the jumps telescope exactly to the final
+error. Each jump splits into three parts that also sum exactly (up to fp64 round-off):
+  - cast:  (P̄_lp − P̄_hp)[t]·V[t]           the P̄ cast error of this term (0 when P̄ = 1 exactly);
+  - acc:   fp32 accumulation error of this term in the lp and hp accumulators (tiny);
+  - round: r(t) − r(t−1), r(t) = round_pv(acc_lp(t)) − acc_lp(t): the change of the final rounding
+           residual. A large same-sign term (P̄ = 1, the "two big" of the blog) moves the sum into a
+           coarser binade, so r jumps by up to half a bf16 ulp of the new sum: the paper's error steps.
+frac_error_from_p_one = Σ_{t: P̄_lp[t] = 1} error_step(t) / final_error.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ONE = 1.0
+
+
+@dataclass(frozen=True)
+class PVJump:
+    """The change of the Eq. 5 error at one term t (see the module docstring for the parts)."""
+
+    t: int
+    p_bar: float  # P̄_lp[T, t] after the P̄ cast
+    v: float  # V[t, i]
+    error_step: float  # error(t) − error(t−1)
+    direction: str  # rounding of round_pv(acc_lp(t)) vs acc_lp(t): "up" (away from 0) | "down" | "exact"
+    cast: float  # (P̄_lp − P̄_hp)[t]·V[t, i]
+    acc: float  # accumulation-error part
+    round: float  # change of the final-rounding residual
+
+
+@dataclass(frozen=True)
+class PVTrace:
+    """The Eq. 5 trace of one (row, feature) and its bit-level story."""
+
+    row: int
+    feature: int
+    accumulation: str
+    pv_format: str
+    p_bar_lp: torch.Tensor  # (K,) fp64: P̄ after the cast, K = keys the row attends to
+    p_bar_hp: torch.Tensor  # (K,) fp64: P̄ in fp32
+    v: torch.Tensor  # (K,) fp64: V[:, i]
+    lp_running: torch.Tensor  # (K,) fp64: round_pv(acc_lp(t))
+    hp_running: torch.Tensor  # (K,) fp64: acc_hp(t)
+    error: torch.Tensor  # (K,) fp64: Eq. 5
+    error_step: torch.Tensor  # (K,) fp64
+    final_error: float  # error(K−1) = Eq. 4
+    p_one_positions: list[int]
+    jumps: list[PVJump]  # every term whose error_step ≠ 0, in order of t
+    frac_error_from_p_one: float
+    largest_jump: Optional[PVJump]
+    explanation: object  # numerics.AddExplanation of the largest jump's addition, or None
+
+
+def _round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x rounded to `fmt` (nearest-even) as fp64; identity for fp32 values kept in fp32."""
+    from fa_forensics.numerics import round_to
+
+    if fmt == "fp32":
+        return x.to(torch.float32).to(torch.float64)
+    return round_to(x.to(torch.float32), fmt).to(torch.float64)
+
+
+def _direction(rounded: torch.Tensor, acc: torch.Tensor) -> list[str]:
+    """'up' when rounding moved away from zero, 'down' toward zero, 'exact' when unchanged."""
+    out = []
+    for r, a in zip(rounded.tolist(), acc.tolist()):
+        if r == a:
+            out.append("exact")
+        else:
+            out.append("up" if abs(r) > abs(a) else "down")
+    return out
+
+
+def trace_pv(
+    p_bar_lp: torch.Tensor,
+    p_bar_hp: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    row: int = 0,
+    feature: int = 0,
+    accumulation: str = "ieee",
+    gpu: str = "h100",
+    in_format: str = "bf16",
+    pv_format: str = "bf16",
+) -> PVTrace:
+    """Trace Eq. 5 along t for one dot product P̄[T, :]·V[:, i].
+
+    p_bar_lp: (K,) the P̄ row after its cast (exact values of `in_format`); p_bar_hp: (K,) the fp32
+    P̄ row; v: (K,) the V column (exact values of its storage format). The lp accumulator follows
+    numerics.dot_trace under `accumulation`; the hp accumulator is the fp32 ieee chain.
+    """
+    from fa_forensics.numerics import dot_trace
+
+    p_lp = p_bar_lp.detach().reshape(-1).to(torch.float64)  # (K,)
+    p_hp = p_bar_hp.detach().reshape(-1).to(torch.float64)  # (K,)
+    v64 = v.detach().reshape(-1).to(torch.float64)  # (K,)
+    K = p_lp.numel()
+    if K == 0:
+        raise ValueError("trace_pv needs at least one term")
+
+    acc_lp = dot_trace(p_lp.float(), v64.float(), accumulation, gpu=gpu, in_format=in_format).to(torch.float64)  # (K,)
+    acc_hp = dot_trace(p_hp.float(), v64.float(), "ieee", gpu=gpu, in_format="fp32").to(torch.float64)  # (K,)
+    lp_running = _round(acc_lp, pv_format)  # (K,)
+    error = lp_running - acc_hp  # (K,) Eq. 5
+    zero = torch.zeros(1, dtype=torch.float64)
+    error_step = torch.diff(error, prepend=zero)  # (K,)
+
+    # the three parts of each jump (they sum to error_step up to fp64 round-off)
+    cast = (p_lp - p_hp) * v64
+    acc_prev_lp = torch.cat([zero, acc_lp[:-1]])
+    acc_prev_hp = torch.cat([zero, acc_hp[:-1]])
+    acc_part = (acc_lp - acc_prev_lp - p_lp * v64) - (acc_hp - acc_prev_hp - p_hp * v64)
+    resid = lp_running - acc_lp
+    round_part = torch.diff(resid, prepend=zero)
+
+    directions = _direction(lp_running, acc_lp)
+    p_one = (p_lp == ONE).nonzero().reshape(-1).tolist()
+    final_error = float(error[-1])
+    from_p_one = float(error_step[p_one].sum()) if p_one else 0.0
+    frac = from_p_one / final_error if final_error != 0 else float("nan")
+
+    jumps = [
+        PVJump(t=t, p_bar=float(p_lp[t]), v=float(v64[t]), error_step=float(error_step[t]), direction=directions[t],
+               cast=float(cast[t]), acc=float(acc_part[t]), round=float(round_part[t]))
+        for t in error_step.nonzero().reshape(-1).tolist()
+    ]
+    largest = max(jumps, key=lambda j: abs(j.error_step)) if jumps else None
+    explanation = None
+    if largest is not None and largest.t > 0 and pv_format != "fp32":
+        a = float(acc_lp[largest.t - 1])  # the fp32 accumulator before the term
+        b = float(p_lp[largest.t] * v64[largest.t])  # the term (exact in fp32: product of two bf16)
+        explanation = _explain(a, b, pv_format)
+
+    return PVTrace(
+        row=row, feature=feature, accumulation=accumulation, pv_format=pv_format,
+        p_bar_lp=p_lp, p_bar_hp=p_hp, v=v64, lp_running=lp_running, hp_running=acc_hp,
+        error=error, error_step=error_step, final_error=final_error, p_one_positions=p_one,
+        jumps=jumps, frac_error_from_p_one=frac, largest_jump=largest, explanation=explanation,
+    )
+
+
+def _explain(a: float, b: float, into: str):
+    """numerics.explain_add(a, b) (None if the numerics package lacks it)."""
+    try:
+        from fa_forensics.numerics import explain_add
+    except ImportError:
+        return None
+    return explain_add(a, b, into=into, acc="fp32")
+
+
+def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p_format: str = "bf16",
+              accumulation: str = "ieee", gpu: str = "h100") -> tuple[torch.Tensor, torch.Tensor]:
+    """(P̄_lp, P̄_hp) of one query row under the standard untiled softmax of the paper's setting.
+
+    q_row: (D,), k: (T, D) stored values; only the first n_keys keys are visible (causal: T + 1).
+    S = α·(q·kᵀ) with the products accumulated by numerics.matmul in fp32, m = rowmax S,
+    P̄_hp = exp(S − m) in fp32 and P̄_lp = P̄_hp cast to p_format (nearest-even).
+    Returns two (n_keys,) fp32 tensors.
+    """
+    from fa_forensics.numerics import matmul, round_to
+
+    qf = q_row.to(torch.float32).reshape(1, -1)  # (1, D)
+    kf = k[:n_keys].to(torch.float32)  # (K, D)
+    s = matmul(qf, kf.T.contiguous(), accumulation, gpu=gpu, in_format="bf16").reshape(-1)  # (K,) fp32 q·k
+    s = (s.to(torch.float32) * float(scale)).to(torch.float32)  # (K,) α·q·k
+    p_hp = torch.exp(s - s.max())  # (K,) fp32
+    p_lp = p_hp if p_format == "fp32" else round_to(p_hp, p_format)
+    return p_lp, p_hp
+
+
+@dataclass(frozen=True)
+class BiasCell:
+    """The (batch, head, feature) whose mean O error is largest, and the row picked in it."""
+
+    batch: int
+    head_index: int  # index into the selected heads (dim 1)
+    feature: int
+    row: int
+    mean: float  # mean over rows of (O_lp − O_hp)[b, h, :, feature]
+    se: float
+    p_value: float  # sign test over rows
+    row_error: float  # (O_lp − O_hp)[b, h, row, feature]
+
+
+def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[int] = None,
+              candidates: Optional[torch.Tensor] = None) -> BiasCell:
+    """Default choice of pv-trace: the feature with the largest |mean O bias| (preferring cells whose
+    sign test gives p < 0.01) and, in it, the row with the largest error in the bias direction,
+    among the `candidates` rows when any of them lies in that (batch, head).
+
+    o_err: (B, H, T, D) O_lp − O_hp (any float dtype); candidates: (B, H, T) bool or None.
+    `feature` / `row` fix the choice when given.
+    """
+    from fa_forensics.analyses.stats import sign_test
+
+    e = o_err.to(torch.float64)
+    B, H, T, D = e.shape
+    mean = e.mean(dim=2)  # (B, H, D)
+    n_pos = (e > 0).sum(dim=2)
+    n_neg = (e < 0).sum(dim=2)
+    # cheap normal approximation of the sign test for ranking; exact binomtest for the chosen cell
+    n = (n_pos + n_neg).clamp(min=1).to(torch.float64)
+    z = (n_pos - n_neg).abs().to(torch.float64) / n.sqrt()
+    score = mean.abs().clone()
+    if feature is not None:
+        mask = torch.full_like(score, -1.0)
+        mask[..., feature] = score[..., feature]
+        score = mask
+    significant = z > 2.576  # ≈ p < 0.01
+    if feature is None and bool(significant.any()):
+        score = torch.where(significant, score, torch.full_like(score, -1.0))
+    flat = int(score.reshape(-1).argmax())
+    b, h, f = flat // (H * D), (flat // D) % H, flat % D
+    col = e[b, h, :, f]  # (T,)
+    m = float(mean[b, h, f])
+    if row is None:
+        score_row = col * (1.0 if m > 0 else -1.0) if m != 0 else col.abs()
+        if candidates is not None and bool(candidates[b, h].any()):
+            score_row = torch.where(candidates[b, h], score_row, torch.full_like(score_row, -math.inf))
+        row = int(score_row.argmax())
+    sd = float(col.std()) if T > 1 else float("nan")
+    return BiasCell(batch=b, head_index=h, feature=f, row=int(row), mean=m, se=sd / T ** 0.5,
+                    p_value=sign_test(col).p_value, row_error=float(col[row]))
+
+
+@dataclass(frozen=True)
+class PVTraceReport:
+    """pv-trace on a dump: where the traced element is and what its trace shows."""
+
+    step: int
+    layer: int
+    head: int
+    batch: int
+    cell: BiasCell  # the O bias of the traced feature (mean ± se, sign test) and the row's O error
+    trace: PVTrace
+    o_error_replay: float  # (O_lp − O_hp)[row, feature] from the full replays (normalized by ℓ)
+    l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
+    row_choice: str  # "given" | "repeated-max" (largest error among rows with a repeated maximum) | "largest-error"
+    bias_split: dict  # {"repeated_max": {mean, se, n}, "other": {mean, se, n}}: the feature's O bias by row kind
+
+
+def _cell_rank(cell: BiasCell) -> tuple:
+    return (cell.p_value < 0.01, abs(cell.mean))
+
+
+def pv_trace_dump(dump, step=None, layer=None, head=None, *, row: Optional[int] = None, feature: Optional[int] = None,
+                  accumulation: str = "ieee", backend: str = "emulate", on_progress=None) -> PVTraceReport:
+    """Pick (layer, head, feature) by the largest mean O bias pooled over every selected step (rows of
+    all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
+    batch, row) with the largest error in the bias direction, and trace it. One batched forward
+    replay per layer-step and precision."""
+    from fa_forensics.analyses.selection import check_accumulation, check_backend, load, lp_hp_pair, select
+    from fa_forensics.errors import UserError
+
+    check_accumulation(accumulation)
+    check_backend(backend)
+    sels = select(dump, step, layer, head)
+    pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D))]
+    for sel in sels:
+        t = load(dump, sel)
+        B, h, T, D = t.q.shape
+        if feature is not None and not 0 <= feature < D:
+            raise UserError(f"--feature {feature} is out of range at step {sel.step} layer {sel.layer}: features are 0..{D - 1}")
+        if row is not None and not 0 <= row < T:
+            raise UserError(f"--row {row} is out of range at step {sel.step} layer {sel.layer}: rows are 0..{T - 1}")
+        lp, hp = lp_hp_pair(t, accumulation, backend, backward=False)
+        rep = repeated_max_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T)
+        pooled.setdefault((sel.layer, tuple(sel.heads)), []).append(
+            (sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep))
+        if on_progress is not None:
+            on_progress()
+
+    best = None
+    for items in pooled.values():
+        # rows of every step and batch entry side by side: (1, h, N, D), N = Σ B·T
+        errs = torch.cat([e.permute(1, 0, 2, 3).reshape(e.shape[1], -1, e.shape[3]) for _, e, _, _ in items], dim=1)
+        reps = torch.cat([rp.permute(1, 0, 2).reshape(rp.shape[1], -1) for _, _, _, rp in items], dim=1)  # (h, N)
+        where = [(sel, b, r) for sel, e, _, _ in items for b in range(e.shape[0]) for r in range(e.shape[2])]
+        cell = pick_cell(errs[None], feature=feature, candidates=reps[None])
+        if row is not None:  # the given row: the worst (step, batch) entry at that row
+            sign = 1.0 if cell.mean > 0 else -1.0
+            cands = [i for i, (_, _, r) in enumerate(where) if r == row]
+            i = max(cands, key=lambda i: sign * float(errs[cell.head_index, i, cell.feature]))
+            cell = BiasCell(cell.batch, cell.head_index, cell.feature, i, cell.mean, cell.se, cell.p_value,
+                            float(errs[cell.head_index, i, cell.feature]))
+        if best is None or _cell_rank(cell) > _cell_rank(best[0]):
+            sel, b, r = where[cell.row]
+            col, rep = errs[cell.head_index, :, cell.feature], reps[cell.head_index]
+            choice = "given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error")
+            best = (cell, sel, b, r, items[0][2], choice, {"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
+    cell, sel, b, T_row, cfg, choice, split = best
+    t = load(dump, sel)
+    hi, f = cell.head_index, cell.feature
+    cell = BiasCell(batch=b, head_index=hi, feature=f, row=T_row, mean=cell.mean, se=cell.se, p_value=cell.p_value,
+                    row_error=cell.row_error)
+    n_keys = T_row + 1 if t.causal else t.q.shape[2]
+    p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value)
+    trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,
+                     gpu=cfg.gpu.value, in_format=cfg.p_dtype.value, pv_format=cfg.pv_dtype.value)
+    return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
+                         o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
+                         row_choice=choice, bias_split=split)
+
+
+def _mean_se(x: torch.Tensor) -> dict:
+    from fa_forensics.analyses.stats import mean_se, sign_test
+
+    m = mean_se(x)
+    return {"mean": m.value, "se": m.se, "n": m.n, "p_value": sign_test(x).p_value}
+
+
+def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """(B, h, T) bool: rows whose fp32 maximum score is attained more than once (exact ties)."""
+    from fa_forensics.analyses.fix_check import scores_fp32
+
+    s = scores_fp32(q, k, scale, causal)  # (B, h, T, T)
+    return (s == s.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1
+
+
+def report_payload(r: PVTraceReport) -> dict:
+    """The --json payload (keys documented in the README)."""
+    tr = r.trace
+    return {
+        "step": r.step, "layer": r.layer, "head": r.head, "batch": r.batch,
+        "row": tr.row, "feature": tr.feature, "accumulation": tr.accumulation, "pv_format": tr.pv_format,
+        "final_error": tr.final_error,
+        "o_error": r.o_error_replay,
+        "o_bias": {"mean": r.cell.mean, "se": r.cell.se, "p_value": r.cell.p_value},
+        "row_choice": r.row_choice,
+        "bias_split": r.bias_split,
+        "p_one_positions": tr.p_one_positions,
+        "jumps": [{"t": j.t, "p_bar": j.p_bar, "v": j.v, "error_step": j.error_step, "direction": j.direction,
+                   "cast": j.cast, "acc": j.acc, "round": j.round} for j in tr.jumps],
+        "frac_error_from_p_one": tr.frac_error_from_p_one,
+        "largest_jump": tr.largest_jump,
+        "explanation": tr.explanation,
+    }

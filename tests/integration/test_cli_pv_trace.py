@@ -1,0 +1,61 @@
+"""pv-trace on the planted sample dump: the error of the traced dot product enters at P̄ = 1 terms."""
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fa_forensics.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANTED = ROOT / "sample_dumps" / "planted.zarr"
+DEMO = ROOT / "sample_dumps" / "demo.zarr"
+
+
+def _truth():
+    from fa_forensics.dump import open_dump
+
+    return open_dump(PLANTED).ground_truth
+
+
+@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
+def test_planted_error_enters_at_p_one(tmp_path):
+    truth = _truth()
+    head = truth["planted_heads"][0]
+    out = tmp_path / "json"
+    res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--head", str(head),
+                                   "--out", str(tmp_path), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert d["feature"] == truth["planted_feature"]
+    assert d["row_choice"] == "repeated-max" and len(d["p_one_positions"]) >= 2
+    assert d["final_error"] < 0 and d["o_bias"]["mean"] < 0 and d["o_bias"]["p_value"] < 0.01
+    assert d["frac_error_from_p_one"] > 0.5
+    assert {j["t"] for j in d["jumps"]} >= {max(d["jumps"], key=lambda j: abs(j["error_step"]))["t"]}
+    big = max(d["jumps"], key=lambda j: abs(j["error_step"]))
+    assert big["t"] in d["p_one_positions"] and big["p_bar"] == 1.0
+    # the bias lives in the rows with a repeated maximum
+    split = d["bias_split"]
+    assert split["repeated_max"]["mean"] < 0 and split["repeated_max"]["p_value"] < 0.01
+    assert list(tmp_path.glob("pv_trace_*.png"))
+
+
+@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
+def test_bad_row_is_one_line_exit_2():
+    res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--head", "0", "--row", "99999"])
+    assert res.exit_code == 2 and "--row 99999" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr (real training) not built yet")
+def test_demo_dump_runs(tmp_path):
+    from fa_forensics.dump import open_dump
+
+    dump = open_dump(DEMO)
+    if not dump.steps:
+        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    step, layer = dump.steps[0], dump.layers()[0]
+    out = tmp_path / "d.json"
+    res = CliRunner().invoke(app, ["pv-trace", str(DEMO), "--step", str(step), "--layer", str(layer), "--head", "0", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert {"row", "feature", "final_error", "p_one_positions", "jumps", "frac_error_from_p_one"} <= set(d)

@@ -1,0 +1,38 @@
+"""report on the planted sample dump (one step, the planted head): index.html with findings and figures."""
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fa_forensics.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANTED = ROOT / "sample_dumps" / "planted.zarr"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
+def test_report_on_planted(tmp_path):
+    from fa_forensics.dump import open_dump
+
+    head = open_dump(PLANTED).ground_truth["planted_heads"][0]
+    out = tmp_path / "rep"
+    res = CliRunner().invoke(app, ["report", str(PLANTED), "--out", str(out), "--step", "1", "--head", str(head),
+                                   "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    page = (out / "index.html").read_text()
+    d = json.loads((tmp_path / "r.json").read_text())
+    names = [s["name"] for s in d["sections"]]
+    assert names[:6] == ["isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check"]
+    ok = {s["name"] for s in d["sections"] if s["ok"]}
+    assert {"pv-trace", "bitdiff", "fix-check"} <= ok
+    assert any("pv-trace:" in f for f in d["findings"]) and "<img src=" in page
+    for s in d["sections"]:
+        for fig in s["figures"]:
+            assert (out / fig).is_file()
+
+
+def test_report_needs_out():
+    res = CliRunner().invoke(app, ["report", str(PLANTED)])
+    assert res.exit_code == 2 and "--out" in res.output

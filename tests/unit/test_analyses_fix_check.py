@@ -1,0 +1,84 @@
+"""fix-check on a planted input (the paper's "two big, one small"): the stabilized softmax removes the
+bias, the fixed offset of App. C does not."""
+import math
+
+import pytest
+import torch
+
+from fa_forensics.analyses.fix_check import (
+    fix_variants, max_p_bar_in_repeated_rows, measure_variant, scores_fp32, summarize_fix,
+)
+from fa_forensics.replay import ReplayConfig, replay
+
+FEATURE = 3
+
+
+def planted(B=1, H=2, T=128, D=32, seed=0, r_m_spread=True):
+    """Rows whose maximum score is attained exactly twice (keys 2m and 2m+1 identical, score r_m in
+    [10, 16) varying per row, or 15 for every row with r_m_spread=False; the rest ≈ 0),
+    V[:, FEATURE] in [-2, -1) and dO[:, FEATURE] < 0. Returns bf16 q, k, v, do."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(B, H, T // 2, D, generator=g)
+    u = u / u.norm(dim=-1, keepdim=True)
+    k = u.repeat_interleave(2, dim=2) * 10.0  # (B, H, T, D)
+    m_of_row = (torch.arange(T) // 2 - 1).clamp(min=0)  # row T attends most to the previous pair
+    c = (1.0 + 0.6 * torch.rand(B, H, T, 1, generator=g)) if r_m_spread else torch.full((B, H, T, 1), 1.5)
+    q = u[:, :, m_of_row] * c * math.sqrt(D)
+    v = torch.randn(B, H, T, D, generator=g)
+    v[..., FEATURE] = -(1 + torch.rand(B, H, T, generator=g))
+    do = 0.1 * torch.randn(B, H, T, D, generator=g)
+    do[..., FEATURE] = -(0.5 + torch.rand(B, H, T, generator=g))
+    return [x.bfloat16() for x in (q, k, v, do)]
+
+
+def run_fix_check(**planted_kw):
+    q, k, v, do = planted(**planted_kw)
+    scale = 1 / math.sqrt(q.shape[-1])
+    hp = replay(q, k, v, ReplayConfig.preset("fp32"), causal=True, scale=scale)
+    s = scores_fp32(q, k, scale, True)
+    variants = fix_variants(beta=2.0, eps=1e-3, offset=1.0)
+    parts = {}
+    for var in variants:
+        out = replay(q, k, v, var.config, causal=True, scale=scale)
+        parts[var.name] = [measure_variant(out.o, hp.o, do, out.stats, step=0, layer=0, heads=[0, 1],
+                                           max_p_bar_repeated=max_p_bar_in_repeated_rows(s, var.config))]
+    return summarize_fix(variants, parts)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_fix_check()
+
+
+def test_stabilized_softmax_removes_the_planted_bias(result):
+    assert result.target["feature"] == FEATURE
+    b, f = result.baseline, result.fixed
+    assert b.o_bias < 0 and b.o_bias_p < 0.01  # rounded up in magnitude: O more negative
+    assert b.delta_err_sum > 0 and b.delta_p < 0.01  # δ_lp − δ_hp > 0 (dO < 0 there)
+    # at 128 rows per head the fixed bias is below its noise: not significant, several times smaller
+    assert result.removed and result.exit_code == 0 and f.o_bias_p >= 0.01 and result.bias_reduction > 2
+    assert result.triggered_rows == b.repeated_max_rows > 0
+    assert b.max_p_bar == 1.0 and result.max_p_bar < 1.0 and f.nan_count == 0
+    assert "REMOVES" in result.verdict
+
+
+def test_fixed_offset_is_still_biased_and_others_are_not(result):
+    alt = {a.name: a for a in result.alternatives}
+    assert alt["fixed-offset"].still_biased and alt["fixed-offset"].o_bias_p < 0.01
+    assert alt["fixed-offset"].max_p_bar == pytest.approx(0.3671875)  # e^-1 rounded down to bf16
+    assert not alt["stochastic"].still_biased
+    assert abs(alt["fp32-pv"].o_bias) < abs(result.baseline.o_bias) / 5
+
+
+def test_unremoved_bias_gives_exit_code_1(result):
+    # the baseline compared with itself as the "fix": nothing removed → exit code 1
+    variants = fix_variants()
+    variants[1] = variants[1].__class__("stabilized", "fixed", variants[0].config, "baseline again")
+    q, k, v, do = planted()
+    scale = 1 / math.sqrt(q.shape[-1])
+    hp = replay(q, k, v, ReplayConfig.preset("fp32"), causal=True, scale=scale)
+    out = replay(q, k, v, variants[0].config, causal=True, scale=scale)
+    part = [measure_variant(out.o, hp.o, do, out.stats, step=0, layer=0, heads=[0, 1])]
+    r = summarize_fix(variants, {v.name: part for v in variants})
+    assert not r.removed and r.exit_code == 1 and r.bias_reduction == pytest.approx(1.0)
+

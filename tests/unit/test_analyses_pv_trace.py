@@ -1,0 +1,82 @@
+"""pv-trace: Eq. 5 along t, its jumps and where they enter, on hand-built rows with a plain-torch reference."""
+import math
+
+import pytest
+import torch
+
+from fa_forensics.analyses.pv_trace import pick_cell, trace_pv
+
+
+def _bf16(xs):
+    return torch.tensor(xs, dtype=torch.float32).bfloat16().float()
+
+
+def _reference(p_lp, p_hp, v):
+    """Plain fp64 loop: fp32 accumulator with one rounding per term; lp = bf16 of it, hp = fp32 chain."""
+    acc_lp = acc_hp = 0.0
+    errors = []
+    for a, b, c in zip(p_lp.tolist(), p_hp.tolist(), v.tolist()):
+        acc_lp = float(torch.tensor(acc_lp + a * c, dtype=torch.float64).float())
+        prod_hp = float(torch.tensor(b, dtype=torch.float64) * torch.tensor(c, dtype=torch.float64))
+        acc_hp = float(torch.tensor(acc_hp + prod_hp, dtype=torch.float64).float())
+        lp = float(torch.tensor(acc_lp).bfloat16().double())
+        errors.append(lp - acc_hp)
+    return errors
+
+
+def _two_big_one_small():
+    """The paper's worked example as a row: P̄ = 1 at t = 0 and t = 6 with negative V (−2.40625,
+    −2.296875), small negative residue in between that sets the sticky bit."""
+    v = _bf16([-2.40625, -1.0, -1.5, -1.25, -1.75, -1.125, -2.296875, -1.0])
+    p_hp = torch.tensor([1.0, 1.3e-4, 1.1e-4, 1.7e-4, 1.9e-4, 1.2e-4, 1.0, 1.4e-4], dtype=torch.float32)
+    p_lp = p_hp.bfloat16().float()
+    return p_lp, p_hp, v
+
+
+def test_trace_matches_plain_reference_and_telescopes():
+    p_lp, p_hp, v = _two_big_one_small()
+    tr = trace_pv(p_lp, p_hp, v, row=7, feature=3)
+    ref = _reference(p_lp, p_hp, v)
+    assert tr.error.tolist() == pytest.approx(ref, abs=1e-12)
+    assert float(tr.error_step.sum()) == pytest.approx(tr.final_error, abs=1e-12)
+    parts = torch.tensor([[j.cast + j.acc + j.round, j.error_step] for j in tr.jumps], dtype=torch.float64)
+    assert torch.allclose(parts[:, 0], parts[:, 1], atol=1e-12)
+    assert (tr.row, tr.feature) == (7, 3)
+
+
+def test_error_enters_at_p_one_terms_rounded_up():
+    p_lp, p_hp, v = _two_big_one_small()
+    tr = trace_pv(p_lp, p_hp, v)
+    assert tr.p_one_positions == [0, 6]
+    assert tr.largest_jump.t == 6
+    assert tr.largest_jump.error_step < -0.01  # ≈ −0.0148: the paper's error of this addition
+    assert tr.largest_jump.direction == "up"  # more negative: away from zero
+    assert tr.final_error < 0
+    assert tr.frac_error_from_p_one > 0.9
+
+
+def test_no_error_when_pv_kept_in_fp32_and_p_exact():
+    v = _bf16([-1.5, -1.25, 0.75])
+    p = torch.tensor([1.0, 0.5, 0.25])
+    tr = trace_pv(p, p, v, pv_format="fp32")
+    assert tr.final_error == 0.0 and tr.jumps == [] and math.isnan(tr.frac_error_from_p_one)
+
+
+def test_tensor_core_trace_runs_and_telescopes():
+    p_lp, p_hp, v = _two_big_one_small()
+    tr = trace_pv(p_lp, p_hp, v, accumulation="tensor-core")
+    assert tr.accumulation == "tensor-core"
+    assert float(tr.error_step.sum()) == pytest.approx(tr.final_error, abs=1e-12)
+
+
+def test_pick_cell_finds_planted_feature_and_worst_row():
+    g = torch.Generator().manual_seed(0)
+    err = 1e-4 * torch.randn(2, 3, 200, 8, generator=g, dtype=torch.float64)
+    err[1, 2, :, 5] -= 3e-4  # planted negative bias
+    err[1, 2, 17, 5] = -5e-3  # the worst row in it
+    err[0, 0, 3, 1] = 1e-2  # a large error in an unbiased feature: must not be picked
+    cell = pick_cell(err)
+    assert (cell.batch, cell.head_index, cell.feature, cell.row) == (1, 2, 5, 17)
+    assert cell.mean < 0 and cell.p_value < 1e-6
+    fixed = pick_cell(err, feature=1, row=3)
+    assert (fixed.feature, fixed.row) == (1, 3)
