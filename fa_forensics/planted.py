@@ -3,8 +3,10 @@
 What is planted (paper §3.3.2 and the blog's "two big, one small" mechanism), in the chosen heads:
 - exact ties: in each planted row the maximum score is attained exactly K times. The K tied keys
   are identical bf16 vectors (one non-zero coordinate), so their fp32 scores are bit-identical and
-  P̄ = exp(S - m) = 1 exactly K times; every other score sits about `GAP` = 12 below the maximum,
-  so the residue Σ P̄·V of the rest is well below half a bf16 ulp of the tied sum;
+  P̄ = exp(S - m) = 1 exactly K times; every other score sits `GAP_RANGE` = 12 to 16 below the
+  maximum (drawn per row, as maxima vary in real training: a single shared maximum would make
+  the stabilized shift β·r_m act like App. C's fixed offset), so the residue Σ P̄·V of the rest
+  is well below half a bf16 ulp of the tied sum;
 - one V feature ("planted feature") that is negative for a fraction `v_skew` of the tokens, with
   magnitudes in [1, 2): two of them sum into [2, 4) (a carry), so half the tied sums sit exactly
   half-way between two bf16 values and the negative residue rounds them away from zero;
@@ -26,7 +28,7 @@ import torch
 
 from fa_forensics.errors import ConfigError
 
-GAP = 12.0  # score of the tied keys above the bulk of the others (natural-log units)
+GAP_RANGE = (12.0, 16.0)  # score of the tied keys above the bulk of the others, per row (natural-log units)
 ANCHOR_K = 4.0  # the one non-zero coordinate of a tied key
 SIGMA_K = 0.15  # other keys of a planted head: N(0, SIGMA_K²) per coordinate
 N_GROUPS = 8  # tie groups per (step, layer, batch, head)
@@ -101,7 +103,6 @@ def _planted_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
     """q, k (T, D) fp32 of one planted head, and its tie layout (groups, first tied row)."""
     T, D, K = spec.seq, spec.head_dim, spec.ties
     alpha = 1.0 / math.sqrt(D)
-    t_q = float(_bf16(torch.tensor(GAP / (alpha * ANCHOR_K))))  # q's anchor coordinate: α·t_q·ANCHOR_K ≈ GAP
     window = max(K * N_GROUPS, T // 4)
     positions = torch.randperm(window, generator=g)[: K * N_GROUPS].view(N_GROUPS, K).sort(dim=1).values
     positions = positions[positions[:, -1].argsort()]  # groups ordered by when they are complete
@@ -116,6 +117,9 @@ def _planted_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
     rows = torch.arange(first, T)
     n_ready = (ready[None, :] <= rows[:, None]).sum(dim=1)  # (rows,)
     choice = (torch.rand(len(rows), generator=g) * n_ready).long()
+    lo, hi = GAP_RANGE
+    gap = lo + (hi - lo) * torch.rand(len(rows), generator=g)  # (rows,) the row maximum r_m ≈ gap
+    t_q = _bf16(gap / (alpha * ANCHOR_K)).float()  # q's anchor coordinate: α·t_q·ANCHOR_K ≈ gap
     q[rows, dims[choice]] = t_q
     layout = {"groups": positions.tolist(), "first_tied_row": first, "n_tied_rows": int(T - first)}
     return q, k, layout
@@ -207,7 +211,7 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
         "sink_strength": spec.sink_strength,
         "sink_heads": [h for h in range(spec.heads) if h not in spec.planted_heads] if spec.sink_strength is not None else [],
         "sink_tokens": list(range(SINK_TOKENS)) if spec.sink_strength is not None else [],
-        "score_gap": GAP,
+        "score_gap_range": list(GAP_RANGE),
         "seed": spec.seed,
         "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(spec).items()},
         "ties_layout": {},
