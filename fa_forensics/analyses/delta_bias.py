@@ -1,0 +1,216 @@
+"""delta-bias: the sign of (δ_lp − δ_hp) and where it comes from (paper §3.3.1-3.3.2, Fig. 5).
+
+δ = rowsum(dO ∘ O), so per token (δ_lp − δ_hp)[T] = Σ_i dO[T,i]·(O_lp − O_hp)[T,i]: the O error of
+the low-precision forward weighted by the upstream gradient. Its sum over tokens is the coefficient
+of the common low-rank direction R in Eq. 3; a consistent sign across steps (Fig. 5a) is what makes
+the gradient error compound. Per feature i, Σ_T dO[T,i]·(O_lp − O_hp)[T,i] says which features carry
+it, and the sign agreement of dO and the O error shows the paper's mechanism (Fig. 5b/c: both
+negative in features 20 and 29). All arithmetic here is float64 on exactly upcast tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.stats import sign_test, sum_se
+from fa_forensics.errors import DumpError
+
+Progress = Optional[Callable[[str], None]]
+
+
+# ---- pure tensor functions ---------------------------------------------------------------------
+
+def delta_of(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """δ = rowsum(dO ∘ O) in float64.  (B, h, T, D) x2 -> (B, h, T)"""
+    return (as_f64(do) * as_f64(o)).sum(-1)
+
+
+def delta_error(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tensor) -> torch.Tensor:
+    """(δ_lp − δ_hp)[T] = Σ_i dO[T,i]·(O_lp − O_hp)[T,i] in float64.  -> (B, h, T)"""
+    return (as_f64(do) * (as_f64(o_lp) - as_f64(o_hp))).sum(-1)
+
+
+def feature_contributions(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tensor):
+    """Per head and feature: contribution Σ_{B,T} dO·(O_lp − O_hp), and sign-agreement counts.
+
+    Returns (contribution (h, D) float64, agree (h, D) int64, both_nonzero (h, D) int64): `agree`
+    counts tokens where dO and the O error have the same sign, among `both_nonzero` tokens.
+    """
+    do64 = as_f64(do)
+    err = as_f64(o_lp) - as_f64(o_hp)  # (B, h, T, D)
+    contribution = (do64 * err).sum(dim=(0, 2))  # (h, D)
+    s_do, s_err = torch.sign(do64), torch.sign(err)
+    both = (s_do != 0) & (s_err != 0)
+    agree = (both & (s_do == s_err)).sum(dim=(0, 2))
+    return contribution, agree, both.sum(dim=(0, 2))
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepHeadDelta:
+    """Σ_T(δ_lp − δ_hp) of one (step, layer, head), summed over the batch, with its sign test."""
+
+    step: int
+    layer: int
+    head: int
+    delta_err_sum: float
+    delta_err_se: float  # standard error of the sum (s·√n over tokens)
+    n_tokens: int
+    frac_positive: float
+    p_value: float  # two-sided sign test over tokens
+
+
+@dataclass(frozen=True)
+class FeatureContribution:
+    """One feature's share of Σ_T(δ_lp − δ_hp) in the focus head (summed over steps and batch)."""
+
+    feature: int
+    contribution: float  # Σ_T dO[T,i]·(O_lp − O_hp)[T,i]
+    sign_agreement: float  # fraction of tokens where sign(dO) == sign(O error), among both nonzero
+    share: float  # contribution / Σ_i contribution
+
+
+@dataclass(frozen=True)
+class TopToken:
+    """The token of the focus head with the largest (δ_lp − δ_hp) in the direction of the bias (Fig. 5b/c)."""
+
+    step: int
+    batch: int
+    token: int
+    delta_err: float
+    do: list[float]  # dO[T, :]  (D,)
+    o_err: list[float]  # (O_lp − O_hp)[T, :]  (D,)
+
+
+@dataclass(frozen=True)
+class DeltaBiasResult:
+    per_step: list[StepHeadDelta]
+    steps: list[int]
+    step_sums: list[float]  # Σ over the selected layers and heads of Σ_T(δ_lp − δ_hp), per step
+    cumulative: list[float]  # cumulative sum of step_sums across steps (Fig. 5a)
+    total: float
+    total_se: float
+    total_p_value: float  # sign test over every selected token
+    total_frac_positive: float
+    n_tokens: int
+    focus_layer: int
+    focus_head: int
+    cumulative_tokens: list[float]  # focus head, first step, batch 0: cumulative Σ over tokens T
+    top_features: list[FeatureContribution]  # focus head, largest |contribution| first
+    top_token: Optional[TopToken]
+    accumulation: str
+    backend: str
+
+
+# ---- per layer-step, then combined ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _LayerPart:
+    sel: LayerSelection
+    dd: torch.Tensor  # (B, h, T) δ_lp − δ_hp
+    contribution: torch.Tensor  # (h, D)
+    agree: torch.Tensor  # (h, D)
+    both: torch.Tensor  # (h, D)
+    do: torch.Tensor  # (B, h, T, D) float32, for the top-token panel
+    o_err: torch.Tensor  # (B, h, T, D) float32
+
+
+def _layer_part(t: LayerTensors, accumulation: str, backend: str) -> _LayerPart:
+    if t.do is None:
+        raise DumpError(f"{t.where}: the dump has no 'do' array; delta-bias needs the upstream gradient dO")
+    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False)
+    dd = delta_error(t.do, lp.o, hp.o)
+    contribution, agree, both = feature_contributions(t.do, lp.o, hp.o)
+    o_err = (lp.o.to(torch.float64) - hp.o.to(torch.float64)).to(torch.float32)
+    sel = LayerSelection(t.step, t.layer, list(t.heads))
+    return _LayerPart(sel, dd, contribution, agree, both, t.do.to(torch.float32), o_err)
+
+
+def delta_bias(
+    dump,
+    selections: Sequence[LayerSelection],
+    *,
+    accumulation: str = "ieee",
+    backend: str = "emulate",
+    top_k: int = 8,
+    progress: Progress = None,
+) -> DeltaBiasResult:
+    """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
+    and the features that carry it in the focus head (the one with the largest |Σ| over steps)."""
+    layers = (load(dump, sel) for sel in selections)
+    return delta_bias_layers(layers, accumulation=accumulation, backend=backend, top_k=top_k, progress=progress)
+
+
+def delta_bias_layers(
+    layers: Iterable[LayerTensors],
+    *,
+    accumulation: str = "ieee",
+    backend: str = "emulate",
+    top_k: int = 8,
+    progress: Progress = None,
+) -> DeltaBiasResult:
+    """`delta_bias` on layer-steps already loaded (or built in memory)."""
+    per_step: list[StepHeadDelta] = []
+    all_dd: list[torch.Tensor] = []
+    by_head: dict[tuple[int, int], dict] = {}
+    for t in layers:
+        part = _layer_part(t, accumulation, backend)
+        sel = part.sel
+        all_dd.append(part.dd.reshape(-1))
+        for j, h in enumerate(sel.heads):
+            dd_h = part.dd[:, j]  # (B, T)
+            s, st = sum_se(dd_h), sign_test(dd_h)
+            per_step.append(StepHeadDelta(sel.step, sel.layer, h, s.value, s.se, s.n, st.frac_positive, st.p_value))
+            acc = by_head.setdefault((sel.layer, h), {"sum": 0.0, "contribution": 0, "agree": 0, "both": 0, "tokens": []})
+            acc["sum"] += s.value
+            acc["contribution"] = acc["contribution"] + part.contribution[j]
+            acc["agree"] = acc["agree"] + part.agree[j]
+            acc["both"] = acc["both"] + part.both[j]
+            acc["tokens"].append((sel.step, dd_h, part.do[:, j], part.o_err[:, j]))
+        if progress:
+            progress(f"step {sel.step} layer {sel.layer}")
+        del part
+
+    steps = sorted({p.step for p in per_step})
+    step_sums = [sum(p.delta_err_sum for p in per_step if p.step == s) for s in steps]
+    cumulative = torch.tensor(step_sums, dtype=torch.float64).cumsum(0).tolist()
+    dd_all = torch.cat(all_dd)
+    total, total_st = sum_se(dd_all), sign_test(dd_all)
+
+    (focus_layer, focus_head), acc = max(by_head.items(), key=lambda kv: abs(kv[1]["sum"]))
+    contribution = acc["contribution"]  # (D,)
+    denom = float(contribution.sum())
+    agree_frac = acc["agree"].double() / acc["both"].clamp(min=1).double()
+    order = torch.argsort(contribution.abs(), descending=True)[:top_k]
+    top_features = [
+        FeatureContribution(int(i), float(contribution[i]), float(agree_frac[i]), float(contribution[i]) / denom if denom else float("nan"))
+        for i in order
+    ]
+    first_step, dd0, _, _ = acc["tokens"][0]
+    cumulative_tokens = dd0[0].cumsum(0).tolist()
+    top_token = _top_token(acc["tokens"], sign=1.0 if acc["sum"] >= 0 else -1.0)
+    return DeltaBiasResult(
+        per_step=per_step, steps=steps, step_sums=step_sums, cumulative=cumulative,
+        total=total.value, total_se=total.se, total_p_value=total_st.p_value,
+        total_frac_positive=total_st.frac_positive, n_tokens=total.n,
+        focus_layer=focus_layer, focus_head=focus_head, cumulative_tokens=cumulative_tokens,
+        top_features=top_features, top_token=top_token, accumulation=accumulation, backend=backend,
+    )
+
+
+def _top_token(tokens, sign: float) -> Optional[TopToken]:
+    best = None
+    for step, dd, do, o_err in tokens:  # dd (B, T); do, o_err (B, T, D)
+        flat = (sign * dd).reshape(-1)
+        i = int(torch.argmax(flat))
+        if best is None or float(flat[i]) > best[0]:
+            b, T = divmod(i, dd.shape[1])
+            best = (float(flat[i]), step, b, T, float(dd[b, T]), do[b, T].tolist(), o_err[b, T].tolist())
+    if best is None:
+        return None
+    _, step, b, T, value, do_row, err_row = best
+    return TopToken(step, b, T, value, do_row, err_row)

@@ -1,0 +1,266 @@
+"""rank1-sim: the similar rank-1 matrices behind the biased W_Q update (paper §3.3.1, Eq. 2-3, Fig. 4).
+
+Eq. 2: dW_Q,hp − dW_Q,lp = α Σ_T (δ_lp − δ_hp)[T] · (PK)[T]ᵀ X[T], a weighted sum of rank-1 matrices
+(D, C). When those matrices are alike across tokens and steps (Eq. 3: ≈ R) and the weights share a
+sign, the error adds up in one direction instead of cancelling. This module measures the pieces:
+the pairwise cosine similarity of the rank-1 matrices of the tokens with the largest |δ error|,
+the input features (columns of X) that dominate them, the spectrum of the summed gradient error
+(effective rank, share of the top singular value), the alignment of its top singular vectors across
+steps, and how its norm grows with the number of steps (exponent ≈ 1: compounds; ≈ 0.5: washes out).
+
+P here is the high-precision attention matrix softmax(α Q Kᵀ) (float64, causal mask as stored):
+the backward passes being compared differ only in δ (§3.2), so P, K and X are common to both.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from fa_forensics.analyses.delta_bias import delta_error
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.errors import DumpError
+
+Progress = Optional[Callable[[str], None]]
+
+
+# ---- pure tensor functions ---------------------------------------------------------------------
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """P = softmax(α Q Kᵀ) in float64 (causal: key t' > query t masked).  (B, h, T, D) -> (B, h, T, T)"""
+    s = scale * (as_f64(q) @ as_f64(k).transpose(-1, -2))  # (B, h, T, T)
+    if causal:
+        T = s.shape[-1]
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+def pk_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """PK, one batch element at a time to bound memory.  (B, h, T, D) -> (B, h, T, D) float64"""
+    return torch.cat([attention_probs(q[b : b + 1], k[b : b + 1], scale, causal) @ as_f64(k[b : b + 1]) for b in range(q.shape[0])])
+
+
+def gradient_error(dd: torch.Tensor, pk: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """E = α Σ_B Σ_T (δ_lp − δ_hp)[T] (PK)[T]ᵀ X[T] = dW_Q,hp − dW_Q,lp per head (Eq. 2).
+
+    dd (B, h, T), pk (B, h, T, D), x (B, T, C) -> (h, D, C) float64
+    """
+    return scale * torch.einsum("bht,bhtd,btc->hdc", as_f64(dd), as_f64(pk), as_f64(x))
+
+
+def rank1_cosines(pk_rows_: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+    """Pairwise cosine similarity of the rank-1 matrices u_jᵀ x_j (Frobenius inner product).
+
+    cos(u_iᵀx_i, u_jᵀx_j) = cos(u_i, u_j)·cos(x_i, x_j).  pk_rows_ (n, D), x_rows (n, C) -> (n, n)
+    """
+    u = torch.nn.functional.normalize(as_f64(pk_rows_), dim=-1)
+    w = torch.nn.functional.normalize(as_f64(x_rows), dim=-1)
+    return (u @ u.T) * (w @ w.T)
+
+
+def column_weights(x_rows: torch.Tensor) -> torch.Tensor:
+    """Mean share of each input feature c in the squared norm of the rank-1 matrices: X[T,c]² / ‖X[T]‖².
+
+    x_rows (n, C) -> (C,), sums to 1.
+    """
+    x64 = as_f64(x_rows)
+    return (x64**2 / (x64**2).sum(-1, keepdim=True).clamp(min=1e-300)).mean(0)
+
+
+def effective_rank(sv: torch.Tensor) -> float:
+    """exp(entropy of σ / Σσ) (Roy & Vetterli): 1 for rank one, n for n equal singular values."""
+    p = sv[sv > 0] / sv.sum()
+    return float(torch.exp(-(p * p.log()).sum())) if p.numel() else float("nan")
+
+
+def growth_exponent(norms: Sequence[float]) -> float:
+    """Least-squares slope of log ‖Σ_{s≤n} E_s‖ against log n, n = 1..S (nan for S < 3)."""
+    if len(norms) < 3 or min(norms) <= 0:
+        return float("nan")
+    x = torch.log(torch.arange(1, len(norms) + 1, dtype=torch.float64))
+    y = torch.log(torch.tensor(norms, dtype=torch.float64))
+    xc = x - x.mean()
+    return float((xc * (y - y.mean())).sum() / (xc * xc).sum())
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ColumnWeight:
+    feature: int
+    weight: float  # mean share of the rank-1 matrices' squared norm in this input feature
+
+
+@dataclass(frozen=True)
+class ChosenToken:
+    step: int
+    batch: int
+    token: int
+    delta_err: float
+
+
+@dataclass(frozen=True)
+class Rank1Result:
+    has_x: bool
+    focus_layer: int
+    focus_head: int
+    tokens: list[ChosenToken]  # the rank-1 matrices compared (largest |δ error| per step)
+    cosine: list[list[float]]  # (n, n) pairwise cosine similarity
+    cosine_offdiag_mean: float  # signed mean of the off-diagonal entries
+    pk_cosine_offdiag_mean: float  # the same for the PK rows alone (cos = cos_PK · cos_X)
+    x_cosine_offdiag_mean: float  # the same for the X rows alone (nan without X)
+    top_columns: list[ColumnWeight]  # largest first
+    n_columns: int  # C
+    singular_values: list[float]  # of E = Σ_steps α Σ_T (δ_lp − δ_hp)[T](PK)[T]ᵀX[T] (leading ones)
+    effective_rank: float
+    top_sv_ratio: float  # σ1² / Σσ²: share of the error's energy in its top direction
+    cross_step_alignment: float  # mean over step pairs of |cos u1|·|cos v1| (nan with one step)
+    steps: list[int]
+    step_norms: list[float]  # ‖E_s‖_F per step
+    cumulative_norms: list[float]  # ‖Σ_{s≤n} E_s‖_F
+    accumulation_exponent: float  # slope of log cumulative norm vs log n (nan with < 3 steps)
+    example_matrices: list[list[list[float]]]  # up to 2 rank-1 matrices (D, C) for the figure
+    accumulation: str
+    backend: str
+
+
+# ---- per layer-step, then combined ---------------------------------------------------------------
+
+def _layer_part(t: LayerTensors, accumulation: str, backend: str, k_tokens: int):
+    if t.do is None:
+        raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
+    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False)
+    dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
+    pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D)
+    E = gradient_error(dd, pk, t.x, t.scale) if t.x is not None else None  # (h, D, C)
+    chosen = []
+    for j in range(len(t.heads)):
+        flat = dd[:, j].abs().reshape(-1)
+        idx = torch.argsort(flat, descending=True)[:k_tokens]
+        rows = []
+        for i in idx.tolist():
+            b, T = divmod(i, dd.shape[2])
+            xr = t.x[b, T].to(torch.float64) if t.x is not None else None
+            rows.append((ChosenToken(t.step, b, T, float(dd[b, j, T])), pk[b, j, T].clone(), xr))
+        chosen.append(rows)
+    return dd, E, chosen
+
+
+def rank1_sim(
+    dump,
+    selections: Sequence[LayerSelection],
+    *,
+    accumulation: str = "ieee",
+    backend: str = "emulate",
+    tokens_per_step: int = 4,
+    progress: Progress = None,
+) -> Rank1Result:
+    """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
+    (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X)."""
+    layers = (load(dump, sel) for sel in selections)
+    return rank1_sim_layers(layers, accumulation=accumulation, backend=backend, tokens_per_step=tokens_per_step, progress=progress)
+
+
+def rank1_sim_layers(
+    layers: Iterable[LayerTensors],
+    *,
+    accumulation: str = "ieee",
+    backend: str = "emulate",
+    tokens_per_step: int = 4,
+    progress: Progress = None,
+) -> Rank1Result:
+    """`rank1_sim` on layer-steps already loaded (or built in memory)."""
+    per_head: dict[tuple[int, int], dict] = {}
+    has_x = True
+    for t in layers:
+        has_x = has_x and t.x is not None
+        dd, E, chosen = _layer_part(t, accumulation, backend, tokens_per_step)
+        for j, h in enumerate(t.heads):
+            acc = per_head.setdefault((t.layer, h), {"E": [], "steps": [], "dsum": 0.0, "chosen": []})
+            acc["steps"].append(t.step)
+            acc["dsum"] += float(dd[:, j].sum())
+            acc["chosen"].extend(chosen[j])
+            if E is not None:
+                acc["E"].append(E[j])
+        if progress:
+            progress(f"step {t.step} layer {t.layer}")
+
+    def score(acc):
+        if has_x and acc["E"]:
+            return float(torch.linalg.matrix_norm(torch.stack(acc["E"]).sum(0)))
+        return abs(acc["dsum"])
+
+    (focus_layer, focus_head), acc = max(per_head.items(), key=lambda kv: score(kv[1]))
+    toks = [c[0] for c in acc["chosen"]]
+    u_rows = torch.stack([c[1] for c in acc["chosen"]])  # (n, D)
+    if has_x:
+        x_rows = torch.stack([c[2] for c in acc["chosen"]])  # (n, C)
+        cos = rank1_cosines(u_rows, x_rows)
+    else:  # without X only the PK side can be compared
+        x_rows = None
+        un = torch.nn.functional.normalize(u_rows, dim=-1)
+        cos = un @ un.T
+    n = cos.shape[0]
+    cos_mean = _offdiag_mean(cos)
+    un = torch.nn.functional.normalize(u_rows, dim=-1)
+    pk_cos_mean = _offdiag_mean(un @ un.T)
+    x_cos_mean = float("nan")
+    if x_rows is not None:
+        xn = torch.nn.functional.normalize(x_rows, dim=-1)
+        x_cos_mean = _offdiag_mean(xn @ xn.T)
+
+    nan = float("nan")
+    top_columns: list[ColumnWeight] = []
+    sv_list: list[float] = []
+    eff = ratio = align = expo = nan
+    step_norms: list[float] = []
+    cum_norms: list[float] = []
+    examples: list = []
+    n_columns = 0
+    if has_x:
+        w = column_weights(x_rows)
+        n_columns = int(w.numel())
+        order = torch.argsort(w, descending=True)[:10]
+        top_columns = [ColumnWeight(int(c), float(w[c])) for c in order]
+        Es = acc["E"]  # list of (D, C), in step order
+        total = torch.stack(Es).sum(0)
+        sv = torch.linalg.svdvals(total)
+        sv_list = sv[:8].tolist()
+        eff = effective_rank(sv)
+        ratio = float(sv[0] ** 2 / (sv**2).sum()) if float(sv.sum()) > 0 else nan
+        align = _cross_step_alignment(Es)
+        step_norms = [float(torch.linalg.matrix_norm(E)) for E in Es]
+        cum_norms = [float(torch.linalg.matrix_norm(c)) for c in torch.stack(Es).cumsum(0)]
+        expo = growth_exponent(cum_norms)
+        examples = [torch.outer(u_rows[i], x_rows[i]).float().tolist() for i in range(min(2, n))]
+    return Rank1Result(
+        has_x=has_x, focus_layer=focus_layer, focus_head=focus_head, tokens=toks,
+        cosine=cos.tolist(), cosine_offdiag_mean=cos_mean,
+        pk_cosine_offdiag_mean=pk_cos_mean, x_cosine_offdiag_mean=x_cos_mean, top_columns=top_columns, n_columns=n_columns,
+        singular_values=sv_list, effective_rank=eff, top_sv_ratio=ratio, cross_step_alignment=align,
+        steps=list(acc["steps"]), step_norms=step_norms, cumulative_norms=cum_norms,
+        accumulation_exponent=expo, example_matrices=examples, accumulation=accumulation, backend=backend,
+    )
+
+
+def _offdiag_mean(m: torch.Tensor) -> float:
+    off = m[~torch.eye(m.shape[0], dtype=torch.bool)]
+    return float(off.mean()) if off.numel() else float("nan")
+
+
+def _cross_step_alignment(Es: Sequence[torch.Tensor]) -> float:
+    """Mean over pairs of steps of |⟨u1_s, u1_s'⟩|·|⟨v1_s, v1_s'⟩| (top singular vectors; 1 = same direction)."""
+    if len(Es) < 2:
+        return float("nan")
+    tops = []
+    for E in Es:
+        U, S, Vh = torch.linalg.svd(E, full_matrices=False)
+        tops.append((U[:, 0], Vh[0]))
+    vals = [
+        float(abs(tops[a][0] @ tops[b][0]) * abs(tops[a][1] @ tops[b][1]))
+        for a in range(len(tops)) for b in range(a + 1, len(tops))
+    ]
+    return sum(vals) / len(vals) if vals else math.nan

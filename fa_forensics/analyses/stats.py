@@ -1,0 +1,109 @@
+"""Shared uncertainty helpers: every number that claims a bias carries its uncertainty.
+
+A bias is reported as a signed mean ± standard error (`mean_se`), a signed sum ± its standard
+error (`sum_se`), and/or a two-sided sign test (`sign_test`, scipy.stats.binomtest on the
+counts of positive and negative values; exact zeros carry no sign and are left out). `MeanSE.p_value`
+is the matching one-sample t-test: it sees a bias carried by a few large values (e.g. rare round-ups
+of a carry) that the sign test, which only counts signs, can miss.
+All functions take any float tensor (or array-like) and treat it as one flat sample.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.stats import binomtest
+from scipy.stats import t as student_t
+
+
+@dataclass(frozen=True)
+class MeanSE:
+    """A signed mean (or sum) of n values with its standard error."""
+
+    value: float
+    se: float
+    n: int
+
+    @property
+    def z(self) -> float:
+        """value / se (nan when se is 0 or n < 2)."""
+        return self.value / self.se if self.se > 0 else float("nan")
+
+    @property
+    def p_value(self) -> float:
+        """Two-sided one-sample t-test p-value of H0 'the true mean is 0' (nan for n < 2)."""
+        if self.n < 2 or not self.se > 0:
+            return float("nan")
+        return float(2 * student_t.sf(abs(self.z), self.n - 1))
+
+    def __str__(self) -> str:
+        return format_pm(self.value, self.se)
+
+
+@dataclass(frozen=True)
+class SignTest:
+    """Two-sided sign test of H0 'positive and negative values are equally likely'."""
+
+    n_pos: int
+    n_neg: int
+    n_zero: int
+    frac_positive: float  # n_pos / (n_pos + n_neg); nan when every value is 0
+    p_value: float  # 1.0 when every value is 0
+
+
+def _flat64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(-1).to(torch.float64).cpu().numpy()
+    return np.asarray(x, dtype=np.float64).reshape(-1)
+
+
+def mean_se(x) -> MeanSE:
+    """Mean of the values and its standard error s/√n (se = nan for n < 2)."""
+    a = _flat64(x)
+    n = a.size
+    if n == 0:
+        return MeanSE(float("nan"), float("nan"), 0)
+    mean = float(a.mean())
+    se = float(a.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return MeanSE(mean, se, n)
+
+
+def sum_se(x) -> MeanSE:
+    """Sum of the values and its standard error s·√n (the se of a mean scaled by n)."""
+    m = mean_se(x)
+    return MeanSE(m.value * m.n, m.se * m.n, m.n) if m.n else MeanSE(0.0, float("nan"), 0)
+
+
+def rms(x) -> float:
+    """Root mean square of the values (0 for an empty sample)."""
+    a = _flat64(x)
+    return float(np.sqrt(np.mean(a * a))) if a.size else 0.0
+
+
+def sign_test(x) -> SignTest:
+    """Sign test on the values: counts of > 0 and < 0 and the two-sided binomial p-value."""
+    a = _flat64(x)
+    n_pos = int((a > 0).sum())
+    n_neg = int((a < 0).sum())
+    n_zero = int(a.size - n_pos - n_neg)
+    n = n_pos + n_neg
+    if n == 0:
+        return SignTest(0, 0, n_zero, float("nan"), 1.0)
+    p = float(binomtest(n_pos, n, 0.5, alternative="two-sided").pvalue)
+    return SignTest(n_pos, n_neg, n_zero, n_pos / n, p)
+
+
+def format_pm(value: float, se: float) -> str:
+    """'-1.23e-03 ± 4.0e-05' (the se with two significant digits)."""
+    if not math.isfinite(se):
+        return f"{value:+.3e}"
+    return f"{value:+.3e} ± {se:.1e}"
+
+
+def format_p(p: float) -> str:
+    """A p-value for a table: '< 1e-300' for 0, else 2 significant digits."""
+    if p == 0:
+        return "< 1e-300"
+    return f"{p:.2g}"

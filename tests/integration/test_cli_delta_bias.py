@@ -1,0 +1,49 @@
+"""`fa-forensics delta-bias` on the sample dumps: the planted positive δ bias and its feature."""
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fa_forensics.cli import app
+from fa_forensics.dump import open_dump
+
+DEMO = Path(__file__).resolve().parents[2] / "sample_dumps" / "demo.zarr"
+runner = CliRunner()
+
+
+def test_delta_bias_finds_planted_bias_and_feature(planted_dump, tmp_path):
+    truth = open_dump(planted_dump).ground_truth
+    res = runner.invoke(app, ["delta-bias", str(planted_dump), "--step", "0", "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = json.loads((tmp_path / "r.json").read_text())
+    planted = [p for p in r["per_step"] if p["head"] in truth["planted_heads"]]
+    assert planted and all(p["delta_err_sum"] > 0 and p["p_value"] < 0.01 for p in planted)
+    assert {"step", "layer", "head", "delta_err_sum", "frac_positive", "p_value"} <= r["per_step"][0].keys()
+    assert r["focus"]["head"] in truth["planted_heads"]
+    assert truth["planted_feature"] in [f["feature"] for f in r["top_features"][:3]]
+    top = r["top_features"][0]
+    assert {"feature", "contribution", "sign_agreement"} <= top.keys() and top["sign_agreement"] > 0.5
+    assert r["cumulative"] == pytest.approx(r["step_sums"])  # one step: cumulative = that step's sum
+    assert (tmp_path / "delta_bias_cumulative.png").is_file() and (tmp_path / "delta_bias_top_token.png").is_file()
+
+
+def test_delta_bias_cumulative_across_steps_of_planted_head(planted_dump, tmp_path):
+    d = open_dump(planted_dump)
+    head = d.ground_truth["planted_heads"][0]
+    res = runner.invoke(app, ["delta-bias", str(planted_dump), "--head", str(head), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["steps"] == d.steps and len(r["cumulative"]) == len(d.steps)
+    assert all(b > a for a, b in zip(r["cumulative"], r["cumulative"][1:]))  # Fig. 5a: grows every step
+    assert r["total"]["delta_err_sum"] > 0 and r["total"]["p_value"] < 0.01
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr has not been made yet")
+def test_delta_bias_runs_on_demo_dump(tmp_path):
+    d = open_dump(DEMO)
+    if not d.steps:
+        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    res = runner.invoke(app, ["delta-bias", str(DEMO), "--step", str(d.steps[0]), "--layer", str(d.layers(d.steps[0])[0]), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert "per_step" in json.loads((tmp_path / "r.json").read_text())

@@ -1,0 +1,62 @@
+"""`fa-forensics isolate` on the sample dumps (restricted to one step and head to stay fast)."""
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fa_forensics.cli import app
+from fa_forensics.dump import open_dump
+
+DEMO = Path(__file__).resolve().parents[2] / "sample_dumps" / "demo.zarr"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def planted_result(planted_dump, tmp_path_factory):
+    out = tmp_path_factory.mktemp("isolate")
+    head = open_dump(planted_dump).ground_truth["planted_heads"][0]
+    res = runner.invoke(app, ["isolate", str(planted_dump), "--step", "1", "--head", str(head),
+                              "--json", str(out / "r.json"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "r.json").read_text()), out, head
+
+
+def test_isolate_json_keys_and_claim1_culprits(planted_result):
+    r, out, head = planted_result
+    for v in r["variants"]:
+        assert {"name", "o_bias", "o_bias_se", "o_rmse", "delta_err_sum", "dq_err", "dwq_err"} <= v.keys()
+    assert {h["head"] for h in r["heads"]} == {head} and r["heads"][0]["delta_err_sum"] > 0
+    by = {v["name"]: v for v in r["variants"]}
+    assert by["baseline"]["delta_err_sum"] > 3 * by["baseline"]["delta_err_se"]
+    # Claim 1: δ computed from a high-precision O (or without O) removes the error; tiling does not
+    assert {"o-fp32", "delta-o-recomputed", "delta-dp-p"} <= set(r["culprits"])
+    assert "no-tiling" not in r["culprits"]
+    assert (out / "isolate_variants.png").stat().st_size > 10_000 and (out / "isolate_heads.png").is_file()
+
+
+@pytest.mark.xfail(strict=True, reason="planted.zarr plants every tied maximum at the same score (12) and ℓ ≈ 2: the "
+                   "stabilized P̄ cast then has one constant relative error (a bias of its own) and the O cast repeats "
+                   "the carry; see docs/_parts/analyses-a.md. Remove this mark when synth varies them.")
+def test_isolate_names_pv_precision_or_stabilized_softmax(planted_result):
+    r, _, _ = planted_result
+    assert {"pv-fp32", "stabilized"} & set(r["culprits"])
+
+
+def test_isolate_bad_options_are_one_line_errors(planted_dump):
+    res = runner.invoke(app, ["isolate", str(planted_dump), "--accumulation", "fma"])
+    assert res.exit_code == 2 and "--accumulation" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["isolate", str(planted_dump), "--step", "999"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr has not been made yet")
+def test_isolate_runs_on_demo_dump(tmp_path):
+    d = open_dump(DEMO)
+    if not d.steps:
+        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    res = runner.invoke(app, ["isolate", str(DEMO), "--step", str(d.steps[0]), "--layer", str(d.layers(d.steps[0])[0]),
+                              "--head", "0", "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert len(r["variants"]) == 8 and "verdict" in r

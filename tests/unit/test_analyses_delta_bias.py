@@ -1,0 +1,62 @@
+"""delta-bias on small in-memory layers: a planted biased head is found, a plain random head is not."""
+import pytest
+import torch
+
+from fa_forensics.analyses.delta_bias import delta_bias_layers, delta_error, feature_contributions
+from fa_forensics.analyses.selection import LayerTensors
+
+
+def planted_layer(step=0, T=128, D=16, C=32, seed=0, standout=(3, 7), layer=0):
+    """Two heads, non-causal. Head 0: each query row's maximum score is attained by two identical keys
+    (P̄ = 1 twice, 15 key pairs so the tie sums vary), every other score ~11 lower; feature 0 of V is
+    negative in [-2, -1) (two of them carry when added), dO negative there. Head 1: plain random.
+    X has stand-out input features `standout`."""
+    g = torch.Generator().manual_seed(seed)
+    B, h = 1, 2
+    q, k, v, do = (torch.randn(B, h, T, D, generator=g) for _ in range(4))
+    ncat = D - 1
+    cat = torch.arange(T) % ncat + 1  # which key pair is the maximum of each row
+    q[0, 0] = 0.0
+    q[0, 0, torch.arange(T), cat] = 8.0
+    k[0, 0] = 0.25 * torch.randn(T, D, generator=g)
+    for c in range(1, ncat + 1):
+        k[0, 0, 2 * c - 2 : 2 * c, c] = 6.0  # identical keys: bit-identical scores α·8·6 = 12
+    v[0, 0, :, 0] = -(1.0 + torch.rand(T, generator=g))
+    do[0, 0, :, 0] = -(0.5 + torch.rand(T, generator=g))
+    x = torch.randn(B, T, C, generator=g)
+    for c in standout:
+        x[..., c] += 12.0
+    bf = torch.bfloat16
+    return LayerTensors(step=step, layer=layer, heads=[0, 1], q=q.to(bf), k=k.to(bf), v=v.to(bf), o=None,
+                        do=do.to(bf), x=x.to(bf), scale=D**-0.5, causal=False)
+
+
+def test_delta_error_equals_difference_of_rowsums():
+    g = torch.Generator().manual_seed(1)
+    do, o1, o2 = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))
+    expected = (do.double() * (o1.double() - o2.double())).sum(-1)
+    torch.testing.assert_close(delta_error(do, o1, o2), expected)
+
+
+def test_feature_contributions_sum_to_delta_error_and_count_sign_agreement():
+    do = torch.tensor([[[[1.0, -2.0], [-1.0, 3.0]]]])  # (1, 1, 2, 2)
+    o_lp = torch.tensor([[[[0.5, 0.0], [0.0, 1.0]]]])
+    o_hp = torch.tensor([[[[0.0, 0.0], [1.0, 2.0]]]])  # errors: [[0.5, 0], [-1, -1]]
+    contribution, agree, both = feature_contributions(do, o_lp, o_hp)
+    torch.testing.assert_close(contribution, torch.tensor([[0.5 + 1.0, -3.0]], dtype=torch.float64))
+    assert agree.tolist() == [[2, 0]] and both.tolist() == [[2, 1]]
+    assert float(contribution.sum()) == pytest.approx(float(delta_error(do, o_lp, o_hp).sum()))
+
+
+def test_planted_head_has_positive_significant_delta_bias_carried_by_planted_feature():
+    r = delta_bias_layers([planted_layer(step=s, seed=s) for s in range(2)])
+    planted = [p for p in r.per_step if p.head == 0]
+    plain = [p for p in r.per_step if p.head == 1]
+    assert all(p.delta_err_sum > 0 and p.p_value < 0.01 for p in planted)
+    assert all(p.p_value > 0.01 for p in plain)
+    assert (r.focus_layer, r.focus_head) == (0, 0)
+    assert r.top_features[0].feature == 0 and r.top_features[0].sign_agreement > 0.6
+    assert r.steps == [0, 1] and r.cumulative[1] == pytest.approx(r.step_sums[0] + r.step_sums[1])
+    assert r.total > 0 and r.total_p_value < 0.01
+    assert r.top_token is not None and r.top_token.delta_err > 0 and len(r.top_token.do) == 16
+    assert r.top_token.do[0] < 0 and r.top_token.o_err[0] < 0  # Fig. 5b/c: same sign in the planted feature
