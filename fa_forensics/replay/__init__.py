@@ -1,4 +1,8 @@
-"""Replay of attention forward/backward under a ReplayConfig (emulator on CPU, Triton on GPU)."""
+"""Replay of attention forward/backward under a ReplayConfig (emulator on CPU, Triton on GPU).
+
+    from fa_forensics.replay import replay, ReplayConfig
+    out = replay(q, k, v, ReplayConfig.preset("bf16"), do=do)   # out.o, out.lse, out.stats, out.dq ...
+"""
 from fa_forensics.replay.config import (  # noqa: F401
     PRESETS,
     Accumulation,
@@ -11,3 +15,5 @@ from fa_forensics.replay.config import (  # noqa: F401
     Rounding,
     Softmax,
 )
+from fa_forensics.replay.out import PBarStats, ReplayOut  # noqa: F401
+from fa_forensics.replay.api import BackendUnavailable, replay  # noqa: F401

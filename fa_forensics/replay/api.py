@@ -1,0 +1,68 @@
+"""The one replay entry point: validate the arguments, resolve causal/scale, pick the backend.
+
+backend "emulate" is the CPU reference (fa_forensics.replay.emulate); backend "triton" is
+imported lazily from fa_forensics.replay.triton.backend so that this module never needs Triton.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from fa_forensics.errors import ConfigError, UserError
+from fa_forensics.replay.config import ReplayConfig
+from fa_forensics.replay.out import ReplayOut
+
+BACKENDS = ("emulate", "triton")
+
+
+class BackendUnavailable(UserError):
+    """The requested replay backend cannot run here (no Triton, no GPU, not built yet)."""
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: Optional[torch.Tensor], causal: bool) -> None:
+    named = {"q": q, "k": k, "v": v} | ({} if do is None else {"do": do})
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
+            what = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ConfigError(f"replay: {name} must be a floating (B, H, T, D) tensor, got {what}; pass q, k, v, do as (batch, heads, tokens, head_dim)")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ConfigError(f"replay: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; k and v must equal and share B, H, D with q")
+    if do is not None and do.shape != q.shape:
+        raise ConfigError(f"replay: do {tuple(do.shape)} must have the shape of q {tuple(q.shape)}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ConfigError(f"replay: causal attention needs as many queries as keys (q has {q.shape[-2]}, k has {k.shape[-2]}); pass causal=False")
+
+
+def resolve_causal_scale(config: ReplayConfig, head_dim: int, causal: Optional[bool], scale: Optional[float]) -> tuple[bool, float]:
+    """Explicit arguments override the config; defaults: causal, α = 1/sqrt(D)."""
+    causal = causal if causal is not None else (config.causal if config.causal is not None else True)
+    scale = scale if scale is not None else (config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim))
+    if not (math.isfinite(scale) and scale > 0):
+        raise ConfigError(f"replay: scale={scale!r} must be a positive finite number")
+    return bool(causal), float(scale)
+
+
+def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, do: Optional[torch.Tensor] = None,
+           *, backend: str = "emulate", causal: Optional[bool] = None, scale: Optional[float] = None) -> ReplayOut:
+    """Replay attention forward (and, with dO, backward) under `config` on `backend`.
+
+    q, k, v, do: (B, H, T, D) in any float dtype; their values are first rounded to
+    config.input_dtype. Returns ReplayOut (O in o_dtype, lse, P̄ stats, δ/dQ/dK/dV with dO).
+    """
+    if not isinstance(config, ReplayConfig):
+        raise ConfigError(f"replay: config must be a ReplayConfig, got {type(config).__name__}; use ReplayConfig.preset(name)")
+    if backend not in BACKENDS:
+        raise ConfigError(f"replay: unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    causal, scale = resolve_causal_scale(config, q.shape[-1], causal, scale)
+    _check_inputs(q, k, v, do, causal)
+    if backend == "emulate":
+        from fa_forensics.replay.emulate import emulate_replay
+
+        return emulate_replay(q, k, v, config, do, causal=causal, scale=scale)
+    try:
+        from fa_forensics.replay.triton.backend import replay_triton
+    except ImportError as exc:
+        raise BackendUnavailable(f"replay: the triton backend is not available here ({exc}); use --backend emulate") from None
+    return replay_triton(q, k, v, config, do, causal=causal, scale=scale)

@@ -1,0 +1,148 @@
+"""FlashAttention-2 forward pass with explicit rounding (the emulator's numerics contract).
+
+Inputs q, k, v (B, H, T, D) are fp32 tensors already holding values of config.input_dtype.
+Rows are independent, so all rows are processed together; the loop runs over KV blocks of
+block_n keys (None = one block), in forward or reverse order. Per block j, in this order:
+
+ 1. S = q kᵀ (mm, in_format = input_dtype) ; s = fp32(S · α)  ; causal: s[i, t] = -inf for t > i.
+    Rows that see no key of the block (all t > i) are skipped, as a kernel skips masked blocks
+    (this is exactly a no-op for them).
+ 2. m_new = shift rule (softmax.py: standard / stabilized Algorithm 3 / fixed offset);
+    m_use = m_new, or 0 where m_new = -inf (nothing visible yet) so that exp never sees -inf - -inf.
+ 3. alpha = exp(fp32(m_prev - m_use))          (0 on the first block, where m_prev = -inf)
+ 4. P̄ = exp(fp32(s - m_use))                   fp32, the pre-cast P̄
+ 5. ℓ = fp32(fp32(alpha · ℓ) + rowsum(P̄))     rowsum of the pre-cast, unscaled fp32 P̄, summed
+    exactly and rounded once (the kernel's tree order is not modelled)
+ 6. P scale S (if ≠ 1): exponent-offset: P̄_S = exp(fp32(fp32(s - m_use) + ln S));
+    multiply: P̄_S = fp32(P̄ · S)
+ 7. P̄_c = cast(P̄_S, p_dtype, rounding)        (fp8 e4m3 saturates at ±448)
+ 8. pv_dtype fp32 (hardware accumulator): acc = mm(P̄_c, V_j, acc=fp32(alpha · acc))
+    pv_dtype lower (autocast reference code): acc = cast(fp32(fp32(alpha · acc) + cast(mm(P̄_c, V_j))))
+    i.e. rounded after the block product and after the rescale-and-add; in_format = wider(p, input)
+Epilogue: O = cast(fp32(acc / fp32(S · ℓ)), o_dtype, rounding); lse = fp32(m_use + fp32(log ℓ)).
+
+`rounding` (nearest-even or seeded stochastic) governs the P̄ cast, the P̄V casts and the O cast.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fa_forensics.replay.config import KVOrder, Precision, PScaleMode, ReplayConfig
+from fa_forensics.replay.emulate.ops import cast, mm, wider
+from fa_forensics.replay.emulate.softmax import block_shift
+from fa_forensics.replay.out import PBarStats
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Forward results: O (fp32 holding o_dtype values), lse and the P̄ statistics."""
+
+    o: torch.Tensor  # (B, H, T, D) fp32 values of o_dtype
+    lse: torch.Tensor  # (B, H, T) fp32
+    stats: PBarStats
+
+
+def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder) -> list[tuple[int, int]]:
+    """[start, stop) of each KV block in the order the kernel visits them."""
+    size = block_n or n_keys
+    blocks = [(j0, min(j0 + size, n_keys)) for j0 in range(0, n_keys, size)]
+    return blocks[::-1] if order is KVOrder.REVERSE else blocks
+
+
+def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
+                  causal: bool, row0: int, col0: int) -> torch.Tensor:
+    """s = fp32(α · q kᵀ) with the causal mask (-inf); q rows start at row0, k rows at col0."""
+    S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)  # (B, H, R, N)
+    s = S * torch.tensor(scale, dtype=torch.float32)
+    if causal:
+        rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
+        cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
+        s = s.masked_fill(cols > rows, _NEG_INF)
+    return s
+
+
+class _RowMaxTracker:
+    """Running fp32 row maximum of s over all blocks and how many times it is attained."""
+
+    def __init__(self, shape: torch.Size):
+        self.max = torch.full(shape, _NEG_INF)  # (B, H, T)
+        self.count = torch.zeros(shape, dtype=torch.int64)
+
+    def update(self, s: torch.Tensor, row0: int) -> None:
+        b_max = s.amax(dim=-1)  # (B, H, R)
+        b_count = (s == b_max.unsqueeze(-1)).sum(dim=-1)
+        b_count = torch.where(torch.isinf(b_max) & (b_max < 0), torch.zeros_like(b_count), b_count)
+        old_max, old_count = self.max[..., row0:], self.count[..., row0:]
+        new_count = torch.where(b_max > old_max, b_count, torch.where(b_max == old_max, old_count + b_count, old_count))
+        self.count[..., row0:] = new_count
+        self.max[..., row0:] = torch.maximum(old_max, b_max)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *,
+            causal: bool, scale: float, generator: Optional[torch.Generator]) -> Forward:
+    """Run the FA2 forward of the module docstring; q, k, v (B, H, T, D) fp32 input_dtype values."""
+    B, H, T, D = q.shape
+    n_keys = k.shape[-2]
+    S_scale = float(config.p_scale)
+    ln_S = torch.tensor(math.log(S_scale), dtype=torch.float32)
+    S_t = torch.tensor(S_scale, dtype=torch.float32)
+    pv_format = wider(config.p_dtype, config.input_dtype)
+
+    m = torch.full((B, H, T), _NEG_INF)  # running shift m_i
+    l = torch.zeros((B, H, T))  # running ℓ_i
+    acc = torch.zeros((B, H, T, D))  # running unnormalized O (pv_dtype values)
+    tracker = _RowMaxTracker(m.shape)
+    p_one = torch.zeros((B, H), dtype=torch.int64)
+    p_zeroed = torch.zeros((B, H), dtype=torch.int64)
+    fired_any = torch.zeros((B, H, T), dtype=torch.bool)
+
+    for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
+        r0 = j0 if causal else 0  # rows before j0 see nothing of this block
+        if r0 >= T:
+            continue
+        s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, r0, j0)  # (B, H, R, N)
+        tracker.update(s, r0)
+        m_prev = m[..., r0:]
+        shift = block_shift(m_prev, s, config)
+        fired_any[..., r0:] |= shift.fired
+        m_use = torch.where(torch.isneginf(shift.m), torch.zeros_like(shift.m), shift.m)  # (B, H, R)
+        alpha = torch.exp(m_prev - m_use).unsqueeze(-1)  # (B, H, R, 1)
+        s_minus_m = s - m_use.unsqueeze(-1)  # (B, H, R, N)
+        p = torch.exp(s_minus_m)  # pre-cast fp32 P̄
+        l[..., r0:] = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
+        if S_scale == 1.0:
+            p_scaled = p
+        elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
+            p_scaled = torch.exp(s_minus_m + ln_S)
+        else:
+            p_scaled = p * S_t
+        p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
+        p_one += (p_bar == S_t).sum(dim=(-1, -2))
+        p_zeroed += ((p_scaled > 0) & (p_bar == 0)).sum(dim=(-1, -2))
+        acc_scaled = alpha * acc[..., r0:, :]  # (B, H, R, D)
+        v_j = v[..., j0:j1, :]
+        if config.pv_dtype is Precision.FP32:
+            acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled)
+        else:
+            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format), config.pv_dtype, config.rounding, generator)
+            acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
+        m[..., r0:] = shift.m
+
+    m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    o32 = acc / (S_t * l).unsqueeze(-1)
+    o = cast(o32, config.o_dtype, config.rounding, generator)
+    lse = m_use + torch.log(l)
+    stats = PBarStats(
+        repeated_max_rows=(tracker.count > 1).sum(dim=-1),
+        p_one_count=p_one,
+        stabilized_rows=fired_any.sum(dim=-1),
+        p_zeroed=p_zeroed,
+        rows=torch.full((B, H), T, dtype=torch.int64),
+    )
+    return Forward(o=o, lse=lse, stats=stats)
