@@ -32,6 +32,12 @@ GAP_RANGE = (12.0, 16.0)  # score of the tied keys above the bulk of the others,
 ANCHOR_K = 4.0  # the one non-zero coordinate of a tied key
 SIGMA_K = 0.15  # other keys of a planted head: N(0, SIGMA_K²) per coordinate
 N_GROUPS = 8  # tie groups per (step, layer, batch, head)
+# Each tie group also gets keys scoring a little below the maximum, whose V is exactly 0 in the
+# planted feature: they put real mass in ℓ (≈ 2.5 instead of ≈ 2, as in real rows) without adding
+# residue to the planted feature's sum. With ℓ ≈ 2 the division O = Ō/ℓ would keep the carry bit
+# of the tied sum, and the final O cast would repeat the tie even with P̄V computed in fp32.
+N_DISTRACTORS = 2
+DISTRACTOR_FRACTION = 0.875  # exact in bf16: distractor scores are 0.875·r_m, P̄ = exp(-r_m/8)
 SINK_TOKENS = 4
 N_STANDOUT = 2
 
@@ -61,7 +67,7 @@ class SynthSpec:
         need(self.heads >= 1 and self.batch >= 1 and self.steps >= 1 and self.layers >= 1, "--heads, --batch, --steps and --layers must be at least 1")
         need(self.head_dim >= 2 * N_GROUPS, f"--head-dim {self.head_dim} is too small; use at least {2 * N_GROUPS}")
         need(1 <= self.ties <= 16, f"--ties {self.ties} must be between 1 and 16")
-        need(self.ties * N_GROUPS <= self.seq // 2, f"--ties {self.ties} needs --seq of at least {2 * self.ties * N_GROUPS}")
+        need((self.ties + N_DISTRACTORS) * N_GROUPS <= self.seq // 2, f"--ties {self.ties} needs --seq of at least {2 * (self.ties + N_DISTRACTORS) * N_GROUPS}")
         need(0.0 <= self.v_skew <= 1.0, f"--v-skew {self.v_skew} must be a fraction in [0, 1]")
         need(len(self.planted_heads) > 0, "--planted-heads must name at least one head")
         bad = [h for h in self.planted_heads if not 0 <= h < self.heads]
@@ -103,16 +109,21 @@ def _planted_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
     """q, k (T, D) fp32 of one planted head, and its tie layout (groups, first tied row)."""
     T, D, K = spec.seq, spec.head_dim, spec.ties
     alpha = 1.0 / math.sqrt(D)
-    window = max(K * N_GROUPS, T // 4)
-    positions = torch.randperm(window, generator=g)[: K * N_GROUPS].view(N_GROUPS, K).sort(dim=1).values
-    positions = positions[positions[:, -1].argsort()]  # groups ordered by when they are complete
+    per_group = K + N_DISTRACTORS
+    window = max(per_group * N_GROUPS, T // 4)
+    drawn = torch.randperm(window, generator=g)[: per_group * N_GROUPS].view(N_GROUPS, per_group)
+    positions, distractors = drawn[:, :K].sort(dim=1).values, drawn[:, K:]
+    ready = drawn.max(dim=1).values  # (G,) row from which each group and its distractors are visible (causal)
+    order = ready.argsort()  # groups ordered by when they are complete
+    positions, distractors, ready = positions[order], distractors[order], ready[order]
     dims = torch.randperm(D, generator=g)[:N_GROUPS]  # one direction per group
     k = torch.randn(T, D, generator=g) * SIGMA_K
-    for grp, d in zip(positions, dims):
+    for grp, extra, d in zip(positions, distractors, dims):
         k[grp] = 0.0
         k[grp, d] = ANCHOR_K  # K identical key vectors -> bit-identical scores
+        k[extra] = 0.0
+        k[extra, d] = ANCHOR_K * DISTRACTOR_FRACTION  # score (1 - fraction)·r_m below the max: P̄ ≈ 0.2-0.3
     q = torch.randn(T, D, generator=g)
-    ready = positions[:, -1]  # (G,) row from which each group is visible (causal)
     first = int(ready[0])
     rows = torch.arange(first, T)
     n_ready = (ready[None, :] <= rows[:, None]).sum(dim=1)  # (rows,)
@@ -121,17 +132,19 @@ def _planted_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
     gap = lo + (hi - lo) * torch.rand(len(rows), generator=g)  # (rows,) the row maximum r_m ≈ gap
     t_q = _bf16(gap / (alpha * ANCHOR_K)).float()  # q's anchor coordinate: α·t_q·ANCHOR_K ≈ gap
     q[rows, dims[choice]] = t_q
-    layout = {"groups": positions.tolist(), "first_tied_row": first, "n_tied_rows": int(T - first)}
+    layout = {"groups": positions.tolist(), "distractors": distractors.tolist(), "first_tied_row": first,
+              "n_tied_rows": int(T - first)}
     return q, k, layout
 
 
-def _planted_vdo(spec: SynthSpec, feature: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _planted_vdo(spec: SynthSpec, feature: int, g: torch.Generator, zero_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """v, dO (T, D) of one planted head: the planted feature has magnitudes in [1, 2) (v) and [2, 4) (dO)."""
     T, D = spec.seq, spec.head_dim
     v = torch.randn(T, D, generator=g)
     mantissa = torch.randint(0, 128, (T,), generator=g).float()
     sign = torch.where(torch.rand(T, generator=g) < spec.v_skew, -1.0, 1.0)
     v[:, feature] = sign * (1.0 + mantissa / 128.0)  # exact in bf16: two of them carry into [2, 4)
+    v[zero_rows, feature] = 0.0  # distractor keys add to ℓ, not to the planted feature's sum
     do = torch.randn(T, D, generator=g) * 0.5
     do[:, feature] = -2.0 * (1.0 + torch.rand(T, generator=g))
     return v, do
@@ -175,7 +188,8 @@ def plant_step(spec: SynthSpec, feature: int, standout: dict[int, float], g: tor
         for h in range(H):
             if h in spec.planted_heads:
                 q[b, h], k[b, h], layouts[f"b{b}.h{h}"] = _planted_qk(spec, g)
-                v[b, h], do[b, h] = _planted_vdo(spec, feature, g)
+                zero_rows = [t for grp in layouts[f"b{b}.h{h}"]["distractors"] for t in grp]
+                v[b, h], do[b, h] = _planted_vdo(spec, feature, g, zero_rows)
             elif spec.sink_strength is not None:
                 q[b, h], k[b, h] = _sink_qk(spec, g)
     x = torch.randn(B, T, C, generator=g)

@@ -35,9 +35,6 @@ def test_isolate_json_keys_and_claim1_culprits(planted_result):
     assert (out / "isolate_variants.png").stat().st_size > 10_000 and (out / "isolate_heads.png").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="planted.zarr plants every tied maximum at the same score (12) and ℓ ≈ 2: the "
-                   "stabilized P̄ cast then has one constant relative error (a bias of its own) and the O cast repeats "
-                   "the carry; see docs/_parts/analyses-a.md. Remove this mark when synth varies them.")
 def test_isolate_names_pv_precision_or_stabilized_softmax(planted_result):
     r, _, _ = planted_result
     assert {"pv-fp32", "stabilized"} & set(r["culprits"])
