@@ -1,1 +1,78 @@
-"""fa_forensics.capture"""
+"""Capture: record Q, K, V, O, dO and X of chosen training steps into a dump store.
+
+    with fa_forensics.capture(model, out="run.zarr", steps=[100, 200], layers=[1], batch=slice(0, 2)) as cap:
+        for it in range(n_iters):
+            loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+            cap.step(loss)            # optional: stores the loss of the step that just ended
+
+Custom attention code that does not call F.scaled_dot_product_attention reports its calls with
+`fa_forensics.capture.record(q, k, v, o, scale=..., causal=...)` (a no-op when no capture is
+active). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100 -- python train.py`.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Optional
+
+import torch
+
+from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules
+from fa_forensics.capture.selection import CaptureError, CaptureSelection, parse_batch, parse_index_list, parse_steps
+from fa_forensics.capture.session import CaptureSession, active
+
+__all__ = [
+    "capture",
+    "record",
+    "CaptureSession",
+    "CaptureSelection",
+    "CaptureError",
+    "DEFAULT_ATTENTION_PATTERN",
+    "find_attention_modules",
+    "parse_steps",
+    "parse_index_list",
+    "parse_batch",
+    "active",
+]
+
+
+def capture(
+    model: Optional[torch.nn.Module] = None,
+    out="run.zarr",
+    steps=(0,),
+    layers=None,
+    heads=None,
+    batch=slice(0, 2),
+    micro_batch: int = 0,
+    attention_modules: str = DEFAULT_ATTENTION_PATTERN,
+    **options,
+) -> CaptureSession:
+    """A context manager recording the selected steps of training into the store `out`.
+
+    model: the model (its attention modules give X; its forward marks micro-batches); None works
+      for SDPA/record-only capture. steps: iterable of step numbers or text "100,200:300:10".
+    layers / heads: indices (None = all). batch: slice of the batch dimension (None = whole batch).
+    micro_batch: which forward pass of a step is recorded under gradient accumulation.
+    attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
+    options: step_by ("optimizer" | "manual"), overwrite, max_queue, on_step, run_attrs.
+    """
+    return CaptureSession(model, out, steps, layers, heads, batch, micro_batch, attention_modules, **options)
+
+
+def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
+           causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
+    """Report one attention call of custom attention code to the active capture session (no-op without one)."""
+    session = active()
+    if session is not None and session.busy:
+        session.record(q, k, v, o, scale=scale, causal=causal, x=x)
+
+
+class _CallableModule(types.ModuleType):
+    """`fa_forensics.capture` is both this package and the function `capture`: importing the package
+    sets the attribute `fa_forensics.capture` to the module, so the module itself must be callable."""
+
+    def __call__(self, *args, **kwargs) -> CaptureSession:
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,10 +1,149 @@
-"""`fa-forensics capture`: Run a training script with capture active and record chosen steps."""
+"""`fa-forensics capture` (run an unmodified training script with capture) and `fa-forensics demo-train`."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-from fa_forensics.commands.common import register_not_available
+from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.errors import UserError
+
+LAUNCHER = "fa_forensics.capture.launch"
+
+StepsOpt = Annotated[str, typer.Option("--steps", help="Steps to record: 100,200 or ranges 100:200:10 (stop exclusive). Step k precedes the (k+1)-th optimizer.step().")]
+LayersOpt = Annotated[Optional[str], typer.Option("--layers", help="Attention layers to record, e.g. 1 or 0,3 (default: every layer).")]
+HeadsOpt = Annotated[Optional[str], typer.Option("--heads", help="Heads to record, e.g. 0,3 (default: every head).")]
+BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
+
+
+def rewrite_command(command: list[str]) -> list[str]:
+    """Insert the capture launcher into a `python ...` / `torchrun ...` / `script.py ...` command line."""
+    if not command:
+        raise UserError("no training command given; put it after --, e.g. fa-forensics capture --out run.zarr --steps 100 -- python train.py")
+    exe = os.path.basename(command[0])
+    if exe.startswith("python"):
+        i = 1
+        while i < len(command) and command[i].startswith("-") and command[i] != "-m":
+            i += 1  # interpreter options such as -u, -O
+        if i >= len(command):
+            raise UserError(f"no script in {' '.join(command)!r}; give python a script or -m module to run")
+        if command[i] == "-m":
+            if i + 1 >= len(command):
+                raise UserError("python -m needs a module name")
+            return [*command[:i], "-m", LAUNCHER, "--module", *command[i + 1:]]
+        return [*command[:i], "-m", LAUNCHER, *command[i:]]
+    if exe in ("torchrun",) or command[:3] == [command[0], "-m", "torch.distributed.run"]:
+        for i, token in enumerate(command[1:], start=1):
+            if token.endswith(".py"):
+                return [*command[:i], "-m", LAUNCHER, *command[i:]]
+        raise UserError("could not find the training script (a .py file) in the torchrun command")
+    if command[0].endswith(".py"):
+        return [sys.executable, "-m", LAUNCHER, *command]
+    raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
+
+
+def _store_summary(out: Path) -> dict:
+    from fa_forensics.dump import open_dump
+
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dump = open_dump(out)
+            return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps, "layers": dump.layers() if dump.steps else []}
+    except UserError:
+        return {"steps": [], "incomplete_steps": [], "layers": []}
 
 
 def register(app: typer.Typer) -> None:
-    register_not_available(app, "capture", "Run a training script with capture active and record chosen steps.", "issue 2")
+    @app.command(
+        "capture",
+        help="Run a training script with capture active and record chosen steps: "
+        "fa-forensics capture --out run.zarr --steps 100,200 -- python train.py ARGS...",
+        context_settings={"allow_interspersed_args": False},
+    )
+    def capture_cmd(
+        command: Annotated[list[str], typer.Argument(help="The training command, after --.", show_default=False)],
+        out: Annotated[Path, typer.Option("--out", help="Dump store to write (a .zarr directory).")],
+        steps: StepsOpt,
+        layers: LayersOpt = None,
+        heads: HeadsOpt = None,
+        batch: BatchOpt = None,
+        micro_batch: Annotated[int, typer.Option("--micro-batch", help="Forward pass of a step to record under gradient accumulation.")] = 0,
+        attention_modules: Annotated[Optional[str], typer.Option("--attention-modules", help="Regex over module names that marks attention modules (their input is X).")] = None,
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --out.")] = False,
+        json_out: JsonOpt = None,
+        debug: DebugOpt = False,
+    ) -> None:
+        def body():
+            from fa_forensics.capture.launch import ENV_VAR
+            from fa_forensics.capture.selection import CaptureSelection
+
+            selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch)  # one-line errors before launching
+            argv = rewrite_command(list(command))
+            settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite,
+                        "attention_modules": attention_modules, "command": list(command)}
+            env = {**os.environ, ENV_VAR: json.dumps(settings)}
+            try:
+                code = subprocess.call(argv, env=env)
+            except OSError as exc:
+                raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
+            summary = _store_summary(out)
+            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary})
+            console.print(f"capture: {out}: steps {summary['steps']}" + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else ""))
+            if code != 0:
+                err_console.print(f"[bold red]error:[/] the training command exited with code {code}; steps completed before it are kept in {out}", highlight=False)
+                raise typer.Exit(code=code if 0 < code < 256 else 1)
+
+        run_cli(debug, body)
+
+    @app.command("demo-train", help="Train the project's small GPT (bf16 autocast, pure-PyTorch FlashAttention-2) on stdlib bytes; optionally capture steps.")
+    def demo_train_cmd(
+        steps: Annotated[int, typer.Option("--steps", help="Number of optimizer steps.")] = 300,
+        seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and the batch order.")] = 0,
+        device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+        batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step (context 256 bytes).")] = 4,
+        lr: Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (linear warmup over 20 steps).")] = 2e-3,
+        capture_out: Annotated[Optional[Path], typer.Option("--capture", help="Dump store to record the --capture-steps into.", metavar="DUMP")] = None,
+        capture_steps: Annotated[Optional[str], typer.Option("--capture-steps", help="Steps to record, e.g. 5,6,7 or 250:254.")] = None,
+        capture_layers: Annotated[Optional[str], typer.Option("--capture-layers", help="Layers to record (default: all).")] = None,
+        capture_heads: Annotated[Optional[str], typer.Option("--capture-heads", help="Heads to record (default: all).")] = None,
+        capture_batch: Annotated[str, typer.Option("--capture-batch", help="Batch slice to record.")] = "0:2",
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --capture.")] = False,
+        log_every: Annotated[int, typer.Option("--log-every", help="Print the loss every N steps.")] = 1,
+        threads: Annotated[int, typer.Option("--threads", help="CPU threads for torch (the model is tiny: 1 avoids oversubscription on shared machines).")] = 1,
+        json_out: JsonOpt = None,
+        debug: DebugOpt = False,
+    ) -> None:
+        def body():
+            import torch
+
+            from fa_forensics.demo.train import DemoConfig, train
+
+            if threads >= 1:
+                torch.set_num_threads(threads)
+            if steps < 1:
+                raise UserError(f"--steps must be >= 1, got {steps}")
+            if (capture_out is None) != (capture_steps is None):
+                raise UserError("--capture DUMP and --capture-steps go together; give both (e.g. --capture run.zarr --capture-steps 5,6,7) or neither")
+            config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr, capture_out=capture_out,
+                                capture_steps=capture_steps or "", capture_layers=capture_layers, capture_heads=capture_heads,
+                                capture_batch=capture_batch, overwrite=overwrite)
+
+            def log(info, model):
+                if info.step % max(1, log_every) == 0 or info.step == steps - 1:
+                    console.print(f"step {info.step:5d}  loss {info.loss:.4f}  lr {info.lr:.2e}  {info.seconds * 1000:.0f} ms")
+
+            result = train(config, on_step=log)
+            write_json(json_out, {"losses": list(result.losses), "final_loss": result.losses[-1], "captured_steps": list(result.captured_steps),
+                                  "capture": None if capture_out is None else str(capture_out), "seconds": result.seconds, "seed": seed, "steps": steps})
+            if capture_out is not None:
+                console.print(f"captured steps {list(result.captured_steps)} into {capture_out}")
+
+        run_cli(debug, body)

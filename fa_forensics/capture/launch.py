@@ -1,0 +1,112 @@
+"""Run an unmodified training script with capture active: `python -m fa_forensics.capture.launch SCRIPT ARGS...`.
+
+Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
+`fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
+"attention_modules"} in their text forms. Before the script runs, the launcher
+- patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
+  scaled_dot_product_attention` in the script also gets the patched function),
+- counts steps through a global optimizer.step() post-hook,
+- installs a global module forward pre-hook that binds the first module whose tree contains
+  attention modules (by the name pattern) as the model, then removes itself.
+Then the script runs as __main__ with its own argv (`--module NAME` runs a module like `python -m`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+ENV_VAR = "FA_FORENSICS_CAPTURE"
+
+
+def settings_from_env() -> dict:
+    from fa_forensics.capture.selection import CaptureError
+
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        raise CaptureError(f"{ENV_VAR} is not set; start training through `fa-forensics capture --out ... --steps ... -- python train.py`")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); start training through `fa-forensics capture`") from None
+
+
+def _auto_binder(session):
+    """A global forward pre-hook that binds the first module containing attention modules, then removes itself."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from fa_forensics.capture.modules import find_attention_modules
+
+    handle = None
+    seen: set[int] = set()
+
+    def hook(module, args):
+        if session._root is not None or id(module) in seen:
+            return None
+        seen.add(id(module))
+        if find_attention_modules(module, session.pattern):
+            session.bind(module)
+            handle.remove()
+            session._on_root_forward(module, args)  # the root's own hook was added during this very call
+        return None
+
+    handle = register_module_forward_pre_hook(hook)
+    return handle
+
+
+def main(argv: list[str]) -> int:
+    from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN
+    from fa_forensics.capture.session import CaptureSession
+    from fa_forensics.errors import UserError
+
+    if not argv:
+        print("usage: python -m fa_forensics.capture.launch SCRIPT [ARGS...] | --module NAME [ARGS...]", file=sys.stderr)
+        return 2
+    module_mode = argv[0] in ("--module", "-m")
+    target, script_args = (argv[1], argv[2:]) if module_mode else (argv[0], argv[1:])
+    try:
+        cfg = settings_from_env()
+        session = CaptureSession(
+            None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"), int(cfg.get("micro_batch", 0)),
+            cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
+            overwrite=bool(cfg.get("overwrite", False)), keep_sdpa_patch=True,
+            run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
+        )
+        session.start()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    binder = _auto_binder(session)
+    code = 0
+    sys.argv = [target, *script_args]
+    try:
+        if module_mode:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except UserError as exc:  # e.g. --heads beyond the model's heads: one line, not a traceback
+        binder.remove()
+        session.stop(failed=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BaseException:
+        binder.remove()
+        session.stop(failed=True)
+        raise
+    binder.remove()
+    try:
+        session.stop(failed=code != 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

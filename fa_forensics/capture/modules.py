@@ -1,0 +1,33 @@
+"""Finding the attention modules of a model by name, and reading their input X.
+
+The default pattern matches a module whose qualified name ends in `<blocks>.<i>.<attn>` where
+<blocks> is one of h | layers | blocks | layer and <attn> one of attn | self_attn | attention |
+self_attention. It covers nanoGPT and Hugging Face GPT-2 (`transformer.h.{i}.attn`), Hugging Face
+Llama / Mistral / Qwen (`model.layers.{i}.self_attn`), TransformerLens (`blocks.{i}.attn`), and
+the same names under wrappers (DDP's `module.`, torch.compile's `_orig_mod.`).
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+DEFAULT_ATTENTION_PATTERN = r"(^|\.)(h|layers|blocks|layer)\.\d+\.(attn|self_attn|attention|self_attention)$"
+
+
+def find_attention_modules(model: torch.nn.Module, pattern: str = DEFAULT_ATTENTION_PATTERN) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every module of `model` whose name matches `pattern`, in module order."""
+    regex = re.compile(pattern)
+    return [(name, module) for name, module in model.named_modules() if name and regex.search(name)]
+
+
+def module_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """X = the first tensor argument of an attention module's forward (positional or `hidden_states`/`x`)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    for key in ("hidden_states", "x", "query", "input"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None

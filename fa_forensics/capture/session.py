@@ -1,0 +1,408 @@
+"""The capture session: a context manager that records Q, K, V, O, dO and X at chosen training steps.
+
+Conventions (also in the README):
+- Step k, counting from 0, is the training iteration whose forward/backward passes precede the
+  (k+1)-th `optimizer.step()` call (nanoGPT's iter_num). Steps are counted through a global
+  optimizer step post-hook on the first optimizer that steps (`step_by="optimizer"`), or only by
+  `cap.step()` calls (`step_by="manual"`).
+- Layers are numbered from 0 in the order attention calls run within the recorded forward pass.
+- With gradient accumulation the forward pass number `micro_batch` (default 0, the first) of a
+  step is recorded. Forward passes with gradients disabled (evaluation) are never recorded.
+- Only one session is active at a time. Hooks and the SDPA patch are removed on exit, also when
+  the block raises; steps that ended before the error are completed, the cut one is not.
+
+Hot path: on a step that is not selected, the SDPA patch and every hook check one boolean
+(`busy`) and return; nothing is cloned, nothing synchronizes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from fa_forensics.capture import sdpa
+from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input
+from fa_forensics.capture.selection import CaptureError, CaptureSelection
+from fa_forensics.capture.writer import BackgroundWriter, offload
+
+StepCallback = Callable[["CaptureSession", int, Optional[float]], None]
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    """(rank, world size) from torch.distributed if initialized, else torchrun's environment, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class CaptureSession:
+    """Records selected attention calls of a training run into a dump store (format v1).
+
+    Use through `fa_forensics.capture(model, out=..., steps=...)`. Attributes read by callers:
+    `current_step` (the step in progress), `selection`, `rank`, `world_size`, `recorded_steps`.
+    """
+
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module],
+        out,
+        steps,
+        layers=None,
+        heads=None,
+        batch=None,
+        micro_batch: int = 0,
+        attention_modules: str = DEFAULT_ATTENTION_PATTERN,
+        *,
+        step_by: str = "optimizer",
+        overwrite: bool = False,
+        max_queue: int = 64,
+        on_step: Optional[StepCallback] = None,
+        run_attrs: Optional[dict] = None,
+        keep_sdpa_patch: bool = False,
+    ):
+        if step_by not in ("optimizer", "manual"):
+            raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
+        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch)
+        self.out = os.fspath(out)
+        self.model = model
+        self.pattern = attention_modules
+        self.step_by = step_by
+        self.overwrite = overwrite
+        self.max_queue = max_queue
+        self.run_attrs = dict(run_attrs or {})
+        self.keep_sdpa_patch = keep_sdpa_patch
+        self._callbacks: list[StepCallback] = [on_step] if on_step else []
+        # step state
+        self.current_step = 0
+        self.busy = False  # the one flag every hook checks: this step is selected, or a step awaits completion
+        self._hot = False  # the current step is selected
+        self._micro = -1  # index of the current forward pass within the step
+        self._layer = 0  # attention calls so far in the current forward pass
+        self._backward_seen = False  # fallback micro-batch detection when no root module is known
+        self._step_recorded = False  # an array of the current step was queued
+        self._step_loss: Optional[float] = None  # loss given by cap.step() before the boundary
+        self._pending_loss: Optional[float] = None
+        self._pending: Optional[int] = None  # an ended step whose completion waits for its loss
+        self._masked_layers: list[int] = []
+        self._pending_x: Optional[tuple[str, torch.Tensor]] = None
+        self._optimizer_id: Optional[int] = None
+        self._handles: list = []
+        self._root: Optional[torch.nn.Module] = None
+        self._writer: Optional[BackgroundWriter] = None
+        self._warned: set[str] = set()
+        self.recorded_steps: list[int] = []
+        self.rank, self.world_size = 0, 1
+        self.attention_module_names: list[str] = []
+
+    # -- public API ----------------------------------------------------------------------
+    def __enter__(self) -> "CaptureSession":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(failed=exc_type is not None)
+
+    def add_step_callback(self, fn: StepCallback) -> None:
+        """Call fn(session, step, loss) after every step boundary (selected or not): the place for per-step statistics."""
+        self._callbacks.append(fn)
+
+    def step(self, loss=None) -> None:
+        """Mark the end of a step (`step_by="manual"`), or give the loss of the step just ended ("optimizer").
+
+        With step_by="optimizer", call it after optimizer.step() (the loss goes to the step that just
+        ended) or before it (the loss goes to the current step); either way it never advances the count.
+        """
+        loss = _as_float(loss)
+        if self.step_by == "manual":
+            self._end_step(loss)
+        elif self._pending is not None:
+            self._flush_pending(loss)
+        elif self._hot and self._step_recorded:  # called before optimizer.step(): the loss of the current step
+            self._step_loss = loss
+
+    def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
+               causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
+        """Record one attention call of custom attention code: q, k, v, o (B, H, T, D); x (B, T, C) optional."""
+        if not self.busy:
+            return
+        if x is not None:
+            self._pending_x = ("record", x)
+        self.on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask_given=False, source="record")
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if sdpa.active_session() is not None:
+            raise CaptureError("another fa-forensics capture session is already active; leave it before starting a new one")
+        from fa_forensics.dump import DumpWriter  # lazy: keeps `import fa_forensics.capture` light
+
+        self.rank, self.world_size = _rank_and_world_size()
+        attrs = self._run_attrs()
+        dist = torch.distributed
+        ordered = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if ordered and self.rank != 0:
+            dist.barrier()  # rank 0 creates (or replaces) the store first; then every rank adds rank_{r}/
+        try:
+            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank, world_size=self.world_size)
+        except OSError as exc:
+            raise CaptureError(f"cannot create capture store {self.out}: {exc.strerror or exc}; choose a writable --out") from exc
+        finally:
+            if ordered and self.rank == 0:
+                dist.barrier()
+        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue)
+        try:
+            if self.model is not None:
+                self.bind(self.model)
+            if self.step_by == "optimizer":
+                self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_step))
+            sdpa.install(self)
+            _set_active(self)
+            self._set_hot(self.selection.wants_step(0))
+        except BaseException:
+            self._remove_hooks()
+            self._writer.close()
+            raise
+
+    def stop(self, failed: bool = False) -> None:
+        """Remove every hook and patch, complete the step(s) that ended, flush and close the store."""
+        self._remove_hooks()
+        sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
+        _set_active(None)
+        if self._writer is None:
+            return
+        try:
+            if self._pending is not None:
+                self._flush_pending(None)
+            self.busy = self._hot = False
+        finally:
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except Exception as exc:
+                if not failed:
+                    raise
+                warnings.warn(f"fa-forensics capture: closing the store after an error also failed: {exc}", RuntimeWarning)
+
+    def bind(self, model: torch.nn.Module) -> int:
+        """Hook `model`: its forward starts a micro-batch; its attention modules give X. Returns the count found."""
+        self._root = model
+        found = find_attention_modules(model, self.pattern)
+        self.attention_module_names = [name for name, _ in found]
+        self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
+        for name, module in found:
+            self._handles.append(module.register_forward_pre_hook(self._x_hook(name), with_kwargs=True))
+        return len(found)
+
+    # -- hooks (hot path first) ----------------------------------------------------------
+    def _on_root_forward(self, module, args) -> None:
+        if not self.busy or not torch.is_grad_enabled():
+            return
+        if self._pending is not None:
+            self._flush_pending(None)
+        self._micro += 1
+        self._layer = 0
+        self._pending_x = None
+
+    def _x_hook(self, name: str):
+        def hook(module, args, kwargs):
+            if not self._hot or not torch.is_grad_enabled():
+                return None
+            x = module_input(args, kwargs)
+            self._pending_x = None if x is None else (name, x)
+            return None
+
+        return hook
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._optimizer_id is None:
+            self._optimizer_id = id(optimizer)
+        elif id(optimizer) != self._optimizer_id:
+            return  # a second optimizer of the same run (e.g. Muon + AdamW): count steps once
+        self._end_step(None)
+
+    def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask_given: bool, source: str) -> None:
+        """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded."""
+        if self._pending is not None:
+            self._flush_pending(None)
+        if not self._hot or not torch.is_grad_enabled():
+            return
+        if self._root is None:  # no module tree: a new forward pass starts after a backward pass
+            if self._micro < 0 or self._backward_seen:
+                self._micro += 1
+                self._layer = 0
+                self._backward_seen = False
+        layer = self._layer
+        self._layer += 1
+        x = self._pending_x
+        self._pending_x = None
+        if self._micro != self.selection.micro_batch or not self.selection.wants_layer(layer):
+            if self._root is None and self._micro < self.selection.micro_batch and o.requires_grad:
+                o.register_hook(self._mark_backward)
+            return
+        self._record_call(layer, q, k, v, o, x, scale, causal, attn_mask_given, source)
+
+    # -- recording -----------------------------------------------------------------------
+    def _record_call(self, layer, q, k, v, o, x, scale, causal, attn_mask_given, source) -> None:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or o.dim() != 4:
+            self._warn_once("dims", f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; only (B, H, T, D) is recorded")
+            return
+        B, H, T, D = q.shape
+        heads = self.selection.heads
+        if heads is not None and heads[-1] >= H:
+            raise CaptureError(f"capture --heads {list(heads)} asks for head {heads[-1]} but layer {layer} has {H} heads (0..{H - 1})")
+        head_index = None if heads is None else torch.tensor(heads, device=q.device)
+        dtype = _recorded_dtype(q)
+
+        def select(t: torch.Tensor, per_head: bool = True, kv: bool = False) -> torch.Tensor:
+            t = t.detach()
+            if self.selection.batch is not None:
+                t = t[self.selection.batch]
+            if per_head:
+                if kv and t.shape[1] != H:  # grouped-query attention: one K/V head per group of query heads
+                    kv_index = torch.arange(H, device=t.device) // (H // t.shape[1])
+                    t = t.index_select(1, kv_index if head_index is None else kv_index[head_index])
+                elif head_index is not None:
+                    t = t.index_select(1, head_index)
+            return t
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype and t.dtype == torch.float32 else t
+
+        module = x[0] if x is not None else source
+        layer_attrs = {  # n_heads = heads stored; the model's head numbers are in attrs.capture.heads
+            "module": module,
+            "n_heads": int(H if heads is None else len(heads)),
+            "head_dim": int(D),
+            "scale": float(scale) if scale is not None else 1.0 / math.sqrt(D),
+            "causal": bool(causal),
+            "dtype": str(dtype).replace("torch.", ""),
+        }
+        if attn_mask_given:
+            self._masked_layers.append(layer)
+            self._warn_once("mask", "fa-forensics capture: an attn_mask was passed to scaled_dot_product_attention; "
+                            "it is not stored and the layer is recorded as causal=False (step attr attn_mask_layers)")
+        step = self.current_step
+        for name, tensor in (("q", cast(select(q))), ("k", cast(select(k, kv=True))), ("v", cast(select(v, kv=True))), ("o", select(o))):
+            self._queue_array(step, layer, name, tensor, layer_attrs)
+        if x is not None:
+            self._queue_array(step, layer, "x", select(x[1], per_head=False), layer_attrs)
+        if o.requires_grad:
+            def do_hook(grad: torch.Tensor) -> None:
+                self._queue_array(step, layer, "do", select(grad), layer_attrs)
+                self._backward_seen = True
+
+            o.register_hook(do_hook)
+        self._step_recorded = True
+
+    def _queue_array(self, step, layer, name, tensor, layer_attrs) -> None:
+        host, ready = offload(tensor)
+        self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
+
+    def _mark_backward(self, grad) -> None:
+        self._backward_seen = True
+
+    # -- step boundaries -----------------------------------------------------------------
+    def _end_step(self, loss: Optional[float]) -> None:
+        ended = self.current_step
+        if self._pending is not None:
+            self._flush_pending(None)
+        if self._hot:
+            if self._step_recorded:
+                self._pending = ended
+                self._pending_loss = loss if loss is not None else self._step_loss
+                if self._pending_loss is not None or self.step_by == "manual":
+                    self._flush_pending(None)
+            else:
+                self._warn_once(f"empty{ended}", f"fa-forensics capture: step {ended} was selected but no attention call was seen (with gradients enabled); nothing recorded for it")
+        self.current_step = ended + 1
+        self._micro, self._layer, self._backward_seen = -1, 0, False
+        self._step_recorded = False
+        self._step_loss = None
+        self._set_hot(self.selection.wants_step(self.current_step))
+        for fn in self._callbacks:
+            fn(self, ended, loss)
+
+    def _flush_pending(self, loss: Optional[float]) -> None:
+        step, self._pending = self._pending, None
+        if loss is None:
+            loss = self._pending_loss
+        attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
+        if self._masked_layers:
+            attrs["attn_mask_layers"] = sorted(set(self._masked_layers))
+            self._masked_layers = []
+        self._writer.put_complete(step, loss=loss, **attrs)
+        self.recorded_steps.append(step)
+        self.busy = self._hot or self._pending is not None
+
+    def _set_hot(self, hot: bool) -> None:
+        self._hot = hot
+        self.busy = hot or self._pending is not None
+
+    # -- helpers -------------------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            print(message, file=sys.stderr, flush=True)
+
+    def _run_attrs(self) -> dict:
+        from fa_forensics import __version__
+
+        model_attrs = dict(self.run_attrs.get("model", {}))
+        device = self.run_attrs.get("device")
+        if self.model is not None:
+            model_attrs.setdefault("class", type(self.model).__name__)
+            model_attrs.setdefault("n_params", int(sum(p.numel() for p in self.model.parameters())))
+            first = next(iter(self.model.parameters()), None)
+            device = device or (str(first.device) if first is not None else None)
+        capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
+                         "rank": self.rank, "world_size": self.world_size, **self.run_attrs.get("capture", {})}
+        return {
+            **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},
+            "tool_version": __version__,
+            "torch_version": torch.__version__,
+            "device": device or "unknown",
+            "amp_dtype": self.run_attrs.get("amp_dtype", "recorded per layer (attrs.dtype)"),
+            "model": model_attrs,
+            "capture": capture_attrs,
+            "world_size": self.world_size,
+        }
+
+
+def _recorded_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernel computes in: autocast's dtype for fp32 inputs under autocast."""
+    device_type = q.device.type
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return q.dtype
+
+
+def _as_float(loss) -> Optional[float]:
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        return float(loss.detach().float().item())
+    return float(loss)
+
+
+_ACTIVE: Optional[CaptureSession] = None
+
+
+def _set_active(session: Optional[CaptureSession]) -> None:
+    global _ACTIVE
+    _ACTIVE = session
+
+
+def active() -> Optional[CaptureSession]:
+    """The active capture session, or None."""
+    return _ACTIVE

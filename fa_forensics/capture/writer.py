@@ -1,0 +1,127 @@
+"""The background writer: copies leave the device asynchronously; one thread does the disk I/O.
+
+Training threads call `offload(tensor)` (a non-blocking copy into pinned host memory on CUDA, a
+plain copy on the CPU) and `put_array` / `put_complete`. A single daemon thread takes items from a
+bounded FIFO queue and writes them through `DumpWriter`. Because the queue is FIFO, a step's
+`complete` flag is written after every array queued before it. When the queue is full, training
+waits (no data is dropped) and a warning says that the disk cannot keep up.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from fa_forensics.capture.selection import CaptureError
+
+
+@dataclass
+class _Array:
+    step: int
+    layer: int
+    name: str
+    tensor: torch.Tensor  # on the CPU (pinned when it came from CUDA)
+    layer_attrs: Optional[dict]
+    ready: Any = None  # a torch.cuda.Event to wait on before reading `tensor`, or None
+
+
+@dataclass
+class _Complete:
+    step: int
+    loss: Optional[float]
+    attrs: dict = field(default_factory=dict)
+
+
+_STOP = object()
+
+
+def offload(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Copy `tensor` to host memory without blocking the device; returns (host tensor, ready event or None)."""
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+    return tensor.clone(memory_format=torch.contiguous_format), None
+
+
+class BackgroundWriter:
+    """Owns a `DumpWriter` and the thread that feeds it."""
+
+    def __init__(self, dump_writer, max_queue: int = 64):
+        self._dump = dump_writer
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._error: Optional[BaseException] = None
+        self._warned_slow = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="fa-forensics-capture-writer", daemon=True)
+        self._thread.start()
+
+    # -- training side -------------------------------------------------------------------
+    def put_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, ready=None, layer_attrs: Optional[dict] = None) -> None:
+        self._put(_Array(step, layer, name, tensor, layer_attrs, ready))
+
+    def put_complete(self, step: int, loss: Optional[float] = None, **attrs) -> None:
+        self._put(_Complete(step, loss, attrs))
+
+    def close(self) -> None:
+        """Write everything queued, stop the thread, close the store; re-raise a writer failure."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+        try:
+            self._dump.close()
+        finally:
+            self._raise_if_failed()
+
+    # -- internals -----------------------------------------------------------------------
+    def _put(self, item) -> None:
+        self._raise_if_failed()
+        if self._closed:
+            raise CaptureError("capture session is closed; record inside the `with fa_forensics.capture(...)` block")
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            if not self._warned_slow:
+                self._warned_slow = True
+                message = (
+                    f"fa-forensics capture: the disk cannot keep up ({self._queue.maxsize} arrays waiting); "
+                    "training waits for the writer. Capture fewer steps, layers or heads, or a smaller batch slice."
+                )
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                print(message, file=sys.stderr, flush=True)
+            self._queue.put(item)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CaptureError) or type(error).__name__ == "DumpError":
+                raise error
+            raise CaptureError(f"capture writer failed: {type(error).__name__}: {error}; the steps completed before it are intact") from error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if self._error is not None:
+                continue  # drain without writing: a failed store is never half-written further
+            try:
+                if isinstance(item, _Array):
+                    if item.ready is not None:
+                        item.ready.synchronize()
+                    self._dump.write_array(item.step, item.layer, item.name, item.tensor, layer_attrs=item.layer_attrs)
+                else:
+                    self._dump.complete_step(item.step, loss=item.loss, **item.attrs)
+            except BaseException as exc:  # reported to the training thread at its next call
+                self._error = exc

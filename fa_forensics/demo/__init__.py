@@ -1,0 +1,10 @@
+"""The project's own small training run, used to make real dumps.
+
+- `model.GPT`: a nanoGPT-style GPT whose attention is a pure-PyTorch FlashAttention-2 forward with
+  the paper's BF16 casts (or torch's scaled_dot_product_attention, `attention="sdpa"`).
+- `data.stdlib_corpus`: byte-level text from the Python standard library's own .py files.
+- `train.train(DemoConfig(...))`: AdamW training loop with an optional capture session and a
+  per-step callback (the place for per-step statistics).
+"""
+from fa_forensics.demo.model import GPT, GPTConfig, flash_attention_bf16  # noqa: F401
+from fa_forensics.demo.train import DemoConfig, StepInfo, train  # noqa: F401
