@@ -225,14 +225,38 @@ class Dump:
         )
 
     def heads(self, step: int, layer: int) -> list[int]:
-        """Head indices stored for one layer (0 .. n_heads-1)."""
+        """The model's head numbers stored for one layer, in storage order.
+
+        A capture restricted with --heads records them in the layer attribute `heads`; without
+        it the stored heads are the model's heads 0 .. n_heads-1.
+        """
+        stored = self._layer(step, layer).attrs.get("heads")
+        if stored is not None:
+            return [int(h) for h in stored]
         return list(range(self.layer_info(step, layer).n_heads))
+
+    def _head_positions(self, step: int, layer: int, heads, where: str):
+        """Storage positions (dim 1) of the requested model head numbers."""
+        have = self.heads(step, layer)
+        if heads is None:
+            return slice(None)
+        if isinstance(heads, slice):
+            wanted = have[heads]
+            if not wanted:
+                raise DumpError(f"head selection {heads.start}:{heads.stop} is empty for {where} (heads: {_fmt(have)})")
+            return [have.index(h) for h in wanted]
+        wanted = _as_list(heads)
+        bad = [h for h in wanted if h not in have]
+        if bad:
+            raise DumpError(f"head {_fmt(bad)} not in {where}; heads stored: {_fmt(have)}")
+        return [have.index(h) for h in wanted]
 
     # -- values ---------------------------------------------------------------------------
     def read(self, step: int, layer: int, name: str, heads=None, batch=None) -> torch.Tensor:
         """One array as a torch tensor in its original dtype (bf16 / fp8 bit-exact).
 
-        heads: int | list[int] | slice | None (dim 1 of q/k/v/o/do; ignored for x);
+        heads: int | list[int] | slice | None: the model's head numbers (see `heads()`; dim 1 of
+        q/k/v/o/do; ignored for x);
         batch: int | slice | None (dim 0). An int keeps its dimension, so q/k/v/o/do always
         come back 4-D (B', H', T, D) and x 3-D (B', T, C).
         """
@@ -241,7 +265,7 @@ class Dump:
         b_sel = self._index(batch, arr.shape[0], "batch", where)
         sel: tuple = (b_sel,)
         if name in HEAD_TENSORS:
-            sel = (b_sel, self._index(heads, arr.shape[1], "head", where))
+            sel = (b_sel, self._head_positions(step, layer, heads, where))
         dname = arr.attrs.get("dtype", str(arr.dtype))
         if dname not in supported_dtype_names():
             raise DumpError(f"{where} has unknown dtype attribute {dname!r}; supported: {', '.join(supported_dtype_names())}")
@@ -285,7 +309,7 @@ class Dump:
                     head_list = have
                 bad = [h for h in head_list if h not in have]
                 if bad:
-                    raise DumpError(f"head {_fmt(bad)} not in step {s} layer {l} of {self.path}; heads: 0..{len(have) - 1}")
+                    raise DumpError(f"head {_fmt(bad)} not in step {s} layer {l} of {self.path}; heads stored: {_fmt(have)}")
                 out.append((s, l, head_list))
         return out
 

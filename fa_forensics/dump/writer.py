@@ -33,7 +33,7 @@ from fa_forensics.errors import DumpError
 
 # Flat chunk files ("c.0.1.0.0") instead of nested folders: one file per head, no folder per index.
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
-_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype")
+_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads")
 
 
 def _existing_format(path: Path) -> int | None:

@@ -57,7 +57,7 @@ def test_read_selects_heads_and_batch_and_keeps_dims(make_dump):
     assert torch.equal(d.read(0, 0, "k", heads=[3, 1]), full[:, [3, 1]])
     assert torch.equal(d.read(0, 0, "k", heads=slice(1, 3), batch=1), full[1:2, 1:3])
     assert torch.equal(d.read(0, 0, "x", heads=[0], batch=slice(0, 2)), d.read(0, 0, "x")[0:2])  # heads ignored for x
-    with pytest.raises(DumpError, match=r"head 4 not in .* 4 heads: 0\.\.3"):
+    with pytest.raises(DumpError, match=r"head 4 not in .* heads stored: 0, 1, 2, 3"):
         d.read(0, 0, "k", heads=4)
     with pytest.raises(DumpError, match="batch 5"):
         d.read(0, 0, "k", batch=5)
@@ -244,3 +244,24 @@ def test_summary_keys(make_dump):
     assert s["steps"] == [0, 1] and s["incomplete_steps"] == [2] and s["layers"] == [0]
     assert s["arrays"]["0"]["q"] == {"shape": [1, 2, 16, 8], "dtype": "bfloat16", "chunks": [1, 1, 16, 8]}
     assert s["heads"] == {"0": [0, 1]} and s["ground_truth"] is None and s["step_attrs"]["1"]["loss"] == 2.0
+
+
+def test_heads_attribute_maps_model_head_numbers_to_stored_positions(tmp_path):
+    """A capture of heads 1 and 3 only: reads and selections use the model's head numbers."""
+    from fa_forensics.dump import DumpWriter, open_dump
+    from fa_forensics.errors import DumpError
+
+    q = torch.randn(1, 2, 8, 4).bfloat16()  # (B, 2 stored heads, T, D)
+    w = DumpWriter(tmp_path / "h.zarr", {"capture": {"heads": [1, 3]}})
+    w.write_array(0, 0, "q", q, layer_attrs={"heads": [1, 3]})
+    w.complete_step(0)
+    w.close()
+    d = open_dump(tmp_path / "h.zarr")
+    assert d.heads(0, 0) == [1, 3]
+    assert torch.equal(d.read(0, 0, "q", heads=3), q[:, 1:2])
+    assert torch.equal(d.read(0, 0, "q", heads=[3, 1]), q[:, [1, 0]])
+    assert d.select(heads=[3]) == [(0, 0, [3])]
+    with pytest.raises(DumpError, match="heads stored: 1, 3"):
+        d.read(0, 0, "q", heads=0)
+    with pytest.raises(DumpError, match="heads stored"):
+        d.select(heads=[2])
