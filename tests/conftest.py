@@ -9,6 +9,15 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config) -> None:
+    """One torch thread per xdist worker: `-n 2` on 2 cores with 2 threads each oversubscribes the
+    CPU, and torch's OpenMP threads then slow down by an order of magnitude."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 PLANTED_DUMP = REPO / "sample_dumps" / "planted.zarr"
 
 
