@@ -42,6 +42,9 @@ class SectionResult:
     meta: dict = field(default_factory=dict)
 
 
+REPORT_TEXT_WIDTH = 160  # columns of the command output embedded in the page
+
+
 def _invoke(args: list[str]) -> tuple[int, str, str]:
     """Run `fa-forensics ARGS` in-process; returns (exit code, stdout text, stderr text)."""
     import typer
@@ -50,14 +53,20 @@ def _invoke(args: list[str]) -> tuple[int, str, str]:
     from fa_forensics.commands.common import console, err_console
 
     command = typer.main.get_command(app)
-    with console.capture() as out, err_console.capture() as err:
-        try:
-            code = command.main(args=args, prog_name="fa-forensics", standalone_mode=False)
-        except SystemExit as exc:  # pragma: no cover - click may still raise in odd cases
-            code = exc.code
-        except Exception as exc:  # a usage error (click.UsageError) or a bug in one command
-            err_console.print(f"error: {type(exc).__name__}: {exc}")
-            code = 2
+    # Tables are captured for the page, not a terminal: render them wide enough not to truncate cells.
+    saved_widths = [c._width for c in (console, err_console)]
+    console.width = err_console.width = REPORT_TEXT_WIDTH
+    try:
+        with console.capture() as out, err_console.capture() as err:
+            try:
+                code = command.main(args=args, prog_name="fa-forensics", standalone_mode=False)
+            except SystemExit as exc:  # pragma: no cover - click may still raise in odd cases
+                code = exc.code
+            except Exception as exc:  # a usage error (click.UsageError) or a bug in one command
+                err_console.print(f"error: {type(exc).__name__}: {exc}")
+                code = 2
+    finally:
+        console._width, err_console._width = saved_widths
     return int(code or 0), out.get(), err.get()
 
 
