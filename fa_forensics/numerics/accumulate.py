@@ -16,12 +16,19 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
   aligned integers are summed exactly; the sum is normalized and rounded toward zero to fp32,
   which becomes the accumulator of the next group. fp32 inputs fall back to `ieee`.
 
-Python loops run only over K (ieee) or over groups of K (tensor-core); rows are processed in
-chunks so the working set stays around `_CHUNK_BYTES`.
+Speed (accumulate_tiles): the output is cut into tiles of rows whose temporaries are about
+`_CHUNK_BYTES` (cache-sized); Python loops run over tiles and K (ieee) or groups of K
+(tensor-core). Where products are exact in fp32 (bf16 / fp16 / fp8 values) the kernels work in
+fp32 / int32 (ieee: one `addcmul_` per k; tensor-core: exponents and scales from bit patterns,
+int32 sums); elsewhere (fp32 inputs, terms below 2^-100, inputs near overflow) the fp64
+reference steps below run, tile by tile. Both give the same bits (tested). The kernels run on
+one intra-op thread (`_one_thread`): more threads only slow these many small ops down.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,9 +37,17 @@ import torch
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics.formats import FormatLike, get_format
 from fa_forensics.numerics.rounding import round_to
+from fa_forensics.numerics.accumulate_tiles import (
+    _ABS_MASK,
+    ieee_tile_fp32,
+    min_nonzero_abs,
+    no_tiny_terms,
+    tensor_core_tile_fp32,
+)
 
 ACCUMULATIONS = ("ieee", "tensor-core")
-_CHUNK_BYTES = 256 * 2**20  # target size of the largest temporary per row chunk
+_CHUNK_BYTES = 8 * 2**20  # target size of the largest temporary of one tile (measured best at 4-16 MiB)
+_IEEE_TILE_FACTOR = 1  # the ieee kernel's temporary is one fp32 (m, N) accumulator
 
 
 @dataclass(frozen=True)
@@ -142,24 +157,60 @@ _FP32_MAX = (2 - 2.0**-23) * 2.0**127
 # matmul
 
 
-def _products_exact_in_fp32(*xs: torch.Tensor) -> bool:
-    """True when every value is an fp32 number with at most 12 significant bits and |x| in
-    [2^-40, 2^40] (or 0), so every product is exact in fp32, normal, and scalable by the
-    tensor-core model's alignment factor without leaving fp32's range."""
-    for x in xs:
-        x32 = x.to(torch.float32)
-        if x.dtype != torch.float32 and not torch.equal(x32.to(x.dtype), x):
-            return False
-        if bool(((x32.view(torch.int32) & 0xFFF) != 0).any()):  # more than 12 significant bits
-            return False
-        ax = x32.abs()
-        if x32.numel() and not (bool(ax.max() <= 2.0**40) and bool(torch.where(ax > 0, ax, 1.0).min() >= 2.0**-40)):
-            return False
-    return True
+def _fp32_profile(x: torch.Tensor) -> tuple[bool, float]:
+    """(every value is a finite fp32 number with at most 12 significant bits, max |x|).
+
+    12 bits each make every product exact in fp32 unless it under- or overflows."""
+    x32 = x.to(torch.float32)
+    if x.dtype != torch.float32 and not torch.equal(x32.to(x.dtype), x):
+        return False, math.inf
+    if not x32.numel():
+        return True, 0.0
+    bits = x32.view(torch.int32)
+    top = int((bits & _ABS_MASK).amax())  # the bit pattern of max |x|; >= 0x7F800000: inf or NaN
+    if top >= 0x7F800000 or bool((bits & 0xFFF).any()):  # low 12 fraction bits must be clear
+        return False, math.inf
+    return True, float(torch.tensor(top, dtype=torch.int32).view(torch.float32))
 
 
-def _row_chunk(rows: int, bytes_per_row: int) -> int:
-    return max(1, min(rows, _CHUNK_BYTES // max(1, bytes_per_row)))
+def _ieee_fp32_leads(a3: torch.Tensor, b3: torch.Tensor) -> list[bool]:
+    """Per lead entry of a3 (L, M, K) @ b3 (L, K, N): True where every product is exact and
+    normal in fp32 (12 significant bits per input; nonzero |products| in [2^-126, 2^126]), so
+    the fp32 kernel (one rounding per add) is the exact fma chain."""
+    ok_a, top_a = _fp32_profile(a3)
+    ok_b, top_b = _fp32_profile(b3)
+    L = a3.shape[0]
+    if not (ok_a and ok_b) or top_a * top_b > 2.0**126:
+        return [False] * L
+    low = min_nonzero_abs(a3, (1, 2)).double() * min_nonzero_abs(b3, (1, 2)).double()  # (L,)
+    return (low >= 2.0**-126).tolist()
+
+
+def _tensor_core_fast_ok(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> bool:
+    """The fp32 tensor-core kernel's global conditions: products exact in fp32 wherever they
+    are normal, nothing near overflow (|a|·|b| and |acc| at most 2^100). Terms below 2^-100 are
+    handled per tile (`no_tiny_terms`, or the kernel's own check)."""
+    ok_a, top_a = _fp32_profile(a)
+    ok_b, top_b = _fp32_profile(b)
+    if not (ok_a and ok_b) or top_a * top_b > 2.0**100:
+        return False
+    acc_max = float(acc.abs().max()) if acc.numel() else 0.0
+    return acc_max <= 2.0**100  # False for inf / NaN too
+
+
+def _tiles(L: int, M: int, row_bytes: int):
+    """(lead slice, row slice) blocks whose largest temporary is about `_CHUNK_BYTES`:
+    whole matrices of several lead entries when one matrix fits, else row chunks of one."""
+    budget = max(1, _CHUNK_BYTES)
+    if M * row_bytes <= budget:
+        step = max(1, budget // max(1, M * row_bytes))
+        for l0 in range(0, L, step):
+            yield slice(l0, l0 + step), slice(0, M)
+    else:
+        m = max(1, budget // max(1, row_bytes))
+        for l0 in range(L):
+            for m0 in range(0, M, m):
+                yield slice(l0, l0 + 1), slice(m0, m0 + m)
 
 
 def matmul(
@@ -181,63 +232,99 @@ def matmul(
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    a = a.expand(*lead, M, K)
-    b = b.expand(*lead, K, N)
     if acc is None:
         acc = torch.zeros(*lead, M, N, dtype=torch.float32)
     else:
         acc = acc.to(torch.float32).expand(*lead, M, N)
     params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
-    exact32 = _products_exact_in_fp32(a, b)
-    lead_n = 1
+    L = 1
     for d in lead:
-        lead_n *= d
+        L *= d
+    a3 = a.expand(*lead, M, K).reshape(L, M, K)  # (L, M, K)
+    b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
+    acc3 = acc.reshape(L, M, N)  # (L, M, N)
 
-    out = torch.empty(*lead, M, N, dtype=torch.float32)
-    if params is None:  # ieee (or fp32 inputs under tensor-core)
-        chunk = _row_chunk(M, lead_n * N * 8 * 4)
-        for m0 in range(0, M, chunk):
-            rows = slice(m0, m0 + chunk)
-            out[..., rows, :] = _ieee_rows(a[..., rows, :], b, acc[..., rows, :], exact32)
-    else:
-        work = torch.float32 if exact32 else torch.float64
-        per_row = lead_n * N * (params.F * (4 if exact32 else 8) + 8 * 8)
-        chunk = _row_chunk(M, per_row)
-        for m0 in range(0, M, chunk):
-            rows = slice(m0, m0 + chunk)
-            out[..., rows, :] = _tensor_core_rows(a[..., rows, :], b, acc[..., rows, :], params, work)
+    with _one_thread():
+        if params is None:  # ieee (or fp32 inputs under tensor-core)
+            out = _ieee(a3, b3, acc3)
+        else:
+            out = _tensor_core(a3, b3, acc3, params)
+    return out.reshape(*lead, M, N)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run the kernels on one intra-op thread, then restore the caller's setting: they issue
+    many cache-sized ops, which intra-op threads slow down (measured: 2 threads took 6-16x the
+    CPU time and 2-13x the wall time of 1 on a 2-core machine; benchmarks/numerics_matmul.py)."""
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
+
+
+def _ieee(a3: torch.Tensor, b3: torch.Tensor, acc3: torch.Tensor) -> torch.Tensor:
+    """ieee model: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), tile by tile -> fp32 (L, M, N)."""
+    (L, M, K), N = a3.shape, b3.shape[-1]
+    fp32_ok = _ieee_fp32_leads(a3, b3)  # (L,)
+    out = torch.empty(L, M, N, dtype=torch.float32)
+    for ls, rows in _tiles(L, M, N * 4 * _IEEE_TILE_FACTOR):
+        at = a3[ls, rows].transpose(-1, -2)  # (Lt, K, m) a view
+        if all(fp32_ok[ls]):
+            bw = b3[ls].to(torch.float32).contiguous()  # (Lt, K, N): row k of b is contiguous
+            out[ls, rows] = ieee_tile_fp32(at.to(torch.float32), bw, acc3[ls, rows])
+        else:
+            out[ls, rows] = _ieee_tile_fp64(at.to(torch.float64), b3[ls].to(torch.float64), acc3[ls, rows])
     return out
 
 
-def _ieee_rows(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, exact32: bool) -> torch.Tensor:
-    """ieee model on a row chunk: a (..., m, K), b (..., K, N), acc (..., m, N) → fp32 (..., m, N)."""
-    K = a.shape[-1]
-    if exact32:
-        a32, b32 = a.to(torch.float32), b.to(torch.float32)
-        at = a32.transpose(-1, -2).contiguous()  # (..., K, m): column k is contiguous
-        out = acc.to(torch.float32).clone()
-        for k in range(K):  # products exact in fp32: one rounding per add, FMA or not
-            out.addcmul_(at[..., k, :].unsqueeze(-1), b32[..., k : k + 1, :])
-        return out
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+def _ieee_tile_fp64(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """ieee model on one tile with fp64 products (any fp32 inputs): at (Lt, K, m), b (Lt, K, N), acc (Lt, m, N)."""
     out = acc.to(torch.float64).clone()
-    for k in range(K):
-        out = ieee_fma_step(out, a64[..., :, k : k + 1] * b64[..., k : k + 1, :])
+    for k in range(at.shape[1]):
+        out = ieee_fma_step(out, at[:, k, :, None] * b[:, k, None, :])
     return out.to(torch.float32)
 
 
-def _tensor_core_rows(a, b, acc, params: TensorCoreParams, work: torch.dtype) -> torch.Tensor:
-    """tensor-core model on a row chunk: a (..., m, K), b (..., K, N), acc (..., m, N) → fp32 (..., m, N)."""
-    K = a.shape[-1]
-    at = a.to(work).transpose(-1, -2).contiguous()  # (..., K, m): column k is contiguous
-    bw = b.to(work)  # (..., K, N)
+def _tensor_core(a3: torch.Tensor, b3: torch.Tensor, acc3: torch.Tensor, params: TensorCoreParams) -> torch.Tensor:
+    """tensor-core model: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), tile by tile -> fp32 (L, M, N).
+
+    The fp32 kernel runs where its conditions hold; a tile it rejects (a nonzero term below
+    2^-100) and inputs outside its domain take the fp64 reference (`tensor_core_group`)."""
+    (L, M, K), N = a3.shape, b3.shape[-1]
+    F, neab = params.F, params.neab
+    fast = _tensor_core_fast_ok(a3, b3, acc3)
+    work = torch.float32 if fast else torch.float64
+    at = a3.to(work).transpose(-1, -2)  # (L, K, M) a view: a tile reads F consecutive k of each row
+    bw = b3.to(work).contiguous()  # (L, K, N): row k of b is contiguous
+    if fast:  # (L,) True where no tile of that lead entry can meet a term below 2^-100
+        safe = no_tiny_terms(min_nonzero_abs(a3, (1, 2)), min_nonzero_abs(b3, (1, 2)),
+                             min_nonzero_abs(acc3, (1, 2)), neab).tolist()
+    out = torch.empty(L, M, N, dtype=torch.float32)
+    for ls, rows in _tiles(L, M, N * min(F, K) * 4 * 2):
+        tile_acc = acc3[ls, rows]
+        if fast:
+            track = not all(safe[ls])
+            res, ok = tensor_core_tile_fp32(at[ls, :, rows], bw[ls], tile_acc, F, neab, track=track)
+            if ok:
+                out[ls, rows] = res
+                continue
+        out[ls, rows] = _tensor_core_tile_fp64(at[ls, :, rows], bw[ls], tile_acc, params)
+    return out
+
+
+def _tensor_core_tile_fp64(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, params: TensorCoreParams) -> torch.Tensor:
+    """tensor-core model on one tile with the fp64 reference step: at (Lt, K, m), b (Lt, K, N), acc (Lt, m, N)."""
+    at, b = at.to(torch.float64), b.to(torch.float64)
     out = acc.to(torch.float64)
-    buf = torch.empty(params.F, *out.shape, dtype=work)  # (F, ..., m, N) the group's products
-    for k0 in range(0, K, params.F):
-        n = min(params.F, K - k0)
-        for i in range(n):  # outer product of column k of a and row k of b: exact in `work`
-            torch.mul(at[..., k0 + i, :].unsqueeze(-1), bw[..., k0 + i : k0 + i + 1, :], out=buf[i])
-        out = tensor_core_group(out, buf[:n], params.neab)
+    K, F = at.shape[1], params.F
+    for k0 in range(0, K, F):
+        prods = at[:, k0 : k0 + F, :, None] * b[:, k0 : k0 + F, None, :]  # (Lt, n, m, N) exact in fp64
+        out = tensor_core_group(out, prods.transpose(0, 1), params.neab)  # group dim first
     return out.to(torch.float32)
 
 

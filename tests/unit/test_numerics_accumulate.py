@@ -141,3 +141,91 @@ def test_matmul_broadcasts_batch_dims_and_chunks_rows(monkeypatch):
         assert out.shape == (2, 3, 33, 7)
         assert torch.equal(matmul(a, b, m), out)
     assert (whole["ieee"].double() - a.double() @ b.double()).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# the fast tile kernels against the fp64 reference steps and the Fraction model, on edge cases
+
+
+def _reference_matmul(a, b, model, F, neab, acc=None):
+    """The plain fp64 algorithm: one `ieee_fma_step` per k, or one `tensor_core_group` per group
+    of F, over whole (M, N) matrices. a (M, K), b (K, N) -> fp32 (M, N)."""
+    from fa_forensics.numerics.accumulate import ieee_fma_step, tensor_core_group
+
+    a64, b64 = a.double(), b.double()
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64) if acc is None else acc.double()
+    if model == "ieee":
+        for k in range(a.shape[1]):
+            out = ieee_fma_step(out, a64[:, k : k + 1] * b64[k : k + 1, :])
+    else:
+        for k0 in range(0, a.shape[1], F):
+            prods = a64[:, k0 : k0 + F].T.unsqueeze(-1) * b64[k0 : k0 + F].unsqueeze(1)  # (n, M, N)
+            out = tensor_core_group(out, prods, neab)
+    return out.float()
+
+
+def _edge_inputs(kind, shape, fmt, g):
+    """Values of `fmt` (fp32 tensors) of one kind of trouble."""
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    if kind == "wide":  # huge exponent gaps inside a group
+        x = x * torch.exp2(torch.randint(-60, 30, shape, generator=g).double())
+    elif kind == "tiny":  # products below 2^-100 and subnormal products: the fallback paths
+        x = x * torch.exp2(torch.randint(-140, -60, shape, generator=g).double())
+    elif kind == "zeros":
+        x = torch.where(torch.rand(*shape, generator=g) < 0.6, 0.0, x)
+    elif kind == "negative":
+        x = -x.abs()
+    return round_to(x, fmt).float()
+
+
+_GPU_FMT = [("h100", "bf16"), ("a100", "bf16"), ("h100", "fp16"), ("h100", "fp8_e4m3"), ("h100", "fp8_e5m2"), ("h100", "fp32")]
+
+
+@pytest.mark.parametrize("gpu,fmt", _GPU_FMT)
+@pytest.mark.parametrize("kind", ["normal", "wide", "tiny", "zeros", "negative"])
+def test_fast_kernels_equal_the_fp64_reference_bit_for_bit(gpu, fmt, kind):
+    g = torch.Generator().manual_seed(hash((gpu, fmt, kind)) % 2**31)
+    params = tensor_core_params(gpu, fmt)
+    F, neab = (params.F, params.neab) if params else (1, 0)
+    for M, K, N, with_acc in ((6, 70, 5, False), (3, 33, 4, True), (1, 40, 1, True)):
+        a = _edge_inputs(kind, (M, K), fmt, g)
+        b = _edge_inputs("normal" if kind != "negative" else "wide", (K, N), fmt, g)
+        acc = _edge_inputs(kind, (M, N), "fp32", g) if with_acc else None
+        for model in ("ieee", "tensor-core"):
+            ref_model = model if params else "ieee"
+            got = matmul(a, b, model, gpu=gpu, in_format=fmt, acc=acc)
+            want = _reference_matmul(a, b, ref_model, F, neab, acc)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (model, M, K, N)
+
+
+def test_cancellation_to_zero_and_exact_ties_match_the_fraction_model():
+    """x, −x pairs cancel to +0 in both models; a term equal to the accumulator's half ulp (a tie) too."""
+    p = [1.5, 2.0**-3, -1.5, -(2.0**-3)] * 8 + [2.0**-24, 1.0]
+    v = [1.0] * 34
+    for gpu, F, neab in (("h100", 16, 2), ("a100", 8, 1)):
+        got = _dot(p[:32], v[:32], accumulation="tensor-core", gpu=gpu)
+        assert got == 0.0 and math.copysign(1.0, got) == 1.0
+        assert _dot(p, v, accumulation="tensor-core", gpu=gpu) == _tensor_core_reference(p, v, F, neab)
+    assert _dot(p, v, accumulation="ieee") == 1.0  # 2^-24 then 1: exact sum 1 + 2^-24, a tie, rounds to even
+
+
+def test_fp8_inputs_with_neab_minus_10_match_the_fraction_model():
+    g = torch.Generator().manual_seed(11)
+    for trial in range(6):
+        scale = torch.exp2(torch.randint(-12, 6, (64,), generator=g).double())
+        p = round_to(torch.randn(64, generator=g, dtype=torch.float64) * scale, "fp8_e4m3")
+        v = round_to(torch.randn(64, generator=g, dtype=torch.float64), "fp8_e4m3")
+        want = _tensor_core_reference(p.tolist(), v.tolist(), 32, -10)
+        assert _dot(p.tolist(), v.tolist(), accumulation="tensor-core", in_format="fp8_e4m3") == want
+
+
+def test_subnormal_products_take_a_correct_path():
+    """Products below fp32's normal range (2^-140 · 2^-10): the fp32 kernels must not be used blindly."""
+    p = [2.0**-140, 2.0**-141, 3 * 2.0**-142] * 6
+    v = [2.0**-10, 1.0, 2.0**-3] * 6
+    for gpu, F, neab in (("h100", 16, 2), ("a100", 8, 1)):
+        assert _dot(p, v, accumulation="tensor-core", gpu=gpu) == _tensor_core_reference(p, v, F, neab)
+    want = 0.0
+    for x, y in zip(p, v):
+        want = fma_fp32(want, x, y)
+    assert _dot(p, v, accumulation="ieee") == want
