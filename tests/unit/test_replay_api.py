@@ -83,7 +83,10 @@ def test_unknown_backend_and_config_errors():
 
 @pytest.mark.skipif(importlib.util.find_spec("fa_forensics.replay.triton") is not None and torch.cuda.is_available(),
                     reason="the triton backend can run here")
-def test_triton_backend_without_gpu_is_a_user_error_not_a_traceback():
+def test_triton_backend_without_gpu_is_a_user_error_not_a_traceback(monkeypatch):
+    # tests/triton's conftest sets TRITON_INTERPRET=1 for the whole worker process; without it
+    # and without CUDA, the triton backend must refuse in one line
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v, _ = _qkv()
     with pytest.raises(UserError):
         replay(q, k, v, CFG, backend="triton")
