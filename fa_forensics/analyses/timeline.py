@@ -30,6 +30,8 @@ class TimelineResult:
     ties_loss_p_value: Optional[float]
     # Which head has the largest final W_Q spectral norm (the paper's Fig. 3 picks head 8)
     top_wq_head: Optional[tuple[int, int]]
+    # Steps at which the capture's alarm fired (timeline series `alarms` > 0); empty without --alarm
+    alarm_steps: tuple[int, ...] = ()
 
 
 def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = "the dump") -> TimelineResult:
@@ -53,8 +55,10 @@ def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = 
     if wq is not None and np.isfinite(wq[-1]).any():
         flat = np.nanargmax(wq[-1])
         top = tuple(int(i) for i in np.unravel_index(flat, wq.shape[1:]))
+    alarms = timeline.get("alarms")
+    alarm_steps = () if alarms is None else tuple(int(s) for s, n in zip(steps, np.asarray(alarms)) if n > 0)
     return TimelineResult(steps=steps, loss=loss, series=series, n_layers=shape[1], n_heads=shape[2],
-                          ties_loss_spearman=rho, ties_loss_p_value=p, top_wq_head=top)
+                          ties_loss_spearman=rho, ties_loss_p_value=p, top_wq_head=top, alarm_steps=alarm_steps)
 
 
 def timeline_json(result: TimelineResult) -> dict:
@@ -68,4 +72,5 @@ def timeline_json(result: TimelineResult) -> dict:
         "ties_loss_spearman": result.ties_loss_spearman,
         "ties_loss_p_value": result.ties_loss_p_value,
         "top_wq_head": list(result.top_wq_head) if result.top_wq_head else None,
+        "alarm_steps": list(result.alarm_steps),
     }

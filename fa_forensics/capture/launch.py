@@ -2,7 +2,8 @@
 
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
 `fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
-"attention_modules"} in their text forms. Before the script runs, the launcher
+"attention_modules", "monitor_every", "alarm", "alarm_steps", "ring"} in their text forms.
+Before the script runs, the launcher
 - patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
   scaled_dot_product_attention` in the script also gets the patched function),
 - counts steps through a global optimizer.step() post-hook,
@@ -71,6 +72,8 @@ def main(argv: list[str]) -> int:
             None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"), int(cfg.get("micro_batch", 0)),
             cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
             overwrite=bool(cfg.get("overwrite", False)), keep_sdpa_patch=True,
+            monitor_every=cfg.get("monitor_every"), alarm=bool(cfg.get("alarm", False)),
+            alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
         )
         session.start()

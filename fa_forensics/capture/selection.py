@@ -112,9 +112,17 @@ class CaptureSelection:
     micro_batch: int = 0
 
     @classmethod
-    def build(cls, steps, layers: Indices = None, heads: Indices = None, batch=None, micro_batch: int = 0) -> "CaptureSelection":
-        """Normalize user values (text or Python) into a selection, with one-line errors."""
-        if isinstance(steps, str):
+    def build(cls, steps, layers: Indices = None, heads: Indices = None, batch=None, micro_batch: int = 0,
+              allow_no_steps: bool = False) -> "CaptureSelection":
+        """Normalize user values (text or Python) into a selection, with one-line errors.
+
+        allow_no_steps: an empty step selection is fine (the monitor, an alarm or the ring decide what is written).
+        """
+        if steps is not None and not isinstance(steps, (str, int)):
+            steps = list(steps)
+        if allow_no_steps and (steps is None or (isinstance(steps, str) and not steps.strip()) or steps == []):
+            step_set = frozenset()
+        elif isinstance(steps, str):
             step_set = parse_steps(steps)
         elif isinstance(steps, int):
             step_set = frozenset([steps])

@@ -13,9 +13,21 @@ Conventions (also in the README):
 
 Hot path: on a step that is not selected, the SDPA patch and every hook check one boolean
 (`busy`) and return; nothing is cloned, nothing synchronizes.
+
+Monitor (`monitor_every=N`): every N-th step (step % N == 0) is "monitored": each attention call
+of the recorded forward pass feeds `StepCollector` (per-head statistics on the batch slice, W_Q
+spectral norms), and when the step ends ONE timeline row is appended to the store (step, loss,
+(L, H) arrays, `alarms` count). The loss is the one given by `cap.step(loss)`, else the scalar on
+which `backward()` was called (the loss tap). The row is written when its loss is known: at
+`cap.step()`, or at the next forward pass / attention call / step end / exit.
+Alarm (`alarm=True` or an `AlarmRule`): each row feeds the rule; an alarm prints one line to
+stderr and the next `alarm_steps` steps are recorded in full (all selected layers). Ring
+(`ring=K`): monitored steps that are not written are kept in host memory, the last K of them;
+an alarm writes them too (the steps before the spike, and the spike step itself).
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import sys
@@ -25,9 +37,10 @@ from typing import Callable, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fa_forensics.capture import sdpa
+from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input
 from fa_forensics.capture.selection import CaptureError, CaptureSelection
+from fa_forensics.capture.ring import RingArray, RingStep, StepRing
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
 StepCallback = Callable[["CaptureSession", int, Optional[float]], None]
@@ -65,10 +78,16 @@ class CaptureSession:
         on_step: Optional[StepCallback] = None,
         run_attrs: Optional[dict] = None,
         keep_sdpa_patch: bool = False,
+        monitor_every: Optional[int] = None,
+        alarm=False,
+        alarm_steps: int = 3,
+        ring: int = 0,
+        monitor_eps: float = 1e-3,
     ):
         if step_by not in ("optimizer", "manual"):
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
-        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch)
+        check_monitor_options(monitor_every, alarm, alarm_steps, ring)
+        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=bool(monitor_every))
         self.out = os.fspath(out)
         self.model = model
         self.pattern = attention_modules
@@ -99,6 +118,29 @@ class CaptureSession:
         self.recorded_steps: list[int] = []
         self.rank, self.world_size = 0, 1
         self.attention_module_names: list[str] = []
+        self._modules_by_name: dict[str, torch.nn.Module] = {}
+        # monitor state (all idle unless monitor_every is given)
+        self.monitor_every = int(monitor_every) if monitor_every else None
+        self.alarm_steps = int(alarm_steps)
+        self.monitor_eps = monitor_eps
+        self._collector = None  # a StepCollector when monitoring
+        self._rule = None  # an AlarmRule when alarms are on
+        if alarm:
+            from fa_forensics.monitor.alarm import AlarmRule
+
+            self._rule = alarm if isinstance(alarm, AlarmRule) else AlarmRule()
+        self._ring: Optional[StepRing] = StepRing(ring) if ring else None
+        self._ring_step: Optional[RingStep] = None  # the current step's arrays, held for the ring
+        self._monitor_hot = False  # the current step is monitored
+        self._ring_hot = False  # the current step's selected layers go to the ring
+        self._active = False  # the current step needs its attention calls (recorded or monitored)
+        self._extra_steps: set[int] = set()  # steps an alarm asked for
+        self._reported_loss: Optional[float] = None  # cap.step(loss) before the boundary (monitor)
+        self._tapped_loss: Optional[torch.Tensor] = None  # sum of scalars backward() was called on
+        self._pending_tapped: Optional[torch.Tensor] = None  # ... of the ended step awaiting completion
+        self._row = None  # the ended monitored step's row awaiting its loss: (step, series, loss, tapped)
+        self.alarms: list = []  # every Alarm raised
+        self.monitored_steps: list[int] = []
 
     # -- public API ----------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
@@ -121,10 +163,16 @@ class CaptureSession:
         loss = _as_float(loss)
         if self.step_by == "manual":
             self._end_step(loss)
-        elif self._pending is not None:
+            return
+        row_waiting = self._row is not None
+        if row_waiting:
+            self._flush_row(loss)
+        if self._pending is not None:
             self._flush_pending(loss)
         elif self._hot and self._step_recorded:  # called before optimizer.step(): the loss of the current step
             self._step_loss = loss
+        if not row_waiting and self._monitor_hot:
+            self._reported_loss = loss
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
                causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
@@ -161,8 +209,13 @@ class CaptureSession:
             if self.step_by == "optimizer":
                 self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_step))
             sdpa.install(self)
+            if self.monitor_every:
+                from fa_forensics.monitor.collector import StepCollector
+
+                self._collector = StepCollector(eps=self.monitor_eps, warn=self._warn_once_key, background=True)
+                loss_tap.install(self)
             _set_active(self)
-            self._set_hot(self.selection.wants_step(0))
+            self._begin_step(0)
         except BaseException:
             self._remove_hooks()
             self._writer.close()
@@ -172,13 +225,19 @@ class CaptureSession:
         """Remove every hook and patch, complete the step(s) that ended, flush and close the store."""
         self._remove_hooks()
         sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
+        loss_tap.uninstall(self)
         _set_active(None)
         if self._writer is None:
             return
         try:
+            if self._row is not None:
+                self._flush_row(None)
             if self._pending is not None:
                 self._flush_pending(None)
-            self.busy = self._hot = False
+            self._ring_step = None
+            if self._collector is not None:
+                self._collector.close()
+            self.busy = self._hot = self._active = self._monitor_hot = self._ring_hot = False
         finally:
             writer, self._writer = self._writer, None
             try:
@@ -193,6 +252,7 @@ class CaptureSession:
         self._root = model
         found = find_attention_modules(model, self.pattern)
         self.attention_module_names = [name for name, _ in found]
+        self._modules_by_name = dict(found)
         self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
         for name, module in found:
             self._handles.append(module.register_forward_pre_hook(self._x_hook(name), with_kwargs=True))
@@ -202,6 +262,8 @@ class CaptureSession:
     def _on_root_forward(self, module, args) -> None:
         if not self.busy or not torch.is_grad_enabled():
             return
+        if self._row is not None:
+            self._flush_row(None)
         if self._pending is not None:
             self._flush_pending(None)
         self._micro += 1
@@ -210,7 +272,7 @@ class CaptureSession:
 
     def _x_hook(self, name: str):
         def hook(module, args, kwargs):
-            if not self._hot or not torch.is_grad_enabled():
+            if not self._active or not torch.is_grad_enabled():
                 return None
             x = module_input(args, kwargs)
             self._pending_x = None if x is None else (name, x)
@@ -226,10 +288,12 @@ class CaptureSession:
         self._end_step(None)
 
     def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask_given: bool, source: str) -> None:
-        """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded."""
+        """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded or monitored."""
+        if self._row is not None:
+            self._flush_row(None)
         if self._pending is not None:
             self._flush_pending(None)
-        if not self._hot or not torch.is_grad_enabled():
+        if not self._active or not torch.is_grad_enabled():
             return
         if self._root is None:  # no module tree: a new forward pass starts after a backward pass
             if self._micro < 0 or self._backward_seen:
@@ -240,11 +304,14 @@ class CaptureSession:
         self._layer += 1
         x = self._pending_x
         self._pending_x = None
-        if self._micro != self.selection.micro_batch or not self.selection.wants_layer(layer):
+        if self._micro != self.selection.micro_batch:
             if self._root is None and self._micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
-        self._record_call(layer, q, k, v, o, x, scale, causal, attn_mask_given, source)
+        if self._monitor_hot:
+            self._monitor_call(layer, q, k, x, scale, causal)
+        if (self._hot or self._ring_hot) and self.selection.wants_layer(layer):
+            self._record_call(layer, q, k, v, o, x, scale, causal, attn_mask_given, source)
 
     # -- recording -----------------------------------------------------------------------
     def _record_call(self, layer, q, k, v, o, x, scale, causal, attn_mask_given, source) -> None:
@@ -287,6 +354,8 @@ class CaptureSession:
             self._warn_once("mask", "fa-forensics capture: an attn_mask was passed to scaled_dot_product_attention; "
                             "it is not stored and the layer is recorded as causal=False (step attr attn_mask_layers)")
         step = self.current_step
+        if not self._hot and self._ring_step is None:
+            self._ring_step = RingStep(step)
         for name, tensor in (("q", cast(select(q))), ("k", cast(select(k, kv=True))), ("v", cast(select(v, kv=True))), ("o", select(o))):
             self._queue_array(step, layer, name, tensor, layer_attrs)
         if x is not None:
@@ -301,7 +370,11 @@ class CaptureSession:
 
     def _queue_array(self, step, layer, name, tensor, layer_attrs) -> None:
         host, ready = offload(tensor)
-        self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
+        ring_step = self._ring_step
+        if ring_step is not None and ring_step.step == step:
+            ring_step.arrays.append(RingArray(layer, name, host, ready, layer_attrs))
+        else:
+            self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
 
     def _mark_backward(self, grad) -> None:
         self._backward_seen = True
@@ -309,45 +382,163 @@ class CaptureSession:
     # -- step boundaries -----------------------------------------------------------------
     def _end_step(self, loss: Optional[float]) -> None:
         ended = self.current_step
+        if self._row is not None:
+            self._flush_row(None)
         if self._pending is not None:
             self._flush_pending(None)
+        tapped, self._tapped_loss = self._tapped_loss, None
         if self._hot:
             if self._step_recorded:
                 self._pending = ended
                 self._pending_loss = loss if loss is not None else self._step_loss
+                self._pending_tapped = tapped
                 if self._pending_loss is not None or self.step_by == "manual":
                     self._flush_pending(None)
             else:
                 self._warn_once(f"empty{ended}", f"fa-forensics capture: step {ended} was selected but no attention call was seen (with gradients enabled); nothing recorded for it")
+        row = None
+        if self._monitor_hot:
+            explicit = loss if loss is not None else self._reported_loss
+            if self._ring_step is not None:
+                self._ring_step.loss = explicit
+                self._ring.push(self._ring_step)
+            row = (ended, self._collector.finish(), explicit, tapped)
+        self._ring_step = None
         self.current_step = ended + 1
         self._micro, self._layer, self._backward_seen = -1, 0, False
         self._step_recorded = False
         self._step_loss = None
-        self._set_hot(self.selection.wants_step(self.current_step))
+        self._begin_step(self.current_step)
+        if row is not None:
+            self._row = row
+            self._update_busy()
+            if row[2] is not None or self.step_by == "manual":
+                self._flush_row(None)
         for fn in self._callbacks:
             fn(self, ended, loss)
 
     def _flush_pending(self, loss: Optional[float]) -> None:
         step, self._pending = self._pending, None
+        tapped, self._pending_tapped = self._pending_tapped, None
         if loss is None:
             loss = self._pending_loss
+        if loss is None and tapped is not None:
+            loss = float(tapped)
         attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
+        if step in self._extra_steps:
+            attrs["recorded_by"] = "alarm"
         if self._masked_layers:
             attrs["attn_mask_layers"] = sorted(set(self._masked_layers))
             self._masked_layers = []
         self._writer.put_complete(step, loss=loss, **attrs)
-        self.recorded_steps.append(step)
-        self.busy = self._hot or self._pending is not None
+        bisect.insort(self.recorded_steps, step)
+        self._update_busy()
 
     def _set_hot(self, hot: bool) -> None:
         self._hot = hot
-        self.busy = hot or self._pending is not None
+        self._update_busy()
+
+    def _update_busy(self) -> None:
+        self._ring_hot = self._ring is not None and self._monitor_hot and not self._hot
+        self._active = self._hot or self._monitor_hot
+        self.busy = self._active or self._pending is not None or self._row is not None
+
+    def _begin_step(self, step: int) -> None:
+        """Decide what the step that starts now does: record (selected or asked for by an alarm), monitor, ring."""
+        self._monitor_hot = bool(self.monitor_every) and step % self.monitor_every == 0
+        self._reported_loss = None
+        if self._monitor_hot:
+            self._collector.begin(step)
+        self._set_hot(self.selection.wants_step(step) or step in self._extra_steps)
+
+    # -- monitor -------------------------------------------------------------------------
+    def on_backward(self, tensors, grad_tensors) -> None:
+        """Called by the loss tap on busy steps: add a scalar loss to the step's sum (no synchronization)."""
+        if not self._active:
+            return
+        value = loss_tap.scalar_loss(tensors, grad_tensors)
+        if value is not None:
+            self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
+
+    def _monitor_call(self, layer, q, k, x, scale, causal) -> None:
+        if q.dim() != 4:
+            return
+        batch = self.selection.batch
+        q_b, k_b = (q, k) if batch is None else (q[batch], k[batch])  # the capture's batch slice keeps it cheap
+        if x is not None:
+            name = x[0]
+        elif layer < len(self.attention_module_names):
+            name = self.attention_module_names[layer]
+        else:
+            name = f"attention call {layer}"
+        module = self._modules_by_name.get(name)
+        from fa_forensics.monitor.collector import p_bar_dtype
+
+        self._collector.observe_call(layer, q_b, k_b, scale=scale, causal=causal, p_dtype=p_bar_dtype(_recorded_dtype(q)),
+                                     module=module, module_name=name)
+
+    def _flush_row(self, loss: Optional[float]) -> None:
+        """Write the pending timeline row (its loss: given now, else reported, else tapped) and run the alarm rule."""
+        step, series, explicit, tapped = self._row
+        self._row = None
+        if loss is None:
+            loss = explicit
+        if loss is None and tapped is not None:
+            loss = float(tapped)  # the one read of the tapped scalar (a device sync on GPU)
+        ring_last = self._ring.last() if self._ring is not None else None
+        if ring_last is not None and ring_last.step == step:
+            ring_last.loss = loss
+        if series is None:
+            self._warn_once("monitor-empty", f"fa-forensics monitor: step {step} was monitored but no attention call was seen "
+                                             "(with gradients enabled); its timeline row holds only the loss")
+            series = {}
+        alarms = []
+        if self._rule is not None:
+            alarms = self._rule.observe(step, loss=loss, near_max_ties=series.get("near_max_ties"), wq_sigma=series.get("wq_sigma"))
+        self._writer.put_timeline(step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series)
+        self.monitored_steps.append(step)
+        if alarms:
+            self._raise_alarm(step, alarms)
+        self._update_busy()
+
+    def _raise_alarm(self, step: int, alarms: list) -> None:
+        """One stderr line; the next alarm_steps steps are recorded; the ring's steps are written."""
+        self.alarms.extend(alarms)
+        follow = range(step + 1, step + 1 + self.alarm_steps)
+        self._extra_steps.update(follow)
+        written = self._write_ring(step)
+        first = max(alarms, key=lambda a: a.z)
+        more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
+        what = f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0 else "no steps after it recorded (--alarm-steps 0)"
+        if written:
+            what += f", and steps {_span(written)} from the ring"
+        print(f"{first.message()}{more}; {what}", file=sys.stderr, flush=True)
+        if self.current_step in self._extra_steps and not self._hot:
+            self._set_hot(True)
+
+    def _write_ring(self, alarm_step: int) -> list[int]:
+        if self._ring is None:
+            return []
+        written = []
+        for held in self._ring.drain():
+            if held.step in self.recorded_steps:
+                continue
+            for a in held.arrays:
+                self._writer.put_array(held.step, a.layer, a.name, a.tensor, ready=a.ready, layer_attrs=a.layer_attrs)
+            self._writer.put_complete(held.step, loss=held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
+                                      recorded_by="ring", alarm_step=int(alarm_step))
+            bisect.insort(self.recorded_steps, held.step)
+            written.append(held.step)
+        return written
 
     # -- helpers -------------------------------------------------------------------------
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _warn_once_key(self, key: str, message: str) -> None:
+        self._warn_once(key, message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -367,6 +558,13 @@ class CaptureSession:
             device = device or (str(first.device) if first is not None else None)
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
                          "rank": self.rank, "world_size": self.world_size, **self.run_attrs.get("capture", {})}
+        if self.monitor_every:
+            capture_attrs["monitor"] = {
+                "every": self.monitor_every, "eps": self.monitor_eps,
+                "alarm": None if self._rule is None else {"window": self._rule.window, "min_history": self._rule.min_history,
+                                                          "z_threshold": self._rule.z_threshold, "min_change": dict(self._rule.min_change)},
+                "alarm_steps": self.alarm_steps, "ring": 0 if self._ring is None else self._ring.capacity,
+            }
         return {
             **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},
             "tool_version": __version__,
@@ -377,6 +575,27 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
+
+
+def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
+    """One-line errors for monitor options that cannot work together."""
+    if monitor_every is not None and (not isinstance(monitor_every, int) or monitor_every < 1):
+        raise CaptureError(f"monitor_every must be a step interval >= 1, got {monitor_every!r}")
+    if alarm and not monitor_every:
+        raise CaptureError("the alarm watches the monitor's statistics; give --monitor-every N (e.g. 1) with --alarm")
+    if int(alarm_steps) < 0:
+        raise CaptureError(f"--alarm-steps must be >= 0, got {alarm_steps}")
+    if int(ring) < 0:
+        raise CaptureError(f"--ring must be >= 0 steps, got {ring}")
+    if ring and not alarm:
+        raise CaptureError("--ring keeps recent steps for the alarm to write; add --alarm (and --monitor-every N)")
+
+
+def _span(steps: list[int]) -> str:
+    """'5..8' for consecutive steps, else '5, 7, 9'."""
+    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}..{steps[-1]}"
+    return ", ".join(map(str, steps))
 
 
 def _recorded_dtype(q: torch.Tensor) -> torch.dtype:

@@ -37,6 +37,12 @@ class _Complete:
     attrs: dict = field(default_factory=dict)
 
 
+@dataclass
+class _TimelineRow:
+    step: int
+    series: dict  # name -> scalar or numpy array (e.g. (L, H))
+
+
 _STOP = object()
 
 
@@ -70,6 +76,10 @@ class BackgroundWriter:
 
     def put_complete(self, step: int, loss: Optional[float] = None, **attrs) -> None:
         self._put(_Complete(step, loss, attrs))
+
+    def put_timeline(self, step: int, **series) -> None:
+        """Append one monitor row (the step's scalars and (L, H) arrays) to the store's timeline/."""
+        self._put(_TimelineRow(step, series))
 
     def close(self) -> None:
         """Write everything queued, stop the thread, close the store; re-raise a writer failure."""
@@ -121,6 +131,8 @@ class BackgroundWriter:
                     if item.ready is not None:
                         item.ready.synchronize()
                     self._dump.write_array(item.step, item.layer, item.name, item.tensor, layer_attrs=item.layer_attrs)
+                elif isinstance(item, _TimelineRow):
+                    self._dump.append_timeline(item.step, **item.series)
                 else:
                     self._dump.complete_step(item.step, loss=item.loss, **item.attrs)
             except BaseException as exc:  # reported to the training thread at its next call

@@ -15,9 +15,13 @@ from fa_forensics.errors import UserError
 
 LAUNCHER = "fa_forensics.capture.launch"
 
-StepsOpt = Annotated[str, typer.Option("--steps", help="Steps to record: 100,200 or ranges 100:200:10 (stop exclusive). Step k precedes the (k+1)-th optimizer.step().")]
+StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Steps to record: 100,200 or ranges 100:200:10 (stop exclusive). Step k precedes the (k+1)-th optimizer.step(). Optional with --monitor-every.")]
 LayersOpt = Annotated[Optional[str], typer.Option("--layers", help="Attention layers to record, e.g. 1 or 0,3 (default: every layer).")]
 HeadsOpt = Annotated[Optional[str], typer.Option("--heads", help="Heads to record, e.g. 0,3 (default: every head).")]
+MonitorEveryOpt = Annotated[Optional[int], typer.Option("--monitor-every", help="Append a timeline row (loss, per-head max logit, repeated maxima, extra P̄=1, top-1 probability, W_Q spectral norm) every N steps.", metavar="N")]
+AlarmOpt = Annotated[bool, typer.Option("--alarm", help="Watch the timeline with the robust z-score rule; on an alarm print one line and record the next --alarm-steps steps in full.")]
+AlarmStepsOpt = Annotated[int, typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
+RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored steps' tensors (selected layers, batch slice) in host memory; an alarm writes them too.", metavar="K")]
 BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
 
 
@@ -56,9 +60,13 @@ def _store_summary(out: Path) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dump = open_dump(out)
-            return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps, "layers": dump.layers() if dump.steps else []}
+            timeline = dump.timeline or {}
+            alarms = timeline.get("alarms")
+            return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps, "layers": dump.layers() if dump.steps else [],
+                    "monitored_steps": int(len(timeline.get("step", []))),
+                    "alarm_steps": [] if alarms is None else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0]}
     except UserError:
-        return {"steps": [], "incomplete_steps": [], "layers": []}
+        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": []}
 
 
 def register(app: typer.Typer) -> None:
@@ -71,13 +79,17 @@ def register(app: typer.Typer) -> None:
     def capture_cmd(
         command: Annotated[list[str], typer.Argument(help="The training command, after --.", show_default=False)],
         out: Annotated[Path, typer.Option("--out", help="Dump store to write (a .zarr directory).")],
-        steps: StepsOpt,
+        steps: StepsOpt = None,
         layers: LayersOpt = None,
         heads: HeadsOpt = None,
         batch: BatchOpt = None,
         micro_batch: Annotated[int, typer.Option("--micro-batch", help="Forward pass of a step to record under gradient accumulation.")] = 0,
         attention_modules: Annotated[Optional[str], typer.Option("--attention-modules", help="Regex over module names that marks attention modules (their input is X).")] = None,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --out.")] = False,
+        monitor_every: MonitorEveryOpt = None,
+        alarm: AlarmOpt = False,
+        alarm_steps: AlarmStepsOpt = 3,
+        ring: RingOpt = 0,
         json_out: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
@@ -85,10 +97,16 @@ def register(app: typer.Typer) -> None:
             from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.selection import CaptureSelection
 
-            selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch)  # one-line errors before launching
+            from fa_forensics.capture.session import check_monitor_options
+
+            if steps is None and monitor_every is None:
+                raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
+            check_monitor_options(monitor_every, alarm, alarm_steps, ring)  # one-line errors before launching
+            selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command))
             settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite,
-                        "attention_modules": attention_modules, "command": list(command)}
+                        "attention_modules": attention_modules, "command": list(command),
+                        "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring}
             env = {**os.environ, ENV_VAR: json.dumps(settings)}
             try:
                 code = subprocess.call(argv, env=env)
@@ -96,7 +114,9 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
             summary = _store_summary(out)
             write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary})
-            console.print(f"capture: {out}: steps {summary['steps']}" + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else ""))
+            console.print(f"capture: {out}: steps {summary['steps']}" + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
+                          + (f", {summary['monitored_steps']} monitored steps in the timeline" if summary["monitored_steps"] else "")
+                          + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
             if code != 0:
                 err_console.print(f"[bold red]error:[/] the training command exited with code {code}; steps completed before it are kept in {out}", highlight=False)
                 raise typer.Exit(code=code if 0 < code < 256 else 1)
@@ -116,6 +136,10 @@ def register(app: typer.Typer) -> None:
         capture_heads: Annotated[Optional[str], typer.Option("--capture-heads", help="Heads to record (default: all).")] = None,
         capture_batch: Annotated[str, typer.Option("--capture-batch", help="Batch slice to record.")] = "0:2",
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --capture.")] = False,
+        monitor_every: MonitorEveryOpt = None,
+        alarm: AlarmOpt = False,
+        alarm_steps: AlarmStepsOpt = 3,
+        ring: RingOpt = 0,
         log_every: Annotated[int, typer.Option("--log-every", help="Print the loss every N steps.")] = 1,
         threads: Annotated[int, typer.Option("--threads", help="CPU threads for torch (the model is tiny: 1 avoids oversubscription on shared machines).")] = 1,
         json_out: JsonOpt = None,
@@ -130,11 +154,14 @@ def register(app: typer.Typer) -> None:
                 torch.set_num_threads(threads)
             if steps < 1:
                 raise UserError(f"--steps must be >= 1, got {steps}")
-            if (capture_out is None) != (capture_steps is None):
-                raise UserError("--capture DUMP and --capture-steps go together; give both (e.g. --capture run.zarr --capture-steps 5,6,7) or neither")
+            if capture_out is None and (capture_steps is not None or monitor_every is not None):
+                raise UserError("--capture-steps and --monitor-every write into a store; add --capture DUMP (e.g. --capture run.zarr)")
+            if capture_out is not None and capture_steps is None and monitor_every is None:
+                raise UserError("--capture DUMP needs --capture-steps (e.g. 5,6,7) or --monitor-every N")
             config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr, capture_out=capture_out,
                                 capture_steps=capture_steps or "", capture_layers=capture_layers, capture_heads=capture_heads,
-                                capture_batch=capture_batch, overwrite=overwrite)
+                                capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every, alarm=alarm,
+                                alarm_steps=alarm_steps, ring=ring)
 
             def log(info, model):
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:
@@ -142,8 +169,10 @@ def register(app: typer.Typer) -> None:
 
             result = train(config, on_step=log)
             write_json(json_out, {"losses": list(result.losses), "final_loss": result.losses[-1], "captured_steps": list(result.captured_steps),
-                                  "capture": None if capture_out is None else str(capture_out), "seconds": result.seconds, "seed": seed, "steps": steps})
+                                  "capture": None if capture_out is None else str(capture_out), "seconds": result.seconds, "seed": seed, "steps": steps,
+                                  "monitored_steps": result.monitored_steps, "alarm_steps": list(result.alarm_steps)})
             if capture_out is not None:
-                console.print(f"captured steps {list(result.captured_steps)} into {capture_out}")
+                console.print(f"captured steps {list(result.captured_steps)} into {capture_out}"
+                              + (f"; {result.monitored_steps} monitored steps in its timeline" if result.monitored_steps else ""))
 
         run_cli(debug, body)

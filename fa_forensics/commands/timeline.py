@@ -36,6 +36,8 @@ def timeline(dump: DumpArg, out: OutOpt = None, json_path: JsonOpt = None, debug
             console.print(f"repeated maxima vs loss: Spearman ρ = {result.ties_loss_spearman:+.3f} (p = {result.ties_loss_p_value:.3g})")
         if result.top_wq_head is not None:
             console.print(f"largest W_Q spectral norm at the last step: layer {result.top_wq_head[0]} head {result.top_wq_head[1]}")
+        if result.alarm_steps:
+            console.print(f"alarms fired at steps {list(result.alarm_steps)}")
         out_dir = ensure_out_dir(out)
         if out_dir is not None:
             from fa_forensics.figures.timeline import all_timeline_figures

@@ -39,6 +39,11 @@ class DemoConfig:
     capture_heads: Optional[str] = None
     capture_batch: Optional[str] = "0:2"
     overwrite: bool = False
+    # monitor (needs capture_out: the timeline is written into that store)
+    monitor_every: Optional[int] = None
+    alarm: bool = False
+    alarm_steps: int = 3
+    ring: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class TrainResult:
     losses: tuple[float, ...]
     captured_steps: tuple[int, ...]
     seconds: float
+    monitored_steps: int = 0
+    alarm_steps: tuple[int, ...] = ()  # steps at which the monitor's alarm fired
 
 
 StepHook = Callable[[StepInfo, torch.nn.Module], None]
@@ -89,7 +96,7 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y:
 
 
 def train(config: DemoConfig, on_step: Optional[StepHook] = None) -> TrainResult:
-    """Run the demo training; capture the selected steps if `config.capture_out` is set."""
+    """Run the demo training; capture the selected steps (and monitor every N-th) if `config.capture_out` is set."""
     model, optimizer, tokens, generator = build(config)
     device = next(model.parameters()).device
     session = contextlib.nullcontext()
@@ -99,6 +106,7 @@ def train(config: DemoConfig, on_step: Optional[StepHook] = None) -> TrainResult
         session = capture(
             model, out=config.capture_out, steps=config.capture_steps, layers=config.capture_layers,
             heads=config.capture_heads, batch=config.capture_batch, overwrite=config.overwrite,
+            monitor_every=config.monitor_every, alarm=config.alarm, alarm_steps=config.alarm_steps, ring=config.ring,
             run_attrs={"amp_dtype": "bfloat16", "device": str(device),
                        "model": {"name": "fa-forensics demo GPT", **config.model.__dict__},
                        "capture": {"command": "demo-train", "seed": config.seed, "train_steps": config.steps}},
@@ -120,4 +128,6 @@ def train(config: DemoConfig, on_step: Optional[StepHook] = None) -> TrainResult
             if on_step is not None:
                 on_step(info, model)
         captured = tuple(cap.recorded_steps) if cap is not None else ()
-    return TrainResult(tuple(losses), captured, time.perf_counter() - start)
+    monitored = len(cap.monitored_steps) if cap is not None else 0
+    alarm_steps = tuple(sorted({a.step for a in cap.alarms})) if cap is not None else ()
+    return TrainResult(tuple(losses), captured, time.perf_counter() - start, monitored, alarm_steps)

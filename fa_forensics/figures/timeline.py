@@ -37,6 +37,7 @@ def spectral_per_head(r: TimelineResult, path: Path) -> Path:
             ax.plot(r.steps, wq[:, layer, head], lw=1, label=f"head {head}")
         ax.set(title=f"layer {layer}", xlabel="step")
     axes[0, 0].set_ylabel("‖W_Q‖₂ of the head")
+    fig.suptitle("Spectral norm of each head's W_Q over training")
     axes[0, -1].legend(loc="best", ncols=2)
     return save_figure(fig, path, "Reproduces paper Fig. 3 (W_Q spectral norm per head; outlier heads stand out).")
 
@@ -52,8 +53,11 @@ def ties_vs_loss(r: TimelineResult, path: Path) -> Path:
     ax2.grid(False)
     rho = "n/a" if r.ties_loss_spearman is None else f"{r.ties_loss_spearman:+.2f} (p = {r.ties_loss_p_value:.2g})"
     ax.set_title(f"Repeated maxima against loss — Spearman ρ {rho}")
+    for i, step in enumerate(r.alarm_steps):
+        ax.axvline(step, color=COLORS["highlight"], lw=0.8, ls=":", label="alarm" if i == 0 else None)
     lines = ax.get_lines() + ax2.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left")
+    lines = [ln for ln in lines if not ln.get_label().startswith("_")]
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right")
     return save_figure(fig, path, "Reproduces paper Fig. 13 (multiple maxima as a leading indicator of failure).")
 
 

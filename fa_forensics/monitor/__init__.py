@@ -8,3 +8,4 @@
 from fa_forensics.monitor.alarm import Alarm, AlarmRule  # noqa: F401
 from fa_forensics.monitor.spectral import SpectralTracker, find_query_weights  # noqa: F401
 from fa_forensics.monitor.stats import HeadStats, head_statistics  # noqa: F401
+from fa_forensics.monitor.collector import StepCollector  # noqa: F401,E402

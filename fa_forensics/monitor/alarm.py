@@ -2,15 +2,27 @@
 
 Rule (documented in the README): for each watched series — per (layer, head) the count of
 rows with a repeated maximum (`near_max_ties`) and the W_Q spectral norm (`wq_sigma`), and the
-loss — keep a trailing window of the last `window` monitored values. A new value raises an
-alarm when its robust z-score
+loss — keep a trailing window of the last `window` monitored values. A new value is "out" when
+its robust z-score
 
     z = (x − median(window)) / (1.4826 · MAD(window) + floor)
 
-exceeds `z_threshold` and it has moved by more than `min_change` (relative to the median for
-the spectral norm and the loss, absolute for tie counts), once at least `min_history` values
-are in the window. The floor keeps a perfectly flat history from turning noise into alarms.
+exceeds `z_threshold` and it has moved up by more than `min_change` (relative to the median for
+the spectral norm and the loss, absolute rows for tie counts), once at least `min_history`
+values are in the window. The floor keeps a perfectly flat history from turning noise into
+alarms. A series raises ONE alarm when it has been out for `persist` consecutive monitored steps
+(default 3 for tie counts and W_Q, 1 for the loss: a single batch with repeated text gives a
+one-step burst of ties, a real drift stays); it can alarm again only after it has come back.
 Only upward moves alarm: more tied maxima, a growing W_Q norm, a loss spike.
+
+No alarm is raised during the first `warmup` monitored steps (their values still fill the
+windows): early training moves every series fast (learning-rate warmup, W_Q growing from its
+initialization, ties collapsing as scores leave 0).
+
+Defaults (window 20, min_history 8, warmup 50, z 6, min_change ties +8 rows / W_Q +25 % /
+loss +25 %, persist 3 / 3 / 1) were chosen on the demo run (300 steps, 4 × 4 heads): they raise
+no alarm there, while a planted tie drift or loss spike alarms within `persist` steps
+(tests/integration/test_monitor_cli.py).
 """
 from __future__ import annotations
 
@@ -48,11 +60,24 @@ class AlarmRule:
 
     window: int = 20
     min_history: int = 8
+    warmup: int = 50  # monitored steps observed before any alarm (learning-rate warmup moves everything)
     z_threshold: float = 6.0
-    min_change: dict = field(default_factory=lambda: {"near_max_ties": 4.0, "wq_sigma": 0.05, "loss": 0.25})
+    min_change: dict = field(default_factory=lambda: {"near_max_ties": 8.0, "wq_sigma": 0.25, "loss": 0.25})
+    persist: dict = field(default_factory=lambda: {"near_max_ties": 3, "wq_sigma": 3, "loss": 1})
     _history: dict = field(default_factory=dict, repr=False)
+    _streak: dict = field(default_factory=dict, repr=False)
+    _observed: int = field(default=0, repr=False)
 
     def _check(self, key: tuple, metric: str, step: int, value: float, layer=None, head=None) -> Optional[Alarm]:
+        out = self._out(key, metric, step, value, layer, head)
+        if self._observed <= self.warmup:
+            out = None
+        streak = self._streak.get(key, 0) + 1 if out is not None else 0
+        self._streak[key] = streak
+        return out if streak == self.persist.get(metric, 1) else None  # once per excursion
+
+    def _out(self, key: tuple, metric: str, step: int, value: float, layer=None, head=None) -> Optional[Alarm]:
+        """The alarm this value would raise on its own (None if it is within the trailing window's range)."""
         hist = self._history.setdefault(key, deque(maxlen=self.window))
         alarm = None
         if np.isfinite(value) and len(hist) >= self.min_history:
@@ -73,6 +98,7 @@ class AlarmRule:
 
         near_max_ties, wq_sigma: array-likes of shape (L, H) (NaN where unknown) or None.
         """
+        self._observed += 1
         alarms = []
         if loss is not None:
             a = self._check(("loss",), "loss", step, float(loss))

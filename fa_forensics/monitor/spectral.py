@@ -53,8 +53,11 @@ class SpectralTracker:
         self._gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def sigma(self, layer: int, w_heads: torch.Tensor) -> torch.Tensor:
-        """σ_max of each head's block, (H,) fp32, updating the warm-start vectors of `layer`."""
+    def sigma(self, layer: int, w_heads: torch.Tensor, to_cpu: bool = True) -> torch.Tensor:
+        """σ_max of each head's block, (H,) fp32, updating the warm-start vectors of `layer`.
+
+        to_cpu=False leaves the result on the weights' device (no synchronization).
+        """
         w = w_heads.float()  # (H, D, C)
         v = self._vectors.get(layer)
         if v is None or v.shape != (w.shape[0], w.shape[2]):
@@ -64,4 +67,5 @@ class SpectralTracker:
             u = torch.nn.functional.normalize(torch.einsum("hdc,hc->hd", w, v), dim=-1)
             v = torch.nn.functional.normalize(torch.einsum("hdc,hd->hc", w, u), dim=-1)
         self._vectors[layer] = v
-        return torch.einsum("hdc,hc->hd", w, v).norm(dim=-1).cpu()
+        sigma = torch.einsum("hdc,hc->hd", w, v).norm(dim=-1)  # (H,)
+        return sigma.cpu() if to_cpu else sigma

@@ -41,11 +41,13 @@ def head_statistics(
     eps: float = 1e-3,
     p_dtype: torch.dtype = torch.bfloat16,
     chunk: int = 128,
+    to_cpu: bool = True,
 ) -> HeadStats:
     """Statistics of softmax(α q kᵀ) per head without materializing the T×T matrix.
 
     q, k: (B, H, T, D) (K may have its own length Tk). `p_dtype` is the dtype P̄ is cast to
     before P̄V (bf16 in the paper's setting), used to decide which entries equal 1.
+    to_cpu=False leaves the results on q's device (the monitor copies a whole step at once).
     """
     B, H, T, D = q.shape
     Tk = k.shape[2]
@@ -71,10 +73,11 @@ def head_statistics(
         p_one_extra += (ones - 1).clamp(min=0).sum(dim=(0, 2))
         top1_sum += (1.0 / p_bar.sum(dim=-1)).double().sum(dim=(0, 2))
     rows_total = B * T
+    move = (lambda t: t.cpu()) if to_cpu else (lambda t: t)
     return HeadStats(
-        max_logit=max_logit.cpu(),
-        near_max_ties=ties.cpu(),
-        p_one_extra=p_one_extra.cpu(),
-        top1_prob=(top1_sum / rows_total).float().cpu(),
+        max_logit=move(max_logit),
+        near_max_ties=move(ties),
+        p_one_extra=move(p_one_extra),
+        top1_prob=move((top1_sum / rows_total).float()),
         rows=rows_total,
     )

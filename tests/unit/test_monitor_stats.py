@@ -72,16 +72,28 @@ def test_query_weights_of_hf_layouts():
     assert find_query_weights(torch.nn.Module(), H) is None
 
 
-def test_alarm_fires_on_growing_ties_and_loss_spike_not_on_noise():
-    rule = AlarmRule(window=20, min_history=8)
+def test_alarm_fires_on_persistent_ties_and_loss_spike_not_on_noise_or_bursts():
+    rule = AlarmRule(window=20, min_history=8, warmup=10)
     rng = np.random.default_rng(0)
     for step in range(40):  # noisy but stationary: no alarm
         ties = rng.poisson(5, size=(2, 3))
         assert rule.observe(step, loss=3 + 0.05 * rng.standard_normal(), near_max_ties=ties) == []
-    ties = rng.poisson(5, size=(2, 3))
-    ties[1, 2] = 60
-    alarms = rule.observe(40, loss=3.0, near_max_ties=ties)
-    assert [(a.metric, a.layer, a.head) for a in alarms] == [("near_max_ties", 1, 2)]
-    assert "step 40 layer 1 head 2" in alarms[0].message()
-    alarms = rule.observe(41, loss=9.0, near_max_ties=rng.poisson(5, size=(2, 3)))
+    burst = rng.poisson(5, size=(2, 3))
+    burst[0, 1] = 80  # one batch of repeated text: a one-step burst is not an alarm (persist 3)
+    assert rule.observe(40, loss=3.0, near_max_ties=burst) == []
+    raised = []
+    for step in range(41, 46):  # a drift that stays: one alarm, on its third step, not repeated
+        ties = rng.poisson(5, size=(2, 3))
+        ties[1, 2] = 60
+        raised += rule.observe(step, loss=3.0, near_max_ties=ties)
+    assert [(a.step, a.metric, a.layer, a.head) for a in raised] == [(43, "near_max_ties", 1, 2)]
+    assert "step 43 layer 1 head 2" in raised[0].message()
+    alarms = rule.observe(46, loss=9.0, near_max_ties=rng.poisson(5, size=(2, 3)))
     assert [a.metric for a in alarms] == ["loss"]
+
+
+def test_alarm_is_silent_during_warmup():
+    rule = AlarmRule(window=20, min_history=8, warmup=50)
+    for step in range(50):
+        loss = 3.0 if step < 20 else 30.0  # a spike inside the warmup
+        assert rule.observe(step, loss=loss) == []

@@ -1,0 +1,53 @@
+"""The loss tap: the value of the scalar on which `backward()` is called, for the monitor's timeline.
+
+While a monitoring session is active, `torch.autograd.backward` is wrapped (`Tensor.backward`
+calls it, so `loss.backward()` is covered). On a step the session watches, each backward call
+on a one-element tensor without an explicit gradient adds that tensor (detached, no device
+synchronization) to the step's running sum; under gradient accumulation with `loss / n` per
+micro-batch, the sum is the step's mean loss. The value is read (`.item()`) once, when the
+step's timeline row is written. A GradScaler's `scale(loss).backward()` taps the scaled loss:
+report the loss with `cap.step(loss)` in that case.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_ORIGINAL = torch.autograd.backward
+_session = None
+
+
+@functools.wraps(_ORIGINAL)
+def tapped_backward(tensors, grad_tensors=None, *args, **kwargs):
+    session = _session
+    if session is not None and session.busy:
+        session.on_backward(tensors, grad_tensors)
+    return _ORIGINAL(tensors, grad_tensors, *args, **kwargs)
+
+
+def scalar_loss(tensors, grad_tensors):
+    """The one-element tensor being differentiated from, or None (several outputs, explicit gradient)."""
+    if isinstance(tensors, (tuple, list)):
+        if len(tensors) != 1:
+            return None
+        tensors = tensors[0]
+    if isinstance(grad_tensors, (tuple, list)):
+        grad_tensors = grad_tensors[0] if len(grad_tensors) == 1 else grad_tensors
+    if not isinstance(tensors, torch.Tensor) or tensors.numel() != 1 or grad_tensors is not None:
+        return None
+    return tensors.detach().reshape(()).float()
+
+
+def install(session) -> None:
+    global _session
+    _session = session
+    torch.autograd.backward = tapped_backward
+
+
+def uninstall(session) -> None:
+    global _session
+    if _session is session:
+        _session = None
+    if torch.autograd.backward is tapped_backward:
+        torch.autograd.backward = _ORIGINAL

@@ -1,0 +1,118 @@
+"""The per-step collector of the training monitor: one timeline row from the attention calls of a step.
+
+A capture session calls `begin(step)` when a monitored step starts, `observe_call(...)` for every
+attention call of the recorded forward pass (layer = call order), and `finish()` when the step
+ends. `finish` returns the row: per metric of TIMELINE_METRICS an (L, H) float64 array (NaN where
+nothing was measured). Statistics stay on the device until `finish`, so a GPU run synchronizes
+once per monitored step, not once per layer.
+
+Off the training thread: with `background=True` (the capture default) each call's work runs on one
+worker thread (torch releases the GIL inside its kernels). The training thread only copies the
+batch slice of q, k and the W_Q block (a few hundred KB; the weights are copied because the
+optimizer updates them in place) and goes on; `finish` waits for the worker, which has had the
+whole backward pass and optimizer step to catch up. Results are identical either way.
+
+wq_sigma: σ_max of each head's block of W_Q, by warm-started power iteration on the weights the
+step's forward pass used (found by `find_query_weights` on the attention module). When no weight
+is found the value is NaN and `warn(key, message)` is called once per module.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from fa_forensics.monitor.spectral import SpectralTracker, find_query_weights
+from fa_forensics.monitor.stats import TIMELINE_METRICS, HeadStats, head_statistics
+
+WarnFn = Callable[[str, str], None]
+
+
+def p_bar_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype P̄ is cast to before P̄V: the 16-bit input dtype, else bf16 (the paper's setting)."""
+    return q_dtype if q_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class StepCollector:
+    """Collects HeadStats and W_Q spectral norms of one monitored step, layer by layer."""
+
+    def __init__(self, *, eps: float = 1e-3, chunk: int = 128, spectral_iterations: int = 3, warn: Optional[WarnFn] = None,
+                 background: bool = False):
+        self.eps = eps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fa-forensics-monitor") if background else None
+        self.chunk = chunk
+        self.tracker = SpectralTracker(iterations=spectral_iterations)
+        self._warn = warn or (lambda key, message: None)
+        self._calls: dict[int, Future] = {}  # layer -> (HeadStats, σ (H,) or None)
+        self._shape: Optional[tuple[int, int]] = None  # (L, H), fixed by the first row
+        self.step: Optional[int] = None
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self._calls = {}
+
+    @torch.no_grad()
+    def observe_call(self, layer: int, q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float], causal: bool,
+                     p_dtype: torch.dtype, module: Optional[torch.nn.Module], module_name: str) -> None:
+        """Statistics of one attention call: q (B, H, T, D), k (B, Hk, Tk, D) (grouped K heads are expanded)."""
+        if q.dim() != 4 or k.dim() != 4 or layer in self._calls:
+            return
+        H = q.shape[1]
+        w_q = find_query_weights(module, H) if module is not None else None  # (H, D, C_in)
+        if w_q is None:
+            what = "no module was found for it" if module is None else "none of the documented weight names matched"
+            self._warn(f"wq:{module_name}", f"fa-forensics monitor: no W_Q found for attention module {module_name!r} "
+                                            f"(layer {layer}; {what}); wq_sigma is NaN for it")
+        q, k = q.detach(), k.detach()
+        if self._pool is None:
+            done: Future = Future()
+            done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype))
+            self._calls[layer] = done
+        else:  # copies: the worker must not see later in-place updates (optimizer step, reused buffers)
+            w_copy = None if w_q is None else w_q.clone()
+            self._calls[layer] = self._pool.submit(self._compute, layer, q.clone(), k.clone(), w_copy, scale, causal, p_dtype)
+
+    def _compute(self, layer, q, k, w_q, scale, causal, p_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
+        H = q.shape[1]
+        if k.shape[1] != H:  # grouped-query attention: one K head per group of query heads
+            k = k.repeat_interleave(H // k.shape[1], dim=1)
+        with torch.autocast(q.device.type, enabled=False):  # called inside the forward pass: keep fp32 statistics
+            stats = head_statistics(q, k, scale=scale, causal=causal, eps=self.eps, p_dtype=p_dtype,
+                                    chunk=self.chunk, to_cpu=False)
+            sigma = None if w_q is None else self.tracker.sigma(layer, w_q, to_cpu=False)  # (H,)
+        return stats, sigma
+
+    def finish(self) -> Optional[dict[str, np.ndarray]]:
+        """The row of the step: metric -> (L, H) float64, or None if no attention call was seen."""
+        futures, self._calls = self._calls, {}
+        if not futures:
+            return None
+        calls = {layer: f.result() for layer, f in futures.items()}
+        n_layers = max(calls) + 1
+        n_heads = max(stats.max_logit.shape[0] for stats, _ in calls.values())
+        if self._shape is None:
+            self._shape = (n_layers, n_heads)
+        elif (n_layers, n_heads) != self._shape and (n_layers > self._shape[0] or n_heads > self._shape[1]):
+            self._warn("shape", f"fa-forensics monitor: step {self.step} has {n_layers} layers × {n_heads} heads, the timeline "
+                                f"{self._shape[0]} × {self._shape[1]}; the extra ones are not kept")
+        L, H = self._shape
+        row = {m: np.full((L, H), np.nan) for m in TIMELINE_METRICS}
+        for layer, (stats, sigma) in calls.items():
+            if layer >= L:
+                continue
+            values = {
+                "max_logit": stats.max_logit, "near_max_ties": stats.near_max_ties,
+                "p_one_extra": stats.p_one_extra, "top1_prob": stats.top1_prob, "wq_sigma": sigma,
+            }
+            for metric, value in values.items():
+                if value is not None:
+                    v = value.detach().double().cpu().numpy()[:H]  # the one device → host copy
+                    row[metric][layer, : v.shape[0]] = v
+        return row
+
+    def close(self) -> None:
+        """Stop the worker thread (pending work is finished first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

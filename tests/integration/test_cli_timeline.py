@@ -1,0 +1,77 @@
+"""`fa-forensics timeline` on a store written by a monitored training run (typer's CliRunner)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import fa_forensics
+from fa_forensics.cli import app
+from fa_forensics.demo.model import GPT, GPTConfig
+from fa_forensics.dump import open_dump
+
+runner = CliRunner()
+N_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory):
+    """A real monitored run of the tiny demo GPT (bf16 flash attention): 16 steps, 2 layers × 2 heads."""
+    out = tmp_path_factory.mktemp("tl") / "run.zarr"
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    with fa_forensics.capture(model, out=out, steps=[N_STEPS - 1], layers=[0], monitor_every=1):
+        for _ in range(N_STEPS):
+            idx = torch.randint(0, 256, (2, 32), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return out, losses
+
+
+def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
+    out, losses = monitored
+    figs, js = tmp_path / "figs", tmp_path / "t.json"
+    r = runner.invoke(app, ["timeline", str(out), "--out", str(figs), "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    assert f"{N_STEPS} monitored steps (0..{N_STEPS - 1}), 2 layers × 2 heads" in " ".join(r.output.split())
+    assert "repeated maxima vs loss: Spearman" in r.output
+    names = sorted(p.name for p in figs.iterdir())
+    assert names == ["timeline_loss.png", "timeline_max_logit.png", "timeline_ties_vs_loss.png",
+                     "timeline_wq_heads.png", "timeline_wq_heatmap.png"]
+    assert all((figs / n).stat().st_size > 10_000 for n in names)
+    payload = json.loads(js.read_text())
+    tl = open_dump(out).timeline
+    assert payload["steps"] == list(range(N_STEPS)) and payload["loss"] == losses
+    assert payload["n_layers"] == 2 and payload["n_heads"] == 2
+    for metric in ("max_logit", "near_max_ties", "p_one_extra", "top1_prob", "wq_sigma"):
+        series = np.array(payload["series"][metric])  # [layer][head][step]
+        assert series.shape == (2, 2, N_STEPS)
+        np.testing.assert_array_equal(series, np.transpose(tl[metric], (1, 2, 0)))
+    assert payload["alarm_steps"] == []
+    assert -1 <= payload["ties_loss_spearman"] <= 1 and 0 <= payload["ties_loss_p_value"] <= 1
+    layer, head = payload["top_wq_head"]
+    assert tl["wq_sigma"][-1, layer, head] == np.nanmax(tl["wq_sigma"][-1])
+
+
+def test_timeline_of_a_store_without_one_is_one_line(tmp_path):
+    out = tmp_path / "plain.zarr"
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with fa_forensics.capture(model, out=out, steps=[0]):
+        _, loss = model(torch.randint(0, 256, (1, 32)), torch.randint(0, 256, (1, 32)))
+        loss.backward()
+        opt.step()
+    r = runner.invoke(app, ["timeline", str(out)])
+    assert r.exit_code == 2 and "has no timeline" in r.output and "--monitor-every" in r.output
+    assert "Traceback" not in r.output

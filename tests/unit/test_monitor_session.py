@@ -1,0 +1,104 @@
+"""The monitor inside a capture session: its statistics are those of the tensors training used."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import fa_forensics
+from fa_forensics.capture import CaptureError
+from fa_forensics.demo.model import GPT, GPTConfig
+from fa_forensics.dump import open_dump
+from fa_forensics.monitor import find_query_weights, head_statistics
+
+TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def _train(model, cap, n_steps, report_loss=False, seed=1):
+    """Real steps under bf16 autocast; returns the losses and the exact W_Q norms each step's forward used."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for _ in range(n_steps):
+        w_q = [find_query_weights(b.attn, 2) for b in model.transformer.h]  # (H, D, C) or None
+        norms.append([None if w is None else torch.linalg.matrix_norm(w.float(), ord=2) for w in w_q])
+        idx = torch.randint(0, 256, (3, 32), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if report_loss:
+            cap.step(loss * 0 + 7.0)  # a reported loss wins over the tapped one
+        losses.append(loss.item())
+    return losses, norms
+
+
+def test_monitor_statistics_are_those_of_the_recorded_tensors(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))  # pure-PyTorch flash attention reporting through capture.record
+    out = tmp_path / "run.zarr"
+    with fa_forensics.capture(model, out=out, steps=[6], batch=slice(0, 2), monitor_every=2) as cap:
+        losses, norms = _train(model, cap, 9)
+    dump = open_dump(out)
+    tl = dump.timeline
+    assert tl["step"].tolist() == [0, 2, 4, 6, 8] and cap.monitored_steps == [0, 2, 4, 6, 8]
+    assert tl["loss"].tolist() == [losses[s] for s in (0, 2, 4, 6, 8)]
+    assert dump.steps == [6] and dump.step_attrs(6)["loss"] == pytest.approx(losses[6])
+    row = 3  # step 6, also dumped in full: the monitor saw exactly the stored Q, K (batch slice 0:2)
+    for layer in (0, 1):
+        q, k = dump.read(6, layer, "q"), dump.read(6, layer, "k")
+        ref = head_statistics(q, k, scale=dump.layer_info(6, layer).scale, causal=True)
+        np.testing.assert_array_equal(tl["near_max_ties"][row, layer], ref.near_max_ties.numpy())
+        np.testing.assert_array_equal(tl["p_one_extra"][row, layer], ref.p_one_extra.numpy())
+        np.testing.assert_allclose(tl["max_logit"][row, layer], ref.max_logit.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(tl["top1_prob"][row, layer], ref.top1_prob.numpy(), rtol=1e-5)
+    # W_Q norm of the weights each step's forward used, tracked by warm-started power iteration
+    exact = np.array([[n.numpy() for n in norms[s]] for s in (0, 2, 4, 6, 8)])  # (S, L, H)
+    np.testing.assert_allclose(tl["wq_sigma"][2:], exact[2:], rtol=1e-2)
+    assert not np.allclose(exact[0], exact[-1], rtol=1e-2)  # the weights did move: warm start had to follow
+
+
+def test_reported_loss_wins_and_missing_query_weights_give_nan_with_one_warning(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    for block in model.transformer.h:  # a layout the documented name patterns do not know
+        block.attn.fused = block.attn.c_attn
+        del block.attn.c_attn
+        block.attn.forward = _forward_with(block.attn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fa_forensics.capture(model, out=tmp_path / "r.zarr", steps=None, monitor_every=1) as cap:
+            _train(model, cap, 3, report_loss=True)
+    tl = open_dump(tmp_path / "r.zarr").timeline
+    assert tl["loss"].tolist() == [7.0, 7.0, 7.0]
+    assert np.isnan(tl["wq_sigma"]).all() and np.isfinite(tl["max_logit"]).all()
+    messages = [str(w.message) for w in caught if "no W_Q found" in str(w.message)]
+    assert len(messages) == 2 and "transformer.h.0.attn" in messages[0]  # once per module, not per step
+
+
+def _forward_with(attn):
+    import math
+
+    from fa_forensics.capture import record
+    from fa_forensics.demo.model import flash_attention_bf16
+
+    def forward(x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in attn.fused(x).split(C, dim=2))
+        o = flash_attention_bf16(q, k, v, 1 / math.sqrt(C // 2))
+        record(q, k, v, o, scale=1 / math.sqrt(C // 2))
+        return attn.c_proj(o.to(q.dtype).transpose(1, 2).reshape(B, T, C))
+
+    return forward
+
+
+def test_monitor_option_errors(tmp_path):
+    with pytest.raises(CaptureError, match="monitor-every"):
+        fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=[1], alarm=True)
+    with pytest.raises(CaptureError, match="--alarm"):
+        fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None, monitor_every=1, ring=3)
+    with pytest.raises(CaptureError, match="at least one step"):
+        fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None)
