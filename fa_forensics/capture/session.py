@@ -341,9 +341,10 @@ class CaptureSession:
             return t.to(dtype) if t.is_floating_point() and t.dtype != dtype and t.dtype == torch.float32 else t
 
         module = x[0] if x is not None else source
-        layer_attrs = {  # n_heads = heads stored; the model's head numbers are in attrs.capture.heads
+        layer_attrs = {  # n_heads = heads stored; `heads` = the model's numbers of the stored heads
             "module": module,
             "n_heads": int(H if heads is None else len(heads)),
+            "heads": list(range(H)) if heads is None else [int(h) for h in heads],
             "head_dim": int(D),
             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(D),
             "causal": bool(causal),

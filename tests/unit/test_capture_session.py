@@ -100,6 +100,8 @@ def test_record_path_flash_model_and_layer_head_selection(tmp_path):
     assert torch.equal(dump.read(2, 1, "do"), do_train[:, 1:2])
     assert torch.equal(dump.read(2, 1, "x"), x_train)
     assert dump.attrs["capture"]["heads"] == [1]
+    assert dump.heads(2, 1) == [1]  # the model's head number, not the storage position
+    assert torch.equal(dump.read(2, 1, "q", heads=1), q)
 
 
 def test_gradient_accumulation_records_the_chosen_micro_batch(tmp_path):
