@@ -15,16 +15,13 @@ import argparse
 import json
 import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from demo_bench import DemoBench, add_common_args, rotated
 
 import fa_forensics
-from fa_forensics.demo.data import random_batch, stdlib_corpus
-from fa_forensics.demo.model import GPT, GPTConfig
-from fa_forensics.demo.train import train_step
+from fa_forensics.demo.model import GPTConfig
 
 
 def bytes_per_selected_step(config: GPTConfig, batch: int) -> int:
@@ -35,35 +32,10 @@ def bytes_per_selected_step(config: GPTConfig, batch: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--capture-batch", default="0:2")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda exercises the pinned-memory async copies)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady timings on a shared machine)")
-    parser.add_argument("--json", type=Path, default=None)
+    add_common_args(parser)
     args = parser.parse_args()
-
-    torch.set_num_threads(args.threads)
-    config = GPTConfig()
-    torch.manual_seed(0)
-    device = torch.device(args.device)
-    model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    tokens = stdlib_corpus(500_000)
-    generator = torch.Generator().manual_seed(0)
-    scratch = Path(tempfile.mkdtemp(prefix="fa-capture-bench-"))
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def one_step() -> float:
-        x, y = (t.to(device) for t in random_batch(tokens, args.batch_size, config.block_size, generator))
-        sync()
-        t0 = time.perf_counter()
-        train_step(model, optimizer, x, y, 1.0)
-        sync()
-        return time.perf_counter() - t0
+    bench = DemoBench(args, "fa-capture-bench-")
+    model, config, device, scratch, one_step = bench.model, bench.config, bench.device, bench.scratch, bench.one_step
 
     for _ in range(2):  # warm-up
         one_step()
@@ -84,16 +56,15 @@ def main() -> None:
                 flushed.append(selected[-1] + time.perf_counter() - t0)
                 shutil.rmtree(scratch / f"sel{r}.zarr")
 
-            cases = [run_base, run_idle, run_selected]
-            for case in cases[r % 3:] + cases[:r % 3]:  # rotate the order: no case always runs first
+            for case in rotated([run_base, run_idle, run_selected], r):
                 case()
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        bench.cleanup()
 
     med = {name: statistics.median(v) for name, v in (("no_capture", base), ("unselected", idle), ("selected", selected), ("selected_flushed", flushed))}
     result = {
         "model": {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "block_size": config.block_size, "attention": config.attention},
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "device": bench.device_name(),
         "batch_size": args.batch_size,
         "capture_batch": args.capture_batch,
         "repeats": args.repeats,

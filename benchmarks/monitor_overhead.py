@@ -22,52 +22,22 @@ import argparse
 import json
 import shutil
 import statistics
-import tempfile
-import time
-from pathlib import Path
 
 import torch
+from demo_bench import DemoBench, add_common_args, rotated
 
 import fa_forensics
-from fa_forensics.demo.data import random_batch, stdlib_corpus
-from fa_forensics.demo.model import GPT, GPTConfig
-from fa_forensics.demo.train import train_step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--capture-batch", default="0:2", help="batch slice the statistics are computed on")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady timings on a shared machine)")
-    parser.add_argument("--json", type=Path, default=None)
+    add_common_args(parser)
     args = parser.parse_args()
-
-    torch.set_num_threads(args.threads)
-    config = GPTConfig()
-    torch.manual_seed(0)
-    device = torch.device(args.device)
-    model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    tokens = stdlib_corpus(500_000)
-    generator = torch.Generator().manual_seed(0)
-    scratch = Path(tempfile.mkdtemp(prefix="fa-monitor-bench-"))
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    bench = DemoBench(args, "fa-monitor-bench-")
+    model, config, device, scratch = bench.model, bench.config, bench.device, bench.scratch
 
     def one_step(cap=None) -> float:
-        x, y = (t.to(device) for t in random_batch(tokens, args.batch_size, config.block_size, generator))
-        sync()
-        t0 = time.perf_counter()
-        loss = train_step(model, optimizer, x, y, 1.0)
-        if cap is not None:
-            cap.step(loss)
-        float(loss)  # demo-train reads the loss every step: so do all cases
-        sync()
-        return time.perf_counter() - t0
+        return bench.one_step(cap, read_loss=True)  # demo-train reads the loss every step: so do all cases
 
     def monitored(name: str, alarm: bool, times: list) -> None:
         out = scratch / f"{name}.zarr"
@@ -82,15 +52,15 @@ def main() -> None:
     try:
         cases = [lambda: base.append(one_step()), lambda: monitored("m", False, mon), lambda: monitored("a", True, mon_alarm)]
         for r in range(args.repeats):
-            for case in cases[r % 3:] + cases[:r % 3]:  # rotate the order: no case always runs first
+            for case in rotated(cases, r):
                 case()
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        bench.cleanup()
 
     med = {"no_capture": statistics.median(base), "monitor": statistics.median(mon), "monitor_alarm": statistics.median(mon_alarm)}
     result = {
         "model": {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "block_size": config.block_size},
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "device": bench.device_name(),
         "batch_size": args.batch_size, "capture_batch": args.capture_batch, "repeats": args.repeats,
         "median_seconds": med,
         "ratio_monitor_over_no_capture": med["monitor"] / med["no_capture"],
