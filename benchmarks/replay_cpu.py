@@ -1,17 +1,21 @@
-"""Time the CPU emulator on one GPT-2-size attention layer: forward + backward, default BF16 config.
+"""Time the CPU emulator on one GPT-2-size attention layer: forward + backward, BF16 and FP32 presets.
 
-Shape B 1, H 12, T 1024, D 64, causal, untiled (the paper's default config), under both
-accumulation models. Arithmetic per pass (untiled emulator, causal rows still computed in full):
+Shape B 1, H 12, T 1024, D 64, causal, untiled: the default BF16 config under both accumulation
+models, and the fp32 preset (the high-precision reference every analysis runs). Arithmetic per pass (untiled emulator, causal rows still computed in full):
   forward  S = QKᵀ and P̄V:            2 products x B·H·T·T·D   = 2 x 805M multiply-adds
   backward S, dP = dO Vᵀ, dQ, dK, dV:  5 products x B·H·T·T·D   = 5 x 805M multiply-adds
 Each multiply-add is emulated with explicit fp32 rounding (ieee) or the grouped truncating
-alignment of the tensor-core model, so the time is dominated by numerics.matmul's K loop.
+alignment of the tensor-core model, so the time is dominated by numerics.matmul's K loop. With
+fp32 operands (dS in the backward; P̄ in the fp32 preset) the products are not exact in fp32 and
+matmul runs its fp64 kernel (about 5 passes per k instead of 1). Prints wall and CPU seconds
+and the load average (the machine may be shared).
 
-    python benchmarks/replay_cpu.py [--T 1024] [--accumulation ieee tensor-core]
+    python benchmarks/replay_cpu.py [--T 1024] [--runs bf16:ieee bf16:tensor-core fp32:ieee]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -25,24 +29,25 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=12)
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--D", type=int, default=64)
-    ap.add_argument("--accumulation", nargs="+", default=["ieee", "tensor-core"])
+    ap.add_argument("--runs", nargs="+", default=["bf16:ieee", "bf16:tensor-core", "fp32:ieee"], help="PRESET:ACCUMULATION")
     args = ap.parse_args()
     B, H, T, D = args.B, args.H, args.T, args.D
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(B, H, T, D, generator=g).to(torch.bfloat16) for _ in range(4))
     mads = B * H * T * T * D
     print(f"shape B={B} H={H} T={T} D={D}; one product = {mads / 1e6:.0f}M multiply-adds; threads={torch.get_num_threads()}")
-    print(f"{'accumulation':<12} {'forward s':>10} {'fwd+bwd s':>10} {'Mmad/s':>8}")
-    for acc in args.accumulation:
-        cfg = ReplayConfig.preset("bf16").with_(accumulation=acc)
-        t0 = time.perf_counter()
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'preset:accumulation':<20} {'fwd wall s':>10} {'fwd cpu s':>9} {'f+b wall s':>10} {'f+b cpu s':>9} {'Mmad/s':>7}")
+    for run in args.runs:
+        preset, acc = run.split(":")
+        cfg = ReplayConfig.preset(preset).with_(accumulation=acc)
+        w0, c0 = time.perf_counter(), time.process_time()
         replay(q, k, v, cfg)
-        t_fwd = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        w1, c1 = time.perf_counter(), time.process_time()
         replay(q, k, v, cfg, do=do)
-        t_all = time.perf_counter() - t0
-        print(f"{acc:<12} {t_fwd:>10.1f} {t_all:>10.1f} {7 * mads / t_all / 1e6:>8.0f}")
-
+        w2, c2 = time.perf_counter(), time.process_time()
+        print(f"{run:<20} {w1 - w0:>10.1f} {c1 - c0:>9.1f} {w2 - w1:>10.1f} {c2 - c1:>9.1f} {7 * mads / (w2 - w1) / 1e6:>7.0f}")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 if __name__ == "__main__":
     main()

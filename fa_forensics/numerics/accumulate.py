@@ -5,9 +5,11 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
 
 - `ieee`: acc_k = fp32(acc_{k-1} + a_k b_k) for k = 0 .. K−1 in order: a fused multiply-add,
   one round-to-nearest-even per term. When every product is exact in fp32 (inputs of at most 12
-  significant bits, exponents in range: bf16, fp16, fp8) this is `addcmul_` in fp32; otherwise
-  the sum is formed in fp64 with TwoSum and rounded to odd, then to fp32, which is one correct
-  rounding (53 ≥ 24 + 2 bits).
+  significant bits, exponents in range: bf16, fp16, fp8) this is `addcmul_` in fp32; when the
+  operands are fp32 numbers (fp32 × bf16 or fp32 × fp32: products exact in fp64) the sum is
+  formed in fp64 and converted to fp32, with TwoSum and round-to-odd only where the fp64 sum is
+  an fp32 midpoint (accumulate_tiles.ieee_tile_fp64_exact); that is one correct rounding
+  (53 ≥ 24 + 2 bits). Anything else (fp64 values outside fp32) takes the fp64 reference step.
 - `tensor-core`: the model of Khattak & Mikaitis, "Accurate Models of NVIDIA Tensor Cores"
   (arXiv 2512.07004). K is walked in groups of F. In each group the F exact products and the
   running accumulator are aligned to the largest exponent e_max among them (exponent =
@@ -39,15 +41,19 @@ from fa_forensics.numerics.formats import FormatLike, get_format
 from fa_forensics.numerics.rounding import round_to
 from fa_forensics.numerics.accumulate_tiles import (
     _ABS_MASK,
+    ieee_exact64_needs_tiny_check,
     ieee_tile_fp32,
+    ieee_tile_fp64_exact,
     min_nonzero_abs,
     no_tiny_terms,
+    sum_round_to_odd,
     tensor_core_tile_fp32,
 )
 
 ACCUMULATIONS = ("ieee", "tensor-core")
 _CHUNK_BYTES = 8 * 2**20  # target size of the largest temporary of one tile (measured best at 4-16 MiB)
 _IEEE_TILE_FACTOR = 1  # the ieee kernel's temporary is one fp32 (m, N) accumulator
+_EXACT64_TILE_BYTES = 512 * 2**10  # fp64 (m, N) sum of the fp32-operand ieee kernel: ~5 passes per k, keep it in L2
 
 
 @dataclass(frozen=True)
@@ -103,14 +109,7 @@ def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16") -> Optional[T
 
 def ieee_fma_step(acc: torch.Tensor, prod: torch.Tensor) -> torch.Tensor:
     """fp32(acc + prod) with one rounding, for fp64 tensors holding an fp32 acc and an exact product; returns fp64."""
-    s = acc + prod
-    bb = s - acc
-    err = (acc - (s - bb)) + (prod - bb)  # TwoSum: s + err == acc + prod exactly
-    bits = s.view(torch.int64)
-    inexact_even = (err != 0) & ((bits & 1) == 0)
-    away = (err > 0) == (s > 0)  # true value lies farther from zero than s
-    bits = torch.where(inexact_even, bits + torch.where(away, 1, -1), bits)  # round to odd
-    return bits.view(torch.float64).to(torch.float32).to(torch.float64)
+    return sum_round_to_odd(acc, prod).to(torch.float32).to(torch.float64)
 
 
 def tensor_core_group(acc: torch.Tensor, prods: torch.Tensor, neab: int) -> torch.Tensor:
@@ -267,19 +266,55 @@ def _one_thread():
             torch.set_num_threads(before)
 
 
+def _fp32_valued(x: torch.Tensor) -> bool:
+    """Every value of x is an fp32 number (NaN and ±inf included)."""
+    if x.dtype in (torch.float32, torch.bfloat16, torch.float16) or "float8" in str(x.dtype):
+        return True
+    x32 = x.to(torch.float32)
+    return bool(((x32.to(x.dtype) == x) | torch.isnan(x)).all())
+
+
 def _ieee(a3: torch.Tensor, b3: torch.Tensor, acc3: torch.Tensor) -> torch.Tensor:
-    """ieee model: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), tile by tile -> fp32 (L, M, N)."""
+    """ieee model: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), tile by tile -> fp32 (L, M, N).
+
+    Three kernels, fastest first: products exact in fp32 (`ieee_tile_fp32`), operands that are
+    fp32 numbers (`ieee_tile_fp64_exact`), anything else (`_ieee_tile_fp64`, the reference)."""
     (L, M, K), N = a3.shape, b3.shape[-1]
     fp32_ok = _ieee_fp32_leads(a3, b3)  # (L,)
+    if all(fp32_ok):
+        exact64 = False
+    else:
+        exact64 = _fp32_valued(a3) and _fp32_valued(b3)
+        if exact64:
+            tiny = ieee_exact64_needs_tiny_check(min_nonzero_abs(a3, (1, 2)), min_nonzero_abs(b3, (1, 2))).tolist()
     out = torch.empty(L, M, N, dtype=torch.float32)
     for ls, rows in _tiles(L, M, N * 4 * _IEEE_TILE_FACTOR):
-        at = a3[ls, rows].transpose(-1, -2)  # (Lt, K, m) a view
         if all(fp32_ok[ls]):
+            at = a3[ls, rows].transpose(-1, -2)  # (Lt, K, m) a view
             bw = b3[ls].to(torch.float32).contiguous()  # (Lt, K, N): row k of b is contiguous
             out[ls, rows] = ieee_tile_fp32(at.to(torch.float32), bw, acc3[ls, rows])
-        else:
-            out[ls, rows] = _ieee_tile_fp64(at.to(torch.float64), b3[ls].to(torch.float64), acc3[ls, rows])
+            continue
+        for ls2, rows2 in _sub_tiles(range(L)[ls], range(M)[rows], N * 8, _EXACT64_TILE_BYTES if exact64 else _CHUNK_BYTES):
+            at = a3[ls2, rows2].transpose(-1, -2)  # (Lt, K, m) a view
+            if exact64:
+                out[ls2, rows2] = ieee_tile_fp64_exact(at, b3[ls2], acc3[ls2, rows2], tiny_check=any(tiny[ls2]))
+            else:
+                out[ls2, rows2] = _ieee_tile_fp64(at.to(torch.float64), b3[ls2].to(torch.float64), acc3[ls2, rows2])
     return out
+
+
+def _sub_tiles(leads: range, rows: range, row_bytes: int, budget: int):
+    """Split the block (leads, rows) into (lead slice, row slice) blocks whose (m, N) temporaries
+    take about `budget` bytes."""
+    step = max(1, budget // max(1, row_bytes))
+    if len(rows) <= step:  # whole row ranges: group lead entries
+        per = max(1, budget // max(1, len(rows) * row_bytes))
+        for l0 in range(leads.start, leads.stop, per):
+            yield slice(l0, min(l0 + per, leads.stop)), slice(rows.start, rows.stop)
+    else:
+        for l0 in leads:
+            for m0 in range(rows.start, rows.stop, step):
+                yield slice(l0, l0 + 1), slice(m0, min(m0 + step, rows.stop))
 
 
 def _ieee_tile_fp64(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,20 @@ Per group of F products it works in fp32/int32 only:
 Why the 2^-100 floor is enough: then e_max ≥ −100, so q ≥ −125 − neab ≥ −126 (2^±q are normal
 fp32 numbers, results are normal) and a product whose exact value is below 2^-126 (inexact in
 fp32) is below 2^q, so it truncates to 0 whatever fp32 did to it.
+
+Fast exact ieee kernel for fp32 operands (`ieee_tile_fp64_exact`): fp32 × fp32 (or × bf16)
+products are exact in fp64 (≤ 48 significant bits, exponents far inside fp64's range). Per k:
+  s = fl64(acc + a_k·b_k)    one `addcmul` with fp64 output from the fp32 accumulator
+  acc = fl32(s)              nearest-even conversion.
+Why this is one correct rounding of the exact x = acc + a_k·b_k: fp32's rounding boundaries
+(midpoints between neighbouring fp32 numbers, and the overflow threshold) are fp64 numbers, and
+rounding to fp64 is monotone, so x and s lie on the same side of every boundary unless s IS a
+boundary. So the result can differ only where s is an fp32 midpoint and s ≠ x. Those elements
+are flagged (normal range: the low 29 fraction bits of s are 1000…0; fp32 subnormal range:
+flagged wholesale when the tile can reach it with an inexact s, see `ieee_exact64_needs_tiny_check`),
+and for them only the exact error e = x − s is found by TwoSum and s is rounded to odd (moved one
+fp64 ulp toward x when e ≠ 0 and s is even), which with 53 ≥ 24 + 2 bits makes the fp32
+conversion the correctly rounded sum. Cost: about 5 passes over the tile per k instead of ~15.
 """
 from __future__ import annotations
 
@@ -87,3 +101,76 @@ def ieee_tile_fp32(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> torc
     for k in range(at.shape[1]):
         out.addcmul_(at[:, k, :, None], b[:, k, None, :])
     return out
+
+
+_LOW29 = (1 << 29) - 1  # fp64 fraction bits below fp32's 23
+_MID29 = 1 << 28  # low 29 bits of an fp64 number that is a midpoint of two normal fp32 numbers
+_ABS64 = 0x7FFFFFFFFFFFFFFF
+_FP32_NORMAL_MIN_BITS64 = (1023 - 126) << 52  # fp64 bit pattern of 2^-126
+
+
+def ieee_exact64_needs_tiny_check(min_a: torch.Tensor, min_b: torch.Tensor) -> torch.Tensor:
+    """Per lead entry: True where an inexact fp64 sum could land in fp32's subnormal range.
+
+    min_a, min_b: smallest nonzero |a|, |b| (fp32, inf where all zero). A sum x = acc + p with
+    |x| ≤ 2^-126 is a multiple of min(2^-149, ulp(a)·ulp(b)) (acc is an fp32 number); ulp(y) ≥
+    |y|·2^-24 for every nonzero fp32 y, so if min_a·min_b ≥ 2^-131 that grid is ≥ 2^-179 and x has
+    at most 53 significant bits: s = x exactly, nothing to check."""
+    return (min_a.double() * min_b.double()) < 2.0**-131
+
+
+def ieee_tile_fp64_exact(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, tiny_check: bool = True) -> torch.Tensor:
+    """The ieee model on one tile whose operands are fp32 numbers (any fp32, fp32 × fp32 included).
+
+    at (Lt, K, m), b (Lt, K, N): float tensors holding fp32-representable values; acc (Lt, m, N)
+    the starting fp32 accumulator. Returns fp32 (Lt, m, N), bit-identical to the fma chain
+    (`ieee_fma_step`). tiny_check=False skips the subnormal-range flag where
+    `ieee_exact64_needs_tiny_check` proved it unnecessary.
+    """
+    Lt, K, m = at.shape
+    N = b.shape[-1]
+    a64 = at.to(torch.float64).contiguous()  # (Lt, K, m): column k of a is contiguous
+    b64 = b.to(torch.float64).contiguous()  # (Lt, K, N)
+    acc32 = torch.empty(Lt, m, N, dtype=torch.float32)  # (Lt, m, N) the running fp32 accumulator
+    acc32.copy_(acc)
+    s = torch.empty(Lt, m, N, dtype=torch.float64)  # fl64(acc + a_k b_k)
+    s_bits = s.view(torch.int64)
+    work = torch.empty(Lt, m, N, dtype=torch.int64)
+    flag = torch.empty(Lt, m, N, dtype=torch.bool)
+    tiny = torch.empty(Lt, m, N, dtype=torch.bool) if tiny_check else None
+    for k in range(K):
+        a_k, b_k = a64[:, k, :, None], b64[:, k, None, :]  # (Lt, m, 1), (Lt, 1, N)
+        torch.addcmul(acc32, a_k, b_k, out=s)  # fp32 acc promoted exactly; the product is exact
+        torch.bitwise_and(s_bits, _LOW29, out=work)
+        torch.eq(work, _MID29, out=flag)  # s is a midpoint of two normal fp32 numbers
+        if tiny is not None:  # nonzero |s| < 2^-126 (zeros wrap to the top and are not flagged)
+            torch.sub(s_bits, 1, out=work).bitwise_and_(_ABS64)
+            torch.lt(work, _FP32_NORMAL_MIN_BITS64 - 1, out=tiny)
+            flag.logical_or_(tiny)
+        idx = flag.view(-1).nonzero().squeeze(1)  # a few per k: e.g. ~1% for fp32 × bf16
+        if idx.numel():
+            _round_flagged_to_odd(s.view(-1), acc32.view(-1), a_k, b_k, idx, m, N)
+        acc32.copy_(s)  # one nearest-even rounding to fp32
+    return acc32
+
+
+def _round_flagged_to_odd(s: torch.Tensor, acc: torch.Tensor, a_k: torch.Tensor, b_k: torch.Tensor,
+                          idx: torch.Tensor, m: int, N: int) -> None:
+    """For the flat positions idx of a tile (Lt, m, N): replace s by fl64(acc + a·b) rounded to odd."""
+    lead, rest = idx.div(m * N, rounding_mode="floor"), idx.remainder(m * N)
+    row, col = rest.div(N, rounding_mode="floor"), rest.remainder(N)
+    prod = a_k[lead, row, 0] * b_k[lead, 0, col]  # exact in fp64
+    s[idx] = sum_round_to_odd(acc[idx].to(torch.float64), prod)
+
+
+def sum_round_to_odd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y (fp64) rounded to odd: fl64(x + y), moved one ulp toward the exact sum when inexact
+    and even. Rounding that to a format with ≤ 51 significant bits is then one correct rounding
+    of x + y. Infinite and NaN sums are left as IEEE makes them (inf + finite = inf, inf − inf = NaN)."""
+    s = x + y
+    bb = s - x
+    err = (x - (s - bb)) + (y - bb)  # TwoSum: s + err == x + y exactly
+    bits = s.view(torch.int64)
+    inexact_even = (err != 0) & ((bits & 1) == 0) & torch.isfinite(s)  # err is NaN where s is not finite
+    away = (err > 0) == (s > 0)  # the exact sum lies farther from zero than s
+    return torch.where(inexact_even, bits + torch.where(away, 1, -1), bits).view(torch.float64)

@@ -93,6 +93,15 @@ class ReplayConfig:
     p_dtype: Precision = Precision.BF16
     pv_dtype: Precision = Precision.BF16
     o_dtype: Precision = Precision.BF16
+    # the autocast reference's low-precision intermediates (fp32 = hardware kernels):
+    # s_dtype: the scaled scores, rounded after S = q kᵀ and again after × α (and s − m computed
+    # in the promoted dtype of s and m, as PyTorch does); stats_dtype: the running row max m and
+    # row sum ℓ, stored in it after every block update; rescale_dtype: the running accumulator
+    # rounded to it after × exp(m_prev − m_new), before the block's P̄V is added (oc.mul_ on a
+    # bf16 buffer)
+    s_dtype: Precision = Precision.FP32
+    stats_dtype: Precision = Precision.FP32
+    rescale_dtype: Precision = Precision.FP32
     # fp8 P scale S: P̄ is multiplied by S before its cast, O divided by S·ℓ in the epilogue
     p_scale: float = 1.0
     p_scale_mode: PScaleMode = PScaleMode.EXPONENT_OFFSET
@@ -158,7 +167,8 @@ class ReplayConfig:
     @property
     def is_low_precision(self) -> bool:
         """True when any cast in the forward pass rounds below fp32."""
-        return any(d in _LOW_PRECISION for d in (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype))
+        casts = (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype, self.s_dtype, self.stats_dtype, self.rescale_dtype)
+        return any(d in _LOW_PRECISION for d in casts)
 
     def describe(self) -> str:
         """One line naming the fields that differ from the defaults."""
@@ -182,6 +192,9 @@ _ENUM_FIELDS = {
     "rounding": Rounding,
     "delta": DeltaSource,
     "ds_dtype": Precision,
+    "s_dtype": Precision,
+    "stats_dtype": Precision,
+    "rescale_dtype": Precision,
     "accumulation": Accumulation,
     "gpu": GPUModel,
 }
@@ -205,6 +218,9 @@ PRESETS = {
     # hardware flash-attention kernels: P̄ cast to bf16, fp32 accumulator, O rounded once after 1/ℓ
     "bf16-hw": lambda: ReplayConfig(pv_dtype=_FP32, block_m=128, block_n=64, accumulation=Accumulation.TENSOR_CORE),
     "stochastic": lambda: ReplayConfig(rounding=Rounding.STOCHASTIC),
+    # the paper's reference code as run: S, m, ℓ and the rescaled O accumulator in bf16 too, block 512
+    "bf16-autocast": lambda: ReplayConfig(
+        s_dtype=Precision.BF16, stats_dtype=Precision.BF16, rescale_dtype=Precision.BF16, block_m=512, block_n=512),
     "fp8-s1": lambda: _fp8(1.0),
     "fp8-s256": lambda: _fp8(256.0),
     "fp8-s448": lambda: _fp8(448.0),

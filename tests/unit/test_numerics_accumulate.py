@@ -229,3 +229,94 @@ def test_subnormal_products_take_a_correct_path():
     for x, y in zip(p, v):
         want = fma_fp32(want, x, y)
     assert _dot(p, v, accumulation="ieee") == want
+
+
+# ---------------------------------------------------------------------------------------------
+# the fast exact ieee kernel for fp32 operands (fp32 × bf16, fp32 × fp32): against Fraction fmas
+
+
+@pytest.fixture
+def no_fp64_reference(monkeypatch):
+    """Make sure the fp32-operand kernel runs: the fp64 reference tile path raises if reached."""
+    from fa_forensics.numerics import accumulate
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the fp64 reference path ran; the fp32-operand kernel should have")
+
+    monkeypatch.setattr(accumulate, "_ieee_tile_fp64", fail)
+
+
+def _fp32_operand(kind, shape, g):
+    """fp32 values (full 24-bit significands) of one kind of trouble."""
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    if kind == "wide":  # exponent gaps of up to 90 binades between terms
+        x = x * torch.exp2(torch.randint(-60, 30, shape, generator=g).double())
+    elif kind == "cancel":  # every term followed by its negation, plus a few survivors
+        x[..., 1::2, :] = -x[..., 0::2, :][..., : x[..., 1::2, :].shape[-2], :]
+        x[..., -1, :] *= 2.0**-30
+    elif kind == "tiny":  # sums in fp32's subnormal range
+        x = x * torch.exp2(torch.randint(-80, -60, shape, generator=g).double())
+    return round_to(x, "fp32").float()
+
+
+@pytest.mark.parametrize("b_fmt", ["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["normal", "wide", "cancel", "tiny"])
+def test_fp32_operand_kernel_equals_exact_fmas(no_fp64_reference, b_fmt, kind):
+    g = torch.Generator().manual_seed(hash((b_fmt, kind)) % 2**31)
+    M, K, N = 8, 64, 6
+    a = _fp32_operand(kind, (K, M), g).T  # (M, K); 'cancel' pairs consecutive k
+    b = round_to(_fp32_operand("normal" if kind != "tiny" else "tiny", (K, N), g).double(), b_fmt).float()
+    got = matmul(a, b, "ieee").double()
+    assert torch.equal(got, _ieee_reference(a.double(), b.double()))
+
+
+def _one_fma(acc, a, b):
+    """fp32(acc + a·b) through matmul (K = 1 with a starting accumulator)."""
+    out = matmul(torch.tensor([[a]], dtype=torch.float64), torch.tensor([[b]], dtype=torch.float64),
+                 "ieee", acc=torch.tensor([[acc]], dtype=torch.float32))
+    return out.item()
+
+
+# 2^32 + 1 = 641 · 6700417 and 2^32 − 1 = 65535 · 65537: products of two fp32 numbers within
+# 2^-32 of a power of two. Added to an fp32 accumulator, their fp64 sum lands exactly on an fp32
+# midpoint while the exact sum does not: converting that sum to fp32 would round the tie to even.
+_DOUBLE_ROUNDING_CASES = [
+    # acc, a, b, correct fp32 sum; exact sums 1 + 2^-24 ± 2^-56 and 1 + 3·2^-24 ± 2^-56
+    (1.0, 641 * 2.0**-10, 6700417 * 2.0**-46, 1.0 + 2.0**-23),  # just above the midpoint: up
+    (1.0 + 2.0**-23, 65535 * 2.0**-20, 65537 * 2.0**-36, 1.0 + 2.0**-23),  # just below: down
+    (-1.0, -641 * 2.0**-10, 6700417 * 2.0**-46, -(1.0 + 2.0**-23)),  # negative, away from zero
+    (-(1.0 + 2.0**-23), 65535 * 2.0**-20, -65537 * 2.0**-36, -(1.0 + 2.0**-23)),
+    # fp32 subnormal range: acc = 2^-127 + 2^-148, product 2^-150 + 2^-182 (56-bit exact sum)
+    (2.0**-127 + 2.0**-148, 641 * 2.0**-91, 6700417 * 2.0**-91, 2.0**-127 + 2.0**-148 + 2.0**-149),
+]
+
+
+@pytest.mark.parametrize("acc,a,b,want", _DOUBLE_ROUNDING_CASES)
+def test_fp64_sum_on_an_fp32_midpoint_is_not_double_rounded(no_fp64_reference, acc, a, b, want):
+    assert fma_fp32(acc, a, b) == want  # the Fraction reference agrees with the hand-worked value
+    naive = float(torch.tensor(acc, dtype=torch.float64) + a * b)  # fp64 sum, then to fp32 below
+    assert torch.tensor(naive).float().item() != want  # the trap is real
+    assert _one_fma(acc, a, b) == want
+
+
+def test_exact_ties_round_to_even(no_fp64_reference):
+    """a = 1 + 2^-23 (24 bits) times 1/2: 1 + a/2 = 1.5 + 2^-24 is an exact tie and stays at the
+    even 1.5; (1 + 2^-23) + a/2 = 1.5 + 3·2^-24 goes up to the even 1.5 + 2^-22."""
+    a = 1.0 + 2.0**-23
+    assert _one_fma(1.0, a, 0.5) == fma_fp32(1.0, a, 0.5) == 1.5
+    assert _one_fma(1.0 + 2.0**-23, a, 0.5) == fma_fp32(1.0 + 2.0**-23, a, 0.5) == 1.5 + 2.0**-22
+    assert _one_fma(-1.0, -a, 0.5) == -1.5
+
+
+def test_fp32_operand_kernel_tiles_agree(monkeypatch):
+    """Tile boundaries (leads grouped, rows split) do not change a bit; the fp64 reference agrees."""
+    from fa_forensics.numerics import accumulate
+
+    g = torch.Generator().manual_seed(21)
+    a = _fp32_operand("wide", (3, 37, 30), g)
+    b = round_to(torch.randn(3, 30, 6, generator=g), "bf16")
+    whole = matmul(a, b, "ieee")
+    monkeypatch.setattr(accumulate, "_EXACT64_TILE_BYTES", 100)  # two rows per tile
+    assert torch.equal(matmul(a, b, "ieee"), whole)
+    monkeypatch.setattr(accumulate, "_fp32_valued", lambda x: False)  # force the fp64 reference steps
+    assert torch.equal(matmul(a, b, "ieee"), whole)

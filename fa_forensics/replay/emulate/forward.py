@@ -4,24 +4,28 @@ Inputs q, k, v (B, H, T, D) are fp32 tensors already holding values of config.in
 Rows are independent, so all rows are processed together; the loop runs over KV blocks of
 block_n keys (None = one block), in forward or reverse order. Per block j, in this order:
 
- 1. S = q kᵀ (mm, in_format = input_dtype) ; s = fp32(S · α)  ; causal: s[i, t] = -inf for t > i.
+ 1. S = cast(q kᵀ, s_dtype) (mm, in_format = input_dtype) ; s = cast(fp32(S · α), s_dtype) ;
+    causal: s[i, t] = -inf for t > i. (s_dtype fp32: no rounding beyond the mm's.)
     Rows that see no key of the block (all t > i) are skipped, as a kernel skips masked blocks
     (this is exactly a no-op for them).
- 2. m_new = shift rule (softmax.py: standard / stabilized Algorithm 3 / fixed offset);
-    m_use = m_new, or 0 where m_new = -inf (nothing visible yet) so that exp never sees -inf - -inf.
- 3. alpha = exp(fp32(m_prev - m_use))          (0 on the first block, where m_prev = -inf)
- 4. P̄ = exp(fp32(s - m_use))                   fp32, the pre-cast P̄
- 5. ℓ = fp32(fp32(alpha · ℓ) + rowsum(P̄))     rowsum of the pre-cast, unscaled fp32 P̄, summed
-    exactly and rounded once (the kernel's tree order is not modelled)
+ 2. m_new = cast(shift rule, stats_dtype) (softmax.py: standard / stabilized Algorithm 3 / fixed
+    offset); m_use = m_new, or 0 where m_new = -inf (nothing visible yet) so that exp never sees
+    -inf - -inf.
+ 3. alpha = exp(cast(m_prev - m_use, stats_dtype))   (0 on the first block, where m_prev = -inf)
+ 4. P̄ = exp(cast(s - m_use, promote(s_dtype, stats_dtype)))   fp32, the pre-cast P̄
+ 5. ℓ = cast(fp32(fp32(alpha · ℓ) + rowsum(P̄)), stats_dtype)   rowsum of the pre-cast, unscaled
+    fp32 P̄, summed exactly and rounded once (the kernel's tree order is not modelled)
  6. P scale S (if ≠ 1): exponent-offset: P̄_S = exp(fp32(fp32(s - m_use) + ln S));
     multiply: P̄_S = fp32(P̄ · S)
  7. P̄_c = cast(P̄_S, p_dtype, rounding)        (fp8 e4m3 saturates at ±448)
- 8. pv_dtype fp32 (hardware accumulator): acc = mm(P̄_c, V_j, acc=fp32(alpha · acc))
-    pv_dtype lower (autocast reference code): acc = cast(fp32(fp32(alpha · acc) + cast(mm(P̄_c, V_j))))
+ 8. acc_r = cast(fp32(alpha · acc), rescale_dtype)   (fp32: no rounding)
+    pv_dtype fp32 (hardware accumulator): acc = mm(P̄_c, V_j, acc=acc_r)
+    pv_dtype lower (autocast reference code): acc = cast(fp32(acc_r + cast(mm(P̄_c, V_j))))
     i.e. rounded after the block product and after the rescale-and-add; in_format = wider(p, input)
 Epilogue: O = cast(fp32(acc / fp32(S · ℓ)), o_dtype, rounding); lse = fp32(m_use + fp32(log ℓ)).
 
-`rounding` (nearest-even or seeded stochastic) governs the P̄ cast, the P̄V casts and the O cast.
+`rounding` (nearest-even or seeded stochastic) governs the P̄ cast, the P̄V casts (the rescaled
+accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-even.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.replay.config import KVOrder, Precision, PScaleMode, ReplayConfig
-from fa_forensics.replay.emulate.ops import cast, mm, wider
+from fa_forensics.replay.emulate.ops import cast, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
 
@@ -57,9 +61,11 @@ def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder) -> list[tuple
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
                   causal: bool, row0: int, col0: int) -> torch.Tensor:
-    """s = fp32(α · q kᵀ) with the causal mask (-inf); q rows start at row0, k rows at col0."""
+    """s = cast(α · cast(q kᵀ, s_dtype), s_dtype) with the causal mask (-inf); q rows start at
+    row0, k rows at col0."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)  # (B, H, R, N)
-    s = S * torch.tensor(scale, dtype=torch.float32)
+    S = cast(S, config.s_dtype)  # the autocast matmul's output dtype
+    s = cast(S * torch.tensor(scale, dtype=torch.float32), config.s_dtype)
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
@@ -93,6 +99,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     ln_S = torch.tensor(math.log(S_scale), dtype=torch.float32)
     S_t = torch.tensor(S_scale, dtype=torch.float32)
     pv_format = wider(config.p_dtype, config.input_dtype)
+    sub_dtype = promote(config.s_dtype, config.stats_dtype)  # dtype of s − m
 
     m = torch.full((B, H, T), _NEG_INF)  # running shift m_i
     l = torch.zeros((B, H, T))  # running ℓ_i
@@ -111,11 +118,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         m_prev = m[..., r0:]
         shift = block_shift(m_prev, s, config)
         fired_any[..., r0:] |= shift.fired
-        m_use = torch.where(torch.isneginf(shift.m), torch.zeros_like(shift.m), shift.m)  # (B, H, R)
-        alpha = torch.exp(m_prev - m_use).unsqueeze(-1)  # (B, H, R, 1)
-        s_minus_m = s - m_use.unsqueeze(-1)  # (B, H, R, N)
+        m_new = cast(shift.m, config.stats_dtype)  # (B, H, R)
+        m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # (B, H, R)
+        alpha = torch.exp(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
+        s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
         p = torch.exp(s_minus_m)  # pre-cast fp32 P̄
-        l[..., r0:] = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
+        l_new = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
+        l[..., r0:] = cast(l_new, config.stats_dtype)
         if S_scale == 1.0:
             p_scaled = p
         elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
@@ -125,14 +134,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
         p_one += (p_bar == S_t).sum(dim=(-1, -2))
         p_zeroed += ((p_scaled > 0) & (p_bar == 0)).sum(dim=(-1, -2))
-        acc_scaled = alpha * acc[..., r0:, :]  # (B, H, R, D)
+        acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
         v_j = v[..., j0:j1, :]
         if config.pv_dtype is Precision.FP32:
             acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled)
         else:
             pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format), config.pv_dtype, config.rounding, generator)
             acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
-        m[..., r0:] = shift.m
+        m[..., r0:] = m_new
 
     m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     o32 = acc / (S_t * l).unsqueeze(-1)

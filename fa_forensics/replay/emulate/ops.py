@@ -24,6 +24,12 @@ def wider(a: Precision, b: Precision) -> Precision:
     return a if _WIDTH[a] >= _WIDTH[b] else b
 
 
+def promote(a: Precision, b: Precision) -> Precision:
+    """The dtype PyTorch gives a binary op on tensors of formats a and b (bf16 − bf16 stays
+    bf16; anything with fp32, or bf16 with fp16, is fp32)."""
+    return a if a is b else Precision.FP32
+
+
 def cast(
     x: torch.Tensor,
     fmt: Precision,

@@ -22,8 +22,10 @@ def to_input_dtype(x: torch.Tensor, config: ReplayConfig) -> torch.Tensor:
 
 
 def high_precision_twin(config: ReplayConfig) -> ReplayConfig:
-    """The same replay with the P̄, P̄V and O casts in fp32 (inputs unchanged): O_hp for δ."""
-    return config.with_(p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32, p_scale=1.0)
+    """The same replay with every forward cast after the inputs in fp32 (P̄, P̄V, O and the
+    autocast intermediates S, m, ℓ, rescaled O): O_hp for δ."""
+    return config.with_(p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32, p_scale=1.0,
+                        s_dtype=_FP32, stats_dtype=_FP32, rescale_dtype=_FP32)
 
 
 def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,

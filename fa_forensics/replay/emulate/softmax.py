@@ -6,7 +6,10 @@
                  m = max(m_prev, m'') (the ADJUSTED shift enters the running max);
 - fixed-offset:  m = max(m_prev, r_m + offset) (App. C's rejected alternative).
 
-All arithmetic in fp32. Rows with no visible score in the block (r_m = -inf) keep m_prev.
+All arithmetic in fp32, except the stabilized test when config.s_dtype is below fp32 (the
+autocast reference): there it is s ≥ cast(r_m − ε, s_dtype), computed on the bf16 scores as the
+reference code does, so near ties within a bf16 ulp of r_m count only when they are exact.
+Rows with no visible score in the block (r_m = -inf) keep m_prev.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fa_forensics.replay.config import ReplayConfig, Softmax
+from fa_forensics.replay.config import Precision, ReplayConfig, Softmax
+from fa_forensics.replay.emulate.ops import cast
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,10 @@ def block_shift(m_prev: torch.Tensor, s: torch.Tensor, config: ReplayConfig) -> 
         return Shift(torch.maximum(m_prev, shifted), torch.zeros_like(r_m, dtype=torch.bool))
     # Stabilized (Algorithm 3). r_m - s is NaN for fully masked rows (-inf - -inf): not counted.
     eps = torch.tensor(config.eps, dtype=torch.float32)
-    r_s = ((r_m.unsqueeze(-1) - s) <= eps).sum(dim=-1)  # (B, H, R)
+    if config.s_dtype is Precision.FP32:
+        r_s = ((r_m.unsqueeze(-1) - s) <= eps).sum(dim=-1)  # (B, H, R)
+    else:  # `s >= rowmax - eps` on low-precision tensors: the threshold is rounded to s_dtype
+        r_s = (s >= cast(r_m - eps, config.s_dtype).unsqueeze(-1)).sum(dim=-1)
     repeated = r_s > 1
     beta = torch.tensor(config.beta, dtype=torch.float32)
     m_1 = torch.where((r_m > 0) & repeated, beta * r_m, r_m)  # m'

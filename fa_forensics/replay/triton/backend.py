@@ -8,7 +8,9 @@ contract (replay/emulate/forward.py, backward.py) with these known differences:
 - on a GPU, low-precision dots run on tensor cores (their accumulation is the `tensor-core`
   model, not `ieee`); under the interpreter the test suite's compatibility layer makes every
   dot the `ieee` sequential fp32 walk. `ReplayOut.accumulation` says which one ran;
-- stochastic rounding is not implemented in the kernels (use backend "emulate").
+- stochastic rounding is not implemented in the kernels (use backend "emulate");
+- the autocast reference's low-precision S, m, ℓ and rescaled accumulator (s_dtype, stats_dtype,
+  rescale_dtype below fp32, preset "bf16-autocast") are refused: use backend "emulate".
 """
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ def _stats(rows: torch.Tensor) -> PBarStats:
 def _check_supported(config: ReplayConfig) -> None:
     if config.rounding is Rounding.STOCHASTIC:
         raise TritonBackendError("replay: backend triton implements nearest-even casts only; use --backend emulate for rounding=stochastic")
+    autocast = [f"{name}={getattr(config, name).value}" for name in ("s_dtype", "stats_dtype", "rescale_dtype")
+                if getattr(config, name) is not _FP32]
+    if autocast:
+        raise TritonBackendError(f"replay: backend triton keeps S, m, ℓ and the accumulator in fp32 (got {', '.join(autocast)}); "
+                                 "use --backend emulate for the bf16-autocast reading")
 
 
 def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
