@@ -90,9 +90,9 @@ def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Rep
                   do: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None) -> ReplayOut:
     """The Triton twin of the emulator: same arguments, same ReplayOut (tensors on the CPU)."""
     _check_supported(config)
+    device = _device_for(q)  # before triton is imported: without a GPU or the interpreter, refuse first
     from fa_forensics.replay.triton import launch  # imports triton: only now
 
-    device = _device_for(q)
     B, H, T, D = q.shape
     scale = float(scale) if scale is not None else D ** -0.5
     qi, ki, vi = (to_input(x, config.input_dtype, device) for x in (q, k, v))  # (B, H, T, D)
