@@ -6,6 +6,10 @@ of the common low-rank direction R in Eq. 3; a consistent sign across steps (Fig
 the gradient error compound. Per feature i, Σ_T dO[T,i]·(O_lp − O_hp)[T,i] says which features carry
 it, and the sign agreement of dO and the O error shows the paper's mechanism (Fig. 5b/c: both
 negative in features 20 and 29). All arithmetic here is float64 on exactly upcast tensors.
+
+"lp" is the chosen low-precision preset (default "bf16"; "bf16-autocast" is the paper's exact
+reference setting, "bf16-hw" the hardware kernels' fp32 accumulator) with the chosen accumulation;
+"hp" is always the fp32 preset on the same stored inputs.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.selection import DEFAULT_PRESET, LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError
 
@@ -104,6 +108,7 @@ class DeltaBiasResult:
     top_token: Optional[TopToken]
     accumulation: str
     backend: str
+    preset: str = DEFAULT_PRESET  # the low-precision preset replayed against fp32
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
@@ -119,10 +124,10 @@ class _LayerPart:
     o_err: torch.Tensor  # (B, h, T, D) float32
 
 
-def _layer_part(t: LayerTensors, accumulation: str, backend: str) -> _LayerPart:
+def _layer_part(t: LayerTensors, accumulation: str, backend: str, preset: str = DEFAULT_PRESET) -> _LayerPart:
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; delta-bias needs the upstream gradient dO")
-    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False)
+    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False, preset=preset)
     dd = delta_error(t.do, lp.o, hp.o)
     contribution, agree, both = feature_contributions(t.do, lp.o, hp.o)
     o_err = (lp.o.to(torch.float64) - hp.o.to(torch.float64)).to(torch.float32)
@@ -136,13 +141,14 @@ def delta_bias(
     *,
     accumulation: str = "ieee",
     backend: str = "emulate",
+    preset: str = DEFAULT_PRESET,
     top_k: int = 8,
     progress: Progress = None,
 ) -> DeltaBiasResult:
     """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
     and the features that carry it in the focus head (the one with the largest |Σ| over steps)."""
     layers = (load(dump, sel) for sel in selections)
-    return delta_bias_layers(layers, accumulation=accumulation, backend=backend, top_k=top_k, progress=progress)
+    return delta_bias_layers(layers, accumulation=accumulation, backend=backend, preset=preset, top_k=top_k, progress=progress)
 
 
 def delta_bias_layers(
@@ -150,6 +156,7 @@ def delta_bias_layers(
     *,
     accumulation: str = "ieee",
     backend: str = "emulate",
+    preset: str = DEFAULT_PRESET,
     top_k: int = 8,
     progress: Progress = None,
 ) -> DeltaBiasResult:
@@ -158,7 +165,7 @@ def delta_bias_layers(
     all_dd: list[torch.Tensor] = []
     by_head: dict[tuple[int, int], dict] = {}
     for t in layers:
-        part = _layer_part(t, accumulation, backend)
+        part = _layer_part(t, accumulation, backend, preset)
         sel = part.sel
         all_dd.append(part.dd.reshape(-1))
         for j, h in enumerate(sel.heads):
@@ -199,6 +206,7 @@ def delta_bias_layers(
         total_frac_positive=total_st.frac_positive, n_tokens=total.n,
         focus_layer=focus_layer, focus_head=focus_head, cumulative_tokens=cumulative_tokens,
         top_features=top_features, top_token=top_token, accumulation=accumulation, backend=backend,
+        preset=preset,
     )
 
 

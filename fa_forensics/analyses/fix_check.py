@@ -1,16 +1,22 @@
 """fix-check: does the stabilized softmax (paper §4, Algorithm 3) remove the bias, and do the
 alternatives (App. C's fixed offset, stochastic rounding, P̄V in fp32)?
 
-Every variant is the paper's BF16 setting (`ReplayConfig()`, chosen accumulation) with one change,
-replayed forward only and compared with the fp32 replay of the same stored inputs:
-  - baseline:      no change;
+Every variant is the chosen low-precision preset (default "bf16" = `ReplayConfig()`; e.g.
+"bf16-autocast", the paper's reference code, or "bf16-hw", hardware kernels; chosen accumulation)
+with one change, derived by dataclasses.replace and keeping the preset's tiling, replayed forward
+only and compared with the fp32 replay of the same stored inputs:
+  - baseline:      the preset unchanged;
   - stabilized:    softmax = stabilized (β, ε): m = β·r_m (r_m > 0) or 0 (r_m < 0) in rows whose
                    maximum is repeated (within ε), so max P̄ < 1 there;
   - fixed-offset:  m = rowmax + offset in every row (App. C): the largest P̄ is e^(−offset), a
                    constant that the bf16 cast rounds the same way every time (for offset 1:
                    e^(−1) = 0.36788 → 0.36719, −0.19 %), so with same-sign V the bias comes back;
   - stochastic:    stochastic rounding of the P̄ and O casts (the blog's fix);
-  - fp32-pv:       the P̄V product and its accumulator kept in fp32.
+  - fp32-pv:       the P̄V product and its running accumulator kept in fp32 (pv_dtype and
+                   rescale_dtype; the latter matters for bf16-autocast, whose accumulator is bf16);
+                   under bf16-hw and fp8-* this is the baseline itself (they already accumulate in fp32).
+Scores for the "repeated maximum" counts and max P̄ follow the preset's s_dtype (bf16 under
+bf16-autocast, where scores within a bf16 ulp of the row max tie exactly).
 
 The bias is measured where the baseline is most biased: the (layer, head, feature) cell with the
 largest |mean(O_lp − O_hp)| among the cells whose sign test passes Bonferroni at 0.01 (else the
@@ -26,6 +32,7 @@ cell is significant (p < 0.01).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -33,7 +40,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
-from fa_forensics.replay.config import Accumulation, ReplayConfig, Rounding, Softmax
+from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
 
 ALPHA = 0.01
 MIN_REDUCTION = 10.0
@@ -49,17 +56,21 @@ class Variant:
     what: str  # one line for tables
 
 
-def fix_variants(accumulation: str = "ieee", beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0) -> list[Variant]:
-    """Baseline, the stabilized fix and the alternatives, in that order."""
-    base = ReplayConfig(accumulation=Accumulation(accumulation))
+def fix_variants(accumulation: str = "ieee", beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0,
+                 preset: str = "bf16") -> list[Variant]:
+    """Baseline (the preset), the stabilized fix and the alternatives, in that order."""
+    from fa_forensics.analyses.selection import lp_config
+
+    base = lp_config(accumulation, preset=preset)
+    fp32 = Precision.FP32
     return [
-        Variant("baseline", "baseline", base, "paper BF16 setting"),
+        Variant("baseline", "baseline", base, "paper BF16 setting" if preset == "bf16" else f"preset {preset}"),
         Variant("stabilized", "fixed", base.with_(softmax=Softmax.STABILIZED, beta=beta, eps=eps),
                 f"stabilized softmax β={beta:g}, ε={eps:g}"),
         Variant("fixed-offset", "alternative", base.with_(softmax=Softmax.FIXED_OFFSET, offset=offset),
                 f"m = rowmax + {offset:g} (App. C)"),
         Variant("stochastic", "alternative", base.with_(rounding=Rounding.STOCHASTIC), "stochastic rounding of P̄ and O casts"),
-        Variant("fp32-pv", "alternative", base.with_(pv_dtype="fp32"), "P̄V product and accumulator in fp32"),
+        Variant("fp32-pv", "alternative", base.with_(pv_dtype=fp32, rescale_dtype=fp32), "P̄V product and accumulator in fp32"),
     ]
 
 
@@ -97,11 +108,20 @@ def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Te
     )
 
 
-def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32") -> torch.Tensor:
     """S = α·q·kᵀ (B, h, T, T) in fp32, correctly rounded from the exact products (fp64 sum); causal
-    positions masked with −inf. Exact ties (identical keys) stay exact ties."""
-    s = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)).to(torch.float32) * float(scale)  # (B, h, T, T)
-    s = s.to(torch.float32)
+    positions masked with −inf. Exact ties (identical keys) stay exact ties.
+
+    With s_dtype below fp32 (bf16-autocast: "bf16") the scores are read as that preset computes
+    them: S = round(q·kᵀ), s = round(S·α), nearest-even, held in fp32 (values exact in s_dtype).
+    """
+    s = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)).to(torch.float32)  # (B, h, T, T)
+    if s_dtype != "fp32":
+        from fa_forensics.numerics import round_to
+
+        s = round_to(round_to(s, s_dtype).to(torch.float32) * float(scale), s_dtype).to(torch.float32)
+    else:
+        s = (s * float(scale)).to(torch.float32)
     if causal:
         T = s.shape[-1]
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
@@ -129,7 +149,12 @@ def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
         m = torch.where((r_m < 0) & (r_s > 1), torch.zeros_like(m), m)
     elif config.softmax is Softmax.FIXED_OFFSET:
         m = r_m + config.offset
-    p_max = torch.exp((r_m - m)[repeated])  # (n,) fp32
+    shift = r_m - m
+    if config.s_dtype is not Precision.FP32:  # s − m is computed in the scores' dtype (autocast)
+        from fa_forensics.numerics import round_to
+
+        shift = round_to(shift, config.s_dtype.value).to(torch.float32)
+    p_max = torch.exp(shift[repeated])  # (n,) fp32
     fmt = config.p_dtype.value
     p_max = p_max if fmt == "fp32" else round_to(p_max, fmt)
     return float(p_max.max())
@@ -173,6 +198,7 @@ class FixCheckResult:
     removed: bool
     verdict: str
     exit_code: int
+    preset: str = "bf16"  # the low-precision preset every variant derives from
 
 
 def pick_target(cells: list[BiasCell], alpha: float = ALPHA) -> BiasCell:
@@ -242,19 +268,22 @@ def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerSte
 
 
 def fix_check_dump(dump, step=None, layer=None, head=None, *, beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0,
-                   accumulation: str = "ieee", backend: str = "emulate", on_progress=None) -> FixCheckResult:
+                   accumulation: str = "ieee", backend: str = "emulate", preset: str = "bf16", on_progress=None) -> FixCheckResult:
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
     the fp32 replay; δ errors from the stored dO (when present)."""
-    from fa_forensics.analyses.selection import check_accumulation, check_backend, hp_config, load, replay_layer, select
+    from fa_forensics.analyses.selection import (
+        check_accumulation, check_backend, check_preset, hp_config, load, replay_layer, select,
+    )
 
     check_accumulation(accumulation)
     check_backend(backend)
-    variants = fix_variants(accumulation, beta, eps, offset)
+    check_preset(preset)
+    variants = fix_variants(accumulation, beta, eps, offset, preset)
     parts: dict[str, list[VariantLayerStep]] = {v.name: [] for v in variants}
     for sel in select(dump, step, layer, head):
         t = load(dump, sel)
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
-        s = scores_fp32(t.q, t.k, t.scale, t.causal)  # (B, h, T, T)
+        s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value)  # (B, h, T, T)
         for v in variants:
             out = replay_layer(t, v.config, backward=False, backend=backend)
             maxp = max_p_bar_in_repeated_rows(s, v.config)
@@ -262,4 +291,4 @@ def fix_check_dump(dump, step=None, layer=None, head=None, *, beta: float = 2.0,
                                                  heads=sel.heads, max_p_bar_repeated=maxp))
             if on_progress is not None:
                 on_progress()
-    return summarize_fix(variants, parts)
+    return dataclasses.replace(summarize_fix(variants, parts), preset=preset)

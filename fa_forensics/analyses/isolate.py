@@ -5,9 +5,20 @@ baseline and single repairs of it, each compared with the high-precision replay 
 the same stored inputs. Per variant and head: the O bias (signed mean of O_var − O_hp ± se), the O
 RMSE, Σ_T(δ_var − δ_hp), and the gradient errors ‖dQ_var − dQ_hp‖ and ‖dW_Q,var − dW_Q,hp‖.
 
-Baseline and tiling: the baseline tiles like the paper's reference code (a pure-PyTorch
-FlashAttention-2 with 512 x 512 blocks; 64 x 64 when T ≤ 512 so a short dump still tiles), and the
-"no-tiling" repair sets block = sequence. Every other repair keeps the baseline's tiling.
+Baseline and preset: the baseline is the chosen low-precision preset (default "bf16") with the
+chosen accumulation. Its tiling is the preset's own (bf16-autocast 512 x 512, bf16-hw 128 x 64,
+fp8-* 64 x 64); a preset without tiles (bf16, stabilized, stochastic, fp32) tiles like the paper's
+reference code (a pure-PyTorch FlashAttention-2 with 512 x 512 blocks; 64 x 64 when T ≤ 512 so a
+short dump still tiles). The "no-tiling" repair sets block = sequence; every other repair keeps the
+baseline's tiling. What each repair changes, derived from the preset with dataclasses.replace:
+  - o-fp32:    the whole O path fp32: pv_dtype, rescale_dtype and o_dtype (for bf16-autocast the
+               bf16 accumulator too; S, m and ℓ stay as the preset has them);
+  - pv-fp32:   the P̄V product and its running accumulator fp32 (pv_dtype and rescale_dtype), O still
+               stored in the preset's o_dtype: the hardware kernels' reading (bf16-hw already is);
+  - stabilized, stochastic, delta-*: one knob each (softmax, rounding, delta source).
+A repair that changes nothing under the preset (pv-fp32 under bf16-hw or fp8-*, stabilized under
+"stabilized", ...) is kept in the table, marked "(= baseline under this preset)", and can never be
+a culprit (its residual equals the baseline's).
 
 Gradient errors use the paper's Eq. 1, exact when the two backward passes differ only in δ (the
 §3.2 setting: an fp32 backward on the same inputs): dQ_var − dQ_hp = −α·diag(δ_var − δ_hp)·(P K),
@@ -29,7 +40,9 @@ import torch
 
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
 from fa_forensics.analyses.rank1_sim import pk_rows
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, hp_config, load, lp_config, replay_layer
+from fa_forensics.analyses.selection import (
+    DEFAULT_PRESET, LayerSelection, LayerTensors, hp_config, load, lp_config, preset_config, replay_layer,
+)
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding, Softmax
@@ -54,21 +67,40 @@ def baseline_block(T: int) -> int:
     return 512 if T > 512 else 64
 
 
-def variants(T: int, accumulation: str = "ieee") -> list[Variant]:
-    """The baseline (tiled BF16) and its single repairs, in the order of the paper's §3.2."""
-    b = baseline_block(T)
-    base = lp_config(accumulation).with_(block_m=b, block_n=b)
+def baseline_config(T: int, accumulation: str = "ieee", preset: str = DEFAULT_PRESET) -> ReplayConfig:
+    """The preset with the chosen accumulation, tiled as the preset says (else `baseline_block(T)`)."""
+    base = lp_config(accumulation, preset=preset)
+    if base.block_m is None and base.block_n is None:
+        b = baseline_block(T)
+        base = base.with_(block_m=b, block_n=b)
+    return base
+
+
+def variants(T: int, accumulation: str = "ieee", preset: str = DEFAULT_PRESET) -> list[Variant]:
+    """The baseline (the tiled preset) and its single repairs, in the order of the paper's §3.2."""
+    base = baseline_config(T, accumulation, preset)
     fp32 = Precision.FP32
-    return [
-        Variant("baseline", f"BF16 flash attention, {b}x{b} tiles (paper reference code)", base, False),
-        Variant("no-tiling", "block = sequence length", base.with_(block_m=None, block_n=None), False),
-        Variant("o-fp32", "O in fp32 (P̄V product and O kept fp32)", base.with_(pv_dtype=fp32, o_dtype=fp32), False),
-        Variant("delta-o-recomputed", "δ from O recomputed as P̄V/ℓ in fp32 in the backward", base.with_(delta=DeltaSource.O_RECOMPUTED), True),
-        Variant("delta-dp-p", "δ = rowsum(dP ∘ P)", base.with_(delta=DeltaSource.DP_P), True),
-        Variant("pv-fp32", "P̄V product in fp32 only (O still stored bf16)", base.with_(pv_dtype=fp32), False),
-        Variant("stabilized", "stabilized softmax (Algorithm 3, β=2)", base.with_(softmax=Softmax.STABILIZED), False),
-        Variant("stochastic", "stochastic rounding of the P̄ and O casts", base.with_(rounding=Rounding.STOCHASTIC), False),
+    o_dt = base.o_dtype.value
+    tiles = f"{base.block_m or T}x{base.block_n or T} tiles"
+    repairs = [
+        ("no-tiling", "block = sequence length", base.with_(block_m=None, block_n=None), False),
+        ("o-fp32", "O path in fp32 (P̄V product, accumulator and stored O)", base.with_(pv_dtype=fp32, rescale_dtype=fp32, o_dtype=fp32), False),
+        ("delta-o-recomputed", "δ from O recomputed as P̄V/ℓ in fp32 in the backward", base.with_(delta=DeltaSource.O_RECOMPUTED), True),
+        ("delta-dp-p", "δ = rowsum(dP ∘ P)", base.with_(delta=DeltaSource.DP_P), True),
+        ("pv-fp32", f"P̄V product and accumulator in fp32 (O still stored {o_dt})", base.with_(pv_dtype=fp32, rescale_dtype=fp32), False),
+        *([("stats-fp32", "row max m and row sum ℓ kept in fp32", base.with_(stats_dtype=fp32), False)]
+          if base.stats_dtype is not fp32 else []),
+        *([("scores-fp32", "scores S = α·q·kᵀ kept in fp32", base.with_(s_dtype=fp32), False)]
+          if base.s_dtype is not fp32 else []),
+        ("stabilized", f"stabilized softmax (Algorithm 3, β={base.beta:g})", base.with_(softmax=Softmax.STABILIZED), False),
+        ("stochastic", "stochastic rounding of the P̄, P̄V and O casts", base.with_(rounding=Rounding.STOCHASTIC), False),
     ]
+    own_tiles = preset_config(preset).block_n is not None
+    out = [Variant("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
+    for name, what, cfg, backward in repairs:
+        same = cfg == base and not backward
+        out.append(Variant(name, what + (" (= baseline under this preset)" if same else ""), cfg, backward))
+    return out
 
 
 # ---- pure per-head measurements -----------------------------------------------------------------
@@ -161,6 +193,8 @@ class IsolateResult:
     n_biased_heads: int  # (step, layer, head) items whose baseline Σδ error is significant (p < 0.01)
     accumulation: str
     backend: str
+    preset: str = DEFAULT_PRESET  # the low-precision preset the baseline and repairs derive from
+    baseline_tiles: tuple = (0, 0)  # (block_m, block_n) of the baseline
 
 
 def isolate(
@@ -169,12 +203,13 @@ def isolate(
     *,
     accumulation: str = "ieee",
     backend: str = "emulate",
+    preset: str = DEFAULT_PRESET,
     progress: Progress = None,
 ) -> IsolateResult:
-    """Replay every selected layer-step under the baseline and each single repair; rank heads and
-    layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it."""
+    """Replay every selected layer-step under the baseline (the preset) and each single repair; rank
+    heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it."""
     layers = (load(dump, sel) for sel in selections)
-    return isolate_layers(layers, accumulation=accumulation, backend=backend, progress=progress)
+    return isolate_layers(layers, accumulation=accumulation, backend=backend, preset=preset, progress=progress)
 
 
 def isolate_layers(
@@ -182,18 +217,19 @@ def isolate_layers(
     *,
     accumulation: str = "ieee",
     backend: str = "emulate",
+    preset: str = DEFAULT_PRESET,
     progress: Progress = None,
 ) -> IsolateResult:
     """`isolate` on layer-steps already loaded (or built in memory)."""
     measures: dict[str, list[HeadMeasure]] = {}
     signs: dict[str, list[torch.Tensor]] = {}
     heads: list[HeadDelta] = []
-    block, vs = None, []
+    tiles, vs = (0, 0), []
     for t in layers:
         if t.do is None:
             raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
-        vs = variants(t.q.shape[2], accumulation)
-        block = vs[0].config.block_m
+        vs = variants(t.q.shape[2], accumulation, preset)
+        tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
         pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D)
@@ -223,7 +259,8 @@ def isolate_layers(
     results = [_combine(v, measures[v.name], torch.cat(signs[v.name]), direction, base_bias) for v in vs]
     culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
     heads.sort(key=lambda h: -abs(h.delta_err_sum))
-    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(block or 0), sum(biased), accumulation, backend)
+    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), accumulation, backend,
+                         preset, tuple(int(b) for b in tiles))
 
 
 def _combine(v: Variant, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> VariantResult:

@@ -21,6 +21,16 @@ error. Each jump splits into three parts that also sum exactly (up to fp64 round
            residual. A large same-sign term (P̄ = 1, the "two big" of the blog) moves the sum into a
            coarser binade, so r jumps by up to half a bf16 ulp of the new sum: the paper's error steps.
 frac_error_from_p_one = Σ_{t: P̄_lp[t] = 1} error_step(t) / final_error.
+
+Under a --preset (default "bf16") the trace follows that preset's casts: its s_dtype (bf16 under
+"bf16-autocast": S = round(q·kᵀ), s = round(S·α), s − m rounded too, so near-maximal scores tie
+exactly and P̄ = 1 is far more common), its softmax shift (standard, stabilized, fixed offset),
+its p_dtype (the P̄ cast) and its pv_dtype (the once-rounded P̄V result; fp32 under "bf16-hw",
+where only the P̄ cast errs). It traces ONE untiled dot product with the row maximum as shift and
+nearest-even casts: exact for the replay when the row fits in one KV block (bf16, stabilized,
+bf16-autocast with T ≤ 512); with smaller tiles (bf16-hw, fp8-*) the replay shifts early blocks by
+the running maximum and rescales, which the trace does not follow; stochastic rounding is traced
+as nearest-even. A P scale S ≠ 1 (fp8-s256, fp8-s448) is refused with a one-line error.
 """
 from __future__ import annotations
 
@@ -168,23 +178,45 @@ def _explain(a: float, b: float, into: str):
 
 
 def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p_format: str = "bf16",
-              accumulation: str = "ieee", gpu: str = "h100") -> tuple[torch.Tensor, torch.Tensor]:
-    """(P̄_lp, P̄_hp) of one query row under the standard untiled softmax of the paper's setting.
+              accumulation: str = "ieee", gpu: str = "h100", config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P̄_lp, P̄_hp) of one query row, untiled (shift from the whole row).
 
     q_row: (D,), k: (T, D) stored values; only the first n_keys keys are visible (causal: T + 1).
-    S = α·(q·kᵀ) with the products accumulated by numerics.matmul in fp32, m = rowmax S,
-    P̄_hp = exp(S − m) in fp32 and P̄_lp = P̄_hp cast to p_format (nearest-even).
-    Returns two (n_keys,) fp32 tensors.
+    P̄_hp is the fp32 preset's: S = α·(q·kᵀ) with the products accumulated by numerics.matmul in
+    fp32, m = rowmax S, P̄_hp = exp(S − m) in fp32. P̄_lp without `config`: P̄_hp cast to p_format
+    (nearest-even; the paper's BF16 setting). With `config` (a ReplayConfig, the low-precision
+    preset): its scores (s_dtype: S and α·S rounded), its shift (standard / stabilized / fixed
+    offset, s − m rounded to s_dtype), exp in fp32, cast to its p_dtype. Returns two (n_keys,) fp32.
     """
     from fa_forensics.numerics import matmul, round_to
 
     qf = q_row.to(torch.float32).reshape(1, -1)  # (1, D)
     kf = k[:n_keys].to(torch.float32)  # (K, D)
-    s = matmul(qf, kf.T.contiguous(), accumulation, gpu=gpu, in_format="bf16").reshape(-1)  # (K,) fp32 q·k
-    s = (s.to(torch.float32) * float(scale)).to(torch.float32)  # (K,) α·q·k
+    qk = matmul(qf, kf.T.contiguous(), accumulation, gpu=gpu, in_format="bf16").reshape(-1).to(torch.float32)  # (K,) q·k
+    s = (qk * float(scale)).to(torch.float32)  # (K,) α·q·k
     p_hp = torch.exp(s - s.max())  # (K,) fp32
-    p_lp = p_hp if p_format == "fp32" else round_to(p_hp, p_format)
-    return p_lp, p_hp
+    if config is None:
+        return (p_hp if p_format == "fp32" else round_to(p_hp, p_format)), p_hp
+    s_fmt, p_fmt = config.s_dtype.value, config.p_dtype.value
+    if s_fmt != "fp32":
+        s = round_to(round_to(qk, s_fmt) * float(scale), s_fmt)  # (K,) the autocast reading
+    shifted = s - _row_shift(s, config)
+    if s_fmt != "fp32":
+        shifted = round_to(shifted, s_fmt)
+    p = torch.exp(shifted)  # (K,) fp32
+    return (p if p_fmt == "fp32" else round_to(p, p_fmt)), p_hp
+
+
+def _row_shift(s: torch.Tensor, config) -> torch.Tensor:
+    """The shift m of one score row (K,) under config.softmax (paper Algorithm 3 / App. C), untiled."""
+    from fa_forensics.replay.config import Softmax
+
+    r_m = s.max()
+    if config.softmax is Softmax.FIXED_OFFSET:
+        return r_m + config.offset
+    if config.softmax is Softmax.STABILIZED and int((r_m - s <= config.eps).sum()) > 1:
+        return config.beta * r_m if r_m > 0 else (torch.zeros_like(r_m) if r_m < 0 else r_m)
+    return r_m
 
 
 @dataclass(frozen=True)
@@ -256,6 +288,7 @@ class PVTraceReport:
     l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
     row_choice: str  # "given" | "repeated-max" (largest error among rows with a repeated maximum) | "largest-error"
     bias_split: dict  # {"repeated_max": {mean, se, n}, "other": {mean, se, n}}: the feature's O bias by row kind
+    preset: str = "bf16"  # the low-precision preset traced against fp32
 
 
 def _cell_rank(cell: BiasCell) -> tuple:
@@ -263,16 +296,20 @@ def _cell_rank(cell: BiasCell) -> tuple:
 
 
 def pv_trace_dump(dump, step=None, layer=None, head=None, *, row: Optional[int] = None, feature: Optional[int] = None,
-                  accumulation: str = "ieee", backend: str = "emulate", on_progress=None) -> PVTraceReport:
+                  accumulation: str = "ieee", backend: str = "emulate", preset: str = "bf16", on_progress=None) -> PVTraceReport:
     """Pick (layer, head, feature) by the largest mean O bias pooled over every selected step (rows of
     all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
     batch, row) with the largest error in the bias direction, and trace it. One batched forward
     replay per layer-step and precision."""
-    from fa_forensics.analyses.selection import check_accumulation, check_backend, load, lp_hp_pair, select
+    from fa_forensics.analyses.selection import check_accumulation, check_backend, load, lp_hp_pair, preset_config, select
     from fa_forensics.errors import UserError
 
     check_accumulation(accumulation)
     check_backend(backend)
+    lp_cfg = preset_config(preset)
+    if lp_cfg.p_scale != 1.0:
+        raise UserError(f"pv-trace does not trace the fp8 P scale (preset {preset} has S = {lp_cfg.p_scale:g}); "
+                        "use --preset fp8-s1, or `fa-forensics pcast` for the scale study")
     sels = select(dump, step, layer, head)
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D))]
     for sel in sels:
@@ -282,8 +319,8 @@ def pv_trace_dump(dump, step=None, layer=None, head=None, *, row: Optional[int] 
             raise UserError(f"--feature {feature} is out of range at step {sel.step} layer {sel.layer}: features are 0..{D - 1}")
         if row is not None and not 0 <= row < T:
             raise UserError(f"--row {row} is out of range at step {sel.step} layer {sel.layer}: rows are 0..{T - 1}")
-        lp, hp = lp_hp_pair(t, accumulation, backend, backward=False)
-        rep = repeated_max_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T)
+        lp, hp = lp_hp_pair(t, accumulation, backend, backward=False, preset=preset)
+        rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value)  # (B, h, T)
         pooled.setdefault((sel.layer, tuple(sel.heads)), []).append(
             (sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep))
         if on_progress is not None:
@@ -313,12 +350,13 @@ def pv_trace_dump(dump, step=None, layer=None, head=None, *, row: Optional[int] 
     cell = BiasCell(batch=b, head_index=hi, feature=f, row=T_row, mean=cell.mean, se=cell.se, p_value=cell.p_value,
                     row_error=cell.row_error)
     n_keys = T_row + 1 if t.causal else t.q.shape[2]
-    p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value)
+    p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value,
+                           config=cfg)
     trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,
                      gpu=cfg.gpu.value, in_format=cfg.p_dtype.value, pv_format=cfg.pv_dtype.value)
     return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
-                         row_choice=choice, bias_split=split)
+                         row_choice=choice, bias_split=split, preset=preset)
 
 
 def _mean_se(x: torch.Tensor) -> dict:
@@ -328,11 +366,11 @@ def _mean_se(x: torch.Tensor) -> dict:
     return {"mean": m.value, "se": m.se, "n": m.n, "p_value": sign_test(x).p_value}
 
 
-def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """(B, h, T) bool: rows whose fp32 maximum score is attained more than once (exact ties)."""
+def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32") -> torch.Tensor:
+    """(B, h, T) bool: rows whose maximum score (fp32, or as rounded to s_dtype) is attained more than once (exact ties)."""
     from fa_forensics.analyses.fix_check import scores_fp32
 
-    s = scores_fp32(q, k, scale, causal)  # (B, h, T, T)
+    s = scores_fp32(q, k, scale, causal, s_dtype)  # (B, h, T, T)
     return (s == s.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1
 
 
@@ -342,6 +380,7 @@ def report_payload(r: PVTraceReport) -> dict:
     return {
         "step": r.step, "layer": r.layer, "head": r.head, "batch": r.batch,
         "row": tr.row, "feature": tr.feature, "accumulation": tr.accumulation, "pv_format": tr.pv_format,
+        "preset": r.preset,
         "final_error": tr.final_error,
         "o_error": r.o_error_replay,
         "o_bias": {"mean": r.cell.mean, "se": r.cell.se, "p_value": r.cell.p_value},

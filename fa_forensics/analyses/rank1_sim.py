@@ -10,6 +10,7 @@ steps, and how its norm grows with the number of steps (exponent ≈ 1: compound
 
 P here is the high-precision attention matrix softmax(α Q Kᵀ) (float64, causal mask as stored):
 the backward passes being compared differ only in δ (§3.2), so P, K and X are common to both.
+The δ error is that of the chosen low-precision preset (default "bf16") against the fp32 preset.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fa_forensics.analyses.delta_bias import delta_error
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.selection import DEFAULT_PRESET, LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -125,14 +126,15 @@ class Rank1Result:
     example_matrices: list[list[list[float]]]  # up to 2 rank-1 matrices (D, C) for the figure
     accumulation: str
     backend: str
+    preset: str = DEFAULT_PRESET  # the low-precision preset replayed against fp32
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
 
-def _layer_part(t: LayerTensors, accumulation: str, backend: str, k_tokens: int):
+def _layer_part(t: LayerTensors, accumulation: str, backend: str, k_tokens: int, preset: str = DEFAULT_PRESET):
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
-    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False)
+    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False, preset=preset)
     dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
     pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D)
     E = gradient_error(dd, pk, t.x, t.scale) if t.x is not None else None  # (h, D, C)
@@ -155,13 +157,15 @@ def rank1_sim(
     *,
     accumulation: str = "ieee",
     backend: str = "emulate",
+    preset: str = DEFAULT_PRESET,
     tokens_per_step: int = 4,
     progress: Progress = None,
 ) -> Rank1Result:
     """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
     (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X)."""
     layers = (load(dump, sel) for sel in selections)
-    return rank1_sim_layers(layers, accumulation=accumulation, backend=backend, tokens_per_step=tokens_per_step, progress=progress)
+    return rank1_sim_layers(layers, accumulation=accumulation, backend=backend, preset=preset, tokens_per_step=tokens_per_step,
+                            progress=progress)
 
 
 def rank1_sim_layers(
@@ -169,6 +173,7 @@ def rank1_sim_layers(
     *,
     accumulation: str = "ieee",
     backend: str = "emulate",
+    preset: str = DEFAULT_PRESET,
     tokens_per_step: int = 4,
     progress: Progress = None,
 ) -> Rank1Result:
@@ -177,7 +182,7 @@ def rank1_sim_layers(
     has_x = True
     for t in layers:
         has_x = has_x and t.x is not None
-        dd, E, chosen = _layer_part(t, accumulation, backend, tokens_per_step)
+        dd, E, chosen = _layer_part(t, accumulation, backend, tokens_per_step, preset)
         for j, h in enumerate(t.heads):
             acc = per_head.setdefault((t.layer, h), {"E": [], "steps": [], "dsum": 0.0, "chosen": []})
             acc["steps"].append(t.step)
@@ -243,6 +248,7 @@ def rank1_sim_layers(
         singular_values=sv_list, effective_rank=eff, top_sv_ratio=ratio, cross_step_alignment=align,
         steps=list(acc["steps"]), step_norms=step_norms, cumulative_norms=cum_norms,
         accumulation_exponent=expo, example_matrices=examples, accumulation=accumulation, backend=backend,
+        preset=preset,
     )
 
 

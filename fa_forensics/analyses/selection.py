@@ -3,9 +3,9 @@
 `select` turns the CLI's (--step, --layer, --head) into validated (step, layer, heads) triples;
 `load` reads one layer-step with all selected heads batched (one read per tensor, never head by
 head); `replay_layer` replays it under a config with the dump's own softmax scale and causal flag;
-`lp_hp_pair` gives the comparison every analysis makes: the low-precision replay (default
-`ReplayConfig()`, the paper's BF16 setting, with the chosen accumulation model) against the
-high-precision replay (preset "fp32") of the same stored inputs.
+`lp_hp_pair` gives the comparison every analysis makes: the low-precision replay (the chosen
+--preset, default "bf16" = `ReplayConfig()`, with the chosen accumulation model applied) against
+the high-precision replay (preset "fp32", ieee) of the same stored inputs.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from fa_forensics.errors import DumpError, UserError
-from fa_forensics.replay.config import Accumulation, ReplayConfig
+from fa_forensics.errors import ConfigError, DumpError, UserError
+from fa_forensics.replay.config import PRESETS, Accumulation, ReplayConfig
+
+DEFAULT_PRESET = "bf16"
 
 BatchSel = Union[int, slice, None]
 
@@ -112,9 +114,27 @@ def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backe
     return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=backend, causal=t.causal, scale=t.scale)
 
 
-def lp_config(accumulation: str = "ieee", base: Optional[ReplayConfig] = None) -> ReplayConfig:
-    """The low-precision side: `base` (default the paper's BF16 setting) with the chosen accumulation."""
-    return (base or ReplayConfig()).with_(accumulation=Accumulation(accumulation))
+def lp_config(accumulation: str = "ieee", base: Optional[ReplayConfig] = None, preset: str = DEFAULT_PRESET) -> ReplayConfig:
+    """The low-precision side: `base` (default: the named preset) with the chosen accumulation.
+
+    The accumulation always comes from the caller (the CLI's --accumulation), also for a preset
+    that names its own (bf16-hw: tensor-core), so that one option decides it for every command.
+    """
+    return (base or preset_config(preset)).with_(accumulation=Accumulation(accumulation))
+
+
+def preset_config(name: str) -> ReplayConfig:
+    """`ReplayConfig.preset(name)`; an unknown name raises ConfigError listing the presets (CLI exit 2)."""
+    try:
+        return ReplayConfig.preset(name)
+    except ConfigError:
+        raise ConfigError(f"--preset {name!r} is not a replay preset; choose one of: {', '.join(PRESETS)}") from None
+
+
+def check_preset(name: str) -> str:
+    """Validate a --preset value early (before any replay)."""
+    preset_config(name)
+    return name
 
 
 def hp_config() -> ReplayConfig:
@@ -128,16 +148,21 @@ def lp_hp_pair(
     backend: str = "emulate",
     backward: bool = True,
     lp_config: Optional[ReplayConfig] = None,
+    preset: str = DEFAULT_PRESET,
 ):
-    """(low-precision replay, high-precision replay) of the same stored inputs."""
-    lp = replay_layer(t, _lp(accumulation, lp_config), backward=backward, backend=backend)
+    """(low-precision replay, high-precision replay) of the same stored inputs.
+
+    The low-precision side is `lp_config` when given, else the named preset; either way with
+    `accumulation` applied. The high-precision side is always preset "fp32" (ieee).
+    """
+    lp = replay_layer(t, _lp(accumulation, lp_config, preset), backward=backward, backend=backend)
     hp = replay_layer(t, hp_config(), backward=backward, backend=backend)
     return lp, hp
 
 
-def _lp(accumulation: str, base: Optional[ReplayConfig]) -> ReplayConfig:
+def _lp(accumulation: str, base: Optional[ReplayConfig], preset: str = DEFAULT_PRESET) -> ReplayConfig:
     try:
-        return lp_config(accumulation, base)
+        return lp_config(accumulation, base, preset)
     except ValueError:
         raise UserError(f"--accumulation {accumulation!r} is not one of: ieee, tensor-core") from None
 

@@ -34,6 +34,11 @@ LayerOpt = Annotated[Optional[int], typer.Option("--layer", help="Layer to analy
 HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse (default: every head).")]
 AccumulationOpt = Annotated[str, typer.Option("--accumulation", help="Accumulation model of every matrix product: ieee | tensor-core.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
+PresetOpt = Annotated[str, typer.Option(
+    "--preset", metavar="NAME",
+    help="Low-precision reading replayed against fp32: bf16 (default) | bf16-autocast (the paper's reference code) | "
+         "bf16-hw (hardware kernels, fp32 accumulator) | stabilized | stochastic | fp32 | fp8-s1 | fp8-s256 | fp8-s448. "
+         "--accumulation still applies.")]
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

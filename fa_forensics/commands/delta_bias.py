@@ -5,22 +5,22 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, StepOpt,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, run_cli, write_json,
 )
 from fa_forensics.commands.isolate import open_selection, progress_bar
 
 
-def run(dump_path, step, layer, head, accumulation, backend, out, json_path):
+def run(dump_path, step, layer, head, accumulation, backend, out, json_path, preset="bf16"):
     from fa_forensics.analyses.delta_bias import delta_bias
     from fa_forensics.analyses.stats import format_p, format_pm
 
-    dump, sels = open_selection(dump_path, step, layer, head, accumulation, backend)
+    dump, sels = open_selection(dump_path, step, layer, head, accumulation, backend, preset)
     out = ensure_out_dir(out)
     with progress_bar("delta-bias", len(sels)) as advance:
-        r = delta_bias(dump, sels, accumulation=accumulation, backend=backend, progress=advance)
+        r = delta_bias(dump, sels, accumulation=accumulation, backend=backend, preset=preset, progress=advance)
 
-    table = Table(title=f"delta-bias: Σ_T(δ_lp − δ_hp) per step, layer, head ({accumulation} accumulation)")
+    table = Table(title=f"delta-bias: Σ_T(δ_lp − δ_hp) per step, layer, head (lp = preset {r.preset}, {accumulation} accumulation)")
     for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "frac > 0", "sign-test p"):
         table.add_column(c, justify="right")
     rows = sorted(r.per_step, key=lambda p: -abs(p.delta_err_sum))
@@ -44,7 +44,7 @@ def run(dump_path, step, layer, head, accumulation, backend, out, json_path):
         if r.top_token is not None:
             figures.append(str(plot_top_token(r, out / "delta_bias_top_token.png")))
     sign = "positive" if r.total > 0 else "negative"
-    verdict = (f"Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; t-test p {format_p(_t_p(r))}, "
+    verdict = (f"preset {r.preset}: Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; t-test p {format_p(_t_p(r))}, "
                f"sign-test p {format_p(r.total_p_value)}); largest in layer {r.focus_layer} head {r.focus_head}, "
                f"carried by features {[f.feature for f in r.top_features[:3]]}")
     payload = {
@@ -53,7 +53,7 @@ def run(dump_path, step, layer, head, accumulation, backend, out, json_path):
         "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": _t_p(r), "p_value": r.total_p_value,
                   "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
         "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens,
-        "accumulation": r.accumulation, "backend": r.backend, "figures": figures, "verdict": verdict,
+        "preset": r.preset, "accumulation": r.accumulation, "backend": r.backend, "figures": figures, "verdict": verdict,
     }
     write_json(json_path, payload)
     console.print(f"[bold]verdict:[/] {verdict}")
@@ -72,10 +72,11 @@ def register(app: typer.Typer) -> None:
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,
+        preset: PresetOpt = "bf16",
         accumulation: AccumulationOpt = "ieee",
         backend: BackendOpt = "emulate",
         out: OutOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path))
+        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path, preset))

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, StepOpt,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, exit_code, run_cli, write_json,
 )
 from fa_forensics.errors import UserError
@@ -29,9 +29,9 @@ def _fmt(v, se=None, p=None) -> str:
     return s
 
 
-def run(dump_path, step, layer, head, beta, eps, offset, accumulation, backend, out, json_path) -> int:
+def run(dump_path, step, layer, head, beta, eps, offset, accumulation, backend, out, json_path, preset="bf16") -> int:
     from fa_forensics.analyses.fix_check import fix_check_dump, fix_variants
-    from fa_forensics.analyses.selection import select
+    from fa_forensics.analyses.selection import check_preset, select
     from fa_forensics.commands.pv_trace import progress_bar
     from fa_forensics.dump import open_dump
 
@@ -39,14 +39,15 @@ def run(dump_path, step, layer, head, beta, eps, offset, accumulation, backend, 
         raise UserError(f"--beta {beta} must be > 1 (the paper uses 2 to 8)")
     if not eps >= 0:
         raise UserError(f"--eps {eps} must be >= 0")
+    check_preset(preset)
     dump = open_dump(dump_path)
     out = ensure_out_dir(out)
     n = len(select(dump, step, layer, head)) * len(fix_variants())
     with progress_bar("replaying variants", n) as advance:
         r = fix_check_dump(dump, step, layer, head, beta=beta, eps=eps, offset=offset, accumulation=accumulation,
-                           backend=backend, on_progress=advance)
+                           backend=backend, preset=preset, on_progress=advance)
     tg = r.target
-    table = Table(title=f"fix-check at layer {tg['layer']} head {tg['head']} feature {tg['feature']} (vs fp32 replay)")
+    table = Table(title=f"fix-check of preset {r.preset} at layer {tg['layer']} head {tg['head']} feature {tg['feature']} (vs fp32 replay)")
     for c in ("variant", "what", "O bias ± se (sign p)", "Σδ error ± se (sign p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN", "still biased"):
         table.add_column(c, justify="right" if c not in ("variant", "what") else "left")
     for v in (r.baseline, r.fixed, *r.alternatives):
@@ -60,7 +61,7 @@ def run(dump_path, step, layer, head, beta, eps, offset, accumulation, backend, 
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
         "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,
         "nan_count": r.nan_count, "removed": r.removed, "verdict": r.verdict, "exit_code": r.exit_code,
-        "beta": beta, "eps": eps, "offset": offset, "accumulation": accumulation,
+        "beta": beta, "eps": eps, "offset": offset, "accumulation": accumulation, "preset": r.preset,
     }
     if out is not None:
         from fa_forensics.figures.fix_check import plot_fix_check
@@ -83,11 +84,12 @@ def register(app: typer.Typer) -> None:
         beta: BetaOpt = 2.0,
         eps: EpsOpt = 1e-3,
         offset: OffsetOpt = 1.0,
+        preset: PresetOpt = "bf16",
         accumulation: AccumulationOpt = "ieee",
         backend: BackendOpt = "emulate",
         out: OutOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        code = run_cli(debug, lambda: run(dump, step, layer, head, beta, eps, offset, accumulation, backend, out, json_path))
+        code = run_cli(debug, lambda: run(dump, step, layer, head, beta, eps, offset, accumulation, backend, out, json_path, preset))
         exit_code(code)

@@ -8,7 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, StepOpt,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, err_console, run_cli, write_json,
 )
 
@@ -22,28 +22,31 @@ def progress_bar(description: str, total: int):
         yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}")
 
 
-def open_selection(dump_path, step, layer, head, accumulation, backend):
+def open_selection(dump_path, step, layer, head, accumulation, backend, preset="bf16"):
     """Validate the options, open the dump and select what to analyse (shared by this area's commands)."""
-    from fa_forensics.analyses.selection import check_accumulation, check_backend, select
+    from fa_forensics.analyses.selection import check_accumulation, check_backend, check_preset, select
     from fa_forensics.dump import open_dump
 
     check_accumulation(accumulation)
     check_backend(backend)
+    check_preset(preset)
     dump = open_dump(dump_path)
     return dump, select(dump, step, layer, head)
 
 
-def run(dump_path, step, layer, head, accumulation, backend, out, json_path):
+def run(dump_path, step, layer, head, accumulation, backend, out, json_path, preset="bf16"):
     from fa_forensics.analyses.isolate import isolate, variants
     from fa_forensics.analyses.stats import format_p, format_pm
 
-    dump, sels = open_selection(dump_path, step, layer, head, accumulation, backend)
+    dump, sels = open_selection(dump_path, step, layer, head, accumulation, backend, preset)
     out = ensure_out_dir(out)
-    total = len(sels) * (len(variants(64)) + 1)
+    total = len(sels) * (len(variants(64, accumulation, preset)) + 1)
     with progress_bar("isolate", total) as advance:
-        r = isolate(dump, sels, accumulation=accumulation, backend=backend, progress=advance)
+        r = isolate(dump, sels, accumulation=accumulation, backend=backend, preset=preset, progress=advance)
 
-    table = Table(title=f"isolate: single repairs vs fp32 ({len(sels)} layer-steps, {accumulation} accumulation, baseline block {r.baseline_block})")
+    bm, bn = r.baseline_tiles
+    table = Table(title=f"isolate: single repairs of preset {r.preset} vs fp32 ({len(sels)} layer-steps, {accumulation} accumulation, "
+                        f"baseline tiles {bm}x{bn})")
     for c in ("variant", "O bias (mean ± se)", "O RMSE", "Σ(δ_var − δ_hp) ± se", "bias removed", "‖dQ err‖", "‖dW_Q err‖"):
         table.add_column(c, justify="left" if c == "variant" else "right")
     for v in r.variants:
@@ -67,7 +70,8 @@ def run(dump_path, step, layer, head, accumulation, backend, out, json_path):
     verdict = _verdict(r)
     payload = {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
-        "baseline_block": r.baseline_block, "n_biased_heads": r.n_biased_heads,
+        "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,
+        "preset": r.preset,
         "accumulation": r.accumulation, "backend": r.backend, "figures": figures, "verdict": verdict,
     }
     write_json(json_path, payload)
@@ -92,10 +96,11 @@ def register(app: typer.Typer) -> None:
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,
+        preset: PresetOpt = "bf16",
         accumulation: AccumulationOpt = "ieee",
         backend: BackendOpt = "emulate",
         out: OutOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path))
+        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path, preset))

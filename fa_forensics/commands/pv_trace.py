@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, StepOpt,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, err_console, run_cli, write_json,
 )
 
@@ -26,20 +26,22 @@ def progress_bar(description: str, total: int):
         yield lambda: progress.advance(task)
 
 
-def run(dump_path, step, layer, head, row, feature, accumulation, backend, out, json_path):
+def run(dump_path, step, layer, head, row, feature, accumulation, backend, out, json_path, preset="bf16"):
     from fa_forensics.analyses.pv_trace import pv_trace_dump, report_payload
-    from fa_forensics.analyses.selection import select
+    from fa_forensics.analyses.selection import check_preset, select
     from fa_forensics.dump import open_dump
 
+    check_preset(preset)
     dump = open_dump(dump_path)
     out = ensure_out_dir(out)
     n = len(select(dump, step, layer, head))
-    with progress_bar("replaying (bf16 vs fp32)", n) as advance:
+    with progress_bar(f"replaying ({preset} vs fp32)", n) as advance:
         r = pv_trace_dump(dump, step, layer, head, row=row, feature=feature, accumulation=accumulation,
-                          backend=backend, on_progress=advance)
+                          backend=backend, preset=preset, on_progress=advance)
     payload = report_payload(r)
     tr = r.trace
-    table = Table(title=f"pv-trace: step {r.step} layer {r.layer} head {r.head} batch {r.batch} row {tr.row} feature {tr.feature}")
+    table = Table(title=f"pv-trace ({r.preset} vs fp32): step {r.step} layer {r.layer} head {r.head} batch {r.batch} "
+                        f"row {tr.row} feature {tr.feature}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_row("O bias in this feature (mean ± se, sign p)", f"{r.cell.mean:+.3e} ± {r.cell.se:.1e} (p={r.cell.p_value:.2g})")
@@ -90,10 +92,11 @@ def register(app: typer.Typer) -> None:
         head: HeadOpt = None,
         row: RowOpt = None,
         feature: FeatureOpt = None,
+        preset: PresetOpt = "bf16",
         accumulation: AccumulationOpt = "ieee",
         backend: BackendOpt = "emulate",
         out: OutOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, row, feature, accumulation, backend, out, json_path))
+        run_cli(debug, lambda: run(dump, step, layer, head, row, feature, accumulation, backend, out, json_path, preset))

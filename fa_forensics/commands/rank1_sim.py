@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, StepOpt,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, run_cli, write_json,
 )
 from fa_forensics.commands.isolate import open_selection, progress_bar
@@ -15,15 +15,16 @@ from fa_forensics.commands.isolate import open_selection, progress_bar
 TokensOpt = Annotated[int, typer.Option("--tokens", min=1, help="Tokens per step whose rank-1 matrices are compared (largest |δ error| first).")]
 
 
-def run(dump_path, step, layer, head, tokens, accumulation, backend, out, json_path):
+def run(dump_path, step, layer, head, tokens, accumulation, backend, out, json_path, preset="bf16"):
     from fa_forensics.analyses.rank1_sim import rank1_sim
 
-    dump, sels = open_selection(dump_path, step, layer, head, accumulation, backend)
+    dump, sels = open_selection(dump_path, step, layer, head, accumulation, backend, preset)
     out = ensure_out_dir(out)
     with progress_bar("rank1-sim", len(sels)) as advance:
-        r = rank1_sim(dump, sels, accumulation=accumulation, backend=backend, tokens_per_step=tokens, progress=advance)
+        r = rank1_sim(dump, sels, accumulation=accumulation, backend=backend, preset=preset, tokens_per_step=tokens, progress=advance)
 
-    table = Table(title=f"rank1-sim: layer {r.focus_layer} head {r.focus_head}, {len(r.tokens)} tokens over steps {r.steps}")
+    table = Table(title=f"rank1-sim: layer {r.focus_layer} head {r.focus_head}, {len(r.tokens)} tokens over steps {r.steps} "
+                        f"(lp = preset {r.preset})")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_row("mean pairwise cosine of (PK)[T]ᵀX[T]" if r.has_x else "mean pairwise cosine of (PK)[T] (no X)", f"{r.cosine_offdiag_mean:+.3f}")
@@ -57,7 +58,7 @@ def run(dump_path, step, layer, head, tokens, accumulation, backend, out, json_p
         "singular_values": r.singular_values, "effective_rank": r.effective_rank, "top_sv_ratio": r.top_sv_ratio,
         "cross_step_alignment": r.cross_step_alignment, "steps": r.steps, "step_norms": r.step_norms,
         "cumulative_norms": r.cumulative_norms, "accumulation_exponent": r.accumulation_exponent,
-        "accumulation": r.accumulation, "backend": r.backend, "figures": figures, "verdict": verdict,
+        "preset": r.preset, "accumulation": r.accumulation, "backend": r.backend, "figures": figures, "verdict": verdict,
     }
     write_json(json_path, payload)
     console.print(f"[bold]verdict:[/] {verdict}")
@@ -75,10 +76,11 @@ def register(app: typer.Typer) -> None:
         layer: LayerOpt = None,
         head: HeadOpt = None,
         tokens: TokensOpt = 4,
+        preset: PresetOpt = "bf16",
         accumulation: AccumulationOpt = "ieee",
         backend: BackendOpt = "emulate",
         out: OutOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, tokens, accumulation, backend, out, json_path))
+        run_cli(debug, lambda: run(dump, step, layer, head, tokens, accumulation, backend, out, json_path, preset))

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, StepOpt,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, err_console, run_cli, write_json,
 )
 from fa_forensics.errors import UserError
@@ -18,8 +18,8 @@ ReportOutOpt = Annotated[Optional[Path], typer.Option(
     "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.", metavar="DIR")]
 
 
-def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, json_path) -> None:
-    from fa_forensics.analyses.selection import check_accumulation, check_backend
+def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, json_path, preset: str = "bf16") -> None:
+    from fa_forensics.analyses.selection import check_accumulation, check_backend, check_preset
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.run import ANALYSES, run_all
@@ -28,6 +28,7 @@ def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, js
         raise UserError("report needs --out DIR (where index.html and its figures go)")
     check_accumulation(accumulation)
     check_backend(backend)
+    check_preset(preset)
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
     out = ensure_out_dir(out)
     t0 = time.perf_counter()
@@ -38,9 +39,9 @@ def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, js
         err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
     sections = run_all(dump_path, out, step=step, layer=layer, head=head, accumulation=accumulation,
-                       backend=backend, on_start=on_start)
+                       backend=backend, preset=preset, on_start=on_start)
     seconds = time.perf_counter() - t0
-    info = {"steps": len(dump.steps), "layers": len(dump.layers()), "accumulation": accumulation, "backend": backend}
+    info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation, "backend": backend}
     index = write_report(out, str(dump_path), sections, info=info, seconds=seconds)
 
     table = Table(title=f"report: {dump_path}")
@@ -50,7 +51,7 @@ def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, js
         table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
     console.print(table)
     write_json(json_path, {
-        "index": str(index), "seconds": seconds, "findings": findings(sections),
+        "index": str(index), "seconds": seconds, "preset": preset, "findings": findings(sections),
         "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
                       "seconds": s.seconds, "json": s.data} for s in sections],
     })
@@ -66,9 +67,10 @@ def register(app: typer.Typer) -> None:
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,
+        preset: PresetOpt = "bf16",
         accumulation: AccumulationOpt = "ieee",
         backend: BackendOpt = "emulate",
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, out, step, layer, head, accumulation, backend, json_path))
+        run_cli(debug, lambda: run(dump, out, step, layer, head, accumulation, backend, json_path, preset))

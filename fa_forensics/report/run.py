@@ -5,6 +5,10 @@ with its defaults plus `--out DIR/<name> --json DIR/<name>/<name>.json`, and the
 documented JSON keys back. A command that is missing or fails (exit code 2) becomes a note in the
 report instead of stopping it; fix-check's exit code 1 ("the fix does not remove the bias") is a
 result, not a failure.
+
+The report's --preset (default "bf16") is passed to every command that replays a low-precision
+reading against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and becomes bitdiff's
+side A (`--a PRESET --b fp32`); pcast keeps its own fp8 settings.
 """
 from __future__ import annotations
 
@@ -99,8 +103,9 @@ def run_section(name: str, extra: list[str], dump: Path, out_dir: Path, common: 
 
 
 def run_all(dump: Path, out_dir: Path, *, step=None, layer=None, head=None, accumulation: str = "ieee",
-            backend: str = "emulate", analyses=ANALYSES, on_start: Optional[Callable[[str], None]] = None) -> list[SectionResult]:
-    """Every analysis on `dump` (restricted by step / layer / head when given)."""
+            backend: str = "emulate", preset: str = "bf16", analyses=ANALYSES,
+            on_start: Optional[Callable[[str], None]] = None) -> list[SectionResult]:
+    """Every analysis on `dump` (restricted by step / layer / head when given), lp = `preset`."""
     common = ["--accumulation", accumulation, "--backend", backend]
     for flag, value in (("--step", step), ("--layer", layer), ("--head", head)):
         if value is not None:
@@ -110,5 +115,17 @@ def run_all(dump: Path, out_dir: Path, *, step=None, layer=None, head=None, accu
         if on_start is not None:
             on_start(name)
         # pcast has its own options (no selection, no accumulation model): run it with its defaults
-        results.append(run_section(name, extra, dump, out_dir, [] if name == "pcast" else common))
+        results.append(run_section(name, _with_preset(name, extra, preset), dump, out_dir, [] if name == "pcast" else common))
     return results
+
+
+def _with_preset(name: str, extra: list[str], preset: str) -> list[str]:
+    """The command's extra arguments with the low-precision preset: bitdiff's side A, --preset elsewhere."""
+    if name == "pcast":
+        return list(extra)
+    if name == "bitdiff":
+        out = list(extra)
+        if "--a" in out:
+            out[out.index("--a") + 1] = preset
+        return out
+    return [*extra, "--preset", preset]

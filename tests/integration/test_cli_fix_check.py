@@ -36,3 +36,25 @@ def test_planted_fix_removes_bias_and_offset_does_not(tmp_path):
 def test_bad_beta_is_exit_2():
     res = CliRunner().invoke(app, ["fix-check", str(PLANTED), "--beta", "0.5"])
     assert res.exit_code == 2 and "--beta" in res.output and "Traceback" not in res.output
+
+
+def test_fix_removes_the_planted_bias_under_the_papers_autocast_preset(tmp_path):
+    from fa_forensics.dump import open_dump
+
+    truth = open_dump(PLANTED).ground_truth
+    out = tmp_path / "fc.json"
+    res = CliRunner().invoke(app, ["fix-check", str(PLANTED), "--head", str(truth["planted_heads"][0]),
+                                   "--preset", "bf16-autocast", "--json", str(out)])
+    d = json.loads(out.read_text())
+    assert res.exit_code == 0, res.output
+    assert d["preset"] == "bf16-autocast" and "bf16-autocast" in res.output
+    assert d["target"]["feature"] == truth["planted_feature"]
+    assert d["baseline"]["o_bias"] < 0 and d["baseline"]["o_bias_p"] < 0.01
+    assert d["fixed"]["o_bias_p"] >= 0.01 or d["bias_reduction"] is None or d["bias_reduction"] >= 10
+    assert d["triggered_rows"] > 0 and d["nan_count"] == 0
+    assert {a["name"]: a for a in d["alternatives"]}["fixed-offset"]["still_biased"]
+
+
+def test_unknown_preset_is_exit_2():
+    res = CliRunner().invoke(app, ["fix-check", str(PLANTED), "--preset", "fp64"])
+    assert res.exit_code == 2 and "--preset 'fp64'" in res.output and "Traceback" not in res.output

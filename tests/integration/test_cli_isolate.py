@@ -57,3 +57,20 @@ def test_isolate_runs_on_demo_dump(tmp_path):
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
     assert len(r["variants"]) == 8 and "verdict" in r
+
+
+def test_isolate_under_the_autocast_preset_keeps_its_tiles_and_reports_it(planted_dump, tmp_path):
+    head = open_dump(planted_dump).ground_truth["planted_heads"][0]
+    res = runner.invoke(app, ["isolate", str(planted_dump), "--step", "1", "--head", str(head), "--preset", "bf16-autocast",
+                              "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["preset"] == "bf16-autocast" and r["baseline_tiles"] == [512, 512]
+    by = {v["name"]: v for v in r["variants"]}
+    assert {"stats-fp32", "scores-fp32"} <= by.keys() and "preset bf16-autocast" in by["baseline"]["description"]
+    assert r["n_biased_heads"] == 1 and by["baseline"]["delta_err_sum"] > 3 * by["baseline"]["delta_err_se"]
+    # the O path and δ repairs remove most of the bias, not all: bf16 ℓ stays (measured 78-80%)
+    for name in ("o-fp32", "delta-o-recomputed", "delta-dp-p"):
+        assert by[name]["reduction"] > 0.6, name
+    res = runner.invoke(app, ["isolate", str(planted_dump), "--preset", "nope"])
+    assert res.exit_code == 2 and "--preset 'nope'" in res.output

@@ -59,3 +59,21 @@ def test_demo_dump_runs(tmp_path):
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert {"row", "feature", "final_error", "p_one_positions", "jumps", "frac_error_from_p_one"} <= set(d)
+
+
+@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
+def test_planted_trace_under_the_autocast_preset(tmp_path):
+    truth = _truth()
+    out = tmp_path / "json"
+    res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--head", str(truth["planted_heads"][0]),
+                                   "--preset", "bf16-autocast", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert d["preset"] == "bf16-autocast" and d["pv_format"] == "bf16"
+    assert d["feature"] == truth["planted_feature"] and d["row_choice"] == "repeated-max"
+    assert len(d["p_one_positions"]) >= 2 and d["final_error"] < 0 and d["frac_error_from_p_one"] > 0.5
+
+
+def test_p_scale_preset_is_refused_in_one_line():
+    res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--preset", "fp8-s256"])
+    assert res.exit_code == 2 and "fp8-s1" in res.output and "Traceback" not in res.output

@@ -49,3 +49,15 @@ def test_rank1_runs_on_demo_dump(tmp_path):
     res = runner.invoke(app, ["rank1-sim", str(DEMO), "--layer", str(d.layers()[0]), "--head", "0", "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     assert "verdict" in json.loads((tmp_path / "r.json").read_text())
+
+
+def test_rank1_preset_changes_the_error_and_is_reported(make_dump, tmp_path):
+    path = make_dump(seq=32, head_dim=16)
+    norms = {}
+    for preset in ("bf16", "bf16-autocast"):
+        res = runner.invoke(app, ["rank1-sim", str(path), "--preset", preset, "--json", str(tmp_path / f"{preset}.json")])
+        assert res.exit_code == 0, res.output
+        r = json.loads((tmp_path / f"{preset}.json").read_text())
+        assert r["preset"] == preset
+        norms[preset] = r["step_norms"]
+    assert norms["bf16"] != norms["bf16-autocast"] and all(n > 0 for n in norms["bf16-autocast"])

@@ -36,3 +36,9 @@ def test_report_on_planted(tmp_path):
 def test_report_needs_out():
     res = CliRunner().invoke(app, ["report", str(PLANTED)])
     assert res.exit_code == 2 and "--out" in res.output
+
+
+def test_report_unknown_preset_is_exit_2_before_any_analysis(tmp_path):
+    res = CliRunner().invoke(app, ["report", str(PLANTED), "--out", str(tmp_path / "rep"), "--preset", "bf15"])
+    assert res.exit_code == 2 and "--preset 'bf15'" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "rep").exists()  # refused before the output directory was made
