@@ -16,7 +16,7 @@ TITLES = {
     "delta-bias": "delta-bias: is Σ(δ_lp − δ_hp) biased, and through which features (§3.3.1-3.3.2, Fig. 5)",
     "rank1-sim": "rank1-sim: structurally similar rank-1 error terms (§3.3.1, Fig. 4)",
     "pv-trace": "pv-trace: the error of one P̄V dot product, term by term (§3.3.2, Fig. 6)",
-    "bitdiff": "bitdiff: O replayed in bf16 vs fp32, bit by bit (the bias map)",
+    "bitdiff": "bitdiff: O replayed in low precision vs fp32, bit by bit (the bias map)",
     "fix-check": "fix-check: does the stabilized softmax remove the bias (§4, App. C)",
     "pcast": "pcast: FP8 P-cast collapse per head (the P-Cast paper)",
 }
@@ -60,7 +60,7 @@ def _finding(name: str, d: dict) -> Optional[str]:
         tail = (f"; most biased: layer {top.get('layer')} head {top.get('head')} feature {top.get('feature')} "
                 f"({_num(top.get('mean'))} ± {_num(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
         return (f"bitdiff: {_num(100 * d['mismatch_rate'] if isinstance(d.get('mismatch_rate'), (int, float)) else None, '.1f')}% "
-                f"of O elements differ between the bf16 and fp32 replays; {len(feats)} feature(s) significantly biased{tail}.")
+                f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; {len(feats)} feature(s) significantly biased{tail}.")
     if name == "fix-check":
         return f"fix-check: {d.get('verdict', 'n/a')}"
     if name == "pcast":
