@@ -20,6 +20,9 @@ The stored O is the BF16 reference output (`bf16_reference`), the emulator's def
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,7 +66,7 @@ class SynthSpec:
             if not ok:
                 raise ConfigError(message)
 
-        need(self.seq >= 16, f"--seq {self.seq} is too short; use at least 16")
+        need(self.seq >= 16, f"--seq {self.seq} is too short; use at least {max(16, 2 * (self.ties + N_DISTRACTORS) * N_GROUPS)}")
         need(self.heads >= 1 and self.batch >= 1 and self.steps >= 1 and self.layers >= 1, "--heads, --batch, --steps and --layers must be at least 1")
         need(self.head_dim >= 2 * N_GROUPS, f"--head-dim {self.head_dim} is too small; use at least {2 * N_GROUPS}")
         need(1 <= self.ties <= 16, f"--ties {self.ties} must be between 1 and 16")
@@ -244,15 +247,32 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
             for key, layout in ps.layouts.items():
                 truth["ties_layout"][f"step{s}.layer{l}.{key}"] = layout
     run_attrs["ground_truth"] = truth
-    writer = DumpWriter(out, run_attrs, overwrite=overwrite)
-    it = iter(steps)
-    for s in range(spec.steps):
-        for l in range(spec.layers):
-            ps = next(it)
-            for name, tensor in ps.tensors.items():
-                writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
-        writer.complete_step(s)
-    writer.close()
+    # Written aside and renamed into place: an --overwrite that fails midway (disk full, Ctrl-C)
+    # leaves the old dump as it was, never a half-written one in its place.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp, old = out.parent / f".{out.name}.{tag}.tmp", out.parent / f".{out.name}.{tag}.old"
+    try:
+        writer = DumpWriter(tmp, run_attrs)
+        it = iter(steps)
+        for s in range(spec.steps):
+            for l in range(spec.layers):
+                ps = next(it)
+                for name, tensor in ps.tensors.items():
+                    writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
+            writer.complete_step(s)
+        writer.close()
+        if out.exists():
+            os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if old.exists():
+                os.replace(old, out)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return truth
 
 

@@ -97,6 +97,7 @@ class LayerStepDiff:
     n_neg: torch.Tensor  # (h, D)
     rows: int  # rows per cell (B·T)
     largest: list[LargestDiff]
+    n_finite: Optional[torch.Tensor] = None  # (h, D) rows whose a − b is finite (None: all `rows`)
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,11 @@ def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: in
     mismatch = int(((ar != br) & ~nan).sum() + nan.sum())
     counts = torch.bincount((ulp.clamp(-ULP_CLIP, ULP_CLIP) + ULP_CLIP).reshape(-1), minlength=2 * ULP_CLIP + 1)
 
-    d = (a64 - b64).nan_to_num(0.0)  # (B, h, T, D)
+    raw = a64 - b64  # (B, h, T, D)
+    finite = torch.isfinite(raw)
+    d = torch.where(finite, raw, torch.zeros_like(raw))  # non-finite errors are left out of the bias map, not counted as 0
     B, h, T, D = d.shape
+    n_finite = finite.sum(dim=(0, 2))  # (h, D)
     s1 = d.sum(dim=(0, 2))  # (h, D)
     s2 = (d * d).sum(dim=(0, 2))
     n_pos = (d > 0).sum(dim=(0, 2))
@@ -154,7 +158,8 @@ def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: in
                                        a=va, b=vb, diff=va - vb, ulp=int(ulp[bi, hi, ti, fi]),
                                        a_bits=bit_string(va, fa), b_bits=bit_string(vb, fb)))
     return LayerStepDiff(step=step, layer=layer, heads=list(heads), fmt=fmt, n=d.numel(), mismatches=mismatch,
-                         ulp_counts=counts, s1=s1, s2=s2, n_pos=n_pos, n_neg=n_neg, rows=B * T, largest=largest)
+                         ulp_counts=counts, s1=s1, s2=s2, n_pos=n_pos, n_neg=n_neg, rows=B * T, largest=largest,
+                         n_finite=n_finite)
 
 
 def ulp_bins() -> list[str]:
@@ -174,21 +179,22 @@ def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, alpha: fl
         for hi, head in enumerate(p.heads):
             key = (p.layer, head)
             acc = pooled.setdefault(key, [0, 0.0, 0.0, 0, 0])
-            acc[0] += p.rows
+            acc[0] = acc[0] + (p.n_finite[hi] if p.n_finite is not None else p.rows)
             acc[1] = acc[1] + p.s1[hi]
             acc[2] = acc[2] + p.s2[hi]
             acc[3] = acc[3] + p.n_pos[hi]
             acc[4] = acc[4] + p.n_neg[hi]
     cells = []
     for (layer, head), (n, s1, s2, npos, nneg) in sorted(pooled.items()):
-        mean = s1 / n  # (D,)
-        var = (s2 - n * mean * mean).clamp(min=0) / max(n - 1, 1)
-        se = (var / n).sqrt()
+        n = torch.as_tensor(n, dtype=torch.float64).expand_as(s1)  # (D,) finite rows per feature
+        mean = s1 / n  # (D,) nan where no row is finite
+        var = (s2 - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
+        se = torch.where(n > 1, (var / n).sqrt(), torch.full_like(var, math.nan))
         for f in range(mean.numel()):
             k, m = int(npos[f]), int(npos[f] + nneg[f])
             p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
             cells.append(BiasCell(layer=layer, head=head, feature=f, mean=float(mean[f]), se=float(se[f]),
-                                  p_value=p, frac_positive=k / m if m else float("nan"), n=int(n)))
+                                  p_value=p, frac_positive=k / m if m else float("nan"), n=int(n[f])))
     threshold = alpha / max(len(cells), 1)
     biased = sorted((c for c in cells if c.p_value < threshold), key=lambda c: -abs(c.mean))
     n_el = sum(p.n for p in parts)

@@ -44,10 +44,10 @@ def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = 
     shape = next(iter(series.values())).shape if series else (len(steps), 0, 0)
     ties = series.get("near_max_ties")
     rho = p = None
-    if ties is not None and np.isfinite(loss).sum() >= 3:
+    if ties is not None:
         total = np.nansum(ties, axis=(1, 2))
-        ok = np.isfinite(loss)
-        if np.ptp(total[ok]) > 0 and np.ptp(loss[ok]) > 0:
+        ok = np.isfinite(loss) & np.isfinite(ties).any(axis=(1, 2))  # a step without a ties row is unmeasured, not 0
+        if ok.sum() >= 3 and np.ptp(total[ok]) > 0 and np.ptp(loss[ok]) > 0:
             res = sps.spearmanr(total[ok], loss[ok])
             rho, p = float(res.statistic), float(res.pvalue)
     top = None

@@ -123,6 +123,8 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         def body() -> None:
+            if add is not None and dump is not None:
+                raise UserError(f"bitdiff takes either a DUMP (tensor mode) or --add A B, not both; drop {dump} or --add")
             if add is not None:
                 run_add(add[0], add[1], into, acc, json_path)
                 return

@@ -71,6 +71,12 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
         raise UserError("bitdiff tensor mode needs both --a and --b (each 'dump' or a preset such as bf16, fp32, stabilized)")
     if a == b:
         raise UserError(f"--a and --b are both {a!r}; choose two different sides")
+    from fa_forensics.analyses.selection import check_accumulation, check_backend
+
+    check_accumulation(accumulation)
+    check_backend(backend)
+    for side in (a, b):
+        _side_config(side, accumulation)  # a bad --a/--b fails here, before the progress bar starts
     dump = open_dump(dump_path)
     out = ensure_out_dir(out)
     with progress_bar(f"replaying {a} and {b}", len(select(dump, step, layer, head))) as advance:

@@ -58,7 +58,7 @@ def render(summary: dict[str, Any]) -> None:
         arrays.add_column(col)
     for l in summary["layers"]:
         info = summary["layer_info"][str(l)]
-        layers.add_row(str(l), str(info["module"] or "-"), str(info["n_heads"]), str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]))
+        layers.add_row(str(l), str(info["module"] or "-"), _ranges(summary["heads"][str(l)]), str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]))
         for n, a in summary["arrays"][str(l)].items():
             arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]), "×".join(str(x) for x in a["chunks"]))
     console.print(layers)

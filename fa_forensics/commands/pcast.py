@@ -6,6 +6,7 @@ its measured sink strength and a recommendation of S and KV order.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -33,12 +34,15 @@ HELP = "FP8 P-cast study: sink-induced collapse, reverse iteration, S = 2^8 (sim
 
 def _numbers(text: str, option: str, cast=float) -> tuple:
     """'1,256,448' -> (1.0, 256.0, 448.0); a one-line error naming the option otherwise."""
+    example = {"--scales": "1,256,448", "--sink-strength": "4,5,6,7,8", "--seq": "1024,4096"}.get(option, "1,2,3")
     try:
         values = tuple(cast(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise ConfigError(f"{option} expects a comma-separated list of numbers, got '{text}'; e.g. {option} 1,256,448")
+        raise ConfigError(f"{option} expects a comma-separated list of numbers, got '{text}'; e.g. {option} {example}")
     if not values:
         raise ConfigError(f"{option} is empty; give at least one value")
+    if not all(math.isfinite(v) for v in values):  # nan / inf would fill the tables with nan and exit 0
+        raise ConfigError(f"{option} values must be finite numbers, got '{text}'; e.g. {option} {example}")
     return values
 
 

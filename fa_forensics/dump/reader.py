@@ -348,7 +348,7 @@ class Dump:
         for l in layers:
             s = int(step) if step is not None else next(s for s in self.steps if l in self.layers(s))
             info = self.layer_info(s, l)
-            heads[str(l)] = list(range(info.n_heads))
+            heads[str(l)] = self.heads(s, l)  # the model's head numbers (layer attr `heads` when a capture kept only some)
             layer_infos[str(l)] = {k: v for k, v in info.to_dict().items() if k != "arrays"}
             arrays[str(l)] = {
                 n: {"shape": list(shape), "dtype": self._layer(s, l)[n].attrs.get("dtype"), "chunks": list(self._layer(s, l)[n].chunks)}

@@ -44,3 +44,18 @@ def test_steps_pool_per_layer_head_and_mixed_formats_compare_in_the_coarser():
     cell = next(c for c in r.mean_signed_error if (c.head, c.feature) == (1, 3))
     assert abs(cell.mean - float(d.mean())) < 1e-15  # same values in both steps
     assert len(r.ulp_hist["counts"]) == len(ulp_bins())
+
+
+def test_nan_errors_are_left_out_of_the_bias_map_not_counted_as_zero():
+    """A side whose O is NaN in a feature must not read as 'unbiased, mean 0 ± 0'."""
+    g = torch.Generator().manual_seed(2)
+    b = torch.randn(1, 1, 40, 3, generator=g)  # fp32
+    a = b.clone()
+    a[..., 0] = float("nan")  # feature 0: every row NaN (e.g. an overflowing variant)
+    a[0, 0, :10, 1] = float("nan")  # feature 1: 10 NaN rows, the other 30 one fixed offset above b
+    a[0, 0, 10:, 1] = b[0, 0, 10:, 1] + 0.5
+    r = summarize([compare_layer_step(a, b, step=0, layer=0, heads=[0])], "x", "fp32")
+    cells = {c.feature: c for c in r.mean_signed_error}
+    assert torch.isnan(torch.tensor(cells[0].mean)) and cells[0].n == 0 and cells[0].p_value == 1.0
+    assert cells[1].n == 30 and abs(cells[1].mean - 0.5) < 1e-6 and cells[1].se < 1e-6
+    assert cells[2].n == 40 and cells[2].mean == 0.0

@@ -124,3 +124,41 @@ def test_synth_is_reproducible_and_honours_v_skew(tmp_path):
 def test_spec_rejects_bad_values(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         SynthSpec(**kwargs)
+
+
+def test_overwrite_that_fails_midway_keeps_the_old_dump(tmp_path, monkeypatch):
+    """synth --overwrite writes aside and renames: a failure while writing leaves the old dump whole."""
+    from fa_forensics.dump.writer import DumpWriter
+
+    old_spec = SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=2, planted_heads=(0,), seed=1)
+    synth(tmp_path / "d.zarr", old_spec)
+    before = open_dump(tmp_path / "d.zarr").read(1, 0, "q")
+
+    calls = {"n": 0}
+    real_write = DumpWriter.write_array
+
+    def failing_write(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(DumpWriter, "write_array", failing_write)
+    with pytest.raises(OSError, match="No space"):
+        synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=2, planted_heads=(0,), seed=2), overwrite=True)
+    monkeypatch.setattr(DumpWriter, "write_array", real_write)
+
+    d = open_dump(tmp_path / "d.zarr")
+    assert d.steps == [0, 1] and d.ground_truth["seed"] == 1
+    assert torch.equal(d.read(1, 0, "q").view(torch.int16), before.view(torch.int16))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.zarr"]  # no leftovers beside it
+
+    synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=1, planted_heads=(0,), seed=2), overwrite=True)
+    d = open_dump(tmp_path / "d.zarr")
+    assert d.steps == [0] and d.ground_truth["seed"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.zarr"]
+
+
+def test_seq_too_short_names_the_real_minimum():
+    with pytest.raises(ConfigError, match="at least 64"):
+        SynthSpec(seq=8)

@@ -265,3 +265,14 @@ def test_heads_attribute_maps_model_head_numbers_to_stored_positions(tmp_path):
         d.read(0, 0, "q", heads=0)
     with pytest.raises(DumpError, match="heads stored"):
         d.select(heads=[2])
+
+
+def test_summary_heads_are_the_model_head_numbers_of_a_partial_capture(tmp_path):
+    """info --json `heads` must list heads 1 and 3 (the stored ones), not positions 0 and 1."""
+    w = DumpWriter(tmp_path / "h.zarr", {"capture": {"heads": [1, 3]}})
+    w.write_array(0, 0, "q", torch.randn(1, 2, 8, 4).bfloat16(), layer_attrs={"heads": [1, 3]})
+    w.complete_step(0)
+    w.close()
+    s = open_dump(tmp_path / "h.zarr").summary()
+    assert s["heads"] == {"0": [1, 3]}
+    assert s["layer_info"]["0"]["n_heads"] == 2

@@ -96,6 +96,8 @@ def test_simulation_mode_json_keys_and_figures(tmp_path):
     (["--order", "sideways"], "--order"),
     (["--seq", "2"], "sequence length"),
     (["/nonexistent/run.zarr"], "run.zarr"),
+    (["--sink-strength", "7,inf"], "--sink-strength values must be finite"),
+    (["--scales", "nan"], "--scales values must be finite"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = runner.invoke(app, ["pcast", *args])
