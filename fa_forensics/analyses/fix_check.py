@@ -250,7 +250,10 @@ def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerSte
     numbers = (f"O bias {baseline.o_bias:+.3e} ± {baseline.o_bias_se:.1e} (p={baseline.o_bias_p:.2g}) → "
                f"{fixed.o_bias:+.3e} ± {fixed.o_bias_se:.1e} (p={fixed.o_bias_p:.2g}), reduction {reduction:.1f}x")
     still = [a.name for a in alternatives if a.still_biased]
+    broken = [f"{a.name} ({a.nan_count} NaN)" for a in alternatives if a.nan_count]
     tail = f"; still biased: {', '.join(still)}" if still else "; no alternative left a significant bias"
+    if broken:
+        tail += f"; produced NaN: {', '.join(broken)}"
     if fixed.nan_count:
         removed, verdict = False, f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at {where}"
     elif baseline.o_bias_p >= ALPHA:

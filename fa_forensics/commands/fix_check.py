@@ -39,6 +39,8 @@ def run(dump_path, step, layer, head, beta, eps, offset, accumulation, backend, 
         raise UserError(f"--beta {beta} must be > 1 (the paper uses 2 to 8)")
     if not eps >= 0:
         raise UserError(f"--eps {eps} must be >= 0")
+    if not (math.isfinite(offset) and offset > 0):
+        raise UserError(f"--offset {offset} must be a finite number > 0 (the fixed shift m = rowmax + offset of App. C)")
     check_preset(preset)
     dump = open_dump(dump_path)
     out = ensure_out_dir(out)

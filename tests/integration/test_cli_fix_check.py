@@ -58,3 +58,20 @@ def test_fix_removes_the_planted_bias_under_the_papers_autocast_preset(tmp_path)
 def test_unknown_preset_is_exit_2():
     res = CliRunner().invoke(app, ["fix-check", str(PLANTED), "--preset", "fp64"])
     assert res.exit_code == 2 and "--preset 'fp64'" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("offset", ["inf", "nan", "0", "-1"])
+def test_bad_offset_is_exit_2(offset):
+    res = CliRunner().invoke(app, ["fix-check", str(PLANTED), "--offset", offset])
+    assert res.exit_code == 2 and "--offset" in res.output and "Traceback" not in res.output
+
+
+def test_alternatives_that_produce_nan_are_named_in_the_verdict(tmp_path):
+    # a finite but huge offset underflows every P̄ of the fixed-offset alternative: ℓ = 0, O = NaN
+    out = tmp_path / "fc.json"
+    res = CliRunner().invoke(app, ["fix-check", str(PLANTED), "--step", "0", "--head", "1", "--offset", "1e30",
+                                   "--json", str(out)])
+    d = json.loads(out.read_text())
+    alt = {a["name"]: a for a in d["alternatives"]}
+    assert alt["fixed-offset"]["nan_count"] > 0, res.output
+    assert "produced NaN: fixed-offset" in d["verdict"]
