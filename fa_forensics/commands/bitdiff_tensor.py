@@ -64,7 +64,7 @@ def payload_of(r) -> dict:
 
 def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path):
     from fa_forensics.analyses.selection import select
-    from fa_forensics.commands.pv_trace import progress_bar
+    from fa_forensics.commands.common import progress_bar
     from fa_forensics.dump import open_dump
 
     if not a or not b:

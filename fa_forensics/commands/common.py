@@ -14,7 +14,8 @@ import math
 import sys
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -122,6 +123,24 @@ def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:
     except OSError as exc:
         raise UserError(f"cannot create output directory {out}: {exc.strerror or exc}; choose a writable --out")
     return Path(out)
+
+
+@contextmanager
+def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
+    """A rich progress bar on stderr; yields `advance(msg="")`, which moves it on by one.
+
+    Drawn only when stderr is a terminal: piped or captured output gets no bar and no stray lines,
+    so an error raised mid-way is still exactly one line.
+    """
+    if not err_console.is_terminal:
+        yield lambda msg="": None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}".rstrip())
 
 
 def register_not_available(app: typer.Typer, name: str, help_text: str, issue: str) -> None:

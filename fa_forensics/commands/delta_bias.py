@@ -8,7 +8,8 @@ from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, run_cli, write_json,
 )
-from fa_forensics.commands.isolate import open_selection, progress_bar
+from fa_forensics.commands.common import progress_bar
+from fa_forensics.commands.isolate import open_selection
 
 
 def run(dump_path, step, layer, head, accumulation, backend, out, json_path, preset="bf16"):

@@ -32,7 +32,7 @@ def _fmt(v, se=None, p=None) -> str:
 def run(dump_path, step, layer, head, beta, eps, offset, accumulation, backend, out, json_path, preset="bf16") -> int:
     from fa_forensics.analyses.fix_check import fix_check_dump, fix_variants
     from fa_forensics.analyses.selection import check_preset, select
-    from fa_forensics.commands.pv_trace import progress_bar
+    from fa_forensics.commands.common import progress_bar
     from fa_forensics.dump import open_dump
 
     if not beta > 1:

@@ -1,25 +1,13 @@
 """`fa-forensics isolate`: replay under single repairs to localize the failing operation (paper §3.2)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
-    console, ensure_out_dir, err_console, run_cli, write_json,
+    console, ensure_out_dir, progress_bar, run_cli, write_json,
 )
-
-
-@contextmanager
-def progress_bar(description: str, total: int):
-    """A rich progress bar on stderr; yields a callback (taking a message) that advances it by one."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}")
 
 
 def open_selection(dump_path, step, layer, head, accumulation, backend, preset="bf16"):

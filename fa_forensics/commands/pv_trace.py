@@ -1,29 +1,18 @@
 """`fa-forensics pv-trace`: trace the error of one P̄V dot product down to the bits (paper Fig. 6)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
-    console, ensure_out_dir, err_console, run_cli, write_json,
+    console, ensure_out_dir, progress_bar, run_cli, write_json,
 )
 
 RowOpt = Annotated[Optional[int], typer.Option("--row", help="Query row T to trace (default: the row with the largest error in the chosen feature).")]
 FeatureOpt = Annotated[Optional[int], typer.Option("--feature", help="Feature i of V / O to trace (default: the feature with the largest mean O bias).")]
-
-
-@contextmanager
-def progress_bar(description: str, total: int):
-    """A rich progress bar on stderr; yields a function that advances it by one."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda: progress.advance(task)
 
 
 def run(dump_path, step, layer, head, row, feature, accumulation, backend, out, json_path, preset="bf16"):

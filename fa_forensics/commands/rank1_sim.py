@@ -10,7 +10,8 @@ from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
     console, ensure_out_dir, run_cli, write_json,
 )
-from fa_forensics.commands.isolate import open_selection, progress_bar
+from fa_forensics.commands.common import progress_bar
+from fa_forensics.commands.isolate import open_selection
 
 TokensOpt = Annotated[int, typer.Option("--tokens", min=1, help="Tokens per step whose rank-1 matrices are compared (largest |δ error| first).")]
 

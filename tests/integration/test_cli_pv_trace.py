@@ -77,3 +77,13 @@ def test_planted_trace_under_the_autocast_preset(tmp_path):
 def test_p_scale_preset_is_refused_in_one_line():
     res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--preset", "fp8-s256"])
     assert res.exit_code == 2 and "fp8-s1" in res.output and "Traceback" not in res.output
+
+
+def test_error_after_the_progress_bar_started_is_still_one_line():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "fa_forensics.cli", "pv-trace", str(PLANTED), "--step", "0", "--head", "1",
+                          "--row", "9999"], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error:") and "--row 9999" in res.stderr
