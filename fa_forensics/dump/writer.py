@@ -65,6 +65,15 @@ def _default_run_attrs(run_attrs: Mapping[str, Any], world_size: int) -> dict[st
     return attrs
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename an existing dump to a free `<path>.replaced-<n>` and return the new name."""
+    n = 0
+    while (aside := path.with_name(f"{path.name}.replaced-{n}")).exists():
+        n += 1
+    path.rename(aside)
+    return aside
+
+
 class DumpWriter:
     """Write q, k, v, o, do, x arrays into a format-v1 store.
 
@@ -73,7 +82,8 @@ class DumpWriter:
       (format_version, tool_version, torch_version filled in);
     - an existing format-1 dump: re-opened to add steps (run_attrs are not changed);
     - anything else (a file, a folder that is not a dump, another format): DumpError, unless
-      overwrite=True and it is an fa-forensics dump (then, from rank 0 only, it is replaced).
+      overwrite=True and it is an fa-forensics dump (then, from rank 0 only, it is replaced: moved
+      aside to `<path>.replaced-<n>` and deleted at close(), so a run that dies first loses nothing).
     Rank r > 0 writes under `rank_{r}/`; rank 0 writes the root tree. Meant for one writer
     thread per rank; a lock makes concurrent calls from several threads safe, not fast.
     """
@@ -84,6 +94,7 @@ class DumpWriter:
         self.world_size = int(world_size)
         self._lock = threading.Lock()
         self._closed = False
+        self._replaced: Path | None = None  # the dump that `overwrite` replaces, kept until close()
         self._root = self._open_root(dict(run_attrs or {}), overwrite)
         self._tree = self._root if self.rank == 0 else self._root.require_group(rank_key(self.rank))
         self._steps: dict[int, zarr.Group] = {}
@@ -100,7 +111,7 @@ class DumpWriter:
             if version is None:
                 raise DumpError(f"{p} exists and is not an fa-forensics dump; refusing to write into it, choose another path")
             if overwrite and self.rank == 0:
-                shutil.rmtree(p)
+                self._replaced = _move_aside(p)
             elif version != FORMAT_VERSION:
                 raise DumpError(f"{p} is a dump of format_version {version}, this tool writes {FORMAT_VERSION}; pass overwrite to replace it")
             else:
@@ -224,7 +235,12 @@ class DumpWriter:
                 tl[key].append(row, axis=0)
 
     def close(self) -> None:
+        """Finish writing. The dump an `overwrite` replaced is deleted only now: a run that dies
+        before close() leaves it beside the new one (`<path>.replaced-<n>`), so nothing is lost."""
         self._closed = True
+        if self._replaced is not None:
+            shutil.rmtree(self._replaced, ignore_errors=True)
+            self._replaced = None
 
     def _check_open(self) -> None:
         if self._closed:

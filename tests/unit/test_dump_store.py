@@ -276,3 +276,22 @@ def test_summary_heads_are_the_model_head_numbers_of_a_partial_capture(tmp_path)
     s = open_dump(tmp_path / "h.zarr").summary()
     assert s["heads"] == {"0": [1, 3]}
     assert s["layer_info"]["0"]["n_heads"] == 2
+
+
+def test_overwrite_keeps_the_old_dump_until_the_new_writer_closes(tmp_path):
+    """A capture --overwrite that dies before close() must not have destroyed the dump it replaces."""
+    from fa_forensics.dump import DumpWriter, open_dump
+
+    path = tmp_path / "run.zarr"
+    old = torch.randn(1, 1, 4, 2).bfloat16()
+    w = DumpWriter(path, {})
+    w.write_array(0, 0, "q", old)
+    w.complete_step(0)
+    w.close()
+    w = DumpWriter(path, {}, overwrite=True)
+    w.write_array(5, 0, "q", torch.zeros(1, 1, 4, 2).bfloat16())
+    aside = tmp_path / "run.zarr.replaced-0"
+    assert torch.equal(open_dump(aside).read(0, 0, "q"), old)  # still there while the new run writes
+    w.complete_step(5)
+    w.close()
+    assert not aside.exists() and open_dump(path).steps == [5]
