@@ -2,7 +2,8 @@
 
 Tensor names are `step{S}.layer{L}.{q,k,v,o,do,x}` (q, k, v, o, do: (B, H, T, D); x: (B, T, C)).
 File metadata `causal` ("true" / "false") and `scale` (a float as text) apply to every layer;
-they default to causal and 1/sqrt(D). Dtypes are kept, so export∘import is the identity on tensors.
+they default to causal and 1/sqrt(D). `layer{L}.heads` ("1,3") keeps the model's head numbers of a
+partial-head capture (absent: heads 0..H-1). Dtypes are kept, so export∘import is the identity on tensors.
 """
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ def _parse_causal(text: str | None, src: Path) -> bool:
     if value not in ("true", "false"):
         raise DumpError(f"{src}: metadata causal={text!r} must be \"true\" or \"false\"; fix the file's metadata")
     return value == "true"
+
+
+def _parse_heads(text: str, layer: int, head: torch.Tensor | None, src: Path) -> list[int]:
+    """Metadata `layer{L}.heads` ("1,3"): the model's head numbers of a partial-head capture."""
+    try:
+        numbers = [int(h) for h in text.split(",")]
+    except ValueError:
+        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must be comma-separated head numbers, e.g. \"1,3\"") from None
+    if head is not None and len(numbers) != head.shape[1]:
+        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} names {len(numbers)} heads but the tensors hold {head.shape[1]}")
+    return numbers
 
 
 def _parse_scale(text: str | None, src: Path) -> float | None:
@@ -107,6 +119,8 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
                 tensors = by_step[s][l]
                 head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
                 attrs = {"causal": causal}
+                if f"layer{l}.heads" in metadata:
+                    attrs["heads"] = _parse_heads(metadata[f"layer{l}.heads"], l, head, src)
                 if head is not None:
                     attrs.update(n_heads=head.shape[1], head_dim=head.shape[3], dtype=dtype_name(head.dtype))
                     attrs["scale"] = scale if scale is not None else 1.0 / math.sqrt(head.shape[3])
@@ -137,9 +151,13 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
     triples = dump.select(steps=steps, layers=layers)
     tensors: dict[str, torch.Tensor] = {}
     settings = set()
+    head_numbers: dict[int, list[int]] = {}
     for s, l, _heads in triples:
         info = dump.layer_info(s, l)
         settings.add((info.causal, info.scale, info.head_dim))
+        stored = dump.heads(s, l)
+        if stored != list(range(len(stored))):  # a partial-head capture: keep the model's head numbers
+            head_numbers[l] = stored
         for t in info.arrays:
             tensors[f"step{s}.layer{l}.{t}"] = dump.read(s, l, t).contiguous()
     causal = {c for c, _, _ in settings}
@@ -154,6 +172,8 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
     scale = None if default_scale else scales.pop()
     if scale is not None:
         metadata["scale"] = repr(float(scale))
+    for l, numbers in head_numbers.items():
+        metadata[f"layer{l}.heads"] = ",".join(str(h) for h in numbers)
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)

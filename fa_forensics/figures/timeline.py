@@ -1,6 +1,7 @@
 """Training-time figures from a TimelineResult (paper Fig. 2, 3, 11, 13, and max logits)."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,9 @@ def loss_curve(r: TimelineResult, path: Path) -> Path:
 
 def spectral_heatmap(r: TimelineResult, path: Path) -> Path:
     wq = r.series["wq_sigma"]  # (S, L, H)
-    per_layer = np.nanmax(wq, axis=2).T  # (L, S)
+    with warnings.catch_warnings():  # a step with no W_Q found is all-NaN: drawn as a gap, not a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_layer = np.nanmax(wq, axis=2).T  # (L, S)
     fig, ax = new_figure(height=0.5 + 0.45 * max(r.n_layers, 2))
     im = ax.imshow(per_layer, aspect="auto", origin="lower", cmap="viridis",
                    extent=(r.steps[0] - 0.5, r.steps[-1] + 0.5, -0.5, r.n_layers - 0.5))
@@ -62,7 +65,9 @@ def ties_vs_loss(r: TimelineResult, path: Path) -> Path:
 
 
 def max_logit_per_layer(r: TimelineResult, path: Path) -> Path:
-    ml = np.nanmax(r.series["max_logit"], axis=2)  # (S, L)
+    with warnings.catch_warnings():  # unmeasured steps are all-NaN: drawn as gaps
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ml = np.nanmax(r.series["max_logit"], axis=2)  # (S, L)
     fig, ax = new_figure(height=3.2)
     for layer in range(r.n_layers):
         ax.plot(r.steps, ml[:, layer], lw=1.1, label=f"layer {layer}")

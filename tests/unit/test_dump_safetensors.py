@@ -112,3 +112,19 @@ def test_import_refuses_to_clobber(make_dump, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
     with pytest.raises(DumpError, match="not a readable safetensors file"):
         import_safetensors(tmp_path / "junk.safetensors", tmp_path / "new.zarr")
+
+
+def test_partial_head_capture_keeps_its_head_numbers_through_export_and_import(tmp_path):
+    from fa_forensics.dump import DumpWriter, open_dump
+    from fa_forensics.dump.safetensors_io import export_safetensors, import_safetensors
+
+    q = torch.randn(1, 2, 8, 4).bfloat16()
+    w = DumpWriter(tmp_path / "a.zarr", {})
+    w.write_array(0, 0, "q", q, layer_attrs={"heads": [1, 3]})
+    w.complete_step(0)
+    w.close()
+    export_safetensors(tmp_path / "a.zarr", tmp_path / "a.safetensors")
+    import_safetensors(tmp_path / "a.safetensors", tmp_path / "b.zarr")
+    b = open_dump(tmp_path / "b.zarr")
+    assert b.heads(0, 0) == [1, 3]
+    assert torch.equal(b.read(0, 0, "q", heads=3), q[:, 1:2])
