@@ -17,7 +17,8 @@ Hot path: on a step that is not selected, the SDPA patch and every hook check on
 Monitor (`monitor_every=N`): every N-th step (step % N == 0) is "monitored": each attention call
 of the recorded forward pass feeds `StepCollector` (per-head statistics on the batch slice, W_Q
 spectral norms), and when the step ends ONE timeline row is appended to the store (step, loss,
-(L, H) arrays, `alarms` count). The loss is the one given by `cap.step(loss)`, else the scalar on
+(L, H) arrays, `alarms` count; rows reach the store `timeline_flush_rows` (16) at a time, see capture/writer.py).
+The loss is the one given by `cap.step(loss)`, else the scalar on
 which `backward()` was called (the loss tap). The row is written when its loss is known: at
 `cap.step()`, or at the next forward pass / attention call / step end / exit.
 Alarm (`alarm=True` or an `AlarmRule`): each row feeds the rule; an alarm prints one line to
@@ -83,10 +84,13 @@ class CaptureSession:
         alarm_steps: int = 3,
         ring: int = 0,
         monitor_eps: float = 1e-3,
+        timeline_flush_rows: int = 16,
     ):
         if step_by not in ("optimizer", "manual"):
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
         check_monitor_options(monitor_every, alarm, alarm_steps, ring)
+        if int(timeline_flush_rows) < 1:
+            raise CaptureError(f"timeline_flush_rows must be >= 1 (timeline rows appended at a time), got {timeline_flush_rows}")
         self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=bool(monitor_every))
         self.out = os.fspath(out)
         self.model = model
@@ -123,6 +127,7 @@ class CaptureSession:
         self.monitor_every = int(monitor_every) if monitor_every else None
         self.alarm_steps = int(alarm_steps)
         self.monitor_eps = monitor_eps
+        self.timeline_flush_rows = int(timeline_flush_rows)
         self._collector = None  # a StepCollector when monitoring
         self._rule = None  # an AlarmRule when alarms are on
         if alarm:
@@ -202,7 +207,7 @@ class CaptureSession:
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
-        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue)
+        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows)
         try:
             if self.model is not None:
                 self.bind(self.model)
@@ -508,6 +513,7 @@ class CaptureSession:
         follow = range(step + 1, step + 1 + self.alarm_steps)
         self._extra_steps.update(follow)
         written = self._write_ring(step)
+        self._writer.flush_timeline()  # the alarm's row (and those before it) on disk now
         first = max(alarms, key=lambda a: a.z)
         more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
         what = f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0 else "no steps after it recorded (--alarm-steps 0)"
@@ -565,6 +571,7 @@ class CaptureSession:
                 "alarm": None if self._rule is None else {"window": self._rule.window, "min_history": self._rule.min_history,
                                                           "z_threshold": self._rule.z_threshold, "min_change": dict(self._rule.min_change)},
                 "alarm_steps": self.alarm_steps, "ring": 0 if self._ring is None else self._ring.capacity,
+                "timeline_flush_rows": self.timeline_flush_rows,
             }
         return {
             **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},

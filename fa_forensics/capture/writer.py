@@ -5,16 +5,28 @@ plain copy on the CPU) and `put_array` / `put_complete`. A single daemon thread 
 bounded FIFO queue and writes them through `DumpWriter`. Because the queue is FIFO, a step's
 `complete` flag is written after every array queued before it. When the queue is full, training
 waits (no data is dropped) and a warning says that the disk cannot keep up.
+
+Timeline rows (the monitor's, one per monitored step) are gathered in memory and appended
+`timeline_rows` at a time (default 16). On a small machine, appending one row to zarr costs
+about 29 ms of CPU, and appending 16 rows at once about 14 ms, because `TimelineAppender` keeps the
+arrays open between appends. Buffered rows go to the queue when there are
+`timeline_rows` of them, when a row arrives `timeline_seconds` (30) or more after the oldest buffered
+one, on `flush_timeline()` (the session calls it when an alarm fires), and on `close()` (normal
+exit, and exit by an exception). A process killed without running its exit code (SIGKILL, power
+loss) loses the buffered rows: at most `timeline_rows` − 1 rows, and at most about
+`timeline_seconds` of them. A store read during the run lags by as many rows.
 """
 from __future__ import annotations
 
 import queue
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from fa_forensics.capture.selection import CaptureError
@@ -38,9 +50,8 @@ class _Complete:
 
 
 @dataclass
-class _TimelineRow:
-    step: int
-    series: dict  # name -> scalar or numpy array (e.g. (L, H))
+class _TimelineRows:
+    rows: list  # [(step, {name: scalar or numpy array (e.g. (L, H))})], oldest first
 
 
 _STOP = object()
@@ -61,8 +72,15 @@ def offload(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
 class BackgroundWriter:
     """Owns a `DumpWriter` and the thread that feeds it."""
 
-    def __init__(self, dump_writer, max_queue: int = 64):
+    def __init__(self, dump_writer, max_queue: int = 64, timeline_rows: int = 16, timeline_seconds: float = 30.0):
+        if int(timeline_rows) < 1:
+            raise CaptureError(f"timeline_rows must be >= 1 (rows appended at a time), got {timeline_rows}")
         self._dump = dump_writer
+        self.timeline_rows = int(timeline_rows)
+        self.timeline_seconds = float(timeline_seconds)
+        self._rows: list = []  # timeline rows not yet queued: [(step, series)]
+        self._rows_since = 0.0  # time.monotonic() of the oldest buffered row
+        self._timeline = TimelineAppender(dump_writer)  # used by the writer thread only
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._error: Optional[BaseException] = None
         self._warned_slow = False
@@ -78,13 +96,27 @@ class BackgroundWriter:
         self._put(_Complete(step, loss, attrs))
 
     def put_timeline(self, step: int, **series) -> None:
-        """Append one monitor row (the step's scalars and (L, H) arrays) to the store's timeline/."""
-        self._put(_TimelineRow(step, series))
+        """Add one monitor row (the step's scalars and (L, H) arrays) to the store's timeline/ (buffered, see above)."""
+        now = time.monotonic()
+        if not self._rows:
+            self._rows_since = now
+        self._rows.append((step, series))
+        if len(self._rows) >= self.timeline_rows or now - self._rows_since >= self.timeline_seconds:
+            self.flush_timeline()
+
+    def flush_timeline(self) -> None:
+        """Queue the buffered timeline rows for the writer thread now."""
+        rows, self._rows = self._rows, []
+        if rows:
+            self._put(_TimelineRows(rows))
 
     def close(self) -> None:
-        """Write everything queued, stop the thread, close the store; re-raise a writer failure."""
+        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer failure."""
         if self._closed:
             return
+        rows, self._rows = self._rows, []
+        if rows and self._error is None:
+            self._queue.put(_TimelineRows(rows))  # waits for room; never dropped
         self._closed = True
         if self._thread.is_alive():
             self._queue.put(_STOP)
@@ -93,6 +125,11 @@ class BackgroundWriter:
             self._dump.close()
         finally:
             self._raise_if_failed()
+
+    def drain(self) -> None:
+        """Wait until every item queued so far is written (buffered timeline rows are not queued yet)."""
+        self._queue.join()
+        self._raise_if_failed()
 
     # -- internals -----------------------------------------------------------------------
     def _put(self, item) -> None:
@@ -122,18 +159,103 @@ class BackgroundWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
-                return
-            if self._error is not None:
-                continue  # drain without writing: a failed store is never half-written further
+            try:
+                if item is _STOP:
+                    return
+                self._write(item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item) -> None:
+        if self._error is None:  # after a failure, drain without writing: a failed store is never half-written further
             try:
                 if isinstance(item, _Array):
                     if item.ready is not None:
                         item.ready.synchronize()
                     self._dump.write_array(item.step, item.layer, item.name, item.tensor, layer_attrs=item.layer_attrs)
-                elif isinstance(item, _TimelineRow):
-                    self._dump.append_timeline(item.step, **item.series)
+                elif isinstance(item, _TimelineRows):
+                    self._timeline.append(item.rows)
                 else:
                     self._dump.complete_step(item.step, loss=item.loss, **item.attrs)
             except BaseException as exc:  # reported to the training thread at its next call
                 self._error = exc
+
+
+def append_timeline_rows(dump, rows: list) -> None:
+    """Append rows [(step, series)] to `dump`'s timeline/ (see `TimelineAppender`; one-off, nothing cached)."""
+    TimelineAppender(dump).append(rows)
+
+
+class TimelineAppender:
+    """Appends batches of monitor rows [(step, series)] to one dump's timeline/.
+
+    It does what `DumpWriter.append_timeline` does row by row (NaN where a row lacks a series, new
+    series back-filled), with one zarr append per series per batch. Between batches it keeps the
+    timeline's zarr arrays open, which saves a third of the CPU: looking arrays up reads metadata
+    files. The timeline must have no other writer while an appender is in use; the session's
+    writer thread is the only one. It uses `DumpWriter.append_timeline_rows` if the dump writer has
+    it. Until then it works on the writer's tree under the writer's lock (private attributes, kept
+    in step with dump/writer.py).
+    """
+
+    def __init__(self, dump):
+        self._dump = dump
+        self._arrays: Optional[dict] = None  # name -> zarr.Array of timeline/, opened at the first batch
+
+    def append(self, rows: list) -> None:
+        dump = self._dump
+        if hasattr(dump, "append_timeline_rows"):
+            dump.append_timeline_rows(rows)
+            return
+        if not hasattr(dump, "_tree"):
+            for step, series in rows:
+                dump.append_timeline(step, **series)
+            return
+        batch = _row_block(rows)
+        n_new = len(rows)
+        with dump._lock:
+            dump._check_open()
+            if self._arrays is None:
+                import zarr.codecs  # noqa: F401  (codecs for create_array below)
+
+                from fa_forensics.dump.schema import TIMELINE_GROUP
+
+                self._group = dump._tree.require_group(TIMELINE_GROUP)
+                self._arrays = {key: self._group[key] for key in self._group.array_keys()}
+            arrays = self._arrays
+            n_rows = arrays["step"].shape[0] if "step" in arrays else 0
+            for key, arr in arrays.items():
+                if key not in batch:
+                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan, dtype=arr.dtype)
+            for key, block in batch.items():
+                if key not in arrays:
+                    import zarr.codecs
+
+                    arr = self._group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
+                                                   chunks=(256, *block.shape[1:]), compressors=zarr.codecs.ZstdCodec())
+                    if n_rows:
+                        fill = np.nan if block.dtype.kind == "f" else -1
+                        arr.append(np.full((n_rows, *block.shape[1:]), fill, dtype=block.dtype), axis=0)
+                    arrays[key] = arr
+                arrays[key].append(block, axis=0)
+
+
+def _row_block(rows: list) -> dict:
+    """{"step": (K,) int64, name: (K, ...) float64 with NaN where a row lacks the series}."""
+    n_new = len(rows)
+    columns: dict[str, list] = {}  # name -> per row: float64 array or None
+    for i, (_, series) in enumerate(rows):
+        for key, value in series.items():
+            if key == "step":
+                raise ValueError("'step' is the timeline's own axis; pass it as the first element of a row")
+            v = np.asarray(value.detach().cpu().float() if isinstance(value, torch.Tensor) else value, dtype="float64")
+            columns.setdefault(key, [None] * n_new)[i] = v
+    batch = {"step": np.asarray([int(step) for step, _ in rows], dtype="int64")}  # (K,)
+    for key, values in columns.items():
+        shape = next(v.shape for v in values if v is not None)
+        block = np.full((n_new, *shape), np.nan)  # (K, ...) float64
+        for i, v in enumerate(values):
+            if v is not None:
+                block[i] = v
+        batch[key] = block
+    return batch

@@ -2,6 +2,7 @@
 
 - `stats.head_statistics(q, k, ...)`: max logit, repeated-maximum rows, extra P̄ == 1 entries,
   mean top-1 probability per head, computed in row chunks (no whole T×T matrix).
+- `p_one`: the exact thresholds that let the statistics count P̄ == 1 without a cast per score.
 - `spectral.SpectralTracker`: warm-started power iteration for per-head ‖W_Q‖₂.
 - `alarm.AlarmRule`: robust z-score rule over a trailing window that flags a step/layer/head.
 """

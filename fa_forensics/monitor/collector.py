@@ -7,9 +7,10 @@ nothing was measured). Statistics stay on the device until `finish`, so a GPU ru
 once per monitored step, not once per layer.
 
 Off the training thread: with `background=True` (the capture default) each call's work runs on one
-worker thread (torch releases the GIL inside its kernels). The training thread only copies the
-batch slice of q, k and the W_Q block (a few hundred KB; the weights are copied because the
-optimizer updates them in place) and goes on; `finish` waits for the worker, which has had the
+worker thread (torch releases the GIL inside its kernels; the thread is started with the collector).
+The training thread only copies the batch slice of q, k (once, as the fp32 values the statistics
+use) and the W_Q block (a few hundred KB; the weights are copied because the optimizer updates
+them in place) and goes on; `finish` waits for the worker, which has had the
 whole backward pass and optimizer step to catch up. Results are identical either way.
 
 wq_sigma: σ_max of each head's block of W_Q, by warm-started power iteration on the weights the
@@ -30,6 +31,11 @@ from fa_forensics.monitor.stats import TIMELINE_METRICS, HeadStats, head_statist
 WarnFn = Callable[[str, str], None]
 
 
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private fp32 copy (one copy: the fp32 values the statistics use anyway; exact for 16-bit inputs)."""
+    return t.float() if t.dtype != torch.float32 else t.clone()
+
+
 def p_bar_dtype(q_dtype: torch.dtype) -> torch.dtype:
     """The dtype P̄ is cast to before P̄V: the 16-bit input dtype, else bf16 (the paper's setting)."""
     return q_dtype if q_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -42,6 +48,8 @@ class StepCollector:
                  background: bool = False):
         self.eps = eps
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fa-forensics-monitor") if background else None
+        if self._pool is not None:
+            self._pool.submit(lambda: None)  # start the thread now, not in the first monitored step (≈ 5 ms there)
         self.chunk = chunk
         self.tracker = SpectralTracker(iterations=spectral_iterations)
         self._warn = warn or (lambda key, message: None)
@@ -72,7 +80,7 @@ class StepCollector:
             self._calls[layer] = done
         else:  # copies: the worker must not see later in-place updates (optimizer step, reused buffers)
             w_copy = None if w_q is None else w_q.clone()
-            self._calls[layer] = self._pool.submit(self._compute, layer, q.clone(), k.clone(), w_copy, scale, causal, p_dtype)
+            self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy, scale, causal, p_dtype)
 
     def _compute(self, layer, q, k, w_q, scale, causal, p_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
         H = q.shape[1]

@@ -12,9 +12,12 @@ query rows at a time, so memory is O(chunk · T) per head instead of O(T²).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from fa_forensics.monitor.p_one import count_p_one, near_set_within_p_one
 
 # Per-(layer, head) series the monitor appends to a dump's timeline/ group, one row per step.
 TIMELINE_METRICS = ("max_logit", "near_max_ties", "p_one_extra", "top1_prob", "wq_sigma")
@@ -43,35 +46,64 @@ def head_statistics(
     chunk: int = 128,
     to_cpu: bool = True,
 ) -> HeadStats:
-    """Statistics of softmax(α q kᵀ) per head without materializing the T×T matrix.
+    """Statistics of softmax(α q kᵀ) per head, without building the T×T matrix.
 
     q, k: (B, H, T, D) (K may have its own length Tk). `p_dtype` is the dtype P̄ is cast to
-    before P̄V (bf16 in the paper's setting), used to decide which entries equal 1.
+    before P̄V (bf16 in the paper's setting). It decides which entries count as equal to 1.
     to_cpu=False leaves the results on q's device (the monitor copies a whole step at once).
+
+    Cost per chunk of rows: one matmul, then scale, mask, max, subtract and exp over the columns
+    that the causal mask leaves open. Then the P̄ == 1 count, done as floor(P̄ + 2⁻⁹) (see p_one.py),
+    and the row sums. The ε comparison runs only on rows with two or more P̄ == 1 entries, when
+    ε ≤ |EXP_ONE_MIN| (CPU only; on a GPU, deciding which rows those are would need a device sync).
+    The results match the earlier direct version bit for bit (it is kept as the reference in
+    tests/unit/test_monitor_stats.py):
+    - the matmul is called on the same shapes;
+    - scale, mask and subtract are exact IEEE operations on the same values (a score of −0 may
+      become +0, which is equal as a number);
+    - masked entries of the summed rows hold exp(−inf) = 0;
+    - the counts are exact.
+    The one thing this argument does not prove: a tail of a row (odd T) may go through torch's scalar
+    exp instead of its vectorized one. The two agreed on 5·10⁷ random arguments.
     """
     B, H, T, D = q.shape
     Tk = k.shape[2]
     alpha = scale if scale is not None else D ** -0.5
-    kf = k.float()  # (B, H, Tk, D)
-    max_logit = torch.full((H,), -torch.inf, device=q.device)
-    ties = torch.zeros(H, dtype=torch.int64, device=q.device)
-    p_one_extra = torch.zeros(H, dtype=torch.int64, device=q.device)
-    top1_sum = torch.zeros(H, dtype=torch.float64, device=q.device)
-    cols = torch.arange(Tk, device=q.device)
+    device = q.device
+    kT = k.float().transpose(-1, -2)  # (B, H, D, Tk); a view, no copy when k is fp32
+    max_logit = torch.full((H,), -torch.inf, device=device)
+    ties = torch.zeros(H, dtype=torch.int64, device=device)
+    p_one_extra = torch.zeros(H, dtype=torch.int64, device=device)
+    top1_sum = torch.zeros(H, dtype=torch.float64, device=device)
+    ties_from_p_one = device.type == "cpu" and near_set_within_p_one(eps, p_dtype)
+    bias, mask = _causal_mask(T, Tk, device) if causal else (None, None)  # (T, Tk) fp32 0 / −inf, and bool
+    add_mask = bias is not None and device.type == "cpu" and _scores_are_finite(q, k, alpha, D)
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
-        s = torch.matmul(q[:, :, start:stop].float(), kf.transpose(-1, -2)) * alpha  # (B, H, c, Tk)
-        if causal:
-            rows = torch.arange(start, stop, device=q.device) + (Tk - T)  # bottom-right aligned
-            s = s.masked_fill(cols[None, :] > rows[:, None], -torch.inf)
-        r_m = s.amax(dim=-1, keepdim=True)  # (B, H, c, 1)
+        s = torch.matmul(q[:, :, start:stop].float(), kT)  # (B, H, c, Tk): the same call and shapes as ever (same bits)
+        w = min(Tk, _round_up(max(stop + Tk - T, 1), _VECTOR_COLUMNS)) if causal else Tk  # columns the chunk's rows may see
+        d = s[..., :w]  # (B, H, c, w) view; columns ≥ w are masked for every row of the chunk
+        d.mul_(alpha)  # S = α q·k
+        if add_mask:  # finite scores: S + 0 = S exactly and S + (−inf) = −inf, as masked_fill but 8× cheaper
+            d.add_(bias[start:stop, :w])
+        elif mask is not None:  # ±inf or NaN scores (or a GPU): masked_fill (inf + (−inf) would be NaN)
+            d.masked_fill_(mask[start:stop, :w], -torch.inf)
+        r_m = d.amax(dim=-1, keepdim=True)  # (B, H, c, 1)
         max_logit = torch.maximum(max_logit, r_m.amax(dim=(0, 2, 3)))
-        near = (r_m - s) <= eps  # -inf entries give +inf distance: never near
-        ties += (near.sum(dim=-1) > 1).sum(dim=(0, 2))
-        p_bar = torch.exp(s - r_m)  # (B, H, c, Tk) fp32, max entry exactly 1
-        ones = (p_bar.to(p_dtype) == 1).sum(dim=-1)  # (B, H, c)
-        p_one_extra += (ones - 1).clamp(min=0).sum(dim=(0, 2))
+        d.sub_(r_m)  # S − m ≤ 0; fl(m − S) = −fl(S − m) (rounding is symmetric)
+        p_bar = torch.empty_like(s)  # (B, H, c, Tk) fp32; whole rows, so each row sum adds the same values in the same order
+        _exp_into(p_bar, d, start, T, Tk, causal)
         top1_sum += (1.0 / p_bar.sum(dim=-1)).double().sum(dim=(0, 2))
+        ones = count_p_one(p_bar, p_dtype, overwrite=True)  # (B, H, c) P̄ == 1 in p_dtype (p_bar is spent)
+        p_one_extra += (ones - 1).clamp_(min=0).sum(dim=(0, 2))
+        if ties_from_p_one:  # near ⊂ {P̄ == 1}: only rows with two ones can have a repeated maximum
+            candidates = ones > 1  # (B, H, c)
+            if bool(candidates.any()):
+                tie_rows = torch.zeros_like(candidates)
+                tie_rows[candidates] = (d[candidates] >= -eps).sum(dim=-1) > 1
+                ties += tie_rows.sum(dim=(0, 2))
+        else:
+            ties += ((d >= -eps).sum(dim=-1) > 1).sum(dim=(0, 2))  # NaN (fully masked rows) is never near
     rows_total = B * T
     move = (lambda t: t.cpu()) if to_cpu else (lambda t: t)
     return HeadStats(
@@ -81,3 +113,56 @@ def head_statistics(
         top1_prob=move((top1_sum / rows_total).float()),
         rows=rows_total,
     )
+
+
+# Column counts are rounded up to a multiple of this. When Tk is a multiple of 32, every exp then runs
+# in torch's vectorized CPU loop (2 × 16 fp32 lanes per step), as it did over the full rows.
+_VECTOR_COLUMNS = 32
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _exp_into(p_bar: torch.Tensor, d: torch.Tensor, start: int, T: int, Tk: int, causal: bool) -> None:
+    """p_bar[..., :w] = exp(d) and 0 beyond, for d = S − m (B, H, c, w).
+
+    exp(−inf) costs torch's CPU exp about 3.5× a normal argument. Under a causal mask, the rows are
+    therefore done in groups of 32, each over the columns its own rows may see. The entries outside
+    those columns are masked (−inf), so 0 is written there, which is exactly exp(−inf).
+    """
+    c, w = d.shape[-2], d.shape[-1]
+    group = _VECTOR_COLUMNS if causal else c
+    for r0 in range(0, c, group):
+        r1 = min(r0 + group, c)
+        w_r = min(w, _round_up(max(start + r1 + Tk - T, 1), _VECTOR_COLUMNS)) if causal else w
+        torch.exp(d[..., r0:r1, :w_r], out=p_bar[..., r0:r1, :w_r])
+        if w_r < p_bar.shape[-1]:
+            p_bar[..., r0:r1, w_r:].zero_()
+
+
+def _scores_are_finite(q: torch.Tensor, k: torch.Tensor, alpha: float, D: int) -> bool:
+    """True when every α·q·k is finite in fp32: finite inputs and D·max|q|·max|k|·α < 10³⁸ (no partial sum can overflow)."""
+    def max_abs(t: torch.Tensor) -> float:  # one pass, no |t| copy; NaN propagates
+        lo, hi = (float(v) for v in torch.aminmax(t))
+        return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+    bound = max_abs(q) * max_abs(k) * D * max(alpha, 1.0)  # NaN or inf inputs: not < 1e38
+    return bound < 1e38
+
+
+_MASK_CACHE: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _causal_mask(T: int, Tk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal mask (bottom-right aligned) as (T, Tk) fp32 bias (0 allowed, −inf masked) and as bool (True masked)."""
+    key = (T, Tk, str(device))
+    cached = _MASK_CACHE.get(key)
+    if cached is None:
+        rows = torch.arange(T, device=device) + (Tk - T)
+        masked = torch.arange(Tk, device=device)[None, :] > rows[:, None]
+        cached = (torch.zeros(T, Tk, device=device).masked_fill_(masked, -torch.inf), masked)
+        if len(_MASK_CACHE) >= 8:  # a few shapes per run: keep the cache small
+            _MASK_CACHE.pop(next(iter(_MASK_CACHE)))
+        _MASK_CACHE[key] = cached
+    return cached

@@ -102,3 +102,61 @@ def test_monitor_option_errors(tmp_path):
         fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None, monitor_every=1, ring=3)
     with pytest.raises(CaptureError, match="at least one step"):
         fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None)
+    with pytest.raises(CaptureError, match="timeline_flush_rows"):
+        fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None, monitor_every=1, timeline_flush_rows=0)
+
+
+def test_timeline_rows_are_buffered_k_at_a_time_and_flushed_at_exit_even_on_error(tmp_path):
+    """Rows reach the store 4 at a time; the store then equals a row-by-row one; an exception still flushes."""
+    stores = {}
+    for flush in (1, 4):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY))
+        out = tmp_path / f"k{flush}.zarr"
+        on_disk = []
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        with pytest.raises(RuntimeError, match="boom"):
+            with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, timeline_flush_rows=flush) as cap:
+                for n in range(6):
+                    idx = torch.randint(0, 256, (3, 32), generator=gen)
+                    _, loss = model(idx, idx)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    cap.step(loss)  # the loss is known: the row is complete now
+                    cap._writer.drain()  # what was queued is on disk
+                    tl = open_dump(out).timeline
+                    on_disk.append(0 if tl is None else len(tl["step"]))
+                raise RuntimeError("boom")  # leaves the block by an exception: buffered rows are written
+        stores[flush] = open_dump(out).timeline
+        if flush == 4:  # steps 0..3 flushed together after step 3; steps 4, 5 wait in memory until exit
+            assert on_disk[:3] == [0, 0, 0] and on_disk[3:] == [4, 4, 4]
+        else:  # row by row, as soon as each step ends
+            assert on_disk == [1, 2, 3, 4, 5, 6]
+    assert stores[4]["step"].tolist() == stores[1]["step"].tolist() == list(range(6))
+    for key in stores[1]:
+        np.testing.assert_array_equal(stores[4][key], stores[1][key])
+
+
+def test_append_timeline_rows_equals_row_by_row_appends_with_missing_and_new_series(tmp_path):
+    from fa_forensics.capture.writer import append_timeline_rows
+    from fa_forensics.dump import DumpWriter
+
+    rows = [  # a row with only the loss (no attention call seen), a series that appears later
+        (0, {"loss": 3.0, "max_logit": np.arange(4.0).reshape(2, 2)}),
+        (1, {"loss": float("nan")}),
+        (2, {"loss": 2.5, "max_logit": np.ones((2, 2)), "alarms": 1}),
+    ]
+    one, many = DumpWriter(tmp_path / "one.zarr", {}), DumpWriter(tmp_path / "many.zarr", {})
+    for step, series in rows:
+        one.append_timeline(step, **series)
+    append_timeline_rows(many, rows[:1])
+    append_timeline_rows(many, rows[1:])
+    one.close(), many.close()
+    a, b = open_dump(tmp_path / "one.zarr").timeline, open_dump(tmp_path / "many.zarr").timeline
+    assert sorted(a) == sorted(b) == ["alarms", "loss", "max_logit", "step"]
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+        assert a[key].dtype == b[key].dtype
+    assert np.isnan(b["max_logit"][1]).all() and np.isnan(b["alarms"][:2]).all() and b["alarms"][2] == 1

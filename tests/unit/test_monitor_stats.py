@@ -6,6 +6,89 @@ import torch
 from fa_forensics.monitor import AlarmRule, SpectralTracker, find_query_weights, head_statistics
 
 
+@torch.no_grad()
+def _reference_statistics(q, k, *, scale, causal=True, eps=1e-3, p_dtype=torch.bfloat16, chunk=128):
+    """The monitor's first, direct version (masked_fill, cast P̄ to p_dtype, compare with 1): the reference
+    the faster `head_statistics` must equal bit for bit."""
+    B, H, T, D = q.shape
+    Tk = k.shape[2]
+    kf = k.float()
+    max_logit = torch.full((H,), -torch.inf)
+    ties = torch.zeros(H, dtype=torch.int64)
+    p_one_extra = torch.zeros(H, dtype=torch.int64)
+    top1_sum = torch.zeros(H, dtype=torch.float64)
+    cols = torch.arange(Tk)
+    for start in range(0, T, chunk):
+        stop = min(start + chunk, T)
+        s = torch.matmul(q[:, :, start:stop].float(), kf.transpose(-1, -2)) * scale  # (B, H, c, Tk)
+        if causal:
+            rows = torch.arange(start, stop) + (Tk - T)
+            s = s.masked_fill(cols[None, :] > rows[:, None], -torch.inf)
+        r_m = s.amax(dim=-1, keepdim=True)
+        max_logit = torch.maximum(max_logit, r_m.amax(dim=(0, 2, 3)))
+        ties += (((r_m - s) <= eps).sum(dim=-1) > 1).sum(dim=(0, 2))
+        p_bar = torch.exp(s - r_m)
+        ones = (p_bar.to(p_dtype) == 1).sum(dim=-1)
+        p_one_extra += (ones - 1).clamp(min=0).sum(dim=(0, 2))
+        top1_sum += (1.0 / p_bar.sum(dim=-1)).double().sum(dim=(0, 2))
+    return max_logit, ties, p_one_extra, (top1_sum / (B * T)).float()
+
+
+def _planted(seed, B, H, T, D, Tk=None, dtype=torch.bfloat16, spread=1.0):
+    """Random q, k with head 1 made to tie: keys 5 and 9 equal, queries from 9 on aligned with them."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, T, D, generator=g) * spread).to(dtype)
+    k = torch.randn(B, H, Tk or T, D, generator=g).to(dtype)
+    k[:, 1, 9] = k[:, 1, 5]
+    q[:, 1, 9:] = (4 * k[:, 1, 5]).unsqueeze(1)
+    return q, k
+
+
+CASES = [  # (B, H, T, Tk, D, chunk, causal, p_dtype, eps, spread)
+    (2, 4, 256, 256, 32, 128, True, torch.bfloat16, 1e-3, 1.0),  # the demo model's shape
+    (2, 3, 96, 96, 16, 7, True, torch.bfloat16, 1e-3, 3.0),  # odd chunks
+    (1, 2, 200, 200, 64, 64, True, torch.bfloat16, 1e-3, 8.0),  # sharp rows: many P̄ == 1
+    (2, 2, 33, 33, 8, 16, False, torch.bfloat16, 1e-3, 1.0),  # not causal, odd T
+    (1, 3, 64, 100, 16, 32, True, torch.bfloat16, 1e-3, 2.0),  # longer K (bottom-right causal)
+    (1, 2, 100, 64, 16, 32, True, torch.bfloat16, 1e-3, 2.0),  # shorter K: fully masked rows (NaN)
+    (2, 3, 96, 96, 16, 64, True, torch.float16, 1e-3, 3.0),  # fp16 P̄: ε beyond its P̄ == 1 set
+    (2, 3, 96, 96, 16, 64, True, torch.bfloat16, 5e-2, 3.0),  # large ε: full comparison
+]
+
+
+@pytest.mark.parametrize("B, H, T, Tk, D, chunk, causal, p_dtype, eps, spread", CASES)
+def test_head_statistics_equal_the_direct_version_bit_for_bit(B, H, T, Tk, D, chunk, causal, p_dtype, eps, spread):
+    q, k = _planted(B * 1000 + T + Tk + D + chunk, B, H, T, D, Tk, dtype=torch.bfloat16, spread=spread)
+    scale = D ** -0.5
+    got = head_statistics(q, k, scale=scale, causal=causal, eps=eps, p_dtype=p_dtype, chunk=chunk)
+    ref = _reference_statistics(q, k, scale=scale, causal=causal, eps=eps, p_dtype=p_dtype, chunk=chunk)
+    assert torch.equal(got.max_logit, ref[0])
+    assert got.near_max_ties.tolist() == ref[1].tolist()
+    assert got.p_one_extra.tolist() == ref[2].tolist()
+    np.testing.assert_array_equal(got.top1_prob.numpy(), ref[3].numpy())  # NaN where rows are fully masked
+    assert int(ref[2].sum()) > 0  # the planted head has P̄ == 1 twice in many rows
+    # the worker receives fp32 copies of the bf16 tensors (strided row chunks, no further copy): same bits
+    got32 = head_statistics(q.float(), k.float(), scale=scale, causal=causal, eps=eps, p_dtype=p_dtype, chunk=chunk)
+    for a, b in zip((got32.max_logit, got32.near_max_ties, got32.p_one_extra, got32.top1_prob), ref):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_head_statistics_on_nan_and_inf_scores_match_the_direct_version():
+    q, k = _planted(5, 1, 3, 64, 16)
+    q[0, 0, 10, 3] = float("nan")  # one NaN query: its row is NaN
+    k[0, 2, 4, 0] = float("inf")  # an infinite key: +inf / −inf / NaN scores
+    q2, k2 = _planted(6, 1, 2, 64, 16)
+    q2[0, 1, 20:] *= 1e19  # finite inputs whose scores overflow to ±inf in fp32
+    k2[0, 1] *= 1e19
+    for q_, k_ in ((q, k), (q2, k2)):
+        got = head_statistics(q_, k_, scale=0.25)
+        ref = _reference_statistics(q_, k_, scale=0.25)
+        assert got.near_max_ties.tolist() == ref[1].tolist() and got.p_one_extra.tolist() == ref[2].tolist()
+        np.testing.assert_array_equal(got.max_logit.numpy(), ref[0].numpy())
+        np.testing.assert_array_equal(got.top1_prob.numpy(), ref[3].numpy())
+        assert not torch.isfinite(ref[0]).all() or not torch.isfinite(ref[3]).all()  # the case is non-finite
+
+
 def _brute(q, k, scale, eps, causal=True):
     s = (q.double() @ k.double().transpose(-1, -2)) * scale  # (B, H, T, T)
     T = q.shape[2]
