@@ -8,9 +8,9 @@ contract (replay/emulate/forward.py, backward.py) with these known differences:
 - on a GPU, low-precision dots run on tensor cores (their accumulation is the `tensor-core`
   model, not `ieee`); under the interpreter the test suite's compatibility layer makes every
   dot the `ieee` sequential fp32 walk. `ReplayOut.accumulation` says which one ran;
-- stochastic rounding is not implemented in the kernels (use backend "emulate");
-- the autocast reference's low-precision S, m, ℓ and rescaled accumulator (s_dtype, stats_dtype,
-  rescale_dtype below fp32, preset "bf16-autocast") are refused: use backend "emulate".
+- stochastic rounding is not implemented in the kernels (use backend "emulate").
+The autocast reference's low-precision S, m, ℓ and rescaled accumulator (s_dtype, stats_dtype,
+rescale_dtype, preset "bf16-autocast") are constexpr cast points of the kernels, as in the emulator.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 
 from fa_forensics.errors import UserError
 from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding
+from fa_forensics.replay.emulate.run import high_precision_twin
 from fa_forensics.replay.out import PBarStats, ReplayOut
 
 _FP32 = Precision.FP32
@@ -77,13 +78,9 @@ def _stats(rows: torch.Tensor) -> PBarStats:
 
 
 def _check_supported(config: ReplayConfig) -> None:
+    """Refuse, in one line, what the kernels do not implement (before triton is imported)."""
     if config.rounding is Rounding.STOCHASTIC:
         raise TritonBackendError("replay: backend triton implements nearest-even casts only; use --backend emulate for rounding=stochastic")
-    autocast = [f"{name}={getattr(config, name).value}" for name in ("s_dtype", "stats_dtype", "rescale_dtype")
-                if getattr(config, name) is not _FP32]
-    if autocast:
-        raise TritonBackendError(f"replay: backend triton keeps S, m, ℓ and the accumulator in fp32 (got {', '.join(autocast)}); "
-                                 "use --backend emulate for the bf16-autocast reading")
 
 
 def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
@@ -104,11 +101,12 @@ def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Rep
         if config.delta is DeltaSource.O_LOWP:
             delta = launch.delta(qi, ki, vi, doi, o, lse, "o", plan, causal=causal, scale=scale)
         elif config.delta is DeltaSource.O_HIGHP:
-            twin = config.with_(p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32, p_scale=1.0)
+            twin = high_precision_twin(config)  # every forward cast after the inputs in fp32, as the emulator
             o_hp, _, _ = launch.forward(qi, ki, vi, twin, plan, causal=causal, scale=scale)
             delta = launch.delta(qi, ki, vi, doi, o_hp, lse, "o", plan, causal=causal, scale=scale)
         else:
-            delta = launch.delta(qi, ki, vi, doi, None, lse, config.delta.value, plan, causal=causal, scale=scale)
+            delta = launch.delta(qi, ki, vi, doi, None, lse, config.delta.value, plan, causal=causal, scale=scale,
+                                 s_dtype=config.s_dtype)
         dq, dk, dv = launch.backward(qi, ki, vi, doi, lse, delta, config, plan, causal=causal, scale=scale)
     low_dots = config.input_dtype is not _FP32 or config.p_dtype is not _FP32 or config.ds_dtype is not _FP32
     accumulation = "tensor-core" if (device.type == "cuda" and low_dots) else "ieee"

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fa_forensics.replay.config import KVOrder, Precision, ReplayConfig
+from fa_forensics.replay.emulate.ops import promote
 from fa_forensics.replay.triton import kernels
 
 TL_DTYPES = {
@@ -46,6 +47,15 @@ def dot_dtype(a: Precision, b: Precision) -> Precision:
     if b in _FP8 and a in (Precision.BF16, Precision.FP16):
         return a
     return Precision.FP32
+
+
+def autocast_constexprs(config: ReplayConfig) -> dict:
+    """The forward's cast points of the autocast reference as constexpr dtypes (fp32 = no rounding):
+    S_DTYPE (scores), STATS_DTYPE (m, ℓ), SUB_DTYPE (s − m: PyTorch's promotion of the two),
+    RESCALE_DTYPE (the accumulator after × exp(m_old − m))."""
+    return dict(S_DTYPE=TL_DTYPES[config.s_dtype], STATS_DTYPE=TL_DTYPES[config.stats_dtype],
+                SUB_DTYPE=TL_DTYPES[promote(config.s_dtype, config.stats_dtype)],
+                RESCALE_DTYPE=TL_DTYPES[config.rescale_dtype])
 
 
 def _pow2(n: int) -> int:
@@ -99,14 +109,16 @@ def forward(q, k, v, config: ReplayConfig, plan: KernelPlan, *, causal: bool, sc
         P_DTYPE=TL_DTYPES[config.p_dtype], DOT_PV_DTYPE=TL_DTYPES[dot_dtype(config.p_dtype, config.input_dtype)],
         PV_FP32=config.pv_dtype is Precision.FP32, PV_DTYPE=TL_DTYPES[config.pv_dtype],
         O_DTYPE=TL_DTYPES[config.o_dtype], P_SCALED=p_scaled, P_SCALE_MODE=config.p_scale_mode.value,
-        L_SUM_DTYPE=plan.l_sum_dtype,
+        L_SUM_DTYPE=plan.l_sum_dtype, **autocast_constexprs(config),
         num_warps=plan.num_warps, enable_fp_fusion=plan.fp_fusion,
     )
     return o, lse, stats
 
 
-def delta(q, k, v, do, o: Optional[torch.Tensor], lse, source: str, plan: KernelPlan, *, causal: bool, scale: float):
-    """Launch attn_delta; source "o" (δ from the given O), "dp-p" or "o-recomputed". (B, H, T) fp32."""
+def delta(q, k, v, do, o: Optional[torch.Tensor], lse, source: str, plan: KernelPlan, *, causal: bool, scale: float,
+          s_dtype: Precision = Precision.FP32):
+    """Launch attn_delta; source "o" (δ from the given O), "dp-p" or "o-recomputed" (these two
+    recompute s with the forward's s_dtype casts). Returns (B, H, T) fp32."""
     B, H, T, D = q.shape
     out = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     block_m = min(plan.block_m, 64)  # the diagonal trick costs BLOCK_M² per column
@@ -114,7 +126,7 @@ def delta(q, k, v, do, o: Optional[torch.Tensor], lse, source: str, plan: Kernel
     kernels.attn_delta[grid](
         o if o is not None else q, do, q, k, v, lse, out, T, float(scale),
         D=D, BLOCK_D=plan.block_d, BLOCK_M=block_m, BLOCK_N=plan.block_n, CAUSAL=causal, DELTA_SOURCE=source,
-        num_warps=4, enable_fp_fusion=plan.fp_fusion,
+        S_DTYPE=TL_DTYPES[s_dtype], num_warps=4, enable_fp_fusion=plan.fp_fusion,
     )
     return out
 
@@ -129,7 +141,7 @@ def backward(q, k, v, do, lse, delta_rows, config: ReplayConfig, plan: KernelPla
     # accumulation order (over whole rows / columns, in index order) does not depend on them.
     bm, bn = min(plan.block_m, 64), min(plan.block_n, 64)
     ds_dot = TL_DTYPES[dot_dtype(config.ds_dtype, config.input_dtype)]
-    common = dict(D=D, BLOCK_D=plan.block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
+    common = dict(D=D, BLOCK_D=plan.block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, S_DTYPE=TL_DTYPES[config.s_dtype])
     kernels.attn_bwd_dkdv[(triton.cdiv(T, bn), B * H)](
         q, k, v, do, lse, delta_rows, dk, dv, T, float(scale), float(config.p_scale),
         P_DTYPE=TL_DTYPES[config.p_dtype], DOT_DV_DTYPE=TL_DTYPES[dot_dtype(config.p_dtype, config.input_dtype)],
