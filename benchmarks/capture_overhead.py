@@ -35,7 +35,7 @@ def main() -> None:
     add_common_args(parser)
     args = parser.parse_args()
     bench = DemoBench(args, "fa-capture-bench-")
-    model, config, device, scratch, one_step = bench.model, bench.config, bench.device, bench.scratch, bench.one_step
+    model, config, scratch, one_step = bench.model, bench.config, bench.scratch, bench.one_step
 
     for _ in range(2):  # warm-up
         one_step()

@@ -26,7 +26,6 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from fa_forensics.errors import ConfigError

@@ -151,8 +151,6 @@ def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
         m = r_m + config.offset
     shift = r_m - m
     if config.s_dtype is not Precision.FP32:  # s − m is computed in the scores' dtype (autocast)
-        from fa_forensics.numerics import round_to
-
         shift = round_to(shift, config.s_dtype.value).to(torch.float32)
     p_max = torch.exp(shift[repeated])  # (n,) fp32
     fmt = config.p_dtype.value

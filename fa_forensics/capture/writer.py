@@ -8,8 +8,8 @@ waits (no data is dropped) and a warning says that the disk cannot keep up.
 
 Timeline rows (the monitor's, one per monitored step) are gathered in memory and appended
 `timeline_rows` at a time (default 16). On a small machine, appending one row to zarr costs
-about 29 ms of CPU, and appending 16 rows at once about 14 ms, because `TimelineAppender` keeps the
-arrays open between appends. Buffered rows go to the queue when there are
+about 29 ms of CPU, and appending 16 rows at once about 14 ms, because
+`DumpWriter.append_timeline_rows` keeps the arrays open between appends. Buffered rows go to the queue when there are
 `timeline_rows` of them, when a row arrives `timeline_seconds` (30) or more after the oldest buffered
 one, on `flush_timeline()` (the session calls it when an alarm fires), and on `close()` (normal
 exit, and exit by an exception). A process killed without running its exit code (SIGKILL, power
@@ -26,7 +26,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from fa_forensics.capture.selection import CaptureError
@@ -80,7 +79,6 @@ class BackgroundWriter:
         self.timeline_seconds = float(timeline_seconds)
         self._rows: list = []  # timeline rows not yet queued: [(step, series)]
         self._rows_since = 0.0  # time.monotonic() of the oldest buffered row
-        self._timeline = TimelineAppender(dump_writer)  # used by the writer thread only
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._error: Optional[BaseException] = None
         self._warned_slow = False
@@ -174,88 +172,8 @@ class BackgroundWriter:
                         item.ready.synchronize()
                     self._dump.write_array(item.step, item.layer, item.name, item.tensor, layer_attrs=item.layer_attrs)
                 elif isinstance(item, _TimelineRows):
-                    self._timeline.append(item.rows)
+                    self._dump.append_timeline_rows(item.rows)
                 else:
                     self._dump.complete_step(item.step, loss=item.loss, **item.attrs)
             except BaseException as exc:  # reported to the training thread at its next call
                 self._error = exc
-
-
-def append_timeline_rows(dump, rows: list) -> None:
-    """Append rows [(step, series)] to `dump`'s timeline/ (see `TimelineAppender`; one-off, nothing cached)."""
-    TimelineAppender(dump).append(rows)
-
-
-class TimelineAppender:
-    """Appends batches of monitor rows [(step, series)] to one dump's timeline/.
-
-    It does what `DumpWriter.append_timeline` does row by row (NaN where a row lacks a series, new
-    series back-filled), with one zarr append per series per batch. Between batches it keeps the
-    timeline's zarr arrays open, which saves a third of the CPU: looking arrays up reads metadata
-    files. The timeline must have no other writer while an appender is in use; the session's
-    writer thread is the only one. It uses `DumpWriter.append_timeline_rows` if the dump writer has
-    it. Until then it works on the writer's tree under the writer's lock (private attributes, kept
-    in step with dump/writer.py).
-    """
-
-    def __init__(self, dump):
-        self._dump = dump
-        self._arrays: Optional[dict] = None  # name -> zarr.Array of timeline/, opened at the first batch
-
-    def append(self, rows: list) -> None:
-        dump = self._dump
-        if hasattr(dump, "append_timeline_rows"):
-            dump.append_timeline_rows(rows)
-            return
-        if not hasattr(dump, "_tree"):
-            for step, series in rows:
-                dump.append_timeline(step, **series)
-            return
-        batch = _row_block(rows)
-        n_new = len(rows)
-        with dump._lock:
-            dump._check_open()
-            if self._arrays is None:
-                import zarr.codecs  # noqa: F401  (codecs for create_array below)
-
-                from fa_forensics.dump.schema import TIMELINE_GROUP
-
-                self._group = dump._tree.require_group(TIMELINE_GROUP)
-                self._arrays = {key: self._group[key] for key in self._group.array_keys()}
-            arrays = self._arrays
-            n_rows = arrays["step"].shape[0] if "step" in arrays else 0
-            for key, arr in arrays.items():
-                if key not in batch:
-                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan, dtype=arr.dtype)
-            for key, block in batch.items():
-                if key not in arrays:
-                    import zarr.codecs
-
-                    arr = self._group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
-                                                   chunks=(256, *block.shape[1:]), compressors=zarr.codecs.ZstdCodec())
-                    if n_rows:
-                        fill = np.nan if block.dtype.kind == "f" else -1
-                        arr.append(np.full((n_rows, *block.shape[1:]), fill, dtype=block.dtype), axis=0)
-                    arrays[key] = arr
-                arrays[key].append(block, axis=0)
-
-
-def _row_block(rows: list) -> dict:
-    """{"step": (K,) int64, name: (K, ...) float64 with NaN where a row lacks the series}."""
-    n_new = len(rows)
-    columns: dict[str, list] = {}  # name -> per row: float64 array or None
-    for i, (_, series) in enumerate(rows):
-        for key, value in series.items():
-            if key == "step":
-                raise ValueError("'step' is the timeline's own axis; pass it as the first element of a row")
-            v = np.asarray(value.detach().cpu().float() if isinstance(value, torch.Tensor) else value, dtype="float64")
-            columns.setdefault(key, [None] * n_new)[i] = v
-    batch = {"step": np.asarray([int(step) for step, _ in rows], dtype="int64")}  # (K,)
-    for key, values in columns.items():
-        shape = next(v.shape for v in values if v is not None)
-        block = np.full((n_new, *shape), np.nan)  # (K, ...) float64
-        for i, v in enumerate(values):
-            if v is not None:
-                block[i] = v
-        batch[key] = block
-    return batch

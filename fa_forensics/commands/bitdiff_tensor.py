@@ -99,7 +99,7 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
         console.print(bt)
     if r.largest:
         lt = Table(title="largest differences")
-        for c in ("step/layer/head", "b,row,feat", "a", "b", "ULP", f"a bits", "b bits"):
+        for c in ("step/layer/head", "b,row,feat", "a", "b", "ULP", "a bits", "b bits"):
             lt.add_column(c)
         for d in r.largest[:5]:
             lt.add_row(f"{d.step}/{d.layer}/{d.head}", f"{d.batch},{d.row},{d.feature}", f"{d.a:.7g}", f"{d.b:.7g}", str(d.ulp), d.a_bits, d.b_bits)

@@ -69,7 +69,7 @@ def run(dump_path, step, layer, head, row, feature, accumulation, backend, out, 
     where = "at P̄ = 1 terms" if tr.p_one_positions else "with no P̄ = 1 term in this row"
     console.print(f"[bold]verdict:[/] Ō error {tr.final_error:+.3e}; {frac:.0%} of it entered {where} "
                   f"({len(tr.p_one_positions)} of {tr.error.numel()} terms)" if frac == frac else
-                  f"[bold]verdict:[/] no error in this dot product (Ō_lp = Ō_hp)")
+                  "[bold]verdict:[/] no error in this dot product (Ō_lp = Ō_hp)")
 
 
 def register(app: typer.Typer) -> None:

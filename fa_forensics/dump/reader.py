@@ -30,7 +30,6 @@ from fa_forensics.dump.schema import (
     decode,
     layer_key,
     rank_key,
-    step_key,
     supported_dtype_names,
 )
 from fa_forensics.errors import DumpError

@@ -95,6 +95,7 @@ class DumpWriter:
         self._lock = threading.Lock()
         self._closed = False
         self._replaced: Path | None = None  # the dump that `overwrite` replaces, kept until close()
+        self._timeline_arrays: dict[str, zarr.Array] | None = None  # timeline/ arrays, opened at the first row
         self._root = self._open_root(dict(run_attrs or {}), overwrite)
         self._tree = self._root if self.rank == 0 else self._root.require_group(rank_key(self.rank))
         self._steps: dict[int, zarr.Group] = {}
@@ -208,31 +209,40 @@ class DumpWriter:
             g.attrs["complete"] = True  # last: a cut-off step never reads as complete
 
     def append_timeline(self, step: int, **series: Any) -> None:
-        """Append one row (this step) to per-step series under timeline/.
+        """Append one row (this step) to per-step series under timeline/ (see append_timeline_rows)."""
+        self.append_timeline_rows([(step, series)])
 
-        Each value may be a scalar or an array (e.g. (L, H)); the stored series gets a leading
-        step axis. Series not given at this step get a NaN row; new series are back-filled with NaN.
+    def append_timeline_rows(self, rows: list[tuple[int, Mapping[str, Any]]]) -> None:
+        """Append rows [(step, {series: value})] to timeline/, one zarr append per series.
+
+        Each value may be a scalar or an array (e.g. (L, H)); the stored series gets a leading step
+        axis (float64; `step` int64). A series a row lacks gets NaN; a new series is back-filled
+        with NaN. The timeline's arrays stay open between calls (looking them up reads metadata
+        files, a third of the cost of an append): this writer must be the timeline's only writer.
         """
+        if not rows:
+            return
+        batch = _timeline_block(rows)
+        n_new = len(rows)
         with self._lock:
             self._check_open()
-            tl = self._tree.require_group(TIMELINE_GROUP)
-            n_rows = tl["step"].shape[0] if "step" in tl else 0
-            rows = {"step": np.asarray([int(step)], dtype="int64")}
-            for key, value in series.items():
-                if key == "step":
-                    raise ValueError("'step' is the timeline's own axis; pass it as the first argument")
-                v = np.asarray(value.detach().cpu().float() if isinstance(value, torch.Tensor) else value, dtype="float64")
-                rows[key] = v[None]
-            for key in list(tl.array_keys()):
-                if key not in rows:
-                    arr = tl[key]
-                    rows[key] = np.full((1, *arr.shape[1:]), np.nan, dtype=arr.dtype)
-            for key, row in rows.items():
-                if key not in tl:
-                    arr = tl.create_array(key, shape=(0, *row.shape[1:]), dtype=row.dtype, chunks=(256, *row.shape[1:]), compressors=zarr.codecs.ZstdCodec())
+            if self._timeline_arrays is None:
+                self._timeline_group = self._tree.require_group(TIMELINE_GROUP)
+                self._timeline_arrays = {k: self._timeline_group[k] for k in self._timeline_group.array_keys()}
+            arrays = self._timeline_arrays
+            n_rows = arrays["step"].shape[0] if "step" in arrays else 0
+            for key, arr in arrays.items():
+                if key not in batch:
+                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan, dtype=arr.dtype)
+            for key, block in batch.items():
+                if key not in arrays:
+                    arr = self._timeline_group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
+                                                            chunks=(256, *block.shape[1:]), compressors=zarr.codecs.ZstdCodec())
                     if n_rows:
-                        arr.append(np.full((n_rows, *row.shape[1:]), np.nan if row.dtype.kind == "f" else -1, dtype=row.dtype), axis=0)
-                tl[key].append(row, axis=0)
+                        fill = np.nan if block.dtype.kind == "f" else -1
+                        arr.append(np.full((n_rows, *block.shape[1:]), fill, dtype=block.dtype), axis=0)
+                    arrays[key] = arr
+                arrays[key].append(block, axis=0)
 
     def close(self) -> None:
         """Finish writing. The dump an `overwrite` replaced is deleted only now: a run that dies
@@ -251,3 +261,24 @@ class DumpWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _timeline_block(rows: list) -> dict[str, np.ndarray]:
+    """{"step": (K,) int64, name: (K, ...) float64 with NaN where a row lacks the series}."""
+    n_new = len(rows)
+    columns: dict[str, list] = {}  # name -> per row: float64 array or None
+    for i, (_, series) in enumerate(rows):
+        for key, value in series.items():
+            if key == "step":
+                raise ValueError("'step' is the timeline's own axis; pass it as the first element of a row")
+            v = np.asarray(value.detach().cpu().float() if isinstance(value, torch.Tensor) else value, dtype="float64")
+            columns.setdefault(key, [None] * n_new)[i] = v
+    batch = {"step": np.asarray([int(step) for step, _ in rows], dtype="int64")}  # (K,)
+    for key, values in columns.items():
+        shape = next(v.shape for v in values if v is not None)
+        block = np.full((n_new, *shape), np.nan)  # (K, ...) float64
+        for i, v in enumerate(values):
+            if v is not None:
+                block[i] = v
+        batch[key] = block
+    return batch

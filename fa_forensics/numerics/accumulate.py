@@ -279,7 +279,7 @@ def _ieee(a3: torch.Tensor, b3: torch.Tensor, acc3: torch.Tensor) -> torch.Tenso
 
     Three kernels, fastest first: products exact in fp32 (`ieee_tile_fp32`), operands that are
     fp32 numbers (`ieee_tile_fp64_exact`), anything else (`_ieee_tile_fp64`, the reference)."""
-    (L, M, K), N = a3.shape, b3.shape[-1]
+    L, M, N = a3.shape[0], a3.shape[1], b3.shape[-1]
     fp32_ok = _ieee_fp32_leads(a3, b3)  # (L,)
     if all(fp32_ok):
         exact64 = False

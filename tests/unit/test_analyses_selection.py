@@ -1,5 +1,4 @@
 """The shared selection/load/replay layer on a small real dump store written with DumpWriter."""
-import math
 
 import pytest
 import torch

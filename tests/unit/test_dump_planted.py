@@ -1,7 +1,6 @@
 """The planted sample dump carries the mechanism it claims, as the BF16 reference sees it."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

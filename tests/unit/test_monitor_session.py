@@ -140,7 +140,6 @@ def test_timeline_rows_are_buffered_k_at_a_time_and_flushed_at_exit_even_on_erro
 
 
 def test_append_timeline_rows_equals_row_by_row_appends_with_missing_and_new_series(tmp_path):
-    from fa_forensics.capture.writer import append_timeline_rows
     from fa_forensics.dump import DumpWriter
 
     rows = [  # a row with only the loss (no attention call seen), a series that appears later
@@ -151,8 +150,8 @@ def test_append_timeline_rows_equals_row_by_row_appends_with_missing_and_new_ser
     one, many = DumpWriter(tmp_path / "one.zarr", {}), DumpWriter(tmp_path / "many.zarr", {})
     for step, series in rows:
         one.append_timeline(step, **series)
-    append_timeline_rows(many, rows[:1])
-    append_timeline_rows(many, rows[1:])
+    many.append_timeline_rows(rows[:1])
+    many.append_timeline_rows(rows[1:])
     one.close(), many.close()
     a, b = open_dump(tmp_path / "one.zarr").timeline, open_dump(tmp_path / "many.zarr").timeline
     assert sorted(a) == sorted(b) == ["alarms", "loss", "max_logit", "step"]
