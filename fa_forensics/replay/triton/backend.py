@@ -8,7 +8,7 @@ contract (replay/emulate/forward.py, backward.py) with these known differences:
 - on a GPU, low-precision dots run on tensor cores (their accumulation is the `tensor-core`
   model, not `ieee`); under the interpreter the test suite's compatibility layer makes every
   dot the `ieee` sequential fp32 walk. `ReplayOut.accumulation` says which one ran;
-- stochastic rounding is not implemented in the kernels (use backend "emulate").
+- stochastic rounding is the emulator's alone: this backend refuses it in one line (use backend "emulate").
 The autocast reference's low-precision S, m, ℓ and rescaled accumulator (s_dtype, stats_dtype,
 rescale_dtype, preset "bf16-autocast") are constexpr cast points of the kernels, as in the emulator.
 """
