@@ -186,24 +186,32 @@ def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p
     fp32, m = rowmax S, P̄_hp = exp(S − m) in fp32. P̄_lp without `config`: P̄_hp cast to p_format
     (nearest-even; the paper's BF16 setting). With `config` (a ReplayConfig, the low-precision
     preset): its scores (s_dtype: S and α·S rounded), its shift (standard / stabilized / fixed
-    offset, s − m rounded to s_dtype), exp in fp32, cast to its p_dtype. Returns two (n_keys,) fp32.
+    offset, s − m rounded to s_dtype), exp in fp32, cast to its p_dtype.
+    Under a non-standard shift P̄_hp = exp(S − m) at that same m. Returns two (n_keys,) fp32.
     """
     from fa_forensics.numerics import matmul, round_to
+    from fa_forensics.replay.config import Softmax
 
     qf = q_row.to(torch.float32).reshape(1, -1)  # (1, D)
     kf = k[:n_keys].to(torch.float32)  # (K, D)
     qk = matmul(qf, kf.T.contiguous(), accumulation, gpu=gpu, in_format="bf16").reshape(-1).to(torch.float32)  # (K,) q·k
     s = (qk * float(scale)).to(torch.float32)  # (K,) α·q·k
     p_hp = torch.exp(s - s.max())  # (K,) fp32
+    s_hp = s  # (K,) fp32 scores of the fp32 side
     if config is None:
         return (p_hp if p_format == "fp32" else round_to(p_hp, p_format)), p_hp
     s_fmt, p_fmt = config.s_dtype.value, config.p_dtype.value
     if s_fmt != "fp32":
         s = round_to(round_to(qk, s_fmt) * float(scale), s_fmt)  # (K,) the autocast reading
-    shifted = s - _row_shift(s, config)
+    m = _row_shift(s, config)
+    shifted = s - m
     if s_fmt != "fp32":
         shifted = round_to(shifted, s_fmt)
     p = torch.exp(shifted)  # (K,) fp32
+    if config.softmax is not Softmax.STANDARD:
+        # Eq. 4 compares Ō at one shift: with a stabilized / fixed-offset m the fp32 side uses the
+        # same m (O = Ō / ℓ is shift-invariant, Ō is not), else Ō_lp − Ō_hp measures the shift.
+        p_hp = torch.exp(s_hp - m)  # (K,) fp32
     return (p if p_fmt == "fp32" else round_to(p, p_fmt)), p_hp
 
 

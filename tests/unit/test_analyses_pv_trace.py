@@ -80,3 +80,24 @@ def test_pick_cell_finds_planted_feature_and_worst_row():
     assert cell.mean < 0 and cell.p_value < 1e-6
     fixed = pick_cell(err, feature=1, row=3)
     assert (fixed.feature, fixed.row) == (1, 3)
+
+
+def test_stabilized_trace_compares_at_one_shift():
+    """Under a stabilized / fixed-offset shift m the fp32 P̄ uses the same m, so Ō_lp − Ō_hp is the
+    rounding error (≈ ℓ · O error), not the gap between two shifts (review2: Ō error was +2.5)."""
+    from fa_forensics.analyses.pv_trace import p_bar_row
+    from fa_forensics.replay.config import ReplayConfig
+
+    g = torch.Generator().manual_seed(0)
+    k = _bf16(torch.randn(48, 16, generator=g).tolist()).reshape(48, 16)  # (T, D)
+    q = k[7] * 3  # row max at key 7, positive scores
+    v = _bf16(torch.randn(48, generator=g).tolist())  # (T,)
+    for name in ("stabilized", "bf16"):
+        cfg = ReplayConfig.preset(name)
+        cfg = cfg.with_(eps=1e9) if name == "stabilized" else cfg  # force the shift to fire
+        p_lp, p_hp = p_bar_row(q, k, 0.25, 48, config=cfg)
+        tr = trace_pv(p_lp, p_hp, v)
+        l_hp = float(p_hp.double().sum())
+        assert 0 < abs(tr.final_error) / l_hp < 2e-2, name  # bf16 rounding of P̄ and Ō, relative to ℓ
+        if name == "stabilized":
+            assert float(p_hp.max()) < 1e-3  # the fp32 side shifted by β·r_m too
