@@ -1,6 +1,8 @@
 """`fa-forensics delta-bias`: the sign and origin of Σ_T(δ_lp − δ_hp) (paper §3.3.1-3.3.2, Fig. 5)."""
 from __future__ import annotations
 
+import math
+
 import typer
 from rich.table import Table
 
@@ -33,9 +35,12 @@ def run(dump_path, step, layer, head, accumulation, backend, out, json_path, pre
     ft = Table(title=f"features carrying it in layer {r.focus_layer} head {r.focus_head}: Σ_T dO·(O_lp − O_hp)")
     for c in ("feature", "contribution", "share", "sign agreement dO vs O error"):
         ft.add_column(c, justify="right")
+    no_difference = r.total == 0 and all(p.delta_err_sum == 0 for p in r.per_step)
     for f in r.top_features:
-        ft.add_row(str(f.feature), f"{f.contribution:+.3e}", f"{f.share:.0%}", f"{f.sign_agreement:.2f}")
-    console.print(ft)
+        share = f"{f.share:.0%}" if math.isfinite(f.share) else "—"
+        ft.add_row(str(f.feature), f"{f.contribution:+.3e}", share, f"{f.sign_agreement:.2f}")
+    if not no_difference:
+        console.print(ft)
 
     figures = []
     if out is not None:
@@ -45,7 +50,9 @@ def run(dump_path, step, layer, head, accumulation, backend, out, json_path, pre
         if r.top_token is not None:
             figures.append(str(plot_top_token(r, out / "delta_bias_top_token.png")))
     sign = "positive" if r.total > 0 else "negative"
-    verdict = (f"preset {r.preset}: Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; t-test p {format_p(_t_p(r))}, "
+    verdict = (f"preset {r.preset}: no difference from the fp32 replay (δ_lp = δ_hp for all {r.n_tokens} tokens): "
+               f"nothing to analyse; choose a low-precision --preset" if no_difference else
+               f"preset {r.preset}: Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; t-test p {format_p(_t_p(r))}, "
                f"sign-test p {format_p(r.total_p_value)}); largest in layer {r.focus_layer} head {r.focus_head}, "
                f"carried by features {[f.feature for f in r.top_features[:3]]}")
     payload = {

@@ -42,7 +42,8 @@ def run(dump_path, step, layer, head, row, feature, accumulation, backend, out, 
     table.add_row("Ō error of the dot product (Eq. 4)", f"{tr.final_error:+.3e}")
     table.add_row("keys, P̄ = 1 positions", f"{tr.error.numel()}, {tr.p_one_positions[:12]}{' …' if len(tr.p_one_positions) > 12 else ''}")
     table.add_row("jumps (terms with error_step ≠ 0)", str(len(tr.jumps)))
-    table.add_row("share of the error entering at P̄ = 1", f"{tr.frac_error_from_p_one:.1%}")
+    share = tr.frac_error_from_p_one
+    table.add_row("share of the error entering at P̄ = 1", f"{share:.1%}" if share == share else "— (no error)")
     console.print(table)
 
     big = sorted(tr.jumps, key=lambda j: -abs(j.error_step))[:8]

@@ -73,3 +73,14 @@ def test_delta_bias_unknown_preset_is_one_line_exit_2(planted_dump):
     assert res.exit_code == 2 and "Traceback" not in res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--preset 'bf17'" in res.output and "bf16-autocast" in res.output
+
+
+def test_preset_equal_to_the_reference_says_there_is_no_difference(planted_dump, tmp_path):
+    """--preset fp32 replays exactly the reference: no table of NaN shares, a plain verdict."""
+    out = tmp_path / "db.json"
+    res = runner.invoke(app, ["delta-bias", str(planted_dump), "--step", "1", "--head", "1", "--preset", "fp32",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert d["total"]["delta_err_sum"] == 0 and "no difference from the fp32 replay" in d["verdict"]
+    assert "nan%" not in res.output
