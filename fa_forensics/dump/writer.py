@@ -232,8 +232,8 @@ class DumpWriter:
             arrays = self._timeline_arrays
             n_rows = arrays["step"].shape[0] if "step" in arrays else 0
             for key, arr in arrays.items():
-                if key not in batch:
-                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan, dtype=arr.dtype)
+                if key not in batch:  # a series this batch lacks: NaN (an integer series: -1)
+                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan if arr.dtype.kind == "f" else -1, dtype=arr.dtype)
             for key, block in batch.items():
                 if key not in arrays:
                     arr = self._timeline_group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
