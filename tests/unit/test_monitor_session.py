@@ -159,3 +159,28 @@ def test_append_timeline_rows_equals_row_by_row_appends_with_missing_and_new_ser
         np.testing.assert_array_equal(a[key], b[key])
         assert a[key].dtype == b[key].dtype
     assert np.isnan(b["max_logit"][1]).all() and np.isnan(b["alarms"][:2]).all() and b["alarms"][2] == 1
+
+
+def test_an_alarm_puts_its_row_on_disk_while_the_run_goes_on(tmp_path, capsys):
+    """Rows are buffered 16 at a time, but an alarm flushes them: a reader sees the alarm step at once."""
+    from fa_forensics.monitor import AlarmRule
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    out = tmp_path / "alarm.zarr"
+    rule = AlarmRule(window=8, min_history=4, warmup=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=rule, alarm_steps=0) as cap:
+        for n in range(9):
+            idx = torch.randint(0, 256, (3, 32), generator=gen)
+            _, loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            cap.step(100.0 if n == 8 else 3.0 + 0.01 * n)  # a loss spike at step 8
+        cap._writer.drain()  # what was queued is on disk; nothing forces the 16-row buffer but the alarm
+        tl = open_dump(out).timeline
+        assert tl is not None and tl["step"].tolist() == list(range(9)) and tl["loss"][8] == 100.0
+    assert [a.metric for a in cap.alarms] == ["loss"] and cap.alarms[0].step == 8
+    assert "alarm: step 8" in capsys.readouterr().err
