@@ -143,6 +143,28 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
         yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}".rstrip())
 
 
+def register_selection_command(app: typer.Typer, name: str, help_text: str, run: Callable[..., Any]) -> None:
+    """Add an analysis command that takes exactly the common options (DUMP, the selection, preset,
+    accumulation, backend, --out, --json, --debug) and calls
+    run(dump, step, layer, head, accumulation, backend, out, json_path, preset)."""
+
+    def command(
+        dump: DumpArg,
+        step: StepOpt = None,
+        layer: LayerOpt = None,
+        head: HeadOpt = None,
+        preset: PresetOpt = "bf16",
+        accumulation: AccumulationOpt = "ieee",
+        backend: BackendOpt = "emulate",
+        out: OutOpt = None,
+        json_path: JsonOpt = None,
+        debug: DebugOpt = False,
+    ) -> None:
+        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path, preset))
+
+    app.command(name, help=help_text)(command)
+
+
 def register_not_available(app: typer.Typer, name: str, help_text: str, issue: str) -> None:
     """Add a command that exists in --help but says plainly it is not available yet (exit 2)."""
 

@@ -7,10 +7,8 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
-    console, ensure_out_dir, run_cli, write_json,
+    console, ensure_out_dir, progress_bar, register_selection_command, write_json,
 )
-from fa_forensics.commands.common import progress_bar
 from fa_forensics.commands.isolate import open_selection
 
 
@@ -74,17 +72,4 @@ def _t_p(r) -> float:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("delta-bias", help="Sign and origin of Σ_T(δ_lp − δ_hp): per step/layer/head, cumulative, per feature (paper §3.3, Fig. 5).")
-    def delta_bias_cmd(
-        dump: DumpArg,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        preset: PresetOpt = "bf16",
-        accumulation: AccumulationOpt = "ieee",
-        backend: BackendOpt = "emulate",
-        out: OutOpt = None,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path, preset))
+    register_selection_command(app, "delta-bias", "Sign and origin of Σ_T(δ_lp − δ_hp): per step/layer/head, cumulative, per feature (paper §3.3, Fig. 5).", run)

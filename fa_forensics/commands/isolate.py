@@ -5,8 +5,7 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, PresetOpt, StepOpt,
-    console, ensure_out_dir, progress_bar, run_cli, write_json,
+    console, ensure_out_dir, progress_bar, register_selection_command, write_json,
 )
 
 
@@ -78,17 +77,4 @@ def _verdict(r) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("isolate", help="Replay under single repairs to localize the failing operation (paper §3.2, Claim 1).")
-    def isolate_cmd(
-        dump: DumpArg,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        preset: PresetOpt = "bf16",
-        accumulation: AccumulationOpt = "ieee",
-        backend: BackendOpt = "emulate",
-        out: OutOpt = None,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path, preset))
+    register_selection_command(app, "isolate", "Replay under single repairs to localize the failing operation (paper §3.2, Claim 1).", run)
