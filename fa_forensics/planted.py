@@ -15,7 +15,7 @@ What is planted (paper §3.3.2 and the blog's "two big, one small" mechanism), i
 Other heads are plain N(0, 1); with `sink_strength` Δ they get the FP8 paper's sinks instead:
 the first SINK_TOKENS keys score Δ above N(0, 1) noise.
 
-The stored O is the BF16 reference output (`bf16_reference`), the emulator's default config.
+The stored O is the BF16 reference output (`bf16_reference`): the emulator's replay under preset "bf16".
 """
 from __future__ import annotations
 
@@ -81,22 +81,18 @@ class SynthSpec:
 # The BF16 reference forward (the emulator's default config), used for the stored O and checks
 # --------------------------------------------------------------------------------------------
 def bf16_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_lp bf16, O_hp fp32), each (B, H, T, D), from bf16-valued q, k, v.
+    """(O_lp bf16, O_hp fp32), each (B, H, T, D), from bf16-valued q, k, v: the emulator's replays
+    under the presets "bf16" and "fp32" (ieee accumulation), so the stored O is reproducible bit for
+    bit on any machine and by `match`.
 
-    S = α·Q Kᵀ (fp32), P̄ = bf16(exp(S - rowmax S)), Ō = bf16(P̄ @ V in fp32), ℓ = rowsum(P̄) in fp32,
-    O_lp = bf16(Ō / ℓ). O_hp is the same with no casts (fp32 throughout).
+    S = α·Q Kᵀ (fp32), P̄ = bf16(exp(S − rowmax S)), ℓ = rowsum of the pre-cast P̄ (fp32),
+    Ō = bf16(P̄ @ V, fp32 sums in key order), O_lp = bf16(Ō / ℓ). O_hp is the same with no casts.
     """
-    qf, kf, vf = (t.float() for t in (q, k, v))  # (B, H, T, D)
+    from fa_forensics.replay import ReplayConfig, replay
+
     alpha = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    S = alpha * (qf @ kf.transpose(-1, -2))  # (B, H, T, T)
-    if causal:
-        T = S.shape[-1]
-        S = S.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    P = torch.exp(S - S.amax(dim=-1, keepdim=True))
-    P_bar = P.bfloat16().float()
-    O_bar = (P_bar @ vf).bfloat16().float()
-    o_lp = (O_bar / P_bar.sum(dim=-1, keepdim=True)).bfloat16()
-    o_hp = (P @ vf) / P.sum(dim=-1, keepdim=True)
+    o_lp = replay(q, k, v, ReplayConfig.preset("bf16"), causal=causal, scale=alpha).o
+    o_hp = replay(q, k, v, ReplayConfig.preset("fp32"), causal=causal, scale=alpha).o
     return o_lp, o_hp
 
 

@@ -16,9 +16,9 @@ The interpreter runs kernels with numpy and has known numeric bugs (issue 4 of t
   fa_forensics.numerics.matmul (acc ← fp32(acc + a_k·b_k), k = 0..K-1, one rounding per term,
   starting from the C operand), i.e. the emulator's own product;
 - tl.exp2 and tl.log are evaluated by torch.exp2 / torch.log.
-The emulator evaluates exp(x) with torch.exp, the kernels as exp2(x·log2 e); `aligned_exp()`
-gives tests an exp(x) := exp2(fp32(x·log2 e)) to patch into torch for the emulator, so that a
-test can demand bit-exact agreement of everything downstream of the exponential.
+The emulator evaluates exp(x) with numerics.exp_fp32 (correctly rounded), the kernels as
+exp2(x·log2 e); `align_emulator_exp(monkeypatch)` makes the emulator use exp(x) := exp2(fp32(x·log2 e)),
+so that a test can demand bit-exact agreement of everything downstream of the exponential.
 With it an interpreter run computes what the kernel's source says, in the emulator's order, so
 interpreter-vs-emulator tests check the kernels' logic bit for bit. It changes nothing outside
 the interpreter; `uninstall()` restores the originals.
@@ -143,3 +143,11 @@ LOG2E = 1.4426950408889634
 def aligned_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) evaluated as the kernels do: exp2(fp32(x · log2 e)) (fp32 in, fp32 out)."""
     return torch.exp2(x * torch.tensor(LOG2E, dtype=x.dtype))
+
+
+def align_emulator_exp(monkeypatch) -> None:
+    """Make the emulator's exponential the kernels' one (`aligned_exp`) for one test."""
+    from fa_forensics.replay.emulate import backward, forward
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "exp_fp32", aligned_exp)

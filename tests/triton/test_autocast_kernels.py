@@ -4,7 +4,7 @@ against the CPU emulator (ieee mode).
 The paper's reference code rounds S after the dot and after × α, keeps m and ℓ in bf16 buffers
 and rescales a bf16 accumulator (ReplayConfig.preset("bf16-autocast")). The kernels implement
 these as constexpr casts in the emulator's order, so with the aligned exponential (the
-emulator's torch.exp := exp2(fp32(x·log2 e)), as in test_kernels_vs_emulator.py) O, lse, δ, dV
+emulator's exp := exp2(fp32(x·log2 e)), as in test_kernels_vs_emulator.py) O, lse, δ, dV
 and the P̄ statistics are compared bit for bit; dQ and dK carry the same rare last-bit
 differences as every other knob (dots with inexact fp32 products, see that file).
 Shapes: B 1, H 2, T 50 (not a multiple of the block), D 32.
@@ -22,7 +22,7 @@ B, H, T, D = 1, 2, 50, 32
 
 @pytest.fixture
 def aligned(monkeypatch):
-    monkeypatch.setattr(torch, "exp", interpreter_compat.aligned_exp)
+    interpreter_compat.align_emulator_exp(monkeypatch)
 
 
 def _inputs(seed=0, planted=False):
@@ -130,7 +130,7 @@ def test_bf16_scores_tie_in_the_kernel_statistics(aligned):
 
 
 def test_bf16_autocast_real_exponentials_within_stated_ulps():
-    """Without alignment (torch.exp vs exp2(x·log2 e)): bf16 O ≥ 98% bit-identical and within
+    """Without alignment (exp_fp32 vs exp2(x·log2 e)): bf16 O ≥ 98% bit-identical and within
     1 bf16 ulp; lse within 2e-6 relative; fp32 gradients within 1e-4 of max |g|."""
     for softmax in ("standard", "stabilized"):
         cfg = ReplayConfig.preset("bf16-autocast").with_(block_m=16, block_n=16, softmax=softmax)

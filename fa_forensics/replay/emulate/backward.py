@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import Accumulation, DeltaSource, Precision, ReplayConfig
 from fa_forensics.replay.emulate.forward import scaled_scores
 from fa_forensics.replay.emulate.ops import cast, mm, wider
@@ -53,7 +54,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     acc_model, gpu, x_fmt = config.accumulation, config.gpu, config.input_dtype
     alpha = torch.tensor(scale, dtype=torch.float32)
     s = scaled_scores(q, k, config, scale, causal, 0, 0)  # (B, H, T, T)
-    P = torch.exp(s - lse.unsqueeze(-1))  # (B, H, T, T) fp32, normalized
+    P = exp_fp32(s - lse.unsqueeze(-1))  # (B, H, T, T) fp32, normalized
     dP = mm(do, v.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, T, T)
 
     if config.delta is DeltaSource.DP_P:

@@ -25,7 +25,8 @@ block_n keys (None = one block), in forward or reverse order. Per block j, in th
 Epilogue: O = cast(fp32(acc / fp32(S · ℓ)), o_dtype, rounding); lse = fp32(m_use + fp32(log ℓ)).
 
 `rounding` (nearest-even or seeded stochastic) governs the P̄ cast, the P̄V casts (the rescaled
-accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-even.
+accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-even. Every exp is
+`numerics.exp_fp32` (exp rounded once to fp32), so the bits do not depend on the host's vector exp.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import KVOrder, Precision, PScaleMode, ReplayConfig
 from fa_forensics.replay.emulate.ops import cast, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
@@ -120,15 +122,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         fired_any[..., r0:] |= shift.fired
         m_new = cast(shift.m, config.stats_dtype)  # (B, H, R)
         m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # (B, H, R)
-        alpha = torch.exp(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
+        alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
         s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
-        p = torch.exp(s_minus_m)  # pre-cast fp32 P̄
+        p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
         l_new = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
         l[..., r0:] = cast(l_new, config.stats_dtype)
         if S_scale == 1.0:
             p_scaled = p
         elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
-            p_scaled = torch.exp(s_minus_m + ln_S)
+            p_scaled = exp_fp32(s_minus_m + ln_S)
         else:
             p_scaled = p * S_t
         p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)

@@ -4,7 +4,7 @@ Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1
 triton is first imported; the tests do this). The kernels implement the emulator's numerics
 contract (replay/emulate/forward.py, backward.py) with these known differences:
 - exp(x) is evaluated as exp2(x·log2 e) (the tutorial's and the hardware's way): P may differ
-  from the emulator's torch.exp by an ulp of fp32 before the P̄ cast;
+  from the emulator's exp (correctly rounded in fp32) by an ulp before the P̄ cast;
 - on a GPU, low-precision dots run on tensor cores (their accumulation is the `tensor-core`
   model, not `ieee`); under the interpreter the test suite's compatibility layer makes every
   dot the `ieee` sequential fp32 walk. `ReplayOut.accumulation` says which one ran;
