@@ -14,10 +14,15 @@ hundreds of cells does not report chance hits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
+
+from fa_forensics.analyses.contract import common_keys, replay_fidelity
+from fa_forensics.analyses.recipe import Backend
+from fa_forensics.analyses.selection import load, lp_of, replay_layer
+from fa_forensics.errors import DumpError
 
 ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP
 ALPHA = 0.01
@@ -116,6 +121,10 @@ class BitdiffResult:
     alpha: float = ALPHA
     n_cells: int = 0
     steps: list[int] = field(default_factory=list)
+    accumulation: str = "ieee"
+    backend: str = "emulate"
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
 
 
 def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: int, heads: list[int],
@@ -222,6 +231,52 @@ def bias_map(result: BitdiffResult) -> tuple[list[tuple[int, int]], torch.Tensor
     return rows, mean, pval
 
 
-def side_config_name(name: str) -> Optional[str]:
-    """None for 'dump' (the stored O), else the preset name."""
-    return None if name == "dump" else name
+def side_name(side) -> str:
+    """'dump' for the stored O (None), else the recipe's preset."""
+    return "dump" if side is None else side.preset
+
+
+def run(dump, selections, a, b, backend="emulate", *, progress=None) -> BitdiffResult:
+    """Compare side `a` against side `b` on every selected layer-step (one batched replay per side).
+
+    A side is a `Recipe` (O replayed under its config at each layer-step) or None (the O stored in
+    the dump). Both recipes share one accumulation model.
+    """
+    parts, warnings = [], []
+    for sel in selections:
+        t = load(dump, sel)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        sides = []
+        for side in (a, b):
+            if side is None:
+                if t.o is None:
+                    raise DumpError(f"{t.where} has no stored 'o'; compare two presets instead of 'dump'")
+                sides.append(t.o)
+            else:
+                sides.append(replay_layer(t, lp_of(t, side), backward=False, backend=backend).o)
+        parts.append(compare_layer_step(sides[0], sides[1], step=sel.step, layer=sel.layer, heads=sel.heads))
+        if progress is not None:
+            progress()
+    recipe = a if a is not None else b
+    return replace(summarize(parts, side_name(a), side_name(b)),
+                   accumulation=recipe.accumulation.value if recipe is not None else "ieee", backend=Backend(backend).value,
+                   warnings=tuple(warnings), replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
+
+
+def verdict(r: BitdiffResult) -> str:
+    """One sentence: the share of differing elements and the most biased feature."""
+    top = r.biased_features[0] if r.biased_features else None
+    tail = (f"; most biased: layer {top.layer} head {top.head} feature {top.feature} mean {top.mean:+.3e} ± {top.se:.1e} (p={top.p_value:.2g})"
+            if top else "; no feature is significantly biased")
+    return f"{r.mismatch_rate:.1%} of elements differ in {r.fmt} bits; {len(r.biased_features)} biased feature(s){tail}"
+
+
+def payload(r: BitdiffResult) -> dict:
+    """The --json payload (keys documented in the README)."""
+    return {
+        "a": r.a, "b": r.b, "format": r.fmt, "steps": r.steps, "n_elements": r.n_elements,
+        "mismatch_rate": r.mismatch_rate, "ulp_hist": r.ulp_hist,
+        "mean_signed_error": r.mean_signed_error, "biased_features": r.biased_features,
+        "alpha": r.alpha, "n_cells": r.n_cells, "largest": r.largest,
+        "accumulation": r.accumulation, "backend": r.backend, **common_keys(r), "verdict": verdict(r),
+    }

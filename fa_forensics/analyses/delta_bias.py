@@ -7,19 +7,21 @@ the gradient error compound. Per feature i, Σ_T dO[T,i]·(O_lp − O_hp)[T,i] s
 it, and the sign agreement of dO and the O error shows the paper's mechanism (Fig. 5b/c: both
 negative in features 20 and 29). All arithmetic here is float64 on exactly upcast tensors.
 
-"lp" is the chosen low-precision preset (default "bf16"; "bf16-autocast" is the paper's exact
-reference setting, "bf16-hw" the hardware kernels' fp32 accumulator) with the chosen accumulation;
-"hp" is always the fp32 preset on the same stored inputs.
+"lp" is the recipe's low-precision config (default preset "bf16"; "bf16-autocast" is the paper's
+exact reference setting, "bf16-hw" the hardware kernels' fp32 accumulator); "hp" is always the fp32
+preset on the same stored inputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses.selection import DEFAULT_PRESET, LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
-from fa_forensics.analyses.stats import sign_test, sum_se
+from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -106,9 +108,24 @@ class DeltaBiasResult:
     cumulative_tokens: list[float]  # focus head, first step, batch 0: cumulative Σ over tokens T
     top_features: list[FeatureContribution]  # focus head, largest |contribution| first
     top_token: Optional[TopToken]
-    accumulation: str
-    backend: str
-    preset: str = DEFAULT_PRESET  # the low-precision preset replayed against fp32
+    recipe: Recipe  # the low-precision side replayed against fp32
+    backend: Backend
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.preset
+
+    @property
+    def no_difference(self) -> bool:
+        """True when the low-precision replay equals the fp32 one in every token (nothing to analyse)."""
+        return self.total == 0 and all(p.delta_err_sum == 0 for p in self.per_step)
+
+    @property
+    def total_t_p_value(self) -> float:
+        """Two-sided t-test p-value of the total."""
+        return MeanSE(self.total, self.total_se, self.n_tokens).p_value
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
@@ -124,10 +141,10 @@ class _LayerPart:
     o_err: torch.Tensor  # (B, h, T, D) float32
 
 
-def _layer_part(t: LayerTensors, accumulation: str, backend: str, preset: str = DEFAULT_PRESET) -> _LayerPart:
+def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> _LayerPart:
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; delta-bias needs the upstream gradient dO")
-    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False, preset=preset)
+    lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)
     contribution, agree, both = feature_contributions(t.do, lp.o, hp.o)
     o_err = (lp.o.to(torch.float64) - hp.o.to(torch.float64)).to(torch.float32)
@@ -135,37 +152,38 @@ def _layer_part(t: LayerTensors, accumulation: str, backend: str, preset: str = 
     return _LayerPart(sel, dd, contribution, agree, both, t.do.to(torch.float32), o_err)
 
 
-def delta_bias(
+def run(
     dump,
     selections: Sequence[LayerSelection],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
     *,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    preset: str = DEFAULT_PRESET,
     top_k: int = 8,
     progress: Progress = None,
 ) -> DeltaBiasResult:
     """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
     and the features that carry it in the focus head (the one with the largest |Σ| over steps)."""
     layers = (load(dump, sel) for sel in selections)
-    return delta_bias_layers(layers, accumulation=accumulation, backend=backend, preset=preset, top_k=top_k, progress=progress)
+    r = delta_bias_layers(layers, recipe, backend, top_k=top_k, progress=progress)
+    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
 def delta_bias_layers(
     layers: Iterable[LayerTensors],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
     *,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    preset: str = DEFAULT_PRESET,
     top_k: int = 8,
     progress: Progress = None,
 ) -> DeltaBiasResult:
-    """`delta_bias` on layer-steps already loaded (or built in memory)."""
+    """`run` on layer-steps already loaded (or built in memory)."""
+    warnings: list[str] = []
     per_step: list[StepHeadDelta] = []
     all_dd: list[torch.Tensor] = []
     by_head: dict[tuple[int, int], dict] = {}
     for t in layers:
-        part = _layer_part(t, accumulation, backend, preset)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        part = _layer_part(t, recipe, backend)
         sel = part.sel
         all_dd.append(part.dd.reshape(-1))
         for j, h in enumerate(sel.heads):
@@ -205,8 +223,8 @@ def delta_bias_layers(
         total=total.value, total_se=total.se, total_p_value=total_st.p_value,
         total_frac_positive=total_st.frac_positive, n_tokens=total.n,
         focus_layer=focus_layer, focus_head=focus_head, cumulative_tokens=cumulative_tokens,
-        top_features=top_features, top_token=top_token, accumulation=accumulation, backend=backend,
-        preset=preset,
+        top_features=top_features, top_token=top_token, recipe=recipe, backend=Backend(backend),
+        warnings=tuple(warnings),
     )
 
 
@@ -222,3 +240,26 @@ def _top_token(tokens, sign: float) -> Optional[TopToken]:
         return None
     _, step, b, T, value, do_row, err_row = best
     return TopToken(step, b, T, value, do_row, err_row)
+
+
+def verdict(r: DeltaBiasResult) -> str:
+    """One sentence: the sign and size of the total with its tests, and where it sits."""
+    if r.no_difference:
+        return (f"preset {r.preset}: no difference from the fp32 replay (δ_lp = δ_hp for all {r.n_tokens} tokens): "
+                f"nothing to analyse; choose a low-precision --preset")
+    sign = "positive" if r.total > 0 else "negative"
+    return (f"preset {r.preset}: Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; "
+            f"t-test p {format_p(r.total_t_p_value)}, sign-test p {format_p(r.total_p_value)}); largest in layer "
+            f"{r.focus_layer} head {r.focus_head}, carried by features {[f.feature for f in r.top_features[:3]]}")
+
+
+def payload(r: DeltaBiasResult) -> dict:
+    """The --json payload (keys documented in the README)."""
+    return {
+        "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,
+        "top_features": r.top_features, "focus": {"layer": r.focus_layer, "head": r.focus_head},
+        "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": r.total_t_p_value, "p_value": r.total_p_value,
+                  "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
+        "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens,
+        **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+    }

@@ -1,9 +1,8 @@
 """fix-check: does the stabilized softmax (paper §4, Algorithm 3) remove the bias, and do the
 alternatives (App. C's fixed offset, stochastic rounding, P̄V in fp32)?
 
-Every variant is the chosen low-precision preset (default "bf16" = `ReplayConfig()`; e.g.
-"bf16-autocast", the paper's reference code, or "bf16-hw", hardware kernels; chosen accumulation)
-with one change, derived by dataclasses.replace and keeping the preset's tiling, replayed forward
+Every variant is the recipe's low-precision config (default preset "bf16" = `ReplayConfig()`; e.g.
+"bf16-autocast", the paper's reference code, or "bf16-hw", hardware kernels) with one change, derived by dataclasses.replace and keeping the preset's tiling, replayed forward
 only and compared with the fp32 replay of the same stored inputs:
   - baseline:      the preset unchanged;
   - stabilized:    softmax = stabilized (β, ε): m = β·r_m (r_m > 0) or 0 (r_m < 0) in rows whose
@@ -35,11 +34,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
+from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
+from fa_forensics.analyses.selection import LayerSelection, load, lp_of, replay_layer
 from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
 
 ALPHA = 0.01
@@ -56,12 +58,10 @@ class Variant:
     what: str  # one line for tables
 
 
-def fix_variants(accumulation: str = "ieee", beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0,
-                 preset: str = "bf16") -> list[Variant]:
-    """Baseline (the preset), the stabilized fix and the alternatives, in that order."""
-    from fa_forensics.analyses.selection import lp_config
-
-    base = lp_config(accumulation, preset=preset)
+def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET, *, beta: float = 2.0, eps: float = 1e-3,
+                 offset: float = 1.0) -> list[Variant]:
+    """Baseline (`base`, the low-precision config named `preset`), the stabilized fix and the
+    alternatives, in that order."""
     fp32 = Precision.FP32
     return [
         Variant("baseline", "baseline", base, "paper BF16 setting" if preset == "bf16" else f"preset {preset}"),
@@ -196,7 +196,15 @@ class FixCheckResult:
     removed: bool
     verdict: str
     exit_code: int
-    preset: str = "bf16"  # the low-precision preset every variant derives from
+    recipe: Recipe = Recipe()  # the low-precision side every variant derives from
+    backend: Backend = Backend.EMULATE
+    settings: dict = dataclasses.field(default_factory=dict)  # beta, eps, offset
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.preset
 
 
 def pick_target(cells: list[BiasCell], alpha: float = ALPHA) -> BiasCell:
@@ -268,28 +276,36 @@ def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerSte
     )
 
 
-def fix_check_dump(dump, step=None, layer=None, head=None, *, beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0,
-                   accumulation: str = "ieee", backend: str = "emulate", preset: str = "bf16", on_progress=None) -> FixCheckResult:
+def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
+        beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None) -> FixCheckResult:
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
     the fp32 replay; δ errors from the stored dO (when present)."""
-    from fa_forensics.analyses.selection import (
-        check_accumulation, check_backend, check_preset, hp_config, load, replay_layer, select,
-    )
-
-    check_accumulation(accumulation)
-    check_backend(backend)
-    check_preset(preset)
-    variants = fix_variants(accumulation, beta, eps, offset, preset)
-    parts: dict[str, list[VariantLayerStep]] = {v.name: [] for v in variants}
-    for sel in select(dump, step, layer, head):
+    variants: list[Variant] = []
+    parts: dict[str, list[VariantLayerStep]] = {}
+    warnings: list[str] = []
+    for sel in selections:
         t = load(dump, sel)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        variants = fix_variants(lp_of(t, recipe), recipe.preset, beta=beta, eps=eps, offset=offset)
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value)  # (B, h, T, T)
         for v in variants:
             out = replay_layer(t, v.config, backward=False, backend=backend)
             maxp = max_p_bar_in_repeated_rows(s, v.config)
-            parts[v.name].append(measure_variant(out.o, hp.o, t.do, out.stats, step=sel.step, layer=sel.layer,
-                                                 heads=sel.heads, max_p_bar_repeated=maxp))
-            if on_progress is not None:
-                on_progress()
-    return dataclasses.replace(summarize_fix(variants, parts), preset=preset)
+            parts.setdefault(v.name, []).append(measure_variant(out.o, hp.o, t.do, out.stats, step=sel.step, layer=sel.layer,
+                                                                heads=sel.heads, max_p_bar_repeated=maxp))
+            if progress is not None:
+                progress()
+    return dataclasses.replace(summarize_fix(variants, parts), recipe=recipe, backend=Backend(backend),
+                               settings={"beta": beta, "eps": eps, "offset": offset}, warnings=tuple(warnings),
+                               replay_fidelity=replay_fidelity(dump, selections, recipe))
+
+
+def payload(r: FixCheckResult) -> dict:
+    """The --json payload (keys documented in the README)."""
+    return {
+        "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
+        "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,
+        "nan_count": r.nan_count, "removed": r.removed, "verdict": r.verdict, "exit_code": r.exit_code,
+        **r.settings, **recipe_keys(r.recipe, r.backend), **common_keys(r),
+    }

@@ -5,8 +5,8 @@ baseline and single repairs of it, each compared with the high-precision replay 
 the same stored inputs. Per variant and head: the O bias (signed mean of O_var − O_hp ± se), the O
 RMSE, Σ_T(δ_var − δ_hp), and the gradient errors ‖dQ_var − dQ_hp‖ and ‖dW_Q,var − dW_Q,hp‖.
 
-Baseline and preset: the baseline is the chosen low-precision preset (default "bf16") with the
-chosen accumulation. Its tiling is the preset's own (bf16-autocast 512 x 512, bf16-hw 128 x 64,
+Baseline and preset: the baseline is the recipe's low-precision config at the layer-step (default
+preset "bf16", ieee accumulation). Its tiling is the preset's own (bf16-autocast 512 x 512, bf16-hw 128 x 64,
 fp8-* 64 x 64); a preset without tiles (bf16, stabilized, stochastic, fp32) tiles like the paper's
 reference code (a pure-PyTorch FlashAttention-2 with 512 x 512 blocks; 64 x 64 when T ≤ 512 so a
 short dump still tiles). The "no-tiling" repair sets block = sequence; every other repair keeps the
@@ -33,16 +33,16 @@ Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the head
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
 from fa_forensics.analyses.rank1_sim import pk_rows
-from fa_forensics.analyses.selection import (
-    DEFAULT_PRESET, LayerSelection, LayerTensors, hp_config, load, lp_config, preset_config, replay_layer,
-)
+from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, lp_of, replay_layer
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding, Softmax
@@ -67,18 +67,19 @@ def baseline_block(T: int) -> int:
     return 512 if T > 512 else 64
 
 
-def baseline_config(T: int, accumulation: str = "ieee", preset: str = DEFAULT_PRESET) -> ReplayConfig:
-    """The preset with the chosen accumulation, tiled as the preset says (else `baseline_block(T)`)."""
-    base = lp_config(accumulation, preset=preset)
+def baseline_config(T: int, lp: ReplayConfig = ReplayConfig()) -> ReplayConfig:
+    """The low-precision config, tiled as it says (else `baseline_block(T)`)."""
+    base = lp
     if base.block_m is None and base.block_n is None:
         b = baseline_block(T)
         base = base.with_(block_m=b, block_n=b)
     return base
 
 
-def variants(T: int, accumulation: str = "ieee", preset: str = DEFAULT_PRESET) -> list[Variant]:
-    """The baseline (the tiled preset) and its single repairs, in the order of the paper's §3.2."""
-    base = baseline_config(T, accumulation, preset)
+def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET) -> list[Variant]:
+    """The baseline (`lp`, the low-precision config named `preset`, tiled) and its single repairs, in
+    the order of the paper's §3.2."""
+    base = baseline_config(T, lp)
     fp32 = Precision.FP32
     o_dt = base.o_dtype.value
     tiles = f"{base.block_m or T}x{base.block_n or T} tiles"
@@ -95,7 +96,7 @@ def variants(T: int, accumulation: str = "ieee", preset: str = DEFAULT_PRESET) -
         ("stabilized", f"stabilized softmax (Algorithm 3, β={base.beta:g})", base.with_(softmax=Softmax.STABILIZED), False),
         ("stochastic", "stochastic rounding of the P̄, P̄V and O casts", base.with_(rounding=Rounding.STOCHASTIC), False),
     ]
-    own_tiles = preset_config(preset).block_n is not None
+    own_tiles = lp.block_n is not None
     out = [Variant("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
     for name, what, cfg, backward in repairs:
         same = cfg == base and not backward
@@ -191,36 +192,45 @@ class IsolateResult:
     culprits: list[str]  # repairs removing ≥ 90% of the baseline's |Σδ error|
     baseline_block: int
     n_biased_heads: int  # (step, layer, head) items whose baseline Σδ error is significant (p < 0.01)
-    accumulation: str
-    backend: str
-    preset: str = DEFAULT_PRESET  # the low-precision preset the baseline and repairs derive from
+    recipe: Recipe  # the low-precision side the baseline and repairs derive from
+    backend: Backend
     baseline_tiles: tuple = (0, 0)  # (block_m, block_n) of the baseline
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.preset
+
+    @property
+    def accumulation(self) -> str:
+        return self.recipe.accumulation.value
 
 
-def isolate(
+def run(
     dump,
     selections: Sequence[LayerSelection],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
     *,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    preset: str = DEFAULT_PRESET,
     progress: Progress = None,
 ) -> IsolateResult:
-    """Replay every selected layer-step under the baseline (the preset) and each single repair; rank
+    """Replay every selected layer-step under the baseline (the recipe) and each single repair; rank
     heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it."""
     layers = (load(dump, sel) for sel in selections)
-    return isolate_layers(layers, accumulation=accumulation, backend=backend, preset=preset, progress=progress)
+    r = isolate_layers(layers, recipe, backend, progress=progress)
+    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
 def isolate_layers(
     layers: Iterable[LayerTensors],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
     *,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    preset: str = DEFAULT_PRESET,
     progress: Progress = None,
 ) -> IsolateResult:
-    """`isolate` on layer-steps already loaded (or built in memory)."""
+    """`run` on layer-steps already loaded (or built in memory)."""
+    warnings: list[str] = []
     measures: dict[str, list[HeadMeasure]] = {}
     signs: dict[str, list[torch.Tensor]] = {}
     heads: list[HeadDelta] = []
@@ -228,7 +238,8 @@ def isolate_layers(
     for t in layers:
         if t.do is None:
             raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
-        vs = variants(t.q.shape[2], accumulation, preset)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        vs = variants(t.q.shape[2], lp_of(t, recipe), recipe.preset)
         tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
@@ -259,8 +270,8 @@ def isolate_layers(
     results = [_combine(v, measures[v.name], torch.cat(signs[v.name]), direction, base_bias) for v in vs]
     culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
     heads.sort(key=lambda h: -abs(h.delta_err_sum))
-    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), accumulation, backend,
-                         preset, tuple(int(b) for b in tiles))
+    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), recipe, Backend(backend),
+                         tuple(int(b) for b in tiles), tuple(warnings))
 
 
 def _combine(v: Variant, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> VariantResult:
@@ -286,3 +297,24 @@ def _rank_layers(heads: list[HeadDelta]) -> list[LayerDelta]:
     out = [LayerDelta(l, sum(v), sum(abs(x) for x in v)) for l, v in by.items()]
     return sorted(out, key=lambda l: -l.delta_err_abs)
 
+
+
+def verdict(r: IsolateResult) -> str:
+    """One sentence: the baseline's Σδ bias, where it is largest, and the repairs that remove it."""
+    base = r.variants[0]
+    top = r.heads[0]
+    if r.n_biased_heads == 0:
+        return (f"no significant Σδ bias in any selected head (largest: step {top.step} layer {top.layer} head {top.head}, "
+                f"{top.delta_err_sum:+.3g} ± {top.delta_err_se:.2g}); nothing to isolate")
+    names = ", ".join(r.culprits) if r.culprits else "none"
+    return (f"baseline Σ(δ_lp − δ_hp) = {base.delta_err_sum:+.3g} ± {base.delta_err_se:.2g} in {r.n_biased_heads} biased head(s), "
+            f"largest at step {top.step} layer {top.layer} head {top.head}; repairs removing ≥ 90%: {names}")
+
+
+def payload(r: IsolateResult) -> dict:
+    """The --json payload (keys documented in the README)."""
+    return {
+        "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
+        "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,
+        **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+    }

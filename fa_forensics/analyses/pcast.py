@@ -12,7 +12,7 @@ What lives here (pure functions → frozen dataclasses; no printing, no plotting
   F(Δ, S) = Φ(Δ + δ_k − 10 ln 2 − ln S) (Corollary 2), with its spread-averaged refinement;
 - the kernel-faithful simulation (§6.1): `pcast_attention` on fp32 scores and V;
 - `simulate`: Table 1, Fig. 2 and Fig. 3 numbers, the S=1 / S=256 MSE ratio, the paired t-test;
-- `analyze_dump`: the same metrics on the real scores of a captured dump, per layer and head.
+- `run`: the same metrics on the real scores of a captured dump, per layer and head.
 """
 from __future__ import annotations
 
@@ -583,6 +583,9 @@ class PcastDumpResult:
     scales: tuple[float, ...]
     orders: tuple[str, ...]
     heads: tuple[HeadPcast, ...]
+    dp: tuple[DpPoint, ...] = ()  # dp(S) at the studied scales and the defaults
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None  # the study casts the dump's own scores: no recipe is replayed
 
 
 def sink_gap_stats(z: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[float, float, float, float]:
@@ -683,17 +686,41 @@ def analyze_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
                      recommended_order=rec_order, recommendation=reason)
 
 
-def analyze_dump(dump, selection: Sequence[tuple[int, int, Sequence[int]]], *, n_sinks: int = 4, block: int = 64,
-                 scales: Sequence[float] = (1.0, 256.0, 448.0), orders: Sequence[str] = ORDERS) -> PcastDumpResult:
-    """`analyze_head` for every (step, layer, head) of `selection` (from `Dump.select`)."""
+def run(dump, selections, *, n_sinks: int = 4, block: int = 64, scales: Sequence[float] = (1.0, 256.0, 448.0),
+        orders: Sequence[str] = ORDERS) -> PcastDumpResult:
+    """`analyze_head` for every head of every `LayerSelection` (from `selection.select`)."""
+    from fa_forensics.analyses.selection import load
+
     if n_sinks < 1 or block < 1:
         raise ConfigError("--sinks and --block must be ≥ 1")
-    heads = []
-    for step, layer, head_list in selection:
-        info = dump.layer_info(step, layer)
-        for h in head_list:
-            q, k, v = (dump.read(step, layer, name, heads=h)[:, 0] for name in ("q", "k", "v"))  # (B, T, D)
-            heads.append(analyze_head(q, k, v, scale=info.scale, causal=info.causal, n_sinks=n_sinks, block=block,
-                                      scales=scales, orders=orders, where=(step, layer, h)))
+    heads, warnings = [], []
+    for sel in selections:
+        t = load(dump, sel)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        for j, h in enumerate(sel.heads):
+            q, k, v = (x[:, j] for x in (t.q, t.k, t.v))  # (B, T, D)
+            heads.append(analyze_head(q, k, v, scale=t.scale, causal=t.causal, n_sinks=n_sinks, block=block,
+                                      scales=scales, orders=orders, where=(sel.step, sel.layer, h)))
     return PcastDumpResult(path=str(dump.path), n_sinks=n_sinks, block=block, delta_k=expected_max_normal(n_sinks),
-                           scales=tuple(float(s) for s in scales), orders=tuple(orders), heads=tuple(heads))
+                           scales=tuple(float(s) for s in scales), orders=tuple(orders), heads=tuple(heads),
+                           dp=dp_curve(default_dp_scales(scales)), warnings=tuple(warnings))
+
+
+def verdict(res: PcastDumpResult) -> str:
+    """One sentence: how many heads need another S or KV order, and the first of them."""
+    need = [h for h in res.heads if h.needs_fix]
+    if not need:
+        return f"no head of {len(res.heads)} needs a P-cast fix at the default S = 1, forward order"
+    h = need[0]
+    return (f"{len(need)} of {len(res.heads)} heads need a P-cast fix; e.g. step {h.step} layer {h.layer} head {h.head}: "
+            f"{h.recommended_order} S={h.recommended_S:g}")
+
+
+def payload(res: PcastDumpResult) -> dict:
+    """The --json payload of the dump mode (keys documented in the README)."""
+    return {
+        "mode": "dump", "dump": res.path, "n_sinks": res.n_sinks, "block": res.block, "delta_k": res.delta_k,
+        "scales": list(res.scales), "orders": list(res.orders), "heads": list(res.heads),
+        "dp": [{"S": p.S, "dp": p.dp, "lsb": p.lsb, "bit_exact": p.bit_exact} for p in res.dp],
+        "warnings": list(res.warnings), "replay_fidelity": res.replay_fidelity, "verdict": verdict(res),
+    }

@@ -36,9 +36,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+
+from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.selection import LayerSelection, load, lp_hp_pair, lp_of
 
 ONE = 1.0
 
@@ -296,43 +300,49 @@ class PVTraceReport:
     l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
     row_choice: str  # "given" | "repeated-max" (largest error among rows with a repeated maximum) | "largest-error"
     bias_split: dict  # {"repeated_max": {mean, se, n}, "other": {mean, se, n}}: the feature's O bias by row kind
-    preset: str = "bf16"  # the low-precision preset traced against fp32
+    recipe: Recipe = Recipe()  # the low-precision side traced against fp32
+    backend: Backend = Backend.EMULATE
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.preset
 
 
 def _cell_rank(cell: BiasCell) -> tuple:
     return (cell.p_value < 0.01, abs(cell.mean))
 
 
-def pv_trace_dump(dump, step=None, layer=None, head=None, *, row: Optional[int] = None, feature: Optional[int] = None,
-                  accumulation: str = "ieee", backend: str = "emulate", preset: str = "bf16", on_progress=None) -> PVTraceReport:
+def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
+        row: Optional[int] = None, feature: Optional[int] = None, progress=None) -> PVTraceReport:
     """Pick (layer, head, feature) by the largest mean O bias pooled over every selected step (rows of
     all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
     batch, row) with the largest error in the bias direction, and trace it. One batched forward
     replay per layer-step and precision."""
-    from fa_forensics.analyses.selection import check_accumulation, check_backend, load, lp_hp_pair, preset_config, select
     from fa_forensics.errors import UserError
 
-    check_accumulation(accumulation)
-    check_backend(backend)
-    lp_cfg = preset_config(preset)
-    if lp_cfg.p_scale != 1.0:
-        raise UserError(f"pv-trace does not trace the fp8 P scale (preset {preset} has S = {lp_cfg.p_scale:g}); "
+    lp_base = recipe.base_config()
+    if lp_base.p_scale != 1.0:
+        raise UserError(f"pv-trace does not trace the fp8 P scale (preset {recipe.preset} has S = {lp_base.p_scale:g}); "
                         "use --preset fp8-s1, or `fa-forensics pcast` for the scale study")
-    sels = select(dump, step, layer, head)
+    warnings: list[str] = []
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D))]
-    for sel in sels:
+    for sel in selections:
         t = load(dump, sel)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        lp_cfg = lp_of(t, recipe)
         B, h, T, D = t.q.shape
         if feature is not None and not 0 <= feature < D:
             raise UserError(f"--feature {feature} is out of range at step {sel.step} layer {sel.layer}: features are 0..{D - 1}")
         if row is not None and not 0 <= row < T:
             raise UserError(f"--row {row} is out of range at step {sel.step} layer {sel.layer}: rows are 0..{T - 1}")
-        lp, hp = lp_hp_pair(t, accumulation, backend, backward=False, preset=preset)
+        lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
         rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value)  # (B, h, T)
         pooled.setdefault((sel.layer, tuple(sel.heads)), []).append(
             (sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep))
-        if on_progress is not None:
-            on_progress()
+        if progress is not None:
+            progress()
 
     best = None
     for items in pooled.values():
@@ -358,13 +368,15 @@ def pv_trace_dump(dump, step=None, layer=None, head=None, *, row: Optional[int] 
     cell = BiasCell(batch=b, head_index=hi, feature=f, row=T_row, mean=cell.mean, se=cell.se, p_value=cell.p_value,
                     row_error=cell.row_error)
     n_keys = T_row + 1 if t.causal else t.q.shape[2]
+    accumulation = recipe.accumulation.value
     p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value,
                            config=cfg)
     trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,
                      gpu=cfg.gpu.value, in_format=cfg.p_dtype.value, pv_format=cfg.pv_dtype.value)
     return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
-                         row_choice=choice, bias_split=split, preset=preset)
+                         row_choice=choice, bias_split=split, recipe=recipe, backend=Backend(backend),
+                         warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
 def _mean_se(x: torch.Tensor) -> dict:
@@ -382,13 +394,24 @@ def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
     return (s == s.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1
 
 
-def report_payload(r: PVTraceReport) -> dict:
+def verdict(r: PVTraceReport) -> str:
+    """One sentence: the traced error and the share of it that entered at P̄ = 1 terms."""
+    tr = r.trace
+    frac = tr.frac_error_from_p_one
+    if frac != frac:
+        return "no error in this dot product (Ō_lp = Ō_hp)"
+    where = "at P̄ = 1 terms" if tr.p_one_positions else "with no P̄ = 1 term in this row"
+    return (f"Ō error {tr.final_error:+.3e}; {frac:.0%} of it entered {where} "
+            f"({len(tr.p_one_positions)} of {tr.error.numel()} terms)")
+
+
+def payload(r: PVTraceReport) -> dict:
     """The --json payload (keys documented in the README)."""
     tr = r.trace
     return {
         "step": r.step, "layer": r.layer, "head": r.head, "batch": r.batch,
-        "row": tr.row, "feature": tr.feature, "accumulation": tr.accumulation, "pv_format": tr.pv_format,
-        "preset": r.preset,
+        "row": tr.row, "feature": tr.feature, "pv_format": tr.pv_format,
+        **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
         "final_error": tr.final_error,
         "o_error": r.o_error_replay,
         "o_bias": {"mean": r.cell.mean, "se": r.cell.se, "p_value": r.cell.p_value},

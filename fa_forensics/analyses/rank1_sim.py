@@ -10,18 +10,20 @@ steps, and how its norm grows with the number of steps (exponent ≈ 1: compound
 
 P here is the high-precision attention matrix softmax(α Q Kᵀ) (float64, causal mask as stored):
 the backward passes being compared differ only in δ (§3.2), so P, K and X are common to both.
-The δ error is that of the chosen low-precision preset (default "bf16") against the fp32 preset.
+The δ error is that of the recipe's low-precision config (default preset "bf16") against fp32.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error
-from fa_forensics.analyses.selection import DEFAULT_PRESET, LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -124,17 +126,22 @@ class Rank1Result:
     cumulative_norms: list[float]  # ‖Σ_{s≤n} E_s‖_F
     accumulation_exponent: float  # slope of log cumulative norm vs log n (nan with < 3 steps)
     example_matrices: list[list[list[float]]]  # up to 2 rank-1 matrices (D, C) for the figure
-    accumulation: str
-    backend: str
-    preset: str = DEFAULT_PRESET  # the low-precision preset replayed against fp32
+    recipe: Recipe  # the low-precision side replayed against fp32
+    backend: Backend
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.preset
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
 
-def _layer_part(t: LayerTensors, accumulation: str, backend: str, k_tokens: int, preset: str = DEFAULT_PRESET):
+def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, k_tokens: int):
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
-    lp, hp = lp_hp_pair(t, accumulation=accumulation, backend=backend, backward=False, preset=preset)
+    lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
     pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D)
     E = gradient_error(dd, pk, t.x, t.scale) if t.x is not None else None  # (h, D, C)
@@ -151,38 +158,38 @@ def _layer_part(t: LayerTensors, accumulation: str, backend: str, k_tokens: int,
     return dd, E, chosen
 
 
-def rank1_sim(
+def run(
     dump,
     selections: Sequence[LayerSelection],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
     *,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    preset: str = DEFAULT_PRESET,
     tokens_per_step: int = 4,
     progress: Progress = None,
 ) -> Rank1Result:
     """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
     (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X)."""
     layers = (load(dump, sel) for sel in selections)
-    return rank1_sim_layers(layers, accumulation=accumulation, backend=backend, preset=preset, tokens_per_step=tokens_per_step,
-                            progress=progress)
+    r = rank1_sim_layers(layers, recipe, backend, tokens_per_step=tokens_per_step, progress=progress)
+    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
 def rank1_sim_layers(
     layers: Iterable[LayerTensors],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
     *,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    preset: str = DEFAULT_PRESET,
     tokens_per_step: int = 4,
     progress: Progress = None,
 ) -> Rank1Result:
-    """`rank1_sim` on layer-steps already loaded (or built in memory)."""
+    """`run` on layer-steps already loaded (or built in memory)."""
+    warnings: list[str] = []
     per_head: dict[tuple[int, int], dict] = {}
     has_x = True
     for t in layers:
+        warnings.extend(w for w in t.warnings if w not in warnings)
         has_x = has_x and t.x is not None
-        dd, E, chosen = _layer_part(t, accumulation, backend, tokens_per_step, preset)
+        dd, E, chosen = _layer_part(t, recipe, backend, tokens_per_step)
         for j, h in enumerate(t.heads):
             acc = per_head.setdefault((t.layer, h), {"E": [], "steps": [], "dsum": 0.0, "chosen": []})
             acc["steps"].append(t.step)
@@ -247,8 +254,8 @@ def rank1_sim_layers(
         pk_cosine_offdiag_mean=pk_cos_mean, x_cosine_offdiag_mean=x_cos_mean, top_columns=top_columns, n_columns=n_columns,
         singular_values=sv_list, effective_rank=eff, top_sv_ratio=ratio, cross_step_alignment=align,
         steps=list(acc["steps"]), step_norms=step_norms, cumulative_norms=cum_norms,
-        accumulation_exponent=expo, example_matrices=examples, accumulation=accumulation, backend=backend,
-        preset=preset,
+        accumulation_exponent=expo, example_matrices=examples, recipe=recipe, backend=Backend(backend),
+        warnings=tuple(warnings),
     )
 
 
@@ -270,3 +277,32 @@ def _cross_step_alignment(Es: Sequence[torch.Tensor]) -> float:
         for a in range(len(tops)) for b in range(a + 1, len(tops))
     ]
     return sum(vals) / len(vals) if vals else math.nan
+
+
+def _fmt(x: float, missing: str) -> str:
+    return missing if x != x else f"{x:.2f}"
+
+
+def verdict(r: Rank1Result) -> str:
+    """One sentence: how alike the rank-1 matrices are, which features dominate, whether the error compounds."""
+    if not r.has_x:
+        return ("the dump stores no X (attention input), so the rank-1 matrices (PK)[T]ᵀX[T] and the W_Q gradient error "
+                f"cannot be formed; PK rows alone have mean cosine {r.cosine_offdiag_mean:+.2f}. Capture with X to run this analysis")
+    expo = r.accumulation_exponent
+    trend = "n/a (fewer than 3 steps)" if expo != expo else ("compounds" if expo > 0.75 else "washes out" if expo < 0.65 else "in between")
+    return (f"rank-1 matrices have mean cosine {r.cosine_offdiag_mean:+.2f}, dominated by input features "
+            f"{[c.feature for c in r.top_columns[:3]]}; gradient error effective rank {r.effective_rank:.2f}, "
+            f"accumulation exponent {_fmt(expo, 'n/a')} ({trend})")
+
+
+def payload(r: Rank1Result) -> dict:
+    """The --json payload (keys documented in the README)."""
+    return {
+        "has_x": r.has_x, "focus": {"layer": r.focus_layer, "head": r.focus_head}, "tokens": r.tokens,
+        "cosine_offdiag_mean": r.cosine_offdiag_mean, "pk_cosine_offdiag_mean": r.pk_cosine_offdiag_mean,
+        "x_cosine_offdiag_mean": r.x_cosine_offdiag_mean, "cosine": r.cosine, "top_columns": r.top_columns,
+        "singular_values": r.singular_values, "effective_rank": r.effective_rank, "top_sv_ratio": r.top_sv_ratio,
+        "cross_step_alignment": r.cross_step_alignment, "steps": r.steps, "step_norms": r.step_norms,
+        "cumulative_norms": r.cumulative_norms, "accumulation_exponent": r.accumulation_exponent,
+        **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+    }

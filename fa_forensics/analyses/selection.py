@@ -2,23 +2,22 @@
 
 `select` turns the CLI's (--step, --layer, --head) into validated (step, layer, heads) triples;
 `load` reads one layer-step with all selected heads batched (one read per tensor, never head by
-head); `replay_layer` replays it under a config with the dump's own softmax scale and causal flag;
-`lp_hp_pair` gives the comparison every analysis makes: the low-precision replay (the chosen
---preset, default "bf16" = `ReplayConfig()`, with the chosen accumulation model applied) against
+head) and runs every registered layer check, whose messages become the layer's `warnings`;
+`replay_layer` replays it under a config with the dump's own softmax scale and causal flag;
+`lp_hp_pair` gives the comparison every analysis makes: the recipe's low-precision replay against
 the high-precision replay (preset "fp32", ieee) of the same stored inputs.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from fa_forensics.errors import ConfigError, DumpError, UserError
-from fa_forensics.replay.config import PRESETS, Accumulation, ReplayConfig
-
-DEFAULT_PRESET = "bf16"
+from fa_forensics.analyses.recipe import Backend, Recipe, hp_config, lp_config_for
+from fa_forensics.errors import DumpError
+from fa_forensics.replay.config import ReplayConfig
 
 BatchSel = Union[int, slice, None]
 
@@ -51,6 +50,8 @@ class LayerTensors:
     x: Optional[torch.Tensor]  # (B, T, C)
     scale: float
     causal: bool
+    warnings: tuple[str, ...] = ()  # one line each, from the registered layer checks
+    source: object = None  # the Dump it was read from (None when built in memory)
 
     @property
     def where(self) -> str:
@@ -79,7 +80,8 @@ def select(dump, step: Optional[int] = None, layer: Optional[int] = None, head: 
 
 
 def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
-    """Read q, k, v, o, do (selected heads batched) and x of one layer-step, plus its scale and causal flag."""
+    """Read q, k, v, o, do (selected heads batched) and x of one layer-step, plus its scale and causal
+    flag, and attach the warnings of every registered layer check."""
     info = dump.layer_info(sel.step, sel.layer)
     for name in ("q", "k", "v"):
         if not dump.has(sel.step, sel.layer, name):
@@ -95,14 +97,49 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
     if scale is None or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         scale = 1.0 / math.sqrt(q.shape[-1])
     causal = getattr(info, "causal", None)
-    return LayerTensors(
+    t = LayerTensors(
         step=sel.step, layer=sel.layer, heads=list(sel.heads),
         q=q, k=read("k"), v=read("v"), o=read("o"), do=read("do"), x=read("x", heads=None),
-        scale=float(scale), causal=True if causal is None else bool(causal),
+        scale=float(scale), causal=True if causal is None else bool(causal), source=dump,
     )
+    return with_checks(t, dump, info)
 
 
-def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backend: str = "emulate"):
+# ---- layer checks: the one place where per-layer warnings come from --------------------------------
+
+LayerCheck = Callable[[LayerTensors, object, object], Iterable[str]]
+LAYER_CHECKS: list[LayerCheck] = []
+
+
+def layer_check(fn: LayerCheck) -> LayerCheck:
+    """Register `fn(t, dump, info) -> iterable of one-line warnings`, run by `load` on every layer-step.
+
+    `info` is `dump.layer_info(step, layer)` (the layer's attrs), `dump` may be None for layers
+    built in memory. A check names where (`t.where`) and what it means for the findings.
+    """
+    LAYER_CHECKS.append(fn)
+    return fn
+
+
+def with_checks(t: LayerTensors, dump=None, info=None) -> LayerTensors:
+    """`t` with the warnings of every registered check (kept in registration order, no repeats)."""
+    found = list(t.warnings)
+    for check in LAYER_CHECKS:
+        for message in check(t, dump, info) or ():
+            if message not in found:
+                found.append(message)
+    return replace(t, warnings=tuple(found))
+
+
+def collect_warnings(layers: Iterable[LayerTensors]) -> tuple[str, ...]:
+    """The warnings of several layer-steps, in order, without repeats (for a Result's `warnings`)."""
+    out: list[str] = []
+    for t in layers:
+        out.extend(w for w in t.warnings if w not in out)
+    return tuple(out)
+
+
+def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backend: Backend = Backend.EMULATE):
     """Replay one layer-step (all selected heads at once) under `config`; the backward only if asked.
 
     The dump's scale and causal flag override the config's (they describe what training did).
@@ -111,75 +148,20 @@ def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backe
 
     if backward and t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture with dO")
-    return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=backend, causal=t.causal, scale=t.scale)
+    return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal, scale=t.scale)
 
 
-def lp_config(accumulation: str = "ieee", base: Optional[ReplayConfig] = None, preset: str = DEFAULT_PRESET) -> ReplayConfig:
-    """The low-precision side: `base` (default: the named preset) with the chosen accumulation.
-
-    The accumulation always comes from the caller (the CLI's --accumulation), also for a preset
-    that names its own (bf16-hw: tensor-core), so that one option decides it for every command.
-    """
-    return (base or preset_config(preset)).with_(accumulation=Accumulation(accumulation))
+def lp_of(t: LayerTensors, recipe: Recipe) -> ReplayConfig:
+    """The recipe's low-precision config at this layer-step (see `recipe.lp_config_for`)."""
+    return lp_config_for(t.source, t.step, t.layer, recipe)
 
 
-def preset_config(name: str) -> ReplayConfig:
-    """`ReplayConfig.preset(name)`; an unknown name raises ConfigError listing the presets (CLI exit 2)."""
-    try:
-        return ReplayConfig.preset(name)
-    except ConfigError:
-        raise ConfigError(f"--preset {name!r} is not a replay preset; choose one of: {', '.join(PRESETS)}") from None
-
-
-def check_preset(name: str) -> str:
-    """Validate a --preset value early (before any replay)."""
-    preset_config(name)
-    return name
-
-
-def hp_config() -> ReplayConfig:
-    """The high-precision side: every cast fp32 (preset "fp32"), ieee accumulation."""
-    return ReplayConfig.preset("fp32")
-
-
-def lp_hp_pair(
-    t: LayerTensors,
-    accumulation: str = "ieee",
-    backend: str = "emulate",
-    backward: bool = True,
-    lp_config: Optional[ReplayConfig] = None,
-    preset: str = DEFAULT_PRESET,
-):
-    """(low-precision replay, high-precision replay) of the same stored inputs.
-
-    The low-precision side is `lp_config` when given, else the named preset; either way with
-    `accumulation` applied. The high-precision side is always preset "fp32" (ieee).
-    """
-    lp = replay_layer(t, _lp(accumulation, lp_config, preset), backward=backward, backend=backend)
+def lp_hp_pair(t: LayerTensors, recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *, backward: bool = True):
+    """(low-precision replay, high-precision replay) of the same stored inputs: the recipe's config
+    at this layer-step against preset "fp32" (ieee)."""
+    lp = replay_layer(t, lp_of(t, recipe), backward=backward, backend=backend)
     hp = replay_layer(t, hp_config(), backward=backward, backend=backend)
     return lp, hp
-
-
-def _lp(accumulation: str, base: Optional[ReplayConfig], preset: str = DEFAULT_PRESET) -> ReplayConfig:
-    try:
-        return lp_config(accumulation, base, preset)
-    except ValueError:
-        raise UserError(f"--accumulation {accumulation!r} is not one of: ieee, tensor-core") from None
-
-
-def check_accumulation(accumulation: str) -> str:
-    """Validate an --accumulation value early (before any replay)."""
-    choices = [a.value for a in Accumulation]
-    if accumulation not in choices:
-        raise UserError(f"--accumulation {accumulation!r} is not one of: {', '.join(choices)}")
-    return accumulation
-
-
-def check_backend(backend: str) -> str:
-    """Validate a --backend value early (before any replay)."""
-    if backend not in ("emulate", "triton"):
-        raise UserError(f"--backend {backend!r} is not one of: emulate, triton")
-    return backend
 
 
 def as_f64(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -190,3 +172,6 @@ def as_f64(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def heads_of(selections: Sequence[LayerSelection]) -> int:
     """Total number of (step, layer, head) items in a selection list (for progress bars)."""
     return sum(len(s.heads) for s in selections)
+
+
+from fa_forensics.analyses import checks as _checks  # noqa: E402,F401  (registers the layer checks)

@@ -1,11 +1,10 @@
 """`fa-forensics bitdiff`: explain one addition bit by bit (--add), or compare two O tensors bit by bit.
 
 The --add mode is self-contained (fa_forensics.numerics.explain_add). The tensor mode (a DUMP
-and no --add) lives in fa_forensics/commands/bitdiff_tensor.py, imported lazily.
+and no --add) lives in fa_forensics/commands/bitdiff_tensor.py.
 """
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 from typing import Annotated, Optional, Tuple
@@ -27,7 +26,7 @@ from fa_forensics.commands.common import (
     run_cli,
     write_json,
 )
-from fa_forensics.errors import NotAvailableYet, UserError
+from fa_forensics.errors import UserError
 
 HELP = "Explain one addition bit by bit (--add A B), or compare two O tensors of a dump bit by bit."
 INTO_CHOICES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32")
@@ -94,16 +93,6 @@ def render_add(ex) -> Panel:
     return Panel(t, title=f"{ex.a!r} + {ex.b!r} in {acc.name}, stored as {into.name}", expand=False)
 
 
-def _tensor_mode(**kwargs) -> None:
-    try:
-        module = importlib.import_module("fa_forensics.commands.bitdiff_tensor")
-    except ModuleNotFoundError as exc:
-        if exc.name != "fa_forensics.commands.bitdiff_tensor":
-            raise
-        raise NotAvailableYet("bitdiff tensor mode is not available yet (issue 5)") from None
-    module.run_tensor_mode(**kwargs)
-
-
 def register(app: typer.Typer) -> None:
     @app.command("bitdiff", help=HELP)
     def bitdiff(
@@ -130,7 +119,9 @@ def register(app: typer.Typer) -> None:
                 return
             if dump is None:
                 raise UserError("bitdiff needs a DUMP (tensor mode) or --add A B (explain one addition); see fa-forensics bitdiff --help")
-            _tensor_mode(dump=dump, a=a, b=b, step=step, layer=layer, head=head, accumulation=accumulation,
+            from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
+
+            run_tensor_mode(dump=dump, a=a, b=b, step=step, layer=layer, head=head, accumulation=accumulation,
                          backend=backend, out=out, json_path=json_path, debug=debug)
 
         run_cli(debug, body)

@@ -7,20 +7,22 @@ they did not ask for.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
+import inspect
 import json
-import math
 import sys
 import warnings
-from pathlib import Path
 from contextlib import contextmanager
-from typing import Annotated, Any, Callable, Iterator, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
 
-from fa_forensics.errors import NotAvailableYet, UserError
+from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.recipe import Backend, Recipe, UnknownPreset
+from fa_forensics.errors import UserError
+from fa_forensics.replay.config import Accumulation
 
 console = Console()
 err_console = Console(stderr=True)
@@ -75,33 +77,6 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         raise typer.Exit(code=2)
 
 
-def to_jsonable(obj: Any) -> Any:
-    """Convert dataclasses, enums, numpy/torch scalars and arrays, and paths into JSON types.
-
-    Non-finite floats become None (JSON has no NaN), so files stay valid for every reader.
-    """
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, (bool, int, str)) or obj is None:
-        return obj
-    # numpy and torch without importing them eagerly
-    if hasattr(obj, "tolist"):
-        return to_jsonable(obj.tolist())
-    if hasattr(obj, "item"):
-        return to_jsonable(obj.item())
-    return str(obj)
-
-
 def write_json(path: Optional[Path], payload: Any) -> None:
     """Write `payload` as JSON to `path` (if given), creating parent folders."""
     if path is None:
@@ -143,47 +118,121 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
         yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}".rstrip())
 
 
-def register_selection_command(app: typer.Typer, name: str, help_text: str, run: Callable[..., Any]) -> None:
-    """Add an analysis command that takes exactly the common options (DUMP, the selection, preset,
-    accumulation, backend, --out, --json, --debug) and calls
-    run(dump, step, layer, head, accumulation, backend, out, json_path, preset)."""
+@dataclass(frozen=True)
+class AnalysisArgs:
+    """The options every analysis command shares, parsed once: the dump, the selection, the recipe."""
 
-    def command(
-        dump: DumpArg,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        preset: PresetOpt = "bf16",
-        accumulation: AccumulationOpt = "ieee",
-        backend: BackendOpt = "emulate",
-        out: OutOpt = None,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, accumulation, backend, out, json_path, preset))
+    dump_path: Path
+    step: Optional[int]
+    layer: Optional[int]
+    head: Optional[int]
+    recipe: Recipe
+    backend: Backend
+    out: Optional[Path]
+    json_path: Optional[Path]
 
+    def open(self):
+        """(dump, selections): open the store and select what to analyse (one-line errors)."""
+        from fa_forensics.analyses.selection import select
+        from fa_forensics.dump import open_dump
+
+        dump = open_dump(self.dump_path)
+        return dump, select(dump, self.step, self.layer, self.head)
+
+
+def build_accumulation(accumulation: str) -> Accumulation:
+    """The Accumulation of --accumulation; a bad value is one line naming the option."""
+    try:
+        return Accumulation(accumulation)
+    except ValueError:
+        raise UserError(f"--accumulation {accumulation!r} is not one of: {', '.join(a.value for a in Accumulation)}") from None
+
+
+def build_recipe(preset: str, accumulation: str) -> Recipe:
+    """The recipe of --preset and --accumulation; a bad value is one line naming the option."""
+    acc = build_accumulation(accumulation)
+    try:
+        return Recipe(preset, acc)
+    except UnknownPreset as exc:
+        raise UserError(f"--preset {exc}") from None
+
+
+def build_backend(backend: str) -> Backend:
+    """The Backend of --backend; a bad value is one line naming the option."""
+    try:
+        return Backend(backend)
+    except ValueError:
+        raise UserError(f"--backend {backend!r} is not one of: {', '.join(b.value for b in Backend)}") from None
+
+
+_SHARED_OPTIONS = (
+    ("dump", DumpArg, inspect.Parameter.empty),
+    ("step", StepOpt, None),
+    ("layer", LayerOpt, None),
+    ("head", HeadOpt, None),
+)
+_RECIPE_OPTIONS = (
+    ("preset", PresetOpt, "bf16"),
+    ("accumulation", AccumulationOpt, "ieee"),
+    ("backend", BackendOpt, "emulate"),
+    ("out", OutOpt, None),
+    ("json_path", JsonOpt, None),
+    ("debug", DebugOpt, False),
+)
+
+
+def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: Callable[..., Any],
+                              extra: Sequence[tuple[str, Any, Any]] = (), out_opt: Any = OutOpt) -> None:
+    """Add an analysis command with the shared options (DUMP, --step/--layer/--head, --preset,
+    --accumulation, --backend, --out, --json, --debug) and the command's own `extra` options
+    ((name, Annotated type, default), shown after the selection). The body is
+    `run(AnalysisArgs, **extra values)`; its return value, when an int, is the exit code."""
+
+    def command(**kwargs: Any) -> None:
+        debug = kwargs.pop("debug")
+
+        def body():
+            args = AnalysisArgs(
+                dump_path=kwargs.pop("dump"), step=kwargs.pop("step"), layer=kwargs.pop("layer"), head=kwargs.pop("head"),
+                recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
+                backend=build_backend(kwargs.pop("backend")), out=ensure_out_dir(kwargs.pop("out")),
+                json_path=kwargs.pop("json_path"),
+            )
+            return run(args, **kwargs)
+
+        code = run_cli(debug, body)
+        if isinstance(code, int):
+            exit_code(code)
+
+    options = [*_SHARED_OPTIONS, *extra, *_RECIPE_OPTIONS]
+    options = [(n, out_opt if n == "out" else t, d) for n, t, d in options]
+    command.__signature__ = inspect.Signature([
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY if d is not inspect.Parameter.empty else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=d, annotation=t)
+        for n, t, d in options
+    ])
+    command.__name__ = name.replace("-", "_")
     app.command(name, help=help_text)(command)
 
 
-def register_not_available(app: typer.Typer, name: str, help_text: str, issue: str) -> None:
-    """Add a command that exists in --help but says plainly it is not available yet (exit 2)."""
-
-    def _not_available(
-        ctx: typer.Context,
-        debug: DebugOpt = False,
-    ) -> None:
-        run_cli(debug, lambda: (_ for _ in ()).throw(NotAvailableYet(f"'{name}' is not available yet ({issue}); nothing was done")))
-
-    app.command(
-        name,
-        help=f"{help_text} [not available yet]",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    )(_not_available)
+def show_result(args: AnalysisArgs, result: Any, payload: dict, tables: Sequence[Any],
+                draw: Callable[[Any, Path], Sequence[Path]], verdict_style: str = "bold") -> dict:
+    """Print the tables, draw the figures into --out, write --json (payload + figures), print each
+    warning as one yellow line and the verdict last. Returns the JSON payload."""
+    for table in tables:
+        console.print(table)
+    figures = [str(p) for p in draw(result, args.out)] if args.out is not None else []
+    payload = {**payload, "figures": figures}
+    write_json(args.json_path, payload)
+    print_warnings(result.warnings)
+    console.print(f"[{verdict_style}]verdict:[/] {payload['verdict']}", highlight=False)
+    return payload
 
 
-def fail(message: str) -> None:
-    """Raise a UserError from CLI argument reconciliation code."""
-    raise UserError(message)
+def print_warnings(warnings_: Sequence[str]) -> None:
+    """Each warning of a result as one yellow line on stderr."""
+    for w in warnings_:
+        err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
 
 
 def exit_code(code: int) -> None:

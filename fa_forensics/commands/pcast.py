@@ -23,6 +23,7 @@ from fa_forensics.commands.common import (
     OutOpt,
     console,
     ensure_out_dir,
+    print_warnings,
     run_cli,
     to_jsonable,
     write_json,
@@ -109,26 +110,6 @@ def _render_sim(res: pc.PcastSimResult) -> None:
         console.print(f"[dim]note: {note}[/]")
 
 
-def _render_dump(res: pc.PcastDumpResult) -> None:
-    t = Table(title=f"P-cast per head of {res.path} (k = {res.n_sinks} sink keys, B = {res.block}); "
-                    f"cells: non-sink P̄ zeroed, MSE / best MSE")
-    for c in ("step", "L", "H", "sink Δ̂"):
-        t.add_column(c, justify="right")
-    for order in res.orders:
-        for S in res.scales:
-            t.add_column(f"{'fwd' if order == 'forward' else 'rev'} {S:g}", justify="right")
-    t.add_column("needs")
-    for h in res.heads:
-        best = min(s.mse for s in h.settings)
-        cells = [f"{s.frac_zeroed:.0%} ×{s.mse / best:.2f}" for order in res.orders for S in res.scales
-                 for s in [h.setting(S, order)]]
-        t.add_row(str(h.step), str(h.layer), str(h.head), f"{h.sink_strength:.1f}±{h.sink_gap_se:.1f}", *cells,
-                  f"{h.recommended_order} S={h.recommended_S:g}" if h.needs_fix else "-")
-    console.print(t)
-    for h in res.heads:
-        console.print(f"  step {h.step} layer {h.layer} head {h.head}: {h.recommendation}", highlight=False)
-
-
 def _sim_payload(res: pc.PcastSimResult, figures: list[str]) -> dict[str, Any]:
     cfg = res.config
     return {
@@ -146,21 +127,6 @@ def _sim_payload(res: pc.PcastSimResult, figures: list[str]) -> dict[str, Any]:
         "ttest": {"a": "forward S=256", "b": "reverse S=256", "seq": res.n_main,
                   "tests": to_jsonable(list(res.ttest))},
         "notes": list(res.notes),
-        "figures": figures,
-    }
-
-
-def _dump_payload(res: pc.PcastDumpResult, dp, figures: list[str]) -> dict[str, Any]:
-    return {
-        "mode": "dump",
-        "dump": res.path,
-        "n_sinks": res.n_sinks,
-        "block": res.block,
-        "delta_k": res.delta_k,
-        "scales": list(res.scales),
-        "orders": list(res.orders),
-        "heads": to_jsonable(list(res.heads)),
-        "dp": [{"S": p.S, "dp": p.dp, "lsb": p.lsb, "bit_exact": p.bit_exact} for p in dp],
         "figures": figures,
     }
 
@@ -206,19 +172,20 @@ def register(app: typer.Typer) -> None:
                                str(figs.fig_mse_vs_seq(res, out_dir / "pcast_mse_vs_seq.png"))]
                 write_json(json_path, _sim_payload(res, figures))
             else:
+                from fa_forensics.analyses.selection import select
                 from fa_forensics.dump import open_dump
+                from fa_forensics.tables.pcast import tables
 
                 d = open_dump(dump)
-                steps = [step] if step is not None else (d.steps[-1:] or None)
-                selection = d.select(steps=steps, layers=None if layer is None else [layer],
-                                     heads=None if head is None else [head])
+                sels = select(d, step if step is not None else (d.steps[-1] if d.steps else None), layer, head)
                 with console.status("casting each head's scores through the FP8 P-cast kernel..."):
-                    res = pc.analyze_dump(d, selection, n_sinks=sinks, block=block, scales=S_list, orders=orders)
-                dp = pc.dp_curve(pc.default_dp_scales(S_list))
-                _render_dump(res)
+                    res = pc.run(d, sels, n_sinks=sinks, block=block, scales=S_list, orders=orders)
+                for renderable in tables(res):
+                    console.print(renderable, highlight=False)
                 if out_dir is not None:
-                    figures = [str(figs.fig_dump_heads(res, out_dir / "pcast_heads.png"))]
-                write_json(json_path, _dump_payload(res, dp, figures))
+                    figures = [str(p) for p in figs.draw(res, out_dir)]
+                write_json(json_path, {**pc.payload(res), "figures": figures})
+                print_warnings(res.warnings)
             for f in figures:
                 console.print(f"wrote {f}", highlight=False)
 

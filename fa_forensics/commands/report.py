@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, PresetOpt, StepOpt,
-    console, ensure_out_dir, err_console, run_cli, write_json,
+    build_backend, build_recipe, console, ensure_out_dir, err_console, run_cli, write_json,
 )
 from fa_forensics.errors import UserError
 
@@ -18,17 +18,14 @@ ReportOutOpt = Annotated[Optional[Path], typer.Option(
     "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.", metavar="DIR")]
 
 
-def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, json_path, preset: str = "bf16") -> None:
-    from fa_forensics.analyses.selection import check_accumulation, check_backend, check_preset
+def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: str, backend: str, json_path) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.run import ANALYSES, run_all
 
     if out is None:
         raise UserError("report needs --out DIR (where index.html and its figures go)")
-    check_accumulation(accumulation)
-    check_backend(backend)
-    check_preset(preset)
+    recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
     out = ensure_out_dir(out)
     t0 = time.perf_counter()
@@ -38,8 +35,7 @@ def run(dump_path: Path, out: Path, step, layer, head, accumulation, backend, js
         done.append(name)
         err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
-    sections = run_all(dump_path, out, step=step, layer=layer, head=head, accumulation=accumulation,
-                       backend=backend, preset=preset, on_start=on_start)
+    sections = run_all(dump, dump_path, out, step=step, layer=layer, head=head, recipe=recipe, backend=backend_, on_start=on_start)
     seconds = time.perf_counter() - t0
     info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation, "backend": backend}
     index = write_report(out, str(dump_path), sections, info=info, seconds=seconds)
@@ -73,4 +69,4 @@ def register(app: typer.Typer) -> None:
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, out, step, layer, head, accumulation, backend, json_path, preset))
+        run_cli(debug, lambda: run(dump, out, step, layer, head, preset, accumulation, backend, json_path))

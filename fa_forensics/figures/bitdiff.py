@@ -47,3 +47,8 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     paths.append(save_figure(fig, out / f"bitdiff_biasmap_{name}.png",
                              "Signed O error per feature (paper Fig. 5(c) over all tokens): features with a significant sign bias are outlined."))
     return paths
+
+
+def draw(result, out: Path) -> list[Path]:
+    """Every bitdiff figure into the folder `out`."""
+    return plot_bitdiff(result, out)

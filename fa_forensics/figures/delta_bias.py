@@ -50,3 +50,11 @@ def plot_top_token(result, path: Path) -> Path:
         ax.axhline(0, color=COLORS["neutral"], lw=0.8)
     return save_figure(fig, path, "Reproduces paper Fig. 5(b)/(c): dO and the O error share their sign in the dominant "
                                   "features, so their product makes (δ_lp − δ_hp)[T] positive.")
+
+
+def draw(result, out: Path) -> list[Path]:
+    """Every delta-bias figure into the folder `out` (the top-token panel only when there is one)."""
+    paths = [plot_cumulative(result, out / "delta_bias_cumulative.png")]
+    if result.top_token is not None:
+        paths.append(plot_top_token(result, out / "delta_bias_top_token.png"))
+    return paths

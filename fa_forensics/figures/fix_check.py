@@ -37,3 +37,8 @@ def plot_fix_check(result, path: Path) -> Path:
     fig.suptitle(f"fix-check: bias reduction {result.bias_reduction:.1f}x, max P̄ in repeated-max rows {result.max_p_bar:.4g}")
     return save_figure(fig, path, "Paper §4 / App. C: the stabilized softmax (Algorithm 3) against the baseline "
                                   "and the alternatives (fixed offset, stochastic rounding, fp32 P̄V); cf. Fig. 5(a) for Σδ.")
+
+
+def draw(result, out: Path) -> list[Path]:
+    """The fix-check figure into the folder `out`."""
+    return [plot_fix_check(result, out / "fix_check.png")]

@@ -54,3 +54,8 @@ def plot_heads(result, path: Path) -> Path:
     ax.set_title("Where the δ error is: baseline bf16 vs fp32")
     return save_figure(fig, path, "Analogue of paper Fig. 3 / Fig. 11 (localizing the failing layer and head), "
                                   "measured as the δ error instead of the spectral norm.")
+
+
+def draw(result, out: Path) -> list[Path]:
+    """Every isolate figure into the folder `out`."""
+    return [plot_variants(result, out / "isolate_variants.png"), plot_heads(result, out / "isolate_heads.png")]

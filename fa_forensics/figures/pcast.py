@@ -141,3 +141,8 @@ def fig_dump_heads(res: PcastDumpResult, path: Path) -> Path:
     ax.legend(loc="center right")
     return save_figure(fig, path, "Per-head version of paper 002 Table 1 / Eq. 7 on real scores: points are measured "
                                   "by the kernel-faithful cast of each head's scores; lines are the Gaussian closed form.")
+
+
+def draw(res: PcastDumpResult, out: Path) -> list[Path]:
+    """The per-head figure of the dump study into the folder `out`."""
+    return [fig_dump_heads(res, out / "pcast_heads.png")]

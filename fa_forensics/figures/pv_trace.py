@@ -53,3 +53,9 @@ def plot_pv_trace(report, path: Path) -> Path:
     caption = (f"Reproduces paper Fig. 6 (a)-(c): error of one P̄V dot product (Eq. 5); final error "
                f"{tr.final_error:+.3e}, share entering at P̄ = 1 terms {tr.frac_error_from_p_one:.0%}.")
     return save_figure(fig, path, caption)
+
+
+def draw(report, out: Path) -> list[Path]:
+    """The Eq. 5 trace figure into the folder `out`."""
+    tr = report.trace
+    return [plot_pv_trace(report, out / f"pv_trace_s{report.step}_l{report.layer}_h{report.head}_r{tr.row}_f{tr.feature}.png")]

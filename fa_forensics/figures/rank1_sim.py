@@ -56,3 +56,10 @@ def plot_rank1(result, path: Path) -> Path:
     fig.suptitle(f"rank1-sim: layer {result.focus_layer} head {result.focus_head}")
     return save_figure(fig, path, "Reproduces paper Fig. 4 (c, f): the rank-1 matrices (PK)[T]ᵀX[T] of different tokens "
                                   "and steps are alike and dominated by a few input features (Eq. 2-3).")
+
+
+def draw(result, out: Path) -> list[Path]:
+    """The rank-1 figure into the folder `out` (none without X: there are no rank-1 matrices to draw)."""
+    if not result.has_x:
+        return []
+    return [plot_rank1(result, out / f"rank1_sim_l{result.focus_layer}_h{result.focus_head}.png")]

@@ -1,131 +1,163 @@
-"""Run every analysis command on one dump for the report, in-process, and collect what each wrote.
+"""Run every analysis on one dump for the report, through the library, and collect what each gave.
 
-The report talks to the analyses through the same contract a user does: each command is invoked
-with its defaults plus `--out DIR/<name> --json DIR/<name>/<name>.json`, and the report reads the
-documented JSON keys back. A command that is missing or fails (exit code 2) becomes a note in the
-report instead of stopping it; fix-check's exit code 1 ("the fix does not remove the bias") is a
-result, not a failure.
+Each section calls the analysis module's `run(...)` with the report's selection and recipe, then its
+`payload(result)` (the same dict the command writes with --json), its tables (`fa_forensics.tables`)
+and its figures (`fa_forensics.figures`), into DIR/<name>/. An analysis that fails with a user
+error (e.g. the dump has no dO) becomes a note in the report instead of stopping it; fix-check's
+exit code 1 ("the fix does not remove the bias") is a result, not a failure.
 
-The report's --preset (default "bf16") is passed to every command that replays a low-precision
-reading against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and becomes bitdiff's
-side A (`--a PRESET --b fp32`); pcast keeps its own fp8 settings.
+The report's recipe (default preset "bf16") is the low-precision side of every analysis that
+replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
+A (B = fp32); pcast keeps its own fp8 settings and studies the last complete step.
 """
 from __future__ import annotations
 
+import io
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from types import ModuleType
+from typing import Any, Callable, Optional
 
-# (name, extra arguments after DUMP); order = order in the report
-ANALYSES: list[tuple[str, list[str]]] = [
-    ("isolate", []),
-    ("delta-bias", []),
-    ("rank1-sim", []),
-    ("pv-trace", []),
-    ("bitdiff", ["--a", "bf16", "--b", "fp32"]),
-    ("fix-check", []),
-    ("pcast", []),
+from rich.console import Console
+
+from fa_forensics.analyses import bitdiff as a_bitdiff
+from fa_forensics.analyses import delta_bias as a_delta_bias
+from fa_forensics.analyses import fix_check as a_fix_check
+from fa_forensics.analyses import isolate as a_isolate
+from fa_forensics.analyses import pcast as a_pcast
+from fa_forensics.analyses import pv_trace as a_pv_trace
+from fa_forensics.analyses import rank1_sim as a_rank1_sim
+from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.selection import select
+from fa_forensics.errors import UserError
+from fa_forensics.figures import bitdiff as f_bitdiff
+from fa_forensics.figures import delta_bias as f_delta_bias
+from fa_forensics.figures import fix_check as f_fix_check
+from fa_forensics.figures import isolate as f_isolate
+from fa_forensics.figures import pcast as f_pcast
+from fa_forensics.figures import pv_trace as f_pv_trace
+from fa_forensics.figures import rank1_sim as f_rank1_sim
+from fa_forensics.tables import bitdiff as t_bitdiff
+from fa_forensics.tables import delta_bias as t_delta_bias
+from fa_forensics.tables import fix_check as t_fix_check
+from fa_forensics.tables import isolate as t_isolate
+from fa_forensics.tables import pcast as t_pcast
+from fa_forensics.tables import pv_trace as t_pv_trace
+from fa_forensics.tables import rank1_sim as t_rank1_sim
+
+REPORT_TEXT_WIDTH = 160  # columns of the tables embedded in the page
+
+
+@dataclass(frozen=True)
+class Section:
+    """One analysis of the report: how to run it, and the modules that give its payload, tables and figures."""
+
+    name: str
+    run: Callable[..., Any]  # (dump, selections, recipe, backend) -> Result
+    analysis: ModuleType  # payload(result)
+    tables: ModuleType  # tables(result)
+    figures: ModuleType  # draw(result, folder)
+    whole_dump: bool = False  # studies the last complete step itself (pcast), not the report's selection
+
+
+def _bitdiff_run(dump, sels, recipe, backend):
+    return a_bitdiff.run(dump, sels, recipe, Recipe("fp32", recipe.accumulation), backend)
+
+
+def _pcast_run(dump, sels, recipe, backend):
+    return a_pcast.run(dump, sels)
+
+
+SECTIONS: list[Section] = [
+    Section("isolate", a_isolate.run, a_isolate, t_isolate, f_isolate),
+    Section("delta-bias", a_delta_bias.run, a_delta_bias, t_delta_bias, f_delta_bias),
+    Section("rank1-sim", a_rank1_sim.run, a_rank1_sim, t_rank1_sim, f_rank1_sim),
+    Section("pv-trace", a_pv_trace.run, a_pv_trace, t_pv_trace, f_pv_trace),
+    Section("bitdiff", _bitdiff_run, a_bitdiff, t_bitdiff, f_bitdiff),
+    Section("fix-check", a_fix_check.run, a_fix_check, t_fix_check, f_fix_check),
+    Section("pcast", _pcast_run, a_pcast, t_pcast, f_pcast, whole_dump=True),
 ]
+ANALYSES = [s.name for s in SECTIONS]
 
 
 @dataclass(frozen=True)
 class SectionResult:
-    """What one analysis command produced."""
+    """What one analysis produced."""
 
     name: str
-    args: list[str]
-    exit_code: int
+    args: list[str]  # the equivalent command line
+    exit_code: int  # what the command would exit with: 0, 1 (fix-check: not removed), 2 (no result)
     ok: bool  # produced its JSON
     note: str  # '' or why there is nothing to show
-    data: Optional[dict]  # the command's --json payload
+    data: Optional[dict]  # the analysis's JSON payload
     figures: list[str]  # paths relative to the report directory
-    text: str  # what the command printed (tables, verdict)
+    text: str  # the tables and the verdict, as the command prints them
     seconds: float
     meta: dict = field(default_factory=dict)
 
 
-REPORT_TEXT_WIDTH = 160  # columns of the command output embedded in the page
+def command_line(name: str, dump: Path, selection: dict, recipe: Recipe, backend: Backend) -> list[str]:
+    """The `fa-forensics` arguments that give the same section on their own."""
+    if name == "pcast":
+        return [name, str(dump)]
+    args = [name, str(dump)]
+    for flag, value in (("--step", selection.get("step")), ("--layer", selection.get("layer")), ("--head", selection.get("head"))):
+        if value is not None:
+            args += [flag, str(value)]
+    side = ["--a", recipe.preset, "--b", "fp32"] if name == "bitdiff" else ["--preset", recipe.preset]
+    return [*args, *side, "--accumulation", recipe.accumulation.value, "--backend", Backend(backend).value]
 
 
-def _invoke(args: list[str]) -> tuple[int, str, str]:
-    """Run `fa-forensics ARGS` in-process; returns (exit code, stdout text, stderr text)."""
-    import typer
-
-    from fa_forensics.cli import app
-    from fa_forensics.commands.common import console, err_console
-
-    command = typer.main.get_command(app)
-    # Tables are captured for the page, not a terminal: render them wide enough not to truncate cells.
-    saved_widths = [c._width for c in (console, err_console)]
-    console.width = err_console.width = REPORT_TEXT_WIDTH
-    try:
-        with console.capture() as out, err_console.capture() as err:
-            try:
-                code = command.main(args=args, prog_name="fa-forensics", standalone_mode=False)
-            except SystemExit as exc:  # pragma: no cover - click may still raise in odd cases
-                code = exc.code
-            except Exception as exc:  # a usage error (click.UsageError) or a bug in one command
-                err_console.print(f"error: {type(exc).__name__}: {exc}")
-                code = 2
-    finally:
-        console._width, err_console._width = saved_widths
-    return int(code or 0), out.get(), err.get()
+def _text(renderables: list, verdict: Optional[str]) -> str:
+    console = Console(file=io.StringIO(), width=REPORT_TEXT_WIDTH, record=True, color_system=None)
+    for r in renderables:
+        console.print(r, highlight=False)
+    if verdict:
+        console.print(f"verdict: {verdict}", highlight=False)
+    return console.export_text()
 
 
-def run_section(name: str, extra: list[str], dump: Path, out_dir: Path, common: list[str]) -> SectionResult:
-    """Run one analysis command into out_dir/<name>/ and read back its JSON and figures."""
-    sec_dir = out_dir / name
+def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selection: dict, recipe: Recipe,
+                backend: Backend) -> SectionResult:
+    """Run one analysis into out_dir/<name>/: its JSON, figures and tables."""
+    sec_dir = out_dir / section.name
     sec_dir.mkdir(parents=True, exist_ok=True)
-    json_path = sec_dir / f"{name}.json"
+    json_path = sec_dir / f"{section.name}.json"
     if json_path.exists():
         json_path.unlink()
-    args = [name, str(dump), *extra, *common, "--out", str(sec_dir), "--json", str(json_path)]
+    args = command_line(section.name, dump_path, selection, recipe, backend)
     t0 = time.perf_counter()
-    code, text, err = _invoke(args)
-    seconds = time.perf_counter() - t0
-    data = None
-    if json_path.is_file():
-        try:
-            data = json.loads(json_path.read_text())
-        except json.JSONDecodeError:
-            data = None
-    figures = sorted(str(p.relative_to(out_dir)) for p in sec_dir.glob("*.png"))
-    note = ""
-    if data is None:
-        lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
-        note = lines[-1] if lines else f"exit code {code}, no JSON written"
-        if note.lower().startswith("error:"):
-            note = note[6:].strip()
-    return SectionResult(name=name, args=args, exit_code=code, ok=data is not None, note=note, data=data,
-                         figures=figures, text=text, seconds=seconds)
+    try:
+        if section.whole_dump:
+            sels = select(dump, dump.steps[-1] if dump.steps else None)
+        else:
+            sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
+        result = section.run(dump, sels, recipe, backend)
+        paths = section.figures.draw(result, sec_dir)
+        payload = to_jsonable({**section.analysis.payload(result), "figures": [str(p) for p in paths]})
+        renderables = section.tables.tables(result)
+    except UserError as exc:
+        return SectionResult(section.name, args, 2, False, str(exc), None, [], "", time.perf_counter() - t0)
+    except Exception as exc:  # a bug in one analysis must not cost the others their section
+        return SectionResult(section.name, args, 2, False, f"unexpected {type(exc).__name__}: {exc}", None, [], "",
+                             time.perf_counter() - t0)
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    figures = sorted(str(Path(p).relative_to(out_dir)) for p in paths)
+    return SectionResult(section.name, args, int(payload.get("exit_code", 0)), True, "", payload, figures,
+                         _text(renderables, payload.get("verdict")), time.perf_counter() - t0)
 
 
-def run_all(dump: Path, out_dir: Path, *, step=None, layer=None, head=None, accumulation: str = "ieee",
-            backend: str = "emulate", preset: str = "bf16", analyses=ANALYSES,
+def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head=None, recipe: Recipe = Recipe(),
+            backend: Backend = Backend.EMULATE, sections=SECTIONS,
             on_start: Optional[Callable[[str], None]] = None) -> list[SectionResult]:
-    """Every analysis on `dump` (restricted by step / layer / head when given), lp = `preset`."""
-    common = ["--accumulation", accumulation, "--backend", backend]
-    for flag, value in (("--step", step), ("--layer", layer), ("--head", head)):
-        if value is not None:
-            common += [flag, str(value)]
+    """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`."""
+    selection = {"step": step, "layer": layer, "head": head}
     results = []
-    for name, extra in analyses:
+    for section in sections:
         if on_start is not None:
-            on_start(name)
-        # pcast has its own options (no selection, no accumulation model): run it with its defaults
-        results.append(run_section(name, _with_preset(name, extra, preset), dump, out_dir, [] if name == "pcast" else common))
+            on_start(section.name)
+        results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend))
     return results
-
-
-def _with_preset(name: str, extra: list[str], preset: str) -> list[str]:
-    """The command's extra arguments with the low-precision preset: bitdiff's side A, --preset elsewhere."""
-    if name == "pcast":
-        return list(extra)
-    if name == "bitdiff":
-        out = list(extra)
-        if "--a" in out:
-            out[out.index("--a") + 1] = preset
-        return out
-    return [*extra, "--preset", preset]

@@ -4,7 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from fa_forensics.commands.bitdiff_tensor import bitdiff_dump, payload_of, run_tensor_mode
+from fa_forensics.analyses import bitdiff
+from fa_forensics.analyses.recipe import Recipe
+from fa_forensics.analyses.selection import select
+from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANTED = ROOT / "sample_dumps" / "planted.zarr"
@@ -18,12 +21,12 @@ def test_planted_feature_is_the_most_biased(tmp_path):
     dump = open_dump(PLANTED)
     truth = dump.ground_truth
     head = truth["planted_heads"][0]
-    r = bitdiff_dump(dump, "bf16", "fp32", step=1, head=head)
+    r = bitdiff.run(dump, select(dump, step=1, head=head), Recipe("bf16"), Recipe("fp32"))
     top = r.biased_features[0]
     assert (top.head, top.feature) == (head, truth["planted_feature"])
     assert top.mean < 0 and top.p_value < 1e-6
     assert 0 < r.mismatch_rate < 1 and sum(r.ulp_hist["counts"]) == r.n_elements
-    d = payload_of(r)
+    d = bitdiff.payload(r)
     assert {"mismatch_rate", "ulp_hist", "mean_signed_error", "biased_features"} <= set(d)
 
 

@@ -31,6 +31,8 @@ def test_report_on_planted(tmp_path):
     for s in d["sections"]:
         for fig in s["figures"]:
             assert (out / fig).is_file()
+        if s["ok"]:  # the keys every analysis's JSON carries
+            assert s["json"]["warnings"] == [] and "replay_fidelity" in s["json"], s["name"]
 
 
 def test_report_needs_out():

@@ -7,35 +7,38 @@ import torch
 from fa_forensics.analyses.fix_check import fix_variants, scores_fp32
 from fa_forensics.analyses.isolate import isolate_layers, variants
 from fa_forensics.analyses.pv_trace import p_bar_row, repeated_max_rows, trace_pv
-from fa_forensics.analyses.selection import check_preset, lp_config, lp_hp_pair
+from fa_forensics.analyses.recipe import Recipe, UnknownPreset
+from fa_forensics.analyses.selection import lp_hp_pair
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import matmul
 from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig, Softmax
-from fa_forensics.report.run import ANALYSES, _with_preset
+from fa_forensics.analyses.recipe import Backend
+from fa_forensics.report.run import ANALYSES, command_line
 from test_analyses_delta_bias import planted_layer
 
 BF16, FP32 = Precision.BF16, Precision.FP32
 
 
 def test_lp_config_is_the_preset_with_the_chosen_accumulation():
-    cfg = lp_config("ieee", preset="bf16-hw")
+    cfg = Recipe("bf16-hw", "ieee").base_config()
     assert cfg == ReplayConfig.preset("bf16-hw").with_(accumulation=Accumulation.IEEE)
-    assert lp_config("tensor-core", preset="bf16-autocast").s_dtype is BF16
-    assert lp_config() == ReplayConfig()  # the default stays the paper's BF16 setting
+    assert Recipe("bf16-autocast", "tensor-core").base_config().s_dtype is BF16
+    assert Recipe().base_config() == ReplayConfig()  # the default stays the paper's BF16 setting
 
 
 def test_unknown_preset_is_one_line_listing_the_presets():
-    with pytest.raises(ConfigError) as e:
-        check_preset("bf17")
+    with pytest.raises(UnknownPreset) as e:
+        Recipe("bf17")
     msg = str(e.value)
-    assert "\n" not in msg and "--preset 'bf17'" in msg and all(p in msg for p in PRESETS)
+    assert isinstance(e.value, ConfigError) and e.value.name == "bf17"
+    assert "\n" not in msg and "'bf17'" in msg and all(p in msg for p in PRESETS)
 
 
 def test_lp_hp_pair_replays_the_chosen_preset():
     t = planted_layer(T=64)
-    lp_a, hp_a = lp_hp_pair(t, backward=False, preset="bf16-autocast")
-    lp_b, hp_b = lp_hp_pair(t, backward=False, preset="bf16")
-    lp_c, _ = lp_hp_pair(t, backward=False, preset="fp32")
+    lp_a, hp_a = lp_hp_pair(t, Recipe("bf16-autocast"), backward=False)
+    lp_b, hp_b = lp_hp_pair(t, Recipe("bf16"), backward=False)
+    lp_c, _ = lp_hp_pair(t, Recipe("fp32"), backward=False)
     assert lp_a.config.s_dtype is BF16 and lp_b.config.s_dtype is FP32
     assert torch.equal(hp_a.o, hp_b.o)  # the fp32 side does not depend on the preset
     assert not torch.equal(lp_a.o, lp_b.o)  # bf16 scores and m, ℓ give other bits
@@ -44,7 +47,7 @@ def test_lp_hp_pair_replays_the_chosen_preset():
 
 @pytest.mark.parametrize("preset", ["bf16", "bf16-autocast", "bf16-hw", "fp8-s256"])
 def test_isolate_repairs_are_single_changes_of_the_preset(preset):
-    vs = {v.name: v for v in variants(1024, "ieee", preset)}
+    vs = {v.name: v for v in variants(1024, Recipe(preset).base_config(), preset)}
     base = vs["baseline"].config
     own = ReplayConfig.preset(preset)
     assert (base.s_dtype, base.stats_dtype, base.p_dtype, base.input_dtype) == (own.s_dtype, own.stats_dtype, own.p_dtype, own.input_dtype)
@@ -62,7 +65,7 @@ def test_isolate_repairs_are_single_changes_of_the_preset(preset):
 
 
 def test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias():
-    r = isolate_layers([planted_layer(step=0, seed=0, T=128)], preset="bf16-autocast")
+    r = isolate_layers([planted_layer(step=0, seed=0, T=128)], Recipe("bf16-autocast"))
     by = {v.name: v for v in r.variants}
     assert r.preset == "bf16-autocast" and r.baseline_tiles == (512, 512)
     assert r.n_biased_heads >= 1 and r.heads[0].head == 0 and by["baseline"].delta_err_sum > 0
@@ -71,7 +74,7 @@ def test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias():
     for name in ("o-fp32", "delta-o-recomputed", "delta-dp-p"):
         assert 0.6 < by[name].reduction < 0.9, (name, by[name].reduction)
     assert {"stats-fp32", "scores-fp32"} <= set(by)  # repairs of the autocast-only bf16 intermediates
-    assert "stats-fp32" not in {v.name for v in variants(128, "ieee", "bf16")}
+    assert "stats-fp32" not in {v.name for v in variants(128)}
 
 
 def test_bf16_row_sum_is_the_rest_of_the_autocast_delta_bias():
@@ -80,7 +83,7 @@ def test_bf16_row_sum_is_the_rest_of_the_autocast_delta_bias():
 
     t = planted_layer(step=0, seed=0, T=128)
     delta_hp = delta_of(t.do, replay_layer(t, hp_config(), backward=False).o)  # (B, h, T)
-    base = lp_config(preset="bf16-autocast").with_(delta="dp-p")  # δ without O
+    base = Recipe("bf16-autocast").base_config().with_(delta="dp-p")  # δ without O
     with_bf16_stats = replay_layer(t, base, backward=True).delta.double() - delta_hp
     with_fp32_stats = replay_layer(t, base.with_(stats_dtype="fp32"), backward=True).delta.double() - delta_hp
     assert float(with_bf16_stats[:, 0].sum()) > 0.05  # the planted head's Σδ error stays positive
@@ -88,7 +91,7 @@ def test_bf16_row_sum_is_the_rest_of_the_autocast_delta_bias():
 
 
 def test_fix_variants_derive_from_the_preset():
-    vs = {v.name: v for v in fix_variants(preset="bf16-autocast")}
+    vs = {v.name: v for v in fix_variants(Recipe("bf16-autocast").base_config(), "bf16-autocast")}
     assert vs["baseline"].config == ReplayConfig.preset("bf16-autocast").with_(accumulation=Accumulation.IEEE)
     assert vs["fp32-pv"].config.rescale_dtype is FP32 and vs["fp32-pv"].config.pv_dtype is FP32
     assert vs["stabilized"].config.block_n == 512 and vs["stabilized"].config.stats_dtype is BF16
@@ -149,8 +152,8 @@ def test_autocast_scores_make_repeated_maxima_more_common_and_the_trace_follows_
 
 
 def test_report_passes_the_preset_to_every_replaying_command():
-    args = {name: _with_preset(name, extra, "bf16-autocast") for name, extra in ANALYSES}
-    assert args["bitdiff"] == ["--a", "bf16-autocast", "--b", "fp32"]
-    assert args["pcast"] == []
+    args = {name: command_line(name, "d.zarr", {"step": 1}, Recipe("bf16-autocast"), Backend.EMULATE) for name in ANALYSES}
+    assert args["bitdiff"][2:8] == ["--step", "1", "--a", "bf16-autocast", "--b", "fp32"]
+    assert args["pcast"] == ["pcast", "d.zarr"]
     for name in ("isolate", "delta-bias", "rank1-sim", "pv-trace", "fix-check"):
-        assert args[name][-2:] == ["--preset", "bf16-autocast"]
+        assert args[name][4:6] == ["--preset", "bf16-autocast"]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fa_forensics.analyses.selection import LayerSelection, load, lp_hp_pair, replay_layer, select
+from fa_forensics.analyses.recipe import Recipe
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import ReplayConfig
 
@@ -58,4 +59,4 @@ def test_replay_layer_uses_the_dump_scale_and_pair_differs_only_by_precision(sma
 def test_bad_accumulation_is_a_user_error(small_dump):
     t = load(small_dump, LayerSelection(5, 0, [0]))
     with pytest.raises(UserError):
-        lp_hp_pair(t, accumulation="nope", backward=False)
+        lp_hp_pair(t, Recipe("bf16", "nope"), backward=False)

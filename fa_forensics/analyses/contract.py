@@ -1,0 +1,66 @@
+"""What every analysis's JSON carries besides its own numbers, computed in one place.
+
+Each analysis module exposes `run(dump, selections, recipe, backend, ...) -> Result` (a frozen
+dataclass with `warnings` and `replay_fidelity` fields) and `payload(result) -> dict`; its
+payload starts from `common_keys(result)`, so the shared keys have one spelling and one source:
+
+  warnings         list of one-line strings (from the layer checks of `selection.load`), [] if none
+  replay_fidelity  what share of the stored O the replayed recipe reproduces (`replay_fidelity`),
+                   or null where it is not measured
+  preset, accumulation, backend   the recipe and where it ran
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from fa_forensics.analyses.recipe import Backend, Recipe
+
+
+def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict]:
+    """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`.
+
+    None (JSON null) while no fidelity measurement is wired in; an analysis stores what this returns
+    in its Result's `replay_fidelity` and never computes it elsewhere.
+    """
+    return None
+
+
+def recipe_keys(recipe: Recipe, backend: Backend) -> dict:
+    """The JSON keys naming the replayed recipe: preset, accumulation, backend."""
+    return {"preset": recipe.preset, "accumulation": recipe.accumulation.value, "backend": Backend(backend).value}
+
+
+def common_keys(result) -> dict:
+    """`warnings` and `replay_fidelity` of a Result, as every analysis's JSON carries them."""
+    return {"warnings": list(result.warnings), "replay_fidelity": result.replay_fidelity}
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Convert dataclasses, enums, numpy/torch scalars and arrays, and paths into JSON types.
+
+    Non-finite floats become None (JSON has no NaN), so files stay valid for every reader.
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (bool, int, str)) or obj is None:
+        return obj
+    # numpy and torch without importing them eagerly
+    if hasattr(obj, "tolist"):
+        return to_jsonable(obj.tolist())
+    if hasattr(obj, "item"):
+        return to_jsonable(obj.item())
+    return str(obj)

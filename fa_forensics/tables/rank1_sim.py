@@ -1,0 +1,23 @@
+"""Table of a rank1-sim result."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from fa_forensics.analyses.rank1_sim import Rank1Result, _fmt
+
+
+def tables(r: Rank1Result) -> list[Table]:
+    """The quantities of the focus head: cosines, stand-out features, spectrum, accumulation."""
+    table = Table(title=f"rank1-sim: layer {r.focus_layer} head {r.focus_head}, {len(r.tokens)} tokens over steps {r.steps} "
+                        f"(lp = preset {r.preset})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("mean pairwise cosine of (PK)[T]ᵀX[T]" if r.has_x else "mean pairwise cosine of (PK)[T] (no X)", f"{r.cosine_offdiag_mean:+.3f}")
+    if r.has_x:
+        table.add_row("  of which: PK rows / X rows", f"{r.pk_cosine_offdiag_mean:+.3f} / {r.x_cosine_offdiag_mean:+.3f}")
+        table.add_row("input features that stand out (share)", ", ".join(f"{c.feature} ({c.weight:.2f})" for c in r.top_columns[:5]))
+        table.add_row("singular values of the gradient error Σ E", ", ".join(f"{s:.3g}" for s in r.singular_values[:5]))
+        table.add_row("effective rank / top σ² share", f"{r.effective_rank:.2f} / {r.top_sv_ratio:.2f}")
+        table.add_row("cross-step alignment of top singular vectors", _fmt(r.cross_step_alignment, "needs ≥ 2 steps"))
+        table.add_row("accumulation exponent (1 compounds, 0.5 washes out)", _fmt(r.accumulation_exponent, "needs ≥ 3 steps"))
+    return [table]
