@@ -18,7 +18,13 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
   aligned integers are summed exactly; the sum is normalized and rounded toward zero to fp32,
   which becomes the accumulator of the next group. fp32 inputs fall back to `ieee`.
 
-Speed (accumulate_tiles): the output is cut into tiles of rows whose temporaries are about
+Engines: where every operand and the starting accumulator are finite fp32 numbers (what the
+emulator always passes) the compiled kernels of `accumulate_jit` run (numba: one hardware fma
+per term for ieee, the group alignment in fp64 for tensor-core); anything else (NaN, inf, fp64
+values that are not fp32 numbers) and `engine="torch"` run the torch kernels below, which are
+also the reference the compiled ones are tested against bit for bit.
+
+Speed of the torch kernels (accumulate_tiles): the output is cut into tiles of rows whose temporaries are about
 `_CHUNK_BYTES` (cache-sized); Python loops run over tiles and K (ieee) or groups of K
 (tensor-core). Where products are exact in fp32 (bf16 / fp16 / fp8 values) the kernels work in
 fp32 / int32 (ieee: one `addcmul_` per k; tensor-core: exponents and scales from bit patterns,
@@ -51,6 +57,8 @@ from fa_forensics.numerics.accumulate_tiles import (
 )
 
 ACCUMULATIONS = ("ieee", "tensor-core")
+ENGINES = ("auto", "torch")
+DEFAULT_ENGINE = "auto"  # the engine of matmul(engine=None); tests set "torch" to replay on the reference kernels
 _CHUNK_BYTES = 8 * 2**20  # target size of the largest temporary of one tile (measured best at 4-16 MiB)
 _IEEE_TILE_FACTOR = 1  # the ieee kernel's temporary is one fp32 (m, N) accumulator
 _EXACT64_TILE_BYTES = 512 * 2**10  # fp64 (m, N) sum of the fp32-operand ieee kernel: ~5 passes per k, keep it in L2
@@ -220,35 +228,80 @@ def matmul(
     gpu="h100",
     in_format: FormatLike = "bf16",
     acc: Optional[torch.Tensor] = None,
+    engine: Optional[str] = None,
 ) -> torch.Tensor:
     """a (..., M, K) @ b (..., K, N) under an accumulation model; returns fp32 (..., M, N).
 
     a and b hold exact values of `in_format` inputs (any float dtype). `acc` (..., M, N) is an
     optional starting fp32 accumulator (the running O of flash attention, say).
+    engine: "auto" runs the compiled kernels (accumulate_jit) where every operand is a finite
+    fp32 number and the torch kernels elsewhere; "torch" always runs the torch kernels (the
+    reference the compiled ones are tested against); None: DEFAULT_ENGINE. Both give the same bits.
     """
     model = normalize_accumulation(accumulation)
+    engine = DEFAULT_ENGINE if engine is None else engine
+    if engine not in ENGINES:
+        raise ConfigError(f"matmul: unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     if a.shape[-1] != b.shape[-2]:
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    if acc is None:
-        acc = torch.zeros(*lead, M, N, dtype=torch.float32)
-    else:
-        acc = acc.to(torch.float32).expand(*lead, M, N)
     params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
     L = 1
     for d in lead:
         L *= d
     a3 = a.expand(*lead, M, K).reshape(L, M, K)  # (L, M, K)
     b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
-    acc3 = acc.reshape(L, M, N)  # (L, M, N)
-
+    acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)  # (L, M, N)
+    if engine == "auto":
+        out = _compiled(a3, b3, acc3, params)
+        if out is not None:
+            return out.reshape(*lead, M, N)
+    acc3 = torch.zeros(L, M, N, dtype=torch.float32) if acc3 is None else acc3.to(torch.float32)
     with _one_thread():
         if params is None:  # ieee (or fp32 inputs under tensor-core)
             out = _ieee(a3, b3, acc3)
         else:
             out = _tensor_core(a3, b3, acc3, params)
     return out.reshape(*lead, M, N)
+
+
+def _as_fp32_array(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x as a contiguous fp32 tensor when every value is a finite fp32 number, else None."""
+    if not x.dtype.is_floating_point or x.dtype.itemsize > 8:
+        return None
+    x32 = x.to(torch.float32).contiguous()
+    if x.dtype == torch.float64 and not bool((x32.to(torch.float64) == x).all()):
+        return None  # a value that is not an fp32 number (or NaN)
+    from fa_forensics.numerics import accumulate_jit  # numba compiles (or loads) its kernels on first use
+
+    return x32 if accumulate_jit.all_finite(x32.view(-1).numpy()) else None
+
+
+def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
+              params: Optional[TensorCoreParams]) -> Optional[torch.Tensor]:
+    """The model on the compiled kernels: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), or from
+    zeros when acc3 is None -> fp32 (L, M, N); None when an operand is outside their domain
+    (not a finite fp32 number)."""
+    from fa_forensics.numerics import accumulate_jit
+
+    a, b = _as_fp32_array(a3), _as_fp32_array(b3)
+    if a is None or b is None:
+        return None
+    if acc3 is None:
+        out = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
+    else:
+        out = _as_fp32_array(acc3)
+        if out is None:
+            return None
+        if out.data_ptr() == acc3.data_ptr():
+            out = out.clone()  # the kernels write in place; never into the caller's tensor
+    with accumulate_jit.threads(torch.get_num_threads()):
+        if params is None:
+            accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy())
+        else:
+            accumulate_jit.tensor_core_matmul(a.numpy(), b.numpy(), out.numpy(), params.F, params.neab)
+    return out
 
 
 @contextlib.contextmanager

@@ -1,0 +1,154 @@
+"""Compiled kernels of the accumulation models (numba): what `accumulate.matmul` runs on fp32 values.
+
+Same contract as the torch kernels in `accumulate_tiles` and the reference steps in `accumulate`
+(bit-identical, tested): a (L, M, K) @ b (L, K, N) from a starting accumulator acc (L, M, N),
+every operand a finite fp32 number, result fp32.
+
+- ieee: acc = fma(a_k, b_k, acc) for k = 0 .. K−1 in order, with LLVM's `llvm.fma.f32`, which
+  is one correctly rounded fused multiply-add by definition (hardware FMA where the CPU has it,
+  the C library's fmaf otherwise). That IS the ieee model for any fp32 operands: exact product,
+  one nearest-even rounding of the sum, subnormals included. Loop order per output row: k outer,
+  columns inner, so the compiler vectorizes across columns while each element still sees its
+  products in k order; the row (N fp32 values) stays in L1 across the k loop.
+- tensor-core: per group of F consecutive k the F products (exact in fp64: 24 × 24 significant
+  bits, exponents far inside fp64's range) and the accumulator are aligned to the largest
+  exponent e_max among them, truncated to multiples of 2^q, q = e_max − 23 − neab, summed exactly
+  (integers below 2^(25 + neab), at most F + 1 of them: exact in fp64), and the sum is rounded
+  toward zero to fp32 (`_rz_fp32`). Columns are vectorized the same way: one pass over the
+  group finds e_max per column, a second sums the truncated terms.
+
+Why numba rather than a torch C++ extension: numba ships manylinux wheels (llvmlite bundles its
+own LLVM), so a fresh machine needs no compiler and no build step at install time; kernels are
+compiled on first use for the host CPU (a few seconds, cached on disk next to this file by
+`cache=True`) and stay plain Python that a maintainer can read and step through
+(`NUMBA_DISABLE_JIT=1`). A C++ extension would need a compiler and torch headers on every
+machine, a build of about a minute, and a rebuild for every torch ABI.
+
+Rows are spread over numba's threads (`prange`); `matmul` sets their number to torch's.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+_FP32_MAX = float(np.finfo(np.float32).max)
+_FP32_TINY = 2.0**-126  # smallest normal fp32
+_RZ_MASK = ~((1 << 29) - 1)  # fp64 keeps 52 fraction bits, fp32 23: clearing the low 29 truncates to fp32
+_EXP_MASK = 2047
+_JIT = dict(nogil=True, cache=True)
+
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """fp32 fma(a, b, c) = round(a·b + c), one rounding: LLVM's llvm.fma.f32."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@numba.njit(parallel=True, **_JIT)
+def ieee_matmul(a, b, out):
+    """out (L, M, N) fp32, holding the starting accumulator, += a (L, M, K) @ b (L, K, N) by
+    sequential fp32 fmas in k order (in place)."""
+    L, M, K = a.shape
+    N = b.shape[2]
+    for r in prange(L * M):
+        l, i = r // M, r % M
+        row = out[l, i]
+        for k in range(K):
+            a_ik = a[l, i, k]
+            b_k = b[l, k]
+            for j in range(N):
+                row[j] = _fma32(a_ik, b_k[j], row[j])
+
+
+@numba.njit(parallel=True, **_JIT)
+def tensor_core_matmul(a, b, out, F, neab):
+    """out (L, M, N) fp32, holding the starting accumulator, becomes the tensor-core model's
+    a (L, M, K) @ b (L, K, N): groups of F products aligned to e_max, truncated, summed exactly,
+    rounded toward zero to fp32 (in place)."""
+    L, M, K = a.shape
+    N = b.shape[2]
+    for r in prange(L * M):
+        l, i = r // M, r % M
+        row = out[l, i]
+        b64 = np.empty((F, N), np.float64)  # the group's rows of b, in fp64
+        acc = np.empty(N, np.float64)
+        top = np.empty(N, np.float64)  # largest |term| per column
+        scale = np.empty(N, np.float64)  # 2^-q per column
+        inv_scale = np.empty(N, np.float64)  # 2^q
+        total = np.empty(N, np.float64)  # exact sum of the aligned terms
+        total_bits = total.view(np.int64)
+        for j in range(N):
+            acc[j] = row[j]
+        for k0 in range(0, K, F):
+            n = min(F, K - k0)
+            for f in range(n):
+                for j in range(N):
+                    b64[f, j] = b[l, k0 + f, j]
+            for j in range(N):
+                top[j] = abs(acc[j])
+            for f in range(n):
+                a_f = np.float64(a[l, i, k0 + f])
+                for j in range(N):
+                    top[j] = max(top[j], abs(a_f * b64[f, j]))
+            top_bits = top.view(np.int64)
+            scale_bits = scale.view(np.int64)
+            inv_bits = inv_scale.view(np.int64)
+            for j in range(N):
+                e_max = max(((top_bits[j] >> 52) & _EXP_MASK) - 1023, -900)  # floor(log2 top); zeros clamp
+                scale_bits[j] = (1023 - (e_max - 23 - neab)) << 52  # 2^-q from its bit pattern
+                inv_bits[j] = (2046 << 52) - scale_bits[j]  # 2^q
+            for j in range(N):
+                total[j] = 0.0  # +0: an all-zero group sums to +0, as an integer sum does
+            for f in range(n):
+                a_f = np.float64(a[l, i, k0 + f])
+                for j in range(N):
+                    total[j] += np.trunc(a_f * b64[f, j] * scale[j])  # exact scaling, truncation toward zero
+            for j in range(N):  # the exact sum, scaled back by 2^q (exact: powers of two, normal range)
+                x = (total[j] + np.trunc(acc[j] * scale[j])) * inv_scale[j]
+                acc[j] = x
+                total[j] = x
+            for j in range(N):  # round toward zero to fp32: clear the low 29 fraction bits
+                total_bits[j] &= _RZ_MASK
+            for j in range(N):  # outside fp32's normal range: ±max on overflow, the subnormal grid 2^-149
+                t = total[j]
+                at = abs(t)
+                if at > _FP32_MAX:
+                    acc[j] = _FP32_MAX if t > 0 else -_FP32_MAX
+                elif at < _FP32_TINY and at > 0:
+                    acc[j] = np.trunc(acc[j] * 2.0**149) * 2.0**-149
+                else:
+                    acc[j] = t
+        for j in range(N):
+            row[j] = acc[j]
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Run numba's parallel loops on n threads (at most as many as it started), then restore."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+@numba.njit(**_JIT)
+def all_finite(x):
+    """True when no value of the fp32 vector x is ±inf or NaN."""
+    ok = True
+    for i in range(x.shape[0]):
+        ok &= abs(x[i]) <= _FP32_MAX  # False for NaN too
+    return ok
