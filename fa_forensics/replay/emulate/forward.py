@@ -93,8 +93,10 @@ class _RowMaxTracker:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *,
-            causal: bool, scale: float, generator: Optional[torch.Generator]) -> Forward:
-    """Run the FA2 forward of the module docstring; q, k, v (B, H, T, D) fp32 input_dtype values."""
+            causal: bool, scale: float, generator: Optional[torch.Generator], row0: int = 0) -> Forward:
+    """Run the FA2 forward of the module docstring; q (B, H, T, D), k, v (B, H, N, D) fp32
+    input_dtype values. q may be a block of query rows starting at row `row0` (rows are
+    independent: a block's results are bit for bit those rows of the whole)."""
     B, H, T, D = q.shape
     n_keys = k.shape[-2]
     S_scale = float(config.p_scale)
@@ -112,10 +114,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     fired_any = torch.zeros((B, H, T), dtype=torch.bool)
 
     for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
-        r0 = j0 if causal else 0  # rows before j0 see nothing of this block
+        r0 = max(j0 - row0, 0) if causal else 0  # rows before j0 see nothing of this block
         if r0 >= T:
             continue
-        s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, r0, j0)  # (B, H, R, N)
+        s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0)  # (B, H, R, N)
         tracker.update(s, r0)
         m_prev = m[..., r0:]
         shift = block_shift(m_prev, s, config)

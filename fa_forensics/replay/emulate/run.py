@@ -1,17 +1,54 @@
-"""emulate_replay: cast the inputs, run the forward and (with dO) the backward, build ReplayOut."""
+"""emulate_replay: cast the inputs, run the forward and (with dO) the backward, build ReplayOut.
+
+Memory is bounded by blocks, not by H·T²: the replay runs one work item at a time, a group of
+heads of one batch entry, and within it blocks of query rows (`StreamPlan`), so the largest
+temporary holds about `BLOCK_ELEMENTS` scores whatever H and T are. Heads and rows are
+independent in attention, so every block's results are bit for bit those of one pass over the
+whole (the backward carries its dK / dV accumulators across row blocks in row order).
+Stochastic rounding draws from one seeded generator in the order of one pass, so a replay with
+it runs as one pass (its memory grows with B·H·T·block_n).
+"""
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 
 from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding
-from fa_forensics.replay.emulate.backward import backward
-from fa_forensics.replay.emulate.forward import forward
+from fa_forensics.replay.emulate.backward import Backward, backward, query_blocks
+from fa_forensics.replay.emulate.forward import Forward, forward
 from fa_forensics.replay.emulate.ops import cast, torch_dtype
-from fa_forensics.replay.out import ReplayOut
+from fa_forensics.replay.out import PBarStats, ReplayOut
 
 _FP32 = Precision.FP32
+BLOCK_ELEMENTS = 2**21  # scores (heads × query rows × keys) per block: 8 MiB per fp32 temporary
+_ROW_QUANTUM = 32  # row blocks are multiples of the largest tensor-core group (see backward.query_blocks)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """How one replay is cut: `heads` per work item, `block_m` query rows per block (None = all)."""
+
+    heads: int
+    block_m: Optional[int]
+
+    @classmethod
+    def for_shape(cls, H: int, T: int, n_keys: int, budget: Optional[int] = None) -> "StreamPlan":
+        """The largest work items whose (heads, rows, keys) temporaries stay within `budget`
+        elements (default BLOCK_ELEMENTS): whole heads while one fits, else one head in blocks of rows."""
+        budget = BLOCK_ELEMENTS if budget is None else budget
+        per_head = T * max(n_keys, 1)
+        if per_head <= budget:
+            return cls(heads=max(1, min(H, budget // per_head)), block_m=None)
+        rows = max(_ROW_QUANTUM, budget // max(n_keys, 1) // _ROW_QUANTUM * _ROW_QUANTUM)
+        return cls(heads=1, block_m=rows if rows < T else None)
+
+    def items(self, B: int, H: int) -> Iterator[tuple[int, slice]]:
+        """(batch index, head slice) of every work item, in order."""
+        for b in range(B):
+            for h0 in range(0, H, self.heads):
+                yield b, slice(h0, min(h0 + self.heads, H))
 
 
 def to_input_dtype(x: torch.Tensor, config: ReplayConfig) -> torch.Tensor:
@@ -28,13 +65,57 @@ def high_precision_twin(config: ReplayConfig) -> ReplayConfig:
                         s_dtype=_FP32, stats_dtype=_FP32, rescale_dtype=_FP32)
 
 
+_STAT_FIELDS = ("repeated_max_rows", "p_one_count", "stabilized_rows", "p_zeroed", "rows")
+
+
+def streamed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, plan: StreamPlan, *,
+                     causal: bool, scale: float, generator: Optional[torch.Generator]) -> Forward:
+    """`forward` run work item by work item and row block by row block; the same bits as one pass."""
+    if config.rounding is Rounding.STOCHASTIC:
+        return forward(q, k, v, config, causal=causal, scale=scale, generator=generator)
+    B, H, T, D = q.shape
+    o = torch.empty(B, H, T, D)
+    lse = torch.empty(B, H, T)
+    counts = {name: torch.zeros(B, H, dtype=torch.int64) for name in _STAT_FIELDS}  # (B, H) each
+    for b, hs in plan.items(B, H):
+        bs = slice(b, b + 1)
+        for i0, i1 in query_blocks(T, plan.block_m):
+            part = forward(q[bs, hs, i0:i1], k[bs, hs], v[bs, hs], config, causal=causal, scale=scale,
+                           generator=generator, row0=i0)
+            o[bs, hs, i0:i1] = part.o
+            lse[bs, hs, i0:i1] = part.lse
+            for name in _STAT_FIELDS:
+                counts[name][bs, hs] += getattr(part.stats, name)
+    return Forward(o=o, lse=lse, stats=PBarStats(**counts))
+
+
+def streamed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                      config: ReplayConfig, plan: StreamPlan, *, causal: bool, scale: float,
+                      o_for_delta: Optional[torch.Tensor]) -> Backward:
+    """`backward` run work item by work item, in row blocks of plan.block_m; the same bits as one pass."""
+    B, H = q.shape[:2]
+    delta = torch.empty(lse.shape)
+    dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
+    for b, hs in plan.items(B, H):
+        at = (slice(b, b + 1), hs)
+        part = backward(q[at], k[at], v[at], do[at], lse[at], config, causal=causal, scale=scale,
+                        o_for_delta=None if o_for_delta is None else o_for_delta[at], block_m=plan.block_m)
+        delta[at], dq[at], dk[at], dv[at] = part.delta, part.dq, part.dk, part.dv
+    return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
+
+
 def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
-                   do: Optional[torch.Tensor] = None, *, causal: bool, scale: float) -> ReplayOut:
-    """Replay attention on the CPU emulator; shapes and arguments already validated by api.replay."""
+                   do: Optional[torch.Tensor] = None, *, causal: bool, scale: float,
+                   plan: Optional[StreamPlan] = None) -> ReplayOut:
+    """Replay attention on the CPU emulator; shapes and arguments already validated by api.replay.
+
+    plan: how to cut the work (default: `StreamPlan.for_shape`, blocks of about BLOCK_ELEMENTS)."""
+    B, H, T, _ = q.shape
+    plan = plan or StreamPlan.for_shape(H, T, k.shape[-2])
     with torch.no_grad():
         q32, k32, v32 = (to_input_dtype(x, config) for x in (q, k, v))  # (B, H, T, D)
         generator = torch.Generator().manual_seed(config.seed)
-        fwd = forward(q32, k32, v32, config, causal=causal, scale=scale, generator=generator)
+        fwd = streamed_forward(q32, k32, v32, config, plan, causal=causal, scale=scale, generator=generator)
         delta = dq = dk = dv = None
         if do is not None:
             do32 = to_input_dtype(do, config)
@@ -43,8 +124,9 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
                 o_for_delta = fwd.o
             elif config.delta is DeltaSource.O_HIGHP:
                 twin = high_precision_twin(config)
-                o_for_delta = forward(q32, k32, v32, twin, causal=causal, scale=scale, generator=None).o
-            grads = backward(q32, k32, v32, do32, fwd.lse, config, causal=causal, scale=scale, o_for_delta=o_for_delta)
+                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None).o
+            grads = streamed_backward(q32, k32, v32, do32, fwd.lse, config, plan, causal=causal, scale=scale,
+                                      o_for_delta=o_for_delta)
             delta, dq, dk, dv = grads.delta, grads.dq, grads.dk, grads.dv
         return ReplayOut(
             o=fwd.o.to(torch_dtype(config.o_dtype)),
