@@ -273,9 +273,23 @@ def _as_fp32_array(x: torch.Tensor) -> Optional[torch.Tensor]:
     x32 = x.to(torch.float32).contiguous()
     if x.dtype == torch.float64 and not bool((x32.to(torch.float64) == x).all()):
         return None  # a value that is not an fp32 number (or NaN)
-    from fa_forensics.numerics import accumulate_jit  # numba compiles (or loads) its kernels on first use
+    return x32 if _jit().all_finite(x32.view(-1).numpy()) else None
 
-    return x32 if accumulate_jit.all_finite(x32.view(-1).numpy()) else None
+
+def _jit():
+    """The compiled kernels' module (numba compiles or loads them on first use)."""
+    from fa_forensics.numerics import accumulate_jit
+
+    return accumulate_jit
+
+
+def _compiled_available() -> bool:
+    """numba imports here (a declared dependency; without it the torch kernels give the same bits, slower)."""
+    try:
+        _jit()
+    except ImportError:
+        return False
+    return True
 
 
 def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
@@ -283,8 +297,9 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
     """The model on the compiled kernels: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), or from
     zeros when acc3 is None -> fp32 (L, M, N); None when an operand is outside their domain
     (not a finite fp32 number)."""
-    from fa_forensics.numerics import accumulate_jit
-
+    if not _compiled_available():
+        return None
+    accumulate_jit = _jit()
     a, b = _as_fp32_array(a3), _as_fp32_array(b3)
     if a is None or b is None:
         return None
