@@ -16,7 +16,3 @@ class DumpError(UserError):
 
 class ConfigError(UserError):
     """A replay configuration or an option value is invalid."""
-
-
-class NotAvailableYet(UserError):
-    """The command exists in the CLI but its implementation has not landed."""

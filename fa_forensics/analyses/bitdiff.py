@@ -21,7 +21,7 @@ import torch
 
 from fa_forensics.analyses.contract import common_keys, replay_fidelity
 from fa_forensics.analyses.recipe import Backend
-from fa_forensics.analyses.selection import load, lp_of, replay_layer
+from fa_forensics.analyses.selection import as_seen_by, input_cast_error, load, lp_of, replay_layer
 from fa_forensics.errors import DumpError
 
 ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP
@@ -123,6 +123,7 @@ class BitdiffResult:
     steps: list[int] = field(default_factory=list)
     accumulation: str = "ieee"
     backend: str = "emulate"
+    input_cast: Optional[dict] = None  # the recipe's input cast alone (fp32 O of rounded vs stored inputs), None if no-op
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
@@ -242,32 +243,54 @@ def run(dump, selections, a, b, backend="emulate", *, progress=None) -> BitdiffR
     A side is a `Recipe` (O replayed under its config at each layer-step) or None (the O stored in
     the dump). Both recipes share one accumulation model.
     """
-    parts, warnings = [], []
+    parts, cast_parts, warnings = [], [], []
     for sel in selections:
         t = load(dump, sel)
-        warnings.extend(w for w in t.warnings if w not in warnings)
+        configs = [None if side is None else lp_of(t, side) for side in (a, b)]
+        seen_cfg = min((c for c in configs if c is not None), key=lambda c: _INPUT_BITS[c.input_dtype.value], default=None)
+        seen = t if seen_cfg is None else as_seen_by(t, seen_cfg)  # both replays see the coarser side's inputs
+        warnings.extend(w for w in seen.warnings if w not in warnings)
         sides = []
-        for side in (a, b):
-            if side is None:
+        for cfg in configs:
+            if cfg is None:
                 if t.o is None:
                     raise DumpError(f"{t.where} has no stored 'o'; compare two presets instead of 'dump'")
                 sides.append(t.o)
             else:
-                sides.append(replay_layer(t, lp_of(t, side), backward=False, backend=backend).o)
+                sides.append(replay_layer(seen, cfg, backward=False, backend=backend).o)
         parts.append(compare_layer_step(sides[0], sides[1], step=sel.step, layer=sel.layer, heads=sel.heads))
+        if seen is not t:
+            o_raw, o_cast = input_cast_error(t, seen_cfg, backend)
+            cast_parts.append(compare_layer_step(o_cast, o_raw, step=sel.step, layer=sel.layer, heads=sel.heads, top_k=0))
         if progress is not None:
             progress()
     recipe = a if a is not None else b
     return replace(summarize(parts, side_name(a), side_name(b)),
                    accumulation=recipe.accumulation.value if recipe is not None else "ieee", backend=Backend(backend).value,
-                   warnings=tuple(warnings), replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
+                   input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
+                   replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
+
+
+_INPUT_BITS = {"fp32": 24, "fp16": 11, "bf16": 8, "fp8_e4m3": 4, "fp8_e5m2": 3}  # significand bits of each input format
+
+
+def _input_cast_summary(parts: list[LayerStepDiff]) -> Optional[dict]:
+    """What rounding the stored inputs to the recipe's input format alone does to the fp32 O (None if nothing)."""
+    if not parts:
+        return None
+    r = summarize(parts, "fp32 of the rounded inputs", "fp32 of the stored inputs")
+    return {"mismatch_rate": r.mismatch_rate, "n_elements": r.n_elements, "n_biased_features": len(r.biased_features),
+            "biased_features": r.biased_features[:10], "n_cells": r.n_cells}
 
 
 def verdict(r: BitdiffResult) -> str:
-    """One sentence: the share of differing elements and the most biased feature."""
+    """One sentence: the share of differing elements, the most biased feature, and the input cast apart."""
     top = r.biased_features[0] if r.biased_features else None
     tail = (f"; most biased: layer {top.layer} head {top.head} feature {top.feature} mean {top.mean:+.3e} ± {top.se:.1e} (p={top.p_value:.2g})"
             if top else "; no feature is significantly biased")
+    if r.input_cast is not None:
+        tail += (f"; apart from that, the recipe's input cast alone biases {r.input_cast['n_biased_features']} feature(s) "
+                 f"of the fp32 O ({r.input_cast['mismatch_rate']:.1%} of elements change)")
     return f"{r.mismatch_rate:.1%} of elements differ in {r.fmt} bits; {len(r.biased_features)} biased feature(s){tail}"
 
 
@@ -278,5 +301,6 @@ def payload(r: BitdiffResult) -> dict:
         "mismatch_rate": r.mismatch_rate, "ulp_hist": r.ulp_hist,
         "mean_signed_error": r.mean_signed_error, "biased_features": r.biased_features,
         "alpha": r.alpha, "n_cells": r.n_cells, "largest": r.largest,
+        "input_cast": r.input_cast,
         "accumulation": r.accumulation, "backend": r.backend, **common_keys(r), "verdict": verdict(r),
     }

@@ -20,7 +20,7 @@ import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.recipe import Backend, Recipe
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
 from fa_forensics.errors import DumpError
 
@@ -182,6 +182,7 @@ def delta_bias_layers(
     all_dd: list[torch.Tensor] = []
     by_head: dict[tuple[int, int], dict] = {}
     for t in layers:
+        t = as_seen_by(t, lp_of(t, recipe))  # both sides replay the inputs as the recipe sees them
         warnings.extend(w for w in t.warnings if w not in warnings)
         part = _layer_part(t, recipe, backend)
         sel = part.sel

@@ -24,7 +24,7 @@ sign-test p-value, and in that head Σ_T(δ_v − δ_hp) ± se with δ = rowsum(
 backward's δ for O_lp; no backward pass is run).
 
 Verdict rule (exit code of the command): the fix removes the bias (0) when the baseline bias is
-significant (p < 0.01), the fixed replay has no NaN, and either bias_reduction = |baseline bias| /
+significant (sign test p < 0.01 / number of cells, Bonferroni, as for picking it), the fixed replay has no NaN, and either bias_reduction = |baseline bias| /
 |fixed bias| ≥ 10 or the fixed bias is not significant (p ≥ 0.01). No significant baseline bias:
 nothing to remove (0). Otherwise 1. An alternative is "still biased" when its bias in the target
 cell is significant (p < 0.01).
@@ -41,7 +41,7 @@ import torch
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
-from fa_forensics.analyses.selection import LayerSelection, load, lp_of, replay_layer
+from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_of, replay_layer
 from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
 
 ALPHA = 0.01
@@ -262,7 +262,7 @@ def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerSte
         tail += f"; produced NaN: {', '.join(broken)}"
     if fixed.nan_count:
         removed, verdict = False, f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at {where}"
-    elif baseline.o_bias_p >= ALPHA:
+    elif baseline.o_bias_p >= ALPHA / max(len(cells), 1):  # Bonferroni over the cells the target was picked from
         removed, verdict = True, f"NO BIAS TO REMOVE: the baseline shows no significant O bias at {where} ({numbers})"
     elif reduction >= MIN_REDUCTION or fixed.o_bias_p >= ALPHA:
         removed, verdict = True, f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
@@ -285,8 +285,10 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     warnings: list[str] = []
     for sel in selections:
         t = load(dump, sel)
+        lp = lp_of(t, recipe)
+        t = as_seen_by(t, lp)  # both sides replay the inputs as the recipe sees them
         warnings.extend(w for w in t.warnings if w not in warnings)
-        variants = fix_variants(lp_of(t, recipe), recipe.preset, beta=beta, eps=eps, offset=offset)
+        variants = fix_variants(lp, recipe.preset, beta=beta, eps=eps, offset=offset)
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value)  # (B, h, T, T)
         for v in variants:

@@ -42,7 +42,9 @@ from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fide
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
 from fa_forensics.analyses.rank1_sim import pk_rows
 from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, lp_of, replay_layer
+from fa_forensics.analyses.selection import (
+    LayerSelection, LayerTensors, as_seen_by, input_cast_error, load, lp_of, replay_layer,
+)
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding, Softmax
@@ -195,6 +197,7 @@ class IsolateResult:
     recipe: Recipe  # the low-precision side the baseline and repairs derive from
     backend: Backend
     baseline_tiles: tuple = (0, 0)  # (block_m, block_n) of the baseline
+    input_cast: Optional[VariantResult] = None  # the recipe's input cast alone (None when it changes nothing)
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
@@ -233,17 +236,26 @@ def isolate_layers(
     warnings: list[str] = []
     measures: dict[str, list[HeadMeasure]] = {}
     signs: dict[str, list[torch.Tensor]] = {}
+    cast_measures: list[HeadMeasure] = []
+    cast_signs: list[torch.Tensor] = []
     heads: list[HeadDelta] = []
     tiles, vs = (0, 0), []
     for t in layers:
         if t.do is None:
             raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
+        lp = lp_of(t, recipe)
+        pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D) from the stored inputs
+        cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
+        if cast_only is not None:
+            o_raw, o_cast = cast_only
+            cast_measures.extend(measure_heads(o_cast, o_raw, delta_error(t.do, o_cast, o_raw), pk, t.x, t.scale))
+            cast_signs.append(delta_error(t.do, o_cast, o_raw).reshape(-1))
+        t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
         warnings.extend(w for w in t.warnings if w not in warnings)
-        vs = variants(t.q.shape[2], lp_of(t, recipe), recipe.preset)
+        vs = variants(t.q.shape[2], lp, recipe.preset)
         tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
-        pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D)
         base_o = None
         for v in vs:
             out = replay_layer(t, v.config, backward=v.backward, backend=backend)
@@ -268,10 +280,15 @@ def isolate_layers(
     direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if b else 0.0 for h, b in zip(heads, biased)]
     base_bias = sum(abs(h.delta_err_sum) for h, b in zip(heads, biased) if b)
     results = [_combine(v, measures[v.name], torch.cat(signs[v.name]), direction, base_bias) for v in vs]
+    input_cast = None
+    if cast_measures:
+        what = Variant("input-cast", f"the recipe's rounding of the stored inputs to {vs[0].config.input_dtype.value} "
+                                     "(fp32 replays of stored vs rounded inputs; not a kernel error)", hp_config(), False)
+        input_cast = _combine(what, cast_measures, torch.cat(cast_signs), [0.0] * len(cast_measures), 0.0)
     culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
     heads.sort(key=lambda h: -abs(h.delta_err_sum))
     return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), recipe, Backend(backend),
-                         tuple(int(b) for b in tiles), tuple(warnings))
+                         tuple(int(b) for b in tiles), input_cast, tuple(warnings))
 
 
 def _combine(v: Variant, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> VariantResult:
@@ -316,5 +333,5 @@ def payload(r: IsolateResult) -> dict:
     return {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
         "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,
-        **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+        "input_cast": r.input_cast, **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

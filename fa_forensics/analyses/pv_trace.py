@@ -42,7 +42,7 @@ import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.recipe import Backend, Recipe
-from fa_forensics.analyses.selection import LayerSelection, load, lp_hp_pair, lp_of
+from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
 
 ONE = 1.0
 
@@ -330,8 +330,9 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D))]
     for sel in selections:
         t = load(dump, sel)
-        warnings.extend(w for w in t.warnings if w not in warnings)
         lp_cfg = lp_of(t, recipe)
+        t = as_seen_by(t, lp_cfg)  # both sides replay the inputs as the recipe sees them
+        warnings.extend(w for w in t.warnings if w not in warnings)
         B, h, T, D = t.q.shape
         if feature is not None and not 0 <= feature < D:
             raise UserError(f"--feature {feature} is out of range at step {sel.step} layer {sel.layer}: features are 0..{D - 1}")
@@ -363,7 +364,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
             choice = "given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error")
             best = (cell, sel, b, r, items[0][2], choice, {"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
     cell, sel, b, T_row, cfg, choice, split = best
-    t = load(dump, sel)
+    t = as_seen_by(load(dump, sel), cfg)
     hi, f = cell.head_index, cell.feature
     cell = BiasCell(batch=b, head_index=hi, feature=f, row=T_row, mean=cell.mean, se=cell.se, p_value=cell.p_value,
                     row_error=cell.row_error)

@@ -23,7 +23,7 @@ import torch
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error
 from fa_forensics.analyses.recipe import Backend, Recipe
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, load, lp_hp_pair
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -187,6 +187,7 @@ def rank1_sim_layers(
     per_head: dict[tuple[int, int], dict] = {}
     has_x = True
     for t in layers:
+        t = as_seen_by(t, lp_of(t, recipe))  # both sides replay the inputs as the recipe sees them
         warnings.extend(w for w in t.warnings if w not in warnings)
         has_x = has_x and t.x is not None
         dd, E, chosen = _layer_part(t, recipe, backend, tokens_per_step)

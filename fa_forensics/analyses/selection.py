@@ -156,12 +156,50 @@ def lp_of(t: LayerTensors, recipe: Recipe) -> ReplayConfig:
     return lp_config_for(t.source, t.step, t.layer, recipe)
 
 
+def as_seen_by(t: LayerTensors, lp: ReplayConfig) -> LayerTensors:
+    """`t` with q, k, v and dO rounded (nearest-even) to `lp.input_dtype`: the inputs as the recipe sees them.
+
+    Both sides of an lp/hp comparison replay these (paper Eq. 4 compares two computations on the same
+    inputs), so that the input cast of a dump finer than the recipe (fp32 training, bf16 recipe) is
+    never counted as a kernel error; `input_cast_error` measures that cast apart. When the cast
+    changes any value, the returned layer carries a warning saying so.
+    """
+    from fa_forensics.numerics import round_to
+
+    fmt = lp.input_dtype.value
+
+    def seen(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if x is None or fmt == "fp32" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return x
+        return round_to(x.to(torch.float32), fmt).to(torch.float32)
+
+    q, k, v, do = (seen(x) for x in (t.q, t.k, t.v, t.do))
+    if all(a is b or torch.equal(a.to(torch.float32), b) for a, b in ((t.q, q), (t.k, k), (t.v, v))):
+        return t
+    message = (f"{t.where}: the stored q, k, v ({str(t.q.dtype).removeprefix('torch.')}) are finer than the recipe's "
+               f"{fmt} inputs; both sides replay them rounded to {fmt}, and the input cast's own error is reported apart")
+    return replace(t, q=q, k=k, v=v, do=do, warnings=(*t.warnings, message) if message not in t.warnings else t.warnings)
+
+
 def lp_hp_pair(t: LayerTensors, recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *, backward: bool = True):
-    """(low-precision replay, high-precision replay) of the same stored inputs: the recipe's config
-    at this layer-step against preset "fp32" (ieee)."""
-    lp = replay_layer(t, lp_of(t, recipe), backward=backward, backend=backend)
-    hp = replay_layer(t, hp_config(), backward=backward, backend=backend)
+    """(low-precision replay, high-precision replay) of identical inputs (`as_seen_by`): the recipe's
+    config at this layer-step against preset "fp32" (ieee)."""
+    lp_cfg = lp_of(t, recipe)
+    seen = as_seen_by(t, lp_cfg)
+    lp = replay_layer(seen, lp_cfg, backward=backward, backend=backend)
+    hp = replay_layer(seen, hp_config(), backward=backward, backend=backend)
     return lp, hp
+
+
+def input_cast_error(t: LayerTensors, lp: ReplayConfig, backend: Backend = Backend.EMULATE):
+    """(O_fp32 of the stored inputs, O_fp32 of the inputs as `lp` sees them), or None when the
+    recipe's input cast changes nothing: the error of the input cast alone, kept apart from the kernel's."""
+    seen = as_seen_by(t, lp)
+    if seen is t:
+        return None
+    raw = replay_layer(t, hp_config(), backward=False, backend=backend)
+    cast = replay_layer(seen, hp_config(), backward=False, backend=backend)
+    return raw.o, cast.o
 
 
 def as_f64(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

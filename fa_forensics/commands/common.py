@@ -24,8 +24,17 @@ from fa_forensics.analyses.recipe import Backend, Recipe, UnknownPreset
 from fa_forensics.errors import UserError
 from fa_forensics.replay.config import Accumulation
 
-console = Console()
-err_console = Console(stderr=True)
+REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that sizes to the terminal, or is REDIRECTED_WIDTH wide when the stream is redirected."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else REDIRECTED_WIDTH)
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 # Shared option types (huggingface_hub style): one definition, used by every command.
 DumpArg = Annotated[Path, typer.Argument(help="Path of a dump store (a .zarr directory).", show_default=False)]

@@ -1,4 +1,4 @@
-"""Cheap per-step attention statistics for the training monitor (issue 6).
+"""Cheap per-step attention statistics for the training monitor.
 
 - `stats.head_statistics(q, k, ...)`: max logit, repeated-maximum rows, extra P̄ == 1 entries,
   mean top-1 probability per head, computed in row chunks (no whole T×T matrix).

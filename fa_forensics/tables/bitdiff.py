@@ -29,4 +29,8 @@ def tables(r: BitdiffResult) -> list[Table]:
         for d in r.largest[:5]:
             lt.add_row(f"{d.step}/{d.layer}/{d.head}", f"{d.batch},{d.row},{d.feature}", f"{d.a:.7g}", f"{d.b:.7g}", str(d.ulp), d.a_bits, d.b_bits)
         out.append(lt)
+    if r.input_cast is not None:
+        ic = r.input_cast
+        out.append(f"input-cast (not a kernel error): rounding the stored inputs to the recipe's format alone changes "
+                   f"{ic['mismatch_rate']:.1%} of the fp32 O elements and biases {ic['n_biased_features']} feature(s)")
     return out

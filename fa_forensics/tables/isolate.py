@@ -15,8 +15,9 @@ def tables(r: IsolateResult) -> list[Table]:
                         f"baseline tiles {bm}x{bn})")
     for c in ("variant", "O bias (mean ± se)", "O RMSE", "Σ(δ_var − δ_hp) ± se", "bias removed", "‖dQ err‖", "‖dW_Q err‖"):
         table.add_column(c, justify="left" if c == "variant" else "right")
-    for v in r.variants:
-        mark = " ✓" if v.name in r.culprits else ""
+    rows = [*r.variants, *([r.input_cast] if r.input_cast is not None else [])]
+    for v in rows:
+        mark = " ✓" if v.name in r.culprits else (" (not a kernel error)" if v is r.input_cast else "")
         table.add_row(v.name + mark, format_pm(v.o_bias, v.o_bias_se), f"{v.o_rmse:.2e}", format_pm(v.delta_err_sum, v.delta_err_se),
                       "—" if v.name == "baseline" or v.reduction != v.reduction else f"{v.reduction:.0%}",
                       f"{v.dq_err:.2e}", "no X" if v.dwq_err is None else f"{v.dwq_err:.2e}")

@@ -12,7 +12,6 @@ from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
 ROOT = Path(__file__).resolve().parents[2]
 PLANTED = ROOT / "sample_dumps" / "planted.zarr"
 DEMO = ROOT / "sample_dumps" / "demo.zarr"
-pytestmark = pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
 
 
 def test_planted_feature_is_the_most_biased(tmp_path):

@@ -39,14 +39,15 @@ def test_delta_bias_cumulative_across_steps_of_planted_head(planted_dump, tmp_pa
     assert r["total"]["delta_err_sum"] > 0 and r["total"]["p_value"] < 0.01
 
 
-@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr has not been made yet")
-def test_delta_bias_runs_on_demo_dump(tmp_path):
+def test_delta_bias_on_the_demo_dump_adds_up(tmp_path):
     d = open_dump(DEMO)
-    if not d.steps:
-        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    assert d.steps, "sample_dumps/demo.zarr has no complete step"
     res = runner.invoke(app, ["delta-bias", str(DEMO), "--step", str(d.steps[0]), "--layer", str(d.layers(d.steps[0])[0]), "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
-    assert "per_step" in json.loads((tmp_path / "r.json").read_text())
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert len(r["per_step"]) == d.layer_info(d.steps[0], d.layers(d.steps[0])[0]).n_heads  # one row per head
+    assert r["total"]["delta_err_sum"] == pytest.approx(sum(p["delta_err_sum"] for p in r["per_step"]), rel=1e-9, abs=1e-12)
+    assert r["total"]["n_tokens"] == sum(p["n_tokens"] for p in r["per_step"]) and r["total"]["se"] > 0
 
 
 def test_delta_bias_under_the_papers_autocast_preset_finds_the_planted_bias(planted_dump, tmp_path):

@@ -9,7 +9,6 @@ from fa_forensics.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANTED = ROOT / "sample_dumps" / "planted.zarr"
-pytestmark = pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
 
 
 def test_planted_fix_removes_bias_and_offset_does_not(tmp_path):

@@ -47,16 +47,17 @@ def test_isolate_bad_options_are_one_line_errors(planted_dump):
     assert res.exit_code == 2 and "Traceback" not in res.output
 
 
-@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr has not been made yet")
 def test_isolate_runs_on_demo_dump(tmp_path):
     d = open_dump(DEMO)
-    if not d.steps:
-        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    assert d.steps, "sample_dumps/demo.zarr has no complete step"
     res = runner.invoke(app, ["isolate", str(DEMO), "--step", str(d.steps[0]), "--layer", str(d.layers(d.steps[0])[0]),
                               "--head", "0", "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
     assert len(r["variants"]) == 8 and "verdict" in r
+    by = {v["name"]: v for v in r["variants"]}
+    assert by["o-fp32"]["o_rmse"] < by["baseline"]["o_rmse"]  # an fp32 O path is closer to the fp32 replay
+    assert all(v["o_rmse"] >= abs(v["o_bias"]) for v in r["variants"])  # RMS ≥ |mean|
 
 
 def test_isolate_under_the_autocast_preset_keeps_its_tiles_and_reports_it(planted_dump, tmp_path):

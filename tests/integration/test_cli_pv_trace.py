@@ -18,7 +18,6 @@ def _truth():
     return open_dump(PLANTED).ground_truth
 
 
-@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
 def test_planted_error_enters_at_p_one(tmp_path):
     truth = _truth()
     head = truth["planted_heads"][0]
@@ -40,28 +39,25 @@ def test_planted_error_enters_at_p_one(tmp_path):
     assert list(tmp_path.glob("pv_trace_*.png"))
 
 
-@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
 def test_bad_row_is_one_line_exit_2():
     res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--head", "0", "--row", "99999"])
     assert res.exit_code == 2 and "--row 99999" in res.output and "Traceback" not in res.output
 
 
-@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr (real training) not built yet")
 def test_demo_dump_runs(tmp_path):
     from fa_forensics.dump import open_dump
 
     dump = open_dump(DEMO)
-    if not dump.steps:
-        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    assert dump.steps, "sample_dumps/demo.zarr has no complete step"
     step, layer = dump.steps[0], dump.layers()[0]
     out = tmp_path / "d.json"
     res = CliRunner().invoke(app, ["pv-trace", str(DEMO), "--step", str(step), "--layer", str(layer), "--head", "0", "--json", str(out)])
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert {"row", "feature", "final_error", "p_one_positions", "jumps", "frac_error_from_p_one"} <= set(d)
+    assert sum(j["error_step"] for j in d["jumps"]) == pytest.approx(d["final_error"], abs=1e-9)  # the jumps telescope
 
 
-@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
 def test_planted_trace_under_the_autocast_preset(tmp_path):
     truth = _truth()
     out = tmp_path / "json"

@@ -41,14 +41,20 @@ def test_rank1_without_x_says_so(make_dump, tmp_path):
     assert "no X" in r["verdict"]
 
 
-@pytest.mark.skipif(not DEMO.exists(), reason="sample_dumps/demo.zarr has not been made yet")
-def test_rank1_runs_on_demo_dump(tmp_path):
+def test_rank1_on_the_demo_dump_is_consistent_with_its_own_numbers(tmp_path):
     d = open_dump(DEMO)
-    if not d.steps:
-        pytest.skip("sample_dumps/demo.zarr has no complete step yet")
+    assert d.steps, "sample_dumps/demo.zarr has no complete step"
     res = runner.invoke(app, ["rank1-sim", str(DEMO), "--layer", str(d.layers()[0]), "--head", "0", "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
-    assert "verdict" in json.loads((tmp_path / "r.json").read_text())
+    r = json.loads((tmp_path / "r.json").read_text())
+    n = len(r["tokens"])
+    assert r["steps"] == d.steps and n == 4 * len(d.steps)  # --tokens 4 per step
+    assert len(r["cosine"]) == n and all(r["cosine"][i][i] == pytest.approx(1.0) for i in range(n))
+    sv = r["singular_values"]
+    assert sv == sorted(sv, reverse=True) and sv[0] > 0 and 1.0 <= r["effective_rank"] <= len(sv)
+    norms = r["cumulative_norms"]
+    assert len(norms) == len(d.steps) and norms[0] == pytest.approx(r["step_norms"][0])
+    assert sum(c["weight"] for c in r["top_columns"]) <= 1.0 + 1e-9  # shares of the squared norm
 
 
 def test_rank1_preset_changes_the_error_and_is_reported(make_dump, tmp_path):

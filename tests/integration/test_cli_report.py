@@ -12,7 +12,6 @@ PLANTED = ROOT / "sample_dumps" / "planted.zarr"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PLANTED.exists(), reason="sample_dumps/planted.zarr not built yet")
 def test_report_on_planted(tmp_path):
     from fa_forensics.dump import open_dump
 
