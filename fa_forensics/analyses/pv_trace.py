@@ -20,7 +20,11 @@ error. Each jump splits into three parts that also sum exactly (up to fp64 round
   - round: r(t) − r(t−1), r(t) = round_pv(acc_lp(t)) − acc_lp(t): the change of the final rounding
            residual. A large same-sign term (P̄ = 1, the "two big" of the blog) moves the sum into a
            coarser binade, so r jumps by up to half a bf16 ulp of the new sum: the paper's error steps.
-frac_error_from_p_one = Σ_{t: P̄_lp[t] = 1} error_step(t) / final_error.
+The jumps depend on the order of the terms (where the tied keys sit); the attribution does not:
+frac_error_from_p_one is the share of final_error that the P̄ = 1 mechanism carries, from the
+order-independent split of the sum into A (the P̄ = 1 terms) and r (the rest) in `p_one`, with a
+counterfactual (the same row with the P̄ = 1 terms nudged below 1), and summarised over every row
+of the head as the share of the O bias each class of final rounding carries.
 
 Under a --preset (default "bf16") the trace follows that preset's casts: its s_dtype (bf16 under
 "bf16-autocast": S = round(q·kᵀ), s = round(S·α), s − m rounded too, so near-maximal scores tie
@@ -41,6 +45,7 @@ from typing import Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
 
@@ -79,9 +84,11 @@ class PVTrace:
     final_error: float  # error(K−1) = Eq. 4
     p_one_positions: list[int]
     jumps: list[PVJump]  # every term whose error_step ≠ 0, in order of t
-    frac_error_from_p_one: float
+    frac_error_from_p_one: float  # the share of final_error the P̄ = 1 mechanism carries (p_one.RowSplit)
     largest_jump: Optional[PVJump]
     explanation: object  # numerics.AddExplanation of the largest jump's addition, or None
+    split: RowSplit  # the order-independent split of final_error (class, A, r, rounding part)
+    nudged_error: Optional[float]  # final_error with the P̄ = 1 terms nudged below 1 (None: no such term)
 
 
 def _round(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -149,8 +156,8 @@ def trace_pv(
     directions = _direction(lp_running, acc_lp)
     p_one = (p_lp == ONE).nonzero().reshape(-1).tolist()
     final_error = float(error[-1])
-    from_p_one = float(error_step[p_one].sum()) if p_one else 0.0
-    frac = from_p_one / final_error if final_error != 0 else float("nan")
+    split = split_rows(p_lp[None], v64, lp_running[-1:], acc_hp[-1:], pv_format)[0]
+    nudged = _nudged_error(p_lp, p_hp, v64, accumulation, gpu, in_format, pv_format) if p_one else None
 
     jumps = [
         PVJump(t=t, p_bar=float(p_lp[t]), v=float(v64[t]), error_step=float(error_step[t]), direction=directions[t],
@@ -168,8 +175,20 @@ def trace_pv(
         row=row, feature=feature, accumulation=accumulation, pv_format=pv_format,
         p_bar_lp=p_lp, p_bar_hp=p_hp, v=v64, lp_running=lp_running, hp_running=acc_hp,
         error=error, error_step=error_step, final_error=final_error, p_one_positions=p_one,
-        jumps=jumps, frac_error_from_p_one=frac, largest_jump=largest, explanation=explanation,
+        jumps=jumps, frac_error_from_p_one=split.frac_from_p_one, largest_jump=largest, explanation=explanation,
+        split=split, nudged_error=nudged,
     )
+
+
+def _nudged_error(p_lp, p_hp, v, accumulation, gpu, in_format, pv_format) -> float:
+    """Eq. 4's error of the same row with every P̄ = 1 term moved to NUDGED_P on both sides, as the
+    stabilized shift moves them below 1: the counterfactual of the attribution."""
+    from fa_forensics.numerics import dot_trace
+
+    lp, hp = nudge(p_lp, p_hp)
+    acc_lp = dot_trace(lp.float(), v.float(), accumulation, gpu=gpu, in_format=in_format).to(torch.float64)
+    acc_hp = dot_trace(hp.float(), v.float(), "ieee", gpu=gpu, in_format="fp32").to(torch.float64)
+    return float(_round(acc_lp[-1:], pv_format)[0] - acc_hp[-1])
 
 
 def _explain(a: float, b: float, into: str):
@@ -181,54 +200,53 @@ def _explain(a: float, b: float, into: str):
     return explain_add(a, b, into=into, acc="fp32")
 
 
-def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p_format: str = "bf16",
-              accumulation: str = "ieee", gpu: str = "h100", config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P̄_lp, P̄_hp) of one query row, untiled (shift from the whole row).
+def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, p_format: str = "bf16",
+               accumulation: str = "ieee", gpu: str = "h100", config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P̄_lp, P̄_hp) of every query row, untiled (the shift from the whole row), 0 where masked.
 
-    q_row: (D,), k: (T, D) stored values; only the first n_keys keys are visible (causal: T + 1).
+    q: (R, D), k: (K, D) stored values; causal: row i sees keys 0 .. i + K − R.
     P̄_hp is the fp32 preset's: S = α·(q·kᵀ) with the products accumulated by numerics.matmul in
     fp32, m = rowmax S, P̄_hp = exp(S − m) in fp32. P̄_lp without `config`: P̄_hp cast to p_format
     (nearest-even; the paper's BF16 setting). With `config` (a ReplayConfig, the low-precision
-    preset): its scores (s_dtype: S and α·S rounded), its shift (standard / stabilized / fixed
-    offset, s − m rounded to s_dtype), exp in fp32, cast to its p_dtype.
-    Under a non-standard shift P̄_hp = exp(S − m) at that same m. Returns two (n_keys,) fp32.
+    recipe): its scores (s_dtype: S and α·S rounded), its shift (the replay's own rule,
+    `replay.emulate.softmax.block_shift`: standard / stabilized Algorithm 3 / fixed offset; s − m
+    rounded to s_dtype), exp in fp32, cast to its p_dtype. Under a non-standard shift
+    P̄_hp = exp(S − m) at that same m. Returns two (R, K) fp32.
     """
     from fa_forensics.numerics import matmul, round_to
     from fa_forensics.replay.config import Softmax
+    from fa_forensics.replay.emulate.softmax import block_shift
 
-    qf = q_row.to(torch.float32).reshape(1, -1)  # (1, D)
-    kf = k[:n_keys].to(torch.float32)  # (K, D)
-    qk = matmul(qf, kf.T.contiguous(), accumulation, gpu=gpu, in_format="bf16").reshape(-1).to(torch.float32)  # (K,) q·k
-    s = (qk * float(scale)).to(torch.float32)  # (K,) α·q·k
-    p_hp = torch.exp(s - s.max())  # (K,) fp32
-    s_hp = s  # (K,) fp32 scores of the fp32 side
+    R, K = q.shape[0], k.shape[0]
+    qk = matmul(q.to(torch.float32), k.to(torch.float32).T.contiguous(), accumulation, gpu=gpu, in_format="bf16")  # (R, K)
+    qk = qk.to(torch.float32)
+    masked = torch.ones(R, K, dtype=torch.bool).triu(K - R + 1) if causal else torch.zeros(R, K, dtype=torch.bool)
+    s = (qk * float(scale)).to(torch.float32).masked_fill(masked, -math.inf)  # (R, K) α·q·k
+    p_hp = torch.exp(s - s.amax(-1, keepdim=True))  # (R, K) fp32
+    s_hp = s
     if config is None:
         return (p_hp if p_format == "fp32" else round_to(p_hp, p_format)), p_hp
     s_fmt, p_fmt = config.s_dtype.value, config.p_dtype.value
     if s_fmt != "fp32":
-        s = round_to(round_to(qk, s_fmt) * float(scale), s_fmt)  # (K,) the autocast reading
-    m = _row_shift(s, config)
-    shifted = s - m
+        s = round_to(round_to(qk, s_fmt) * float(scale), s_fmt).masked_fill(masked, -math.inf)  # the autocast reading
+    m = block_shift(torch.full((R,), -math.inf), s, config).m  # (R,)
+    shifted = s - m[:, None]
     if s_fmt != "fp32":
         shifted = round_to(shifted, s_fmt)
-    p = torch.exp(shifted)  # (K,) fp32
+    p = torch.exp(shifted)  # (R, K) fp32
     if config.softmax is not Softmax.STANDARD:
         # Eq. 4 compares Ō at one shift: with a stabilized / fixed-offset m the fp32 side uses the
         # same m (O = Ō / ℓ is shift-invariant, Ō is not), else Ō_lp − Ō_hp measures the shift.
-        p_hp = torch.exp(s_hp - m)  # (K,) fp32
+        p_hp = torch.exp(s_hp - m[:, None])  # (R, K) fp32
     return (p if p_fmt == "fp32" else round_to(p, p_fmt)), p_hp
 
 
-def _row_shift(s: torch.Tensor, config) -> torch.Tensor:
-    """The shift m of one score row (K,) under config.softmax (paper Algorithm 3 / App. C), untiled."""
-    from fa_forensics.replay.config import Softmax
-
-    r_m = s.max()
-    if config.softmax is Softmax.FIXED_OFFSET:
-        return r_m + config.offset
-    if config.softmax is Softmax.STABILIZED and int((r_m - s <= config.eps).sum()) > 1:
-        return config.beta * r_m if r_m > 0 else (torch.zeros_like(r_m) if r_m < 0 else r_m)
-    return r_m
+def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p_format: str = "bf16",
+              accumulation: str = "ieee", gpu: str = "h100", config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P̄_lp, P̄_hp) of one query row over its first n_keys keys (`p_bar_rows` of that row): two (n_keys,) fp32."""
+    p_lp, p_hp = p_bar_rows(q_row.reshape(1, -1), k[:n_keys], scale, causal=False, p_format=p_format,
+                            accumulation=accumulation, gpu=gpu, config=config)
+    return p_lp[0], p_hp[0]
 
 
 @dataclass(frozen=True)
@@ -300,6 +318,9 @@ class PVTraceReport:
     l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
     row_choice: str  # "given" | "repeated-max" (largest error among rows with a repeated maximum) | "largest-error"
     bias_split: dict  # {"repeated_max": {mean, se, n}, "other": {mean, se, n}}: the feature's O bias by row kind
+    class_shares: list = ()  # p_one.ClassShare per class: share of the feature's O bias over every row of the head
+    rows_attributed: int = 0  # rows the class shares pool (every selected step and batch entry)
+    counterfactual: Optional[Counterfactual] = None  # those rows with the P̄ = 1 terms nudged below 1
     recipe: Recipe = Recipe()  # the low-precision side traced against fp32
     backend: Backend = Backend.EMULATE
     warnings: tuple[str, ...] = ()
@@ -345,7 +366,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         if progress is not None:
             progress()
 
-    best = None
+    best: Optional[_Pick] = None
     for items in pooled.values():
         # rows of every step and batch entry side by side: (1, h, N, D), N = Σ B·T
         errs = torch.cat([e.permute(1, 0, 2, 3).reshape(e.shape[1], -1, e.shape[3]) for _, e, _, _ in items], dim=1)
@@ -358,26 +379,70 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
             i = max(cands, key=lambda i: sign * float(errs[cell.head_index, i, cell.feature]))
             cell = BiasCell(cell.batch, cell.head_index, cell.feature, i, cell.mean, cell.se, cell.p_value,
                             float(errs[cell.head_index, i, cell.feature]))
-        if best is None or _cell_rank(cell) > _cell_rank(best[0]):
+        if best is None or _cell_rank(cell) > _cell_rank(best.cell):
             sel, b, r = where[cell.row]
             col, rep = errs[cell.head_index, :, cell.feature], reps[cell.head_index]
-            choice = "given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error")
-            best = (cell, sel, b, r, items[0][2], choice, {"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
-    cell, sel, b, T_row, cfg, choice, split = best
-    t = as_seen_by(load(dump, sel), cfg)
-    hi, f = cell.head_index, cell.feature
-    cell = BiasCell(batch=b, head_index=hi, feature=f, row=T_row, mean=cell.mean, se=cell.se, p_value=cell.p_value,
-                    row_error=cell.row_error)
+            best = _Pick(
+                cell=BiasCell(b, cell.head_index, cell.feature, r, cell.mean, cell.se, cell.p_value, cell.row_error),
+                sel=sel, config=items[0][2], sels=[it[0] for it in items],
+                row_choice="given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error"),
+                bias_split={"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
+    cell, cfg = best.cell, best.config
+    t = as_seen_by(load(dump, best.sel), cfg)
+    b, hi, f, T_row = cell.batch, cell.head_index, cell.feature, cell.row
     n_keys = T_row + 1 if t.causal else t.q.shape[2]
     accumulation = recipe.accumulation.value
     p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value,
                            config=cfg)
     trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,
                      gpu=cfg.gpu.value, in_format=cfg.p_dtype.value, pv_format=cfg.pv_dtype.value)
+    shares, n_rows, cf = head_class_shares(dump, best.sels, hi, f, cfg)
     return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
-                         row_choice=choice, bias_split=split, recipe=recipe, backend=Backend(backend),
+                         row_choice=best.row_choice, bias_split=best.bias_split, class_shares=shares, rows_attributed=n_rows, counterfactual=cf,
+                         recipe=recipe, backend=Backend(backend),
                          warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, recipe))
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """The traced element chosen so far: its cell (batch, head index, feature, row), where it is, and why."""
+
+    cell: BiasCell
+    sel: LayerSelection  # the layer-step of the traced row
+    config: object  # the lp ReplayConfig replayed there
+    sels: list  # every selected layer-step of that layer (the rows the class shares pool)
+    row_choice: str
+    bias_split: dict
+
+
+def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, feature: int,
+                      config) -> tuple[list[ClassShare], int, Counterfactual]:
+    """The share of the O bias of (head, feature) that each P̄ = 1 class carries, over every row of
+    every selected step and batch entry (`p_one.class_shares`, weights 1/ℓ_hp), and the
+    counterfactual: the same rows with the P̄ = 1 terms nudged."""
+    from fa_forensics.numerics import matmul
+
+    acc, gpu, p_fmt, pv_fmt = config.accumulation.value, config.gpu.value, config.p_dtype.value, config.pv_dtype.value
+    splits, weights, nudged = [], [], []
+
+    def sums(p_lp, p_hp, v):
+        lp = _round(matmul(p_lp, v[:, None], acc, gpu=gpu, in_format=p_fmt)[:, 0].to(torch.float64), pv_fmt)
+        return lp, matmul(p_hp, v[:, None], "ieee", gpu=gpu, in_format="fp32")[:, 0].to(torch.float64)
+
+    for sel in sels:
+        t = as_seen_by(load(dump, sel), config)
+        for b in range(t.q.shape[0]):
+            p_lp, p_hp = p_bar_rows(t.q[b, head_index], t.k[b, head_index], t.scale, causal=t.causal, p_format=p_fmt,
+                                    accumulation=acc, gpu=gpu, config=config)  # (T, K)
+            v = t.v[b, head_index, :, feature].to(torch.float32)  # (K,)
+            lp_sum, hp_sum = sums(p_lp, p_hp, v)
+            splits.extend(split_rows(p_lp, v, lp_sum, hp_sum, pv_fmt))
+            weights.append(1.0 / p_hp.to(torch.float64).sum(-1))
+            lp_n, hp_n = sums(*nudge(p_lp, p_hp), v)
+            nudged.append(lp_n - hp_n)
+    w = torch.cat(weights)
+    return class_shares(splits, w), len(splits), counterfactual(splits, torch.cat(nudged), w)
 
 
 def _mean_se(x: torch.Tensor) -> dict:
@@ -396,14 +461,22 @@ def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
 
 
 def verdict(r: PVTraceReport) -> str:
-    """One sentence: the traced error and the share of it that entered at P̄ = 1 terms."""
+    """One sentence: the traced error, the share the P̄ = 1 mechanism carries, and the head's bias by class."""
     tr = r.trace
     frac = tr.frac_error_from_p_one
     if frac != frac:
         return "no error in this dot product (Ō_lp = Ō_hp)"
-    where = "at P̄ = 1 terms" if tr.p_one_positions else "with no P̄ = 1 term in this row"
-    return (f"Ō error {tr.final_error:+.3e}; {frac:.0%} of it entered {where} "
-            f"({len(tr.p_one_positions)} of {tr.error.numel()} terms)")
+    if not tr.p_one_positions:
+        row = f"Ō error {tr.final_error:+.3e} with no P̄ = 1 term in this row (an ordinary rounding)"
+    else:
+        row = (f"Ō error {tr.final_error:+.3e}; the P̄ = 1 mechanism ({tr.split.cls}) carries {frac:.0%} of it "
+               f"({len(tr.p_one_positions)} of {tr.error.numel()} terms have P̄ = 1)")
+    p_one = [c for c in r.class_shares if c.cls in P_ONE_CLASSES and c.rows]
+    if not p_one:
+        return row
+    total = sum(c.share for c in p_one)
+    se = sum(c.se**2 for c in p_one) ** 0.5
+    return f"{row}; over {r.rows_attributed} rows of the head it carries {total:.0%} ± {se:.0%} of the O bias"
 
 
 def payload(r: PVTraceReport) -> dict:
@@ -422,6 +495,10 @@ def payload(r: PVTraceReport) -> dict:
         "jumps": [{"t": j.t, "p_bar": j.p_bar, "v": j.v, "error_step": j.error_step, "direction": j.direction,
                    "cast": j.cast, "acc": j.acc, "round": j.round} for j in tr.jumps],
         "frac_error_from_p_one": tr.frac_error_from_p_one,
+        "attribution": {"class": tr.split.cls, "A": tr.split.a, "r": tr.split.r, "rounding_error": tr.split.rounding_error,
+                        "other_error": tr.split.other_error, "nudged_error": tr.nudged_error},
+        "class_shares": {c.cls: {"share": c.share, "se": c.se, "rows": c.rows} for c in r.class_shares},
+        "rows_attributed": r.rows_attributed, "counterfactual": r.counterfactual,
         "largest_jump": tr.largest_jump,
         "explanation": tr.explanation,
     }

@@ -33,6 +33,10 @@ def plot_pv_trace(report, path: Path) -> Path:
     ax_b.set_xlabel("key position t (token)")
     ax_b.set_ylabel("(ΣP̄V)_lp − (ΣP̄V)_hp (value)")
     ax_b.legend(loc="best")
+    sp = tr.split
+    shares = ", ".join(f"{c.cls} {c.share:.0%} ± {c.se:.0%}" for c in report.class_shares if c.rows)
+    ax_b.text(0.02, 0.02, f"final rounding: {sp.cls} (A = {sp.a:.8g}, r = {sp.r:+.2e})" + (f"\nO bias of the head by class: {shares}" if shares else ""),
+              transform=ax_b.transAxes, fontsize=7, va="bottom")
 
     j = tr.largest_jump
     centre = j.t if j is not None else (int(ones[0]) if ones.size else 0)
@@ -51,7 +55,8 @@ def plot_pv_trace(report, path: Path) -> Path:
     fig.suptitle(f"pv-trace: step {report.step}, layer {report.layer}, head {report.head}, "
                  f"{tr.accumulation} accumulation, P̄V rounded to {tr.pv_format}")
     caption = (f"Reproduces paper Fig. 6 (a)-(c): error of one P̄V dot product (Eq. 5); final error "
-               f"{tr.final_error:+.3e}, share entering at P̄ = 1 terms {tr.frac_error_from_p_one:.0%}.")
+               f"{tr.final_error:+.3e}; its final rounding is a {tr.split.cls}, and the P̄ = 1 mechanism carries "
+               f"{tr.frac_error_from_p_one:.0%} of it (order-independent split A + r).")
     return save_figure(fig, path, caption)
 
 

@@ -23,7 +23,18 @@ def tables(r: PVTraceReport) -> list:
     table.add_row("keys, P̄ = 1 positions", f"{tr.error.numel()}, {tr.p_one_positions[:12]}{' …' if len(tr.p_one_positions) > 12 else ''}")
     table.add_row("jumps (terms with error_step ≠ 0)", str(len(tr.jumps)))
     share = tr.frac_error_from_p_one
-    table.add_row("share of the error entering at P̄ = 1", f"{share:.1%}" if share == share else "— (no error)")
+    table.add_row("final rounding (A = Σ V at P̄ = 1, r = the rest)", f"{tr.split.cls}: A = {tr.split.a:.8g}, r = {tr.split.r:+.3e}")
+    table.add_row("share of the error the P̄ = 1 mechanism carries", f"{share:.1%}" if share == share else "— (no error)")
+    if tr.nudged_error is not None:
+        table.add_row("Ō error with the P̄ = 1 terms nudged to 1 − 2⁻⁸", f"{tr.nudged_error:+.3e}")
+    for c in r.class_shares:
+        if c.rows:
+            table.add_row(f"  share of the O bias ({r.rows_attributed} rows): {c.cls} (n={c.rows})", f"{c.share:+.1%} ± {c.se:.1%}")
+    cf = r.counterfactual
+    if cf is not None:
+        table.add_row("O bias → with P̄ = 1 nudged (unattributed part)",
+                      f"{cf.o_bias:+.3e} → {cf.nudged_o_bias:+.3e} ± {cf.nudged_se:.1e} ({cf.unattributed:+.3e}) "
+                      + ("agrees" if cf.agrees else "DISAGREES"))
     out: list = [table]
     big = sorted(tr.jumps, key=lambda j: -abs(j.error_step))[:8]
     if big:
@@ -31,7 +42,7 @@ def tables(r: PVTraceReport) -> list:
         for c in ("t", "P̄", "V", "error step", "cast part", "round part", "rounding"):
             jt.add_column(c, justify="right")
         for j in big:
-            jt.add_row(str(j.t), f"{j.p_bar:.6g}", f"{j.v:.6g}", f"{j.error_step:+.3e}", f"{j.cast:+.2e}", f"{j.round:+.2e}", j.direction)
+            jt.add_row(str(j.t), f"{j.p_bar:.6g}", f"{j.v:.6g}", f"{j.error_step:+.3e}", f"{j.cast + 0.0:+.2e}", f"{j.round + 0.0:+.2e}", j.direction)
         out.append(jt)
     ex = tr.explanation
     if ex is not None:

@@ -29,7 +29,12 @@ def test_planted_error_enters_at_p_one(tmp_path):
     assert d["feature"] == truth["planted_feature"]
     assert d["row_choice"] == "repeated-max" and len(d["p_one_positions"]) >= 2
     assert d["final_error"] < 0 and d["o_bias"]["mean"] < 0 and d["o_bias"]["p_value"] < 0.01
-    assert d["frac_error_from_p_one"] > 0.5
+    assert d["frac_error_from_p_one"] > 0.5 and d["attribution"]["class"] == "tie"
+    # over every row of the head: the tie class carries the O bias, and nudging P̄ = 1 below 1 removes it
+    shares = d["class_shares"]
+    assert d["rows_attributed"] == 2 * 256 and shares["tie"]["share"] - 3 * shares["tie"]["se"] > 0.5
+    cf = d["counterfactual"]
+    assert cf["agrees"] and abs(cf["nudged_o_bias"]) < 3 * cf["nudged_se"] < abs(cf["o_bias"])
     assert {j["t"] for j in d["jumps"]} >= {max(d["jumps"], key=lambda j: abs(j["error_step"]))["t"]}
     big = max(d["jumps"], key=lambda j: abs(j["error_step"]))
     assert big["t"] in d["p_one_positions"] and big["p_bar"] == 1.0

@@ -101,3 +101,35 @@ def test_stabilized_trace_compares_at_one_shift():
         assert 0 < abs(tr.final_error) / l_hp < 2e-2, name  # bf16 rounding of P̄ and Ō, relative to ℓ
         if name == "stabilized":
             assert float(p_hp.max()) < 1e-3  # the fp32 side shifted by β·r_m too
+
+
+def _tied_row(positions):
+    """A row of 64 keys: two P̄ = 1 terms at `positions` whose V sum to a bf16 midpoint whose even
+    neighbour lies toward zero (−208.5 · 2⁻⁶), small same-signed terms elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    v = -(1 + torch.rand(64, generator=g)).bfloat16().float()
+    p = (torch.rand(64, generator=g) * 1e-5).bfloat16().float()
+    v[positions[0]], v[positions[1]] = -1.6328125, -1.625
+    p[positions] = 1.0
+    return p, v
+
+
+def test_attribution_does_not_depend_on_where_the_tied_keys_sit():
+    (p_last, v_last), (p_first, v_first) = _tied_row([62, 63]), _tied_row([0, 1])
+    last, first = trace_pv(p_last, p_last, v_last), trace_pv(p_first, p_first, v_first)
+    for tr in (last, first):
+        assert tr.split.cls == "tie" and tr.frac_error_from_p_one > 0.99
+        assert tr.split.a == -3.2578125 and tr.split.r < 0  # the tie and the sign that breaks it
+    # the Eq. 5 jumps at the P̄ = 1 terms do depend on the order: first, the midpoint rounds to even
+    # (toward zero) and the small terms later carry the sum across it, so those jumps point the other way
+    jumps_first = float(first.error_step[first.p_one_positions].sum()) / first.final_error
+    assert jumps_first < 0
+    assert abs(first.final_error - last.final_error) < 2**-12  # the same error either way
+
+
+def test_nudging_p_one_removes_the_tie():
+    p, v = _tied_row([0, 1])
+    tr = trace_pv(p, p, v)
+    assert tr.nudged_error is not None and abs(tr.nudged_error) < abs(tr.final_error)
+    no_tie = trace_pv(torch.where(p == 1, torch.full_like(p, 0.5), p), p, v)
+    assert no_tie.split.cls == "no-p-one" and no_tie.frac_error_from_p_one == 0.0 and no_tie.nudged_error is None
