@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import common_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, replay_fidelity
 from fa_forensics.analyses.recipe import Backend
 from fa_forensics.analyses.selection import as_seen_by, input_cast_error, load, lp_of, replay_layer
 from fa_forensics.errors import DumpError
@@ -294,6 +294,12 @@ def verdict(r: BitdiffResult) -> str:
     return f"{r.mismatch_rate:.1%} of elements differ in {r.fmt} bits; {len(r.biased_features)} biased feature(s){tail}"
 
 
+def bias_claim(r: BitdiffResult) -> BiasClaim:
+    """The most significant (layer, head, feature) cell of the bias map (sign test, Bonferroni over the cells)."""
+    c = min(r.mean_signed_error, key=lambda c: c.p_value)
+    return claim("O", c.p_value, r.n_cells, c.mean, layer=c.layer, head=c.head, feature=c.feature)
+
+
 def payload(r: BitdiffResult) -> dict:
     """The --json payload (keys documented in the README)."""
     return {
@@ -301,6 +307,6 @@ def payload(r: BitdiffResult) -> dict:
         "mismatch_rate": r.mismatch_rate, "ulp_hist": r.ulp_hist,
         "mean_signed_error": r.mean_signed_error, "biased_features": r.biased_features,
         "alpha": r.alpha, "n_cells": r.n_cells, "largest": r.largest,
-        "input_cast": r.input_cast,
+        "input_cast": r.input_cast, "bias": bias_claim(r),
         "accumulation": r.accumulation, "backend": r.backend, **common_keys(r), "verdict": verdict(r),
     }

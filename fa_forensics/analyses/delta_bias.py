@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
@@ -254,6 +254,15 @@ def verdict(r: DeltaBiasResult) -> str:
             f"{r.focus_layer} head {r.focus_head}, carried by features {[f.feature for f in r.top_features[:3]]}")
 
 
+def bias_claim(r: DeltaBiasResult) -> BiasClaim:
+    """The most significant (step, layer, head) Σδ error (t-test or sign test, Bonferroni over both tests of every item)."""
+    def p(item):
+        return min(item.p_value, MeanSE(item.delta_err_sum, item.delta_err_se, item.n_tokens).p_value)
+
+    best = min(r.per_step, key=p)
+    return claim("delta", p(best), 2 * len(r.per_step), best.delta_err_sum, layer=best.layer, head=best.head, step=best.step)
+
+
 def payload(r: DeltaBiasResult) -> dict:
     """The --json payload (keys documented in the README)."""
     return {
@@ -261,6 +270,6 @@ def payload(r: DeltaBiasResult) -> dict:
         "top_features": r.top_features, "focus": {"layer": r.focus_layer, "head": r.focus_head},
         "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": r.total_t_p_value, "p_value": r.total_p_value,
                   "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
-        "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens,
+        "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens, "bias": bias_claim(r),
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

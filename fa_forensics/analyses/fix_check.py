@@ -24,7 +24,7 @@ sign-test p-value, and in that head Σ_T(δ_v − δ_hp) ± se with δ = rowsum(
 backward's δ for O_lp; no backward pass is run).
 
 Verdict rule (exit code of the command): the fix removes the bias (0) when the baseline bias is
-significant (sign test p < 0.01 / number of cells, Bonferroni, as for picking it), the fixed replay has no NaN, and either bias_reduction = |baseline bias| /
+significant (p < 0.01), the fixed replay has no NaN, and either bias_reduction = |baseline bias| /
 |fixed bias| ≥ 10 or the fixed bias is not significant (p ≥ 0.01). No significant baseline bias:
 nothing to remove (0). Otherwise 1. An alternative is "still biased" when its bias in the target
 cell is significant (p < 0.01).
@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
-from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_of, replay_layer
 from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
@@ -196,6 +196,7 @@ class FixCheckResult:
     removed: bool
     verdict: str
     exit_code: int
+    n_cells: int = 0  # (layer, head, feature) cells the target was picked from
     recipe: Recipe = Recipe()  # the low-precision side every variant derives from
     backend: Backend = Backend.EMULATE
     settings: dict = dataclasses.field(default_factory=dict)  # beta, eps, offset
@@ -262,7 +263,7 @@ def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerSte
         tail += f"; produced NaN: {', '.join(broken)}"
     if fixed.nan_count:
         removed, verdict = False, f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at {where}"
-    elif baseline.o_bias_p >= ALPHA / max(len(cells), 1):  # Bonferroni over the cells the target was picked from
+    elif baseline.o_bias_p >= ALPHA:
         removed, verdict = True, f"NO BIAS TO REMOVE: the baseline shows no significant O bias at {where} ({numbers})"
     elif reduction >= MIN_REDUCTION or fixed.o_bias_p >= ALPHA:
         removed, verdict = True, f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
@@ -272,7 +273,7 @@ def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerSte
         target={"layer": target.layer, "head": target.head, "feature": target.feature},
         baseline=baseline, fixed=fixed, alternatives=alternatives, bias_reduction=reduction,
         max_p_bar=fixed.max_p_bar, triggered_rows=fixed.triggered_rows, nan_count=fixed.nan_count,
-        removed=removed, verdict=verdict, exit_code=0 if removed else 1,
+        removed=removed, verdict=verdict, exit_code=0 if removed else 1, n_cells=len(cells),
     )
 
 
@@ -303,11 +304,17 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
                                replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
+def bias_claim(r: FixCheckResult) -> BiasClaim:
+    """The baseline's bias in the target cell (sign test, Bonferroni over the cells it was picked from)."""
+    tg = r.target
+    return claim("O", r.baseline.o_bias_p, r.n_cells, r.baseline.o_bias, layer=tg["layer"], head=tg["head"], feature=tg["feature"])
+
+
 def payload(r: FixCheckResult) -> dict:
     """The --json payload (keys documented in the README)."""
     return {
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
         "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,
         "nan_count": r.nan_count, "removed": r.removed, "verdict": r.verdict, "exit_code": r.exit_code,
-        **r.settings, **recipe_keys(r.recipe, r.backend), **common_keys(r),
+        "bias": bias_claim(r), **r.settings, **recipe_keys(r.recipe, r.backend), **common_keys(r),
     }

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
 from fa_forensics.analyses.rank1_sim import pk_rows
 from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
@@ -328,10 +328,16 @@ def verdict(r: IsolateResult) -> str:
             f"largest at step {top.step} layer {top.layer} head {top.head}; repairs removing ≥ 90%: {names}")
 
 
+def bias_claim(r: IsolateResult) -> BiasClaim:
+    """The most significant head's Σδ error (t-test or sign test, Bonferroni over both tests of every head)."""
+    h = min(r.heads, key=lambda h: min(h.t_p_value, h.p_value))
+    return claim("delta", min(h.t_p_value, h.p_value), 2 * len(r.heads), h.delta_err_sum, layer=h.layer, head=h.head, step=h.step)
+
+
 def payload(r: IsolateResult) -> dict:
     """The --json payload (keys documented in the README)."""
     return {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
         "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,
-        "input_cast": r.input_cast, **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+        "input_cast": r.input_cast, "bias": bias_claim(r), **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

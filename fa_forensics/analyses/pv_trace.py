@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
@@ -321,6 +321,7 @@ class PVTraceReport:
     class_shares: list = ()  # p_one.ClassShare per class: share of the feature's O bias over every row of the head
     rows_attributed: int = 0  # rows the class shares pool (every selected step and batch entry)
     counterfactual: Optional[Counterfactual] = None  # those rows with the P̄ = 1 terms nudged below 1
+    n_cells: int = 0  # (layer, head, feature) cells the traced one was picked from
     recipe: Recipe = Recipe()  # the low-precision side traced against fp32
     backend: Backend = Backend.EMULATE
     warnings: tuple[str, ...] = ()
@@ -348,7 +349,8 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         raise UserError(f"pv-trace does not trace the fp8 P scale (preset {recipe.preset} has S = {lp_base.p_scale:g}); "
                         "use --preset fp8-s1, or `fa-forensics pcast` for the scale study")
     warnings: list[str] = []
-    pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D))]
+    pooled: dict[tuple[int, tuple[int, ...]], list] = {}
+    n_features: dict[tuple[int, tuple[int, ...]], int] = {}  # features D of each pooled group  # (layer, heads) -> [(sel, err (B, h, T, D))]
     for sel in selections:
         t = load(dump, sel)
         lp_cfg = lp_of(t, recipe)
@@ -361,6 +363,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
             raise UserError(f"--row {row} is out of range at step {sel.step} layer {sel.layer}: rows are 0..{T - 1}")
         lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
         rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value)  # (B, h, T)
+        n_features[(sel.layer, tuple(sel.heads))] = 1 if feature is not None else D
         pooled.setdefault((sel.layer, tuple(sel.heads)), []).append(
             (sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep))
         if progress is not None:
@@ -400,6 +403,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
                          row_choice=best.row_choice, bias_split=best.bias_split, class_shares=shares, rows_attributed=n_rows, counterfactual=cf,
+                         n_cells=sum(len(heads) * d for (_, heads), d in n_features.items()),
                          recipe=recipe, backend=Backend(backend),
                          warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, recipe))
 
@@ -479,6 +483,11 @@ def verdict(r: PVTraceReport) -> str:
     return f"{row}; over {r.rows_attributed} rows of the head it carries {total:.0%} ± {se:.0%} of the O bias"
 
 
+def bias_claim(r: PVTraceReport) -> BiasClaim:
+    """The traced feature's O bias (sign test over its rows, Bonferroni over the cells it was picked from)."""
+    return claim("O", r.cell.p_value, r.n_cells, r.cell.mean, layer=r.layer, head=r.head, feature=r.trace.feature)
+
+
 def payload(r: PVTraceReport) -> dict:
     """The --json payload (keys documented in the README)."""
     tr = r.trace
@@ -498,7 +507,7 @@ def payload(r: PVTraceReport) -> dict:
         "attribution": {"class": tr.split.cls, "A": tr.split.a, "r": tr.split.r, "rounding_error": tr.split.rounding_error,
                         "other_error": tr.split.other_error, "nudged_error": tr.nudged_error},
         "class_shares": {c.cls: {"share": c.share, "se": c.se, "rows": c.rows} for c in r.class_shares},
-        "rows_attributed": r.rows_attributed, "counterfactual": r.counterfactual,
+        "rows_attributed": r.rows_attributed, "counterfactual": r.counterfactual, "bias": bias_claim(r),
         "largest_jump": tr.largest_jump,
         "explanation": tr.explanation,
     }
