@@ -109,50 +109,39 @@ def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Te
 
 
 def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32") -> torch.Tensor:
-    """S = α·q·kᵀ (B, h, T, T) in fp32, correctly rounded from the exact products (fp64 sum); causal
-    positions masked with −inf. Exact ties (identical keys) stay exact ties.
+    """S = α·q·kᵀ (B, h, T, T) held in fp32, formed as the replay forms them
+    (`replay.emulate.forward.scaled_scores`, ieee accumulation, one block); causal positions −inf.
+    Exact ties (identical keys) stay exact ties.
 
     With s_dtype below fp32 (bf16-autocast: "bf16") the scores are read as that preset computes
-    them: S = round(q·kᵀ), s = round(S·α), nearest-even, held in fp32 (values exact in s_dtype).
+    them: S = round(q·kᵀ), s = round(S·α), nearest-even (values exact in s_dtype).
     """
-    s = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)).to(torch.float32)  # (B, h, T, T)
-    if s_dtype != "fp32":
-        from fa_forensics.numerics import round_to
+    from fa_forensics.replay.emulate.forward import scaled_scores
 
-        s = round_to(round_to(s, s_dtype).to(torch.float32) * float(scale), s_dtype).to(torch.float32)
-    else:
-        s = (s * float(scale)).to(torch.float32)
-    if causal:
-        T = s.shape[-1]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    return s
+    config = ReplayConfig(s_dtype=s_dtype)
+    return scaled_scores(q.to(torch.float32), k.to(torch.float32), config, scale, causal, 0, 0)
 
 
 def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
     """Max P̄ (after the P̄ cast) over rows whose maximum score is attained more than once.
 
-    Untiled formula of the paper on the scores s (B, h, T, T) from `scores_fp32`: r_m = rowmax S,
-    r_s = #{S ≥ r_m − ε}; the shift m per config.softmax (standard: r_m; stabilized: β·r_m if
-    r_m > 0 and r_s > 1, 0 if r_m < 0 and r_s > 1; fixed offset: r_m + offset); the row's largest
-    P̄ is cast(exp(r_m − m)). nan when no row has a repeated maximum.
+    Untiled, on the scores s (B, h, T, T) from `scores_fp32`: r_m = rowmax S; the shift m is the
+    replay's own rule for one block (`replay.emulate.softmax.block_shift`: standard r_m; stabilized
+    β·r_m or 0 where the maximum repeats within ε, Algorithm 3; fixed offset r_m + offset); the row's
+    largest P̄ is cast(exp(r_m − m)). nan when no row has a repeated maximum.
     """
-    from fa_forensics.numerics import round_to
+    from fa_forensics.numerics import exp_fp32, round_to
+    from fa_forensics.replay.emulate.softmax import block_shift
 
     r_m = s.amax(dim=-1)  # (B, h, T)
     repeated = (s == r_m[..., None]).sum(dim=-1) > 1
     if not bool(repeated.any()):
         return math.nan
-    m = r_m.clone()
-    if config.softmax is Softmax.STABILIZED:
-        r_s = (r_m[..., None] - s <= config.eps).sum(dim=-1)
-        m = torch.where((r_m > 0) & (r_s > 1), config.beta * r_m, m)
-        m = torch.where((r_m < 0) & (r_s > 1), torch.zeros_like(m), m)
-    elif config.softmax is Softmax.FIXED_OFFSET:
-        m = r_m + config.offset
+    m = block_shift(torch.full_like(r_m, -math.inf), s, config).m  # the replay's own shift rule, one block
     shift = r_m - m
     if config.s_dtype is not Precision.FP32:  # s − m is computed in the scores' dtype (autocast)
         shift = round_to(shift, config.s_dtype.value).to(torch.float32)
-    p_max = torch.exp(shift[repeated])  # (n,) fp32
+    p_max = exp_fp32(shift[repeated])  # (n,) fp32, the emulator's exp
     fmt = config.p_dtype.value
     p_max = p_max if fmt == "fp32" else round_to(p_max, fmt)
     return float(p_max.max())

@@ -210,10 +210,10 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     (nearest-even; the paper's BF16 setting). With `config` (a ReplayConfig, the low-precision
     recipe): its scores (s_dtype: S and α·S rounded), its shift (the replay's own rule,
     `replay.emulate.softmax.block_shift`: standard / stabilized Algorithm 3 / fixed offset; s − m
-    rounded to s_dtype), exp in fp32, cast to its p_dtype. Under a non-standard shift
+    rounded to s_dtype), exp (`numerics.exp_fp32`, the emulator's) in fp32, cast to its p_dtype. Under a non-standard shift
     P̄_hp = exp(S − m) at that same m. Returns two (R, K) fp32.
     """
-    from fa_forensics.numerics import matmul, round_to
+    from fa_forensics.numerics import exp_fp32, matmul, round_to
     from fa_forensics.replay.config import Softmax
     from fa_forensics.replay.emulate.softmax import block_shift
 
@@ -222,7 +222,7 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     qk = qk.to(torch.float32)
     masked = torch.ones(R, K, dtype=torch.bool).triu(K - R + 1) if causal else torch.zeros(R, K, dtype=torch.bool)
     s = (qk * float(scale)).to(torch.float32).masked_fill(masked, -math.inf)  # (R, K) α·q·k
-    p_hp = torch.exp(s - s.amax(-1, keepdim=True))  # (R, K) fp32
+    p_hp = exp_fp32(s - s.amax(-1, keepdim=True))  # (R, K) fp32
     s_hp = s
     if config is None:
         return (p_hp if p_format == "fp32" else round_to(p_hp, p_format)), p_hp
@@ -233,11 +233,11 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     shifted = s - m[:, None]
     if s_fmt != "fp32":
         shifted = round_to(shifted, s_fmt)
-    p = torch.exp(shifted)  # (R, K) fp32
+    p = exp_fp32(shifted)  # (R, K) fp32
     if config.softmax is not Softmax.STANDARD:
         # Eq. 4 compares Ō at one shift: with a stabilized / fixed-offset m the fp32 side uses the
         # same m (O = Ō / ℓ is shift-invariant, Ō is not), else Ō_lp − Ō_hp measures the shift.
-        p_hp = torch.exp(s_hp - m[:, None])  # (R, K) fp32
+        p_hp = exp_fp32(s_hp - m[:, None])  # (R, K) fp32
     return (p if p_fmt == "fp32" else round_to(p, p_fmt)), p_hp
 
 

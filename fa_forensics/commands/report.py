@@ -22,6 +22,7 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.run import ANALYSES, run_all
+    from fa_forensics.report.verdict import report_verdict
 
     if out is None:
         raise UserError("report needs --out DIR (where index.html and its figures go)")
@@ -46,13 +47,15 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     for s in sections:
         table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
     console.print(table)
+    verdict = report_verdict(sections)
     write_json(json_path, {
-        "index": str(index), "seconds": seconds, "preset": preset, "findings": findings(sections),
+        "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict, "findings": findings(sections),
         "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
                       "seconds": s.seconds, "json": s.data} for s in sections],
     })
     ok = sum(s.ok for s in sections)
-    console.print(f"[bold]verdict:[/] {ok} of {len(sections)} analyses reported; wrote {index}")
+    console.print(f"{ok} of {len(sections)} analyses reported; wrote {index}", highlight=False)
+    console.print(f"[bold]verdict:[/] {verdict.removeprefix('VERDICT: ')}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

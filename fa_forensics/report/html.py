@@ -1,4 +1,4 @@
-"""Assemble the report's index.html: a first paragraph of findings, then one section per analysis
+"""Assemble the report's index.html: the verdict (report/verdict.py), a paragraph of findings, then one section per analysis
 (its verdict, key numbers, figures beside the page and the command's own printed tables).
 
 `findings` turns each command's documented JSON keys into one sentence; it reads keys defensively
@@ -10,6 +10,8 @@ import html
 import math
 from pathlib import Path
 from typing import Optional
+
+from fa_forensics.report.verdict import report_verdict
 
 TITLES = {
     "isolate": "isolate: which precision choice causes the error (paper §3.2)",
@@ -94,6 +96,7 @@ _CSS = """
 body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.5em} h2{font-size:1.15em;border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
 .lead{background:#f4f8fb;border-left:4px solid #0072B2;padding:.6em 1em}
+.verdict{background:#fdf6e3;border-left:4px solid #D55E00;padding:.6em 1em}
 .note{color:#a33} table{border-collapse:collapse;font-size:.85em} td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0} pre{background:#fafafa;font-size:.75em;overflow-x:auto;padding:.5em}
 .meta{color:#666;font-size:.85em}
@@ -107,6 +110,7 @@ def render(dump: str, sections, *, info: Optional[dict] = None, seconds: float =
              f"<style>{_CSS}</style></head><body>", f"<h1>fa-forensics report: {e(dump)}</h1>"]
     found = findings(sections)
     missing = [s.name for s in sections if s.data is None]
+    parts.append(f"<p class='verdict'><strong>{e(report_verdict(sections))}</strong></p>")
     lead = " ".join(e(f) for f in found) or "No analysis produced a result."
     if missing:
         lead += " " + e(f"Not available for this dump: {', '.join(missing)} (see the notes below).")

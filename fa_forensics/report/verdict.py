@@ -1,0 +1,84 @@
+"""The report's opening verdict: one sentence a user can act on, from the analyses' bias claims.
+
+Each analysis's JSON has a `bias` claim (`analyses.contract.BiasClaim`: found after Bonferroni at
+p < 0.01, quantity O or δ, layer, head, sign). The verdict says whether the analyses agree that a
+bias exists and where (culprit layer, head, step), which operation carries it (isolate's repairs,
+pv-trace's P̄ = 1 share), whether the fix removes it (fix-check) and the replay fidelity; when the
+analyses disagree it says so, naming which found what.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
+
+
+def claims(sections) -> dict[str, dict]:
+    """{section name: its JSON `bias` claim} for the sections that produced one."""
+    return {s.name: s.data["bias"] for s in sections if s.data is not None and isinstance(s.data.get("bias"), dict)}
+
+
+def agreement(by_name: dict[str, dict]) -> tuple[bool, Optional[tuple[int, int]]]:
+    """(the analyses agree, the (layer, head) they agree on or None): all found at one (layer, head),
+    with one sign per quantity, or none found."""
+    found = {n: c for n, c in by_name.items() if c["found"]}
+    if not found:
+        return True, None
+    if len(found) != len(by_name):
+        return False, None
+    places = {(c["layer"], c["head"]) for c in found.values()}
+    signs = {(c["quantity"], c["sign"]) for c in found.values()}
+    one_sign = len(signs) == len({q for q, _ in signs})
+    return (len(places) == 1 and one_sign), (next(iter(places)) if len(places) == 1 else None)
+
+
+def _fidelity(sections) -> str:
+    for s in sections:
+        if s.data is not None and s.data.get("replay_fidelity") is not None:
+            return f"replay fidelity {s.data['replay_fidelity']}"
+    return "replay fidelity not measured (the findings describe the replayed recipe)"
+
+
+def report_verdict(sections) -> str:
+    """The one-sentence verdict that opens the report."""
+    by_name = claims(sections)
+    data = {s.name: s.data for s in sections if s.data is not None}
+    fidelity = _fidelity(sections)
+    if not by_name:
+        return f"VERDICT: no analysis produced a bias claim for this dump (see the notes below); {fidelity}."
+    agree, place = agreement(by_name)
+    names = ", ".join(by_name)
+    if agree and place is None:
+        return (f"VERDICT: no significant bias (sign or t-test, Bonferroni-corrected p < 0.01) in {names}: nothing to fix; "
+                f"{fidelity}.")
+    if not agree:
+        parts = [f"{n} {'finds' if c['found'] else 'does not find'} one at layer {c['layer']} head {c['head']}"
+                 f" ({'+' if c['sign'] > 0 else '−'}{c['quantity']}, p={c['p_value']:.2g} of {c['n_tests']} tests)"
+                 for n, c in by_name.items()]
+        return f"VERDICT: the analyses disagree on whether or where a bias exists: {'; '.join(parts)}; {fidelity}."
+    layer, head = place
+    steps = sorted({c["step"] for c in by_name.values() if c.get("step") is not None})
+    feature = next((c["feature"] for c in by_name.values() if c.get("feature") is not None), None)
+    o_sign = next((c["sign"] for c in by_name.values() if c["quantity"] == "O"), 0)
+    d_sign = next((c["sign"] for c in by_name.values() if c["quantity"] == "delta"), 0)
+    where = f"layer {layer} head {head}" + (f", step {steps[0]}" if len(steps) == 1 else f", steps {steps}" if steps else "")
+    where += f", feature {feature}" if feature is not None else ""
+    signs = ", ".join(x for x in (f"O {'+' if o_sign > 0 else '−'}" if o_sign else "",
+                                   f"Σδ {'+' if d_sign > 0 else '−'}" if d_sign else "") if x)
+    operation = ""
+    if "isolate" in data:
+        culprits = data["isolate"].get("culprits") or []
+        operation = f"; repairs that remove it: {', '.join(culprits)}" if culprits else "; no single repair removes it"
+    if "pv-trace" in data:
+        shares = data["pv-trace"].get("class_shares") or {}
+        p_one = [v for k, v in shares.items() if k in ("tie", "near-tie", "carry") and v.get("rows")]
+        if p_one:
+            total = sum(v["share"] for v in p_one)
+            se = sum(v["se"] ** 2 for v in p_one) ** 0.5
+            operation += f"; the P̄ = 1 rounding mechanism carries {total:.0%} ± {se:.0%} of the O bias in that feature"
+    fix = ""
+    if "fix-check" in data:
+        fc = data["fix-check"]
+        fix = ("; the stabilized softmax removes it" if fc.get("removed") else "; the stabilized softmax does NOT remove it") + \
+              f" (fix-check: reduction {fc.get('bias_reduction', float('nan')):.1f}x)"
+    return f"VERDICT: biased rounding at {where} ({signs}), found by {names}{operation}{fix}; {fidelity}."
