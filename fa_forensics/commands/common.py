@@ -234,7 +234,7 @@ def show_result(args: AnalysisArgs, result: Any, payload: dict, tables: Sequence
     payload = {**payload, "figures": figures}
     write_json(args.json_path, payload)
     print_warnings(result.warnings)
-    console.print(f"[{verdict_style}]verdict:[/] {payload['verdict']}", highlight=False)
+    console.print(f"[{verdict_style}]verdict:[/] {payload['verdict']}", highlight=False, soft_wrap=True)
     return payload
 
 
