@@ -9,7 +9,7 @@ the same names under wrappers (DDP's `module.`, torch.compile's `_orig_mod.`).
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -22,12 +22,25 @@ def find_attention_modules(model: torch.nn.Module, pattern: str = DEFAULT_ATTENT
     return [(name, module) for name, module in model.named_modules() if name and regex.search(name)]
 
 
+_INPUT_KEYWORDS = ("hidden_states", "x", "query", "input")
+
+
 def module_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """X = the first tensor argument of an attention module's forward (positional or `hidden_states`/`x`)."""
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
-    for key in ("hidden_states", "x", "query", "input"):
+    for key in _INPUT_KEYWORDS:
         value = kwargs.get(key)
         if isinstance(value, torch.Tensor):
             return value
+    return None
+
+
+def replace_module_input(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[tuple[tuple, dict]]:
+    """(args, kwargs) with X (as found by `module_input`) replaced by fn(X); None when there is no X."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in _INPUT_KEYWORDS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: fn(kwargs[key])}
     return None

@@ -1,14 +1,20 @@
 """The patch of torch.nn.functional.scaled_dot_product_attention, installed only while capture is active.
 
-The patched function costs one attribute check when no step is being recorded: it looks at the
-active session's `busy` flag and calls the original. Only on recorded steps does it hand
-(Q, K, V, O, attn_mask, is_causal, scale) to the session.
+The patched function costs one attribute check when no step is being recorded: it calls the
+original and looks at the active session's `busy` flag. Only on busy steps does it hand
+(Q, K, V, O, attn_mask, dropout_p, is_causal, scale) to the session.
+
+Under torch.compile, dynamo traces this function: the `busy` check becomes a guard, so a step that
+is not busy runs the same graph as a run without capture (no graph break, no extra op); a busy step
+runs a second graph (compiled once, at the first busy step) in which the hand-over is the opaque
+custom op `fa_forensics::tap_attention` (capture/graph_ops.py), not a graph break.
 """
 from __future__ import annotations
 
 import functools
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 
 _ORIGINAL = F.scaled_dot_product_attention
@@ -18,24 +24,47 @@ _session = None  # the active CaptureSession, or None
 @functools.wraps(_ORIGINAL)
 def patched_sdpa(*args, **kwargs):
     """Drop-in for F.scaled_dot_product_attention that reports recorded calls to the active session."""
-    session = _session
-    if session is None or not session.busy:
-        return _ORIGINAL(*args, **kwargs)
     out = _ORIGINAL(*args, **kwargs)
-    query, key, value, attn_mask, is_causal, scale = _bind(args, kwargs)
-    session.on_attention(query, key, value, out, scale=scale, causal=bool(is_causal) and attn_mask is None,
-                         attn_mask_given=attn_mask is not None, source="sdpa")
+    session = _session
+    if session is not None and session.busy:
+        if torch.compiler.is_compiling():
+            return _tap_in_graph(args, kwargs, out)
+        _report(session, args, kwargs, out)
     return out
 
 
-def _bind(args: tuple, kwargs: dict):
-    """(query, key, value, attn_mask, is_causal, scale) from SDPA's positional/keyword arguments."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
-    bound = dict(defaults)
+def _tap_in_graph(args: tuple, kwargs: dict, out):
+    """The hand-over inside a compiled graph: one custom op whose output (a copy of O) replaces O."""
+    from fa_forensics.capture.graph_ops import tap_attention
+
+    bound = _bind(args, kwargs)
+    scale = bound["scale"]
+    o, _token = tap_attention(bound["query"], bound["key"], bound["value"], out, bound["attn_mask"],
+                              float(bound["dropout_p"] or 0.0), bool(bound["is_causal"]),
+                              None if scale is None else float(scale), torch.is_grad_enabled(), _autocast_dtype(bound["query"]))
+    return o
+
+
+@torch.compiler.disable
+def _report(session, args: tuple, kwargs: dict, out) -> None:
+    """Hand one SDPA call to the session (eager, outside any compiled graph)."""
+    bound = _bind(args, kwargs)
+    session.on_attention(bound["query"], bound["key"], bound["value"], out, scale=bound["scale"], causal=bool(bound["is_causal"]),
+                         attn_mask=bound["attn_mask"], dropout_p=float(bound["dropout_p"] or 0.0), source="sdpa")
+
+
+def _autocast_dtype(q) -> Optional[torch.dtype]:
+    device_type = q.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _bind(args: tuple, kwargs: dict) -> dict:
+    """SDPA's positional/keyword arguments by name, with its defaults."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
     bound.update(zip(names, args))
     bound.update(kwargs)
-    return bound["query"], bound["key"], bound["value"], bound["attn_mask"], bound["is_causal"], bound["scale"]
+    return bound
 
 
 def install(session) -> None:

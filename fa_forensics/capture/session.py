@@ -12,7 +12,14 @@ Conventions (also in the README):
   the block raises; steps that ended before the error are completed, the cut one is not.
 
 Hot path: on a step that is not selected, the SDPA patch and every hook check one boolean
-(`busy`) and return; nothing is cloned, nothing synchronizes.
+(`busy`, or `_active` for the attention modules' input hooks) and return; nothing is cloned,
+nothing synchronizes.
+
+torch.compile: the hooks and the SDPA patch are traced by dynamo. Each reads its flag in traced
+code (dynamo turns the read into a guard: a step that is not busy runs exactly the graph of a run
+without capture) and hands over to a `torch.compiler.disable` function only when the flag is set:
+busy steps run a second graph, compiled once, that breaks at the hand-overs. No session state is
+mutated inside traced code.
 
 Monitor (`monitor_every=N`): every N-th step (step % N == 0) is "monitored": each attention call
 of the recorded forward pass feeds `StepCollector` (per-head statistics on the batch slice, W_Q
@@ -33,13 +40,13 @@ import math
 import os
 import sys
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
-from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input
+from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input, replace_module_input
 from fa_forensics.capture.selection import CaptureError, CaptureSelection
 from fa_forensics.capture.ring import RingArray, RingStep, StepRing
 from fa_forensics.capture.writer import BackgroundWriter, offload
@@ -112,7 +119,6 @@ class CaptureSession:
         self._step_loss: Optional[float] = None  # loss given by cap.step() before the boundary
         self._pending_loss: Optional[float] = None
         self._pending: Optional[int] = None  # an ended step whose completion waits for its loss
-        self._masked_layers: list[int] = []
         self._pending_x: Optional[tuple[str, torch.Tensor]] = None
         self._optimizer_id: Optional[int] = None
         self._handles: list = []
@@ -182,11 +188,14 @@ class CaptureSession:
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
                causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
         """Record one attention call of custom attention code: q, k, v, o (B, H, T, D); x (B, T, C) optional."""
-        if not self.busy:
-            return
+        if self.busy:
+            self._record_eager(q, k, v, o, scale, causal, x)
+
+    @torch.compiler.disable
+    def _record_eager(self, q, k, v, o, scale, causal, x) -> None:
         if x is not None:
             self._pending_x = ("record", x)
-        self.on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask_given=False, source="record")
+        self.on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask=None, dropout_p=0.0, source="record")
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -265,7 +274,12 @@ class CaptureSession:
 
     # -- hooks (hot path first) ----------------------------------------------------------
     def _on_root_forward(self, module, args) -> None:
-        if not self.busy or not torch.is_grad_enabled():
+        if self.busy:
+            self._root_forward_eager()
+
+    @torch.compiler.disable
+    def _root_forward_eager(self) -> None:
+        if not torch.is_grad_enabled():
             return
         if self._row is not None:
             self._flush_row(None)
@@ -277,13 +291,25 @@ class CaptureSession:
 
     def _x_hook(self, name: str):
         def hook(module, args, kwargs):
-            if not self._active or not torch.is_grad_enabled():
-                return None
-            x = module_input(args, kwargs)
-            self._pending_x = None if x is None else (name, x)
+            if self._active:
+                if torch.compiler.is_compiling():  # inside a compiled graph: X passes through an opaque op
+                    from fa_forensics.capture.graph_ops import tap_input
+
+                    grad_enabled = torch.is_grad_enabled()
+                    return replace_module_input(args, kwargs, lambda x: tap_input(x, name, grad_enabled))
+                self._take_x(name, module_input(args, kwargs))
             return None
 
         return hook
+
+    @torch.compiler.disable
+    def _take_x(self, name: str, x: Optional[torch.Tensor]) -> None:
+        if torch.is_grad_enabled():
+            self.take_input(name, x)
+
+    def take_input(self, name: str, x: Optional[torch.Tensor]) -> None:
+        """X of the attention module `name`, kept for its attention call (called with gradients enabled)."""
+        self._pending_x = None if x is None else (name, x)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._optimizer_id is None:
@@ -292,13 +318,22 @@ class CaptureSession:
             return  # a second optimizer of the same run (e.g. Muon + AdamW): count steps once
         self._end_step(None)
 
-    def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask_given: bool, source: str) -> None:
-        """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded or monitored."""
+    def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float, source: str,
+                     grad_sink: Optional[Callable] = None, grad_enabled: Optional[bool] = None,
+                     autocast_dtype: Union[torch.dtype, None, str] = "ambient") -> None:
+        """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded or monitored.
+
+        grad_sink: inside a compiled graph O carries no autograd history here; the dO hook is handed
+        to grad_sink instead of being registered on O. grad_enabled, autocast_dtype: the grad mode and
+        autocast dtype (None: autocast off) the call was traced in; by default the ones in effect now.
+        """
+        if autocast_dtype == "ambient":
+            autocast_dtype = _autocast_dtype(q)
         if self._row is not None:
             self._flush_row(None)
         if self._pending is not None:
             self._flush_pending(None)
-        if not self._active or not torch.is_grad_enabled():
+        if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
         if self._root is None:  # no module tree: a new forward pass starts after a backward pass
             if self._micro < 0 or self._backward_seen:
@@ -314,12 +349,12 @@ class CaptureSession:
                 o.register_hook(self._mark_backward)
             return
         if self._monitor_hot:
-            self._monitor_call(layer, q, k, x, scale, causal)
+            self._monitor_call(layer, q, k, x, scale, causal, autocast_dtype)
         if (self._hot or self._ring_hot) and self.selection.wants_layer(layer):
-            self._record_call(layer, q, k, v, o, x, scale, causal, attn_mask_given, source)
+            self._record_call(layer, q, k, v, o, x, scale, causal, attn_mask, dropout_p, source, grad_sink, autocast_dtype)
 
     # -- recording -----------------------------------------------------------------------
-    def _record_call(self, layer, q, k, v, o, x, scale, causal, attn_mask_given, source) -> None:
+    def _record_call(self, layer, q, k, v, o, x, scale, causal, attn_mask, dropout_p, source, grad_sink, autocast_dtype) -> None:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or o.dim() != 4:
             self._warn_once("dims", f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; only (B, H, T, D) is recorded")
             return
@@ -328,7 +363,7 @@ class CaptureSession:
         if heads is not None and heads[-1] >= H:
             raise CaptureError(f"capture --heads {list(heads)} asks for head {heads[-1]} but layer {layer} has {H} heads (0..{H - 1})")
         head_index = None if heads is None else torch.tensor(heads, device=q.device)
-        dtype = _recorded_dtype(q)
+        dtype = _recorded_dtype(q, autocast_dtype)
 
         def select(t: torch.Tensor, per_head: bool = True, kv: bool = False) -> torch.Tensor:
             t = t.detach()
@@ -354,11 +389,14 @@ class CaptureSession:
             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(D),
             "causal": bool(causal),
             "dtype": str(dtype).replace("torch.", ""),
+            "input_dtype": str(q.dtype).replace("torch.", ""),
+            "autocast": autocast_dtype is not None,
+            "dropout_p": float(dropout_p),
         }
-        if attn_mask_given:
-            self._masked_layers.append(layer)
-            self._warn_once("mask", "fa-forensics capture: an attn_mask was passed to scaled_dot_product_attention; "
-                            "it is not stored and the layer is recorded as causal=False (step attr attn_mask_layers)")
+        mask = None
+        if attn_mask is not None:
+            mask = attention_mask_for_store(attn_mask, self.selection.batch, head_index)
+            layer_attrs["mask"] = "bool" if mask.dtype == torch.bool else "additive"
         step = self.current_step
         if not self._hot and self._ring_step is None:
             self._ring_step = RingStep(step)
@@ -366,11 +404,15 @@ class CaptureSession:
             self._queue_array(step, layer, name, tensor, layer_attrs)
         if x is not None:
             self._queue_array(step, layer, "x", select(x[1], per_head=False), layer_attrs)
-        if o.requires_grad:
-            def do_hook(grad: torch.Tensor) -> None:
-                self._queue_array(step, layer, "do", select(grad), layer_attrs)
-                self._backward_seen = True
+        if mask is not None:
+            self._queue_array(step, layer, "mask", mask, layer_attrs)
+        def do_hook(grad: torch.Tensor) -> None:
+            self._queue_array(step, layer, "do", select(grad), layer_attrs)
+            self._backward_seen = True
 
+        if grad_sink is not None:
+            grad_sink(do_hook)
+        elif o.requires_grad:
             o.register_hook(do_hook)
         self._step_recorded = True
 
@@ -433,9 +475,6 @@ class CaptureSession:
         attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
         if step in self._extra_steps:
             attrs["recorded_by"] = "alarm"
-        if self._masked_layers:
-            attrs["attn_mask_layers"] = sorted(set(self._masked_layers))
-            self._masked_layers = []
         self._writer.put_complete(step, loss=loss, **attrs)
         bisect.insort(self.recorded_steps, step)
         self._update_busy()
@@ -466,7 +505,7 @@ class CaptureSession:
         if value is not None:
             self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
 
-    def _monitor_call(self, layer, q, k, x, scale, causal) -> None:
+    def _monitor_call(self, layer, q, k, x, scale, causal, autocast_dtype) -> None:
         if q.dim() != 4:
             return
         batch = self.selection.batch
@@ -480,7 +519,7 @@ class CaptureSession:
         module = self._modules_by_name.get(name)
         from fa_forensics.monitor.collector import p_bar_dtype
 
-        self._collector.observe_call(layer, q_b, k_b, scale=scale, causal=causal, p_dtype=p_bar_dtype(_recorded_dtype(q)),
+        self._collector.observe_call(layer, q_b, k_b, scale=scale, causal=causal, p_dtype=p_bar_dtype(_recorded_dtype(q, autocast_dtype)),
                                      module=module, module_name=name)
 
     def _flush_row(self, loss: Optional[float]) -> None:
@@ -606,11 +645,35 @@ def _span(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-def _recorded_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype the attention kernel computes in: autocast's dtype for fp32 inputs under autocast."""
+def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice], head_index: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA's attn_mask as stored: 4-D (B' or 1, H' or 1, Tq, Tk), batch slice and heads applied to the
+    dims that are not broadcast. Boolean masks stay boolean (True = may attend); an additive mask whose
+    values are all 0 or -inf / the dtype's lowest value becomes boolean too; any other additive mask (a
+    bias such as ALiBi) is kept as given."""
+    m = mask.detach()
+    m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
+    if batch is not None and m.shape[0] > 1:
+        m = m[batch]
+    if head_index is not None and m.shape[1] > 1:
+        m = m.index_select(1, head_index.to(m.device))
+    if m.dtype != torch.bool:
+        allowed = m == 0
+        blocked = torch.isneginf(m) | (m <= torch.finfo(m.dtype).min)
+        if bool((allowed | blocked).all()):
+            m = allowed
+    return m
+
+
+def _autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
+    """Autocast's dtype on q's device when autocast is on there, else None."""
     device_type = q.device.type
-    if q.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _recorded_dtype(q: torch.Tensor, autocast_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype the attention kernel computes in: autocast's dtype for fp32 inputs under autocast."""
+    if q.dtype == torch.float32 and autocast_dtype is not None:
+        return autocast_dtype
     return q.dtype
 
 

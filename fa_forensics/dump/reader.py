@@ -22,6 +22,8 @@ from fa_forensics.dump.schema import (
     FORMAT_VERSION,
     HEAD_TENSORS,
     LAYER_RE,
+    MASK,
+    ARRAY_NAMES,
     RANK_RE,
     STEP_RE,
     TENSOR_NAMES,
@@ -176,7 +178,7 @@ class Dump:
 
     def _array_names(self, step: int, layer: int) -> list[str]:
         g = self._layer(step, layer)
-        present = [n for n in TENSOR_NAMES if n in set(g.array_keys())]
+        present = [n for n in ARRAY_NAMES if n in set(g.array_keys())]
         if (int(step), int(layer)) not in self._checked:
             listed = g.attrs.get("arrays", present)
             missing = [n for n in listed if n not in present]
@@ -196,8 +198,8 @@ class Dump:
             return False
 
     def _array(self, step: int, layer: int, name: str) -> zarr.Array:
-        if name not in TENSOR_NAMES:
-            raise DumpError(f"unknown array name {name!r}; dump arrays are {', '.join(TENSOR_NAMES)}")
+        if name not in ARRAY_NAMES:
+            raise DumpError(f"unknown array name {name!r}; dump arrays are {', '.join(ARRAY_NAMES)}")
         names = self._array_names(step, layer)
         if name not in names:
             raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: {_fmt(names)}")
@@ -221,6 +223,10 @@ class Dump:
             causal=bool(a.get("causal", True)),
             dtype=str(a.get("dtype") or "unknown"),
             arrays=arrays,
+            dropout_p=float(a.get("dropout_p") or 0.0),
+            mask=a.get("mask"),
+            autocast=a.get("autocast"),
+            input_dtype=a.get("input_dtype"),
         )
 
     def heads(self, step: int, layer: int) -> list[int]:
@@ -257,13 +263,15 @@ class Dump:
         heads: int | list[int] | slice | None: the model's head numbers (see `heads()`; dim 1 of
         q/k/v/o/do; ignored for x);
         batch: int | slice | None (dim 0). An int keeps its dimension, so q/k/v/o/do always
-        come back 4-D (B', H', T, D) and x 3-D (B', T, C).
+        come back 4-D (B', H', T, D) and x 3-D (B', T, C). `mask` comes back 4-D and broadcastable
+        to (B', H', Tq, Tk): its dims of size 1 (broadcast in SDPA) ignore the batch and head selection.
         """
         arr = self._array(step, layer, name)
         where = f"step {step} layer {layer} array '{name}' of {self.path}"
-        b_sel = self._index(batch, arr.shape[0], "batch", where)
+        broadcast_batch = name == MASK and arr.shape[0] == 1  # a mask keeps SDPA's broadcast dims (size 1)
+        b_sel = slice(None) if broadcast_batch else self._index(batch, arr.shape[0], "batch", where)
         sel: tuple = (b_sel,)
-        if name in HEAD_TENSORS:
+        if name in HEAD_TENSORS or (name == MASK and arr.shape[1] > 1):
             sel = (b_sel, self._head_positions(step, layer, heads, where))
         dname = arr.attrs.get("dtype", str(arr.dtype))
         if dname not in supported_dtype_names():

@@ -1,6 +1,8 @@
 """Convert between safetensors files and dump stores.
 
-Tensor names are `step{S}.layer{L}.{q,k,v,o,do,x}` (q, k, v, o, do: (B, H, T, D); x: (B, T, C)).
+Tensor names are `step{S}.layer{L}.{q,k,v,o,do,x,mask}` (q, k, v, o, do: (B, H, T, D); x: (B, T, C);
+mask: SDPA's attn_mask, 4-D and broadcastable to (B, H, Tq, Tk), bool with True = may attend, or an
+additive float bias; present only for layers captured with one).
 File metadata `causal` ("true" / "false") and `scale` (a float as text) apply to every layer;
 they default to causal and 1/sqrt(D). `layer{L}.heads` ("1,3") keeps the model's head numbers of a
 partial-head capture (absent: heads 0..H-1). Dtypes are kept, so export∘import is the identity on tensors.
@@ -20,12 +22,12 @@ from pathlib import Path
 import torch
 
 from fa_forensics.dump.reader import open_dump
-from fa_forensics.dump.schema import HEAD_TENSORS, TENSOR_NAMES, dtype_name, supported_dtype_names
+from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
 from fa_forensics.dump.writer import DumpWriter, _existing_format
 from fa_forensics.errors import DumpError
 
-NAME_RE = re.compile(r"^step(\d+)\.layer(\d+)\.(" + "|".join(TENSOR_NAMES) + r")$")
-NAME_PATTERN = "step{S}.layer{L}.{q,k,v,o,do,x}"
+NAME_RE = re.compile(r"^step(\d+)\.layer(\d+)\.(" + "|".join(ARRAY_NAMES) + r")$")
+NAME_PATTERN = "step{S}.layer{L}.{q,k,v,o,do,x,mask}"
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,12 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
             for n in names:
                 s, l, t = NAME_RE.match(n).groups()
                 tensor = f.get_tensor(n)
-                want = 4 if t in HEAD_TENSORS else 3
+                want = 4 if t in HEAD_TENSORS or t == MASK else 3
                 if tensor.dim() != want:
-                    raise DumpError(f"{src}: {n} has shape {tuple(tensor.shape)}, expected {want} dims ({'B, H, T, D' if want == 4 else 'B, T, C'})")
+                    layout = "B, T, C" if want == 3 else ("B or 1, H or 1, Tq, Tk" if t == MASK else "B, H, T, D")
+                    raise DumpError(f"{src}: {n} has shape {tuple(tensor.shape)}, expected {want} dims ({layout})")
+                if (tensor.dtype == torch.bool) != (t == MASK) and not (t == MASK and tensor.is_floating_point()):
+                    raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; only a mask may be bool, and a mask is bool or float")
                 if dtype_name(tensor.dtype) not in supported_dtype_names():
                     raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; supported: {', '.join(supported_dtype_names())}")
                 by_step[int(s)][int(l)][t] = tensor
@@ -119,12 +124,14 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
                 tensors = by_step[s][l]
                 head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
                 attrs = {"causal": causal}
+                if MASK in tensors:
+                    attrs["mask"] = "bool" if tensors[MASK].dtype == torch.bool else "additive"
                 if f"layer{l}.heads" in metadata:
                     attrs["heads"] = _parse_heads(metadata[f"layer{l}.heads"], l, head, src)
                 if head is not None:
                     attrs.update(n_heads=head.shape[1], head_dim=head.shape[3], dtype=dtype_name(head.dtype))
                     attrs["scale"] = scale if scale is not None else 1.0 / math.sqrt(head.shape[3])
-                for t in TENSOR_NAMES:
+                for t in ARRAY_NAMES:
                     if t in tensors:
                         writer.write_array(s, l, t, tensors[t], layer_attrs=attrs)
             writer.complete_step(s)

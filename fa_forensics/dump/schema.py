@@ -7,6 +7,9 @@ Layout (zarr v3), see DESIGN.md:
           layer_{L:03d}/           attrs: {module, n_heads, head_dim, scale, causal, dtype, arrays}
             q k v o do             (B, H, T, D), chunks (1, 1, T, D): one head of one tensor
             x                      (B, T, C),    chunks (1, T, C)
+            mask                   (B or 1, H or 1, Tq, Tk), chunks (1, 1, Tq, Tk): SDPA's attn_mask
+                                   when one was passed; bool (True = may attend) or an additive
+                                   float bias, broadcastable to (B, H, Tq, Tk)
       timeline/                    per-step series, first axis = monitored step
 
 zarr has no bf16 / fp8: those are stored as their bit patterns (uint16 / uint8) and the array
@@ -22,8 +25,10 @@ import torch
 
 FORMAT_VERSION = 1
 ATTRS_KEY = "fa_forensics"  # root attribute holding the run description
-TENSOR_NAMES = ("q", "k", "v", "o", "do", "x")
+TENSOR_NAMES = ("q", "k", "v", "o", "do", "x")  # what every recorded attention call has
 HEAD_TENSORS = ("q", "k", "v", "o", "do")  # (B, H, T, D); x is (B, T, C)
+MASK = "mask"  # (B or 1, H or 1, Tq, Tk): bool (True = may attend) or additive float; only where SDPA got one
+ARRAY_NAMES = (*TENSOR_NAMES, MASK)  # every array a layer group may hold
 TIMELINE_GROUP = "timeline"
 
 STEP_RE = re.compile(r"^step_(\d{9})$")
@@ -51,6 +56,7 @@ _STORED = {
     torch.bfloat16: ("uint16", torch.int16),
     torch.float8_e4m3fn: ("uint8", torch.uint8),
     torch.float8_e5m2: ("uint8", torch.uint8),
+    torch.bool: ("bool", None),
 }
 _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _STORED}
 
@@ -104,6 +110,10 @@ class LayerInfo:
     causal: bool
     dtype: str
     arrays: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dropout_p: float = 0.0  # SDPA's dropout_p at capture: stored O includes dropout when > 0
+    mask: str | None = None  # "bool" | "additive" when SDPA got an attn_mask (array `mask`), else None
+    autocast: bool | None = None  # autocast was active at the call (None: not recorded)
+    input_dtype: str | None = None  # dtype of Q as passed to SDPA (before autocast's cast)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,5 +123,9 @@ class LayerInfo:
             "scale": self.scale,
             "causal": self.causal,
             "dtype": self.dtype,
+            "dropout_p": self.dropout_p,
+            "mask": self.mask,
+            "autocast": self.autocast,
+            "input_dtype": self.input_dtype,
             "arrays": {k: list(v) for k, v in self.arrays.items()},
         }

@@ -21,7 +21,8 @@ from fa_forensics.dump.schema import (
     ATTRS_KEY,
     FORMAT_VERSION,
     HEAD_TENSORS,
-    TENSOR_NAMES,
+    ARRAY_NAMES,
+    MASK,
     TIMELINE_GROUP,
     dtype_name,
     encode,
@@ -33,7 +34,7 @@ from fa_forensics.errors import DumpError
 
 # Flat chunk files ("c.0.1.0.0") instead of nested folders: one file per head, no folder per index.
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
-_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads")
+_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask", "autocast", "input_dtype")
 
 
 def _existing_format(path: Path) -> int | None:
@@ -170,11 +171,12 @@ class DumpWriter:
         layer_attrs (module, n_heads, head_dim, scale, causal, dtype) are set on first use of
         the layer; missing ones are inferred (scale 1/sqrt(D), causal True).
         """
-        if name not in TENSOR_NAMES:
-            raise ValueError(f"unknown tensor name {name!r}; expected one of {', '.join(TENSOR_NAMES)}")
-        want_dim = 4 if name in HEAD_TENSORS else 3
+        if name not in ARRAY_NAMES:
+            raise ValueError(f"unknown tensor name {name!r}; expected one of {', '.join(ARRAY_NAMES)}")
+        want_dim = 4 if name in HEAD_TENSORS or name == MASK else 3
         if tensor.dim() != want_dim:
-            raise ValueError(f"{name} must have {want_dim} dims ({'B, H, T, D' if want_dim == 4 else 'B, T, C'}), got shape {tuple(tensor.shape)}")
+            layout = "B, T, C" if want_dim == 3 else ("B, H, Tq, Tk" if name == MASK else "B, H, T, D")
+            raise ValueError(f"{name} must have {want_dim} dims ({layout}), got shape {tuple(tensor.shape)}")
         data, dname = encode(tensor)
         chunks = (1, 1, *data.shape[2:]) if want_dim == 4 else (1, *data.shape[1:])
         with self._lock:
@@ -191,7 +193,7 @@ class DumpWriter:
                 overwrite=True,
             )
             arr[...] = data
-            names = sorted(set(lg.attrs.get("arrays", [])) | {name}, key=TENSOR_NAMES.index)
+            names = sorted(set(lg.attrs.get("arrays", [])) | {name}, key=ARRAY_NAMES.index)
             lg.attrs["arrays"] = names
 
     def complete_step(self, step: int, loss: float | None = None, **attrs: Any) -> None:

@@ -81,7 +81,7 @@ def test_export_selection_and_refusals(make_dump, tmp_path):
 @pytest.mark.parametrize(
     "tensors, metadata, match",
     [
-        ({"layer0.q": torch.zeros(1, 1, 2, 2)}, None, r"does not match step\{S\}\.layer\{L\}\.\{q,k,v,o,do,x\}"),
+        ({"layer0.q": torch.zeros(1, 1, 2, 2)}, None, r"does not match step\{S\}\.layer\{L\}\.\{q,k,v,o,do,x,mask\}"),
         ({"step1.layer0.w": torch.zeros(1, 1, 2, 2)}, None, "does not match"),
         ({"step1.layer0.q": torch.zeros(1, 2, 2)}, None, "expected 4 dims"),
         ({"step1.layer0.x": torch.zeros(1, 2, 2, 2)}, None, "expected 3 dims"),

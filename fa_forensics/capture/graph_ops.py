@@ -1,0 +1,103 @@
+"""Capture inside torch.compile graphs: opaque custom ops that hand tensors to the session at run time.
+
+Why custom ops and not `torch.compiler.disable`: a disabled function is a graph break, and a graph
+break changes what inductor fuses around it, so a selected step computed other bits than the same
+step without capture. A `torch.library.custom_op` is one opaque node in the graph: dynamo and
+inductor keep everything around it as without capture, and its Python body runs eagerly when the
+compiled graph runs. The hooks insert the ops only when the session's flag is set; dynamo guards
+on that flag, so steps that are not busy run the graph of a run without capture (the busy graph is
+compiled once, at the first busy step).
+
+- `tap_attention(q, k, v, o, mask, ...) -> (o', token)`: reports one SDPA call; o' is a copy of O
+  (a custom op may not return an alias of its input) and carries the gradient: its backward runs
+  `tap_grad(dO, token)`, which hands dO to the hook the session left under `token`.
+- `tap_input(x) -> x'`: reports X, the attention module's input (x' is a copy of x).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Optional
+
+import torch
+
+_GRAD_HOOKS: dict[int, Callable[[torch.Tensor], None]] = {}  # token -> the session's dO hook
+_TOKENS = itertools.count(1)
+_NO_TOKEN = 0
+
+
+def _session():
+    from fa_forensics.capture import sdpa
+
+    return sdpa.active_session()
+
+
+@torch.library.custom_op("fa_forensics::tap_attention", mutates_args=())
+def tap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, mask: Optional[torch.Tensor],
+                  dropout_p: float, is_causal: bool, scale: Optional[float], grad_enabled: bool,
+                  autocast_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    session = _session()
+    token = _NO_TOKEN
+    if session is not None and grad_enabled:  # compiled graphs run with grad mode off: the traced mode is passed in
+        sinks: list = []
+        session.on_attention(q, k, v, o, scale=scale, causal=is_causal, attn_mask=mask, dropout_p=dropout_p,
+                             source="sdpa", grad_sink=sinks.append, grad_enabled=True,
+                             autocast_dtype=autocast_dtype)
+        if sinks:
+            token = next(_TOKENS)
+            _GRAD_HOOKS[token] = sinks[0]
+    return o.clone(), torch.tensor(token, dtype=torch.int64)
+
+
+@tap_attention.register_fake
+def _(q, k, v, o, mask, dropout_p, is_causal, scale, grad_enabled, autocast_dtype):
+    return torch.empty_like(o), torch.empty((), dtype=torch.int64)
+
+
+def _tap_attention_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _tap_attention_backward(ctx, grad_o, grad_token):
+    (token,) = ctx.saved_tensors
+    return None, None, None, tap_grad(grad_o, token), None, None, None, None, None, None
+
+
+tap_attention.register_autograd(_tap_attention_backward, setup_context=_tap_attention_setup)
+
+
+@torch.library.custom_op("fa_forensics::tap_grad", mutates_args=())
+def tap_grad(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    hook = _GRAD_HOOKS.pop(int(token), None)
+    if hook is not None:
+        hook(grad)
+    return grad.clone()
+
+
+@tap_grad.register_fake
+def _(grad, token):
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("fa_forensics::tap_input", mutates_args=())
+def tap_input(x: torch.Tensor, name: str, grad_enabled: bool) -> torch.Tensor:
+    session = _session()
+    if session is not None and grad_enabled:
+        session.take_input(name, x)
+    return x.clone()
+
+
+@tap_input.register_fake
+def _(x, name, grad_enabled):
+    return torch.empty_like(x)
+
+
+def _tap_input_backward(ctx, grad):
+    return grad, None, None
+
+
+tap_input.register_autograd(_tap_input_backward)
+
+
+def forget_grad_hooks() -> None:
+    """Drop dO hooks whose backward never ran (the session ended)."""
+    _GRAD_HOOKS.clear()
