@@ -5,7 +5,7 @@ one block of `--block` training steps per case. A training step is forward + bac
 `cap.step(loss)`, plus reading the loss, as demo-train does. The cases:
 (a) no capture;
 (b) inside a capture session with `monitor_every=1` and no dump steps: per-head statistics of every
-    layer on the batch slice, W_Q power iteration, one timeline row per step;
+    layer on the batch slice, exact W_Q spectral norms, one timeline row per step;
 (c) as (b) with `alarm=True` (the rule runs on every row).
 In (b) and (c) the session is entered and one warm-up step is run before the timer starts. The timer
 then covers the block AND the session's exit, so the writer's timeline appends (buffered, 16 rows at

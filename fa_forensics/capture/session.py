@@ -264,6 +264,8 @@ class CaptureSession:
     def bind(self, model: torch.nn.Module) -> int:
         """Hook `model`: its forward starts a micro-batch; its attention modules give X. Returns the count found."""
         self._root = model
+        if self.model is None and self._writer is not None:  # bound by the launcher: describe the model now
+            self._writer.put_run_attrs(describe_model(model))
         found = find_attention_modules(model, self.pattern)
         self.attention_module_names = [name for name, _ in found]
         self._modules_by_name = dict(found)
@@ -598,10 +600,9 @@ class CaptureSession:
         model_attrs = dict(self.run_attrs.get("model", {}))
         device = self.run_attrs.get("device")
         if self.model is not None:
-            model_attrs.setdefault("class", type(self.model).__name__)
-            model_attrs.setdefault("n_params", int(sum(p.numel() for p in self.model.parameters())))
-            first = next(iter(self.model.parameters()), None)
-            device = device or (str(first.device) if first is not None else None)
+            described = describe_model(self.model)
+            model_attrs = {**described["model"], **model_attrs}
+            device = device or described["device"]
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
                          "rank": self.rank, "world_size": self.world_size, **self.run_attrs.get("capture", {})}
         if self.monitor_every:
@@ -622,6 +623,22 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
+
+
+def describe_model(model: torch.nn.Module) -> dict:
+    """{"model": {class, n_params, compiled, wrapper}, "device"}: the class is the model's own under
+    torch.compile (`_orig_mod`) and DDP/FSDP-style wrappers (`module`)."""
+    inner, wrappers = model, []
+    while True:
+        child = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
+        if not isinstance(child, torch.nn.Module):
+            break
+        wrappers.append(type(inner).__name__)
+        inner = child
+    first = next(iter(model.parameters()), None)
+    return {"model": {"class": type(inner).__name__, "n_params": int(sum(p.numel() for p in model.parameters())),
+                      "compiled": "OptimizedModule" in wrappers, "wrappers": wrappers},
+            "device": str(first.device) if first is not None else "unknown"}
 
 
 def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:

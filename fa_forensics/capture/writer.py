@@ -53,6 +53,11 @@ class _TimelineRows:
     rows: list  # [(step, {name: scalar or numpy array (e.g. (L, H))})], oldest first
 
 
+@dataclass
+class _RunAttrs:
+    attrs: dict
+
+
 _STOP = object()
 
 
@@ -92,6 +97,10 @@ class BackgroundWriter:
 
     def put_complete(self, step: int, loss: Optional[float] = None, **attrs) -> None:
         self._put(_Complete(step, loss, attrs))
+
+    def put_run_attrs(self, attrs: dict) -> None:
+        """Merge attrs into the store's run description (see DumpWriter.update_run_attrs)."""
+        self._put(_RunAttrs(dict(attrs)))
 
     def put_timeline(self, step: int, **series) -> None:
         """Add one monitor row (the step's scalars and (L, H) arrays) to the store's timeline/ (buffered, see above)."""
@@ -173,6 +182,8 @@ class BackgroundWriter:
                     self._dump.write_array(item.step, item.layer, item.name, item.tensor, layer_attrs=item.layer_attrs)
                 elif isinstance(item, _TimelineRows):
                     self._dump.append_timeline_rows(item.rows)
+                elif isinstance(item, _RunAttrs):
+                    self._dump.update_run_attrs(item.attrs)
                 else:
                     self._dump.complete_step(item.step, loss=item.loss, **item.attrs)
             except BaseException as exc:  # reported to the training thread at its next call

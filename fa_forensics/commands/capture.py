@@ -25,11 +25,18 @@ RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored 
 BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
 
 
-def rewrite_command(command: list[str]) -> list[str]:
-    """Insert the capture launcher into a `python ...` / `torchrun ...` / `script.py ...` command line."""
+def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
+    """Insert the capture launcher into a `python ...` / `torchrun ...` / `script.py ...` command line.
+
+    same_python: a bare `python` / `python3` becomes the interpreter fa-forensics runs in
+    (sys.executable), so the script sees this fa-forensics and its torch, not whatever a PATH
+    shim (pyenv, conda) resolves `python` to.
+    """
     if not command:
         raise UserError("no training command given; put it after --, e.g. fa-forensics capture --out run.zarr --steps 100 -- python train.py")
     exe = os.path.basename(command[0])
+    if same_python and command[0] in ("python", "python3"):
+        command = [sys.executable, *command[1:]]
     if exe.startswith("python"):
         i = 1
         while i < len(command) and command[i].startswith("-") and command[i] != "-m":
@@ -49,6 +56,11 @@ def rewrite_command(command: list[str]) -> list[str]:
     if command[0].endswith(".py"):
         return [sys.executable, "-m", LAUNCHER, *command]
     raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
+
+
+def _span_text(steps: list[int], limit: int = 10) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
 def _store_summary(out: Path) -> dict:
@@ -86,6 +98,7 @@ def register(app: typer.Typer) -> None:
         micro_batch: Annotated[int, typer.Option("--micro-batch", help="Forward pass of a step to record under gradient accumulation.")] = 0,
         attention_modules: Annotated[Optional[str], typer.Option("--attention-modules", help="Regex over module names that marks attention modules (their input is X).")] = None,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --out.")] = False,
+        same_python: Annotated[bool, typer.Option("--same-python/--path-python", help="Run a bare `python`/`python3` command as the interpreter fa-forensics runs in (default), or as PATH resolves it.")] = True,
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
         alarm_steps: AlarmStepsOpt = 3,
@@ -103,7 +116,7 @@ def register(app: typer.Typer) -> None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
             check_monitor_options(monitor_every, alarm, alarm_steps, ring)  # one-line errors before launching
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
-            argv = rewrite_command(list(command))
+            argv = rewrite_command(list(command), same_python=same_python)
             settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite,
                         "attention_modules": attention_modules, "command": list(command),
                         "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring}
@@ -113,13 +126,18 @@ def register(app: typer.Typer) -> None:
             except OSError as exc:
                 raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
             summary = _store_summary(out)
-            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary})
+            never = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
+            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary, "never_reached": never})
             console.print(f"capture: {out}: steps {summary['steps']}" + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
                           + (f", {summary['monitored_steps']} monitored steps in the timeline" if summary["monitored_steps"] else "")
                           + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
             if code != 0:
                 err_console.print(f"[bold red]error:[/] the training command exited with code {code}; steps completed before it are kept in {out}", highlight=False)
                 raise typer.Exit(code=code if 0 < code < 256 else 1)
+            if never:
+                err_console.print(f"[bold yellow]warning:[/] selected step(s) {_span_text(never)} were never reached (the run made fewer "
+                                  f"optimizer.step() calls, or none was seen); nothing recorded for them. Check --steps against the run's length", highlight=False)
+                raise typer.Exit(code=1)
 
         run_cli(debug, body)
 

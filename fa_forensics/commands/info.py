@@ -12,6 +12,16 @@ from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, S
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to describe (default 0).")]
 
 
+
+def _stored_dtype(info: dict) -> str:
+    """'bfloat16', or 'bfloat16 (from float32)' when autocast cast fp32 inputs for the kernel."""
+    given = info.get("input_dtype")
+    return str(info["dtype"]) + (f" (from {given})" if given and given != info["dtype"] else "")
+
+
+def _unknown(value) -> str:
+    return "?" if value is None else str(value)
+
 def _ranges(values: list[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
     if not values:
@@ -51,14 +61,15 @@ def render(summary: dict[str, Any]) -> None:
     console.print(run)
 
     layers = Table(title="layers", title_justify="left")
-    for col in ("layer", "module", "heads", "head_dim", "scale", "causal"):
+    for col in ("layer", "module", "heads", "head_dim", "scale", "causal", "dtype", "autocast", "dropout_p", "mask"):
         layers.add_column(col)
     arrays = Table(title="arrays", title_justify="left")
     for col in ("layer", "array", "shape", "dtype", "chunks"):
         arrays.add_column(col)
     for l in summary["layers"]:
         info = summary["layer_info"][str(l)]
-        layers.add_row(str(l), str(info["module"] or "-"), _ranges(summary["heads"][str(l)]), str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]))
+        layers.add_row(str(l), str(info["module"] or "-"), _ranges(summary["heads"][str(l)]), str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]),
+                       _stored_dtype(info), _unknown(info.get("autocast")), f"{info.get('dropout_p') or 0:g}", str(info.get("mask") or "-"))
         for n, a in summary["arrays"][str(l)].items():
             arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]), "×".join(str(x) for x in a["chunks"]))
     console.print(layers)

@@ -210,6 +210,18 @@ class DumpWriter:
                 g.attrs.update(extra)
             g.attrs["complete"] = True  # last: a cut-off step never reads as complete
 
+    def update_run_attrs(self, attrs: Mapping[str, Any]) -> None:
+        """Merge `attrs` into the run description (dict values merge one level deep); rank 0 only,
+        the root belongs to it. Used when the model becomes known after the store was created."""
+        if self.rank != 0:
+            return
+        with self._lock:
+            self._check_open()
+            meta = dict(self._root.attrs[ATTRS_KEY])
+            for key, value in attrs.items():
+                meta[key] = {**meta.get(key, {}), **value} if isinstance(value, Mapping) and isinstance(meta.get(key), Mapping) else value
+            self._root.attrs[ATTRS_KEY] = meta
+
     def append_timeline(self, step: int, **series: Any) -> None:
         """Append one row (this step) to per-step series under timeline/ (see append_timeline_rows)."""
         self.append_timeline_rows([(step, series)])

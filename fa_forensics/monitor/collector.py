@@ -13,7 +13,7 @@ use) and the W_Q block (a few hundred KB; the weights are copied because the opt
 them in place) and goes on; `finish` waits for the worker, which has had the
 whole backward pass and optimizer step to catch up. Results are identical either way.
 
-wq_sigma: σ_max of each head's block of W_Q, by warm-started power iteration on the weights the
+wq_sigma: σ_max of each head's block of W_Q, exact (float64 Gram eigenvalue), on the weights the
 step's forward pass used (found by `find_query_weights` on the attention module). When no weight
 is found the value is NaN and `warn(key, message)` is called once per module.
 """
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from fa_forensics.monitor.spectral import SpectralTracker, find_query_weights
+from fa_forensics.monitor.spectral import find_query_weights, head_spectral_norms
 from fa_forensics.monitor.stats import TIMELINE_METRICS, HeadStats, head_statistics
 
 WarnFn = Callable[[str, str], None]
@@ -44,14 +44,13 @@ def p_bar_dtype(q_dtype: torch.dtype) -> torch.dtype:
 class StepCollector:
     """Collects HeadStats and W_Q spectral norms of one monitored step, layer by layer."""
 
-    def __init__(self, *, eps: float = 1e-3, chunk: int = 128, spectral_iterations: int = 3, warn: Optional[WarnFn] = None,
+    def __init__(self, *, eps: float = 1e-3, chunk: int = 128, warn: Optional[WarnFn] = None,
                  background: bool = False):
         self.eps = eps
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fa-forensics-monitor") if background else None
         if self._pool is not None:
             self._pool.submit(lambda: None)  # start the thread now, not in the first monitored step (≈ 5 ms there)
         self.chunk = chunk
-        self.tracker = SpectralTracker(iterations=spectral_iterations)
         self._warn = warn or (lambda key, message: None)
         self._calls: dict[int, Future] = {}  # layer -> (HeadStats, σ (H,) or None)
         self._shape: Optional[tuple[int, int]] = None  # (L, H), fixed by the first row
@@ -89,7 +88,7 @@ class StepCollector:
         with torch.autocast(q.device.type, enabled=False):  # called inside the forward pass: keep fp32 statistics
             stats = head_statistics(q, k, scale=scale, causal=causal, eps=self.eps, p_dtype=p_dtype,
                                     chunk=self.chunk, to_cpu=False)
-            sigma = None if w_q is None else self.tracker.sigma(layer, w_q, to_cpu=False)  # (H,)
+            sigma = None if w_q is None else head_spectral_norms(w_q)  # (H,)
         return stats, sigma
 
     def finish(self) -> Optional[dict[str, np.ndarray]]:

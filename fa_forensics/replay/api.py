@@ -35,6 +35,21 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: Optiona
         raise ConfigError(f"replay: causal attention needs as many queries as keys (q has {q.shape[-2]}, k has {k.shape[-2]}); pass causal=False")
 
 
+def _check_mask(mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> None:
+    if mask is None:
+        return
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ConfigError(f"replay: mask must be a bool or float tensor, got {what}")
+    try:
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(tuple(mask.shape), target) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"replay: mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, Tk) = {target}")
+
+
 def resolve_causal_scale(config: ReplayConfig, head_dim: int, causal: Optional[bool], scale: Optional[float]) -> tuple[bool, float]:
     """Explicit arguments override the config; defaults: causal, α = 1/sqrt(D)."""
     causal = causal if causal is not None else (config.causal if config.causal is not None else True)
@@ -45,11 +60,15 @@ def resolve_causal_scale(config: ReplayConfig, head_dim: int, causal: Optional[b
 
 
 def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, do: Optional[torch.Tensor] = None,
-           *, backend: str = "emulate", causal: Optional[bool] = None, scale: Optional[float] = None) -> ReplayOut:
+           *, backend: str = "emulate", causal: Optional[bool] = None, scale: Optional[float] = None,
+           mask: Optional[torch.Tensor] = None) -> ReplayOut:
     """Replay attention forward (and, with dO, backward) under `config` on `backend`.
 
     q, k, v, do: (B, H, T, D) in any float dtype; their values are first rounded to
-    config.input_dtype. Returns ReplayOut (O in o_dtype, lse, P̄ stats, δ/dQ/dK/dV with dO).
+    config.input_dtype. mask: SDPA's attn_mask as captured (bool, True = may attend, or an additive
+    float bias), broadcastable to (B, H, T, Tk); applied on top of `causal`. A row with no allowed
+    key gives O = 0 and zero gradients, as SDPA does. Returns ReplayOut (O in o_dtype, lse, P̄
+    stats, δ/dQ/dK/dV with dO).
     """
     if not isinstance(config, ReplayConfig):
         raise ConfigError(f"replay: config must be a ReplayConfig, got {type(config).__name__}; use ReplayConfig.preset(name)")
@@ -57,10 +76,13 @@ def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConf
         raise ConfigError(f"replay: unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     causal, scale = resolve_causal_scale(config, q.shape[-1], causal, scale)
     _check_inputs(q, k, v, do, causal)
+    _check_mask(mask, q, k)
     if backend == "emulate":
         from fa_forensics.replay.emulate import emulate_replay
 
-        return emulate_replay(q, k, v, config, do, causal=causal, scale=scale)
+        return emulate_replay(q, k, v, config, do, causal=causal, scale=scale, mask=mask)
+    if mask is not None:
+        raise BackendUnavailable("replay: the triton backend does not apply attention masks; use --backend emulate for a masked layer")
     try:
         from fa_forensics.replay.triton.backend import replay_triton
     except ImportError as exc:

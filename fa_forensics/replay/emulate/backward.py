@@ -54,10 +54,11 @@ def query_blocks(n_rows: int, block_m: int | None) -> list[tuple[int, int]]:
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              config: ReplayConfig, *, causal: bool, scale: float, o_for_delta: torch.Tensor | None,
-             block_m: int | None = None) -> Backward:
+             block_m: int | None = None, mask: torch.Tensor | None = None) -> Backward:
     """The FA2 backward of the module docstring.
 
     o_for_delta (B, H, T, D) fp32: the O that δ uses for o-lowp / o-highp (None for the others).
+    mask: SDPA's attn_mask broadcastable to (B, H, T, Tk), or None.
     block_m: query rows per block (None = all): the (B, H, block_m, T) temporaries bound the
     memory. dQ and δ are per row; dK and dV sum over rows, so their accumulators are carried
     from block to block in row order (`mm(..., acc=)`), which is the same chain of roundings as
@@ -74,8 +75,11 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     dk = dv = None  # (B, H, T, D) Σ over the rows so far of dSᵀ Q and P̄ᵀ dO, before α and 1/S
     for i0, i1 in query_blocks(q.shape[-2], block_m):
         rows = slice(i0, i1)
-        s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0)  # (B, H, R, T)
+        mask_r = None if mask is None else mask.expand(*q.shape[:3], k.shape[-2])[..., rows, :]
+        s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
         P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
+        if mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
+            P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
         do_r = do[..., rows, :]  # (B, H, R, D)
         dP = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, R, T)
 

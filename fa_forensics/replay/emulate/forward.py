@@ -6,6 +6,7 @@ block_n keys (None = one block), in forward or reverse order. Per block j, in th
 
  1. S = cast(q kᵀ, s_dtype) (mm, in_format = input_dtype) ; s = cast(fp32(S · α), s_dtype) ;
     causal: s[i, t] = -inf for t > i. (s_dtype fp32: no rounding beyond the mm's.)
+    mask (SDPA's attn_mask): bool: s = -inf where False; additive: s = cast(fp32(s + mask), s_dtype).
     Rows that see no key of the block (all t > i) are skipped, as a kernel skips masked blocks
     (this is exactly a no-op for them).
  2. m_new = cast(shift rule, stats_dtype) (softmax.py: standard / stabilized Algorithm 3 / fixed
@@ -23,6 +24,8 @@ block_n keys (None = one block), in forward or reverse order. Per block j, in th
     pv_dtype lower (autocast reference code): acc = cast(fp32(acc_r + cast(mm(P̄_c, V_j))))
     i.e. rounded after the block product and after the rescale-and-add; in_format = wider(p, input)
 Epilogue: O = cast(fp32(acc / fp32(S · ℓ)), o_dtype, rounding); lse = fp32(m_use + fp32(log ℓ)).
+A row whose mask allows no key has ℓ = 0: its O is 0 and its lse -inf (as SDPA on the CPU: O = 0,
+gradients 0).
 
 `rounding` (nearest-even or seeded stochastic) governs the P̄ cast, the P̄V casts (the rescaled
 accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-even. Every exp is
@@ -62,9 +65,9 @@ def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder) -> list[tuple
 
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
-                  causal: bool, row0: int, col0: int) -> torch.Tensor:
+                  causal: bool, row0: int, col0: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s = cast(α · cast(q kᵀ, s_dtype), s_dtype) with the causal mask (-inf); q rows start at
-    row0, k rows at col0."""
+    row0, k rows at col0. mask: the attn_mask block of these rows and keys (bool or additive)."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)  # (B, H, R, N)
     S = cast(S, config.s_dtype)  # the autocast matmul's output dtype
     s = cast(S * torch.tensor(scale, dtype=torch.float32), config.s_dtype)
@@ -72,6 +75,8 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
         s = s.masked_fill(cols > rows, _NEG_INF)
+    if mask is not None:
+        s = s.masked_fill(~mask, _NEG_INF) if mask.dtype == torch.bool else cast(s + mask.float(), config.s_dtype)
     return s
 
 
@@ -93,12 +98,16 @@ class _RowMaxTracker:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *,
-            causal: bool, scale: float, generator: Optional[torch.Generator], row0: int = 0) -> Forward:
+            causal: bool, scale: float, generator: Optional[torch.Generator], row0: int = 0,
+            mask: Optional[torch.Tensor] = None) -> Forward:
     """Run the FA2 forward of the module docstring; q (B, H, T, D), k, v (B, H, N, D) fp32
     input_dtype values. q may be a block of query rows starting at row `row0` (rows are
-    independent: a block's results are bit for bit those rows of the whole)."""
+    independent: a block's results are bit for bit those rows of the whole). mask: SDPA's
+    attn_mask for these rows, broadcastable to (B, H, T, N), or None."""
     B, H, T, D = q.shape
     n_keys = k.shape[-2]
+    if mask is not None:
+        mask = mask.expand(B, H, T, n_keys)
     S_scale = float(config.p_scale)
     ln_S = torch.tensor(math.log(S_scale), dtype=torch.float32)
     S_t = torch.tensor(S_scale, dtype=torch.float32)
@@ -117,7 +126,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         r0 = max(j0 - row0, 0) if causal else 0  # rows before j0 see nothing of this block
         if r0 >= T:
             continue
-        s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0)  # (B, H, R, N)
+        mask_block = None if mask is None else mask[..., r0:, j0:j1]
+        s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)  # (B, H, R, N)
         tracker.update(s, r0)
         m_prev = m[..., r0:]
         shift = block_shift(m_prev, s, config)
@@ -149,6 +159,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
 
     m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     o32 = acc / (S_t * l).unsqueeze(-1)
+    if mask is not None:
+        o32 = torch.where((l == 0).unsqueeze(-1), torch.zeros_like(o32), o32)  # rows with no allowed key
     o = cast(o32, config.o_dtype, config.rounding, generator)
     lse = m_use + torch.log(l)
     stats = PBarStats(

@@ -69,11 +69,13 @@ _STAT_FIELDS = ("repeated_max_rows", "p_one_count", "stabilized_rows", "p_zeroed
 
 
 def streamed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, plan: StreamPlan, *,
-                     causal: bool, scale: float, generator: Optional[torch.Generator]) -> Forward:
+                     causal: bool, scale: float, generator: Optional[torch.Generator],
+                     mask: Optional[torch.Tensor] = None) -> Forward:
     """`forward` run work item by work item and row block by row block; the same bits as one pass."""
     if config.rounding is Rounding.STOCHASTIC:
-        return forward(q, k, v, config, causal=causal, scale=scale, generator=generator)
+        return forward(q, k, v, config, causal=causal, scale=scale, generator=generator, mask=mask)
     B, H, T, D = q.shape
+    mask = None if mask is None else mask.expand(B, H, T, k.shape[-2])
     o = torch.empty(B, H, T, D)
     lse = torch.empty(B, H, T)
     counts = {name: torch.zeros(B, H, dtype=torch.int64) for name in _STAT_FIELDS}  # (B, H) each
@@ -81,7 +83,7 @@ def streamed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: 
         bs = slice(b, b + 1)
         for i0, i1 in query_blocks(T, plan.block_m):
             part = forward(q[bs, hs, i0:i1], k[bs, hs], v[bs, hs], config, causal=causal, scale=scale,
-                           generator=generator, row0=i0)
+                           generator=generator, row0=i0, mask=None if mask is None else mask[bs, hs, i0:i1])
             o[bs, hs, i0:i1] = part.o
             lse[bs, hs, i0:i1] = part.lse
             for name in _STAT_FIELDS:
@@ -91,31 +93,35 @@ def streamed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: 
 
 def streamed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                       config: ReplayConfig, plan: StreamPlan, *, causal: bool, scale: float,
-                      o_for_delta: Optional[torch.Tensor]) -> Backward:
+                      o_for_delta: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None) -> Backward:
     """`backward` run work item by work item, in row blocks of plan.block_m; the same bits as one pass."""
     B, H = q.shape[:2]
+    mask = None if mask is None else mask.expand(B, H, q.shape[2], k.shape[-2])
     delta = torch.empty(lse.shape)
     dq, dk, dv = torch.empty(q.shape), torch.empty(k.shape), torch.empty(v.shape)
     for b, hs in plan.items(B, H):
         at = (slice(b, b + 1), hs)
         part = backward(q[at], k[at], v[at], do[at], lse[at], config, causal=causal, scale=scale,
-                        o_for_delta=None if o_for_delta is None else o_for_delta[at], block_m=plan.block_m)
+                        o_for_delta=None if o_for_delta is None else o_for_delta[at], block_m=plan.block_m,
+                        mask=None if mask is None else mask[at])
         delta[at], dq[at], dk[at], dv[at] = part.delta, part.dq, part.dk, part.dv
     return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
 
 
 def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
                    do: Optional[torch.Tensor] = None, *, causal: bool, scale: float,
-                   plan: Optional[StreamPlan] = None) -> ReplayOut:
+                   plan: Optional[StreamPlan] = None, mask: Optional[torch.Tensor] = None) -> ReplayOut:
     """Replay attention on the CPU emulator; shapes and arguments already validated by api.replay.
 
-    plan: how to cut the work (default: `StreamPlan.for_shape`, blocks of about BLOCK_ELEMENTS)."""
+    plan: how to cut the work (default: `StreamPlan.for_shape`, blocks of about BLOCK_ELEMENTS).
+    mask: SDPA's attn_mask broadcastable to (B, H, T, Tk) (bool or additive), or None."""
     B, H, T, _ = q.shape
     plan = plan or StreamPlan.for_shape(H, T, k.shape[-2])
     with torch.no_grad():
         q32, k32, v32 = (to_input_dtype(x, config) for x in (q, k, v))  # (B, H, T, D)
         generator = torch.Generator().manual_seed(config.seed)
-        fwd = streamed_forward(q32, k32, v32, config, plan, causal=causal, scale=scale, generator=generator)
+        mask = None if mask is None else mask.detach().cpu()
+        fwd = streamed_forward(q32, k32, v32, config, plan, causal=causal, scale=scale, generator=generator, mask=mask)
         delta = dq = dk = dv = None
         if do is not None:
             do32 = to_input_dtype(do, config)
@@ -124,9 +130,9 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
                 o_for_delta = fwd.o
             elif config.delta is DeltaSource.O_HIGHP:
                 twin = high_precision_twin(config)
-                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None).o
+                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None, mask=mask).o
             grads = streamed_backward(q32, k32, v32, do32, fwd.lse, config, plan, causal=causal, scale=scale,
-                                      o_for_delta=o_for_delta)
+                                      o_for_delta=o_for_delta, mask=mask)
             delta, dq, dk, dv = grads.delta, grads.dq, grads.dk, grads.dv
         return ReplayOut(
             o=fwd.o.to(torch_dtype(config.o_dtype)),

@@ -1,0 +1,166 @@
+"""Capture on Hugging Face models built from small configs (no download): GPT-2 (sdpa, padding mask,
+dropout), Llama (grouped-query attention), eager and compiled, library and CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa_forensics
+from fa_forensics.dump import open_dump
+
+transformers = pytest.importorskip("transformers")
+
+T = 16
+
+
+def _gpt2(attn_pdrop=0.0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=2, n_head=2, attn_pdrop=attn_pdrop, resid_pdrop=0.0,
+                     embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(cfg)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, T), generator=gen)
+    attention_mask = torch.ones(2, T, dtype=torch.long)
+    attention_mask[1, :5] = 0  # sample 1 is left-padded by 5 tokens
+    return ids, attention_mask
+
+
+def _train(model, steps, session=None, compiled=False):
+    """Real AdamW steps under bf16 autocast on a padded batch; the losses (tensors)."""
+    forward = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, attention_mask = _batch()
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+        if session is not None:
+            session.step(loss)
+    return losses
+
+
+def _check_masked_layers(dump, step):
+    for layer in dump.layers(step):
+        info = dump.layer_info(step, layer)
+        assert info.module == f"transformer.h.{layer}.attn" and info.mask == "bool" and info.autocast is True
+        q, k, v, o, mask = (dump.read(step, layer, n) for n in ("q", "k", "v", "o", "mask"))
+        assert mask.dtype == torch.bool and mask.shape == (2, 1, T, T)
+        # the recorded mask is causal & key padding: sample 1 attends to no padded key
+        assert not mask[1, 0, :, :5].any() and torch.equal(mask[0, 0], torch.ones(T, T, dtype=torch.bool).tril())
+        # stored O is SDPA of the stored Q, K, V under the recorded mask, bit for bit
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=info.scale), o)
+        assert not torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=info.scale), o)
+
+
+def test_gpt2_padding_mask_is_recorded_and_reproduces_o_eager(tmp_path):
+    out = tmp_path / "gpt2.zarr"
+    model = _gpt2()
+    with fa_forensics.capture(model, out=out, steps=[1], batch=None) as cap:
+        _train(model, 2, cap)
+    dump = open_dump(out)
+    assert dump.steps == [1] and dump.attrs["model"]["class"] == "GPT2LMHeadModel"
+    _check_masked_layers(dump, 1)
+
+
+@pytest.mark.slow
+def test_gpt2_compiled_with_padding_mask_is_bit_equal_with_capture(tmp_path):
+    torch._dynamo.reset()
+    plain = _train(_gpt2(), 3, compiled=True)
+    torch._dynamo.reset()
+    out = tmp_path / "gpt2c.zarr"
+    model = _gpt2()
+    with fa_forensics.capture(model, out=out, steps=[1], batch=None) as cap:
+        captured = _train(model, 3, cap, compiled=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured))
+    dump = open_dump(out)
+    assert dump.attrs["model"]["class"] == "GPT2LMHeadModel"
+    _check_masked_layers(dump, 1)
+
+
+def test_llama_grouped_query_attention_is_expanded_per_query_head(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    kv_seen = {}
+    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, y, i=i: kv_seen.__setitem__(i, y.detach()))
+             for i, layer in enumerate(model.model.layers)]
+    ids, _ = _batch()
+    out = tmp_path / "llama.zarr"
+    with fa_forensics.capture(model, out=out, steps=[0], batch=None, step_by="manual") as cap:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        cap.step(loss)
+    for h in hooks:
+        h.remove()
+    dump = open_dump(out)
+    for layer in (0, 1):
+        info = dump.layer_info(0, layer)
+        assert info.module == f"model.layers.{layer}.self_attn" and info.n_heads == 4 and info.mask is None
+        q, k, v, o = (dump.read(0, layer, n) for n in ("q", "k", "v", "o"))
+        assert k.shape == (2, 4, T, 8)
+        assert torch.equal(k[:, 0], k[:, 1]) and torch.equal(k[:, 2], k[:, 3]) and not torch.equal(k[:, 0], k[:, 2])
+        assert kv_seen[layer].shape == (2, T, 16)  # 2 K/V heads of 8 in the model
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=info.causal, scale=info.scale), o)
+
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.1,
+                     bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 16))
+    attention_mask = torch.ones(2, 16, dtype=torch.long)
+    attention_mask[1, :5] = 0
+    for step in range(2):
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+''')
+
+
+def test_cli_capture_of_gpt2_with_dropout_and_padding(tmp_path):
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    script, out, info_json, st = tmp_path / "train.py", tmp_path / "run.zarr", tmp_path / "info.json", tmp_path / "x.safetensors"
+    script.write_text(SCRIPT)
+    # step 7 is never reached (the script makes 2 steps): step 1 is recorded, then a warning and exit code 1
+    run = subprocess.run([sys.executable, "-m", "fa_forensics", "capture", "--out", str(out), "--steps", "1,7", "--", "python", str(script)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "step(s) 7 were never reached" in run.stderr, run.stderr
+    runner = CliRunner()
+    assert runner.invoke(app, ["info", str(out), "--json", str(info_json)]).exit_code == 0
+    info = json.loads(info_json.read_text())
+    assert info["steps"] == [1] and info["model"]["class"] == "GPT2LMHeadModel" and info["device"] == "cpu"
+    assert all(info["layer_info"][str(l)]["dropout_p"] == pytest.approx(0.1) for l in (0, 1))
+    assert all(info["layer_info"][str(l)]["mask"] == "bool" for l in (0, 1))
+    # export writes the mask as step{S}.layer{L}.mask (bool, True = may attend)
+    assert runner.invoke(app, ["export", str(out), "--to", str(st)]).exit_code == 0
+    mask = load_file(str(st))["step1.layer0.mask"]
+    assert mask.dtype == torch.bool and mask.shape == (2, 1, 16, 16) and not mask[1, 0, :, :5].any()
