@@ -103,8 +103,10 @@ def test_capture_cli_bad_input_is_one_line(tmp_path):
 
 
 def test_rewrite_command():
-    assert rewrite_command(["python", "-u", "train.py", "--lr", "1"]) == ["python", "-u", "-m", "fa_forensics.capture.launch", "train.py", "--lr", "1"]
-    assert rewrite_command(["python3", "-m", "pkg.train", "a"]) == ["python3", "-m", "fa_forensics.capture.launch", "--module", "pkg.train", "a"]
+    # a bare python / python3 runs under this interpreter (not a PATH shim's); --path-python keeps the name
+    assert rewrite_command(["python", "-u", "train.py", "--lr", "1"]) == [sys.executable, "-u", "-m", "fa_forensics.capture.launch", "train.py", "--lr", "1"]
+    assert rewrite_command(["python3", "-m", "pkg.train", "a"], same_python=False) == ["python3", "-m", "fa_forensics.capture.launch", "--module", "pkg.train", "a"]
+    assert rewrite_command(["/opt/py/bin/python", "t.py"])[0] == "/opt/py/bin/python"  # an explicit path is kept
     assert rewrite_command(["torchrun", "--nproc_per_node", "2", "train.py", "x"]) == ["torchrun", "--nproc_per_node", "2", "-m", "fa_forensics.capture.launch", "train.py", "x"]
     with pytest.raises(UserError):
         rewrite_command([])

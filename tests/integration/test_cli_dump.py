@@ -51,7 +51,7 @@ def test_import_bad_name_is_one_line(tmp_path):
     save_file({"attn.q": torch.zeros(1, 1, 2, 2)}, tmp_path / "a.safetensors")
     r = runner.invoke(app, ["import", str(tmp_path / "a.safetensors"), "--to", str(tmp_path / "d.zarr")])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "step{S}.layer{L}.{q,k,v,o,do,x}" in r.stderr and "Traceback" not in r.stderr
+    assert "step{S}.layer{L}.{q,k,v,o,do,x,mask}" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_synth_cli_writes_a_verified_planted_dump(tmp_path):
