@@ -36,7 +36,9 @@ class LayerTensors:
     """One layer-step as stored, selected heads batched in dim 1.
 
     q, k, v, o, do: (B, h, T, D) in the dtype training used (o / do None when not captured);
-    x: (B, T, C) the attention module's input, or None; scale α and the causal flag from the dump.
+    x: (B, T, C) the attention module's input, or None; scale α and the causal flag from the dump;
+    mask: SDPA's attn_mask as captured, broadcastable to (B, h, T, Tk) (bool, True = may attend, or
+    an additive float bias), or None; every replay of the layer applies it.
     """
 
     step: int
@@ -52,6 +54,7 @@ class LayerTensors:
     causal: bool
     warnings: tuple[str, ...] = ()  # one line each, from the registered layer checks
     source: object = None  # the Dump it was read from (None when built in memory)
+    mask: Optional[torch.Tensor] = None  # (B or 1, h or 1, T, Tk)
 
     @property
     def where(self) -> str:
@@ -100,7 +103,7 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
     t = LayerTensors(
         step=sel.step, layer=sel.layer, heads=list(sel.heads),
         q=q, k=read("k"), v=read("v"), o=read("o"), do=read("do"), x=read("x", heads=None),
-        scale=float(scale), causal=True if causal is None else bool(causal), source=dump,
+        scale=float(scale), causal=True if causal is None else bool(causal), source=dump, mask=read("mask"),
     )
     return with_checks(t, dump, info)
 
@@ -142,13 +145,14 @@ def collect_warnings(layers: Iterable[LayerTensors]) -> tuple[str, ...]:
 def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backend: Backend = Backend.EMULATE):
     """Replay one layer-step (all selected heads at once) under `config`; the backward only if asked.
 
-    The dump's scale and causal flag override the config's (they describe what training did).
+    The dump's scale, causal flag and recorded mask override the config's (they describe what training did).
     """
     from fa_forensics.replay import replay  # lazy: the replay engine imports torch-heavy modules
 
     if backward and t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture with dO")
-    return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal, scale=t.scale)
+    return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal, scale=t.scale,
+                  mask=t.mask)
 
 
 def lp_of(t: LayerTensors, recipe: Recipe) -> ReplayConfig:

@@ -164,3 +164,27 @@ def test_cli_capture_of_gpt2_with_dropout_and_padding(tmp_path):
     assert runner.invoke(app, ["export", str(out), "--to", str(st)]).exit_code == 0
     mask = load_file(str(st))["step1.layer0.mask"]
     assert mask.dtype == torch.bool and mask.shape == (2, 1, 16, 16) and not mask[1, 0, :, :5].any()
+
+
+def test_analyses_apply_the_recorded_mask_and_warn_about_dropout(tmp_path):
+    from typer.testing import CliRunner
+
+    from fa_forensics.analyses.recipe import hp_config
+    from fa_forensics.analyses.selection import load, replay_layer, select
+    from fa_forensics.cli import app
+
+    out, report = tmp_path / "drop.zarr", tmp_path / "delta.json"
+    model = _gpt2(attn_pdrop=0.1)
+    with fa_forensics.capture(model, out=out, steps=[0], batch=None) as cap:
+        _train(model, 1, cap)
+    dump = open_dump(out)
+    t = load(dump, select(dump, 0, 0)[0])
+    assert t.mask is not None and t.mask.shape == (2, 1, T, T)
+    assert any("dropout p=0.1" in w for w in t.warnings) and any("attention mask" in w for w in t.warnings)
+    # the replay applies the recorded mask: fp32 replay of the stored inputs = SDPA under the mask
+    ref = F.scaled_dot_product_attention(t.q.float(), t.k.float(), t.v.float(), attn_mask=t.mask, scale=t.scale)
+    torch.testing.assert_close(replay_layer(t, hp_config(), backward=False).o.float(), ref, atol=1e-5, rtol=1e-5)
+    result = CliRunner().invoke(app, ["delta-bias", str(out), "--step", "0", "--json", str(report), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    warnings = json.loads(report.read_text())["warnings"]
+    assert any("stored O includes dropout" in w for w in warnings) and any("attention mask" in w for w in warnings)
