@@ -1,11 +1,14 @@
-"""Time each analysis command on one layer-step of a GPT-2-size dump (B 1, H 12, T 1024, D 64) on CPU.
+"""Time each analysis on one layer-step of a GPT-2-size dump (B 1, H 12, T 1024, D 64), on the CPU emulator.
 
 Builds a random dump with DumpWriter in a temporary folder (bf16 q, k, v, do, o; x of width 768)
-and runs each of the six analysis commands in-process with the emulator, one after the other,
-printing wall-clock seconds (goal: < 60 s each on 2 cores). Arithmetic per forward replay:
-QKᵀ and P̄V are 2·B·H·T²·D = 2·12·1024²·64 ≈ 1.6 GFLOP each (≈ 3.2 GFLOP per replay).
+and runs each analysis through the library (`analyses.<name>.run` and `payload`: what the command
+and the report call; no CLI parsing, rendering or JSON writing is timed), one after the other.
+Each is reported in CPU seconds (time.process_time: robust to other jobs on the machine) and wall
+seconds, and as a ratio to ONE plain forward replay of the same layer-step under the bf16 preset,
+timed in the same run: the ratio is the number that carries across machines. Arithmetic per
+forward replay: QKᵀ and P̄V are B·H·T²·D = 12·1024²·64 ≈ 805M multiply-adds each (≈ 3.2 GFLOP).
 
-    python benchmarks/analyses_cpu.py [--keep DIR]
+    python benchmarks/analyses_cpu.py [--keep DIR] [--H 12] [--T 1024]
 """
 from __future__ import annotations
 
@@ -17,14 +20,11 @@ from pathlib import Path
 
 import torch
 
-B, H, T, D, C = 1, 12, 1024, 64, 768
-COMMANDS = [
-    ["isolate"], ["delta-bias"], ["rank1-sim"], ["pv-trace"], ["bitdiff", "--a", "bf16", "--b", "fp32"], ["fix-check"],
-]
+B, D, C = 1, 64, 768
 
 
-def build_dump(path: Path) -> Path:
-    """A one-step, one-layer random dump of GPT-2 size (o from a plain fp32 attention, stored bf16)."""
+def build_dump(path: Path, H: int = 12, T: int = 1024) -> Path:
+    """A one-step, one-layer random dump (GPT-2 size by default; o from a plain fp32 attention, stored bf16)."""
     from fa_forensics.dump import DumpWriter
 
     g = torch.Generator().manual_seed(0)
@@ -40,29 +40,44 @@ def build_dump(path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    import typer
+def _time(fn) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one call."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - t0
 
-    from fa_forensics.cli import app
-    from fa_forensics.commands.common import console
+
+def main() -> None:
+    from fa_forensics.analyses import bitdiff, delta_bias, fix_check, isolate, pv_trace, rank1_sim
+    from fa_forensics.analyses.recipe import Backend, Recipe
+    from fa_forensics.analyses.selection import load, replay_layer, select
+    from fa_forensics.dump import open_dump
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, help="build the dump here and keep it")
+    ap.add_argument("--H", type=int, default=12, help="heads (12: GPT-2)")
+    ap.add_argument("--T", type=int, default=1024, help="tokens (1024: GPT-2)")
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="fa_bench_"))
-    dump = build_dump(root / "gpt2.zarr")
-    command = typer.main.get_command(app)
-    rows = []
-    for cmd in COMMANDS:
-        t0 = time.perf_counter()
-        with console.capture():
-            code = command.main(args=[cmd[0], str(dump), *cmd[1:], "--json", str(root / f"{cmd[0]}.json")],
-                                prog_name="fa-forensics", standalone_mode=False)
-        rows.append((cmd[0], time.perf_counter() - t0, code))
-        print(f"{cmd[0]:<12} {rows[-1][1]:7.1f} s  exit {code}", flush=True)
-    print(f"\nB={B} H={H} T={T} D={D}, {torch.get_num_threads()} threads; goal < 60 s per command")
-    for name, sec, code in rows:
-        print(f"| {name} | {sec:.1f} s | {'ok' if sec < 60 else 'SLOW'} | exit {code} |")
+    dump = open_dump(build_dump(root / "gpt2.zarr", args.H, args.T))
+    sels, recipe, backend = select(dump), Recipe(), Backend.EMULATE
+    analyses = {
+        "isolate": lambda: isolate.payload(isolate.run(dump, sels, recipe, backend)),
+        "delta-bias": lambda: delta_bias.payload(delta_bias.run(dump, sels, recipe, backend)),
+        "rank1-sim": lambda: rank1_sim.payload(rank1_sim.run(dump, sels, recipe, backend)),
+        "pv-trace": lambda: pv_trace.payload(pv_trace.run(dump, sels, recipe, backend)),
+        "bitdiff": lambda: bitdiff.payload(bitdiff.run(dump, sels, recipe, Recipe("fp32"), backend)),
+        "fix-check": lambda: fix_check.payload(fix_check.run(dump, sels, recipe, backend)),
+    }
+    t = load(dump, sels[0])
+    unit_cpu, unit_wall = _time(lambda: replay_layer(t, recipe.base_config(), backward=False, backend=backend))
+    print(f"B={B} H={args.H} T={args.T} D={D}, {torch.get_num_threads()} threads; one bf16 forward replay: "
+          f"{unit_cpu:.1f} CPU s, {unit_wall:.1f} wall s")
+    print("| analysis | CPU s | wall s | CPU ÷ one forward replay |")
+    print("|---|---|---|---|")
+    for name, fn in analyses.items():
+        cpu, wall = _time(fn)
+        print(f"| {name} | {cpu:.1f} | {wall:.1f} | {cpu / unit_cpu:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name, (a, b) in products.items():
-            base, _ = _time(lambda: torch.matmul(a, b))
+            base, base_wall = _time(lambda: torch.matmul(a, b))
             for model in ("torch fp32", "ieee", "tensor-core"):
                 if model == "torch fp32":
-                    cpu, wall = base, base
+                    cpu, wall = base, base_wall
                 else:
                     cpu, wall = _time(lambda: matmul(a, b, model, gpu="h100", in_format="bf16"))
                 print(f"{threads:>7} {name:>7} {model:>12} {cpu:>7.2f} {wall:>7.2f} {cpu / max(base, 1e-9):>8.0f} "

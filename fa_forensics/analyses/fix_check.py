@@ -49,7 +49,7 @@ MIN_REDUCTION = 10.0
 
 
 @dataclass(frozen=True)
-class Variant:
+class FixVariant:
     """One replay configuration of the fix check."""
 
     name: str
@@ -59,18 +59,18 @@ class Variant:
 
 
 def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET, *, beta: float = 2.0, eps: float = 1e-3,
-                 offset: float = 1.0) -> list[Variant]:
+                 offset: float = 1.0) -> list[FixVariant]:
     """Baseline (`base`, the low-precision config named `preset`), the stabilized fix and the
     alternatives, in that order."""
     fp32 = Precision.FP32
     return [
-        Variant("baseline", "baseline", base, "paper BF16 setting" if preset == "bf16" else f"preset {preset}"),
-        Variant("stabilized", "fixed", base.with_(softmax=Softmax.STABILIZED, beta=beta, eps=eps),
+        FixVariant("baseline", "baseline", base, "paper BF16 setting" if preset == "bf16" else f"preset {preset}"),
+        FixVariant("stabilized", "fixed", base.with_(softmax=Softmax.STABILIZED, beta=beta, eps=eps),
                 f"stabilized softmax β={beta:g}, ε={eps:g}"),
-        Variant("fixed-offset", "alternative", base.with_(softmax=Softmax.FIXED_OFFSET, offset=offset),
+        FixVariant("fixed-offset", "alternative", base.with_(softmax=Softmax.FIXED_OFFSET, offset=offset),
                 f"m = rowmax + {offset:g} (App. C)"),
-        Variant("stochastic", "alternative", base.with_(rounding=Rounding.STOCHASTIC), "stochastic rounding of P̄ and O casts"),
-        Variant("fp32-pv", "alternative", base.with_(pv_dtype=fp32, rescale_dtype=fp32), "P̄V product and accumulator in fp32"),
+        FixVariant("stochastic", "alternative", base.with_(rounding=Rounding.STOCHASTIC), "stochastic rounding of P̄ and O casts"),
+        FixVariant("fp32-pv", "alternative", base.with_(pv_dtype=fp32, rescale_dtype=fp32), "P̄V product and accumulator in fp32"),
     ]
 
 
@@ -206,7 +206,7 @@ def pick_target(cells: list[BiasCell], alpha: float = ALPHA) -> BiasCell:
     return max(cells, key=lambda c: abs(c.mean / c.se) if c.se > 0 else 0.0)
 
 
-def _variant_result(v: Variant, parts: list[VariantLayerStep], target: BiasCell) -> VariantResult:
+def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCell) -> VariantResult:
     from fa_forensics.analyses.stats import sign_test, sum_se
 
     cells = summarize([p.diff for p in parts], v.name, "fp32").mean_signed_error
@@ -231,7 +231,7 @@ def _variant_result(v: Variant, parts: list[VariantLayerStep], target: BiasCell)
     )
 
 
-def summarize_fix(variants: list[Variant], parts: dict[str, list[VariantLayerStep]]) -> FixCheckResult:
+def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayerStep]]) -> FixCheckResult:
     """Merge every variant's layer-steps, pick the target cell from the baseline, decide the verdict."""
     base = next(v for v in variants if v.role == "baseline")
     cells = summarize([p.diff for p in parts[base.name]], base.name, "fp32").mean_signed_error
@@ -270,7 +270,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None) -> FixCheckResult:
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
     the fp32 replay; δ errors from the stored dO (when present)."""
-    variants: list[Variant] = []
+    variants: list[FixVariant] = []
     parts: dict[str, list[VariantLayerStep]] = {}
     warnings: list[str] = []
     for sel in selections:

@@ -55,7 +55,7 @@ BIASED_HEAD_P = 0.01  # heads whose baseline Σδ error is significant (t-test o
 
 
 @dataclass(frozen=True)
-class Variant:
+class Repair:
     """One replay of the isolation table: a name, what it changes, its config, whether δ needs the backward."""
 
     name: str
@@ -78,7 +78,7 @@ def baseline_config(T: int, lp: ReplayConfig = ReplayConfig()) -> ReplayConfig:
     return base
 
 
-def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET) -> list[Variant]:
+def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET) -> list[Repair]:
     """The baseline (`lp`, the low-precision config named `preset`, tiled) and its single repairs, in
     the order of the paper's §3.2."""
     base = baseline_config(T, lp)
@@ -99,10 +99,10 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PR
         ("stochastic", "stochastic rounding of the P̄, P̄V and O casts", base.with_(rounding=Rounding.STOCHASTIC), False),
     ]
     own_tiles = lp.block_n is not None
-    out = [Variant("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
+    out = [Repair("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
     for name, what, cfg, backward in repairs:
         same = cfg == base and not backward
-        out.append(Variant(name, what + (" (= baseline under this preset)" if same else ""), cfg, backward))
+        out.append(Repair(name, what + (" (= baseline under this preset)" if same else ""), cfg, backward))
     return out
 
 
@@ -153,7 +153,7 @@ def measure_heads(
 # ---- results -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class VariantResult:
+class RepairResult:
     name: str
     description: str
     o_bias: float  # mean of O_var − O_hp over every selected element
@@ -188,7 +188,7 @@ class LayerDelta:
 
 @dataclass(frozen=True)
 class IsolateResult:
-    variants: list[VariantResult]
+    variants: list[RepairResult]
     heads: list[HeadDelta]  # largest |delta_err_sum| first
     layers: list[LayerDelta]  # largest delta_err_abs first
     culprits: list[str]  # repairs removing ≥ 90% of the baseline's |Σδ error|
@@ -197,7 +197,7 @@ class IsolateResult:
     recipe: Recipe  # the low-precision side the baseline and repairs derive from
     backend: Backend
     baseline_tiles: tuple = (0, 0)  # (block_m, block_n) of the baseline
-    input_cast: Optional[VariantResult] = None  # the recipe's input cast alone (None when it changes nothing)
+    input_cast: Optional[RepairResult] = None  # the recipe's input cast alone (None when it changes nothing)
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
@@ -282,7 +282,7 @@ def isolate_layers(
     results = [_combine(v, measures[v.name], torch.cat(signs[v.name]), direction, base_bias) for v in vs]
     input_cast = None
     if cast_measures:
-        what = Variant("input-cast", f"the recipe's rounding of the stored inputs to {vs[0].config.input_dtype.value} "
+        what = Repair("input-cast", f"the recipe's rounding of the stored inputs to {vs[0].config.input_dtype.value} "
                                      "(fp32 replays of stored vs rounded inputs; not a kernel error)", hp_config(), False)
         input_cast = _combine(what, cast_measures, torch.cat(cast_signs), [0.0] * len(cast_measures), 0.0)
     culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
@@ -291,7 +291,7 @@ def isolate_layers(
                          tuple(int(b) for b in tiles), input_cast, tuple(warnings))
 
 
-def _combine(v: Variant, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> VariantResult:
+def _combine(v: Repair, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> RepairResult:
     n = sum(m.n_o for m in hm)
     s = sum(m.o_err_sum for m in hm)
     ss = sum(m.o_err_sumsq for m in hm)
@@ -299,7 +299,7 @@ def _combine(v: Variant, hm: list[HeadMeasure], dd_all: torch.Tensor, direction:
     var = max(ss / n - mean * mean, 0.0) * n / max(n - 1, 1)
     residual = abs(sum(d * m.delta_err_sum for d, m in zip(direction, hm)))
     dwq = None if any(m.dwq_err_sq is None for m in hm) else sum(m.dwq_err_sq for m in hm) ** 0.5
-    return VariantResult(
+    return RepairResult(
         name=v.name, description=v.description, o_bias=mean, o_bias_se=(var / n) ** 0.5,
         o_rmse=(ss / n) ** 0.5, delta_err_sum=sum(m.delta_err_sum for m in hm), delta_err_se=sum_se(dd_all).se, delta_err_residual=residual,
         reduction=1.0 - residual / base_bias if base_bias > 0 else float("nan"),

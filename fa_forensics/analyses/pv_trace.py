@@ -250,7 +250,7 @@ def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p
 
 
 @dataclass(frozen=True)
-class BiasCell:
+class TracedCell:
     """The (batch, head, feature) whose mean O error is largest, and the row picked in it."""
 
     batch: int
@@ -264,7 +264,7 @@ class BiasCell:
 
 
 def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[int] = None,
-              candidates: Optional[torch.Tensor] = None) -> BiasCell:
+              candidates: Optional[torch.Tensor] = None) -> TracedCell:
     """Default choice of pv-trace: the feature with the largest |mean O bias| (preferring cells whose
     sign test gives p < 0.01) and, in it, the row with the largest error in the bias direction,
     among the `candidates` rows when any of them lies in that (batch, head).
@@ -300,7 +300,7 @@ def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[
             score_row = torch.where(candidates[b, h], score_row, torch.full_like(score_row, -math.inf))
         row = int(score_row.argmax())
     sd = float(col.std()) if T > 1 else float("nan")
-    return BiasCell(batch=b, head_index=h, feature=f, row=int(row), mean=m, se=sd / T ** 0.5,
+    return TracedCell(batch=b, head_index=h, feature=f, row=int(row), mean=m, se=sd / T ** 0.5,
                     p_value=sign_test(col).p_value, row_error=float(col[row]))
 
 
@@ -312,7 +312,7 @@ class PVTraceReport:
     layer: int
     head: int
     batch: int
-    cell: BiasCell  # the O bias of the traced feature (mean ± se, sign test) and the row's O error
+    cell: TracedCell  # the O bias of the traced feature (mean ± se, sign test) and the row's O error
     trace: PVTrace
     o_error_replay: float  # (O_lp − O_hp)[row, feature] from the full replays (normalized by ℓ)
     l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
@@ -332,7 +332,7 @@ class PVTraceReport:
         return self.recipe.preset
 
 
-def _cell_rank(cell: BiasCell) -> tuple:
+def _cell_rank(cell: TracedCell) -> tuple:
     return (cell.p_value < 0.01, abs(cell.mean))
 
 
@@ -380,13 +380,13 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
             sign = 1.0 if cell.mean > 0 else -1.0
             cands = [i for i, (_, _, r) in enumerate(where) if r == row]
             i = max(cands, key=lambda i: sign * float(errs[cell.head_index, i, cell.feature]))
-            cell = BiasCell(cell.batch, cell.head_index, cell.feature, i, cell.mean, cell.se, cell.p_value,
+            cell = TracedCell(cell.batch, cell.head_index, cell.feature, i, cell.mean, cell.se, cell.p_value,
                             float(errs[cell.head_index, i, cell.feature]))
         if best is None or _cell_rank(cell) > _cell_rank(best.cell):
             sel, b, r = where[cell.row]
             col, rep = errs[cell.head_index, :, cell.feature], reps[cell.head_index]
             best = _Pick(
-                cell=BiasCell(b, cell.head_index, cell.feature, r, cell.mean, cell.se, cell.p_value, cell.row_error),
+                cell=TracedCell(b, cell.head_index, cell.feature, r, cell.mean, cell.se, cell.p_value, cell.row_error),
                 sel=sel, config=items[0][2], sels=[it[0] for it in items],
                 row_choice="given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error"),
                 bias_split={"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
@@ -412,7 +412,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
 class _Pick:
     """The traced element chosen so far: its cell (batch, head index, feature, row), where it is, and why."""
 
-    cell: BiasCell
+    cell: TracedCell
     sel: LayerSelection  # the layer-step of the traced row
     config: object  # the lp ReplayConfig replayed there
     sels: list  # every selected layer-step of that layer (the rows the class shares pool)
