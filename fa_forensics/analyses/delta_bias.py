@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.fanout import Workers, map_in_order, one_torch_thread, work_items
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
@@ -160,11 +161,21 @@ def run(
     *,
     top_k: int = 8,
     progress: Progress = None,
+    workers: Workers = Workers(),
 ) -> DeltaBiasResult:
     """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
-    and the features that carry it in the focus head (the one with the largest |Σ| over steps)."""
-    layers = (load(dump, sel) for sel in selections)
-    r = delta_bias_layers(layers, recipe, backend, top_k=top_k, progress=progress)
+    and the features that carry it in the focus head (the one with the largest |Σ| over steps).
+
+    Work items are (step, layer, group of heads) (`fanout.work_items`), each replayed and reduced
+    to its part on one thread, in-process or on `workers`; parts are combined in item order, so the
+    result is the same for any number of workers. `progress` is called once per work item."""
+    items = work_items(selections)
+    if workers.in_process:
+        part_of = _ItemPart(recipe, backend, dump=dump)
+    else:
+        part_of = _ItemPart(recipe, backend, dump_path=str(dump.path), rank=getattr(dump, "rank", None))
+    parts = map_in_order(part_of, items, workers, progress, label=lambda sel: f"step {sel.step} layer {sel.layer}")
+    r = _combine(_join_head_groups(parts), recipe, backend, top_k=top_k)
     return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
@@ -177,14 +188,64 @@ def delta_bias_layers(
     progress: Progress = None,
 ) -> DeltaBiasResult:
     """`run` on layer-steps already loaded (or built in memory)."""
+    parts = []
+    for t in layers:
+        parts.append(_seen_part(t, recipe, backend))
+        if progress:
+            progress(f"step {t.step} layer {t.layer}")
+    return _combine(parts, recipe, backend, top_k=top_k)
+
+
+@dataclass(frozen=True)
+class _ItemPart:
+    """The part of one work item: load its heads, replay, reduce (one torch thread: the same bits in
+    a worker process and in-process). Picklable: a worker opens the dump by its path."""
+
+    recipe: Recipe
+    backend: Backend
+    dump: object = None
+    dump_path: Optional[str] = None
+    rank: Optional[int] = None
+
+    def __call__(self, sel: LayerSelection) -> tuple[tuple[str, ...], _LayerPart]:
+        from fa_forensics.dump import open_dump
+
+        dump = self.dump if self.dump is not None else open_dump(self.dump_path, rank=self.rank)
+        with one_torch_thread():
+            return _seen_part(load(dump, sel), self.recipe, self.backend)
+
+
+def _seen_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> tuple[tuple[str, ...], _LayerPart]:
+    """(warnings, part) of one layer-step; both sides replay the inputs as the recipe sees them."""
+    t = as_seen_by(t, lp_of(t, recipe))
+    return t.warnings, _layer_part(t, recipe, backend)
+
+
+def _join_head_groups(parts: Sequence[tuple[tuple[str, ...], _LayerPart]]) -> list[tuple[tuple[str, ...], _LayerPart]]:
+    """Consecutive parts of one (step, layer) joined along the head dimension, in order."""
+    out: list[tuple[tuple[str, ...], _LayerPart]] = []
+    for warns, part in parts:
+        if out and (out[-1][1].sel.step, out[-1][1].sel.layer) == (part.sel.step, part.sel.layer):
+            w0, p0 = out[-1]
+            sel = LayerSelection(p0.sel.step, p0.sel.layer, [*p0.sel.heads, *part.sel.heads])
+            joined = _LayerPart(sel, torch.cat([p0.dd, part.dd], 1), torch.cat([p0.contribution, part.contribution]),
+                                torch.cat([p0.agree, part.agree]), torch.cat([p0.both, part.both]),
+                                torch.cat([p0.do, part.do], 1), torch.cat([p0.o_err, part.o_err], 1))
+            out[-1] = (w0 + tuple(w for w in warns if w not in w0), joined)
+        else:
+            out.append((warns, part))
+    return out
+
+
+def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe, backend: Backend, *,
+             top_k: int) -> DeltaBiasResult:
+    """The result from the parts of every layer-step, in selection order."""
     warnings: list[str] = []
     per_step: list[StepHeadDelta] = []
     all_dd: list[torch.Tensor] = []
     by_head: dict[tuple[int, int], dict] = {}
-    for t in layers:
-        t = as_seen_by(t, lp_of(t, recipe))  # both sides replay the inputs as the recipe sees them
-        warnings.extend(w for w in t.warnings if w not in warnings)
-        part = _layer_part(t, recipe, backend)
+    for layer_warnings, part in parts:
+        warnings.extend(w for w in layer_warnings if w not in warnings)
         sel = part.sel
         all_dd.append(part.dd.reshape(-1))
         for j, h in enumerate(sel.heads):
@@ -197,9 +258,6 @@ def delta_bias_layers(
             acc["agree"] = acc["agree"] + part.agree[j]
             acc["both"] = acc["both"] + part.both[j]
             acc["tokens"].append((sel.step, dd_h, part.do[:, j], part.o_err[:, j]))
-        if progress:
-            progress(f"step {sel.step} layer {sel.layer}")
-        del part
 
     steps = sorted({p.step for p in per_step})
     step_sums = [sum(p.delta_err_sum for p in per_step if p.step == s) for s in steps]

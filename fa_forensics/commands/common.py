@@ -44,6 +44,8 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="Training step to analyse (default: every complete step).")]
 LayerOpt = Annotated[Optional[int], typer.Option("--layer", help="Layer to analyse (default: every layer).")]
 HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse (default: every head).")]
+WorkersOpt = Annotated[int, typer.Option("--workers", help="Worker processes (a local dask.distributed cluster); 1 = in-process. The output does not depend on it.")]
+SchedulerOpt = Annotated[Optional[str], typer.Option("--scheduler", help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; the dump must be on storage its workers see.", metavar="ADDRESS")]
 AccumulationOpt = Annotated[str, typer.Option("--accumulation", help="Accumulation model of every matrix product: ieee | tensor-core.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
@@ -164,6 +166,13 @@ def build_recipe(preset: str, accumulation: str) -> Recipe:
         return Recipe(preset, acc)
     except UnknownPreset as exc:
         raise UserError(f"--preset {exc}") from None
+
+
+def build_workers(workers: int, scheduler: Optional[str]):
+    """The fan-out of --workers / --scheduler (one-line errors for bad values)."""
+    from fa_forensics.analyses.fanout import Workers
+
+    return Workers(n=workers, scheduler=scheduler)
 
 
 def build_backend(backend: str) -> Backend:

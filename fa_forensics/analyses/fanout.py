@@ -1,0 +1,130 @@
+"""Fan-out of an analysis over work items on dask.distributed, results back in a fixed order.
+
+A work item is a (step, layer, head-group) of the dump (`work_items`); the partition into items
+depends only on the selection and the head-group size, never on the number of workers, and
+`map_in_order` returns the results in item order whatever order they finish in. An analysis that
+reduces them in that order (and whose per-item numbers are exact per head, as replays are) gives
+the same output for any number of workers.
+
+- `Workers(n=1)`: in-process, one item after the other (no dask import, no extra processes);
+- `Workers(n=N)`: a `dask.distributed.LocalCluster` of N single-threaded worker processes,
+  started for the call and closed after it;
+- `Workers(scheduler="tcp://host:8786")`: an existing Dask cluster. Its workers open the dump by
+  its path (zarr reads it on each worker), so the store must be on storage every worker sees
+  (a shared file system or an object-store URL that zarr opens).
+
+Every work item is computed on one torch thread, in a worker process and in-process alike, so
+its numbers do not depend on where it ran (N worker processes share N cores).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, TypeVar
+
+from fa_forensics.errors import UserError
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+HEADS_PER_ITEM = 4  # heads per work item: the unit of fan-out and of an analysis' peak memory
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where work items run: n local processes (1 = in-process) or an existing cluster's address."""
+
+    n: int = 1
+    scheduler: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise UserError(f"--workers {self.n!r} must be a positive integer (1 = no extra processes)")
+        if self.scheduler is not None and not str(self.scheduler).strip():
+            raise UserError("--scheduler needs the address of a running Dask scheduler, e.g. tcp://10.0.0.5:8786")
+
+    @property
+    def in_process(self) -> bool:
+        return self.n == 1 and self.scheduler is None
+
+
+def work_items(selections: Sequence, heads_per_item: Optional[int] = None) -> list:
+    """Each selection (step, layer, heads) cut into head groups of `heads_per_item` (default
+    HEADS_PER_ITEM), in order."""
+    from dataclasses import replace
+
+    heads_per_item = heads_per_item or HEADS_PER_ITEM
+    items = []
+    for sel in selections:
+        heads = list(sel.heads)
+        for i in range(0, len(heads), heads_per_item):
+            items.append(replace(sel, heads=heads[i:i + heads_per_item]))
+    return items
+
+
+def _single_threaded() -> None:
+    """Run torch and numba on one thread in this (worker) process."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Compute on one torch (and so numba) thread, then restore: torch splits some reductions over
+    its threads, so a work item's numbers are the same in a worker and in-process only if both run
+    it on one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def map_in_order(fn: Callable[[Item], Result], items: Sequence[Item], workers: Workers = Workers(),
+                 progress: Optional[Callable[[str], None]] = None, label: Callable[[Item], str] = str) -> list[Result]:
+    """[fn(item) for item in items], run where `workers` says; results in item order.
+
+    `progress(label(item))` is called as each item finishes. An exception raised by fn on a worker
+    is raised here (the first one to finish), with its own type.
+    """
+    items = list(items)
+    if workers.in_process:
+        out = []
+        for item in items:
+            out.append(fn(item))
+            if progress:
+                progress(label(item))
+        return out
+    from dask.distributed import Client, LocalCluster, as_completed
+
+    cluster = None
+    try:
+        if workers.scheduler is not None:
+            client = Client(workers.scheduler, timeout="5s")
+        else:
+            cluster = LocalCluster(n_workers=workers.n, threads_per_worker=1, processes=True, dashboard_address=None,
+                                   silence_logs=logging.ERROR)
+            client = Client(cluster)
+    except (OSError, TimeoutError) as exc:
+        where = workers.scheduler or f"a local cluster of {workers.n} workers"
+        raise UserError(f"cannot start or reach {where}: {exc}; check --scheduler ADDRESS or use --workers 1") from None
+    try:
+        client.run(_single_threaded)
+        futures = [client.submit(fn, item, pure=False) for item in items]
+        position = {f.key: i for i, f in enumerate(futures)}
+        results: list = [None] * len(items)
+        for future in as_completed(futures):
+            i = position[future.key]
+            results[i] = future.result()
+            if progress:
+                progress(label(items[i]))
+        return results
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
