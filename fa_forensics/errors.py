@@ -16,3 +16,23 @@ class DumpError(UserError):
 
 class ConfigError(UserError):
     """A replay configuration or an option value is invalid."""
+
+
+class InvalidSetting(ConfigError):
+    """A library setting out of its domain: `.setting` names the field (e.g. "n_sinks"), `.reason` says why.
+
+    The message is in the library's terms; a command maps `.setting` to its own option name.
+    """
+
+    def __init__(self, setting: str, reason: str) -> None:
+        self.setting, self.reason = setting, reason
+        super().__init__(f"{setting}: {reason}")
+
+
+class OutOfRange(ConfigError):
+    """An index (a row, a feature) beyond what the data has: `.what`, `.value`, `.where`, `.limit` (largest valid)."""
+
+    def __init__(self, what: str, value: int, where: str, limit: int) -> None:
+        self.what, self.value, self.where, self.limit = what, value, where, limit
+        super().__init__(f"{what} {value} is out of range at {where}: {what}s are 0..{limit}")
+

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from scipy import integrate, stats
 
-from fa_forensics.errors import ConfigError
+from fa_forensics.errors import InvalidSetting
 
 ORDERS = ("forward", "reverse")
 E4M3_MAX = 448.0
@@ -69,7 +69,7 @@ def dp_of_scale(S: float, values: Optional[torch.Tensor] = None) -> DpPoint:
     For S > 448 the cast saturates: dp = max(32/S, 2(1 − 448/S)) (Remark 3).
     """
     if not S > 0:
-        raise ConfigError(f"P scale S must be positive, got {S}; use e.g. --scales 1,256,448")
+        raise InvalidSetting("scales", f"P scale S must be positive, got {S} (e.g. 1,256,448)")
     v = e4m3_positive_values() if values is None else values
     line = torch.cat([torch.zeros(1, dtype=v.dtype), v])  # (127,) 0 and every positive value
     gaps = line[1:] - line[:-1]  # (126,)
@@ -103,7 +103,7 @@ def _max_normal_density(x: float, k: int) -> float:
 def expected_max_normal(k: int) -> float:
     """δ_k = E[max of k standard normals], by numerical integration (δ_4 ≈ 1.0294)."""
     if k < 1:
-        raise ConfigError(f"the number of sink tokens must be ≥ 1, got {k}; use --sinks 4")
+        raise InvalidSetting("n_sinks", f"the number of sink tokens must be ≥ 1, got {k}")
     if k == 1:
         return 0.0
     value, _ = integrate.quad(lambda x: x * _max_normal_density(x, k), -np.inf, np.inf)
@@ -169,7 +169,7 @@ class PcastKernelOut:
 def block_order(n: int, block: int, order: str) -> list[int]:
     """Start index of every KV block, in the order the kernel visits them."""
     if order not in ORDERS:
-        raise ConfigError(f"unknown KV order '{order}'; use forward or reverse")
+        raise InvalidSetting("orders", f"unknown KV order '{order}' (forward, reverse)")
     starts = list(range(0, n, block))
     return starts[::-1] if order == "reverse" else starts
 
@@ -190,7 +190,7 @@ def pcast_attention(
     the keys whose zeroing is counted in n_zeroed.
     """
     if block < 1:
-        raise ConfigError(f"block size must be ≥ 1, got {block}; use --block 64")
+        raise InvalidSetting("block", f"block size must be ≥ 1, got {block} (e.g. 64)")
     z = z.to(torch.float32)
     v = v.to(torch.float32)
     n = z.shape[-1]
@@ -326,22 +326,22 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if not self.deltas:
-            raise ConfigError("no sink strength given; use e.g. --sink-strength 4,5,6,7,8")
+            raise InvalidSetting("deltas", "no sink strength given (e.g. 4,5,6,7,8)")
         if not self.seqs or min(self.seqs) < 1:
-            raise ConfigError(f"sequence lengths must be ≥ 1, got {list(self.seqs)}; use e.g. --seq 4096")
+            raise InvalidSetting("seqs", f"sequence lengths must be ≥ 1, got {list(self.seqs)} (e.g. 4096)")
         if min(self.seqs) <= self.n_sinks:
-            raise ConfigError(f"every sequence length must exceed --sinks {self.n_sinks}, got {min(self.seqs)}")
+            raise InvalidSetting("seqs", f"every sequence length must exceed the {self.n_sinks} sink tokens, got {min(self.seqs)}")
         if self.n_sinks < 1:
-            raise ConfigError(f"--sinks must be ≥ 1, got {self.n_sinks}")
+            raise InvalidSetting("n_sinks", f"must be ≥ 1, got {self.n_sinks}")
         if self.block < 1 or self.n_queries < 1 or self.head_dim < 1:
-            raise ConfigError("--block, --queries and the head dimension must be ≥ 1")
+            raise InvalidSetting("block", f"block, queries and head dimension must be ≥ 1, got {self.block}, {self.n_queries}, {self.head_dim}")
         if self.n_seeds < 1:
-            raise ConfigError(f"--seeds must be ≥ 1, got {self.n_seeds}")
+            raise InvalidSetting("n_seeds", f"must be ≥ 1, got {self.n_seeds}")
         if not self.scales or min(self.scales) <= 0:
-            raise ConfigError(f"P scales must be positive, got {list(self.scales)}; use e.g. --scales 1,256,448")
+            raise InvalidSetting("scales", f"P scales must be positive, got {list(self.scales)} (e.g. 1,256,448)")
         for o in self.orders:
             if o not in ORDERS:
-                raise ConfigError(f"unknown KV order '{o}'; use --order forward,reverse")
+                raise InvalidSetting("orders", f"unknown KV order '{o}' (forward, reverse)")
 
     @property
     def n_main(self) -> int:
@@ -692,7 +692,7 @@ def run(dump, selections, *, n_sinks: int = 4, block: int = 64, scales: Sequence
     from fa_forensics.analyses.selection import load
 
     if n_sinks < 1 or block < 1:
-        raise ConfigError("--sinks and --block must be ≥ 1")
+        raise InvalidSetting("n_sinks", f"sink tokens and block must be ≥ 1, got {n_sinks}, {block}")
     heads, warnings = [], []
     for sel in selections:
         t = load(dump, sel)

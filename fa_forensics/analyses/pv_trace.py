@@ -48,6 +48,7 @@ from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
+from fa_forensics.errors import InvalidSetting, OutOfRange
 
 ONE = 1.0
 
@@ -342,12 +343,9 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
     batch, row) with the largest error in the bias direction, and trace it. One batched forward
     replay per layer-step and precision."""
-    from fa_forensics.errors import UserError
-
     lp_base = recipe.base_config()
     if lp_base.p_scale != 1.0:
-        raise UserError(f"pv-trace does not trace the fp8 P scale (preset {recipe.preset} has S = {lp_base.p_scale:g}); "
-                        "use --preset fp8-s1, or `fa-forensics pcast` for the scale study")
+        raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset {recipe.preset} has S = {lp_base.p_scale:g})")
     warnings: list[str] = []
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}
     n_features: dict[tuple[int, tuple[int, ...]], int] = {}  # features D of each pooled group  # (layer, heads) -> [(sel, err (B, h, T, D))]
@@ -358,9 +356,9 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         warnings.extend(w for w in t.warnings if w not in warnings)
         B, h, T, D = t.q.shape
         if feature is not None and not 0 <= feature < D:
-            raise UserError(f"--feature {feature} is out of range at step {sel.step} layer {sel.layer}: features are 0..{D - 1}")
+            raise OutOfRange("feature", feature, t.where, D - 1)
         if row is not None and not 0 <= row < T:
-            raise UserError(f"--row {row} is out of range at step {sel.step} layer {sel.layer}: rows are 0..{T - 1}")
+            raise OutOfRange("row", row, t.where, T - 1)
         lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
         rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value)  # (B, h, T)
         n_features[(sel.layer, tuple(sel.heads))] = 1 if feature is not None else D

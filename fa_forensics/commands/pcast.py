@@ -28,9 +28,21 @@ from fa_forensics.commands.common import (
     to_jsonable,
     write_json,
 )
-from fa_forensics.errors import ConfigError
+from fa_forensics.errors import ConfigError, InvalidSetting, UserError
 
 HELP = "FP8 P-cast study: sink-induced collapse, reverse iteration, S = 2^8 (simulation, or per head of a dump)."
+
+
+OPTION_OF = {"n_sinks": "--sinks", "deltas": "--sink-strength", "seqs": "--seq", "block": "--block", "n_queries": "--queries",
+             "head_dim": "--head-dim", "n_seeds": "--seeds", "scales": "--scales", "orders": "--order"}
+
+
+def _worded(body) -> None:
+    """Run `body`, rewording the library's InvalidSetting in terms of this command's options."""
+    try:
+        body()
+    except InvalidSetting as exc:
+        raise UserError(f"{OPTION_OF.get(exc.setting, exc.setting)}: {exc.reason}") from None
 
 
 def _numbers(text: str, option: str, cast=float) -> tuple:
@@ -189,4 +201,4 @@ def register(app: typer.Typer) -> None:
             for f in figures:
                 console.print(f"wrote {f}", highlight=False)
 
-        run_cli(debug, body)
+        run_cli(debug, lambda: _worded(body))

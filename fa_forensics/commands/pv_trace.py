@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_analysis_command, show_result
+from fa_forensics.errors import InvalidSetting, OutOfRange, UserError
 
 RowOpt = Annotated[Optional[int], typer.Option("--row", help="Query row T to trace (default: the row with the largest error in the chosen feature).")]
 FeatureOpt = Annotated[Optional[int], typer.Option("--feature", help="Feature i of V / O to trace (default: the feature with the largest mean O bias).")]
@@ -17,8 +18,13 @@ def run(args: AnalysisArgs, row: Optional[int], feature: Optional[int]) -> None:
     from fa_forensics.tables.pv_trace import tables
 
     dump, sels = args.open()
-    with progress_bar(f"replaying ({args.recipe.preset} vs fp32)", len(sels)) as advance:
-        r = pv_trace.run(dump, sels, args.recipe, args.backend, row=row, feature=feature, progress=advance)
+    try:
+        with progress_bar(f"replaying ({args.recipe.preset} vs fp32)", len(sels)) as advance:
+            r = pv_trace.run(dump, sels, args.recipe, args.backend, row=row, feature=feature, progress=advance)
+    except OutOfRange as exc:
+        raise UserError(f"--{exc.what} {exc.value} is out of range at {exc.where}: {exc.what}s are 0..{exc.limit}") from None
+    except InvalidSetting as exc:
+        raise UserError(f"{exc.reason}; use --preset fp8-s1, or `fa-forensics pcast` for the scale study") from None
     show_result(args, r, pv_trace.payload(r), tables(r), draw)
 
 
