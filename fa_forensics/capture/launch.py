@@ -57,6 +57,7 @@ def _auto_binder(session):
 
 
 def main(argv: list[str]) -> int:
+    from fa_forensics.capture.events import show_capture_warnings_as_lines
     from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN
     from fa_forensics.capture.session import CaptureSession
     from fa_forensics.errors import UserError
@@ -80,6 +81,7 @@ def main(argv: list[str]) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    show_capture_warnings_as_lines()
     binder = _auto_binder(session)
     code = 0
     sys.argv = [target, *script_args]

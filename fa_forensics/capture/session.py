@@ -36,9 +36,7 @@ an alarm writes them too (the steps before the spike, and the spike step itself)
 from __future__ import annotations
 
 import bisect
-import math
 import os
-import sys
 import warnings
 from typing import Callable, Optional, Union
 
@@ -46,8 +44,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
+from fa_forensics.capture.events import AlarmWarning, AttentionCall, CaptureWarning, ModuleInput, TimelineRow
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input, replace_module_input
 from fa_forensics.capture.selection import CaptureError, CaptureSelection
+from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.ring import RingArray, RingStep, StepRing
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
@@ -108,6 +108,7 @@ class CaptureSession:
         self.run_attrs = dict(run_attrs or {})
         self.keep_sdpa_patch = keep_sdpa_patch
         self._callbacks: list[StepCallback] = [on_step] if on_step else []
+        self._recorder = Recorder(self.selection, self._queue_array, self._mark_backward)
         # step state
         self.current_step = 0
         self.busy = False  # the one flag every hook checks: this step is selected, or a step awaits completion
@@ -119,7 +120,7 @@ class CaptureSession:
         self._step_loss: Optional[float] = None  # loss given by cap.step() before the boundary
         self._pending_loss: Optional[float] = None
         self._pending: Optional[int] = None  # an ended step whose completion waits for its loss
-        self._pending_x: Optional[tuple[str, torch.Tensor]] = None
+        self._pending_x: Optional[ModuleInput] = None
         self._optimizer_id: Optional[int] = None
         self._handles: list = []
         self._root: Optional[torch.nn.Module] = None
@@ -149,7 +150,7 @@ class CaptureSession:
         self._reported_loss: Optional[float] = None  # cap.step(loss) before the boundary (monitor)
         self._tapped_loss: Optional[torch.Tensor] = None  # sum of scalars backward() was called on
         self._pending_tapped: Optional[torch.Tensor] = None  # ... of the ended step awaiting completion
-        self._row = None  # the ended monitored step's row awaiting its loss: (step, series, loss, tapped)
+        self._row: Optional[TimelineRow] = None  # the ended monitored step's row awaiting its loss
         self.alarms: list = []  # every Alarm raised
         self.monitored_steps: list[int] = []
 
@@ -194,7 +195,7 @@ class CaptureSession:
     @torch.compiler.disable
     def _record_eager(self, q, k, v, o, scale, causal, x) -> None:
         if x is not None:
-            self._pending_x = ("record", x)
+            self._pending_x = ModuleInput("record", x)
         self.on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask=None, dropout_p=0.0, source="record")
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -311,7 +312,7 @@ class CaptureSession:
 
     def take_input(self, name: str, x: Optional[torch.Tensor]) -> None:
         """X of the attention module `name`, kept for its attention call (called with gradients enabled)."""
-        self._pending_x = None if x is None else (name, x)
+        self._pending_x = None if x is None else ModuleInput(name, x)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._optimizer_id is None:
@@ -344,81 +345,27 @@ class CaptureSession:
                 self._backward_seen = False
         layer = self._layer
         self._layer += 1
-        x = self._pending_x
-        self._pending_x = None
+        x, self._pending_x = self._pending_x, None
         if self._micro != self.selection.micro_batch:
             if self._root is None and self._micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
+        call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal, mask=attn_mask,
+                             dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x, grad_sink=grad_sink)
         if self._monitor_hot:
-            self._monitor_call(layer, q, k, x, scale, causal, autocast_dtype)
+            self._monitor_call(call)
         if (self._hot or self._ring_hot) and self.selection.wants_layer(layer):
-            self._record_call(layer, q, k, v, o, x, scale, causal, attn_mask, dropout_p, source, grad_sink, autocast_dtype)
+            if not self._hot and self._ring_step is None:
+                self._ring_step = RingStep(call.step)
+            if self._recorder.record(call):
+                self._step_recorded = True
+            else:
+                self._warn_once("dims", f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
+                                        "only (B, H, T, D) is recorded")
 
     # -- recording -----------------------------------------------------------------------
-    def _record_call(self, layer, q, k, v, o, x, scale, causal, attn_mask, dropout_p, source, grad_sink, autocast_dtype) -> None:
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or o.dim() != 4:
-            self._warn_once("dims", f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; only (B, H, T, D) is recorded")
-            return
-        B, H, T, D = q.shape
-        heads = self.selection.heads
-        if heads is not None and heads[-1] >= H:
-            raise CaptureError(f"capture --heads {list(heads)} asks for head {heads[-1]} but layer {layer} has {H} heads (0..{H - 1})")
-        head_index = None if heads is None else torch.tensor(heads, device=q.device)
-        dtype = _recorded_dtype(q, autocast_dtype)
-
-        def select(t: torch.Tensor, per_head: bool = True, kv: bool = False) -> torch.Tensor:
-            t = t.detach()
-            if self.selection.batch is not None:
-                t = t[self.selection.batch]
-            if per_head:
-                if kv and t.shape[1] != H:  # grouped-query attention: one K/V head per group of query heads
-                    kv_index = torch.arange(H, device=t.device) // (H // t.shape[1])
-                    t = t.index_select(1, kv_index if head_index is None else kv_index[head_index])
-                elif head_index is not None:
-                    t = t.index_select(1, head_index)
-            return t
-
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype and t.dtype == torch.float32 else t
-
-        module = x[0] if x is not None else source
-        layer_attrs = {  # n_heads = heads stored; `heads` = the model's numbers of the stored heads
-            "module": module,
-            "n_heads": int(H if heads is None else len(heads)),
-            "heads": list(range(H)) if heads is None else [int(h) for h in heads],
-            "head_dim": int(D),
-            "scale": float(scale) if scale is not None else 1.0 / math.sqrt(D),
-            "causal": bool(causal),
-            "dtype": str(dtype).replace("torch.", ""),
-            "input_dtype": str(q.dtype).replace("torch.", ""),
-            "autocast": autocast_dtype is not None,
-            "dropout_p": float(dropout_p),
-        }
-        mask = None
-        if attn_mask is not None:
-            mask = attention_mask_for_store(attn_mask, self.selection.batch, head_index)
-            layer_attrs["mask"] = "bool" if mask.dtype == torch.bool else "additive"
-        step = self.current_step
-        if not self._hot and self._ring_step is None:
-            self._ring_step = RingStep(step)
-        for name, tensor in (("q", cast(select(q))), ("k", cast(select(k, kv=True))), ("v", cast(select(v, kv=True))), ("o", select(o))):
-            self._queue_array(step, layer, name, tensor, layer_attrs)
-        if x is not None:
-            self._queue_array(step, layer, "x", select(x[1], per_head=False), layer_attrs)
-        if mask is not None:
-            self._queue_array(step, layer, "mask", mask, layer_attrs)
-        def do_hook(grad: torch.Tensor) -> None:
-            self._queue_array(step, layer, "do", select(grad), layer_attrs)
-            self._backward_seen = True
-
-        if grad_sink is not None:
-            grad_sink(do_hook)
-        elif o.requires_grad:
-            o.register_hook(do_hook)
-        self._step_recorded = True
-
-    def _queue_array(self, step, layer, name, tensor, layer_attrs) -> None:
+    def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:
+        """Where the recorder's arrays go: the ring while the step is held there, else the background writer."""
         host, ready = offload(tensor)
         ring_step = self._ring_step
         if ring_step is not None and ring_step.step == step:
@@ -426,7 +373,7 @@ class CaptureSession:
         else:
             self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
 
-    def _mark_backward(self, grad) -> None:
+    def _mark_backward(self, grad=None) -> None:
         self._backward_seen = True
 
     # -- step boundaries -----------------------------------------------------------------
@@ -452,7 +399,7 @@ class CaptureSession:
             if self._ring_step is not None:
                 self._ring_step.loss = explicit
                 self._ring.push(self._ring_step)
-            row = (ended, self._collector.finish(), explicit, tapped)
+            row = TimelineRow(ended, self._collector.finish(), explicit, tapped)
         self._ring_step = None
         self.current_step = ended + 1
         self._micro, self._layer, self._backward_seen = -1, 0, False
@@ -462,7 +409,7 @@ class CaptureSession:
         if row is not None:
             self._row = row
             self._update_busy()
-            if row[2] is not None or self.step_by == "manual":
+            if row.given_loss is not None or self.step_by == "manual":
                 self._flush_row(None)
         for fn in self._callbacks:
             fn(self, ended, loss)
@@ -507,13 +454,14 @@ class CaptureSession:
         if value is not None:
             self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
 
-    def _monitor_call(self, layer, q, k, x, scale, causal, autocast_dtype) -> None:
+    def _monitor_call(self, call: AttentionCall) -> None:
+        q, k, layer = call.q, call.k, call.layer
         if q.dim() != 4:
             return
         batch = self.selection.batch
         q_b, k_b = (q, k) if batch is None else (q[batch], k[batch])  # the capture's batch slice keeps it cheap
-        if x is not None:
-            name = x[0]
+        if call.x is not None:
+            name = call.x.name
         elif layer < len(self.attention_module_names):
             name = self.attention_module_names[layer]
         else:
@@ -521,13 +469,13 @@ class CaptureSession:
         module = self._modules_by_name.get(name)
         from fa_forensics.monitor.collector import p_bar_dtype
 
-        self._collector.observe_call(layer, q_b, k_b, scale=scale, causal=causal, p_dtype=p_bar_dtype(_recorded_dtype(q, autocast_dtype)),
+        self._collector.observe_call(layer, q_b, k_b, scale=call.scale, causal=call.causal, p_dtype=p_bar_dtype(call.kernel_dtype),
                                      module=module, module_name=name)
 
     def _flush_row(self, loss: Optional[float]) -> None:
         """Write the pending timeline row (its loss: given now, else reported, else tapped) and run the alarm rule."""
-        step, series, explicit, tapped = self._row
-        self._row = None
+        row, self._row = self._row, None
+        step, series, explicit, tapped = row.step, row.series, row.given_loss, row.tapped_loss
         if loss is None:
             loss = explicit
         if loss is None and tapped is not None:
@@ -549,7 +497,7 @@ class CaptureSession:
         self._update_busy()
 
     def _raise_alarm(self, step: int, alarms: list) -> None:
-        """One stderr line; the next alarm_steps steps are recorded; the ring's steps are written."""
+        """One AlarmWarning (one line); the next alarm_steps steps are recorded; the ring's steps are written."""
         self.alarms.extend(alarms)
         follow = range(step + 1, step + 1 + self.alarm_steps)
         self._extra_steps.update(follow)
@@ -560,7 +508,7 @@ class CaptureSession:
         what = f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0 else "no steps after it recorded (--alarm-steps 0)"
         if written:
             what += f", and steps {_span(written)} from the ring"
-        print(f"{first.message()}{more}; {what}", file=sys.stderr, flush=True)
+        warnings.warn(AlarmWarning(f"{first.message()}{more}; {what}"), stacklevel=2)
         if self.current_step in self._extra_steps and not self._hot:
             self._set_hot(True)
 
@@ -591,8 +539,7 @@ class CaptureSession:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            print(message, file=sys.stderr, flush=True)
+            warnings.warn(CaptureWarning(message), stacklevel=3)
 
     def _run_attrs(self) -> dict:
         from fa_forensics import __version__
@@ -662,36 +609,10 @@ def _span(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice], head_index: Optional[torch.Tensor]) -> torch.Tensor:
-    """SDPA's attn_mask as stored: 4-D (B' or 1, H' or 1, Tq, Tk), batch slice and heads applied to the
-    dims that are not broadcast. Boolean masks stay boolean (True = may attend); an additive mask whose
-    values are all 0 or -inf / the dtype's lowest value becomes boolean too; any other additive mask (a
-    bias such as ALiBi) is kept as given."""
-    m = mask.detach()
-    m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
-    if batch is not None and m.shape[0] > 1:
-        m = m[batch]
-    if head_index is not None and m.shape[1] > 1:
-        m = m.index_select(1, head_index.to(m.device))
-    if m.dtype != torch.bool:
-        allowed = m == 0
-        blocked = torch.isneginf(m) | (m <= torch.finfo(m.dtype).min)
-        if bool((allowed | blocked).all()):
-            m = allowed
-    return m
-
-
 def _autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
     """Autocast's dtype on q's device when autocast is on there, else None."""
     device_type = q.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
-def _recorded_dtype(q: torch.Tensor, autocast_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype the attention kernel computes in: autocast's dtype for fp32 inputs under autocast."""
-    if q.dtype == torch.float32 and autocast_dtype is not None:
-        return autocast_dtype
-    return q.dtype
 
 
 def _as_float(loss) -> Optional[float]:

@@ -19,7 +19,6 @@ loss) loses the buffered rows: at most `timeline_rows` − 1 rows, and at most a
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 import warnings
@@ -28,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from fa_forensics.capture.events import CaptureWarning
 from fa_forensics.capture.selection import CaptureError
 
 
@@ -152,8 +152,7 @@ class BackgroundWriter:
                     f"fa-forensics capture: the disk cannot keep up ({self._queue.maxsize} arrays waiting); "
                     "training waits for the writer. Capture fewer steps, layers or heads, or a smaller batch slice."
                 )
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-                print(message, file=sys.stderr, flush=True)
+                warnings.warn(CaptureWarning(message), stacklevel=3)
             self._queue.put(item)
 
     def _raise_if_failed(self) -> None:

@@ -166,7 +166,10 @@ def register(app: typer.Typer) -> None:
         def body():
             import torch
 
+            from fa_forensics.capture.events import show_capture_warnings_as_lines
             from fa_forensics.demo.train import DemoConfig, train
+
+            show_capture_warnings_as_lines()
 
             if threads >= 1:
                 torch.set_num_threads(threads)
