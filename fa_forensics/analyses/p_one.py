@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fa_forensics.analyses.stats import ratio_of_means
+
 P_ONE_CLASSES = ("tie", "near-tie", "carry")
 CLASSES = (*P_ONE_CLASSES, "plain", "no-p-one")
 NUDGED_P = 1.0 - 2.0**-8  # the bf16 value just below 1: where the stabilized shift moves P̄ = 1
@@ -118,25 +120,21 @@ def class_shares(splits: list[RowSplit], weights: torch.Tensor) -> list[ClassSha
     """Shares of Σ_i E_i·w_i (w = 1/ℓ turns Ō errors into O errors) carried by each class's P̄ = 1
     part, and by the rest ("other": casts, accumulation and the roundings no class claims).
 
-    The share is a ratio of means over rows; its standard error is the delta method's
-    sqrt(var(x − R·y) / n) / |mean y|.
+    The share is a ratio of means over rows with the delta method's standard error (`stats.ratio_of_means`).
     """
     w = weights.to(torch.float64)
     y = torch.tensor([s.error for s in splits], dtype=torch.float64) * w  # (N,)
     n = y.numel()
     parts = {c: torch.tensor([s.from_p_one if s.cls == c else 0.0 for s in splits], dtype=torch.float64) * w for c in P_ONE_CLASSES}
     parts["other"] = y - sum(parts.values())
-    mean_y = float(y.mean()) if n else math.nan
     out = []
     for c, x in parts.items():
         rows = sum(s.cls == c for s in splits) if c != "other" else n
-        if n == 0 or mean_y == 0:
+        if n == 0 or float(y.mean()) == 0:
             out.append(ClassShare(c, rows, math.nan, math.nan))
             continue
-        R = float(x.mean()) / mean_y + 0.0
-        resid = x - R * y
-        se = math.sqrt(float(resid.var(unbiased=True)) / n) / abs(mean_y) if n > 1 else math.nan
-        out.append(ClassShare(c, rows, R, se))
+        m = ratio_of_means(x, y)
+        out.append(ClassShare(c, rows, m.value + 0.0, m.se))
     return out
 
 

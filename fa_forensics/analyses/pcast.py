@@ -25,9 +25,16 @@ import numpy as np
 import torch
 from scipy import integrate, stats
 
+from fa_forensics.analyses.stats import PairedTTest, Ratio, mean_se, paired_ratio, paired_ttest
 from fa_forensics.errors import InvalidSetting
+from fa_forensics.replay.config import KVOrder
 
-ORDERS = ("forward", "reverse")
+ORDERS = tuple(o.value for o in KVOrder)  # the KV iteration orders, as the replay names them
+
+
+def _pair(m) -> tuple[float, float]:
+    """(mean, se) of a stats.MeanSE."""
+    return m.value, m.se
 E4M3_MAX = 448.0
 LN_UNDERFLOW = 10.0 * math.log(2.0)  # 6.93: P̄·S < 2^-10 rounds to 0 in E4M3
 DELTA_FIG3 = 7.0  # the sink strength of the paper's sequence-length sweep (Fig. 3)
@@ -239,73 +246,6 @@ def reference_attention(z: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------
-# Uncertainty helpers
-# ---------------------------------------------------------------------------------------------
-
-def _mean_se(a: np.ndarray) -> tuple[float, float]:
-    """Mean and standard error s/√n of a 1-D sample (se nan for n < 2)."""
-    a = np.asarray(a, dtype=np.float64)
-    se = float(a.std(ddof=1) / math.sqrt(a.size)) if a.size > 1 else float("nan")
-    return float(a.mean()), se
-
-
-@dataclass(frozen=True)
-class Ratio:
-    """mean(a)/mean(b) over paired instances, with its delta-method standard error."""
-
-    value: float
-    se: float
-    n: int
-    numerator: str
-    denominator: str
-    delta: float
-    seq: int
-
-
-def paired_ratio(a: np.ndarray, b: np.ndarray, numerator: str, denominator: str, delta: float, seq: int) -> Ratio:
-    """R = ā/b̄, se(R) = sd(a − R b)/(√n · b̄) (linearised ratio estimator on paired samples)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    r = float(a.mean() / b.mean())
-    se = float(np.std(a - r * b, ddof=1) / (math.sqrt(a.size) * b.mean())) if a.size > 1 else float("nan")
-    return Ratio(r, se, int(a.size), numerator, denominator, float(delta), int(seq))
-
-
-@dataclass(frozen=True)
-class PairedTTest:
-    """Paired t-test of H0 'MSE(a) = MSE(b)' over the same instances (seeds)."""
-
-    delta: float
-    seq: int
-    a: str
-    b: str
-    n: int
-    mean_diff: float  # mean of MSE(a) − MSE(b)
-    se_diff: float
-    t: float
-    p_value: float
-    mse_a: float
-    mse_b: float
-    verdict: str  # "indistinguishable" | "a better" | "b better" (at the 5 % level)
-
-
-def paired_ttest(a: np.ndarray, b: np.ndarray, name_a: str, name_b: str, delta: float, seq: int) -> PairedTTest:
-    """scipy's ttest_rel on per-instance MSEs, with the mean difference and its se."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    d = a - b
-    mean_d, se_d = _mean_se(d)
-    if a.size < 2 or not np.any(d != 0):
-        t, p = (0.0, 1.0) if a.size >= 2 else (float("nan"), float("nan"))
-    else:
-        res = stats.ttest_rel(a, b)
-        t, p = float(res.statistic), float(res.pvalue)
-    verdict = "indistinguishable" if not (p < 0.05) else ("a better" if mean_d < 0 else "b better")
-    return PairedTTest(float(delta), int(seq), name_a, name_b, int(a.size), mean_d, se_d, t, p,
-                       float(a.mean()), float(b.mean()), verdict)
-
-
-# ---------------------------------------------------------------------------------------------
 # The simulation (paper §6)
 # ---------------------------------------------------------------------------------------------
 
@@ -469,8 +409,8 @@ def simulate(cfg: SimConfig) -> PcastSimResult:
                 frac = out.n_zeroed.double().sum(dim=-1) / (cfg.n_queries * (n - k))  # (nΔ, seeds)
                 lost = out.mass_zeroed.double().mean(dim=(-1, -2))  # (nΔ,)
                 for i, delta in enumerate(deltas):
-                    f_mean, f_se = _mean_se(frac[i].numpy())
-                    e_mean, e_se = _mean_se(mse[i].numpy())
+                    f_mean, f_se = _pair(mean_se(frac[i].numpy()))
+                    e_mean, e_se = _pair(mean_se(mse[i].numpy()))
                     if order == "forward":
                         closed = closed_form_fraction(delta, S, k)
                         spread = closed_form_spread(delta, S, k)
@@ -610,7 +550,7 @@ def sink_gap_stats(z: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[floa
     top = torch.where(sink, z64, -math.inf).amax(dim=-1)
     gap = (top - mu)[ok]
     gap_sd = gap / sd[ok].clamp(min=1e-12)
-    g_mean, g_se = _mean_se(gap_sd.numpy())
+    g_mean, g_se = _pair(mean_se(gap_sd.numpy()))
     return g_mean, g_se, float(gap.mean()), float(sd[ok].mean())
 
 
@@ -668,7 +608,7 @@ def analyze_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         for S in scales:
             out = pcast_attention(z, v32, S, order, block, counted=counted)
             row_mse = ((out.o.double() - o_ref) ** 2).mean(dim=-1).reshape(-1)  # (B·T,)
-            mse, mse_se = _mean_se(row_mse.numpy())
+            mse, mse_se = _pair(mean_se(row_mse.numpy()))
             closed = None
             if order == "forward" and math.isfinite(gap_logits) and sd > 0:
                 closed = float(stats.norm.cdf((gap_logits - LN_UNDERFLOW - math.log(S)) / sd))

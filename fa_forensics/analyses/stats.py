@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.stats import binomtest
+from scipy.stats import binomtest, ttest_rel
 from scipy.stats import t as student_t
 
 
@@ -107,3 +107,67 @@ def format_p(p: float) -> str:
     if p == 0:
         return "< 1e-300"
     return f"{p:.2g}"
+
+
+# ---- paired comparisons over the same instances (seeds) ----------------------------------------
+
+@dataclass(frozen=True)
+class Ratio:
+    """mean(a)/mean(b) over paired instances, with its delta-method standard error."""
+
+    value: float
+    se: float
+    n: int
+    numerator: str
+    denominator: str
+    delta: float
+    seq: int
+
+
+def ratio_of_means(a, b) -> MeanSE:
+    """R = ā / b̄ over paired values, se(R) = sd(a − R·b) / (√n · |b̄|) (delta method, linearised ratio estimator)."""
+    a, b = _flat64(a), _flat64(b)
+    r = float(a.mean() / b.mean())
+    se = float(np.std(a - r * b, ddof=1) / (math.sqrt(a.size) * abs(b.mean()))) if a.size > 1 else float("nan")
+    return MeanSE(r, se, int(a.size))
+
+
+def paired_ratio(a: np.ndarray, b: np.ndarray, numerator: str, denominator: str, delta: float, seq: int) -> Ratio:
+    """`ratio_of_means` of paired instances, labelled."""
+    m = ratio_of_means(a, b)
+    return Ratio(m.value, m.se, m.n, numerator, denominator, float(delta), int(seq))
+
+
+@dataclass(frozen=True)
+class PairedTTest:
+    """Paired t-test of H0 'MSE(a) = MSE(b)' over the same instances (seeds)."""
+
+    delta: float
+    seq: int
+    a: str
+    b: str
+    n: int
+    mean_diff: float  # mean of MSE(a) − MSE(b)
+    se_diff: float
+    t: float
+    p_value: float
+    mse_a: float
+    mse_b: float
+    verdict: str  # "indistinguishable" | "a better" | "b better" (at the 5 % level)
+
+
+def paired_ttest(a: np.ndarray, b: np.ndarray, name_a: str, name_b: str, delta: float, seq: int) -> PairedTTest:
+    """scipy's ttest_rel on per-instance MSEs, with the mean difference and its se."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    d = a - b
+    m = mean_se(d)
+    mean_d, se_d = m.value, m.se
+    if a.size < 2 or not np.any(d != 0):
+        t, p = (0.0, 1.0) if a.size >= 2 else (float("nan"), float("nan"))
+    else:
+        res = ttest_rel(a, b)
+        t, p = float(res.statistic), float(res.pvalue)
+    verdict = "indistinguishable" if not (p < 0.05) else ("a better" if mean_d < 0 else "b better")
+    return PairedTTest(float(delta), int(seq), name_a, name_b, int(a.size), mean_d, se_d, t, p,
+                       float(a.mean()), float(b.mean()), verdict)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fa_forensics.analyses import pcast as pc
+from fa_forensics.analyses.stats import paired_ratio, paired_ttest
 
 
 # --- E4M3 number line and dp(S) ----------------------------------------------------------------
@@ -169,13 +170,13 @@ def test_forward_order_collapses_and_reverse_order_does_not():
 def test_paired_ttest_and_ratio():
     rng = np.random.default_rng(0)
     base = rng.uniform(1.0, 2.0, 50)
-    same = pc.paired_ttest(base, base, "a", "b", 7.0, 4096)
+    same = paired_ttest(base, base, "a", "b", 7.0, 4096)
     assert same.p_value == 1.0 and same.verdict == "indistinguishable"
-    worse = pc.paired_ttest(base * 1.1 + rng.normal(0, 0.01, 50), base, "a", "b", 7.0, 4096)
+    worse = paired_ttest(base * 1.1 + rng.normal(0, 0.01, 50), base, "a", "b", 7.0, 4096)
     assert worse.p_value < 1e-6 and worse.verdict == "b better" and worse.mean_diff > 0
-    r = pc.paired_ratio(3 * base, base, "a", "b", 7.0, 4096)
+    r = paired_ratio(3 * base, base, "a", "b", 7.0, 4096)
     assert r.value == pytest.approx(3.0) and r.se == pytest.approx(0.0, abs=1e-12)
-    noisy = pc.paired_ratio(3 * base + rng.normal(0, 0.3, 50), base, "a", "b", 7.0, 4096)
+    noisy = paired_ratio(3 * base + rng.normal(0, 0.3, 50), base, "a", "b", 7.0, 4096)
     assert 0.01 < noisy.se < 0.2 and abs(noisy.value - 3.0) < 4 * noisy.se
 
 
