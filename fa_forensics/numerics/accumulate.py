@@ -303,8 +303,9 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
     a, b = _as_fp32_array(a3), _as_fp32_array(b3)
     if a is None or b is None:
         return None
-    if acc3 is None:
-        out = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
+    zero = acc3 is None
+    if zero:
+        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
     else:
         out = _as_fp32_array(acc3)
         if out is None:
@@ -313,9 +314,9 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
             out = out.clone()  # the kernels write in place; never into the caller's tensor
     with accumulate_jit.threads(torch.get_num_threads()):
         if params is None:
-            accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy())
+            accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy(), zero)
         else:
-            accumulate_jit.tensor_core_matmul(a.numpy(), b.numpy(), out.numpy(), params.F, params.neab)
+            accumulate_jit.tensor_core_matmul(a.numpy(), b.numpy(), out.numpy(), params.F, params.neab, zero)
     return out
 
 

@@ -56,15 +56,20 @@ def _fma32(typingctx, a, b, c):
     return sig, codegen
 
 
-@numba.njit(parallel=True, **_JIT)
-def ieee_matmul(a, b, out):
-    """out (L, M, N) fp32, holding the starting accumulator, += a (L, M, K) @ b (L, K, N) by
-    sequential fp32 fmas in k order (in place)."""
+_A, _C = types.float32[:, :, :], types.float32[:, :, ::1]  # any strides; C-contiguous
+
+
+@numba.njit(types.void(_A, _C, _C, types.boolean), parallel=True, **_JIT)
+def ieee_matmul(a, b, out, zero):
+    """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`: out is then only
+    written), += a (L, M, K) @ b (L, K, N) by sequential fp32 fmas in k order (in place)."""
     L, M, K = a.shape
     N = b.shape[2]
     for r in prange(L * M):
         l, i = r // M, r % M
         row = out[l, i]
+        if zero:
+            row[:] = 0.0
         for k in range(K):
             a_ik = a[l, i, k]
             b_k = b[l, k]
@@ -72,9 +77,9 @@ def ieee_matmul(a, b, out):
                 row[j] = _fma32(a_ik, b_k[j], row[j])
 
 
-@numba.njit(parallel=True, **_JIT)
-def tensor_core_matmul(a, b, out, F, neab):
-    """out (L, M, N) fp32, holding the starting accumulator, becomes the tensor-core model's
+@numba.njit(types.void(_A, _C, _C, types.int64, types.int64, types.boolean), parallel=True, **_JIT)
+def tensor_core_matmul(a, b, out, F, neab, zero):
+    """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`), becomes the tensor-core model's
     a (L, M, K) @ b (L, K, N): groups of F products aligned to e_max, truncated, summed exactly,
     rounded toward zero to fp32 (in place)."""
     L, M, K = a.shape
@@ -90,7 +95,7 @@ def tensor_core_matmul(a, b, out, F, neab):
         total = np.empty(N, np.float64)  # exact sum of the aligned terms
         total_bits = total.view(np.int64)
         for j in range(N):
-            acc[j] = row[j]
+            acc[j] = 0.0 if zero else row[j]
         for k0 in range(0, K, F):
             n = min(F, K - k0)
             for f in range(n):
@@ -145,7 +150,7 @@ def threads(n: int):
         numba.set_num_threads(before)
 
 
-@numba.njit(**_JIT)
+@numba.njit(types.boolean(types.float32[:]), **_JIT)
 def all_finite(x):
     """True when no value of the fp32 vector x is ±inf or NaN."""
     ok = True
