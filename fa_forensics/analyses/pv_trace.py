@@ -45,10 +45,15 @@ from typing import Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.fix_check import scores_fp32
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
+from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.errors import InvalidSetting, OutOfRange
+from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
+from fa_forensics.replay.config import Softmax
+from fa_forensics.replay.emulate.softmax import block_shift
 
 ONE = 1.0
 
@@ -94,8 +99,6 @@ class PVTrace:
 
 def _round(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x rounded to `fmt` (nearest-even) as fp64; identity for fp32 values kept in fp32."""
-    from fa_forensics.numerics import round_to
-
     if fmt == "fp32":
         return x.to(torch.float32).to(torch.float64)
     return round_to(x.to(torch.float32), fmt).to(torch.float64)
@@ -130,8 +133,6 @@ def trace_pv(
     P̄ row; v: (K,) the V column (exact values of its storage format). The lp accumulator follows
     numerics.dot_trace under `accumulation`; the hp accumulator is the fp32 ieee chain.
     """
-    from fa_forensics.numerics import dot_trace
-
     p_lp = p_bar_lp.detach().reshape(-1).to(torch.float64)  # (K,)
     p_hp = p_bar_hp.detach().reshape(-1).to(torch.float64)  # (K,)
     v64 = v.detach().reshape(-1).to(torch.float64)  # (K,)
@@ -170,7 +171,7 @@ def trace_pv(
     if largest is not None and largest.t > 0 and pv_format != "fp32":
         a = float(acc_lp[largest.t - 1])  # the fp32 accumulator before the term
         b = float(p_lp[largest.t] * v64[largest.t])  # the term (exact in fp32: product of two bf16)
-        explanation = _explain(a, b, pv_format)
+        explanation = explain_add(a, b, into=pv_format, acc="fp32")
 
     return PVTrace(
         row=row, feature=feature, accumulation=accumulation, pv_format=pv_format,
@@ -184,21 +185,10 @@ def trace_pv(
 def _nudged_error(p_lp, p_hp, v, accumulation, gpu, in_format, pv_format) -> float:
     """Eq. 4's error of the same row with every P̄ = 1 term moved to NUDGED_P on both sides, as the
     stabilized shift moves them below 1: the counterfactual of the attribution."""
-    from fa_forensics.numerics import dot_trace
-
     lp, hp = nudge(p_lp, p_hp)
     acc_lp = dot_trace(lp.float(), v.float(), accumulation, gpu=gpu, in_format=in_format).to(torch.float64)
     acc_hp = dot_trace(hp.float(), v.float(), "ieee", gpu=gpu, in_format="fp32").to(torch.float64)
     return float(_round(acc_lp[-1:], pv_format)[0] - acc_hp[-1])
-
-
-def _explain(a: float, b: float, into: str):
-    """numerics.explain_add(a, b) (None if the numerics package lacks it)."""
-    try:
-        from fa_forensics.numerics import explain_add
-    except ImportError:
-        return None
-    return explain_add(a, b, into=into, acc="fp32")
 
 
 def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, p_format: str = "bf16",
@@ -214,10 +204,6 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     rounded to s_dtype), exp (`numerics.exp_fp32`, the emulator's) in fp32, cast to its p_dtype. Under a non-standard shift
     P̄_hp = exp(S − m) at that same m. Returns two (R, K) fp32.
     """
-    from fa_forensics.numerics import exp_fp32, matmul, round_to
-    from fa_forensics.replay.config import Softmax
-    from fa_forensics.replay.emulate.softmax import block_shift
-
     R, K = q.shape[0], k.shape[0]
     qk = matmul(q.to(torch.float32), k.to(torch.float32).T.contiguous(), accumulation, gpu=gpu, in_format="bf16")  # (R, K)
     qk = qk.to(torch.float32)
@@ -273,8 +259,6 @@ def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[
     o_err: (B, H, T, D) O_lp − O_hp (any float dtype); candidates: (B, H, T) bool or None.
     `feature` / `row` fix the choice when given.
     """
-    from fa_forensics.analyses.stats import sign_test
-
     e = o_err.to(torch.float64)
     B, H, T, D = e.shape
     mean = e.mean(dim=2)  # (B, H, D)
@@ -423,8 +407,6 @@ def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, fea
     """The share of the O bias of (head, feature) that each P̄ = 1 class carries, over every row of
     every selected step and batch entry (`p_one.class_shares`, weights 1/ℓ_hp), and the
     counterfactual: the same rows with the P̄ = 1 terms nudged."""
-    from fa_forensics.numerics import matmul
-
     acc, gpu, p_fmt, pv_fmt = config.accumulation.value, config.gpu.value, config.p_dtype.value, config.pv_dtype.value
     splits, weights, nudged = [], [], []
 
@@ -448,16 +430,12 @@ def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, fea
 
 
 def _mean_se(x: torch.Tensor) -> dict:
-    from fa_forensics.analyses.stats import mean_se, sign_test
-
     m = mean_se(x)
     return {"mean": m.value, "se": m.se, "n": m.n, "p_value": sign_test(x).p_value}
 
 
 def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32") -> torch.Tensor:
     """(B, h, T) bool: rows whose maximum score (fp32, or as rounded to s_dtype) is attained more than once (exact ties)."""
-    from fa_forensics.analyses.fix_check import scores_fp32
-
     s = scores_fp32(q, k, scale, causal, s_dtype)  # (B, h, T, T)
     return (s == s.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1
 
