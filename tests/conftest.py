@@ -1,6 +1,12 @@
 """Shared fixtures: the planted sample dump and a factory for small fresh dumps."""
 from __future__ import annotations
 
+import os
+
+# Triton fixes its interpreter mode when first imported, and test modules import it at collection
+# (transformers does): set the mode here, before any of them, so tests/triton runs interpreted.
+os.environ["TRITON_INTERPRET"] = "1"
+
 import math
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -14,8 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 def pytest_configure(config) -> None:
     """One torch thread per xdist worker: `-n 2` on 2 cores with 2 threads each oversubscribes the
     CPU, and torch's OpenMP threads then slow down by an order of magnitude."""
-    import os
-
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
 PLANTED_DUMP = REPO / "sample_dumps" / "planted.zarr"

@@ -1,7 +1,8 @@
 """Run the Triton kernels on the CPU: Triton's interpreter plus this suite's compatibility layer.
 
 TRITON_INTERPRET=1 must be set before triton is first imported (fa_forensics never imports it at
-package import time), so it is set here, at conftest import. interpreter_compat.install() fixes
+package import time, but transformers does), so tests/conftest.py sets it before any test module
+is collected, and this file again for a run of this directory alone. interpreter_compat.install() fixes
 the interpreter's bf16/fp8 casts and dots (see its docstring) for the whole session.
 """
 import os
