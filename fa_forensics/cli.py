@@ -22,6 +22,7 @@ from fa_forensics.commands import (
     report,
     synth,
     timeline,
+    verify,
 )
 
 app = typer.Typer(
@@ -35,7 +36,7 @@ app = typer.Typer(
 )
 
 # Order here is the order in --help.
-for _module in (capture, info, synth, dump_io, isolate, delta_bias, rank1_sim, pv_trace, bitdiff, fix_check, pcast, timeline, report):
+for _module in (capture, info, verify, synth, dump_io, isolate, delta_bias, rank1_sim, pv_trace, bitdiff, fix_check, pcast, timeline, report):
     _module.register(app)
 
 

@@ -82,6 +82,7 @@ class CaptureSession:
         *,
         step_by: str = "optimizer",
         overwrite: bool = False,
+        allow_other_model: bool = False,
         max_queue: int = 64,
         on_step: Optional[StepCallback] = None,
         run_attrs: Optional[dict] = None,
@@ -104,6 +105,7 @@ class CaptureSession:
         self.pattern = attention_modules
         self.step_by = step_by
         self.overwrite = overwrite
+        self.allow_other_model = allow_other_model
         self.max_queue = max_queue
         self.run_attrs = dict(run_attrs or {})
         self.keep_sdpa_patch = keep_sdpa_patch
@@ -127,6 +129,7 @@ class CaptureSession:
         self._writer: Optional[BackgroundWriter] = None
         self._warned: set[str] = set()
         self.recorded_steps: list[int] = []
+        self._registered: set[int] = set()  # steps put in the store (as incomplete) when their first array was queued
         self.rank, self.world_size = 0, 1
         self.attention_module_names: list[str] = []
         self._modules_by_name: dict[str, torch.nn.Module] = {}
@@ -211,7 +214,8 @@ class CaptureSession:
         if ordered and self.rank != 0:
             dist.barrier()  # rank 0 creates (or replaces) the store first; then every rank adds rank_{r}/
         try:
-            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank, world_size=self.world_size)
+            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank, world_size=self.world_size,
+                                     allow_other_model=self.allow_other_model)
         except OSError as exc:
             raise CaptureError(f"cannot create capture store {self.out}: {exc.strerror or exc}; choose a writable --out") from exc
         finally:
@@ -233,7 +237,7 @@ class CaptureSession:
             self._begin_step(0)
         except BaseException:
             self._remove_hooks()
-            self._writer.close()
+            self._writer.close(failed=True)
             raise
 
     def stop(self, failed: bool = False) -> None:
@@ -256,7 +260,7 @@ class CaptureSession:
         finally:
             writer, self._writer = self._writer, None
             try:
-                writer.close()
+                writer.close(failed=failed)
             except Exception as exc:
                 if not failed:
                     raise
@@ -265,8 +269,13 @@ class CaptureSession:
     def bind(self, model: torch.nn.Module) -> int:
         """Hook `model`: its forward starts a micro-batch; its attention modules give X. Returns the count found."""
         self._root = model
-        if self.model is None and self._writer is not None:  # bound by the launcher: describe the model now
-            self._writer.put_run_attrs(describe_model(model))
+        if self.model is None and self._writer is not None:  # bound by the launcher: check the store's identity, describe the model
+            from fa_forensics.dump.identity import model_fingerprint
+
+            described = describe_model(model)
+            described["model"]["fingerprint"] = model_fingerprint(model)
+            self._writer.set_model(described["model"])
+            self._writer.put_run_attrs(described)
         found = find_attention_modules(model, self.pattern)
         self.attention_module_names = [name for name, _ in found]
         self._modules_by_name = dict(found)
@@ -371,6 +380,9 @@ class CaptureSession:
         if ring_step is not None and ring_step.step == step:
             ring_step.arrays.append(RingArray(layer, name, host, ready, layer_attrs))
         else:
+            if step not in self._registered:
+                self._registered.add(step)
+                self._writer.register_step(step)
             self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
 
     def _mark_backward(self, grad=None) -> None:
@@ -519,6 +531,7 @@ class CaptureSession:
         for held in self._ring.drain():
             if held.step in self.recorded_steps:
                 continue
+            self._writer.register_step(held.step)
             for a in held.arrays:
                 self._writer.put_array(held.step, a.layer, a.name, a.tensor, ready=a.ready, layer_attrs=a.layer_attrs)
             self._writer.put_complete(held.step, loss=held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
@@ -547,8 +560,10 @@ class CaptureSession:
         model_attrs = dict(self.run_attrs.get("model", {}))
         device = self.run_attrs.get("device")
         if self.model is not None:
+            from fa_forensics.dump.identity import model_fingerprint
+
             described = describe_model(self.model)
-            model_attrs = {**described["model"], **model_attrs}
+            model_attrs = {**described["model"], "fingerprint": model_fingerprint(self.model), **model_attrs}
             device = device or described["device"]
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
                          "rank": self.rank, "world_size": self.world_size, **self.run_attrs.get("capture", {})}

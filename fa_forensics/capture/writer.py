@@ -117,8 +117,24 @@ class BackgroundWriter:
         if rows:
             self._put(_TimelineRows(rows))
 
-    def close(self) -> None:
-        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer failure."""
+    def register_step(self, step: int) -> None:
+        """Put the step in the store now, as incomplete (a synchronous metadata write, once per
+        recorded step): if the process is killed while its arrays still wait in the queue, the
+        store lists the step as incomplete instead of losing it silently."""
+        self._raise_if_failed()
+        try:
+            self._dump.register_step(step)
+        except OSError as exc:
+            raise CaptureError(f"cannot write step {step} into {self._dump.path}: {exc.strerror or exc}; free space or choose a writable --out") from None
+
+    def set_model(self, model_attrs: dict) -> None:
+        """The model's identity, once known: refused (DumpError) if the store holds another model's steps."""
+        self._dump.set_model(model_attrs)
+
+    def close(self, failed: bool = False) -> None:
+        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer failure.
+
+        failed: the run died; the dump an --overwrite replaced is kept (see DumpWriter.close)."""
         if self._closed:
             return
         rows, self._rows = self._rows, []
@@ -129,7 +145,10 @@ class BackgroundWriter:
             self._queue.put(_STOP)
             self._thread.join()
         try:
-            self._dump.close()
+            self._dump.close(failed=failed or self._error is not None)
+            replaced = getattr(self._dump, "replaced", None)
+            if replaced is not None:
+                print(f"fa-forensics capture: the run failed; the dump that --overwrite replaced is kept at {replaced}", file=sys.stderr, flush=True)
         finally:
             self._raise_if_failed()
 

@@ -61,13 +61,23 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
-    """Run a command body; map errors to one line and exit code 2, warnings to one line."""
+    """Run a command body; map errors to one line and exit code 2, warnings to one line each.
+
+    Warnings are shown when the body ends (or as they come, with --debug); a body that fails
+    with a UserError shows only its error line, which names what must be fixed first.
+    """
+    shown: list[str] = []
     try:
         with warnings.catch_warnings():
             if not debug:
-                warnings.showwarning = _one_line_warning
-            return fn()
+                warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+            result = fn()
+        for message in dict.fromkeys(shown):
+            _one_line_warning(message, None, None, None)
+        return result
     except typer.Exit:
+        for message in dict.fromkeys(shown):
+            _one_line_warning(message, None, None, None)
         raise
     except UserError as exc:
         if debug:

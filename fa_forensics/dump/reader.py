@@ -1,13 +1,16 @@
 """Lazy reader of format-v1 dump stores.
 
-`open_dump(path)` reads root metadata only; step, layer and array metadata are read (and
-cached) when first asked for, and array values only by `Dump.read`. Every problem a user can
-cause (wrong path, not a dump, unknown format, missing step / layer / array / head) raises a
-one-line `DumpError` that says what exists.
+`open_dump(path)` reads metadata only: the root's, and, when steps are first listed, each step's
+(integrity.check_step: every layer, array and chunk file present, dtype attributes that fit);
+array values are read only by `Dump.read`. A step that was cut off or is damaged is listed apart
+(`incomplete_steps`, `damage`) and skipped with a one-line warning. Every problem a user can cause
+(wrong path, not a dump, unknown format, missing step / layer / array / head, a chunk that cannot
+be decoded) raises a one-line `DumpError` that says what exists.
 """
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 import zarr
 
+from fa_forensics.dump.integrity import Damage, bad_chunk, check_step, describe_error
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     FORMAT_VERSION,
@@ -38,7 +42,7 @@ from fa_forensics.errors import DumpError
 
 
 class IncompleteStepWarning(UserWarning):
-    """A step of the dump was cut off (no `complete` flag); it is skipped."""
+    """A step of the dump was cut off (no `complete` flag) or is damaged; it is skipped."""
 
 
 def _fmt(values: Iterable[Any], limit: int = 12) -> str:
@@ -47,6 +51,14 @@ def _fmt(values: Iterable[Any], limit: int = 12) -> str:
         return "none"
     shown = ", ".join(str(v) for v in values[:limit])
     return shown + (f", ... ({len(values)} in all)" if len(values) > limit else "")
+
+
+def _subdirs(path: Path) -> list[str]:
+    """Names of the folders in `path` (a listing of the file system: zarr's would warn on stray files)."""
+    try:
+        return sorted(e.name for e in os.scandir(path) if e.is_dir())
+    except OSError:
+        return []
 
 
 def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
@@ -97,41 +109,74 @@ class Dump:
         self._step_groups: dict[int, zarr.Group] = {}
         self._layer_groups: dict[tuple[int, int], zarr.Group] = {}
         self._checked: set[tuple[int, int]] = set()
-        if self.incomplete_steps:
+        # With no whole step every reader method raises, naming the problem: no warning first (one line in all).
+        cut = [s for s in self.incomplete_steps if s not in self.damage] if self.steps else []
+        if cut:
             warnings.warn(
-                f"{self.path}: step(s) {_fmt(self.incomplete_steps)} are incomplete (cut off while writing) and are skipped",
+                f"{self.path}: step(s) {_fmt(cut)} are incomplete (cut off while writing) and are skipped",
+                IncompleteStepWarning,
+                stacklevel=3,
+            )
+        if self.damage and self.steps:
+            first = next(iter(self.damage.values()))[0]
+            n = sum(len(v) for v in self.damage.values())
+            warnings.warn(
+                f"{self.path}: step(s) {_fmt(list(self.damage))} are damaged and are skipped ({first}"
+                + (f"; {n - 1} more problem(s)" if n > 1 else "") + f"); run `fa-forensics verify {self.path}` for the list",
                 IncompleteStepWarning,
                 stacklevel=3,
             )
 
     def _rank_tree(self, rank: int) -> zarr.Group:
-        root_keys = set(self._root.group_keys())
+        root_keys = set(_subdirs(self.path))
         ranks = sorted(int(m.group(1)) for k in root_keys if (m := RANK_RE.match(k)))
         if rank == 0 and not (rank_key(0) in root_keys and not any(STEP_RE.match(k) for k in root_keys)):
             return self._root
         if rank_key(rank) not in root_keys:
             have = sorted({0, *ranks})
             raise DumpError(f"rank {rank} is not in {self.path} (ranks: {_fmt(have)}); pick one of those with --rank")
-        return self._root[rank_key(rank)]
+        try:
+            return self._root[rank_key(rank)]
+        except Exception as exc:
+            raise DumpError(f"rank {rank} of {self.path} cannot be opened ({describe_error(exc)}); the dump is damaged, re-capture it") from None
+
+    @property
+    def _tree_path(self) -> Path:
+        return self.path if self._tree is self._root else self.path / rank_key(self.rank)
 
     # -- steps ----------------------------------------------------------------------------
     @cached_property
     def _step_status(self) -> dict[int, bool]:
-        """step -> complete? (from each step group's attrs; unreadable metadata counts as incomplete)."""
+        """step -> whole? A step is whole when its `complete` flag is set and integrity.check_step
+        finds no damage (metadata only); damaged steps go to `damage`."""
         status: dict[int, bool] = {}
-        for key in self._tree.group_keys():
+        damage: dict[int, list[Damage]] = {}
+        tree = self._tree_path
+        for key in _subdirs(tree):
             m = STEP_RE.match(key)
             if not m:
                 continue
             step = int(m.group(1))
+            problems = check_step(tree / key, step)
+            complete = False
             try:
                 g = self._tree[key]
-                status[step] = g.attrs.get("complete") is True
-                if status[step]:
-                    self._step_groups[step] = g
-            except Exception:  # metadata cut mid-write
-                status[step] = False
+                complete = g.attrs.get("complete") is True
+            except Exception:  # metadata cut mid-write or damaged: check_step names it
+                g = None
+            if problems and (complete or g is None):  # unreadable step metadata: damage (or a write cut short)
+                damage[step] = problems
+            status[step] = complete and not problems
+            if status[step]:
+                self._step_groups[step] = g
+        self._damage = damage
         return dict(sorted(status.items()))
+
+    @property
+    def damage(self) -> dict[int, list[Damage]]:
+        """Damaged steps (complete flag set, but something is missing or malformed) -> what is wrong."""
+        self._step_status
+        return self._damage
 
     @property
     def steps(self) -> list[int]:
@@ -140,13 +185,16 @@ class Dump:
 
     @property
     def incomplete_steps(self) -> list[int]:
-        """Steps that were cut off while writing (skipped by every reader method)."""
+        """Steps that were cut off while writing or are damaged (skipped by every reader method)."""
         return [s for s, ok in self._step_status.items() if not ok]
 
     def _step(self, step: int) -> zarr.Group:
         step = int(step)
         if step in self._step_groups:
             return self._step_groups[step]
+        if step in self.damage:
+            raise DumpError(f"step {step} in {self.path} is damaged ({self.damage[step][0]}); complete steps: {_fmt(self.steps)}; "
+                            f"run `fa-forensics verify {self.path}` for the list")
         if step in self.incomplete_steps:
             raise DumpError(f"step {step} in {self.path} is incomplete (cut off while writing); complete steps: {_fmt(self.steps)}")
         raise DumpError(f"step {step} is not in {self.path}; complete steps: {_fmt(self.steps)}")
@@ -161,7 +209,8 @@ class Dump:
         steps = self.steps if step is None else [int(step)]
         found: set[int] = set()
         for s in steps:
-            for key in self._step(s).group_keys():
+            self._step(s)
+            for key in _subdirs(self._tree_path / f"step_{int(s):09d}"):
                 if m := LAYER_RE.match(key):
                     found.add(int(m.group(1)))
         return sorted(found)
@@ -178,7 +227,8 @@ class Dump:
 
     def _array_names(self, step: int, layer: int) -> list[str]:
         g = self._layer(step, layer)
-        present = [n for n in ARRAY_NAMES if n in set(g.array_keys())]
+        folder = set(_subdirs(self._tree_path / f"step_{int(step):09d}" / layer_key(layer)))
+        present = [n for n in ARRAY_NAMES if n in folder]
         if (int(step), int(layer)) not in self._checked:
             listed = g.attrs.get("arrays", present)
             missing = [n for n in listed if n not in present]
@@ -276,7 +326,13 @@ class Dump:
         dname = arr.attrs.get("dtype", str(arr.dtype))
         if dname not in supported_dtype_names():
             raise DumpError(f"{where} has unknown dtype attribute {dname!r}; supported: {', '.join(supported_dtype_names())}")
-        data = arr.oindex[sel] if any(isinstance(s, list) for s in sel) else arr[sel]
+        try:
+            data = arr.oindex[sel] if any(isinstance(s, list) for s in sel) else arr[sel]
+        except Exception as exc:  # a chunk that does not decode: name it
+            key = bad_chunk(arr, sel)
+            chunk = f"chunk {key}" if key else "a chunk"
+            raise DumpError(f"{where}: {chunk} cannot be decoded ({describe_error(exc)}); the dump is damaged, "
+                            f"run `fa-forensics verify {self.path}` and re-capture the step") from None
         return decode(np.asarray(data), dname)
 
     @staticmethod
@@ -303,7 +359,7 @@ class Dump:
         if step_list is None:
             step_list = self.steps
             if not step_list:
-                raise DumpError(f"{self.path} has no complete step (incomplete: {_fmt(self.incomplete_steps)}); re-capture it")
+                raise DumpError(self._no_whole_step())
         out: list[tuple[int, int, list[int]]] = []
         for s in step_list:
             self._step(s)  # raises with the list of steps
@@ -320,6 +376,13 @@ class Dump:
                 out.append((s, l, head_list))
         return out
 
+    def _no_whole_step(self) -> str:
+        if self.damage:
+            first = next(iter(self.damage.values()))[0]
+            return (f"{self.path} has no whole step: step(s) {_fmt(list(self.damage))} are damaged ({first}); "
+                    f"run `fa-forensics verify {self.path}` for the list and re-capture")
+        return f"{self.path} has no complete step (incomplete: {_fmt(self.incomplete_steps)}); re-capture it"
+
     @property
     def ground_truth(self) -> dict[str, Any] | None:
         """What `synth` planted (None for a captured dump)."""
@@ -329,7 +392,7 @@ class Dump:
     @cached_property
     def timeline(self) -> dict[str, np.ndarray] | None:
         """Per-step series (name -> array with a leading step axis), or None if none were recorded."""
-        if TIMELINE_GROUP not in set(self._tree.group_keys()):
+        if TIMELINE_GROUP not in _subdirs(self._tree_path):
             return None
         tl = self._tree[TIMELINE_GROUP]
         arrays = {k: tl[k] for k in sorted(tl.array_keys())}
@@ -348,6 +411,8 @@ class Dump:
         """
         if step is not None or layer is not None:
             self.select(steps=step, layers=layer)
+        if self.damage and not self.steps:
+            raise DumpError(self._no_whole_step())
         layers = self.layers(step) if layer is None else [int(layer)]
         arrays: dict[str, dict[str, Any]] = {}
         heads: dict[str, list[int]] = {}
@@ -379,6 +444,7 @@ class Dump:
             "capture": self.attrs.get("capture", {}),
             "steps": self.steps,
             "incomplete_steps": self.incomplete_steps,
+            "damage": {str(s): [str(d) for d in ds] for s, ds in self.damage.items()},
             "step_attrs": {str(s): {k: v for k, v in self.step_attrs(s).items() if k not in ("step", "complete")} for s in self.steps},
             "layers": layers,
             "heads": heads,

@@ -2,7 +2,10 @@
 
 A step's `complete` flag is written last, in its own metadata write, after every array of the
 step is on disk: a process killed mid-step leaves a step the reader reports as incomplete,
-never one it mistakes for whole.
+never one it mistakes for whole. Every chunk is written, all-zero ones too, and each carries a
+zstd checksum: a missing chunk is damage the reader detects (integrity.py), never zeros, and
+`fa-forensics verify` detects flipped bits. One writer per store (lock.py); appending steps of
+another model is refused (identity.py).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import torch
 import zarr
 import zarr.codecs
 
+from fa_forensics.dump.identity import check_same_model
+from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     FORMAT_VERSION,
@@ -34,6 +39,8 @@ from fa_forensics.errors import DumpError
 
 # Flat chunk files ("c.0.1.0.0") instead of nested folders: one file per head, no folder per index.
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
+# Every chunk on disk (zarr skips all-zero chunks by default, which would make a lost chunk read as zeros).
+ARRAY_CONFIG = {"write_empty_chunks": True}
 _LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask", "autocast", "input_dtype")
 
 
@@ -78,29 +85,40 @@ def _move_aside(path: Path) -> Path:
 class DumpWriter:
     """Write q, k, v, o, do, x arrays into a format-v1 store.
 
-    DumpWriter(path, run_attrs, overwrite=False, rank=0, world_size=1):
+    DumpWriter(path, run_attrs, overwrite=False, rank=0, world_size=1, allow_other_model=False):
     - a missing path or an empty folder: a new store with root attrs `fa_forensics = run_attrs`
       (format_version, tool_version, torch_version filled in);
-    - an existing format-1 dump: re-opened to add steps (run_attrs are not changed);
+    - an existing format-1 dump: re-opened to add steps (run_attrs are not changed, but a model
+      fingerprint that differs from the store's is refused unless allow_other_model);
     - anything else (a file, a folder that is not a dump, another format): DumpError, unless
       overwrite=True and it is an fa-forensics dump (then, from rank 0 only, it is replaced: moved
-      aside to `<path>.replaced-<n>` and deleted at close(), so a run that dies first loses nothing).
+      aside to `<path>.replaced-<n>` and deleted by close() after a run that ended well; a run that
+      dies, or close(failed=True), keeps it, so nothing is lost).
+    Another process writing the same store (rank) is refused with a DumpError naming it.
     Rank r > 0 writes under `rank_{r}/`; rank 0 writes the root tree. Meant for one writer
     thread per rank; a lock makes concurrent calls from several threads safe, not fast.
     """
 
-    def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0, world_size: int = 1):
+    def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0, world_size: int = 1,
+                 allow_other_model: bool = False):
         self.path = Path(path)
         self.rank = int(rank)
         self.world_size = int(world_size)
+        self.allow_other_model = bool(allow_other_model)
         self._lock = threading.Lock()
         self._closed = False
         self._replaced: Path | None = None  # the dump that `overwrite` replaces, kept until close()
         self._timeline_arrays: dict[str, zarr.Array] | None = None  # timeline/ arrays, opened at the first row
-        self._root = self._open_root(dict(run_attrs or {}), overwrite)
-        self._tree = self._root if self.rank == 0 else self._root.require_group(rank_key(self.rank))
+        self._store_lock = StoreLock(self.path, self.rank).acquire()
+        try:
+            self._root = self._open_root(dict(run_attrs or {}), overwrite)
+            self._tree = self._root if self.rank == 0 else self._root.require_group(rank_key(self.rank))
+        except BaseException:
+            self._store_lock.release()
+            raise
         self._steps: dict[int, zarr.Group] = {}
         self._layers: dict[tuple[int, int], zarr.Group] = {}
+        self._step_layers: dict[int, set[int]] = {}
 
     # -- store ----------------------------------------------------------------------------
     def _open_root(self, run_attrs: dict[str, Any], overwrite: bool) -> zarr.Group:
@@ -117,11 +135,32 @@ class DumpWriter:
             elif version != FORMAT_VERSION:
                 raise DumpError(f"{p} is a dump of format_version {version}, this tool writes {FORMAT_VERSION}; pass overwrite to replace it")
             else:
-                return zarr.open_group(str(p), mode="r+")
+                root = zarr.open_group(str(p), mode="r+")
+                self._check_model(root, run_attrs.get("model"))
+                return root
         root = zarr.open_group(str(p), mode="a")
         if ATTRS_KEY not in root.attrs:
             root.attrs[ATTRS_KEY] = _default_run_attrs(run_attrs, self.world_size)
         return root
+
+    def _check_model(self, root: zarr.Group, model: Mapping[str, Any] | None) -> None:
+        """Refuse another model's steps (identity.py); record the fingerprint if the store has none."""
+        meta = dict(root.attrs.get(ATTRS_KEY) or {})
+        if check_same_model(self.path, meta.get("model"), model, self.allow_other_model) and self.rank == 0:
+            meta["model"] = {**dict(meta.get("model") or {}), **dict(model)}
+            root.attrs[ATTRS_KEY] = meta
+
+    def set_model(self, model: Mapping[str, Any]) -> None:
+        """Give the model once it is known (a launcher binds it at the first forward): checked as at opening."""
+        with self._lock:
+            self._check_open()
+            self._check_model(self._root, model)
+
+    def register_step(self, step: int) -> None:
+        """Create the step's group (complete: false) now: a run killed before the step is written lists it as incomplete."""
+        with self._lock:
+            self._check_open()
+            self._step_group(int(step))
 
     def _step_group(self, step: int) -> zarr.Group:
         if step not in self._steps:
@@ -144,6 +183,7 @@ class DumpWriter:
         if key not in self._layers:
             sg = self._step_group(step)
             lk = layer_key(layer)
+            self._step_layers.setdefault(step, set()).add(int(layer))
             if lk in sg:
                 self._layers[key] = sg[lk]
             else:
@@ -187,23 +227,26 @@ class DumpWriter:
                 shape=data.shape,
                 dtype=data.dtype,
                 chunks=chunks,
-                compressors=zarr.codecs.ZstdCodec(),
+                compressors=zarr.codecs.ZstdCodec(checksum=True),
                 chunk_key_encoding=CHUNK_KEY_ENCODING,
                 attributes={"dtype": dname},
                 overwrite=True,
+                config=ARRAY_CONFIG,
             )
             arr[...] = data
             names = sorted(set(lg.attrs.get("arrays", [])) | {name}, key=ARRAY_NAMES.index)
             lg.attrs["arrays"] = names
 
     def complete_step(self, step: int, loss: float | None = None, **attrs: Any) -> None:
-        """Mark a step whole: its other attrs first, then `complete: True` in a last write."""
+        """Mark a step whole: its other attrs (and `layers`, the layers written) first, then `complete: True` in a last write."""
         with self._lock:
             self._check_open()
             if int(step) not in self._steps and step_key(step) not in self._tree:
                 raise DumpError(f"nothing was written for step {step}; write its arrays before complete_step")
             g = self._step_group(int(step))
-            extra = dict(attrs)
+            if not self._step_layers.get(int(step)):
+                raise DumpError(f"nothing was written for step {step}; write its arrays before complete_step")
+            extra = {"layers": sorted(self._step_layers[int(step)]), **attrs}
             if loss is not None:
                 extra["loss"] = float(loss)
             if extra:
@@ -258,13 +301,24 @@ class DumpWriter:
                     arrays[key] = arr
                 arrays[key].append(block, axis=0)
 
-    def close(self) -> None:
-        """Finish writing. The dump an `overwrite` replaced is deleted only now: a run that dies
-        before close() leaves it beside the new one (`<path>.replaced-<n>`), so nothing is lost."""
+    def close(self, failed: bool = False) -> None:
+        """Finish writing and release the store. The dump an `overwrite` replaced is deleted only
+        now, and only if the run did not fail: a run that dies (or failed=True) leaves it beside
+        the new one (`<path>.replaced-<n>`, named by `replaced`), so nothing is lost."""
+        if self._closed:
+            return
         self._closed = True
-        if self._replaced is not None:
-            shutil.rmtree(self._replaced, ignore_errors=True)
-            self._replaced = None
+        try:
+            if self._replaced is not None and not failed:
+                shutil.rmtree(self._replaced, ignore_errors=True)
+                self._replaced = None
+        finally:
+            self._store_lock.release()
+
+    @property
+    def replaced(self) -> Path | None:
+        """Where the dump that `overwrite` replaced still is (None once deleted, or if none)."""
+        return self._replaced
 
     def _check_open(self) -> None:
         if self._closed:
@@ -273,8 +327,8 @@ class DumpWriter:
     def __enter__(self) -> "DumpWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _timeline_block(rows: list) -> dict[str, np.ndarray]:

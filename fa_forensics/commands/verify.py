@@ -1,0 +1,50 @@
+"""`fa-forensics verify`: check a dump's integrity (every step complete, every chunk present and decoding)."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json
+
+RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to check (default 0).")]
+
+
+def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug: DebugOpt = False) -> None:
+    """Check a dump: complete steps, every chunk present and decoding (zstd checksums), dtype attributes. Exit 0 whole, 1 damage or incomplete steps, 2 not a dump."""
+
+    def body() -> int:
+        from fa_forensics.dump.integrity import verify as verify_store
+
+        report = verify_store(dump, rank=rank)
+        write_json(json_out, report.to_dict())
+        if report.problems:
+            table = Table(title=f"damage in {report.path}", title_justify="left")
+            for col in ("step", "layer", "array", "problem"):
+                table.add_column(col)
+            for d in report.problems:
+                table.add_row(*("-" if v is None else str(v) for v in (d.step, d.layer, d.array)), d.what)
+            console.print(table)
+        console.print(f"{report.path}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
+                      f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
+        if report.ok:
+            return 0
+        parts = []
+        if report.damaged_steps:
+            parts.append(f"{len(report.problems)} problem(s) in step(s) {report.damaged_steps}")
+        elif report.problems:
+            parts.append(f"{len(report.problems)} problem(s)")
+        if report.incomplete_steps:
+            parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
+        err_console.print(f"[bold red]damaged:[/] {report.path}: {'; '.join(parts)}; re-capture those steps "
+                          "(the other steps read whole)", highlight=False, soft_wrap=True)
+        return 1
+
+    code = run_cli(debug, body)
+    if code:
+        exit_code(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify)

@@ -1,0 +1,48 @@
+"""Store identity: which model a dump came from, so steps of two models never mix in one store.
+
+The fingerprint hashes the model's architecture (every parameter's name, shape and dtype), not
+its weights: the same run captured again later matches, another model does not. It is kept in
+the root attributes as `model.fingerprint`; a writer that appends to a store from another model
+is refused unless asked (`allow_other_model`).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping
+
+from fa_forensics.errors import DumpError
+
+
+def model_fingerprint(model) -> str:
+    """16 hex digits of SHA-256 over the model's parameter names, shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name} {tuple(p.shape)} {p.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def describe(model_attrs: Mapping[str, Any]) -> str:
+    """'GPT (1.2M parameters, fingerprint 3fa2...)' for messages."""
+    parts = [str(model_attrs.get("class") or "a model")]
+    extra = []
+    if isinstance(model_attrs.get("n_params"), int):
+        extra.append(f"{model_attrs['n_params']:,} parameters")
+    extra.append(f"fingerprint {model_attrs.get('fingerprint')}")
+    return f"{parts[0]} ({', '.join(extra)})"
+
+
+def check_same_model(path, stored: Mapping[str, Any] | None, new: Mapping[str, Any] | None, allow_other_model: bool) -> bool:
+    """True if the store has no fingerprint yet and `new` brings one (the caller records it).
+
+    Raises DumpError when both have fingerprints that differ, unless allow_other_model.
+    """
+    stored_fp = (stored or {}).get("fingerprint") if isinstance(stored, Mapping) else None
+    new_fp = (new or {}).get("fingerprint") if isinstance(new, Mapping) else None
+    if new_fp is None:
+        return False
+    if stored_fp is None:
+        return True
+    if stored_fp != new_fp and not allow_other_model:
+        raise DumpError(f"{path} holds steps of {describe(stored)}, but this run's model is {describe(new)}; "
+                        "write to another path, or pass --allow-other-model to add its steps anyway")
+    return False

@@ -1,0 +1,93 @@
+"""One writer per store: an advisory lock file beside the store (`run.zarr.lock`).
+
+The lock is a `flock` on the file, so the kernel releases it when the holder dies, SIGKILL
+included: a stale lock file never blocks the next run. The file holds a line naming the holder
+(pid, host, start time, command), which the refusal quotes. Ranks of a multi-rank run write
+disjoint subtrees and lock `run.zarr.rank_<r>.lock` each.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from fa_forensics.errors import DumpError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no advisory locks; the store is then unguarded
+    fcntl = None
+
+
+def lock_path(store: Path, rank: int = 0) -> Path:
+    store = Path(store)
+    suffix = ".lock" if rank == 0 else f".rank_{rank}.lock"
+    return store.with_name(store.name + suffix)
+
+
+class StoreLock:
+    """An exclusive, non-blocking lock on a store path; `acquire()` raises DumpError naming the holder."""
+
+    def __init__(self, store, rank: int = 0):
+        self.store = Path(store)
+        self.path = lock_path(self.store, rank)
+        self._fd: int | None = None
+
+    def acquire(self) -> "StoreLock":
+        if fcntl is None or self._fd is not None:
+            return self
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DumpError(f"cannot create the folder of {self.store}: {exc.strerror or exc}; choose a writable path") from None
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise DumpError(f"cannot create the lock file {self.path}: {exc.strerror or exc}; choose a writable path for the store") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise DumpError(f"{self.store} is being written by another process ({holder}); "
+                                f"wait for it to finish or choose another path") from None
+            try:  # the previous holder may have removed the file between our open and flock
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        command = " ".join(sys.argv)[:200]
+        line = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}, command: {command}\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, line.encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.unlink(self.path)  # while still holding it: a waiting opener re-checks the inode
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __enter__(self) -> "StoreLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 400, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "holder unknown"
