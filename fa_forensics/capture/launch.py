@@ -2,7 +2,7 @@
 
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
 `fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
-"attention_modules", "monitor_every", "alarm", "alarm_steps", "ring"} in their text forms.
+"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring"} in their text forms.
 Before the script runs, the launcher
 - patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
   scaled_dot_product_attention` in the script also gets the patched function),
@@ -66,13 +66,29 @@ def main(argv: list[str]) -> int:
         print("usage: python -m fa_forensics.capture.launch SCRIPT [ARGS...] | --module NAME [ARGS...]", file=sys.stderr)
         return 2
     module_mode = argv[0] in ("--module", "-m")
+    if module_mode and len(argv) < 2:
+        print("error: --module needs a module name to run", file=sys.stderr)
+        return 2
     target, script_args = (argv[1], argv[2:]) if module_mode else (argv[0], argv[1:])
+    if not module_mode and not os.path.isfile(target):
+        print(f"error: no training script at {target}; check the path in the training command", file=sys.stderr)
+        return 2
+    if module_mode:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)", file=sys.stderr)
+            return 2
     try:
         cfg = settings_from_env()
         session = CaptureSession(
             None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"), int(cfg.get("micro_batch", 0)),
             cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
-            overwrite=bool(cfg.get("overwrite", False)), keep_sdpa_patch=True,
+            overwrite=bool(cfg.get("overwrite", False)), allow_other_model=bool(cfg.get("allow_other_model", False)), keep_sdpa_patch=True,
             monitor_every=cfg.get("monitor_every"), alarm=bool(cfg.get("alarm", False)),
             alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},

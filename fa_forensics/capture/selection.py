@@ -64,11 +64,15 @@ def parse_batch(text: Optional[str]) -> Optional[slice]:
     try:
         if ":" in str(text):
             start, stop = (int(f) if f.strip() else None for f in str(text).split(":"))
-            return slice(start or 0, stop)
-        index = int(text)
-        return slice(index, index + 1)
+            batch = slice(start or 0, stop)
+        else:
+            index = int(text)
+            batch = slice(index, index + 1)
     except ValueError:
         raise CaptureError(f"bad batch selection {text!r}; give a slice like 0:2 or one index like 3") from None
+    if batch.start < 0 or (batch.stop is not None and batch.stop <= batch.start):
+        raise CaptureError(f"batch selection {text!r} selects no sample; give start:stop with 0 <= start < stop, like 0:2, or one index like 3")
+    return batch
 
 
 def format_batch(batch: Optional[slice]) -> Optional[str]:
@@ -136,6 +140,8 @@ class CaptureSelection:
             batch = slice(batch, batch + 1)
         elif not isinstance(batch, slice) or batch.step not in (None, 1):
             raise CaptureError(f"bad batch selection {batch!r}; give a slice like slice(0, 2)")
+        else:
+            batch = parse_batch(format_batch(batch))  # the same checks as the text form
         if int(micro_batch) < 0:
             raise CaptureError(f"micro_batch must be >= 0, got {micro_batch}")
         return cls(step_set, _as_index_tuple(layers, "layer"), _as_index_tuple(heads, "head"), batch, int(micro_batch))

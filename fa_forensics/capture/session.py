@@ -100,6 +100,7 @@ class CaptureSession:
         if int(timeline_flush_rows) < 1:
             raise CaptureError(f"timeline_flush_rows must be >= 1 (timeline rows appended at a time), got {timeline_flush_rows}")
         self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=bool(monitor_every))
+        check_attention_pattern(attention_modules)
         self.out = os.fspath(out)
         self.model = model
         self.pattern = attention_modules
@@ -601,6 +602,16 @@ def describe_model(model: torch.nn.Module) -> dict:
     return {"model": {"class": type(inner).__name__, "n_params": int(sum(p.numel() for p in model.parameters())),
                       "compiled": "OptimizedModule" in wrappers, "wrappers": wrappers},
             "device": str(first.device) if first is not None else "unknown"}
+
+
+def check_attention_pattern(pattern: str) -> None:
+    """One-line error for an --attention-modules regex that does not compile."""
+    import re
+
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError) as exc:
+        raise CaptureError(f"--attention-modules {pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
 
 
 def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -63,6 +64,32 @@ def _span_text(steps: list[int], limit: int = 10) -> str:
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
+def _check_script(argv: list[str]) -> None:
+    """The script the launcher will run must exist; a module too, when it runs in this interpreter
+    (in another one the launcher checks it)."""
+    import shutil
+
+    script = argv[argv.index(LAUNCHER) + 1] if LAUNCHER in argv[:-1] else None
+    if script is None:
+        return
+    if script != "--module":
+        if not os.path.isfile(script):
+            raise UserError(f"no training script at {script}; check the path in the training command")
+        return
+    module = argv[argv.index(LAUNCHER) + 2] if len(argv) > argv.index(LAUNCHER) + 2 else None
+    exe = shutil.which(argv[0])
+    if module is None or exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable):
+        return
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(f"no module named {module!r} to run; check the training command (python -m MODULE)")
+
+
 def _store_summary(out: Path) -> dict:
     from fa_forensics.dump import open_dump
 
@@ -99,6 +126,7 @@ def register(app: typer.Typer) -> None:
         attention_modules: Annotated[Optional[str], typer.Option("--attention-modules", help="Regex over module names that marks attention modules (their input is X).")] = None,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --out.")] = False,
         same_python: Annotated[bool, typer.Option("--same-python/--path-python", help="Run a bare `python`/`python3` command as the interpreter fa-forensics runs in (default), or as PATH resolves it.")] = True,
+        allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="Add steps to a dump at --out that holds another model's steps.")] = False,
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
         alarm_steps: AlarmStepsOpt = 3,
@@ -110,14 +138,17 @@ def register(app: typer.Typer) -> None:
             from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.selection import CaptureSelection
 
-            from fa_forensics.capture.session import check_monitor_options
+            from fa_forensics.capture.session import check_attention_pattern, check_monitor_options
 
             if steps is None and monitor_every is None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
             check_monitor_options(monitor_every, alarm, alarm_steps, ring)  # one-line errors before launching
+            if attention_modules is not None:
+                check_attention_pattern(attention_modules)
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
-            settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite,
+            _check_script(argv)
+            settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite, "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
                         "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring}
             env = {**os.environ, ENV_VAR: json.dumps(settings)}
@@ -128,11 +159,15 @@ def register(app: typer.Typer) -> None:
             summary = _store_summary(out)
             never = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
             write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary, "never_reached": never})
+            recorded = bool(summary["steps"] or summary["incomplete_steps"] or summary["monitored_steps"])
+            if code == 2 and not recorded:  # the launcher or the script said why, in its own line
+                raise typer.Exit(code=2)
             console.print(f"capture: {out}: steps {summary['steps']}" + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
                           + (f", {summary['monitored_steps']} monitored steps in the timeline" if summary["monitored_steps"] else "")
                           + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
             if code != 0:
-                err_console.print(f"[bold red]error:[/] the training command exited with code {code}; steps completed before it are kept in {out}", highlight=False)
+                kept = f"steps completed before it are kept in {out}" if summary["steps"] else "nothing was recorded"
+                err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}", highlight=False, soft_wrap=True)
                 raise typer.Exit(code=code if 0 < code < 256 else 1)
             if never:
                 err_console.print(f"[bold yellow]warning:[/] selected step(s) {_span_text(never)} were never reached (the run made fewer "
@@ -175,6 +210,12 @@ def register(app: typer.Typer) -> None:
                 torch.set_num_threads(threads)
             if steps < 1:
                 raise UserError(f"--steps must be >= 1, got {steps}")
+            if batch_size < 1:
+                raise UserError(f"--batch-size must be >= 1 sequence per step, got {batch_size}")
+            if not (lr > 0 and math.isfinite(lr)):
+                raise UserError(f"--lr must be a positive number, got {lr}")
+            if log_every < 1:
+                raise UserError(f"--log-every must be >= 1, got {log_every}")
             if capture_out is None and (capture_steps is not None or monitor_every is not None):
                 raise UserError("--capture-steps and --monitor-every write into a store; add --capture DUMP (e.g. --capture run.zarr)")
             if capture_out is not None and capture_steps is None and monitor_every is None:

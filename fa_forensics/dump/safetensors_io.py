@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.reader import open_dump
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
 from fa_forensics.dump.writer import DumpWriter, _existing_format
@@ -58,6 +59,8 @@ def _parse_heads(text: str, layer: int, head: torch.Tensor | None, src: Path) ->
         numbers = [int(h) for h in text.split(",")]
     except ValueError:
         raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must be comma-separated head numbers, e.g. \"1,3\"") from None
+    if any(h < 0 for h in numbers) or len(set(numbers)) != len(numbers):
+        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must name distinct head numbers >= 0, e.g. \"1,3\"")
     if head is not None and len(numbers) != head.shape[1]:
         raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} names {len(numbers)} heads but the tensors hold {head.shape[1]}")
     return numbers
@@ -73,6 +76,35 @@ def _parse_scale(text: str | None, src: Path) -> float | None:
     if not math.isfinite(scale) or scale <= 0:
         raise DumpError(f"{src}: metadata scale={text!r} must be a positive finite float")
     return scale
+
+
+MAX_STEP = 10**9 - 1  # step_{S:09d}
+MAX_LAYER = 999  # layer_{L:03d}
+
+
+def _check_shapes(tensors: dict[str, torch.Tensor], step: int, layer: int, src: Path) -> None:
+    """One layer's tensors must fit together: q, k, v, o, do (B, H, T, D) as attention needs them, x (B, T, C)."""
+    def shape(t):
+        return tuple(tensors[t].shape)
+
+    def bad(t, why):
+        raise DumpError(f"{src}: step{step}.layer{layer}.{t} has shape {shape(t)}, {why}; fix or drop the tensor")
+
+    heads = [t for t in HEAD_TENSORS if t in tensors]
+    if heads:
+        B, H, T, D = shape(heads[0])
+        ref = heads[0]
+        for t in heads[1:]:
+            if shape(t) != (B, H, T, D):
+                bad(t, f"but {ref} has {(B, H, T, D)} (q, k, v, o, do share (B, H, T, D))")
+    if "x" in tensors and heads:
+        b, t_, c = shape("x")
+        if (b, t_) != (B, T):
+            bad("x", f"but {ref} has B={B}, T={T} (x is (B, T, C))")
+    if MASK in tensors and heads:
+        b, h, tq, tk = shape(MASK)
+        if b not in (1, B) or h not in (1, H) or (tq, tk) != (T, T):
+            bad(MASK, f"but {ref} has B={B}, H={H}, T={T} (a mask is (B or 1, H or 1, T, T))")
 
 
 def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
@@ -99,8 +131,15 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
             causal = _parse_causal(metadata.get("causal"), src)
             scale = _parse_scale(metadata.get("scale"), src)
             by_step: dict[int, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+            first_name: dict[tuple[int, int, str], str] = {}
             for n in names:
                 s, l, t = NAME_RE.match(n).groups()
+                key = (int(s), int(l), t)
+                if key in first_name:
+                    raise DumpError(f"{src}: tensors {first_name[key]!r} and {n!r} both name step {key[0]} layer {key[1]} {t}; keep one of them")
+                first_name[key] = n
+                if key[0] > MAX_STEP or key[1] > MAX_LAYER:
+                    raise DumpError(f"{src}: {n} is beyond what a dump holds (steps 0..{MAX_STEP}, layers 0..{MAX_LAYER}); renumber the tensors")
                 tensor = f.get_tensor(n)
                 want = 4 if t in HEAD_TENSORS or t == MASK else 3
                 if tensor.dim() != want:
@@ -110,39 +149,61 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
                     raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; only a mask may be bool, and a mask is bool or float")
                 if dtype_name(tensor.dtype) not in supported_dtype_names():
                     raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; supported: {', '.join(supported_dtype_names())}")
+                if 0 in tensor.shape:
+                    raise DumpError(f"{src}: {n} is empty (shape {tuple(tensor.shape)}); drop it or export it again")
                 by_step[int(s)][int(l)][t] = tensor
     except SafetensorError as exc:
         raise DumpError(f"{src} is not a readable safetensors file ({exc}); check the file") from None
+    except OSError as exc:
+        raise DumpError(f"{src} cannot be read ({exc.strerror or exc}); check the file") from None
+    heads_by_layer: dict[int, list[int]] = {}
+    for s in by_step:
+        for l, tensors in by_step[s].items():
+            _check_shapes(tensors, s, l, src)
+            head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
+            if f"layer{l}.heads" in metadata:
+                heads_by_layer[l] = _parse_heads(metadata[f"layer{l}.heads"], l, head, src)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"  # beside dst, so the final move is a rename
+    dst_lock = StoreLock(dst).acquire()  # no capture may write dst meanwhile
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
         run_attrs = {"device": "cpu", "model": {}, "capture": {"source": "safetensors", "file": src.name}}
-        writer = DumpWriter(tmp, run_attrs)
-        for s in sorted(by_step):
-            for l in sorted(by_step[s]):
-                tensors = by_step[s][l]
-                head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
-                attrs = {"causal": causal}
-                if MASK in tensors:
-                    attrs["mask"] = "bool" if tensors[MASK].dtype == torch.bool else "additive"
-                if f"layer{l}.heads" in metadata:
-                    attrs["heads"] = _parse_heads(metadata[f"layer{l}.heads"], l, head, src)
-                if head is not None:
-                    attrs.update(n_heads=head.shape[1], head_dim=head.shape[3], dtype=dtype_name(head.dtype))
-                    attrs["scale"] = scale if scale is not None else 1.0 / math.sqrt(head.shape[3])
-                for t in ARRAY_NAMES:
-                    if t in tensors:
-                        writer.write_array(s, l, t, tensors[t], layer_attrs=attrs)
-            writer.complete_step(s)
-        writer.close()
-        if dst.exists():
-            shutil.rmtree(dst)
+        with DumpWriter(tmp, run_attrs) as writer:
+            _write_steps(writer, by_step, causal, scale, heads_by_layer)
+        aside = None
+        if dst.exists():  # moved aside, deleted once the new store is in place
+            aside = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.old"
+            os.replace(dst, aside)
         os.replace(tmp, dst)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    except OSError as exc:
+        raise DumpError(f"cannot write {dst}: {exc.strerror or exc}; choose a writable --to with free space") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        dst_lock.release()
     layers = sorted({l for s in by_step for l in by_step[s]})
     return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale)
+
+
+def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None, heads_by_layer: dict[int, list[int]]) -> None:
+    for s in sorted(by_step):
+        for l in sorted(by_step[s]):
+            tensors = by_step[s][l]
+            head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
+            attrs = {"causal": causal}
+            if MASK in tensors:
+                attrs["mask"] = "bool" if tensors[MASK].dtype == torch.bool else "additive"
+            if l in heads_by_layer:
+                attrs["heads"] = heads_by_layer[l]
+            if head is not None:
+                attrs.update(n_heads=head.shape[1], head_dim=head.shape[3], dtype=dtype_name(head.dtype))
+                attrs["scale"] = scale if scale is not None else 1.0 / math.sqrt(head.shape[3])
+            for t in ARRAY_NAMES:
+                if t in tensors:
+                    writer.write_array(s, l, t, tensors[t], layer_attrs=attrs)
+        writer.complete_step(s)
 
 
 def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bool = False) -> ConvertResult:
@@ -181,13 +242,23 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
         metadata["scale"] = repr(float(scale))
     for l, numbers in head_numbers.items():
         metadata[f"layer{l}.heads"] = ",".join(str(h) for h in numbers)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
+    tmp = None
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+        os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; an exported file gets the usual mode
         os.replace(tmp, dst)
+    except OSError as exc:
+        raise DumpError(f"cannot write {dst}: {exc.strerror or exc}; choose a writable --to with free space") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
     return ConvertResult(str(dump.path), str(dst), sorted({s for s, _, _ in triples}), sorted({l for _, l, _ in triples}), len(tensors), causal_value, scale)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -10,6 +10,7 @@ another model is refused (identity.py).
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -109,6 +110,8 @@ class DumpWriter:
         self._closed = False
         self._replaced: Path | None = None  # the dump that `overwrite` replaces, kept until close()
         self._timeline_arrays: dict[str, zarr.Array] | None = None  # timeline/ arrays, opened at the first row
+        self._created: str | None = None  # "new" / "empty folder" when this writer made the store
+        self._wrote = False  # anything written (a step, an array, a timeline row)
         self._store_lock = StoreLock(self.path, self.rank).acquire()
         try:
             self._root = self._open_root(dict(run_attrs or {}), overwrite)
@@ -138,6 +141,7 @@ class DumpWriter:
                 root = zarr.open_group(str(p), mode="r+")
                 self._check_model(root, run_attrs.get("model"))
                 return root
+        self._created = "empty folder" if is_empty_dir else "new"
         root = zarr.open_group(str(p), mode="a")
         if ATTRS_KEY not in root.attrs:
             root.attrs[ATTRS_KEY] = _default_run_attrs(run_attrs, self.world_size)
@@ -160,6 +164,7 @@ class DumpWriter:
         """Create the step's group (complete: false) now: a run killed before the step is written lists it as incomplete."""
         with self._lock:
             self._check_open()
+            self._wrote = True
             self._step_group(int(step))
 
     def _step_group(self, step: int) -> zarr.Group:
@@ -221,6 +226,7 @@ class DumpWriter:
         chunks = (1, 1, *data.shape[2:]) if want_dim == 4 else (1, *data.shape[1:])
         with self._lock:
             self._check_open()
+            self._wrote = True
             lg = self._layer_group(int(step), int(layer), tensor, name, layer_attrs)
             arr = lg.create_array(
                 name,
@@ -283,6 +289,7 @@ class DumpWriter:
         n_new = len(rows)
         with self._lock:
             self._check_open()
+            self._wrote = True
             if self._timeline_arrays is None:
                 self._timeline_group = self._tree.require_group(TIMELINE_GROUP)
                 self._timeline_arrays = {k: self._timeline_group[k] for k in self._timeline_group.array_keys()}
@@ -309,11 +316,22 @@ class DumpWriter:
             return
         self._closed = True
         try:
-            if self._replaced is not None and not failed:
+            if failed and self._created and not self._wrote and self.rank == 0:
+                self._undo_create()
+            elif self._replaced is not None and not failed:
                 shutil.rmtree(self._replaced, ignore_errors=True)
                 self._replaced = None
         finally:
             self._store_lock.release()
+
+    def _undo_create(self) -> None:
+        """A failed run that wrote nothing leaves the path as it found it (the replaced dump back in place)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._replaced is not None:
+            os.replace(self._replaced, self.path)
+            self._replaced = None
+        elif self._created == "empty folder":
+            self.path.mkdir(exist_ok=True)
 
     @property
     def replaced(self) -> Path | None:

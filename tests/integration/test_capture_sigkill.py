@@ -88,3 +88,48 @@ def test_sigkill_from_outside_while_writing(tmp_path):
     assert len(dump.steps) >= 2
     assert dump.steps == list(range(len(dump.steps)))  # finished steps are a prefix; anything after is listed apart
     assert all(step > dump.steps[-1] for step in dump.incomplete_steps)
+
+
+SLOW_WRITER_TRAIN = textwrap.dedent('''
+    import os, signal, sys, time, torch
+    import fa_forensics
+    from fa_forensics.demo.model import GPT, GPTConfig
+    from fa_forensics.dump import DumpWriter
+
+    out, side, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real = DumpWriter.write_array
+    def slow(self, step, *args, **kwargs):  # a disk that cannot keep up: steps wait in the writer's queue
+        if step >= 1:
+            time.sleep(0.5)
+        return real(self, step, *args, **kwargs)
+    DumpWriter.write_array = slow
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16, attention="sdpa"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fa_forensics.capture(model, out=out, steps=range(0, 1000), batch=None, max_queue=1000) as cap:
+        for it in range(1000):
+            idx = torch.randint(0, 256, (2, 16))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            torch.save(model.transformer.h[0].attn.last_o.detach().clone(), os.path.join(side, f"o_{it}.pt"))
+            loss.backward(); opt.step(); opt.zero_grad()
+            cap.step(loss)
+            if it == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # training finished step `it`; the writer is far behind
+''')
+
+
+def test_sigkill_with_steps_still_queued_lists_every_selected_step(tmp_path):
+    """Every step training finished is either complete and bit-exact or listed as incomplete; none vanishes."""
+    script, out, side = tmp_path / "train.py", tmp_path / "run.zarr", tmp_path / "side"
+    side.mkdir()
+    script.write_text(SLOW_WRITER_TRAIN)
+    proc = subprocess.run([sys.executable, str(script), str(out), str(side), "5"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dump = open_dump(out)
+    assert sorted(dump.steps + dump.incomplete_steps) == list(range(6))  # steps 0..5 all accounted for
+    assert dump.incomplete_steps, "the slow writer cannot have written every step"
+    for step in dump.steps:
+        assert torch.equal(dump.read(step, 0, "o").view(torch.int16), torch.load(side / f"o_{step}.pt").view(torch.int16))

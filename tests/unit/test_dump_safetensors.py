@@ -87,6 +87,15 @@ def test_export_selection_and_refusals(make_dump, tmp_path):
         ({"step1.layer0.x": torch.zeros(1, 2, 2, 2)}, None, "expected 3 dims"),
         ({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, {"causal": "yes"}, "causal='yes'"),
         ({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, {"scale": "big"}, "scale='big' is not a number"),
+        ({"step1234567890.layer0.q": torch.ones(1, 1, 2, 2)}, None, r"beyond what a dump holds \(steps 0..999999999"),
+        ({"step1.layer1000.q": torch.ones(1, 1, 2, 2)}, None, r"layers 0..999\)"),
+        ({"step1.layer0.q": torch.ones(1, 1, 2, 2), "step01.layer0.q": torch.ones(1, 1, 2, 2)}, None, "both name step 1 layer 0 q"),
+        ({"step1.layer0.q": torch.ones(1, 1, 16, 4), "step1.layer0.k": torch.ones(1, 1, 8, 4)}, None, r"layer0.k has shape \(1, 1, 8, 4\), but q has"),
+        ({"step1.layer0.q": torch.ones(1, 1, 16, 8), "step1.layer0.v": torch.ones(1, 1, 16, 4)}, None, r"layer0.v has shape"),
+        ({"step1.layer0.q": torch.ones(1, 1, 16, 8), "step1.layer0.x": torch.ones(2, 16, 8)}, None, "x is \\(B, T, C\\)"),
+        ({"step1.layer0.q": torch.ones(0, 1, 16, 8)}, None, "is empty"),
+        ({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, {"layer0.heads": "1,1"}, "distinct head numbers"),
+        ({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, {"layer0.heads": "-1,-2"}, "distinct head numbers >= 0"),
     ],
 )
 def test_bad_files_give_one_line_and_write_nothing(tmp_path, tensors, metadata, match):
@@ -128,3 +137,19 @@ def test_partial_head_capture_keeps_its_head_numbers_through_export_and_import(t
     b = open_dump(tmp_path / "b.zarr")
     assert b.heads(0, 0) == [1, 3]
     assert torch.equal(b.read(0, 0, "q", heads=3), q[:, 1:2])
+
+
+def test_exported_file_has_the_usual_mode_and_a_readonly_destination_is_one_line(make_dump, tmp_path):
+    import os
+    import stat
+
+    res = export_safetensors(make_dump(), tmp_path / "out.safetensors")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(os.stat(res.destination).st_mode) == 0o666 & ~mask
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(DumpError, match="cannot write .*choose a writable --to"):
+            export_safetensors(make_dump("b.zarr"), ro / "out.safetensors")
