@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 from fa_forensics import __version__
+from fa_forensics.commands.common import OneLineErrorsGroup
 from fa_forensics.commands import (
     bitdiff,
     capture,
@@ -33,6 +34,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=OneLineErrorsGroup,
 )
 
 # Order here is the order in --help.

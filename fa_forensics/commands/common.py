@@ -18,6 +18,12 @@ from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+try:  # typer >= 0.26 carries its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:
+    from click import exceptions as click_exceptions
 
 from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.analyses.recipe import Backend, Recipe, UnknownPreset
@@ -267,3 +273,23 @@ def exit_code(code: int) -> None:
     """Exit with a code after output has been written (e.g. fix-check's verdict)."""
     sys.stdout.flush()
     raise typer.Exit(code=code)
+
+
+class OneLineErrorsGroup(TyperGroup):
+    """The app's command group: a usage error (unknown option, `--step abc`) is one line on stderr
+    and exit code 2, like every other error, instead of click's usage text and box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as exc:
+            print(exc.ctx.get_help() if exc.ctx else str(exc))
+            sys.exit(0)
+        except click_exceptions.ClickException as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) is not None else ""
+            message = " ".join(exc.format_message().split())
+            err_console.print(f"[bold red]error:[/] {message}{where}", highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
