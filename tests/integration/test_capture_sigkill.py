@@ -64,7 +64,8 @@ def test_sigkill_mid_step_leaves_finished_steps_and_an_incomplete_cut_step(tmp_p
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     dump = _check_store(out)
     assert dump.steps == [0, 1, 2]
-    assert dump.incomplete_steps == [3]
+    cut = dump.incomplete_steps  # the cut step, and those training finished while the writer was on it
+    assert cut == list(range(3, 3 + len(cut))) and len(cut) >= 1
 
 
 def test_sigkill_from_outside_while_writing(tmp_path):
