@@ -1,0 +1,190 @@
+"""The fuzz campaign as a test: a corpus of damaged stores, bad safetensors files and bad arguments,
+generated here, and every command run over it.
+
+What must hold for every (command, case): no traceback; exactly one line on stderr; never exit 0 on a
+damaged store (each damaged store has one step, so any exit-0 result would be built on damaged data);
+`verify` exits 1 on damage and 2 on what is not a dump. A store with a stray file is not damaged: every
+command reads it without a warning line. The counts are printed (pytest -s) for the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from fa_forensics.cli import app
+
+LAYER = Path("step_000000000") / "layer_000"
+DUMP_COMMANDS = ["info", "verify", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast", "timeline", "report"]
+EXTRA = {"export": ["--to", "{tmp}/out.safetensors"], "report": ["--out", "{tmp}/report"]}
+
+
+def _edit(path: Path, fn: Callable[[dict], None]) -> None:
+    meta = json.loads(path.read_text())
+    fn(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _chunk(p: Path, array: str = "q", key: str = "c.0.1.0.0") -> Path:
+    return p / LAYER / array / key
+
+
+def _truncate(p):
+    c = _chunk(p)
+    c.write_bytes(c.read_bytes()[: len(c.read_bytes()) // 2])
+
+
+def _flip(p):
+    c = _chunk(p, "v")
+    b = bytearray(c.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    c.write_bytes(bytes(b))
+
+
+def _garbage(p):
+    _chunk(p, "k").write_bytes(os.urandom(200))
+
+
+def _empty_chunk(p):
+    _chunk(p, "o").write_bytes(b"")
+
+
+def _chunk_dir(p):
+    c = _chunk(p, "do")
+    c.unlink()
+    c.mkdir()
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "missing-chunk": lambda p: _chunk(p, "x", "c.0.0.0").unlink(),
+    "chunk-is-a-folder": _chunk_dir,
+    "truncated-chunk": _truncate,
+    "flipped-bit": _flip,
+    "garbage-chunk": _garbage,
+    "empty-chunk-file": _empty_chunk,
+    "bad-step-json": lambda p: (p / "step_000000000" / "zarr.json").write_text("{"),
+    "bad-layer-json": lambda p: (p / LAYER / "zarr.json").write_text("[1, 2"),
+    "bad-array-json": lambda p: (p / LAYER / "q" / "zarr.json").write_text("null"),
+    "dtype-float32-on-bf16-bits": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m["attributes"].update(dtype="float32")),
+    "dtype-unknown": lambda p: _edit(p / LAYER / "k" / "zarr.json", lambda m: m["attributes"].update(dtype="bf17")),
+    "scale-is-a-string": lambda p: _edit(p / LAYER / "zarr.json", lambda m: m["attributes"].update(scale="abc")),
+    "n-heads-is-a-string": lambda p: _edit(p / LAYER / "zarr.json", lambda m: m["attributes"].update(n_heads="2")),
+    "heads-negative": lambda p: _edit(p / LAYER / "zarr.json", lambda m: m["attributes"].update(heads=[-1, -2])),
+    "deleted-layer": lambda p: shutil.rmtree(p / LAYER),
+    "deleted-array": lambda p: shutil.rmtree(p / LAYER / "v"),
+    "array-shape-lies": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m.update(shape=[1, 2, 32, 8])),
+    "root-json-truncated": lambda p: (p / "zarr.json").write_text((p / "zarr.json").read_text()[:40]),
+}
+
+BAD_SAFETENSORS: dict[str, Callable[[Path], None]] = {
+    "zero-bytes": lambda f: f.write_bytes(b""),
+    "random-bytes": lambda f: f.write_bytes(os.urandom(300)),
+    "huge-header-length": lambda f: f.write_bytes((10**12).to_bytes(8, "little") + b"{}"),
+    "truncated": lambda f: (save_file({"step1.layer0.q": torch.ones(1, 2, 8, 4)}, f), f.write_bytes(f.read_bytes()[:-20])),
+    "bad-name": lambda f: save_file({"step1.layer0.w": torch.ones(1, 1, 2, 2)}, f),
+    "duplicate-after-parse": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 2, 2), "step001.layer0.q": torch.ones(1, 1, 2, 2)}, f),
+    "step-too-large": lambda f: save_file({"step1234567890.layer0.q": torch.ones(1, 1, 2, 2)}, f),
+    "shape-mismatch": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 16, 4), "step1.layer0.k": torch.ones(1, 1, 8, 4)}, f),
+    "heads-repeated": lambda f: save_file({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, f, metadata={"layer0.heads": "1,1"}),
+    "int-tensor": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 2, 2, dtype=torch.int32)}, f),
+}
+
+BAD_ARGS = {
+    "step-not-a-number": ["--step", "abc"],
+    "unknown-option": ["--no-such-option"],
+    "step-absent": ["--step", "99"],
+    "layer-absent": ["--layer", "7"],
+}
+
+COUNTS = {"cases": 0, "exit_2_one_liners": 0, "verify_exit_1": 0, "tracebacks": 0, "silent_wrong_answers": 0}
+
+
+def _run(args: list[str], tmp: Path):
+    result = CliRunner().invoke(app, [a.replace("{tmp}", str(tmp)) for a in args])
+    out = result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    COUNTS["cases"] += 1
+    if "Traceback" in out or (result.exception is not None and not isinstance(result.exception, SystemExit)):
+        COUNTS["tracebacks"] += 1
+    return result, lines, out
+
+
+def _expect_refusal(args, tmp, verify_code=2):
+    result, lines, out = _run(args, tmp)
+    want = verify_code if args[0] == "verify" else 2
+    if result.exit_code == 0:
+        COUNTS["silent_wrong_answers"] += 1
+    assert result.exit_code == want, f"{args}: exit {result.exit_code}\n{out}"
+    assert "Traceback" not in out and "unexpected" not in out, out
+    assert len(lines) == 1, f"{args}: expected one stderr line, got:\n{result.stderr}"
+    COUNTS["verify_exit_1" if want == 1 else "exit_2_one_liners"] += 1
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """One small single-step dump per kind of damage, and one bad safetensors file per kind."""
+    from conftest import build_dump
+
+    root = tmp_path_factory.mktemp("fuzz")
+    dumps = {}
+    for name, damage in DAMAGE.items():
+        path = build_dump(root / f"{name}.zarr", steps=(0,), heads=2, seq=16, head_dim=8)
+        damage(path)
+        dumps[name] = path
+    stray = build_dump(root / "stray-file.zarr", steps=(0,))
+    (stray / "notes.txt").write_text("a file zarr does not know")
+    (stray / "step_000000000" / ".DS_Store").write_bytes(b"\0")
+    files = {}
+    for name, make in BAD_SAFETENSORS.items():
+        f = root / f"{name}.safetensors"
+        make(f)
+        files[name] = f
+    yield {"dumps": dumps, "stray": stray, "files": files, "root": root}
+    print(f"\nfuzz campaign: {COUNTS}")
+
+
+@pytest.mark.parametrize("command", DUMP_COMMANDS)
+def test_every_command_refuses_every_damaged_store_in_one_line(command, corpus, tmp_path):
+    for name, path in corpus["dumps"].items():
+        _expect_refusal([command, str(path), *EXTRA.get(command, [])], tmp_path, verify_code=1)
+        assert not (tmp_path / "out.safetensors").exists(), name
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "export", "isolate", "timeline"])
+def test_a_stray_file_is_not_damage_and_gives_no_warning(command, corpus, tmp_path):
+    args = [command, str(corpus["stray"]), *EXTRA.get(command, [])]
+    result, lines, out = _run(args, tmp_path)
+    if command == "timeline":  # the dump has no timeline: a one-line refusal, nothing about the stray files
+        assert result.exit_code == 2 and len(lines) == 1 and "notes.txt" not in out
+        return
+    assert result.exit_code == 0, out
+    assert lines == [], result.stderr
+
+
+def test_import_refuses_every_bad_file_in_one_line(corpus, tmp_path):
+    for name, f in corpus["files"].items():
+        _expect_refusal(["import", str(f), "--to", str(tmp_path / f"{name}.zarr")], tmp_path)
+        assert not (tmp_path / f"{name}.zarr").exists(), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary store or lock file left behind
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_bad_arguments_are_one_line_for_every_command_that_takes_them(case, corpus, tmp_path):
+    from conftest import build_dump
+
+    dump = build_dump(tmp_path / "ok.zarr", steps=(0,))
+    for command in ["info", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast"]:
+        _expect_refusal([command, str(dump), *BAD_ARGS[case], *EXTRA.get(command, [])], tmp_path)
+
+
+def test_campaign_counts():
+    """Runs last in this module (pytest keeps file order): the tally over every case above."""
+    assert COUNTS["tracebacks"] == 0 and COUNTS["silent_wrong_answers"] == 0
+    print(f"\nfuzz campaign: {COUNTS}")
