@@ -28,13 +28,17 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         raise UserError("report needs --out DIR (where index.html and its figures go)")
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
+    from fa_forensics.analyses.selection import select
+
+    select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     out = ensure_out_dir(out)
     t0 = time.perf_counter()
     done = []
 
     def on_start(name: str) -> None:
         done.append(name)
-        err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
+        if err_console.is_terminal:  # progress for a person; piped stderr keeps to errors and warnings
+            err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
     sections = run_all(dump, dump_path, out, step=step, layer=layer, head=head, recipe=recipe, backend=backend_, on_start=on_start)
     seconds = time.perf_counter() - t0
@@ -54,6 +58,10 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
                       "seconds": s.seconds, "json": s.data} for s in sections],
     })
     ok = sum(s.ok for s in sections)
+    if not ok:
+        first = sections[0]
+        raise UserError(f"no analysis of {dump_path} could run ({first.name}: {' '.join(first.note.split())[:200]}); "
+                        f"run `fa-forensics verify {dump_path}` and fix the first problem")
     console.print(f"{ok} of {len(sections)} analyses reported; wrote {index}", highlight=False)
     console.print(f"[bold]verdict:[/] {verdict.removeprefix('VERDICT: ')}", highlight=False)
 
