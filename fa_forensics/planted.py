@@ -248,15 +248,14 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     tmp, old = out.parent / f".{out.name}.{tag}.tmp", out.parent / f".{out.name}.{tag}.old"
     try:
-        writer = DumpWriter(tmp, run_attrs)
-        it = iter(steps)
-        for s in range(spec.steps):
-            for l in range(spec.layers):
-                ps = next(it)
-                for name, tensor in ps.tensors.items():
-                    writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
-            writer.complete_step(s)
-        writer.close()
+        with DumpWriter(tmp, run_attrs) as writer:  # closed (its lock released) also when a write fails
+            it = iter(steps)
+            for s in range(spec.steps):
+                for l in range(spec.layers):
+                    ps = next(it)
+                    for name, tensor in ps.tensors.items():
+                        writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
+                writer.complete_step(s)
         if out.exists():
             os.replace(out, old)
         try:

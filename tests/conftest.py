@@ -79,6 +79,12 @@ def planted_dump() -> Path:
     return PLANTED_DUMP
 
 
+@pytest.fixture(scope="session")
+def dump_builder():
+    """`build_dump` itself, for fixtures of a wider scope than make_dump's."""
+    return build_dump
+
+
 @pytest.fixture
 def make_dump(tmp_path):
     """Factory: make_dump(name="d.zarr", **build_dump options) -> Path of a fresh small dump under tmp_path."""

@@ -32,3 +32,11 @@ def attention_mask(t, dump, info):
         rows = f"; {empty} (batch, head, query) rows allow no key (O = 0 there, as SDPA)" if empty else ""
         yield (f"{t.where}: captured with an attention mask ({getattr(info, 'mask', None) or 'bool'}); every replay applies it, "
                f"but pv-trace's P̄ rows, rank1-sim's P and fix-check's tie counts use the causal flag only{rows}")
+
+
+@layer_check
+def non_finite_inputs(t, dump, info):
+    """Heads that selection.select left out for NaN / Inf / overflowing inputs (analyses/finite.py)."""
+    from fa_forensics.analyses.finite import left_out_warnings
+
+    return left_out_warnings(dump) if dump is not None else ()

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from fa_forensics.analyses.recipe import Backend, Recipe, hp_config, lp_config_for
+from fa_forensics.analyses.finite import finite_x, screen
 from fa_forensics.errors import DumpError
 from fa_forensics.replay.config import ReplayConfig
 
@@ -79,7 +80,7 @@ def select(dump, step: Optional[int] = None, layer: Optional[int] = None, head: 
     out = [LayerSelection(int(s), int(l), [int(h) for h in hs]) for s, l, hs in triples]
     if not out:
         raise DumpError(f"{dump.path}: nothing matches --step {step} --layer {layer} --head {head}; run `fa-forensics info` to list what exists")
-    return sorted(out, key=lambda s: (s.step, s.layer))
+    return screen(dump, sorted(out, key=lambda s: (s.step, s.layer)))  # heads with non-finite inputs left out, named
 
 
 def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
@@ -102,9 +103,11 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
     causal = getattr(info, "causal", None)
     t = LayerTensors(
         step=sel.step, layer=sel.layer, heads=list(sel.heads),
-        q=q, k=read("k"), v=read("v"), o=read("o"), do=read("do"), x=read("x", heads=None),
+        q=q, k=read("k"), v=read("v"), o=read("o"), do=read("do"), x=None,
         scale=float(scale), causal=True if causal is None else bool(causal), source=dump, mask=read("mask"),
     )
+    x, x_warnings = finite_x(t, read("x", heads=None))  # non-finite x: None, with a warning
+    t = replace(t, x=x, warnings=tuple(x_warnings))
     return with_checks(t, dump, info)
 
 

@@ -129,10 +129,9 @@ def _expect_refusal(args, tmp, verify_code=2):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, dump_builder):
     """One small single-step dump per kind of damage, and one bad safetensors file per kind."""
-    from conftest import build_dump
-
+    build_dump = dump_builder
     root = tmp_path_factory.mktemp("fuzz")
     dumps = {}
     for name, damage in DAMAGE.items():
@@ -183,10 +182,8 @@ def test_import_refuses_every_bad_file_in_one_line(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("case", list(BAD_ARGS))
-def test_bad_arguments_are_one_line_for_every_command_that_takes_them(case, corpus, tmp_path):
-    from conftest import build_dump
-
-    dump = build_dump(tmp_path / "ok.zarr", steps=(0,))
+def test_bad_arguments_are_one_line_for_every_command_that_takes_them(case, tmp_path, make_dump):
+    dump = make_dump("ok.zarr", steps=(0,))
     for command in ["info", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast"]:
         _expect_refusal([command, str(dump), *BAD_ARGS[case], *EXTRA.get(command, [])], tmp_path)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,8 +141,7 @@ def test_verify_cli_exit_codes(make_dump, tmp_path):
 
 
 def test_sample_dumps_verify_whole():
-    from conftest import REPO
-
+    repo = Path(__file__).resolve().parents[2]
     for name in ("demo.zarr", "planted.zarr"):
-        report = verify(REPO / "sample_dumps" / name)
+        report = verify(repo / "sample_dumps" / name)
         assert report.ok, report.problems
