@@ -635,25 +635,6 @@ def _span(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice], head_index: Optional[torch.Tensor]) -> torch.Tensor:
-    """SDPA's attn_mask as stored: 4-D (B' or 1, H' or 1, Tq, Tk), batch slice and heads applied to the
-    dims that are not broadcast. Boolean masks stay boolean (True = may attend); an additive mask whose
-    values are all 0 or -inf / the dtype's lowest value becomes boolean too; any other additive mask (a
-    bias such as ALiBi) is kept as given."""
-    m = mask.detach()
-    m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
-    if batch is not None and m.shape[0] > 1:
-        m = m[batch]
-    if head_index is not None and m.shape[1] > 1:
-        m = m.index_select(1, head_index.to(m.device))
-    if m.dtype != torch.bool:
-        allowed = m == 0
-        blocked = torch.isneginf(m) | (m <= torch.finfo(m.dtype).min)
-        if bool((allowed | blocked).all()):
-            m = allowed
-    return m
-
-
 def _autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
     """Autocast's dtype on q's device when autocast is on there, else None."""
     device_type = q.device.type

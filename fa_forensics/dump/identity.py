@@ -17,6 +17,9 @@ def model_fingerprint(model) -> str:
     """16 hex digits of SHA-256 over the model's parameter names, shapes and dtypes."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
+        for wrapper in ("_orig_mod.", "module."):  # torch.compile and DDP wrap the same model
+            while name.startswith(wrapper):
+                name = name[len(wrapper):]
         h.update(f"{name} {tuple(p.shape)} {p.dtype}\n".encode())
     return h.hexdigest()[:16]
 
