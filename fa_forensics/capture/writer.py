@@ -148,7 +148,7 @@ class BackgroundWriter:
             self._dump.close(failed=failed or self._error is not None)
             replaced = getattr(self._dump, "replaced", None)
             if replaced is not None:
-                print(f"fa-forensics capture: the run failed; the dump that --overwrite replaced is kept at {replaced}", file=sys.stderr, flush=True)
+                warnings.warn(CaptureWarning(f"fa-forensics capture: the run failed; the dump that --overwrite replaced is kept at {replaced}"), stacklevel=2)
         finally:
             self._raise_if_failed()
 

@@ -86,7 +86,7 @@ def test_overwrite_keeps_the_old_dump_when_the_new_run_fails(tmp_path, make_dump
     old_q = open_dump(path).read(1, 0, "q")
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    with pytest.raises(RuntimeError, match="training died"):
+    with pytest.raises(RuntimeError, match="training died"), pytest.warns(RuntimeWarning, match="replaced is kept at .*run.zarr.replaced-0"):
         with fa_forensics.capture(model, out=path, steps=[0, 5], overwrite=True) as cap:
             _train(model, cap, 10, fail_at=3)
     kept = tmp_path / "run.zarr.replaced-0"
