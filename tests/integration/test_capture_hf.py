@@ -3,6 +3,7 @@ dropout), Llama (grouped-query attention), eager and compiled, library and CLI."
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,11 @@ from fa_forensics.dump import open_dump
 transformers = pytest.importorskip("transformers")
 
 T = 16
+
+# torch.compile on the CPU generates C++ and builds it with the system compiler
+NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="torch.compile on the CPU needs a C++ compiler (g++)")
+
 
 
 def _gpt2(attn_pdrop=0.0, n_layer=2):
@@ -78,6 +84,7 @@ def test_gpt2_padding_mask_is_recorded_and_reproduces_o_eager(tmp_path):
     _check_masked_layers(dump, 1)
 
 
+@NEEDS_CXX
 @pytest.mark.slow
 def test_gpt2_compiled_with_padding_mask_is_bit_equal_with_capture(tmp_path):
     torch._dynamo.reset()

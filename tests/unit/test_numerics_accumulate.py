@@ -1,4 +1,5 @@
 """matmul / dot_trace: the ieee model bit for bit against exact fmas; the tensor-core model on hand-worked cases."""
+import zlib
 import math
 from fractions import Fraction
 
@@ -184,7 +185,7 @@ _GPU_FMT = [("h100", "bf16"), ("a100", "bf16"), ("h100", "fp16"), ("h100", "fp8_
 @pytest.mark.parametrize("gpu,fmt", _GPU_FMT)
 @pytest.mark.parametrize("kind", ["normal", "wide", "tiny", "zeros", "negative"])
 def test_fast_kernels_equal_the_fp64_reference_bit_for_bit(gpu, fmt, kind):
-    g = torch.Generator().manual_seed(hash((gpu, fmt, kind)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((gpu, fmt, kind)).encode()))
     params = tensor_core_params(gpu, fmt)
     F, neab = (params.F, params.neab) if params else (1, 0)
     for M, K, N, with_acc in ((6, 70, 5, False), (3, 33, 4, True), (1, 40, 1, True)):
@@ -262,7 +263,7 @@ def _fp32_operand(kind, shape, g):
 @pytest.mark.parametrize("b_fmt", ["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["normal", "wide", "cancel", "tiny"])
 def test_fp32_operand_kernel_equals_exact_fmas(no_fp64_reference, b_fmt, kind):
-    g = torch.Generator().manual_seed(hash((b_fmt, kind)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((b_fmt, kind)).encode()))
     M, K, N = 8, 64, 6
     a = _fp32_operand(kind, (K, M), g).T  # (M, K); 'cancel' pairs consecutive k
     b = round_to(_fp32_operand("normal" if kind != "tiny" else "tiny", (K, N), g).double(), b_fmt).float()

@@ -1,4 +1,5 @@
 """The compiled kernels (numba) against the torch kernels they replace, bit for bit, and their domain."""
+import zlib
 import math
 
 import pytest
@@ -30,7 +31,7 @@ def _values(kind: str, shape, fmt: str, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("gpu,fmt", [("h100", "bf16"), ("a100", "fp16"), ("h100", "fp8_e4m3"), ("h100", "fp32")])
 @pytest.mark.parametrize("kind", ["normal", "wide", "tiny", "zeros", "cancel"])
 def test_compiled_kernels_equal_the_torch_kernels(gpu, fmt, kind):
-    g = torch.Generator().manual_seed(hash((gpu, fmt, kind)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((gpu, fmt, kind)).encode()))
     for (L, M, K, N), with_acc in (((2, 5, 70, 9), False), ((1, 3, 33, 4), True), ((3, 1, 64, 1), True)):
         a = _values(kind, (L, M, K), fmt, g)
         b = _values("normal" if kind != "tiny" else "tiny", (L, K, N), fmt, g)
