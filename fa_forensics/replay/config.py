@@ -2,9 +2,12 @@
 
 Semantics follow the hardware: products of bf16 / fp16 / fp8 inputs are exact in fp32 and
 accumulate in fp32 (or in the tensor-core model); rounding happens only at the explicit casts
-named here. Defaults are the paper's BF16 setting, i.e. its pure-PyTorch FlashAttention-2 run
-under BF16 autocast: inputs in bf16, P̄ cast to bf16, the P̄V product returned in bf16 (autocast
-rounds each matmul's fp32 result), O stored in bf16, fp32 backward.
+named here. The defaults (preset "bf16") mix two readings: scores, row max m and row sum ℓ in
+fp32 as hardware kernels keep them, and the P̄ cast and bf16 P̄V product of the paper's
+pure-PyTorch reference code under BF16 autocast; O stored in bf16, fp32 backward. It is neither
+kernel exactly: the reference code as run is preset "bf16-autocast" (forward),
+"bf16-autocast-train" (forward and backward) and "bf16-autocast-stabilized" (its fix, STABLE=1).
+`fa-forensics match` measures which recipe reproduces a dump's stored O.
 
 Never mutate a config: derive one with `dataclasses.replace(cfg, ...)` or `cfg.with_(...)`.
 """
@@ -60,6 +63,16 @@ class DeltaSource(str, enum.Enum):
     DP_P = "dp-p"  # rowsum(dP ∘ P), dP = dO Vᵀ: the mathematically equal form without O
 
 
+class MaskedBlocks(str, enum.Enum):
+    """What the forward loop does with a KV block that a row cannot see at all (causal mask)."""
+
+    SKIP = "skip"  # kernels stop at the diagonal: the block leaves m, ℓ and acc untouched
+    # the reference code's loop: every block is visited, masked scores are -finfo(s_dtype).max
+    # (not -inf), so under the stabilized rule a fully masked block is a "repeated maximum" whose
+    # shift is 0: rows with a negative running max get m = 0 and ℓ, acc rescaled
+    VISIT = "visit"
+
+
 class Accumulation(str, enum.Enum):
     """Accumulation model of every matrix product."""
 
@@ -86,7 +99,7 @@ _LOW_PRECISION = {Precision.BF16, Precision.FP16, Precision.FP8_E4M3, Precision.
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """Every knob of one attention replay. Field defaults = the paper's BF16 setting."""
+    """Every knob of one attention replay. Field defaults = preset "bf16" (see the module docstring)."""
 
     # dtypes: inputs, the P̄ cast before P̄V, the P̄V product (and running O accumulator), O as stored
     input_dtype: Precision = Precision.BF16
@@ -109,6 +122,11 @@ class ReplayConfig:
     block_m: Optional[int] = None
     block_n: Optional[int] = None
     kv_order: KVOrder = KVOrder.FORWARD
+    masked_blocks: MaskedBlocks = MaskedBlocks.SKIP
+    # each block's row sum Σ_t P̄ is clamped from below at this value before it enters ℓ (the
+    # reference code's `.clamp(min=1e-10)`; it matters only when ℓ is tiny, e.g. a stabilized
+    # shift above the row max or a row rescaled by a fully masked block)
+    row_sum_floor: float = 0.0
     causal: Optional[bool] = None  # None = take it from the dump / caller
     scale: Optional[float] = None  # softmax scale α; None = from the dump, else 1/sqrt(D)
     # softmax shift
@@ -122,6 +140,15 @@ class ReplayConfig:
     # backward
     delta: DeltaSource = DeltaSource.O_LOWP
     ds_dtype: Precision = Precision.FP32  # dtype dS is cast to before dQ = dS K and dK = dSᵀ Q
+    # the autocast reference's backward (fp32 = hardware kernels): dp_dtype rounds dP = dO Vᵀ;
+    # delta_dtype rounds dO ∘ O elementwise before δ's row sum; grad_dtype rounds each (query
+    # block, KV block) product of dQ, dK, dV and the buffers they are added into, block by block
+    # (zeros_like(q) buffers in bf16); ds_alpha: α multiplies P before dS is formed,
+    # dS = fp32(P·α)·fp32(dP − δ), instead of scaling dQ and dK after their products
+    dp_dtype: Precision = Precision.FP32
+    delta_dtype: Precision = Precision.FP32
+    grad_dtype: Precision = Precision.FP32
+    ds_alpha: bool = False
     # accumulation model of every matrix product
     accumulation: Accumulation = Accumulation.IEEE
     gpu: GPUModel = GPUModel.H100
@@ -145,6 +172,8 @@ class ReplayConfig:
                 raise ConfigError(f"ReplayConfig.{name}={b!r} must be a positive integer or None (no tiling)")
         if self.softmax is Softmax.STABILIZED and not self.beta > 1:
             raise ConfigError(f"ReplayConfig.beta={self.beta!r} must be > 1 for the stabilized softmax (the paper uses 2 to 8)")
+        if not (math.isfinite(self.row_sum_floor) and self.row_sum_floor >= 0):
+            raise ConfigError(f"ReplayConfig.row_sum_floor={self.row_sum_floor!r} must be a finite number >= 0")
         if not self.eps >= 0:
             raise ConfigError(f"ReplayConfig.eps={self.eps!r} must be >= 0")
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
@@ -170,6 +199,11 @@ class ReplayConfig:
         casts = (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype, self.s_dtype, self.stats_dtype, self.rescale_dtype)
         return any(d in _LOW_PRECISION for d in casts)
 
+    @property
+    def has_reference_backward(self) -> bool:
+        """True when any backward knob of the autocast reference code differs from the kernels'."""
+        return (self.ds_alpha or any(d is not Precision.FP32 for d in (self.dp_dtype, self.delta_dtype, self.grad_dtype)))
+
     def describe(self) -> str:
         """One line naming the fields that differ from the defaults."""
         default = ReplayConfig()
@@ -178,7 +212,7 @@ class ReplayConfig:
             v, d = getattr(self, f.name), getattr(default, f.name)
             if v != d:
                 diffs.append(f"{f.name}={v.value if isinstance(v, enum.Enum) else v}")
-        return ", ".join(diffs) or "paper default (bf16)"
+        return ", ".join(diffs) or "preset bf16 (the defaults)"
 
 
 _ENUM_FIELDS = {
@@ -188,10 +222,14 @@ _ENUM_FIELDS = {
     "o_dtype": Precision,
     "p_scale_mode": PScaleMode,
     "kv_order": KVOrder,
+    "masked_blocks": MaskedBlocks,
     "softmax": Softmax,
     "rounding": Rounding,
     "delta": DeltaSource,
     "ds_dtype": Precision,
+    "dp_dtype": Precision,
+    "delta_dtype": Precision,
+    "grad_dtype": Precision,
     "s_dtype": Precision,
     "stats_dtype": Precision,
     "rescale_dtype": Precision,
@@ -211,6 +249,25 @@ def _fp8(scale: float) -> ReplayConfig:
     )
 
 
+_BF16 = Precision.BF16
+
+
+def _bf16_autocast() -> ReplayConfig:
+    # The paper's reference code's forward (pure-PyTorch FA2 under CUDA BF16 autocast, blocks of
+    # 512): S, m, ℓ and the rescaled O accumulator in bf16 too; its fully masked blocks are skipped,
+    # which is exact for the standard softmax.
+    return ReplayConfig(s_dtype=_BF16, stats_dtype=_BF16, rescale_dtype=_BF16, block_m=512, block_n=512)
+
+
+def _bf16_autocast_train() -> ReplayConfig:
+    # The reference code as it trains: the forward's loop as run (every KV block visited, masked
+    # scores -finfo(bf16).max, block row sums clamped at 1e-10) and its backward (bf16 dP, δ from
+    # bf16(dO ∘ O), dS = P·α·(dP − δ) cast to bf16, dQ, dK, dV accumulated block by block in bf16).
+    return _bf16_autocast().with_(
+        masked_blocks=MaskedBlocks.VISIT, row_sum_floor=1e-10,
+        ds_dtype=_BF16, dp_dtype=_BF16, delta_dtype=_BF16, grad_dtype=_BF16, ds_alpha=True)
+
+
 PRESETS = {
     "bf16": lambda: ReplayConfig(),
     "fp32": lambda: ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32),
@@ -218,9 +275,10 @@ PRESETS = {
     # hardware flash-attention kernels: P̄ cast to bf16, fp32 accumulator, O rounded once after 1/ℓ
     "bf16-hw": lambda: ReplayConfig(pv_dtype=_FP32, block_m=128, block_n=64, accumulation=Accumulation.TENSOR_CORE),
     "stochastic": lambda: ReplayConfig(rounding=Rounding.STOCHASTIC),
-    # the paper's reference code as run: S, m, ℓ and the rescaled O accumulator in bf16 too, block 512
-    "bf16-autocast": lambda: ReplayConfig(
-        s_dtype=Precision.BF16, stats_dtype=Precision.BF16, rescale_dtype=Precision.BF16, block_m=512, block_n=512),
+    "bf16-autocast": _bf16_autocast,
+    "bf16-autocast-train": _bf16_autocast_train,
+    # the paper's fix as run (STABLE=1: Algorithm 3 with β = 2, ε = 1e-3 inside the loop above)
+    "bf16-autocast-stabilized": lambda: _bf16_autocast_train().with_(softmax=Softmax.STABILIZED, beta=2.0, eps=1e-3),
     "fp8-s1": lambda: _fp8(1.0),
     "fp8-s256": lambda: _fp8(256.0),
     "fp8-s448": lambda: _fp8(448.0),

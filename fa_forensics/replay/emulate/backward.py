@@ -7,16 +7,22 @@ as block sizes are multiples of the group size F). Query rows are processed in b
 only to bound memory; the result does not depend on the block size.
 
  1. s = fp32(α · q kᵀ) (mm, causal mask -inf); P = exp(fp32(s - lse))  fp32, 0 where masked
- 2. dP = dO Vᵀ (mm, in_format = input_dtype)
+ 2. dP = cast(dO Vᵀ, dp_dtype) (mm, in_format = input_dtype)
  3. δ per config.delta, a row-wise dot product on CUDA cores (ieee model, order 0..D-1 / 0..T-1):
-      o-lowp:        rowsum(dO ∘ O_lp), O_lp the forward's O in o_dtype
-      o-highp:       rowsum(dO ∘ O_hp), O_hp from the same forward with p/pv/o casts in fp32
+      o-lowp:        rowsum(cast(dO ∘ O_lp, delta_dtype)), O_lp the forward's O in o_dtype
+      o-highp:       rowsum(cast(dO ∘ O_hp, delta_dtype)), O_hp from the same forward with p/pv/o casts in fp32
       o-recomputed:  rowsum(dO ∘ O_rec), O_rec = P V in fp32 (P already holds 1/ℓ)
       dp-p:          rowsum(dP ∘ P)
- 4. dS = cast(fp32(P · fp32(dP - δ)), ds_dtype)  (nearest-even)
- 5. dQ = fp32(α · mm(dS, K)); dK = fp32(α · mm(dSᵀ, Q))
+ 4. dS = cast(fp32(P · fp32(dP - δ)), ds_dtype)  (nearest-even);
+    ds_alpha: dS = cast(fp32(fp32(P · α) · fp32(dP - δ)), ds_dtype) (the reference code's order)
+ 5. dQ = fp32(α · mm(dS, K)); dK = fp32(α · mm(dSᵀ, Q))   (ds_alpha: no α here)
  6. dV = mm(P̄ᵀ, dO) with P̄ = cast(fp32(P · S), p_dtype) (nearest-even, as FA2's p.to(dtype));
     divided by the P scale S when S ≠ 1.
+grad_dtype below fp32 (the reference code's bf16 buffers): steps 5-6 run per (query block i,
+KV block j) of config.block_m × block_n, i outer and j inner as the reference loops; each block
+product is cast to grad_dtype and added into the dQ_i, dK_j, dV_j buffers with one grad_dtype
+rounding. Query rows then go in the config's blocks (not the memory plan's). Blocks a causal mask
+hides entirely add ±0 and are skipped (exactly a no-op).
 """
 from __future__ import annotations
 
@@ -65,7 +71,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     one pass as long as block_m is a multiple of the tensor-core group size F (checked).
     """
     acc_model, gpu, x_fmt = config.accumulation, config.gpu, config.input_dtype
-    if block_m is not None and block_m % _MAX_GROUP:
+    reference_blocks = config.grad_dtype is not Precision.FP32
+    if reference_blocks:  # the bf16 buffers are added to per (query block, KV block) of the config
+        block_m = config.block_m
+    elif block_m is not None and block_m % _MAX_GROUP:
         raise ValueError(f"block_m={block_m} must be a multiple of {_MAX_GROUP} (the tensor-core groups)")
     alpha = torch.tensor(scale, dtype=torch.float32)
     S_t = torch.tensor(float(config.p_scale), dtype=torch.float32)
@@ -73,6 +82,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     delta = torch.empty(lse.shape)  # (B, H, T)
     dq = torch.empty(q.shape)  # (B, H, T, D)
     dk = dv = None  # (B, H, T, D) Σ over the rows so far of dSᵀ Q and P̄ᵀ dO, before α and 1/S
+    if reference_blocks:
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)  # grad_dtype buffers
     for i0, i1 in query_blocks(q.shape[-2], block_m):
         rows = slice(i0, i1)
         mask_r = None if mask is None else mask.expand(*q.shape[:3], k.shape[-2])[..., rows, :]
@@ -81,7 +92,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         if mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
             P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
         do_r = do[..., rows, :]  # (B, H, R, D)
-        dP = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, R, T)
+        dP = cast(mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt), config.dp_dtype)  # (B, H, R, T)
 
         if config.delta is DeltaSource.DP_P:
             delta_r = row_dot(dP, P, config)
@@ -91,21 +102,50 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         else:
             if o_for_delta is None:
                 raise ValueError("o_for_delta is required for delta sources o-lowp and o-highp")
-            delta_r = row_dot(do_r, o_for_delta[..., rows, :], config)
+            o_r = o_for_delta[..., rows, :]
+            if config.delta_dtype is Precision.FP32:  # fused multiply-adds of the exact products
+                delta_r = row_dot(do_r, o_r, config)
+            else:  # the elementwise product rounded first, then summed
+                delta_r = row_dot(cast(do_r * o_r, config.delta_dtype), torch.ones_like(do_r), config)
         delta[..., rows] = delta_r
 
-        dS = cast(P * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # (B, H, R, T)
-        dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt) * alpha
-        dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk)
-
+        P_ds = P * alpha if config.ds_alpha else P
+        dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # (B, H, R, T)
         p_bar = cast(P * S_t if config.p_scale != 1.0 else P, config.p_dtype)
-        dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, wider(config.p_dtype, x_fmt), acc=dv)
+        pv_fmt = wider(config.p_dtype, x_fmt)
+        if reference_blocks:
+            dq[..., rows, :] = _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config, i0, i1,
+                                                   causal=causal, qk_fmt=qk_fmt, pv_fmt=pv_fmt)
+        else:
+            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt)
+            dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk)
+            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv)
     if dk is None:  # no query rows
         dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
-    dk = dk * alpha
+    if not config.ds_alpha:
+        dq, dk = dq * alpha, dk * alpha
     if config.p_scale != 1.0:
         dv = dv / S_t
     return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
 
 
 _MAX_GROUP = 32  # the largest tensor-core group F (fp8 on H100)
+
+
+def _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config: ReplayConfig, i0: int, i1: int, *,
+                        causal: bool, qk_fmt: Precision, pv_fmt: Precision) -> torch.Tensor:
+    """One query block i (rows i0:i1) of the grad_dtype path: for each KV block j in order, the
+    block products cast to grad_dtype and added into dQ_i (returned), dK_j, dV_j (in place)."""
+    acc_model, gpu, fmt = config.accumulation, config.gpu, config.grad_dtype
+    n_keys = k.shape[-2]
+    bn = config.block_n or n_keys
+    dq_i = torch.zeros(dS.shape[:-1] + (k.shape[-1],))  # (B, H, R, D)
+    for j0 in range(0, n_keys, bn):
+        if causal and j0 > i1 - 1:
+            break  # every later block is hidden from every row of this query block
+        j1 = min(j0 + bn, n_keys)
+        ds_ij, p_ij = dS[..., j0:j1], p_bar[..., j0:j1]  # (B, H, R, bn)
+        dq_i = cast(dq_i + cast(mm(ds_ij, k[..., j0:j1, :], acc_model, gpu, qk_fmt), fmt), fmt)
+        dk[..., j0:j1, :] = cast(dk[..., j0:j1, :] + cast(mm(ds_ij.transpose(-1, -2), q[..., i0:i1, :], acc_model, gpu, qk_fmt), fmt), fmt)
+        dv[..., j0:j1, :] = cast(dv[..., j0:j1, :] + cast(mm(p_ij.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt), fmt), fmt)
+    return dq_i

@@ -7,15 +7,19 @@ block_n keys (None = one block), in forward or reverse order. Per block j, in th
  1. S = cast(q kᵀ, s_dtype) (mm, in_format = input_dtype) ; s = cast(fp32(S · α), s_dtype) ;
     causal: s[i, t] = -inf for t > i. (s_dtype fp32: no rounding beyond the mm's.)
     mask (SDPA's attn_mask): bool: s = -inf where False; additive: s = cast(fp32(s + mask), s_dtype).
-    Rows that see no key of the block (all t > i) are skipped, as a kernel skips masked blocks
-    (this is exactly a no-op for them).
+    masked_blocks skip: rows that see no key of the block (all t > i) are skipped, as a kernel
+    skips masked blocks (this is exactly a no-op for them). masked_blocks visit (the reference
+    code's loop): every row visits every block; masked scores and the initial m are
+    -finfo(s_dtype).max instead of -inf, so a fully masked block has row max -finfo.max, every
+    entry "within ε" of it, and under the stabilized rule the shift 0 (m = max(m, 0)).
  2. m_new = cast(shift rule, stats_dtype) (softmax.py: standard / stabilized Algorithm 3 / fixed
     offset); m_use = m_new, or 0 where m_new = -inf (nothing visible yet) so that exp never sees
     -inf - -inf.
  3. alpha = exp(cast(m_prev - m_use, stats_dtype))   (0 on the first block, where m_prev = -inf)
  4. P̄ = exp(cast(s - m_use, promote(s_dtype, stats_dtype)))   fp32, the pre-cast P̄
- 5. ℓ = cast(fp32(fp32(alpha · ℓ) + rowsum(P̄)), stats_dtype)   rowsum of the pre-cast, unscaled
-    fp32 P̄, summed exactly and rounded once (the kernel's tree order is not modelled)
+ 5. ℓ = cast(fp32(fp32(alpha · ℓ) + max(rowsum(P̄), row_sum_floor)), stats_dtype)   rowsum of
+    the pre-cast, unscaled fp32 P̄, summed exactly and rounded once (the kernel's tree order is not
+    modelled), clamped from below at row_sum_floor (0: no clamp)
  6. P scale S (if ≠ 1): exponent-offset: P̄_S = exp(fp32(fp32(s - m_use) + ln S));
     multiply: P̄_S = fp32(P̄ · S)
  7. P̄_c = cast(P̄_S, p_dtype, rounding)        (fp8 e4m3 saturates at ±448)
@@ -40,8 +44,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.numerics import exp_fp32
-from fa_forensics.replay.config import KVOrder, Precision, PScaleMode, ReplayConfig
-from fa_forensics.replay.emulate.ops import cast, mm, promote, wider
+from fa_forensics.replay.config import KVOrder, MaskedBlocks, Precision, PScaleMode, ReplayConfig
+from fa_forensics.replay.emulate.ops import cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
 
@@ -114,7 +118,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     pv_format = wider(config.p_dtype, config.input_dtype)
     sub_dtype = promote(config.s_dtype, config.stats_dtype)  # dtype of s − m
 
-    m = torch.full((B, H, T), _NEG_INF)  # running shift m_i
+    visit = config.masked_blocks is MaskedBlocks.VISIT
+    mask_value = -finfo_max(config.s_dtype) if visit else _NEG_INF  # masked scores and the initial m
+    row_sum_floor = torch.tensor(config.row_sum_floor, dtype=torch.float32)
+    m = torch.full((B, H, T), mask_value)  # running shift m_i
     l = torch.zeros((B, H, T))  # running ℓ_i
     acc = torch.zeros((B, H, T, D))  # running unnormalized O (pv_dtype values)
     tracker = _RowMaxTracker(m.shape)
@@ -123,21 +130,28 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     fired_any = torch.zeros((B, H, T), dtype=torch.bool)
 
     for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
-        r0 = max(j0 - row0, 0) if causal else 0  # rows before j0 see nothing of this block
+        r0 = max(j0 - row0, 0) if causal and not visit else 0  # rows before j0 see nothing of this block
         if r0 >= T:
             continue
         mask_block = None if mask is None else mask[..., r0:, j0:j1]
         s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)  # (B, H, R, N)
         tracker.update(s, r0)
+        visible = ~torch.isneginf(s)  # (B, H, R, N)
+        sees_key = visible.any(dim=-1)  # (B, H, R)
+        if visit:
+            s = s.masked_fill(~visible, mask_value)
         m_prev = m[..., r0:]
         shift = block_shift(m_prev, s, config)
-        fired_any[..., r0:] |= shift.fired
+        fired_any[..., r0:] |= shift.fired & sees_key
         m_new = cast(shift.m, config.stats_dtype)  # (B, H, R)
         m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # (B, H, R)
         alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
         s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
         p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
-        l_new = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
+        row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
+        if config.row_sum_floor > 0:
+            row_sum = torch.maximum(row_sum, row_sum_floor)
+        l_new = alpha.squeeze(-1) * l[..., r0:] + row_sum
         l[..., r0:] = cast(l_new, config.stats_dtype)
         if S_scale == 1.0:
             p_scaled = p
@@ -146,8 +160,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         else:
             p_scaled = p * S_t
         p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
-        p_one += (p_bar == S_t).sum(dim=(-1, -2))
-        p_zeroed += ((p_scaled > 0) & (p_bar == 0)).sum(dim=(-1, -2))
+        p_one += ((p_bar == S_t) & visible).sum(dim=(-1, -2))
+        p_zeroed += ((p_scaled > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
         acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
         v_j = v[..., j0:j1, :]
         if config.pv_dtype is Precision.FP32:

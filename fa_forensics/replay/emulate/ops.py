@@ -62,6 +62,11 @@ def mm(
 
 
 
+def finfo_max(fmt: Precision) -> float:
+    """The largest finite value of fmt (torch.finfo(dtype).max): the reference code's mask value."""
+    return float(torch.finfo(torch_dtype(fmt)).max)
+
+
 def torch_dtype(fmt: Precision) -> torch.dtype:
     """The torch dtype a tensor of format fmt is returned in (fp8 e4m3 -> float8_e4m3fn)."""
     return to_torch_dtype(fmt.value)

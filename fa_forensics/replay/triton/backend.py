@@ -8,7 +8,12 @@ contract (replay/emulate/forward.py, backward.py) with these known differences:
 - on a GPU, low-precision dots run on tensor cores (their accumulation is the `tensor-core`
   model, not `ieee`); under the interpreter the test suite's compatibility layer makes every
   dot the `ieee` sequential fp32 walk. `ReplayOut.accumulation` says which one ran;
-- stochastic rounding is the emulator's alone: this backend refuses it in one line (use backend "emulate").
+- stochastic rounding is the emulator's alone: this backend refuses it in one line (use backend "emulate");
+- the kernels skip KV blocks a causal mask hides and never clamp a block's row sum: exact for the
+  standard softmax, so masked_blocks=visit and row_sum_floor are accepted there; with another
+  softmax (the reference code's STABLE=1 loop, preset "bf16-autocast-stabilized") they are refused;
+- the backward is the FA2 kernels' (fp32 dP, δ, dQ, dK, dV accumulators): the reference code's
+  backward knobs (dp_dtype, delta_dtype, grad_dtype, ds_alpha) are refused when dO is given.
 The autocast reference's low-precision S, m, ℓ and rescaled accumulator (s_dtype, stats_dtype,
 rescale_dtype, preset "bf16-autocast") are constexpr cast points of the kernels, as in the emulator.
 """
@@ -20,7 +25,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import UserError
-from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding
+from fa_forensics.replay.config import DeltaSource, MaskedBlocks, Precision, ReplayConfig, Rounding, Softmax
 from fa_forensics.replay.emulate.run import high_precision_twin
 from fa_forensics.replay.out import PBarStats, ReplayOut
 
@@ -77,16 +82,25 @@ def _stats(rows: torch.Tensor) -> PBarStats:
     )
 
 
-def _check_supported(config: ReplayConfig) -> None:
+def _check_supported(config: ReplayConfig, backward: bool) -> None:
     """Refuse, in one line, what the kernels do not implement (before triton is imported)."""
     if config.rounding is Rounding.STOCHASTIC:
         raise TritonBackendError("replay: backend triton implements nearest-even casts only; use --backend emulate for rounding=stochastic")
+    reference_loop = config.masked_blocks is MaskedBlocks.VISIT or config.row_sum_floor > 0
+    if reference_loop and config.softmax is not Softmax.STANDARD:
+        raise TritonBackendError(
+            f"replay: backend triton skips fully masked KV blocks and does not clamp row sums, which changes the bits under "
+            f"softmax={config.softmax.value} (the reference code's loop); use --backend emulate for this recipe")
+    if backward and config.has_reference_backward:
+        raise TritonBackendError(
+            "replay: backend triton runs the FA2 kernels' fp32 backward, not the reference code's bf16 one "
+            "(dp_dtype, delta_dtype, grad_dtype, ds_alpha); use --backend emulate for this recipe's gradients")
 
 
 def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
                   do: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None) -> ReplayOut:
     """The Triton twin of the emulator: same arguments, same ReplayOut (tensors on the CPU)."""
-    _check_supported(config)
+    _check_supported(config, backward=do is not None)
     device = _device_for(q)  # before triton is imported: without a GPU or the interpreter, refuse first
     from fa_forensics.replay.triton import launch  # imports triton: only now
 
