@@ -17,6 +17,7 @@ from fa_forensics.commands import (
     fix_check,
     info,
     isolate,
+    match,
     pcast,
     pv_trace,
     rank1_sim,
@@ -38,7 +39,7 @@ app = typer.Typer(
 )
 
 # Order here is the order in --help.
-for _module in (capture, info, verify, synth, dump_io, isolate, delta_bias, rank1_sim, pv_trace, bitdiff, fix_check, pcast, timeline, report):
+for _module in (capture, info, verify, synth, dump_io, match, isolate, delta_bias, rank1_sim, pv_trace, bitdiff, fix_check, pcast, timeline, report):
     _module.register(app)
 
 

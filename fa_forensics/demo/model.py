@@ -1,16 +1,16 @@
-"""A nanoGPT-style GPT whose attention is a pure-PyTorch FlashAttention-2 forward with BF16 casts.
+"""A nanoGPT-style GPT whose attention is the paper's reference FlashAttention-2 as it trains.
 
-Numerics contract of `flash_attention_bf16` (the paper's setting: its reference code is a pure
-PyTorch FA2 run under BF16 autocast, P̄V in BF16):
-- inputs q, k, v are cast to bf16 (what autocast's linear layers return);
-- S = α · Q Kᵀ in fp32 (bf16 × bf16 products are exact in fp32; fp32 accumulation);
-- online softmax over KV blocks: running max m and running sum ℓ in fp32, causal mask -inf;
-- P̄ = exp(S − m) cast to bf16; ℓ ← ℓ·exp(m_old − m) + rowsum(P̄) in fp32;
-- P̄V is an fp32 matmul of the exact bf16 values rounded to bf16 (autocast's matmul output);
-  the accumulator acc ← acc·exp(m_old − m) + bf16(P̄V) stays fp32;
-- O = bf16(acc / ℓ).
-The backward pass is autograd through these operations (fp32 where the forward is fp32).
-Autocast is switched off inside, so the casts above are the only roundings.
+`flash_attention_bf16` computes, forward and backward, exactly what the paper's reference code
+(pure-PyTorch FA2 under CUDA BF16 autocast, blocks of 512; ucker/why-low-precision-training-fails)
+computes, by running the replay emulator under preset "bf16-autocast-train" (its numerics
+contract: fa_forensics/replay/emulate/forward.py and backward.py; the preset: replay/config.py):
+- forward: S = bf16(q kᵀ), s = bf16(S·α); running max m and row sum ℓ in bf16; P̄ = exp(bf16(s − m))
+  cast to bf16; the O accumulator a bf16 buffer, rescaled and added to in bf16; O = bf16(acc / ℓ);
+- backward: dP = bf16(dO Vᵀ), δ = Σ bf16(dO ∘ O), dS = bf16(P·α·(dP − δ)), dQ, dK, dV accumulated
+  block by block in bf16.
+Every exp is the emulator's, so a stored Q, K, V replayed under that preset (`fa-forensics match`)
+gives the stored O bit for bit on any CPU. The emulator runs on the CPU (a CUDA model's tensors
+are copied there and back). CPU autocast is switched off inside: these are the only roundings.
 """
 from __future__ import annotations
 
@@ -23,39 +23,43 @@ import torch.nn.functional as F
 
 from fa_forensics.capture import record as capture_record
 
+TRAINING_RECIPE = "bf16-autocast-train"  # the replay preset the demo's attention is
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    """Forward and backward of the reference code through the emulator (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, causal: bool, block: int):
+        from fa_forensics.replay.config import ReplayConfig
+        from fa_forensics.replay.emulate.forward import forward
+        from fa_forensics.replay.emulate.run import to_input_dtype
+
+        config = ReplayConfig.preset(TRAINING_RECIPE).with_(block_m=block, block_n=block)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            q32, k32, v32 = (to_input_dtype(x, config) for x in (q, k, v))  # (B, H, T, D) bf16 values as fp32
+            fwd = forward(q32, k32, v32, config, causal=causal, scale=scale, generator=None)
+        ctx.save_for_backward(q32, k32, v32, fwd.o, fwd.lse)
+        ctx.config, ctx.scale, ctx.causal, ctx.dtypes = config, scale, causal, (q.dtype, k.dtype, v.dtype)
+        return fwd.o.to(device=q.device, dtype=torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, do):
+        from fa_forensics.replay.emulate.backward import backward
+        from fa_forensics.replay.emulate.run import to_input_dtype
+
+        q32, k32, v32, o32, lse = ctx.saved_tensors
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            g = backward(q32, k32, v32, to_input_dtype(do, ctx.config), lse, ctx.config,
+                         causal=ctx.causal, scale=ctx.scale, o_for_delta=o32)
+        dq, dk, dv = (x.to(device=do.device, dtype=dt) for x, dt in zip((g.dq, g.dk, g.dv), ctx.dtypes))
+        return dq, dk, dv, None, None, None
+
 
 def flash_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
-                         block: int = 128) -> torch.Tensor:
-    """FlashAttention-2 forward (Algorithm 1 of the paper) in plain PyTorch: q, k, v (B, H, T, D) → O (B, H, T, D) bf16."""
-    bf16 = torch.bfloat16
-    with torch.autocast(q.device.type, enabled=False):
-        q, k, v = q.to(bf16), k.to(bf16), v.to(bf16)
-        T = q.shape[2]
-        rows = []
-        for i0 in range(0, T, block):
-            q_i = q[:, :, i0:i0 + block].float()  # (B, H, Br, D) exact bf16 values
-            Br = q_i.shape[2]
-            m_i = q_i.new_full(q_i.shape[:-1] + (1,), -math.inf)  # (B, H, Br, 1)
-            l_i = q_i.new_zeros(q_i.shape[:-1] + (1,))  # (B, H, Br, 1)
-            acc = torch.zeros_like(q_i)  # (B, H, Br, D) fp32
-            kv_end = min(T, i0 + Br) if causal else T
-            for j0 in range(0, kv_end, block):
-                k_j = k[:, :, j0:j0 + block].float()  # (B, H, Bc, D)
-                v_j = v[:, :, j0:j0 + block].float()  # (B, H, Bc, D)
-                s_ij = (q_i @ k_j.transpose(-1, -2)) * scale  # (B, H, Br, Bc) fp32
-                if causal and j0 + k_j.shape[2] > i0:
-                    row = torch.arange(i0, i0 + Br, device=s_ij.device)[:, None]
-                    col = torch.arange(j0, j0 + k_j.shape[2], device=s_ij.device)[None, :]
-                    s_ij = s_ij.masked_fill(col > row, -math.inf)
-                m_new = torch.maximum(m_i, s_ij.amax(dim=-1, keepdim=True))
-                p_bar = torch.exp(s_ij - m_new).to(bf16)  # (B, H, Br, Bc) the P̄ cast
-                rescale = torch.exp(m_i - m_new)
-                l_i = l_i * rescale + p_bar.float().sum(dim=-1, keepdim=True)
-                pv = (p_bar.float() @ v_j).to(bf16)  # (B, H, Br, D) P̄V rounded to bf16
-                acc = acc * rescale + pv.float()
-                m_i = m_new
-            rows.append((acc / l_i).to(bf16))
-        return torch.cat(rows, dim=2)  # (B, H, T, D) bf16
+                         block: int = 512) -> torch.Tensor:
+    """The paper's reference FA2 (preset bf16-autocast-train, blocks `block`): q, k, v (B, H, T, D) → O (B, H, T, D) bf16."""
+    return _ReferenceAttention.apply(q, k, v, float(scale), bool(causal), int(block))
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,8 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128  # C; head dim D = C / H
-    attention: str = "flash-bf16"  # "flash-bf16" (pure-PyTorch FA2, reports to capture) | "sdpa"
-    flash_block: int = 128
+    attention: str = "flash-bf16"  # "flash-bf16" (the reference FA2, reports to capture) | "sdpa"
+    flash_block: int = 512  # the reference code's block size (T = 256 fits in one)
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,0 +1,130 @@
+"""Replay fidelity: which recipe reproduces the O that training stored, bit for bit.
+
+Every analysis compares a low-precision replay with an fp32 one; its findings describe the run
+only if the low-precision replay computes what training computed. `match_layer` replays the
+stored Q, K, V of one layer-step (with the dump's scale and causal flag) under each candidate
+recipe, a preset with its own tiling under an accumulation model, and counts the stored-O
+elements it reproduces bit for bit. Bits are compared in the stored O's dtype (a replay whose O
+is wider is rounded to it, nearest-even, as a kernel's epilogue would). The search stops at the
+first candidate that reproduces every element, unless `try_all`.
+
+Only the forward is fingerprinted: O is what the dump stores. Recipes that differ only in their
+backward (bf16-autocast and bf16-autocast-train) give the same O; the candidate order puts the
+training recipe first, so a dump made by training names it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, replay_layer
+from fa_forensics.errors import DumpError
+from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig
+
+# Most likely first: the reference code as it trains, with and without its fix, then the
+# forward-only readings, hardware kernels, and the rest.
+_PRESET_ORDER = ("bf16-autocast-train", "bf16-autocast-stabilized", "bf16-autocast", "bf16-hw", "bf16",
+                 "stabilized", "fp32", "fp8-s1", "fp8-s256", "fp8-s448")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One candidate: a preset (with its own tiling) under an accumulation model."""
+
+    preset: str
+    accumulation: str
+
+    def config(self) -> ReplayConfig:
+        return ReplayConfig.preset(self.preset).with_(accumulation=Accumulation(self.accumulation))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """How well one recipe reproduces the stored O of one layer-step."""
+
+    preset: str
+    accumulation: str
+    o_bits_equal: float  # share of stored-O elements reproduced bit for bit, in [0, 1]
+    max_abs_err: float  # max |O_replay − O_stored| over finite elements (in fp64)
+    n_elements: int
+
+
+@dataclass(frozen=True)
+class LayerMatch:
+    step: int
+    layer: int
+    heads: list[int]
+    best: Candidate
+    candidates: list[Candidate]  # in the order tried
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    layers: list[LayerMatch]
+    tried_all: bool
+    compared_in: str  # dtype of the stored O the bits are compared in
+
+
+def candidate_recipes() -> list[Recipe]:
+    """Every preset in `_PRESET_ORDER` (then any other non-stochastic one), each under ieee and
+    tensor-core; tensor-core is left out where no product has low-precision operands (it would
+    fall back to ieee and repeat the same replay)."""
+    names = list(_PRESET_ORDER) + [n for n in PRESETS if n not in _PRESET_ORDER and n != "stochastic"]
+    recipes = []
+    for name in names:
+        cfg = ReplayConfig.preset(name)
+        recipes.append(Recipe(name, Accumulation.IEEE.value))
+        if cfg.input_dtype is not Precision.FP32:
+            recipes.append(Recipe(name, Accumulation.TENSOR_CORE.value))
+    return recipes
+
+
+def compare_o(replayed: torch.Tensor, stored: torch.Tensor) -> tuple[float, float, int]:
+    """(share of elements with equal bits in stored's dtype, max |difference|, n elements)."""
+    r = replayed.to(stored.dtype)
+    n = stored.numel()
+    if stored.dtype.itemsize == 2:
+        equal = r.view(torch.int16) == stored.view(torch.int16)
+    elif stored.dtype.itemsize == 4:
+        equal = r.view(torch.int32) == stored.view(torch.int32)
+    elif stored.dtype.itemsize == 1:
+        equal = r.view(torch.int8) == stored.view(torch.int8)
+    else:
+        equal = r.view(torch.int64) == stored.view(torch.int64)
+    diff = (replayed.double() - stored.double()).abs()
+    finite = torch.isfinite(diff)
+    max_err = float(diff[finite].max()) if finite.any() else math.nan
+    return float(equal.sum()) / n, max_err, n
+
+
+def match_layer(t: LayerTensors, recipes: Sequence[Recipe], *, try_all: bool = False, backend: str = "emulate") -> LayerMatch:
+    """Replay one layer-step under each recipe until one reproduces every stored-O element."""
+    if t.o is None:
+        raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
+    tried: list[Candidate] = []
+    for recipe in recipes:
+        out = replay_layer(t, recipe.config(), backward=False, backend=backend)
+        share, max_err, n = compare_o(out.o, t.o)
+        tried.append(Candidate(recipe.preset, recipe.accumulation, share, max_err, n))
+        if share == 1.0 and not try_all:
+            break
+    order = {id(c): i for i, c in enumerate(tried)}
+    best = max(tried, key=lambda c: (c.o_bits_equal, -(c.max_abs_err if math.isfinite(c.max_abs_err) else math.inf), -order[id(c)]))
+    return LayerMatch(t.step, t.layer, list(t.heads), best, tried)
+
+
+def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
+          recipes: Optional[Sequence[Recipe]] = None, progress: Optional[Callable[..., None]] = None) -> MatchResult:
+    """match_layer for every selected layer-step (all selected heads at once)."""
+    recipes = list(recipes) if recipes is not None else candidate_recipes()
+    layers, dtype = [], ""
+    for sel in selections:
+        t = load(dump, sel)
+        layers.append(match_layer(t, recipes, try_all=try_all, backend=backend))
+        dtype = str(t.o.dtype).replace("torch.", "")
+        if progress is not None:
+            progress(f"step {sel.step} layer {sel.layer}")
+    return MatchResult(layers, try_all, dtype)

@@ -1,0 +1,87 @@
+"""`fa-forensics match`: which recipe reproduces the stored O bit for bit (replay fidelity)."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from fa_forensics.commands.common import (
+    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, StepOpt, console, progress_bar, run_cli, write_json,
+)
+
+AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
+
+
+def _pct(x: float) -> str:
+    return "100 %" if x == 1.0 else f"{100 * x:.2f} %"
+
+
+def verdict_line(layer) -> str:
+    """'step S layer L: stored O reproduced 100 % by PRESET / ACCUMULATION' (or the best share)."""
+    b = layer.best
+    return f"step {layer.step} layer {layer.layer}: stored O reproduced {_pct(b.o_bits_equal)} by {b.preset} / {b.accumulation}"
+
+
+def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path) -> None:
+    from fa_forensics.analyses.match import candidate_recipes, match
+    from fa_forensics.analyses.selection import check_backend, select
+    from fa_forensics.dump import open_dump
+
+    check_backend(backend)
+    dump = open_dump(dump_path)
+    sels = select(dump, step, layer, head)
+    with progress_bar("match", len(sels)) as advance:
+        r = match(dump, sels, try_all=try_all, backend=backend, progress=advance)
+
+    table = Table(title=f"match: share of stored-O elements (in {r.compared_in}) each recipe reproduces bit for bit"
+                        + ("" if try_all else "; stops at the first 100 % (--all: try every recipe)"))
+    for c in ("step", "layer", "best recipe", "o_bits_equal", "max |Δ|", "recipes tried", "runner-up"):
+        table.add_column(c, justify="right")
+    for lm in r.layers:
+        others = sorted((c for c in lm.candidates if c is not lm.best), key=lambda c: -c.o_bits_equal)
+        runner = f"{others[0].preset} / {others[0].accumulation} {_pct(others[0].o_bits_equal)}" if others else "—"
+        table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}", _pct(lm.best.o_bits_equal),
+                      f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {len(candidate_recipes())}", runner)
+    console.print(table)
+
+    lines = [verdict_line(lm) for lm in r.layers]
+    worst = min(lm.best.o_bits_equal for lm in r.layers)
+    recipes = sorted({(lm.best.preset, lm.best.accumulation) for lm in r.layers})
+    if worst == 1.0 and len(recipes) == 1:
+        verdict = f"every selected layer-step ({len(r.layers)}): stored O reproduced 100 % by {recipes[0][0]} / {recipes[0][1]}"
+    elif worst == 1.0:
+        verdict = "every selected layer-step is reproduced 100 %, by different recipes: " + "; ".join(lines)
+    else:
+        verdict = (f"no recipe reproduces every stored-O element (worst layer-step {_pct(worst)}): analyses describe the "
+                   f"recipe they replay, not the kernel that trained; " + "; ".join(lines))
+    warnings = [] if worst >= 0.99 else [
+        f"stored O reproduced only {_pct(worst)} by the best known recipe: findings describe that recipe, not the kernel that trained"]
+    payload = {
+        "layers": [{"step": lm.step, "layer": lm.layer, "heads": lm.heads,
+                    "best": {"preset": lm.best.preset, "accumulation": lm.best.accumulation, "o_bits_equal": lm.best.o_bits_equal},
+                    "candidates": [{"preset": c.preset, "accumulation": c.accumulation, "o_bits_equal": c.o_bits_equal,
+                                    "max_abs_err": c.max_abs_err} for c in lm.candidates]}
+                   for lm in r.layers],
+        "compared_in": r.compared_in, "all": try_all, "backend": backend, "warnings": warnings, "verdict": verdict,
+    }
+    write_json(json_path, payload)
+    for line in (lines if len(lines) <= 8 else []):
+        console.print(line, highlight=False)
+    console.print(f"[bold]verdict:[/] {verdict}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("match", help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under every "
+                               "preset (its own tiling) and accumulation model; the share of O elements reproduced, per layer-step.")
+    def command(
+        dump: DumpArg,
+        step: StepOpt = None,
+        layer: LayerOpt = None,
+        head: HeadOpt = None,
+        try_all: AllOpt = False,
+        backend: BackendOpt = "emulate",
+        json_path: JsonOpt = None,
+        debug: DebugOpt = False,
+    ) -> None:
+        run_cli(debug, lambda: run(dump, step, layer, head, try_all, backend, json_path))
