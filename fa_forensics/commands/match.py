@@ -46,15 +46,16 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path) ->
     console.print(table)
 
     lines = [verdict_line(lm) for lm in r.layers]
-    worst = min(lm.best.o_bits_equal for lm in r.layers)
+    worst = min(r.layers, key=lambda lm: lm.best.o_bits_equal)
     recipes = sorted({(lm.best.preset, lm.best.accumulation) for lm in r.layers})
-    if worst == 1.0 and len(recipes) == 1:
-        verdict = f"every selected layer-step ({len(r.layers)}): stored O reproduced 100 % by {recipes[0][0]} / {recipes[0][1]}"
-    elif worst == 1.0:
-        verdict = "every selected layer-step is reproduced 100 %, by different recipes: " + "; ".join(lines)
+    named = ", ".join(f"{p} / {a}" for p, a in recipes)
+    if worst.best.o_bits_equal == 1.0:
+        verdict = f"stored O reproduced 100 % in every selected layer-step ({len(r.layers)}) by {named}"
     else:
-        verdict = (f"no recipe reproduces every stored-O element (worst layer-step {_pct(worst)}): analyses describe the "
-                   f"recipe they replay, not the kernel that trained; " + "; ".join(lines))
+        verdict = (f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} (step {worst.step} layer "
+                   f"{worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); analyses describe the recipe they "
+                   f"replay, not the kernel that trained")
+    worst = worst.best.o_bits_equal
     warnings = [] if worst >= 0.99 else [
         f"stored O reproduced only {_pct(worst)} by the best known recipe: findings describe that recipe, not the kernel that trained"]
     payload = {
