@@ -7,9 +7,9 @@ the gradient error compound. Per feature i, Σ_T dO[T,i]·(O_lp − O_hp)[T,i] s
 it, and the sign agreement of dO and the O error shows the paper's mechanism (Fig. 5b/c: both
 negative in features 20 and 29). All arithmetic here is float64 on exactly upcast tensors.
 
-"lp" is the recipe's low-precision config (default preset "bf16"; "bf16-autocast" is the paper's
-exact reference setting, "bf16-hw" the hardware kernels' fp32 accumulator); "hp" is always the fp32
-preset on the same stored inputs.
+"lp" is the recipe's low-precision config (default preset "bf16"; "bf16-autocast" is the forward of
+the paper's reference code, "bf16-hw" the hardware kernels' fp32 accumulator; `fa-forensics match`
+says which one reproduces a dump's stored O); "hp" is always the fp32 preset on the same stored inputs.
 """
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     q: (R, D), k: (K, D) stored values; causal: row i sees keys 0 .. i + K − R.
     P̄_hp is the fp32 preset's: S = α·(q·kᵀ) with the products accumulated by numerics.matmul in
     fp32, m = rowmax S, P̄_hp = exp(S − m) in fp32. P̄_lp without `config`: P̄_hp cast to p_format
-    (nearest-even; the paper's BF16 setting). With `config` (a ReplayConfig, the low-precision
+    (nearest-even; the P̄ cast of preset bf16). With `config` (a ReplayConfig, the low-precision
     recipe): its scores (s_dtype: S and α·S rounded), its shift (the replay's own rule,
     `replay.emulate.softmax.block_shift`: standard / stabilized Algorithm 3 / fixed offset; s − m
     rounded to s_dtype), exp (`numerics.exp_fp32`, the emulator's) in fp32, cast to its p_dtype. Under a non-standard shift

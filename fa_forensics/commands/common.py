@@ -56,9 +56,11 @@ AccumulationOpt = Annotated[str, typer.Option("--accumulation", help="Accumulati
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
-    help="Low-precision reading replayed against fp32: bf16 (default) | bf16-autocast (the paper's reference code) | "
-         "bf16-hw (hardware kernels, fp32 accumulator) | stabilized | stochastic | fp32 | fp8-s1 | fp8-s256 | fp8-s448. "
-         "--accumulation still applies.")]
+    help="Low-precision reading replayed against fp32: bf16 (default: fp32 scores and statistics, bf16 P̄ and P̄V) | "
+         "bf16-autocast (the paper's reference code's forward) | bf16-autocast-train (its forward and backward as it trains) | "
+         "bf16-autocast-stabilized (its fix as run, STABLE=1) | bf16-hw (hardware kernels, fp32 accumulator) | stabilized "
+         "(bf16 + Algorithm 3) | stochastic | fp32 | fp8-s1 | fp8-s256 | fp8-s448. `fa-forensics match` says which one "
+         "reproduces the dump's stored O. --accumulation still applies.")]
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

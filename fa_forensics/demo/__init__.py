@@ -1,7 +1,8 @@
 """The project's own small training run, used to make real dumps.
 
-- `model.GPT`: a nanoGPT-style GPT whose attention is a pure-PyTorch FlashAttention-2 forward with
-  the paper's BF16 casts (or torch's scaled_dot_product_attention, `attention="sdpa"`).
+- `model.GPT`: a nanoGPT-style GPT whose attention is the paper's reference FlashAttention-2 as it
+  trains under CUDA BF16 autocast, forward and backward (the replay emulator under preset
+  "bf16-autocast-train"), or torch's scaled_dot_product_attention (`attention="sdpa"`).
 - `data.stdlib_corpus`: byte-level text from the Python standard library's own .py files.
 - `train.train(DemoConfig(...))`: AdamW training loop with an optional capture session and a
   per-step callback (the place for per-step statistics).

@@ -271,6 +271,7 @@ def _bf16_autocast_train() -> ReplayConfig:
 PRESETS = {
     "bf16": lambda: ReplayConfig(),
     "fp32": lambda: ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32),
+    # preset bf16 with Algorithm 3; the paper's fix as it ran is "bf16-autocast-stabilized"
     "stabilized": lambda: ReplayConfig(softmax=Softmax.STABILIZED),
     # hardware flash-attention kernels: P̄ cast to bf16, fp32 accumulator, O rounded once after 1/ℓ
     "bf16-hw": lambda: ReplayConfig(pv_dtype=_FP32, block_m=128, block_n=64, accumulation=Accumulation.TENSOR_CORE),

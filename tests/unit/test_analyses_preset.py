@@ -23,7 +23,7 @@ def test_lp_config_is_the_preset_with_the_chosen_accumulation():
     cfg = Recipe("bf16-hw", "ieee").base_config()
     assert cfg == ReplayConfig.preset("bf16-hw").with_(accumulation=Accumulation.IEEE)
     assert Recipe("bf16-autocast", "tensor-core").base_config().s_dtype is BF16
-    assert Recipe().base_config() == ReplayConfig()  # the default stays the paper's BF16 setting
+    assert Recipe().base_config() == ReplayConfig()  # the default stays preset bf16
 
 
 def test_unknown_preset_is_one_line_listing_the_presets():
