@@ -6,6 +6,11 @@
     of bit-identical entries of O, δ and dQ. Expected differences: exp2.approx vs torch.exp (P's
     last fp32 bit), the hardware's tree reduction of ℓ vs the emulator's fp64 sum, the MMA's
     internal order vs the models, FMA contraction (disabled in replay kernels).
+(c) Which replay recipe reproduces SDPA's kernels: for each (step, layer), O of
+    F.scaled_dot_product_attention under each SDPA backend (flash, efficient, cudnn, math; one
+    at a time with torch.nn.attention.sdpa_kernel, skipped where unavailable) on the stored bf16
+    Q, K, V, compared bit for bit with the emulator's O under every `match` recipe
+    (analyses.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
 (b) Throughput at GPT-2 shapes (B 8, H 12, T 1024, D 64, causal, bf16): the forward of
     F.scaled_dot_product_attention, of the plain Triton kernel (standard softmax, planned once
     outside the timed call) and of stable_attention (stabilized), and the backward of SDPA and of
@@ -68,6 +73,38 @@ def agreement(args) -> list[dict]:
     return rows
 
 
+def sdpa_match(args) -> list[dict]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa_forensics.analyses.match import candidate_recipes, compare_o
+    from fa_forensics.replay import replay
+
+    rows = []
+    for label, q, k, v, _do, causal, scale in _load_pairs(args):
+        q16, k16, v16 = (x.to(torch.bfloat16).cuda() for x in (q, k, v))
+        emulated = {}
+        for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    o = F.scaled_dot_product_attention(q16, k16, v16, is_causal=causal, scale=scale).cpu()
+            except (RuntimeError, AttributeError) as exc:
+                rows.append({"input": label, "sdpa_backend": name, "unavailable": str(exc).splitlines()[0]})
+                continue
+            for recipe in candidate_recipes():
+                key = (recipe.preset, recipe.accumulation)
+                if key not in emulated:
+                    cfg = recipe.config().with_(gpu=args.gpu)
+                    emulated[key] = replay(q, k, v, cfg, backend="emulate", causal=causal, scale=scale).o
+                share, max_err, _ = compare_o(emulated[key], o)
+                rows.append({"input": label, "sdpa_backend": name, "preset": recipe.preset,
+                             "accumulation": recipe.accumulation, "o_bits_equal": share, "max_abs_err": max_err})
+            best = max((r for r in rows if r.get("sdpa_backend") == name and r.get("input") == label and "preset" in r),
+                       key=lambda r: r["o_bits_equal"])
+            print(json.dumps({"input": label, "sdpa_backend": name, "best": best}))
+    return rows
+
+
 def throughput(args) -> dict:
     import triton.testing
 
@@ -124,7 +161,8 @@ def main(argv=None) -> int:
         print("gpu_validate: no CUDA GPU here; run it on a machine with one", file=sys.stderr)
         return 2
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "agreement": agreement(args), "throughput": throughput(args)}
+              "torch": torch.__version__, "agreement": agreement(args), "sdpa_match": sdpa_match(args),
+              "throughput": throughput(args)}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

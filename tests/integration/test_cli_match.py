@@ -75,3 +75,16 @@ def test_compare_o_counts_bits_in_the_stored_dtype():
     replayed[3] = 0.5 + 2.0 ** -12  # below half a bf16 ulp: rounds back to the stored bits
     share, max_err, n = compare_o(replayed, stored)
     assert (share, n) == (0.75, 4) and max_err == pytest.approx(2.0 ** -6)
+
+
+DEMO = Path(__file__).resolve().parents[2] / "sample_dumps" / "demo.zarr"
+
+
+def test_match_reproduces_every_layer_of_the_demo_dump(tmp_path):
+    """The demo trains with the reference code's recipe: its stored O replays bit for bit."""
+    out = tmp_path / "m.json"
+    res = CliRunner().invoke(app, ["match", str(DEMO), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    layers = json.loads(out.read_text())["layers"]
+    assert len(layers) == 8  # steps 296-299, layers 1 and 3
+    assert all(lm["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee", "o_bits_equal": 1.0} for lm in layers)
