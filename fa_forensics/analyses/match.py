@@ -8,17 +8,23 @@ elements it reproduces bit for bit. Bits are compared in the stored O's dtype (a
 is wider is rounded to it, nearest-even, as a kernel's epilogue would). The search stops at the
 first candidate that reproduces every element, unless `try_all`.
 
+`best_recipe` is the cached form behind `--preset auto`: the match of one whole layer-step, kept in
+the layer group's attributes with a fingerprint of the stored arrays (a changed dump recomputes).
+
 Only the forward is fingerprinted: O is what the dump stores. Recipes that differ only in their
 backward (bf16-autocast and bf16-autocast-train) give the same O; the candidate order puts the
 training recipe first, so a dump made by training names it.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+import zarr
 
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, replay_layer
 from fa_forensics.errors import DumpError
@@ -128,3 +134,51 @@ def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, 
         if progress is not None:
             progress(f"step {sel.step} layer {sel.layer}")
     return MatchResult(layers, try_all, dtype)
+
+
+# ---- the per-layer cache behind `--preset auto` ---------------------------------------------
+CACHE_ATTR = "replay_match"  # layer-group attribute holding the cached result
+
+
+def fingerprint(t: LayerTensors, recipes: Sequence[Recipe]) -> str:
+    """sha256 of what a match result depends on: the stored q, k, v, o bytes, scale, causal flag
+    and the recipes tried (a changed dump or recipe list invalidates the cache)."""
+    h = hashlib.sha256()
+    for x in (t.q, t.k, t.v, t.o):
+        h.update(str((tuple(x.shape), str(x.dtype))).encode())
+        h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(repr((t.scale, t.causal, [(r.preset, r.accumulation) for r in recipes])).encode())
+    return h.hexdigest()
+
+
+def _to_attr(lm: LayerMatch, key: str) -> dict:
+    return {"fingerprint": key, "heads": lm.heads, "best": dataclasses.asdict(lm.best),
+            "candidates": [dataclasses.asdict(c) for c in lm.candidates]}
+
+
+def _from_attr(a: dict, step: int, layer: int) -> LayerMatch:
+    cands = [Candidate(**c) for c in a["candidates"]]
+    return LayerMatch(step, layer, list(a["heads"]), Candidate(**a["best"]), cands)
+
+
+def best_recipe(dump, step: int, layer: int, *, backend: str = "emulate") -> LayerMatch:
+    """The match of one whole layer-step (every stored head), from the dump's cache when its
+    fingerprint still fits, else computed and written back to the layer group's attributes
+    (skipped, with no error, when the store cannot be written)."""
+    heads = dump.heads(step, layer)
+    t = load(dump, LayerSelection(step, layer, heads))
+    recipes = candidate_recipes()
+    key = fingerprint(t, recipes) if t.o is not None else ""
+    cached = dump._layer(step, layer).attrs.get(CACHE_ATTR)
+    if isinstance(cached, dict) and cached.get("fingerprint") == key and key:
+        try:
+            return _from_attr(cached, step, layer)
+        except (KeyError, TypeError):
+            pass  # an unreadable cache is recomputed
+    lm = match_layer(t, recipes, backend=backend)
+    try:
+        group = zarr.open_group(str(dump.path), mode="r+")[dump._layer(step, layer).path]
+        group.attrs[CACHE_ATTR] = _to_attr(lm, key)
+    except Exception:  # read-only store or file system: the result is still returned
+        pass
+    return lm
