@@ -148,3 +148,15 @@ def test_stochastic_rounding_with_autocast_knobs_is_still_refused_in_one_line():
     q, k, v, _ = _inputs()
     with pytest.raises(UserError, match="stochastic"):
         replay(q, k, v, ReplayConfig.preset("bf16-autocast").with_(rounding="stochastic"), backend="triton")
+
+
+def test_the_reference_loop_and_backward_are_refused_where_they_change_the_bits(aligned):
+    q, k, v, do = _inputs()
+    with pytest.raises(UserError, match="fully masked KV blocks"):
+        replay(q, k, v, ReplayConfig.preset("bf16-autocast-stabilized"), backend="triton")
+    with pytest.raises(UserError, match="reference code's bf16 one"):
+        replay(q, k, v, ReplayConfig.preset("bf16-autocast-train"), do, backend="triton")
+    # with the standard softmax the loop as run is exact: the training recipe's forward runs
+    cfg = ReplayConfig.preset("bf16-autocast-train").with_(block_m=16, block_n=16)
+    tri, emu = _both(cfg, (q, k, v, None))
+    assert torch.equal(tri.o, emu.o)
