@@ -25,10 +25,11 @@ def verdict_line(layer) -> str:
 
 def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path) -> None:
     from fa_forensics.analyses.match import candidate_recipes, match
-    from fa_forensics.analyses.selection import check_backend, select
+    from fa_forensics.analyses.selection import select
+    from fa_forensics.commands.common import build_backend
     from fa_forensics.dump import open_dump
 
-    check_backend(backend)
+    backend = build_backend(backend).value
     dump = open_dump(dump_path)
     sels = select(dump, step, layer, head)
     with progress_bar("match", len(sels)) as advance:
