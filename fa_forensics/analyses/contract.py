@@ -54,13 +54,30 @@ def claim(quantity: str, p_value: float, n_tests: int, value: float, *, layer=No
     return BiasClaim(found, quantity, layer, head, sign, p_value, n_tests, step, feature)
 
 
-def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict]:
-    """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`.
+FIDELITY_WARN_BELOW = 0.99  # o_bits_equal under which every analysis warns
 
-    None (JSON null) while no fidelity measurement is wired in; an analysis stores what this returns
-    in its Result's `replay_fidelity` and never computes it elsewhere.
+
+def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict]:
+    """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`:
+    {preset, accumulation, o_bits_equal, per_layer[] {step, layer, o_bits_equal}} (analyses.match:
+    one forward replay per layer-step), or None for in-memory layers and dumps without O. An
+    analysis stores what this returns in its Result's `replay_fidelity` and never computes it elsewhere.
     """
-    return None
+    if dump is None:
+        return None
+    from fa_forensics.analyses.match import fidelity
+
+    return fidelity(dump, selections, recipe)
+
+
+def fidelity_warnings(fid: Optional[dict]) -> list[str]:
+    """One line when the replayed recipe reproduces less than 99 % of the stored O."""
+    if not fid or fid.get("o_bits_equal") is None or fid["o_bits_equal"] >= FIDELITY_WARN_BELOW:
+        return []
+    worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])
+    return [f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * fid['o_bits_equal']:.1f} % of "
+            f"the stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %): the findings "
+            f"describe that recipe, not the kernel that trained; `fa-forensics match` names the recipe that does"]
 
 
 def recipe_keys(recipe: Recipe, backend: Backend) -> dict:
@@ -70,7 +87,8 @@ def recipe_keys(recipe: Recipe, backend: Backend) -> dict:
 
 def common_keys(result) -> dict:
     """`warnings` and `replay_fidelity` of a Result, as every analysis's JSON carries them."""
-    return {"warnings": list(result.warnings), "replay_fidelity": result.replay_fidelity}
+    return {"warnings": list(result.warnings) + fidelity_warnings(result.replay_fidelity),
+            "replay_fidelity": result.replay_fidelity}
 
 
 def to_jsonable(obj: Any) -> Any:

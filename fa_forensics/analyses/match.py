@@ -182,3 +182,24 @@ def best_recipe(dump, step: int, layer: int, *, backend: str = "emulate") -> Lay
     except Exception:  # read-only store or file system: the result is still returned
         pass
     return lm
+
+
+def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate") -> Optional[dict]:
+    """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
+    low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
+    over the selected layer-steps and heads, and per layer-step. None when no layer stores O."""
+    from fa_forensics.analyses.recipe import lp_config_for
+
+    per_layer, equal, total = [], 0.0, 0
+    for sel in selections:
+        t = load(dump, sel)
+        if t.o is None:
+            continue
+        out = replay_layer(t, lp_config_for(dump, sel.step, sel.layer, recipe), backward=False, backend=backend)
+        share, _, n = compare_o(out.o, t.o)
+        per_layer.append({"step": sel.step, "layer": sel.layer, "o_bits_equal": share})
+        equal, total = equal + share * n, total + n
+    if not total:
+        return None
+    return {"preset": recipe.preset, "accumulation": recipe.accumulation.value, "o_bits_equal": equal / total,
+            "per_layer": per_layer}

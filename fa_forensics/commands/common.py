@@ -260,7 +260,7 @@ def show_result(args: AnalysisArgs, result: Any, payload: dict, tables: Sequence
     figures = [str(p) for p in draw(result, args.out)] if args.out is not None else []
     payload = {**payload, "figures": figures}
     write_json(args.json_path, payload)
-    print_warnings(result.warnings)
+    print_warnings(payload.get("warnings", result.warnings))
     console.print(f"[{verdict_style}]verdict:[/] {payload['verdict']}", highlight=False, soft_wrap=True)
     return payload
 

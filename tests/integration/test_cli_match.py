@@ -88,3 +88,18 @@ def test_match_reproduces_every_layer_of_the_demo_dump(tmp_path):
     layers = json.loads(out.read_text())["layers"]
     assert len(layers) == 8  # steps 296-299, layers 1 and 3
     assert all(lm["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee", "o_bits_equal": 1.0} for lm in layers)
+
+
+def test_every_analysis_json_carries_replay_fidelity_and_warns_below_99_percent(make_dump, tmp_path):
+    path = make_dump(steps=(0,), seq=64, head_dim=16)  # its O is the bf16 preset's replay
+    for preset, expect_warning in (("bf16", False), ("bf16-autocast", True)):
+        out = tmp_path / f"{preset}.json"
+        res = CliRunner().invoke(app, ["delta-bias", str(path), "--preset", preset, "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        d = json.loads(out.read_text())
+        fid = d["replay_fidelity"]
+        assert fid["preset"] == preset and fid["per_layer"][0]["step"] == 0
+        assert (fid["o_bits_equal"] == 1.0) is not expect_warning
+        lines = [w for w in d["warnings"] if w.startswith("replay fidelity:")]
+        assert len(lines) == int(expect_warning)
+        assert ("warning: replay fidelity: preset bf16-autocast" in res.output) is expect_warning
