@@ -105,6 +105,8 @@ def _check_layer_attrs(attrs: dict[str, Any], step: int, layer: int) -> list[Dam
     scale = attrs.get("scale")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         out.append(Damage(step, layer, None, f"layer attribute scale={scale!r} is not a number"))
+    elif scale is not None and not (math.isfinite(scale) and scale > 0):
+        out.append(Damage(step, layer, None, f"layer attribute scale={scale!r} is not a positive finite softmax scale"))
     causal = attrs.get("causal")
     if causal is not None and not isinstance(causal, bool):
         out.append(Damage(step, layer, None, f"layer attribute causal={causal!r} is not true/false"))

@@ -59,6 +59,14 @@ def _string_scale(p):
     _edit_json(p / LAYER / "zarr.json", lambda a: a.update(scale="abc"))
 
 
+def _zero_scale(p):
+    _edit_json(p / LAYER / "zarr.json", lambda a: a.update(scale=0.0))
+
+
+def _negative_scale(p):
+    _edit_json(p / LAYER / "zarr.json", lambda a: a.update(scale=-0.125))
+
+
 def _deleted_layer(p):
     shutil.rmtree(p / LAYER)
 
@@ -70,6 +78,8 @@ METADATA_CASES = {
     "bad-step-zarr.json": (_bad_step_json, "step 1: zarr.json is not valid JSON"),
     "dtype-attr-does-not-fit": (_wrong_dtype_attr, "dtype attribute 'float32' does not fit the stored data type uint16"),
     "string-in-numeric-attr": (_string_scale, "layer attribute scale='abc' is not a number"),
+    "zero-scale": (_zero_scale, "layer attribute scale=0.0 is not a positive finite softmax scale"),
+    "negative-scale": (_negative_scale, "layer attribute scale=-0.125 is not a positive finite softmax scale"),
     "deleted-layer-folder": (_deleted_layer, "layer 0: layer folder is missing though the step lists it"),
 }
 DATA_CASES = {
