@@ -52,8 +52,10 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
     console.print(table)
     verdict = report_verdict(sections)
+    warnings = list(dict.fromkeys(w for s in sections for w in ((s.data or {}).get("warnings") or [])))  # every section's, once
     write_json(json_path, {
         "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict, "findings": findings(sections),
+        "warnings": warnings,
         "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
                       "seconds": s.seconds, "json": s.data} for s in sections],
     })

@@ -27,6 +27,7 @@ def test_report_on_planted(tmp_path):
     ok = {s["name"] for s in d["sections"] if s["ok"]}
     assert {"pv-trace", "bitdiff", "fix-check"} <= ok
     assert any("pv-trace:" in f for f in d["findings"]) and "<img src=" in page
+    assert d["warnings"] == []  # planted's O is the bf16 recipe's: fidelity 100 %, nothing to warn about
     for s in d["sections"]:
         for fig in s["figures"]:
             assert (out / fig).is_file()
