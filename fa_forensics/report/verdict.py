@@ -34,8 +34,13 @@ def agreement(by_name: dict[str, dict]) -> tuple[bool, Optional[tuple[int, int]]
 
 def _fidelity(sections) -> str:
     for s in sections:
-        if s.data is not None and s.data.get("replay_fidelity") is not None:
-            return f"replay fidelity {s.data['replay_fidelity']}"
+        fidelity = None if s.data is None else s.data.get("replay_fidelity")
+        if fidelity is not None:
+            share = fidelity.get("o_bits_equal")
+            low = "" if share is None or share >= 0.99 else ": the findings describe that recipe, not the kernel that trained"
+            shown = "unknown" if share is None else f"{100 * share:.1f} %"
+            return (f"replay fidelity: recipe {fidelity.get('preset')} / {fidelity.get('accumulation')} "
+                    f"reproduces {shown} of the stored O bits{low}")
     return "replay fidelity not measured (the findings describe the replayed recipe)"
 
 

@@ -28,6 +28,7 @@ def test_report_on_planted(tmp_path):
     assert {"pv-trace", "bitdiff", "fix-check"} <= ok
     assert any("pv-trace:" in f for f in d["findings"]) and "<img src=" in page
     assert d["warnings"] == []  # planted's O is the bf16 recipe's: fidelity 100 %, nothing to warn about
+    assert "replay fidelity: recipe bf16 / ieee reproduces 100.0 % of the stored O bits" in d["verdict"]
     for s in d["sections"]:
         for fig in s["figures"]:
             assert (out / fig).is_file()
