@@ -7,6 +7,7 @@ they did not ask for.
 """
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
 import sys
@@ -75,6 +76,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
     with a UserError shows only its error line, which names what must be fixed first.
     """
     shown: list[str] = []
+    token = _SHOWN_WARNINGS.set(shown)
     try:
         with warnings.catch_warnings():
             if not debug:
@@ -104,16 +106,29 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
             soft_wrap=True,
         )
         raise typer.Exit(code=2)
+    finally:
+        _SHOWN_WARNINGS.reset(token)
+
+
+# The warnings a running command has raised so far (one list per run_cli call), for its JSON.
+_SHOWN_WARNINGS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("shown_warnings", default=None)
 
 
 def write_json(path: Optional[Path], payload: Any) -> None:
-    """Write `payload` as JSON to `path` (if given), creating parent folders."""
+    """Write `payload` as JSON to `path` (if given), creating parent folders.
+
+    A payload (dict or dataclass) without a `warnings` key gets one: the warnings the command has raised so far
+    (the lines it prints on stderr), so that every command's JSON carries `warnings`.
+    """
     if path is None:
         return
+    data = to_jsonable(payload)
+    if isinstance(data, dict) and "warnings" not in data:
+        data["warnings"] = list(dict.fromkeys(_SHOWN_WARNINGS.get() or []))
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(to_jsonable(payload), indent=2) + "\n")
+        path.write_text(json.dumps(data, indent=2) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write JSON to {path}: {exc.strerror or exc}; choose a writable path for --json")
 

@@ -21,6 +21,10 @@ def test_info_json_and_tables(make_dump, tmp_path):
     assert s["steps"] == [0, 5] and s["incomplete_steps"] == [9] and s["layers"] == [0, 1]
     assert s["arrays"]["1"]["do"]["shape"] == [1, 2, 16, 8] and s["format_version"] == 1 and s["heads"]["0"] == [0, 1]
     assert "incomplete steps" in r.stdout and "9" in r.stdout and "IncompleteStepWarning" not in r.stderr
+    assert s["warnings"] == []  # info lists the incomplete step in its table instead of warning
+    r = runner.invoke(app, ["export", str(path), "--to", str(tmp_path / "e.safetensors"), "--json", str(tmp_path / "e.json")])
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert r.exit_code == 0 and len(e["warnings"]) == 1 and "step(s) 9 are incomplete" in e["warnings"][0]  # the stderr line
     r = runner.invoke(app, ["info", str(path), "--step", "5", "--layer", "1", "--json", str(tmp_path / "j.json")])
     assert r.exit_code == 0 and json.loads((tmp_path / "j.json").read_text())["layers"] == [1]
 
@@ -28,6 +32,7 @@ def test_info_json_and_tables(make_dump, tmp_path):
 def test_info_on_planted_shows_ground_truth(planted_dump, tmp_path):
     r = runner.invoke(app, ["info", str(planted_dump), "--json", str(tmp_path / "p.json")])
     assert r.exit_code == 0 and "ground truth" in r.stdout
+    assert json.loads((tmp_path / "p.json").read_text())["warnings"] == []
     gt = json.loads((tmp_path / "p.json").read_text())["ground_truth"]
     assert gt["planted_heads"] == [1] and gt["ties"] == 2 and len(gt["standout_x_features"]) == 2
 
