@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -184,6 +185,10 @@ def best_recipe(dump, step: int, layer: int, *, backend: str = "emulate") -> Lay
     return lm
 
 
+# Per opened Dump: (step, layer, heads, config, backend) -> compare_o of the replayed O (None: no stored O).
+_O_SHARES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate") -> Optional[dict]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
     low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
@@ -191,12 +196,19 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
     from fa_forensics.analyses.recipe import lp_config_for
 
     per_layer, equal, total = [], 0.0, 0
+    try:
+        shares = _O_SHARES.setdefault(dump, {})
+    except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
+        shares = {}
     for sel in selections:
-        t = load(dump, sel)
-        if t.o is None:
+        config = lp_config_for(dump, sel.step, sel.layer, recipe)
+        key = (sel.step, sel.layer, tuple(sel.heads), config, backend)
+        if key not in shares:  # the analyses of one report share a dump: replay each layer-step once
+            t = load(dump, sel)
+            shares[key] = None if t.o is None else compare_o(replay_layer(t, config, backward=False, backend=backend).o, t.o)
+        if shares[key] is None:
             continue
-        out = replay_layer(t, lp_config_for(dump, sel.step, sel.layer, recipe), backward=False, backend=backend)
-        share, _, n = compare_o(out.o, t.o)
+        share, _, n = shares[key]
         per_layer.append({"step": sel.step, "layer": sel.layer, "o_bits_equal": share})
         equal, total = equal + share * n, total + n
     if not total:
