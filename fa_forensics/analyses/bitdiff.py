@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, replay_fidelity
-from fa_forensics.analyses.recipe import Backend
+from fa_forensics.analyses.recipe import Backend, resolve
 from fa_forensics.analyses.selection import as_seen_by, input_cast_error, load, lp_of, replay_layer
 from fa_forensics.errors import DumpError
 
@@ -234,7 +234,7 @@ def bias_map(result: BitdiffResult) -> tuple[list[tuple[int, int]], torch.Tensor
 
 def side_name(side) -> str:
     """'dump' for the stored O (None), else the recipe's preset."""
-    return "dump" if side is None else side.preset
+    return "dump" if side is None else side.label
 
 
 def run(dump, selections, a, b, backend="emulate", *, progress=None) -> BitdiffResult:
@@ -243,6 +243,7 @@ def run(dump, selections, a, b, backend="emulate", *, progress=None) -> BitdiffR
     A side is a `Recipe` (O replayed under its config at each layer-step) or None (the O stored in
     the dump). Both recipes share one accumulation model.
     """
+    a, b = (None if side is None else resolve(dump, selections, side) for side in (a, b))
     parts, cast_parts, warnings = [], [], []
     for sel in selections:
         t = load(dump, sel)
@@ -266,7 +267,7 @@ def run(dump, selections, a, b, backend="emulate", *, progress=None) -> BitdiffR
             progress()
     recipe = a if a is not None else b
     return replace(summarize(parts, side_name(a), side_name(b)),
-                   accumulation=recipe.accumulation.value if recipe is not None else "ieee", backend=Backend(backend).value,
+                   accumulation=recipe.accumulation_name if recipe is not None else "ieee", backend=Backend(backend).value,
                    input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
                    replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
 

@@ -59,7 +59,8 @@ FIDELITY_WARN_BELOW = 0.99  # o_bits_equal under which every analysis warns
 
 def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict]:
     """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`:
-    {preset, accumulation, o_bits_equal, per_layer[] {step, layer, o_bits_equal}} (analyses.match:
+    {preset, accumulation, requested, o_bits_equal, per_layer[] {step, layer, preset, accumulation,
+    o_bits_equal}, unmatched[]} (analyses.match.fidelity:
     one forward replay per layer-step), or None for in-memory layers and dumps without O. An
     analysis stores what this returns in its Result's `replay_fidelity` and never computes it elsewhere.
     """
@@ -71,18 +72,27 @@ def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict
 
 
 def fidelity_warnings(fid: Optional[dict]) -> list[str]:
-    """One line when the replayed recipe reproduces less than 99 % of the stored O."""
-    if not fid or fid.get("o_bits_equal") is None or fid["o_bits_equal"] >= FIDELITY_WARN_BELOW:
+    """One line when the replayed recipe reproduces less than 99 % of the stored O, one when `auto`
+    found no stored O to match somewhere and replayed its fallback there."""
+    if not fid:
         return []
+    out = []
+    if fid.get("unmatched") and fid.get("requested") == "auto":
+        where = ", ".join(f"step {u['step']} layer {u['layer']}" for u in fid["unmatched"][:4])
+        more = f" and {len(fid['unmatched']) - 4} more" if len(fid["unmatched"]) > 4 else ""
+        out.append(f"preset auto: no stored O to match at {where}{more}; replayed preset {fid['unmatched'][0]['preset']} "
+                   f"there, which may not be the kernel that trained (name one with --preset)")
+    if fid.get("o_bits_equal") is None or fid["o_bits_equal"] >= FIDELITY_WARN_BELOW:
+        return out
     worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])
-    return [f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * fid['o_bits_equal']:.1f} % of "
+    return out + [f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * fid['o_bits_equal']:.1f} % of "
             f"the stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %): the findings "
             f"describe that recipe, not the kernel that trained; `fa-forensics match` names the recipe that does"]
 
 
 def recipe_keys(recipe: Recipe, backend: Backend) -> dict:
     """The JSON keys naming the replayed recipe: preset, accumulation, backend."""
-    return {"preset": recipe.preset, "accumulation": recipe.accumulation.value, "backend": Backend(backend).value}
+    return {"preset": recipe.preset, "accumulation": recipe.accumulation_name, "backend": Backend(backend).value}
 
 
 def common_keys(result) -> dict:

@@ -20,7 +20,7 @@ import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.fanout import Workers, map_in_order, one_torch_thread, work_items
-from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.recipe import Backend, Recipe, resolve
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
 from fa_forensics.errors import DumpError
@@ -116,7 +116,7 @@ class DeltaBiasResult:
 
     @property
     def preset(self) -> str:
-        return self.recipe.preset
+        return self.recipe.label
 
     @property
     def no_difference(self) -> bool:
@@ -169,6 +169,7 @@ def run(
     Work items are (step, layer, group of heads) (`fanout.work_items`), each replayed and reduced
     to its part on one thread, in-process or on `workers`; parts are combined in item order, so the
     result is the same for any number of workers. `progress` is called once per work item."""
+    recipe = resolve(dump, selections, recipe)
     items = work_items(selections)
     if workers.in_process:
         part_of = _ItemPart(recipe, backend, dump=dump)

@@ -40,7 +40,7 @@ import torch
 
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
+from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_of, replay_layer
 from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
 
@@ -58,13 +58,13 @@ class FixVariant:
     what: str  # one line for tables
 
 
-def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET, *, beta: float = 2.0, eps: float = 1e-3,
+def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRESET, *, beta: float = 2.0, eps: float = 1e-3,
                  offset: float = 1.0) -> list[FixVariant]:
     """Baseline (`base`, the low-precision config named `preset`), the stabilized fix and the
     alternatives, in that order."""
     fp32 = Precision.FP32
     return [
-        FixVariant("baseline", "baseline", base, "paper BF16 setting" if preset == "bf16" else f"preset {preset}"),
+        FixVariant("baseline", "baseline", base, f"preset {preset}"),
         FixVariant("stabilized", "fixed", base.with_(softmax=Softmax.STABILIZED, beta=beta, eps=eps),
                 f"stabilized softmax β={beta:g}, ε={eps:g}"),
         FixVariant("fixed-offset", "alternative", base.with_(softmax=Softmax.FIXED_OFFSET, offset=offset),
@@ -194,7 +194,7 @@ class FixCheckResult:
 
     @property
     def preset(self) -> str:
-        return self.recipe.preset
+        return self.recipe.label
 
 
 def pick_target(cells: list[BiasCell], alpha: float = ALPHA) -> BiasCell:
@@ -270,6 +270,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None) -> FixCheckResult:
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
     the fp32 replay; δ errors from the stored dO (when present)."""
+    recipe = resolve(dump, selections, recipe)
     variants: list[FixVariant] = []
     parts: dict[str, list[VariantLayerStep]] = {}
     warnings: list[str] = []
@@ -278,7 +279,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         lp = lp_of(t, recipe)
         t = as_seen_by(t, lp)  # both sides replay the inputs as the recipe sees them
         warnings.extend(w for w in t.warnings if w not in warnings)
-        variants = fix_variants(lp, recipe.preset, beta=beta, eps=eps, offset=offset)
+        variants = fix_variants(lp, preset_at(t.source, t.step, t.layer, recipe), beta=beta, eps=eps, offset=offset)
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value)  # (B, h, T, T)
         for v in variants:

@@ -41,7 +41,7 @@ import torch
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
 from fa_forensics.analyses.rank1_sim import pk_rows
-from fa_forensics.analyses.recipe import DEFAULT_PRESET, Backend, Recipe, hp_config
+from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
 from fa_forensics.analyses.selection import (
     LayerSelection, LayerTensors, as_seen_by, input_cast_error, load, lp_of, replay_layer,
 )
@@ -78,7 +78,7 @@ def baseline_config(T: int, lp: ReplayConfig = ReplayConfig()) -> ReplayConfig:
     return base
 
 
-def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = DEFAULT_PRESET) -> list[Repair]:
+def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRESET) -> list[Repair]:
     """The baseline (`lp`, the low-precision config named `preset`, tiled) and its single repairs, in
     the order of the paper's §3.2."""
     base = baseline_config(T, lp)
@@ -203,11 +203,11 @@ class IsolateResult:
 
     @property
     def preset(self) -> str:
-        return self.recipe.preset
+        return self.recipe.label
 
     @property
     def accumulation(self) -> str:
-        return self.recipe.accumulation.value
+        return self.recipe.accumulation_name
 
 
 def run(
@@ -220,6 +220,7 @@ def run(
 ) -> IsolateResult:
     """Replay every selected layer-step under the baseline (the recipe) and each single repair; rank
     heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it."""
+    recipe = resolve(dump, selections, recipe)
     layers = (load(dump, sel) for sel in selections)
     r = isolate_layers(layers, recipe, backend, progress=progress)
     return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
@@ -252,7 +253,7 @@ def isolate_layers(
             cast_signs.append(delta_error(t.do, o_cast, o_raw).reshape(-1))
         t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
         warnings.extend(w for w in t.warnings if w not in warnings)
-        vs = variants(t.q.shape[2], lp, recipe.preset)
+        vs = variants(t.q.shape[2], lp, preset_at(t.source, t.step, t.layer, recipe))
         tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
         delta_hp = delta_of(t.do, hp.o)  # (B, h, T)

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
+import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -38,7 +41,7 @@ _PRESET_ORDER = ("bf16-autocast-train", "bf16-autocast-stabilized", "bf16-autoca
 
 
 @dataclass(frozen=True)
-class Recipe:
+class CandidateRecipe:
     """One candidate: a preset (with its own tiling) under an accumulation model."""
 
     preset: str
@@ -75,7 +78,7 @@ class MatchResult:
     compared_in: str  # dtype of the stored O the bits are compared in
 
 
-def candidate_recipes() -> list[Recipe]:
+def candidate_recipes() -> list[CandidateRecipe]:
     """Every preset in `_PRESET_ORDER` (then any other non-stochastic one), each under ieee and
     tensor-core; tensor-core is left out where no product has low-precision operands (it would
     fall back to ieee and repeat the same replay)."""
@@ -83,9 +86,9 @@ def candidate_recipes() -> list[Recipe]:
     recipes = []
     for name in names:
         cfg = ReplayConfig.preset(name)
-        recipes.append(Recipe(name, Accumulation.IEEE.value))
+        recipes.append(CandidateRecipe(name, Accumulation.IEEE.value))
         if cfg.input_dtype is not Precision.FP32:
-            recipes.append(Recipe(name, Accumulation.TENSOR_CORE.value))
+            recipes.append(CandidateRecipe(name, Accumulation.TENSOR_CORE.value))
     return recipes
 
 
@@ -107,7 +110,7 @@ def compare_o(replayed: torch.Tensor, stored: torch.Tensor) -> tuple[float, floa
     return float(equal.sum()) / n, max_err, n
 
 
-def match_layer(t: LayerTensors, recipes: Sequence[Recipe], *, try_all: bool = False, backend: str = "emulate") -> LayerMatch:
+def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all: bool = False, backend: str = "emulate") -> LayerMatch:
     """Replay one layer-step under each recipe until one reproduces every stored-O element."""
     if t.o is None:
         raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
@@ -124,7 +127,7 @@ def match_layer(t: LayerTensors, recipes: Sequence[Recipe], *, try_all: bool = F
 
 
 def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
-          recipes: Optional[Sequence[Recipe]] = None, progress: Optional[Callable[..., None]] = None) -> MatchResult:
+          recipes: Optional[Sequence[CandidateRecipe]] = None, progress: Optional[Callable[..., None]] = None) -> MatchResult:
     """match_layer for every selected layer-step (all selected heads at once)."""
     recipes = list(recipes) if recipes is not None else candidate_recipes()
     layers, dtype = [], ""
@@ -138,17 +141,24 @@ def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, 
 
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------
-CACHE_ATTR = "replay_match"  # layer-group attribute holding the cached result
+CACHE_ATTR = "replay_match"  # layer-group attribute holding the cached result (one per accumulation restriction)
+CACHE_VERSION = 1  # part of the fingerprint: raise it when a recipe's arithmetic changes
+
+# Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
+_BEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def fingerprint(t: LayerTensors, recipes: Sequence[Recipe]) -> str:
-    """sha256 of what a match result depends on: the stored q, k, v, o bytes, scale, causal flag
-    and the recipes tried (a changed dump or recipe list invalidates the cache)."""
+def fingerprint(t: LayerTensors, recipes: Sequence[CandidateRecipe]) -> str:
+    """sha256 of what a match result depends on: the stored q, k, v, o (and mask) bytes, scale,
+    causal flag and the recipes tried (a changed dump or recipe list invalidates the cache)."""
     h = hashlib.sha256()
-    for x in (t.q, t.k, t.v, t.o):
+    for x in (t.q, t.k, t.v, t.o, t.mask):
+        if x is None:
+            h.update(b"none")
+            continue
         h.update(str((tuple(x.shape), str(x.dtype))).encode())
         h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(repr((t.scale, t.causal, [(r.preset, r.accumulation) for r in recipes])).encode())
+    h.update(repr((CACHE_VERSION, t.scale, t.causal, [(r.preset, r.accumulation) for r in recipes])).encode())
     return h.hexdigest()
 
 
@@ -162,26 +172,58 @@ def _from_attr(a: dict, step: int, layer: int) -> LayerMatch:
     return LayerMatch(step, layer, list(a["heads"]), Candidate(**a["best"]), cands)
 
 
-def best_recipe(dump, step: int, layer: int, *, backend: str = "emulate") -> LayerMatch:
-    """The match of one whole layer-step (every stored head), from the dump's cache when its
-    fingerprint still fits, else computed and written back to the layer group's attributes
-    (skipped, with no error, when the store cannot be written)."""
-    heads = dump.heads(step, layer)
-    t = load(dump, LayerSelection(step, layer, heads))
-    recipes = candidate_recipes()
-    key = fingerprint(t, recipes) if t.o is not None else ""
-    cached = dump._layer(step, layer).attrs.get(CACHE_ATTR)
-    if isinstance(cached, dict) and cached.get("fingerprint") == key and key:
-        try:
-            return _from_attr(cached, step, layer)
-        except (KeyError, TypeError):
-            pass  # an unreadable cache is recomputed
-    lm = match_layer(t, recipes, backend=backend)
+def _write_cache(dump, step: int, layer: int, name: str, value: dict) -> None:
+    """Store the match in the layer group's attributes under the dump's writer lock; skipped, with no
+    error, when another process holds the lock or the store cannot be written (the result stands).
+    A local store's group metadata is replaced atomically (written beside it, then renamed), so an
+    interrupted write never leaves the dump unreadable."""
+    from fa_forensics.dump.lock import StoreLock
+
     try:
-        group = zarr.open_group(str(dump.path), mode="r+")[dump._layer(step, layer).path]
-        group.attrs[CACHE_ATTR] = _to_attr(lm, key)
-    except Exception:  # read-only store or file system: the result is still returned
+        with StoreLock(dump.path):
+            meta_path = Path(dump.path) / dump._layer(step, layer).path / "zarr.json"
+            if meta_path.is_file():
+                meta = json.loads(meta_path.read_text())
+                meta.setdefault("attributes", {})[name] = value
+                tmp = meta_path.with_name(f".zarr.json.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(meta, indent=2))
+                os.replace(tmp, meta_path)
+            else:  # not a local directory store: zarr writes it
+                zarr.open_group(str(dump.path), mode="r+")[dump._layer(step, layer).path].attrs[name] = value
+    except Exception:  # held lock, read-only store or file system
         pass
+
+
+def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulation] = None,
+                backend: str = "emulate") -> Optional[LayerMatch]:
+    """The match of one whole layer-step (every stored head) over the candidate recipes (those under
+    `accumulation` only, when given), or None when the layer stores no O. Read from the dump's cache
+    when its fingerprint still fits, else computed and written back to the layer group's attributes."""
+    try:
+        memo = _BEST.setdefault(dump, {})
+    except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
+        memo = {}
+    acc = None if accumulation is None else Accumulation(accumulation).value
+    if (step, layer, acc) in memo:
+        return memo[(step, layer, acc)]
+    t = load(dump, LayerSelection(step, layer, dump.heads(step, layer)))
+    if t.o is None:
+        memo[(step, layer, acc)] = None
+        return None
+    recipes = [r for r in candidate_recipes() if acc is None or r.accumulation == acc]
+    key = fingerprint(t, recipes)
+    name = CACHE_ATTR if acc is None else f"{CACHE_ATTR}_{acc}"
+    cached = dump._layer(step, layer).attrs.get(name)
+    lm = None
+    if isinstance(cached, dict) and cached.get("fingerprint") == key:
+        try:
+            lm = _from_attr(cached, step, layer)
+        except (KeyError, TypeError):
+            lm = None  # an unreadable cache is recomputed
+    if lm is None:
+        lm = match_layer(t, recipes, backend=backend)
+        _write_cache(dump, step, layer, name, _to_attr(lm, key))
+    memo[(step, layer, acc)] = lm
     return lm
 
 
@@ -192,10 +234,13 @@ _O_SHARES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate") -> Optional[dict]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
     low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
-    over the selected layer-steps and heads, and per layer-step. None when no layer stores O."""
-    from fa_forensics.analyses.recipe import lp_config_for
+    over the selected layer-steps and heads, and per layer-step with the preset replayed there.
+    `preset` / `accumulation` name the replayed recipe ("per layer" when `auto` chose several),
+    `requested` the one asked for; `unmatched` lists the layer-steps with no stored O to compare
+    with. None when no layer stores O, unless `auto` had to fall back there (then o_bits_equal is None)."""
+    from fa_forensics.analyses.recipe import lp_config_for, preset_at
 
-    per_layer, equal, total = [], 0.0, 0
+    per_layer, unmatched, equal, total = [], [], 0.0, 0
     try:
         shares = _O_SHARES.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
@@ -207,11 +252,17 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
             t = load(dump, sel)
             shares[key] = None if t.o is None else compare_o(replay_layer(t, config, backward=False, backend=backend).o, t.o)
         if shares[key] is None:
+            unmatched.append({"step": sel.step, "layer": sel.layer, "preset": preset_at(dump, sel.step, sel.layer, recipe)})
             continue
         share, _, n = shares[key]
-        per_layer.append({"step": sel.step, "layer": sel.layer, "o_bits_equal": share})
+        per_layer.append({"step": sel.step, "layer": sel.layer, "preset": preset_at(dump, sel.step, sel.layer, recipe),
+                          "accumulation": config.accumulation.value, "o_bits_equal": share})
         equal, total = equal + share * n, total + n
-    if not total:
+    if not total and not (recipe.is_auto and unmatched):
         return None
-    return {"preset": recipe.preset, "accumulation": recipe.accumulation.value, "o_bits_equal": equal / total,
-            "per_layer": per_layer}
+    replayed = {(p["preset"], p["accumulation"]) for p in per_layer}
+    preset, accumulation = replayed.pop() if len(replayed) == 1 else ("per layer", "per layer")
+    if not per_layer:
+        preset, accumulation = unmatched[0]["preset"], recipe.accumulation_name
+    return {"preset": preset, "accumulation": accumulation, "requested": recipe.preset,
+            "o_bits_equal": equal / total if total else None, "per_layer": per_layer, "unmatched": unmatched}

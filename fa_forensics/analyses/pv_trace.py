@@ -47,7 +47,7 @@ import torch
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.fix_check import scores_fp32
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
-from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.recipe import Backend, Recipe, preset_at, resolve
 from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.errors import InvalidSetting, OutOfRange
@@ -314,7 +314,7 @@ class PVTraceReport:
 
     @property
     def preset(self) -> str:
-        return self.recipe.preset
+        return self.recipe.label
 
 
 def _cell_rank(cell: TracedCell) -> tuple:
@@ -327,15 +327,16 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
     batch, row) with the largest error in the bias direction, and trace it. One batched forward
     replay per layer-step and precision."""
-    lp_base = recipe.base_config()
-    if lp_base.p_scale != 1.0:
-        raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset {recipe.preset} has S = {lp_base.p_scale:g})")
+    recipe = resolve(dump, selections, recipe)
     warnings: list[str] = []
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}
     n_features: dict[tuple[int, tuple[int, ...]], int] = {}  # features D of each pooled group  # (layer, heads) -> [(sel, err (B, h, T, D))]
     for sel in selections:
         t = load(dump, sel)
         lp_cfg = lp_of(t, recipe)
+        if lp_cfg.p_scale != 1.0:
+            raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset "
+                                 f"{preset_at(dump, sel.step, sel.layer, recipe)} has S = {lp_cfg.p_scale:g})")
         t = as_seen_by(t, lp_cfg)  # both sides replay the inputs as the recipe sees them
         warnings.extend(w for w in t.warnings if w not in warnings)
         B, h, T, D = t.q.shape
@@ -376,7 +377,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     t = as_seen_by(load(dump, best.sel), cfg)
     b, hi, f, T_row = cell.batch, cell.head_index, cell.feature, cell.row
     n_keys = T_row + 1 if t.causal else t.q.shape[2]
-    accumulation = recipe.accumulation.value
+    accumulation = cfg.accumulation.value
     p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value,
                            config=cfg)
     trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,

@@ -22,7 +22,7 @@ import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error
-from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.recipe import Backend, Recipe, resolve
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
 
@@ -133,7 +133,7 @@ class Rank1Result:
 
     @property
     def preset(self) -> str:
-        return self.recipe.preset
+        return self.recipe.label
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
@@ -169,6 +169,7 @@ def run(
 ) -> Rank1Result:
     """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
     (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X)."""
+    recipe = resolve(dump, selections, recipe)
     layers = (load(dump, sel) for sel in selections)
     r = rank1_sim_layers(layers, recipe, backend, tokens_per_step=tokens_per_step, progress=progress)
     return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))

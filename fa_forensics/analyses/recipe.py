@@ -1,21 +1,29 @@
 """The low-precision side every analysis replays against fp32, resolved in one place.
 
-A `Recipe` is what the user asked for (a preset name and an accumulation model); the CLI builds it
-once per command. `lp_config_for(dump, step, layer, recipe)` is the only function that turns it
-into the `ReplayConfig` replayed for one (step, layer): every analysis calls it, so a recipe that
-differs per layer (e.g. the best match per layer) is added here and nowhere else.
+A `Recipe` is what the user asked for: a preset name and an accumulation model, or `auto`, the
+recipe that reproduces the dump's stored O best (`analyses.match`, cached in the dump). The CLI
+builds it once per command. `lp_config_for(dump, step, layer, recipe)` is the only function that
+turns it into the `ReplayConfig` replayed for one (step, layer): every analysis calls it.
+
+`auto` is decided per layer-step, whole layer (every stored head), by `resolve`: the first time a
+dump is matched its result is written into the layer's attributes, afterwards it is read back.
+A resolved Recipe carries its choices, so work items sent to other processes replay the same
+recipe without matching again. Where nothing can be matched (no stored O, a layer built in
+memory) `auto` replays FALLBACK_PRESET and says so in the analysis's warnings.
 The high-precision side is always `hp_config()`: every cast fp32, ieee accumulation.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.replay.config import PRESETS, Accumulation, ReplayConfig
 
-DEFAULT_PRESET = "bf16"
+AUTO = "auto"
+FALLBACK_PRESET = "bf16"  # what `auto` replays where no stored O can be matched
+DEFAULT_PRESET = AUTO
 
 
 class Backend(str, enum.Enum):
@@ -30,39 +38,119 @@ class UnknownPreset(ConfigError):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        super().__init__(f"{name!r} is not a replay preset; choose one of: {', '.join(PRESETS)}")
+        super().__init__(f"{name!r} is not a replay preset; choose one of: {AUTO}, {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `auto` replays at one layer-step: a preset under an accumulation model, and the share of
+    the stored O (every head) it reproduces bit for bit (None: nothing to match, the fallback)."""
+
+    preset: str
+    accumulation: Accumulation
+    o_bits_equal: Optional[float]
 
 
 @dataclass(frozen=True)
 class Recipe:
     """The low-precision reading an analysis replays: a preset and the accumulation of every product.
 
+    preset `auto`: the best match per layer-step; `accumulation` None there means "the matched
+    one", a given accumulation restricts the match to it. For a named preset None means ieee.
     `config` is given only for a reading that is no named preset (a library caller's own config);
     its accumulation is still replaced by `accumulation`, so one option decides it everywhere.
+    `choices` ((step, layer) -> Choice) is filled by `resolve` for `auto`.
     """
 
     preset: str = DEFAULT_PRESET
-    accumulation: Accumulation = Accumulation.IEEE
+    accumulation: Optional[Accumulation] = None
     config: Optional[ReplayConfig] = None
+    choices: tuple = ()  # ((step, layer), Choice) pairs
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "accumulation", Accumulation(self.accumulation))
-        except ValueError:
-            choices = ", ".join(a.value for a in Accumulation)
-            raise ConfigError(f"accumulation {self.accumulation!r} is not one of: {choices}") from None
-        if self.config is None and self.preset not in PRESETS:
+        if self.accumulation is not None:
+            try:
+                object.__setattr__(self, "accumulation", Accumulation(self.accumulation))
+            except ValueError:
+                choices = ", ".join(a.value for a in Accumulation)
+                raise ConfigError(f"accumulation {self.accumulation!r} is not one of: {choices}") from None
+        elif not self.is_auto:
+            object.__setattr__(self, "accumulation", Accumulation.IEEE)
+        if self.config is None and self.preset not in PRESETS and self.preset != AUTO:
             raise UnknownPreset(self.preset)
 
+    @property
+    def is_auto(self) -> bool:
+        return self.config is None and self.preset == AUTO
+
+    @property
+    def accumulation_name(self) -> str:
+        """The accumulation as the JSON names it ("auto" when the match decides it)."""
+        return AUTO if self.accumulation is None else self.accumulation.value
+
+    @property
+    def label(self) -> str:
+        """The name tables and verdicts show: the preset, or what `auto` chose ("auto (bf16-autocast-train)")."""
+        if not self.is_auto:
+            return self.preset
+        names = sorted({choice.preset for _, choice in self.choices})
+        return f"{AUTO} ({', '.join(names)})" if names else AUTO
+
     def base_config(self) -> ReplayConfig:
-        """The recipe's config independent of the layer (accumulation applied)."""
+        """The recipe's config independent of the layer (accumulation applied); `auto` has none."""
+        if self.is_auto:
+            raise ConfigError("preset auto is decided per layer-step: use lp_config_for(dump, step, layer, recipe)")
         base = self.config if self.config is not None else ReplayConfig.preset(self.preset)
         return base.with_(accumulation=self.accumulation)
+
+    def choice_at(self, step: int, layer: int) -> Optional[Choice]:
+        for key, choice in self.choices:
+            if key == (step, layer):
+                return choice
+        return None
+
+
+def choose(dump, step: int, layer: int, recipe: Recipe) -> Choice:
+    """The Choice of `auto` at (step, layer): resolved, else matched (cached in the dump), else the fallback."""
+    known = recipe.choice_at(step, layer)
+    if known is not None:
+        return known
+    fallback = Choice(FALLBACK_PRESET, recipe.accumulation or Accumulation.IEEE, None)
+    if dump is None:
+        return fallback
+    from fa_forensics.analyses.match import best_recipe
+
+    lm = best_recipe(dump, step, layer, accumulation=recipe.accumulation)
+    if lm is None:
+        return fallback
+    return Choice(lm.best.preset, Accumulation(lm.best.accumulation), lm.best.o_bits_equal)
+
+
+def resolve(dump, selections: Sequence, recipe: Recipe) -> Recipe:
+    """`recipe` with `auto` decided for every selected layer-step (itself for a named preset)."""
+    if not recipe.is_auto:
+        return recipe
+    choices = dict(recipe.choices)
+    for sel in selections:
+        key = (sel.step, sel.layer)
+        if key not in choices:
+            choices[key] = choose(dump, sel.step, sel.layer, recipe)
+    return replace(recipe, choices=tuple(choices.items()))
+
+
+def preset_at(dump, step: int, layer: int, recipe: Recipe) -> str:
+    """The name of the preset replayed at (step, layer) (a named preset, or what `auto` chose there)."""
+    if not recipe.is_auto:
+        return recipe.preset
+    return choose(dump, step, layer, recipe).preset
 
 
 def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
     """The low-precision config replayed at (step, layer) of `dump` (None for in-memory layers)."""
-    return recipe.base_config()
+    if not recipe.is_auto:
+        return recipe.base_config()
+    choice = choose(dump, step, layer, recipe)
+    return ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
 
 
 def hp_config() -> ReplayConfig:

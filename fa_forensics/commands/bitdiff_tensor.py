@@ -21,7 +21,7 @@ def side(name: str, accumulation: Accumulation):
     try:
         return Recipe(name, accumulation)
     except UnknownPreset:
-        raise UserError(f"--a/--b {name!r} is not 'dump' or a preset; choose one of: dump, {', '.join(PRESETS)}") from None
+        raise UserError(f"--a/--b {name!r} is not 'dump' or a preset; choose one of: dump, auto, {', '.join(PRESETS)}") from None
 
 
 def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path):

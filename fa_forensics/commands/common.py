@@ -27,7 +27,7 @@ except ImportError:
     from click import exceptions as click_exceptions
 
 from fa_forensics.analyses.contract import to_jsonable
-from fa_forensics.analyses.recipe import Backend, Recipe, UnknownPreset
+from fa_forensics.analyses.recipe import AUTO, Backend, Recipe, UnknownPreset
 from fa_forensics.errors import UserError
 from fa_forensics.replay.config import Accumulation
 
@@ -53,15 +53,18 @@ LayerOpt = Annotated[Optional[int], typer.Option("--layer", help="Layer to analy
 HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse (default: every head).")]
 WorkersOpt = Annotated[int, typer.Option("--workers", help="Worker processes (a local dask.distributed cluster); 1 = in-process. The output does not depend on it.")]
 SchedulerOpt = Annotated[Optional[str], typer.Option("--scheduler", help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; the dump must be on storage its workers see.", metavar="ADDRESS")]
-AccumulationOpt = Annotated[str, typer.Option("--accumulation", help="Accumulation model of every matrix product: ieee | tensor-core.")]
+AccumulationOpt = Annotated[str, typer.Option(
+    "--accumulation", help="Accumulation model of every matrix product: ieee | tensor-core | auto (default: the one "
+                           "--preset auto matched, ieee for a named preset).")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
-    help="Low-precision reading replayed against fp32: bf16 (default: fp32 scores and statistics, bf16 P̄ and P̄V) | "
+    help="Low-precision reading replayed against fp32: auto (default: per layer-step, the recipe that reproduces the "
+         "dump's stored O best, as `fa-forensics match` finds it; cached in the dump) | bf16 (FA2 tiling, fp32 scores and "
+         "statistics, bf16 P̄ and P̄V) | "
          "bf16-autocast (the paper's reference code's forward) | bf16-autocast-train (its forward and backward as it trains) | "
          "bf16-autocast-stabilized (its fix as run, STABLE=1) | bf16-hw (hardware kernels, fp32 accumulator) | stabilized "
-         "(bf16 + Algorithm 3) | stochastic | fp32 | fp8-s1 | fp8-s256 | fp8-s448. `fa-forensics match` says which one "
-         "reproduces the dump's stored O. --accumulation still applies.")]
+         "(bf16 + Algorithm 3) | stochastic | fp32 | fp8-s1 | fp8-s256 | fp8-s448. --accumulation still applies.")]
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -176,20 +179,38 @@ class AnalysisArgs:
     json_path: Optional[Path]
 
     def open(self):
-        """(dump, selections): open the store and select what to analyse (one-line errors)."""
+        """(dump, selections): open the store and select what to analyse (one-line errors); a recipe
+        `auto` is decided here for every selected layer-step (see `analyses.recipe.resolve`)."""
         from fa_forensics.analyses.selection import select
         from fa_forensics.dump import open_dump
 
         dump = open_dump(self.dump_path)
-        return dump, select(dump, self.step, self.layer, self.head)
+        selections = select(dump, self.step, self.layer, self.head)
+        if self.recipe.is_auto:
+            object.__setattr__(self, "recipe", resolve_recipe(dump, selections, self.recipe))
+        return dump, selections
 
 
-def build_accumulation(accumulation: str) -> Accumulation:
-    """The Accumulation of --accumulation; a bad value is one line naming the option."""
+def resolve_recipe(dump, selections, recipe: Recipe) -> Recipe:
+    """`analyses.recipe.resolve` with a progress line (matching a dump the first time replays its forward
+    under every candidate recipe; later runs read the result from the dump)."""
+    from fa_forensics.analyses.recipe import resolve
+
+    with progress_bar("preset auto: matching the stored O", len(selections)) as advance:
+        for sel in selections:
+            recipe = resolve(dump, [sel], recipe)
+            advance(f"step {sel.step} layer {sel.layer}")
+    return recipe
+
+
+def build_accumulation(accumulation: str) -> Optional[Accumulation]:
+    """The Accumulation of --accumulation (None for auto); a bad value is one line naming the option."""
+    if accumulation == AUTO:
+        return None
     try:
         return Accumulation(accumulation)
     except ValueError:
-        raise UserError(f"--accumulation {accumulation!r} is not one of: {', '.join(a.value for a in Accumulation)}") from None
+        raise UserError(f"--accumulation {accumulation!r} is not one of: {', '.join([AUTO, *(a.value for a in Accumulation)])}") from None
 
 
 def build_recipe(preset: str, accumulation: str) -> Recipe:
@@ -223,8 +244,8 @@ _SHARED_OPTIONS = (
     ("head", HeadOpt, None),
 )
 _RECIPE_OPTIONS = (
-    ("preset", PresetOpt, "bf16"),
-    ("accumulation", AccumulationOpt, "ieee"),
+    ("preset", PresetOpt, AUTO),
+    ("accumulation", AccumulationOpt, AUTO),
     ("backend", BackendOpt, "emulate"),
     ("out", OutOpt, None),
     ("json_path", JsonOpt, None),

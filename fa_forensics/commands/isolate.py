@@ -11,8 +11,11 @@ def run(args: AnalysisArgs) -> None:
     from fa_forensics.figures.isolate import draw
     from fa_forensics.tables.isolate import tables
 
+    from fa_forensics.analyses.recipe import lp_config_for
+
     dump, sels = args.open()
-    with progress_bar("isolate", len(sels) * (len(isolate.variants(64, args.recipe.base_config(), args.recipe.preset)) + 1)) as advance:
+    n_variants = sum(len(isolate.variants(64, lp_config_for(dump, s.step, s.layer, args.recipe))) + 1 for s in sels)
+    with progress_bar("isolate", n_variants) as advance:
         r = isolate.run(dump, sels, args.recipe, args.backend, progress=advance)
     show_result(args, r, isolate.payload(r), tables(r), draw)
 

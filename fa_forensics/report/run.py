@@ -108,7 +108,7 @@ def command_line(name: str, dump: Path, selection: dict, recipe: Recipe, backend
         if value is not None:
             args += [flag, str(value)]
     side = ["--a", recipe.preset, "--b", "fp32"] if name == "bitdiff" else ["--preset", recipe.preset]
-    return [*args, *side, "--accumulation", recipe.accumulation.value, "--backend", Backend(backend).value]
+    return [*args, *side, "--accumulation", recipe.accumulation_name, "--backend", Backend(backend).value]
 
 
 def _text(renderables: list, verdict: Optional[str]) -> str:

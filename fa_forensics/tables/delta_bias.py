@@ -12,7 +12,7 @@ from fa_forensics.analyses.stats import format_p, format_pm
 def tables(r: DeltaBiasResult) -> list[Table]:
     """The per-(step, layer, head) table and, when there is a difference, the feature table."""
     table = Table(title=f"delta-bias: Σ_T(δ_lp − δ_hp) per step, layer, head (lp = preset {r.preset}, "
-                        f"{r.recipe.accumulation.value} accumulation)")
+                        f"{r.recipe.accumulation_name} accumulation)")
     for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "frac > 0", "sign-test p"):
         table.add_column(c, justify="right")
     rows = sorted(r.per_step, key=lambda p: -abs(p.delta_err_sum))

@@ -58,8 +58,20 @@ def test_fix_check_has_no_bias_to_remove(fp32_dump, tmp_path):
     assert d["verdict"].startswith("NO BIAS TO REMOVE") and d["removed"] is True
 
 
+def test_preset_auto_reads_an_fp32_dump_as_fp32_training(fp32_dump, tmp_path):
+    """An fp32 run's stored O (torch's SDPA) is closest to the fp32 replay: auto replays that, finds nothing to
+    blame, and warns that the replay reproduces only part of the stored bits (SDPA sums in another order)."""
+    res = runner.invoke(app, ["delta-bias", str(fp32_dump), "--json", str(tmp_path / "d.json")])
+    assert res.exit_code == 0, res.output
+    d = json.loads((tmp_path / "d.json").read_text())
+    fid = d["replay_fidelity"]
+    assert (d["preset"], fid["preset"], fid["requested"]) == ("auto", "fp32", "auto")
+    assert 0.2 < fid["o_bits_equal"] < 0.99 and any(w.startswith("replay fidelity: preset fp32") for w in d["warnings"])
+    assert d["total"]["delta_err_sum"] == 0 and not d["bias"]["found"]
+
+
 def test_isolate_keeps_the_input_cast_out_of_the_kernel_verdict(fp32_dump, tmp_path):
-    res = runner.invoke(app, ["isolate", str(fp32_dump), "--json", str(tmp_path / "i.json")])
+    res = runner.invoke(app, ["isolate", str(fp32_dump), "--preset", "bf16", "--json", str(tmp_path / "i.json")])
     assert res.exit_code == 0, res.output
     d = json.loads((tmp_path / "i.json").read_text())
     base = d["variants"][0]

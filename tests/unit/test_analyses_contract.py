@@ -42,9 +42,10 @@ def test_layer_check_warnings_reach_the_result_and_its_json(planted_dump, odd_he
     r = delta_bias.run(dump, sels, Recipe(), Backend.EMULATE)
     d = delta_bias.payload(r)
     assert d["warnings"] == ["step 1 layer 0: head 1 selected"]
-    fid = d["replay_fidelity"]  # the planted O is the bf16 replay: reproduced in full
-    assert fid["preset"] == "bf16" and fid["o_bits_equal"] == 1.0 and fid["per_layer"] == [{"step": 1, "layer": 0, "o_bits_equal": 1.0}]
-    assert (d["preset"], d["accumulation"], d["backend"]) == ("bf16", "ieee", "emulate")
+    fid = d["replay_fidelity"]  # the planted O is the bf16 replay: auto finds it, reproduced in full
+    assert fid["preset"] == "bf16" and fid["o_bits_equal"] == 1.0 and fid["per_layer"] == [
+        {"step": 1, "layer": 0, "preset": "bf16", "accumulation": "ieee", "o_bits_equal": 1.0}]
+    assert (d["preset"], d["accumulation"], d["backend"]) == ("auto", "auto", "emulate")
     assert d["per_step"][0].head == 1 and d["total"]["delta_err_sum"] > 0  # the planted head's positive bias
     quiet = delta_bias.run(dump, selection.select(dump, step=1, head=0))
     assert quiet.warnings == ()

@@ -7,7 +7,7 @@ import torch
 from fa_forensics.analyses.fix_check import fix_variants, scores_fp32
 from fa_forensics.analyses.isolate import isolate_layers, variants
 from fa_forensics.analyses.pv_trace import p_bar_row, repeated_max_rows, trace_pv
-from fa_forensics.analyses.recipe import Recipe, UnknownPreset
+from fa_forensics.analyses.recipe import Recipe, UnknownPreset, lp_config_for
 from fa_forensics.analyses.selection import lp_hp_pair
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import matmul
@@ -23,7 +23,11 @@ def test_lp_config_is_the_preset_with_the_chosen_accumulation():
     cfg = Recipe("bf16-hw", "ieee").base_config()
     assert cfg == ReplayConfig.preset("bf16-hw").with_(accumulation=Accumulation.IEEE)
     assert Recipe("bf16-autocast", "tensor-core").base_config().s_dtype is BF16
-    assert Recipe().base_config() == ReplayConfig()  # the default stays preset bf16
+    assert Recipe("bf16").base_config() == ReplayConfig()  # ReplayConfig() is preset bf16
+    assert Recipe().is_auto and Recipe().accumulation_name == "auto"  # the default: what reproduces the stored O
+    with pytest.raises(ConfigError):
+        Recipe().base_config()  # auto is decided per layer-step
+    assert lp_config_for(None, 0, 0, Recipe()) == ReplayConfig()  # nothing to match in memory: the fallback, bf16
 
 
 def test_unknown_preset_is_one_line_listing_the_presets():

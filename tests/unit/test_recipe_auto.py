@@ -1,0 +1,107 @@
+"""`--preset auto`: per layer-step, the recipe that reproduces the stored O, cached in the dump."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import zarr
+from typer.testing import CliRunner
+
+import fa_forensics.analyses.match as match_mod
+from fa_forensics.analyses import delta_bias
+from fa_forensics.analyses.match import CACHE_ATTR, best_recipe
+from fa_forensics.analyses.recipe import Choice, Recipe, lp_config_for, resolve
+from fa_forensics.analyses.selection import select
+from fa_forensics.cli import app
+from fa_forensics.dump import open_dump
+from fa_forensics.dump.lock import StoreLock
+from fa_forensics.replay.config import Accumulation, ReplayConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANTED, DEMO = ROOT / "sample_dumps" / "planted.zarr", ROOT / "sample_dumps" / "demo.zarr"
+runner = CliRunner()
+
+
+@pytest.fixture
+def counted_matches(monkeypatch):
+    calls = []
+    real = match_mod.match_layer
+    monkeypatch.setattr(match_mod, "match_layer", lambda *a, **k: calls.append(a[0].where) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("path, preset", [(PLANTED, "bf16"), (DEMO, "bf16-autocast-train")])
+def test_the_sample_dumps_carry_their_match_and_auto_reads_it(path, preset, counted_matches):
+    """Both bundled dumps ship their cache (so analyses never write into the checkout) and it still fits."""
+    dump = open_dump(path)
+    sels = select(dump)
+    recipe = resolve(dump, sels, Recipe())
+    assert counted_matches == []  # every fingerprint fits: nothing replayed
+    assert {c for _, c in recipe.choices} == {Choice(preset, Accumulation.IEEE, 1.0)}
+    assert len(recipe.choices) == len(sels) and recipe.label == f"auto ({preset})"
+    assert lp_config_for(dump, sels[0].step, sels[0].layer, recipe) == ReplayConfig.preset(preset)
+
+
+def test_auto_matches_once_then_reads_the_cache_and_a_changed_dump_rematches(make_dump, counted_matches, tmp_path):
+    path = make_dump(steps=(0,), seq=32, head_dim=16)  # o = the bf16 preset's replay
+    out = tmp_path / "a.json"
+    for _ in range(2):
+        res = runner.invoke(app, ["delta-bias", str(path), "--json", str(out)])
+        assert res.exit_code == 0, res.output
+    assert len(counted_matches) == 1  # the second run read the layer's attributes
+    d = json.loads(out.read_text())
+    assert (d["preset"], d["accumulation"]) == ("auto", "auto")
+    assert d["replay_fidelity"]["preset"] == "bf16" and d["replay_fidelity"]["o_bits_equal"] == 1.0
+    assert "preset auto (bf16)" in d["verdict"] and not d["warnings"]
+
+    o = zarr.open_group(str(path), mode="r+")["step_000000000/layer_000/o"]
+    bits = o[...]
+    bits[0, 1, 7, 2] ^= 1  # one element of the stored O one ulp off: the dump changed
+    o[...] = bits
+    best = best_recipe(open_dump(path), 0, 0)
+    assert len(counted_matches) == 2 and best.best.o_bits_equal < 1.0
+    assert runner.invoke(app, ["verify", str(path)]).exit_code == 0  # the rewritten metadata is intact
+
+
+def test_a_given_accumulation_restricts_the_match(make_dump):
+    path = make_dump(steps=(0,), seq=32, head_dim=16)
+    dump = open_dump(path)
+    recipe = resolve(dump, select(dump), Recipe(accumulation=Accumulation.TENSOR_CORE))
+    (_, choice), = recipe.choices
+    assert choice.accumulation is Accumulation.TENSOR_CORE
+    attrs = open_dump(path)._layer(0, 0).attrs
+    assert f"{CACHE_ATTR}_tensor-core" in attrs and CACHE_ATTR not in attrs  # kept apart from the full match
+
+
+def test_without_a_stored_o_auto_replays_the_fallback_and_says_so(make_dump, tmp_path):
+    path = make_dump(steps=(0,), seq=16, names=("q", "k", "v", "do", "x"))
+    res = runner.invoke(app, ["delta-bias", str(path), "--json", str(tmp_path / "d.json")])
+    assert res.exit_code == 0, res.output
+    d = json.loads((tmp_path / "d.json").read_text())
+    fid = d["replay_fidelity"]
+    assert fid["o_bits_equal"] is None and fid["unmatched"] == [{"step": 0, "layer": 0, "preset": "bf16"}]
+    assert any(w.startswith("preset auto: no stored O to match at step 0 layer 0; replayed preset bf16") for w in d["warnings"])
+
+
+def test_a_store_held_by_a_writer_is_not_written_but_auto_still_decides(make_dump, counted_matches):
+    path = make_dump(steps=(0,), seq=32, head_dim=16)
+    with StoreLock(path).acquire():
+        r = delta_bias.run(open_dump(path), select(open_dump(path)), Recipe())
+    assert r.replay_fidelity["preset"] == "bf16" and len(counted_matches) == 1
+    assert CACHE_ATTR not in open_dump(path)._layer(0, 0).attrs  # not written under another writer's lock
+
+
+def test_a_read_only_copy_of_a_sample_dump_is_analysed_without_writing(tmp_path):
+    copy = tmp_path / "planted.zarr"
+    shutil.copytree(PLANTED, copy)
+    for p in copy.rglob("*"):
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    copy.chmod(0o555)
+    try:
+        res = runner.invoke(app, ["delta-bias", str(copy), "--step", "0"])
+        assert res.exit_code == 0, res.output
+    finally:
+        for p in [copy, *copy.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
