@@ -30,8 +30,8 @@ def attention_mask(t, dump, info):
         allowed = t.mask if t.mask.dtype == torch.bool else ~t.mask.isneginf()
         empty = int((~allowed).all(dim=-1).sum())
         rows = f"; {empty} (batch, head, query) rows allow no key (O = 0 there, as SDPA)" if empty else ""
-        yield (f"{t.where}: captured with an attention mask ({getattr(info, 'mask', None) or 'bool'}); every replay applies it, "
-               f"but pv-trace's P̄ rows, rank1-sim's P and fix-check's tie counts use the causal flag only{rows}")
+        yield (f"{t.where}: captured with an attention mask ({getattr(info, 'mask', None) or 'bool'}); every replay and "
+               f"every score, P̄ and P the analyses form apply it{rows}")
 
 
 @layer_check

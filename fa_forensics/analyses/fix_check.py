@@ -108,9 +108,11 @@ def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Te
     )
 
 
-def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32") -> torch.Tensor:
+def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32",
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """S = α·q·kᵀ (B, h, T, T) held in fp32, formed as the replay forms them
-    (`replay.emulate.forward.scaled_scores`, ieee accumulation, one block); causal positions −inf.
+    (`replay.emulate.forward.scaled_scores`, ieee accumulation, one block); causal positions −inf,
+    and the recorded attn_mask `mask` (broadcastable to (B, h, T, T)) applied as the replay applies it.
     Exact ties (identical keys) stay exact ties.
 
     With s_dtype below fp32 (bf16-autocast: "bf16") the scores are read as that preset computes
@@ -119,7 +121,7 @@ def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_
     from fa_forensics.replay.emulate.forward import scaled_scores
 
     config = ReplayConfig(s_dtype=s_dtype)
-    return scaled_scores(q.to(torch.float32), k.to(torch.float32), config, scale, causal, 0, 0)
+    return scaled_scores(q.to(torch.float32), k.to(torch.float32), config, scale, causal, 0, 0, mask=mask)
 
 
 def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
@@ -134,7 +136,7 @@ def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
     from fa_forensics.replay.emulate.softmax import block_shift
 
     r_m = s.amax(dim=-1)  # (B, h, T)
-    repeated = (s == r_m[..., None]).sum(dim=-1) > 1
+    repeated = ((s == r_m[..., None]).sum(dim=-1) > 1) & (r_m > -math.inf)  # a row that sees no key has no maximum
     if not bool(repeated.any()):
         return math.nan
     m = block_shift(torch.full_like(r_m, -math.inf), s, config).m  # the replay's own shift rule, one block
@@ -281,7 +283,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         warnings.extend(w for w in t.warnings if w not in warnings)
         variants = fix_variants(lp, preset_at(t.source, t.step, t.layer, recipe), beta=beta, eps=eps, offset=offset)
         hp = replay_layer(t, hp_config(), backward=False, backend=backend)
-        s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value)  # (B, h, T, T)
+        s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value, t.mask)  # (B, h, T, T)
         for v in variants:
             out = replay_layer(t, v.config, backward=False, backend=backend)
             maxp = max_p_bar_in_repeated_rows(s, v.config)

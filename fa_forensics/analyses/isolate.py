@@ -245,7 +245,7 @@ def isolate_layers(
         if t.do is None:
             raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
         lp = lp_of(t, recipe)
-        pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D) from the stored inputs
+        pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D) from the stored inputs
         cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
         if cast_only is not None:
             o_raw, o_cast = cast_only

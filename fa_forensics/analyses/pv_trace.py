@@ -48,7 +48,7 @@ from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe
 from fa_forensics.analyses.fix_check import scores_fp32
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
 from fa_forensics.analyses.recipe import Backend, Recipe, preset_at, resolve
-from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of
+from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of, mask_of
 from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
@@ -192,10 +192,13 @@ def _nudged_error(p_lp, p_hp, v, accumulation, gpu, in_format, pv_format) -> flo
 
 
 def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, p_format: str = "bf16",
-               accumulation: str = "ieee", gpu: str = "h100", config=None) -> tuple[torch.Tensor, torch.Tensor]:
+               accumulation: str = "ieee", gpu: str = "h100", config=None,
+               mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(P̄_lp, P̄_hp) of every query row, untiled (the shift from the whole row), 0 where masked.
 
-    q: (R, D), k: (K, D) stored values; causal: row i sees keys 0 .. i + K − R.
+    q: (R, D), k: (K, D) stored values; causal: row i sees keys 0 .. i + K − R. mask: the recorded
+    attn_mask of these rows and keys (R, K), applied as the replay applies it (bool: False removes a
+    key; additive: added to the scores, rounded to the scores' dtype); a row that sees no key is 0.
     P̄_hp is the fp32 preset's: S = α·(q·kᵀ) with the products accumulated by numerics.matmul in
     fp32, m = rowmax S, P̄_hp = exp(S − m) in fp32. P̄_lp without `config`: P̄_hp cast to p_format
     (nearest-even; the P̄ cast of preset bf16). With `config` (a ReplayConfig, the low-precision
@@ -208,31 +211,46 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     qk = matmul(q.to(torch.float32), k.to(torch.float32).T.contiguous(), accumulation, gpu=gpu, in_format="bf16")  # (R, K)
     qk = qk.to(torch.float32)
     masked = torch.ones(R, K, dtype=torch.bool).triu(K - R + 1) if causal else torch.zeros(R, K, dtype=torch.bool)
-    s = (qk * float(scale)).to(torch.float32).masked_fill(masked, -math.inf)  # (R, K) α·q·k
-    p_hp = exp_fp32(s - s.amax(-1, keepdim=True))  # (R, K) fp32
+    if mask is not None and mask.dtype == torch.bool:
+        masked = masked | ~mask
+    additive = mask.to(torch.float32) if mask is not None and mask.dtype != torch.bool else None
+
+    def scores(s: torch.Tensor, fmt: str) -> torch.Tensor:  # the recorded additive mask, then causal / bool removal
+        if additive is not None:
+            s = s + additive if fmt == "fp32" else round_to(s + additive, fmt)
+        return s.masked_fill(masked, -math.inf)
+
+    def exp_shifted(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # 0 in a row that sees no key (m = −inf)
+        return exp_fp32(s - m[:, None]).masked_fill(~torch.isfinite(m)[:, None], 0.0)
+
+    s = scores((qk * float(scale)).to(torch.float32), "fp32")  # (R, K) α·q·k
+    p_hp = exp_shifted(s, s.amax(-1))  # (R, K) fp32
     s_hp = s
     if config is None:
         return (p_hp if p_format == "fp32" else round_to(p_hp, p_format)), p_hp
     s_fmt, p_fmt = config.s_dtype.value, config.p_dtype.value
     if s_fmt != "fp32":
-        s = round_to(round_to(qk, s_fmt) * float(scale), s_fmt).masked_fill(masked, -math.inf)  # the autocast reading
+        s = scores(round_to(round_to(qk, s_fmt) * float(scale), s_fmt), s_fmt)  # the autocast reading
     m = block_shift(torch.full((R,), -math.inf), s, config).m  # (R,)
     shifted = s - m[:, None]
     if s_fmt != "fp32":
         shifted = round_to(shifted, s_fmt)
-    p = exp_fp32(shifted)  # (R, K) fp32
+    p = exp_fp32(shifted).masked_fill(~torch.isfinite(m)[:, None], 0.0)  # (R, K) fp32
     if config.softmax is not Softmax.STANDARD:
         # Eq. 4 compares Ō at one shift: with a stabilized / fixed-offset m the fp32 side uses the
         # same m (O = Ō / ℓ is shift-invariant, Ō is not), else Ō_lp − Ō_hp measures the shift.
-        p_hp = exp_fp32(s_hp - m[:, None])  # (R, K) fp32
+        p_hp = exp_shifted(s_hp, m)  # (R, K) fp32
     return (p if p_fmt == "fp32" else round_to(p, p_fmt)), p_hp
 
 
 def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p_format: str = "bf16",
-              accumulation: str = "ieee", gpu: str = "h100", config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P̄_lp, P̄_hp) of one query row over its first n_keys keys (`p_bar_rows` of that row): two (n_keys,) fp32."""
+              accumulation: str = "ieee", gpu: str = "h100", config=None,
+              mask_row: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P̄_lp, P̄_hp) of one query row over its first n_keys keys (`p_bar_rows` of that row, under its
+    recorded attn_mask row `mask_row` (K,) when given): two (n_keys,) fp32."""
+    mask = None if mask_row is None else mask_row[:n_keys].reshape(1, -1)
     p_lp, p_hp = p_bar_rows(q_row.reshape(1, -1), k[:n_keys], scale, causal=False, p_format=p_format,
-                            accumulation=accumulation, gpu=gpu, config=config)
+                            accumulation=accumulation, gpu=gpu, config=config, mask=mask)
     return p_lp[0], p_hp[0]
 
 
@@ -345,7 +363,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         if row is not None and not 0 <= row < T:
             raise OutOfRange("row", row, t.where, T - 1)
         lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
-        rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value)  # (B, h, T)
+        rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value, t.mask)  # (B, h, T)
         n_features[(sel.layer, tuple(sel.heads))] = 1 if feature is not None else D
         pooled.setdefault((sel.layer, tuple(sel.heads)), []).append(
             (sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep))
@@ -378,8 +396,9 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     b, hi, f, T_row = cell.batch, cell.head_index, cell.feature, cell.row
     n_keys = T_row + 1 if t.causal else t.q.shape[2]
     accumulation = cfg.accumulation.value
+    mask = mask_of(t.mask, b, hi)
     p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value,
-                           config=cfg)
+                           config=cfg, mask_row=None if mask is None else mask[T_row])
     trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,
                      gpu=cfg.gpu.value, in_format=cfg.p_dtype.value, pv_format=cfg.pv_dtype.value)
     shares, n_rows, cf = head_class_shares(dump, best.sels, hi, f, cfg)
@@ -419,7 +438,9 @@ def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, fea
         t = as_seen_by(load(dump, sel), config)
         for b in range(t.q.shape[0]):
             p_lp, p_hp = p_bar_rows(t.q[b, head_index], t.k[b, head_index], t.scale, causal=t.causal, p_format=p_fmt,
-                                    accumulation=acc, gpu=gpu, config=config)  # (T, K)
+                                    accumulation=acc, gpu=gpu, config=config, mask=mask_of(t.mask, b, head_index))  # (T, K)
+            seen = p_hp.sum(-1) > 0  # rows that see a key (a row under a mask that removes every key has O = 0)
+            p_lp, p_hp = p_lp[seen], p_hp[seen]
             v = t.v[b, head_index, :, feature].to(torch.float32)  # (K,)
             lp_sum, hp_sum = sums(p_lp, p_hp, v)
             splits.extend(split_rows(p_lp, v, lp_sum, hp_sum, pv_fmt))
@@ -435,10 +456,13 @@ def _mean_se(x: torch.Tensor) -> dict:
     return {"mean": m.value, "se": m.se, "n": m.n, "p_value": sign_test(x).p_value}
 
 
-def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32") -> torch.Tensor:
-    """(B, h, T) bool: rows whose maximum score (fp32, or as rounded to s_dtype) is attained more than once (exact ties)."""
-    s = scores_fp32(q, k, scale, causal, s_dtype)  # (B, h, T, T)
-    return (s == s.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1
+def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32",
+                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, h, T) bool: rows whose maximum score (fp32, or as rounded to s_dtype; under the recorded
+    attn_mask) is attained more than once (exact ties); a row that sees no key has none."""
+    s = scores_fp32(q, k, scale, causal, s_dtype, mask)  # (B, h, T, T)
+    r_m = s.amax(dim=-1, keepdim=True)
+    return ((s == r_m).sum(dim=-1) > 1) & (r_m[..., 0] > -math.inf)
 
 
 def verdict(r: PVTraceReport) -> str:

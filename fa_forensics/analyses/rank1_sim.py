@@ -31,19 +31,28 @@ Progress = Optional[Callable[[str], None]]
 
 # ---- pure tensor functions ---------------------------------------------------------------------
 
-def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """P = softmax(α Q Kᵀ) in float64 (causal: key t' > query t masked).  (B, h, T, D) -> (B, h, T, T)"""
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """P = softmax(α Q Kᵀ) in float64 (causal: key t' > query t masked; `mask`, the recorded attn_mask
+    broadcastable to (B, h, T, T), applied as SDPA does: bool False removes a key, additive is added;
+    a row that sees no key has P = 0, as SDPA's O).  (B, h, T, D) -> (B, h, T, T)"""
     s = scale * (as_f64(q) @ as_f64(k).transpose(-1, -2))  # (B, h, T, T)
     if causal:
         T = s.shape[-1]
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    return torch.softmax(s, dim=-1)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + as_f64(mask)
+    p = torch.softmax(s, dim=-1)
+    return p.nan_to_num(0.0) if mask is not None else p
 
 
-def pk_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def pk_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PK, one batch element at a time to bound memory.  (B, h, T, D) -> (B, h, T, D) float64"""
-    return torch.cat([attention_probs(q[b : b + 1], k[b : b + 1], scale, causal) @ as_f64(k[b : b + 1]) for b in range(q.shape[0])])
+    def mask_b(b: int) -> Optional[torch.Tensor]:
+        return None if mask is None else mask[b : b + 1] if mask.shape[0] > 1 else mask
+
+    return torch.cat([attention_probs(q[b : b + 1], k[b : b + 1], scale, causal, mask_b(b)) @ as_f64(k[b : b + 1])
+                      for b in range(q.shape[0])])
 
 
 def gradient_error(dd: torch.Tensor, pk: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -143,7 +152,7 @@ def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, k_tokens: int
         raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
     lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
-    pk = pk_rows(t.q, t.k, t.scale, t.causal)  # (B, h, T, D)
+    pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D)
     E = gradient_error(dd, pk, t.x, t.scale) if t.x is not None else None  # (h, D, C)
     chosen = []
     for j in range(len(t.heads)):

@@ -209,6 +209,13 @@ def input_cast_error(t: LayerTensors, lp: ReplayConfig, backend: Backend = Backe
     return raw.o, cast.o
 
 
+def mask_of(mask: Optional[torch.Tensor], batch: int, head: int) -> Optional[torch.Tensor]:
+    """The (T, K) attn_mask of one (batch entry, selected head) of a layer's broadcastable mask, or None."""
+    if mask is None:
+        return None
+    return mask[batch if mask.shape[0] > 1 else 0, head if mask.shape[1] > 1 else 0]
+
+
 def as_f64(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Upcast a stored / replayed tensor to float64 for exact analysis arithmetic."""
     return None if x is None else x.to(torch.float64)
