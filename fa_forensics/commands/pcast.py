@@ -14,6 +14,9 @@ import typer
 from rich.table import Table
 
 from fa_forensics.analyses import pcast as pc
+from fa_forensics.analyses import pcast_sim as sim
+from fa_forensics.analyses.pcast_e4m3 import dp_sawtooth
+from fa_forensics.replay.config import KVOrder
 from fa_forensics.analyses.stats import format_p
 from fa_forensics.commands.common import (
     DebugOpt,
@@ -59,12 +62,12 @@ def _numbers(text: str, option: str, cast=float) -> tuple:
     return values
 
 
-def _orders(text: str) -> tuple[str, ...]:
-    orders = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [o for o in orders if o not in pc.ORDERS]
-    if bad or not orders:
+def _orders(text: str) -> tuple[KVOrder, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    known = {o.value: o for o in KVOrder}
+    if not names or any(n not in known for n in names):
         raise ConfigError(f"--order expects forward and/or reverse, got '{text}'; e.g. --order forward,reverse")
-    return orders
+    return tuple(known[n] for n in names)
 
 
 def _dp_table(points) -> Table:
@@ -76,27 +79,27 @@ def _dp_table(points) -> Table:
     return t
 
 
-def _render_sim(res: pc.PcastSimResult) -> None:
+def _render_sim(res: sim.PcastSimResult) -> None:
     n = res.n_main
     t = Table(title=f"Table 1: P-collapse (N = {n}, k = {res.config.n_sinks}, B = {res.config.block}, "
                     f"δ_k = {res.delta_k:.4f} integrated; {res.config.n_seeds} seeds)")
     for c in ("Δ", "S", "order", "frac zeroed ± se", "closed form", "spread-avg", "non-sink mass", "info loss", "MSE ± se"):
         t.add_column(c, justify="right")
     for r in sorted((r for r in res.rows if r.seq == n), key=lambda r: (r.order, r.S, r.delta)):
-        t.add_row(f"{r.delta:g}", f"{r.S:g}", r.order, f"{r.frac_zeroed:.3f} ± {r.frac_zeroed_se:.3f}",
+        t.add_row(f"{r.delta:g}", f"{r.S:g}", r.order.value, f"{r.frac_zeroed:.3f} ± {r.frac_zeroed_se:.3f}",
                   f"{r.closed_form:.3f}", f"{r.closed_form_spread:.3f}", f"{r.nonsink_mass:.3f}", f"{r.info_loss:.3f}",
                   f"{r.mse:.3e} ± {r.mse_se:.1e}")
     console.print(t)
-    seqs = sorted({r.seq for r in res.rows if r.delta == pc.DELTA_FIG3})
+    seqs = sorted({r.seq for r in res.rows if r.delta == sim.DELTA_FIG3})
     if len(seqs) > 1:
-        t = Table(title=f"Fig. 3 data: MSE vs N at Δ = {pc.DELTA_FIG3:g}")
+        t = Table(title=f"Fig. 3 data: MSE vs N at Δ = {sim.DELTA_FIG3:g}")
         t.add_column("order, S")
         for s in seqs:
             t.add_column(f"N={s}", justify="right")
         for order in res.config.orders:
             for S in res.config.scales:
-                cells = [res.row(pc.DELTA_FIG3, S, order, s) for s in seqs]
-                t.add_row(f"{order} S={S:g}", *[f"{c.mse:.2e}" if c else "-" for c in cells])
+                cells = [res.row(sim.DELTA_FIG3, S, order, s) for s in seqs]
+                t.add_row(f"{order.value} S={S:g}", *[f"{c.mse:.2e}" if c else "-" for c in cells])
         console.print(t)
     console.print(_dp_table(res.dp))
     for ratio in (res.ratio, res.ratio_448):
@@ -116,13 +119,13 @@ def _render_sim(res: pc.PcastSimResult) -> None:
     if explained:
         console.print("[bold]Where measured and closed form differ by more than 0.02:[/]")
         for r in explained:
-            console.print(f"  Δ={r.delta:g} S={r.S:g} {r.order}: measured {r.frac_zeroed:.3f} vs {r.closed_form:.3f}: {r.explanation}",
+            console.print(f"  Δ={r.delta:g} S={r.S:g} {r.order.value}: measured {r.frac_zeroed:.3f} vs {r.closed_form:.3f}: {r.explanation}",
                           highlight=False)
     for note in res.notes:
         console.print(f"[dim]note: {note}[/]")
 
 
-def _sim_payload(res: pc.PcastSimResult, figures: list[str]) -> dict[str, Any]:
+def _sim_payload(res: sim.PcastSimResult, figures: list[str]) -> dict[str, Any]:
     cfg = res.config
     return {
         "mode": "simulation",
@@ -172,14 +175,14 @@ def register(app: typer.Typer) -> None:
             out_dir = ensure_out_dir(out)
             figures: list[str] = []
             if dump is None:
-                cfg = pc.SimConfig(deltas=_numbers(sink_strength, "--sink-strength"), seqs=_numbers(seq, "--seq", int),
+                cfg = sim.SimConfig(deltas=_numbers(sink_strength, "--sink-strength"), seqs=_numbers(seq, "--seq", int),
                                    n_sinks=sinks, block=block, n_queries=queries, head_dim=head_dim, scales=S_list,
                                    orders=orders, n_seeds=seeds, seed=seed)
                 with console.status("simulating the FP8 P-cast kernel..."):
-                    res = pc.simulate(cfg)
+                    res = sim.simulate(cfg)
                 _render_sim(res)
                 if out_dir is not None:
-                    figures = [str(figs.fig_dp_sawtooth(pc.dp_sawtooth(), out_dir / "pcast_dp_sawtooth.png")),
+                    figures = [str(figs.fig_dp_sawtooth(dp_sawtooth(), out_dir / "pcast_dp_sawtooth.png")),
                                str(figs.fig_mse_vs_delta(res, out_dir / "pcast_mse_vs_delta.png")),
                                str(figs.fig_mse_vs_seq(res, out_dir / "pcast_mse_vs_seq.png"))]
                 write_json(json_path, _sim_payload(res, figures))

@@ -11,13 +11,10 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-from fa_forensics.analyses.pcast import (
-    DELTA_FIG3,
-    LN_UNDERFLOW,
-    DpPoint,
-    PcastDumpResult,
-    PcastSimResult,
-)
+from fa_forensics.analyses.pcast import PcastDumpResult
+from fa_forensics.analyses.pcast_e4m3 import DpPoint
+from fa_forensics.analyses.pcast_sim import DELTA_FIG3, PcastSimResult
+from fa_forensics.analyses.pcast_theory import LN_UNDERFLOW
 from fa_forensics.figures.style import COLORS, new_figure, save_figure
 
 # The five configurations of the paper's §6.2, with their look.

@@ -21,5 +21,5 @@ def tables(res: PcastDumpResult) -> list:
         cells = [f"{s.frac_zeroed:.0%} ×{s.mse / best:.2f}" for order in res.orders for S in res.scales
                  for s in [h.setting(S, order)]]
         t.add_row(str(h.step), str(h.layer), str(h.head), f"{h.sink_strength:.1f}±{h.sink_gap_se:.1f}", *cells,
-                  f"{h.recommended_order} S={h.recommended_S:g}" if h.needs_fix else "-")
+                  f"{h.recommended_order.value} S={h.recommended_S:g}" if h.needs_fix else "-")
     return [t, *(f"  step {h.step} layer {h.layer} head {h.head}: {h.recommendation}" for h in res.heads)]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -84,6 +84,23 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale:
     return s
 
 
+@dataclass(frozen=True)
+class BlockCast:
+    """What one KV block did to rows row0 + r0 onward (given to `forward`'s observer).
+
+    keys [j0, j1); alpha (B, H, R, 1) the rescale of the running ℓ and O; p_scaled (B, H, R, N)
+    the pre-cast P̄·S (P̄ when S = 1); p_cast (B, H, R, N) after the P̄ cast; visible (B, H, R, N).
+    """
+
+    r0: int
+    j0: int
+    j1: int
+    alpha: torch.Tensor
+    p_scaled: torch.Tensor
+    p_cast: torch.Tensor
+    visible: torch.Tensor
+
+
 class _RowMaxTracker:
     """Running fp32 row maximum of s over all blocks and how many times it is attained."""
 
@@ -103,13 +120,19 @@ class _RowMaxTracker:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *,
             causal: bool, scale: float, generator: Optional[torch.Generator], row0: int = 0,
-            mask: Optional[torch.Tensor] = None) -> Forward:
+            mask: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None,
+            observe: Optional[Callable[[BlockCast], None]] = None) -> Forward:
     """Run the FA2 forward of the module docstring; q (B, H, T, D), k, v (B, H, N, D) fp32
     input_dtype values. q may be a block of query rows starting at row `row0` (rows are
     independent: a block's results are bit for bit those rows of the whole). mask: SDPA's
-    attn_mask for these rows, broadcastable to (B, H, T, N), or None."""
-    B, H, T, D = q.shape
-    n_keys = k.shape[-2]
+    attn_mask for these rows, broadcastable to (B, H, T, N), or None.
+    scores: given scaled scores s (B, H, T, N) fp32 (-inf = masked) used instead of step 1 (q and
+    k are then ignored; pass None): a study of the softmax and P̄ cast on synthetic scores.
+    observe: called with every block's BlockCast (what the P̄ cast did), in visiting order."""
+    if scores is not None:
+        (B, H, T), D, n_keys = scores.shape[:3], v.shape[-1], scores.shape[-1]
+    else:
+        (B, H, T, D), n_keys = q.shape, k.shape[-2]
     if mask is not None:
         mask = mask.expand(B, H, T, n_keys)
     S_scale = float(config.p_scale)
@@ -134,7 +157,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         if r0 >= T:
             continue
         mask_block = None if mask is None else mask[..., r0:, j0:j1]
-        s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)  # (B, H, R, N)
+        if scores is not None:
+            s = scores[..., r0:, j0:j1]  # (B, H, R, N)
+        else:
+            s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)
         tracker.update(s, r0)
         visible = ~torch.isneginf(s)  # (B, H, R, N)
         sees_key = visible.any(dim=-1)  # (B, H, R)
@@ -162,6 +188,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
         p_one += ((p_bar == S_t) & visible).sum(dim=(-1, -2))
         p_zeroed += ((p_scaled > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
+        if observe is not None:
+            observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
         acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
         v_j = v[..., j0:j1, :]
         if config.pv_dtype is Precision.FP32:
