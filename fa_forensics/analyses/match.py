@@ -128,13 +128,21 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
 
 def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
           recipes: Optional[Sequence[CandidateRecipe]] = None, progress: Optional[Callable[..., None]] = None) -> MatchResult:
-    """match_layer for every selected layer-step (all selected heads at once)."""
+    """match_layer for every selected layer-step (all selected heads at once). A whole layer-step
+    (every stored head) under the default candidates is `best_recipe`'s: read from the dump's cache
+    and written there, so `match` and `--preset auto` share one result."""
+    default = recipes is None
     recipes = list(recipes) if recipes is not None else candidate_recipes()
     layers, dtype = [], ""
     for sel in selections:
-        t = load(dump, sel)
-        layers.append(match_layer(t, recipes, try_all=try_all, backend=backend))
-        dtype = str(t.o.dtype).replace("torch.", "")
+        whole = (default and not try_all and backend == "emulate"
+                 and list(sel.heads) == list(dump.heads(sel.step, sel.layer)))
+        lm = best_recipe(dump, sel.step, sel.layer, backend=backend) if whole else None
+        if lm is None:
+            t = load(dump, sel)
+            lm = match_layer(t, recipes, try_all=try_all, backend=backend)
+        layers.append(lm)
+        dtype = str(dump.read(sel.step, sel.layer, "o", heads=list(sel.heads[:1])).dtype).replace("torch.", "")
         if progress is not None:
             progress(f"step {sel.step} layer {sel.layer}")
     return MatchResult(layers, try_all, dtype)

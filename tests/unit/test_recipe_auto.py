@@ -65,6 +65,18 @@ def test_auto_matches_once_then_reads_the_cache_and_a_changed_dump_rematches(mak
     assert runner.invoke(app, ["verify", str(path)]).exit_code == 0  # the rewritten metadata is intact
 
 
+def test_the_match_command_and_auto_share_one_cached_result(make_dump, counted_matches, tmp_path):
+    path = make_dump(steps=(0, 1), seq=32, head_dim=16)
+    res = runner.invoke(app, ["match", str(path), "--json", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    assert len(counted_matches) == 2  # steps 0 and 1, matched and written
+    assert runner.invoke(app, ["delta-bias", str(path)]).exit_code == 0
+    assert runner.invoke(app, ["match", str(path), "--step", "1"]).exit_code == 0
+    assert len(counted_matches) == 2  # both read what the first match wrote
+    runner.invoke(app, ["match", str(path), "--head", "0"])
+    assert len(counted_matches) == 4  # one head is not a whole layer-step: both steps matched again, not cached
+
+
 def test_a_given_accumulation_restricts_the_match(make_dump):
     path = make_dump(steps=(0,), seq=32, head_dim=16)
     dump = open_dump(path)
