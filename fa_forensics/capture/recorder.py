@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from fa_forensics.capture.events import AttentionCall
-from fa_forensics.capture.selection import CaptureError, CaptureSelection
+from fa_forensics.capture.selection import CaptureSelection, InvalidCaptureSetting
 
 Put = Callable[[int, int, str, torch.Tensor, dict], None]
 
@@ -54,11 +54,11 @@ class Recorder:
         B, H, T, D = q.shape
         heads = self.selection.heads
         if heads is not None and heads[-1] >= H:
-            raise CaptureError(f"capture --heads {list(heads)} asks for head {heads[-1]} but layer {call.layer} has {H} heads (0..{H - 1})")
+            raise InvalidCaptureSetting("heads", f"{list(heads)} asks for head {heads[-1]} but layer {call.layer} has {H} heads (0..{H - 1})")
         batch = self.selection.batch
         if batch is not None and len(range(*batch.indices(B))) == 0:
-            raise CaptureError(f"capture --batch {batch.start}:{'' if batch.stop is None else batch.stop} selects no sample of layer {call.layer}'s "
-                               f"batch of {B} (0..{B - 1}); choose a slice within it, e.g. 0:{min(B, 2)}")
+            raise InvalidCaptureSetting("batch", f"{batch.start}:{'' if batch.stop is None else batch.stop} selects no sample of layer "
+                                                 f"{call.layer}'s batch of {B} (0..{B - 1}); choose a slice within it, e.g. 0:{min(B, 2)}")
         head_index = None if heads is None else torch.tensor(heads, device=q.device)
         dtype = call.kernel_dtype
         batch = self.selection.batch

@@ -10,11 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
-from fa_forensics.errors import UserError
+from fa_forensics.errors import InvalidSetting, UserError
 
 
 class CaptureError(UserError):
     """Capture cannot do what was asked (bad selection, unwritable store, writer failure)."""
+
+
+class InvalidCaptureSetting(InvalidSetting, CaptureError):
+    """A capture setting (`.setting`: the keyword of `fa_forensics.capture`, e.g. "heads") that cannot
+    work, and why (`.reason`); `.needs`: the settings it cannot work without, if that is the problem.
+    `fa-forensics capture` words it with its options' names."""
+
+    def __init__(self, setting: str, reason: str, needs: tuple[str, ...] = ()) -> None:
+        self.needs = tuple(needs)
+        super().__init__(setting, f"needs {' and '.join(needs)}: {reason}" if needs else reason)
+        self.why = reason
 
 
 def parse_steps(text: str) -> frozenset[int]:

@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.events import AlarmWarning, AttentionCall, CaptureWarning, ModuleInput, TimelineRow
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input, replace_module_input
-from fa_forensics.capture.selection import CaptureError, CaptureSelection
+from fa_forensics.capture.selection import CaptureError, CaptureSelection, InvalidCaptureSetting
 from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.ring import RingArray, RingStep, StepRing
 from fa_forensics.capture.writer import BackgroundWriter, offload
@@ -218,7 +218,7 @@ class CaptureSession:
             dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank, world_size=self.world_size,
                                      allow_other_model=self.allow_other_model)
         except OSError as exc:
-            raise CaptureError(f"cannot create capture store {self.out}: {exc.strerror or exc}; choose a writable --out") from exc
+            raise InvalidCaptureSetting("out", f"cannot create capture store {self.out}: {exc.strerror or exc}; it must be a writable path") from exc
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
@@ -518,7 +518,7 @@ class CaptureSession:
         self._writer.flush_timeline()  # the alarm's row (and those before it) on disk now
         first = max(alarms, key=lambda a: a.z)
         more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
-        what = f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0 else "no steps after it recorded (--alarm-steps 0)"
+        what = f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0 else "no steps after it recorded (alarm_steps = 0)"
         if written:
             what += f", and steps {_span(written)} from the ring"
         warnings.warn(AlarmWarning(f"{first.message()}{more}; {what}"), stacklevel=2)
@@ -605,27 +605,27 @@ def describe_model(model: torch.nn.Module) -> dict:
 
 
 def check_attention_pattern(pattern: str) -> None:
-    """One-line error for an --attention-modules regex that does not compile."""
+    """InvalidCaptureSetting("attention_modules") for a module-name regex that does not compile."""
     import re
 
     try:
         re.compile(pattern)
     except (re.error, TypeError) as exc:
-        raise CaptureError(f"--attention-modules {pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
+        raise InvalidCaptureSetting("attention_modules", f"{pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
 
 
 def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
-    """One-line errors for monitor options that cannot work together."""
+    """InvalidCaptureSetting for monitor settings that cannot work (together)."""
     if monitor_every is not None and (not isinstance(monitor_every, int) or monitor_every < 1):
-        raise CaptureError(f"monitor_every must be a step interval >= 1, got {monitor_every!r}")
+        raise InvalidCaptureSetting("monitor_every", f"must be a step interval >= 1, got {monitor_every!r}")
     if alarm and not monitor_every:
-        raise CaptureError("the alarm watches the monitor's statistics; give --monitor-every N (e.g. 1) with --alarm")
+        raise InvalidCaptureSetting("alarm", "the alarm watches the monitor's statistics (e.g. every step: 1)", needs=("monitor_every",))
     if int(alarm_steps) < 0:
-        raise CaptureError(f"--alarm-steps must be >= 0, got {alarm_steps}")
+        raise InvalidCaptureSetting("alarm_steps", f"must be >= 0, got {alarm_steps}")
     if int(ring) < 0:
-        raise CaptureError(f"--ring must be >= 0 steps, got {ring}")
+        raise InvalidCaptureSetting("ring", f"must be >= 0 steps, got {ring}")
     if ring and not alarm:
-        raise CaptureError("--ring keeps recent steps for the alarm to write; add --alarm (and --monitor-every N)")
+        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write", needs=("alarm", "monitor_every"))
 
 
 def _span(steps: list[int]) -> str:

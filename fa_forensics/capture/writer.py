@@ -125,7 +125,7 @@ class BackgroundWriter:
         try:
             self._dump.register_step(step)
         except OSError as exc:
-            raise CaptureError(f"cannot write step {step} into {self._dump.path}: {exc.strerror or exc}; free space or choose a writable --out") from None
+            raise CaptureError(f"cannot write step {step} into {self._dump.path}: {exc.strerror or exc}; free space or capture into a writable store") from None
 
     def set_model(self, model_attrs: dict) -> None:
         """The model's identity, once known: refused (DumpError) if the store holds another model's steps."""
@@ -134,7 +134,7 @@ class BackgroundWriter:
     def close(self, failed: bool = False) -> None:
         """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer failure.
 
-        failed: the run died; the dump an --overwrite replaced is kept (see DumpWriter.close)."""
+        failed: the run died; the dump an overwriting capture replaced is kept (see DumpWriter.close)."""
         if self._closed:
             return
         rows, self._rows = self._rows, []
@@ -148,7 +148,7 @@ class BackgroundWriter:
             self._dump.close(failed=failed or self._error is not None)
             replaced = getattr(self._dump, "replaced", None)
             if replaced is not None:
-                warnings.warn(CaptureWarning(f"fa-forensics capture: the run failed; the dump that --overwrite replaced is kept at {replaced}"), stacklevel=2)
+                warnings.warn(CaptureWarning(f"fa-forensics capture: the run failed; the dump this capture replaced is kept at {replaced}"), stacklevel=2)
         finally:
             self._raise_if_failed()
 

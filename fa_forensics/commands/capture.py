@@ -6,13 +6,14 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
-from fa_forensics.errors import UserError
+from fa_forensics.errors import InvalidSetting, UserError
 
 LAUNCHER = "fa_forensics.capture.launch"
 
@@ -57,6 +58,25 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
     if command[0].endswith(".py"):
         return [sys.executable, "-m", LAUNCHER, *command]
     raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
+
+
+OPTION_OF = {"monitor_every": "--monitor-every", "alarm": "--alarm", "alarm_steps": "--alarm-steps", "ring": "--ring",
+             "attention_modules": "--attention-modules", "heads": "--heads", "batch": "--batch", "out": "--out"}
+DEMO_OPTION_OF = {**OPTION_OF, "heads": "--capture-heads", "batch": "--capture-batch", "out": "--capture"}
+NEEDED_AS = {"monitor_every": "--monitor-every N", "alarm": "--alarm"}
+
+
+@contextmanager
+def worded_settings(option_of: dict[str, str] = OPTION_OF):
+    """Reword the library's InvalidSetting in this command's option names (and what to add)."""
+    try:
+        yield
+    except InvalidSetting as exc:
+        option = option_of.get(exc.setting, exc.setting)
+        needs = getattr(exc, "needs", ())
+        if needs:
+            raise UserError(f"{option} needs {' and '.join(NEEDED_AS.get(n, n) for n in needs)}: {exc.why}") from None
+        raise UserError(f"{option}: {exc.reason}") from None
 
 
 def _span_text(steps: list[int], limit: int = 10) -> str:
@@ -142,9 +162,10 @@ def register(app: typer.Typer) -> None:
 
             if steps is None and monitor_every is None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
-            check_monitor_options(monitor_every, alarm, alarm_steps, ring)  # one-line errors before launching
-            if attention_modules is not None:
-                check_attention_pattern(attention_modules)
+            with worded_settings():  # one-line errors before launching
+                check_monitor_options(monitor_every, alarm, alarm_steps, ring)
+                if attention_modules is not None:
+                    check_attention_pattern(attention_modules)
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
             _check_script(argv)
@@ -229,7 +250,8 @@ def register(app: typer.Typer) -> None:
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:
                     console.print(f"step {info.step:5d}  loss {info.loss:.4f}  lr {info.lr:.2e}  {info.seconds * 1000:.0f} ms")
 
-            result = train(config, on_step=log)
+            with worded_settings(DEMO_OPTION_OF):
+                result = train(config, on_step=log)
             write_json(json_out, {"losses": list(result.losses), "final_loss": result.losses[-1], "captured_steps": list(result.captured_steps),
                                   "capture": None if capture_out is None else str(capture_out), "seconds": result.seconds, "seed": seed, "steps": steps,
                                   "monitored_steps": result.monitored_steps, "alarm_steps": list(result.alarm_steps)})

@@ -20,6 +20,12 @@ from fa_forensics.demo.model import GPT, GPTConfig
         (["capture", "--out", "{tmp}/r.zarr", "--steps", "1", "--attention-modules", "(", "--", "python", "{tmp}/t.py"], "not a valid regular expression"),
         (["capture", "--out", "{tmp}/r.zarr", "--steps", "1", "--batch", "5:2", "--", "python", "{tmp}/t.py"], "'5:2' selects no sample"),
         (["capture", "--out", "{tmp}/r.zarr", "--steps", "1", "--batch", "-1", "--", "python", "{tmp}/t.py"], "selects no sample"),
+        (["capture", "--out", "{tmp}/r.zarr", "--steps", "1", "--alarm", "--", "python", "{tmp}/t.py"],
+         "--alarm needs --monitor-every N: the alarm watches the monitor's statistics"),
+        (["capture", "--out", "{tmp}/r.zarr", "--monitor-every", "1", "--ring", "4", "--", "python", "{tmp}/t.py"],
+         "--ring needs --alarm and --monitor-every N: the ring keeps recent steps"),
+        (["capture", "--out", "{tmp}/r.zarr", "--steps", "1", "--attention-modules", "(", "--", "python", "{tmp}/t.py"],
+         "--attention-modules: '(' is not a valid regular expression"),
         (["capture", "--out", "{tmp}/r.zarr", "--steps", "1", "--", sys.executable, "-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
         (["demo-train", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["demo-train", "--lr", "-1"], "--lr must be a positive number"),
@@ -38,7 +44,7 @@ def test_bad_capture_arguments_give_one_line_and_leave_nothing(args, message, tm
 def test_a_batch_slice_beyond_the_batch_is_refused_at_the_first_recorded_call(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, attention="sdpa"))
-    with pytest.raises(CaptureError, match="--batch 5:7 selects no sample of layer 0's batch of 2"):
+    with pytest.raises(CaptureError, match="batch: 5:7 selects no sample of layer 0's batch of 2"):
         with fa_forensics.capture(model, out=tmp_path / "r.zarr", steps=[0], batch=slice(5, 7)):
             idx = torch.randint(0, 256, (2, 16))
             model(idx, idx)[1].backward()

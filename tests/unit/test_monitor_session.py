@@ -96,9 +96,10 @@ def _forward_with(attn):
 
 
 def test_monitor_option_errors(tmp_path):
-    with pytest.raises(CaptureError, match="monitor-every"):
+    with pytest.raises(CaptureError, match="alarm: needs monitor_every") as exc:
         fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=[1], alarm=True)
-    with pytest.raises(CaptureError, match="--alarm"):
+    assert exc.value.setting == "alarm" and exc.value.needs == ("monitor_every",)  # the facts, for a CLI to word
+    with pytest.raises(CaptureError, match="ring: needs alarm and monitor_every"):
         fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None, monitor_every=1, ring=3)
     with pytest.raises(CaptureError, match="at least one step"):
         fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=None)
