@@ -21,37 +21,40 @@ without capture) and hands over to a `torch.compiler.disable` function only when
 busy steps run a second graph, compiled once, that breaks at the hand-overs. No session state is
 mutated inside traced code.
 
-Monitor (`monitor_every=N`): every N-th step (step % N == 0) is "monitored": each attention call
-of the recorded forward pass feeds `StepCollector` (per-head statistics on the batch slice, W_Q
-spectral norms), and when the step ends ONE timeline row is appended to the store (step, loss,
-(L, H) arrays, `alarms` count; rows reach the store `timeline_flush_rows` (16) at a time, see capture/writer.py).
-The loss is the one given by `cap.step(loss)`, else the scalar on
-which `backward()` was called (the loss tap). The row is written when its loss is known: at
-`cap.step()`, or at the next forward pass / attention call / step end / exit.
-Alarm (`alarm=True` or an `AlarmRule`): each row feeds the rule; an alarm prints one line to
-stderr and the next `alarm_steps` steps are recorded in full (all selected layers). Ring
-(`ring=K`): monitored steps that are not written are kept in host memory, the last K of them;
-an alarm writes them too (the steps before the spike, and the spike step itself).
+Monitor (`monitor_every=N`), alarm and ring: `capture/monitoring.py` (StepMonitor); the session
+tells it where steps begin and end, which calls it sees and which losses it is given. A step whose
+recorded arrays wait for the step's loss is a `PendingStep`.
 """
 from __future__ import annotations
 
 import bisect
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
-from fa_forensics.capture.events import AlarmWarning, AttentionCall, CaptureWarning, ModuleInput, TimelineRow
+from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input, replace_module_input
 from fa_forensics.capture.selection import CaptureError, CaptureSelection, InvalidCaptureSetting
+from fa_forensics.capture.monitoring import StepMonitor
 from fa_forensics.capture.recorder import Recorder
-from fa_forensics.capture.ring import RingArray, RingStep, StepRing
+from fa_forensics.capture.ring import RingArray, RingStep
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
 StepCallback = Callable[["CaptureSession", int, Optional[float]], None]
+
+
+@dataclass
+class PendingStep:
+    """A recorded step that ended and waits for its loss before it is marked complete in the store."""
+
+    step: int
+    loss: Optional[float]  # given at the boundary (or by cap.step() before it)
+    tapped: Optional[torch.Tensor]  # the loss tap's sum, the fallback
 
 
 def _rank_and_world_size() -> tuple[int, int]:
@@ -121,8 +124,7 @@ class CaptureSession:
         self._backward_seen = False  # fallback micro-batch detection when no root module is known
         self._step_recorded = False  # an array of the current step was queued
         self._step_loss: Optional[float] = None  # loss given by cap.step() before the boundary
-        self._pending_loss: Optional[float] = None
-        self._pending: Optional[int] = None  # an ended step whose completion waits for its loss
+        self._pending: Optional[PendingStep] = None
         self._pending_x: Optional[ModuleInput] = None
         self._optimizer_id: Optional[int] = None
         self._handles: list = []
@@ -134,29 +136,31 @@ class CaptureSession:
         self.rank, self.world_size = 0, 1
         self.attention_module_names: list[str] = []
         self._modules_by_name: dict[str, torch.nn.Module] = {}
-        # monitor state (all idle unless monitor_every is given)
-        self.monitor_every = int(monitor_every) if monitor_every else None
-        self.alarm_steps = int(alarm_steps)
-        self.monitor_eps = monitor_eps
         self.timeline_flush_rows = int(timeline_flush_rows)
-        self._collector = None  # a StepCollector when monitoring
-        self._rule = None  # an AlarmRule when alarms are on
-        if alarm:
-            from fa_forensics.monitor.alarm import AlarmRule
-
-            self._rule = alarm if isinstance(alarm, AlarmRule) else AlarmRule()
-        self._ring: Optional[StepRing] = StepRing(ring) if ring else None
-        self._ring_step: Optional[RingStep] = None  # the current step's arrays, held for the ring
-        self._monitor_hot = False  # the current step is monitored
-        self._ring_hot = False  # the current step's selected layers go to the ring
+        self._monitor: Optional[StepMonitor] = (
+            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps, ring=ring) if monitor_every else None)
+        self._ring_hot = False  # the current step's selected layers go to the monitor's ring
         self._active = False  # the current step needs its attention calls (recorded or monitored)
-        self._extra_steps: set[int] = set()  # steps an alarm asked for
-        self._reported_loss: Optional[float] = None  # cap.step(loss) before the boundary (monitor)
-        self._tapped_loss: Optional[torch.Tensor] = None  # sum of scalars backward() was called on
-        self._pending_tapped: Optional[torch.Tensor] = None  # ... of the ended step awaiting completion
-        self._row: Optional[TimelineRow] = None  # the ended monitored step's row awaiting its loss
-        self.alarms: list = []  # every Alarm raised
-        self.monitored_steps: list[int] = []
+
+    @property
+    def monitor_every(self) -> Optional[int]:
+        return None if self._monitor is None else self._monitor.every
+
+    @property
+    def alarms(self) -> list:
+        """Every Alarm raised."""
+        return [] if self._monitor is None else self._monitor.alarms
+
+    @property
+    def monitored_steps(self) -> list[int]:
+        """Steps whose timeline row was written."""
+        return [] if self._monitor is None else self._monitor.monitored_steps
+
+    def _monitor_hot(self) -> bool:
+        return self._monitor is not None and self._monitor.hot
+
+    def _row_waiting(self) -> bool:
+        return self._monitor is not None and self._monitor.row is not None
 
     # -- public API ----------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
@@ -180,15 +184,15 @@ class CaptureSession:
         if self.step_by == "manual":
             self._end_step(loss)
             return
-        row_waiting = self._row is not None
+        row_waiting = self._row_waiting()
         if row_waiting:
             self._flush_row(loss)
         if self._pending is not None:
             self._flush_pending(loss)
         elif self._hot and self._step_recorded:  # called before optimizer.step(): the loss of the current step
             self._step_loss = loss
-        if not row_waiting and self._monitor_hot:
-            self._reported_loss = loss
+        if not row_waiting and self._monitor_hot():
+            self._monitor.reported_loss = loss
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
                causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
@@ -229,10 +233,8 @@ class CaptureSession:
             if self.step_by == "optimizer":
                 self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_step))
             sdpa.install(self)
-            if self.monitor_every:
-                from fa_forensics.monitor.collector import StepCollector
-
-                self._collector = StepCollector(eps=self.monitor_eps, warn=self._warn_once_key, background=True)
+            if self._monitor is not None:
+                self._monitor.start(self._warn_once)
                 loss_tap.install(self)
             _set_active(self)
             self._begin_step(0)
@@ -250,14 +252,10 @@ class CaptureSession:
         if self._writer is None:
             return
         try:
-            if self._row is not None:
-                self._flush_row(None)
-            if self._pending is not None:
-                self._flush_pending(None)
-            self._ring_step = None
-            if self._collector is not None:
-                self._collector.close()
-            self.busy = self._hot = self._active = self._monitor_hot = self._ring_hot = False
+            self._flush_waiting()
+            if self._monitor is not None:
+                self._monitor.close()
+            self.busy = self._hot = self._active = self._ring_hot = False
         finally:
             writer, self._writer = self._writer, None
             try:
@@ -294,10 +292,7 @@ class CaptureSession:
     def _root_forward_eager(self) -> None:
         if not torch.is_grad_enabled():
             return
-        if self._row is not None:
-            self._flush_row(None)
-        if self._pending is not None:
-            self._flush_pending(None)
+        self._flush_waiting()
         self._micro += 1
         self._layer = 0
         self._pending_x = None
@@ -342,10 +337,7 @@ class CaptureSession:
         """
         if autocast_dtype == "ambient":
             autocast_dtype = _autocast_dtype(q)
-        if self._row is not None:
-            self._flush_row(None)
-        if self._pending is not None:
-            self._flush_pending(None)
+        self._flush_waiting()
         if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
         if self._root is None:  # no module tree: a new forward pass starts after a backward pass
@@ -362,11 +354,12 @@ class CaptureSession:
             return
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal, mask=attn_mask,
                              dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x, grad_sink=grad_sink)
-        if self._monitor_hot:
-            self._monitor_call(call)
+        if self._monitor_hot():
+            name = self._module_name(call)
+            self._monitor.observe(call, self.selection.batch, name, self._modules_by_name.get(name))
         if (self._hot or self._ring_hot) and self.selection.wants_layer(layer):
-            if not self._hot and self._ring_step is None:
-                self._ring_step = RingStep(call.step)
+            if not self._hot:
+                self._monitor.ring_step_for(call.step)
             if self._recorder.record(call):
                 self._step_recorded = True
             else:
@@ -377,7 +370,7 @@ class CaptureSession:
     def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:
         """Where the recorder's arrays go: the ring while the step is held there, else the background writer."""
         host, ready = offload(tensor)
-        ring_step = self._ring_step
+        ring_step = None if self._monitor is None else self._monitor.ring_step
         if ring_step is not None and ring_step.step == step:
             ring_step.arrays.append(RingArray(layer, name, host, ready, layer_attrs))
         else:
@@ -390,55 +383,49 @@ class CaptureSession:
         self._backward_seen = True
 
     # -- step boundaries -----------------------------------------------------------------
-    def _end_step(self, loss: Optional[float]) -> None:
-        ended = self.current_step
-        if self._row is not None:
+    def _flush_waiting(self) -> None:
+        """Write what waited for a loss that did not come (a new forward pass, call or boundary began)."""
+        if self._row_waiting():
             self._flush_row(None)
         if self._pending is not None:
             self._flush_pending(None)
-        tapped, self._tapped_loss = self._tapped_loss, None
+
+    def _end_step(self, loss: Optional[float]) -> None:
+        ended = self.current_step
+        self._flush_waiting()
+        tapped = None if self._monitor is None else self._monitor.take_tapped_loss()
         if self._hot:
             if self._step_recorded:
-                self._pending = ended
-                self._pending_loss = loss if loss is not None else self._step_loss
-                self._pending_tapped = tapped
-                if self._pending_loss is not None or self.step_by == "manual":
+                self._pending = PendingStep(ended, loss if loss is not None else self._step_loss, tapped)
+                if self._pending.loss is not None or self.step_by == "manual":
                     self._flush_pending(None)
             else:
                 self._warn_once(f"empty{ended}", f"fa-forensics capture: step {ended} was selected but no attention call was seen (with gradients enabled); nothing recorded for it")
-        row = None
-        if self._monitor_hot:
-            explicit = loss if loss is not None else self._reported_loss
-            if self._ring_step is not None:
-                self._ring_step.loss = explicit
-                self._ring.push(self._ring_step)
-            row = TimelineRow(ended, self._collector.finish(), explicit, tapped)
-        self._ring_step = None
+        if self._monitor is not None:
+            self._monitor.end_step(ended, loss, tapped)
         self.current_step = ended + 1
         self._micro, self._layer, self._backward_seen = -1, 0, False
         self._step_recorded = False
         self._step_loss = None
         self._begin_step(self.current_step)
-        if row is not None:
-            self._row = row
+        if self._row_waiting():
             self._update_busy()
-            if row.given_loss is not None or self.step_by == "manual":
+            if self._monitor.row.given_loss is not None or self.step_by == "manual":
                 self._flush_row(None)
         for fn in self._callbacks:
             fn(self, ended, loss)
 
     def _flush_pending(self, loss: Optional[float]) -> None:
-        step, self._pending = self._pending, None
-        tapped, self._pending_tapped = self._pending_tapped, None
+        pending, self._pending = self._pending, None
         if loss is None:
-            loss = self._pending_loss
-        if loss is None and tapped is not None:
-            loss = float(tapped)
+            loss = pending.loss
+        if loss is None and pending.tapped is not None:
+            loss = float(pending.tapped)
         attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
-        if step in self._extra_steps:
+        if self._monitor is not None and pending.step in self._monitor.extra_steps:
             attrs["recorded_by"] = "alarm"
-        self._writer.put_complete(step, loss=loss, **attrs)
-        bisect.insort(self.recorded_steps, step)
+        self._writer.put_complete(pending.step, loss=loss, **attrs)
+        bisect.insort(self.recorded_steps, pending.step)
         self._update_busy()
 
     def _set_hot(self, hot: bool) -> None:
@@ -446,109 +433,60 @@ class CaptureSession:
         self._update_busy()
 
     def _update_busy(self) -> None:
-        self._ring_hot = self._ring is not None and self._monitor_hot and not self._hot
-        self._active = self._hot or self._monitor_hot
-        self.busy = self._active or self._pending is not None or self._row is not None
+        monitor_hot = self._monitor_hot()
+        self._ring_hot = self._monitor is not None and self._monitor.holds_ring(self._hot)
+        self._active = self._hot or monitor_hot
+        self.busy = self._active or self._pending is not None or self._row_waiting()
 
     def _begin_step(self, step: int) -> None:
         """Decide what the step that starts now does: record (selected or asked for by an alarm), monitor, ring."""
-        self._monitor_hot = bool(self.monitor_every) and step % self.monitor_every == 0
-        self._reported_loss = None
-        if self._monitor_hot:
-            self._collector.begin(step)
-        self._set_hot(self.selection.wants_step(step) or step in self._extra_steps)
+        asked = False
+        if self._monitor is not None:
+            self._monitor.begin_step(step)
+            asked = step in self._monitor.extra_steps
+        self._set_hot(self.selection.wants_step(step) or asked)
 
-    # -- monitor -------------------------------------------------------------------------
+    # -- monitor ---------------------------------------------------------------------------
     def on_backward(self, tensors, grad_tensors) -> None:
         """Called by the loss tap on busy steps: add a scalar loss to the step's sum (no synchronization)."""
         if not self._active:
             return
         value = loss_tap.scalar_loss(tensors, grad_tensors)
         if value is not None:
-            self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
+            self._monitor.add_tapped_loss(value)
 
-    def _monitor_call(self, call: AttentionCall) -> None:
-        q, k, layer = call.q, call.k, call.layer
-        if q.dim() != 4:
-            return
-        batch = self.selection.batch
-        q_b, k_b = (q, k) if batch is None else (q[batch], k[batch])  # the capture's batch slice keeps it cheap
+    def _module_name(self, call: AttentionCall) -> str:
+        """The attention module of a call: the one whose input X came with it, else by call order."""
         if call.x is not None:
-            name = call.x.name
-        elif layer < len(self.attention_module_names):
-            name = self.attention_module_names[layer]
-        else:
-            name = f"attention call {layer}"
-        module = self._modules_by_name.get(name)
-        from fa_forensics.monitor.collector import p_bar_dtype
-
-        self._collector.observe_call(layer, q_b, k_b, scale=call.scale, causal=call.causal, p_dtype=p_bar_dtype(call.kernel_dtype),
-                                     module=module, module_name=name)
+            return call.x.name
+        if call.layer < len(self.attention_module_names):
+            return self.attention_module_names[call.layer]
+        return f"attention call {call.layer}"
 
     def _flush_row(self, loss: Optional[float]) -> None:
-        """Write the pending timeline row (its loss: given now, else reported, else tapped) and run the alarm rule."""
-        row, self._row = self._row, None
-        step, series, explicit, tapped = row.step, row.series, row.given_loss, row.tapped_loss
-        if loss is None:
-            loss = explicit
-        if loss is None and tapped is not None:
-            loss = float(tapped)  # the one read of the tapped scalar (a device sync on GPU)
-        ring_last = self._ring.last() if self._ring is not None else None
-        if ring_last is not None and ring_last.step == step:
-            ring_last.loss = loss
-        if series is None:
-            self._warn_once("monitor-empty", f"fa-forensics monitor: step {step} was monitored but no attention call was seen "
-                                             "(with gradients enabled); its timeline row holds only the loss")
-            series = {}
-        alarms = []
-        if self._rule is not None:
-            alarms = self._rule.observe(step, loss=loss, near_max_ties=series.get("near_max_ties"), wq_sigma=series.get("wq_sigma"))
-        self._writer.put_timeline(step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series)
-        self.monitored_steps.append(step)
-        if alarms:
-            self._raise_alarm(step, alarms)
+        """Write the monitor's waiting timeline row; an alarm it raises may ask for the current step."""
+        self._monitor.flush_row(loss, self._writer, self._write_held, self._warn_once)
+        if self.current_step in self._monitor.extra_steps and not self._hot:
+            self._set_hot(True)
         self._update_busy()
 
-    def _raise_alarm(self, step: int, alarms: list) -> None:
-        """One AlarmWarning (one line); the next alarm_steps steps are recorded; the ring's steps are written."""
-        self.alarms.extend(alarms)
-        follow = range(step + 1, step + 1 + self.alarm_steps)
-        self._extra_steps.update(follow)
-        written = self._write_ring(step)
-        self._writer.flush_timeline()  # the alarm's row (and those before it) on disk now
-        first = max(alarms, key=lambda a: a.z)
-        more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
-        what = f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0 else "no steps after it recorded (alarm_steps = 0)"
-        if written:
-            what += f", and steps {_span(written)} from the ring"
-        warnings.warn(AlarmWarning(f"{first.message()}{more}; {what}"), stacklevel=2)
-        if self.current_step in self._extra_steps and not self._hot:
-            self._set_hot(True)
-
-    def _write_ring(self, alarm_step: int) -> list[int]:
-        if self._ring is None:
-            return []
-        written = []
-        for held in self._ring.drain():
-            if held.step in self.recorded_steps:
-                continue
-            self._writer.register_step(held.step)
-            for a in held.arrays:
-                self._writer.put_array(held.step, a.layer, a.name, a.tensor, ready=a.ready, layer_attrs=a.layer_attrs)
-            self._writer.put_complete(held.step, loss=held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
-                                      recorded_by="ring", alarm_step=int(alarm_step))
-            bisect.insort(self.recorded_steps, held.step)
-            written.append(held.step)
-        return written
+    def _write_held(self, held: RingStep, alarm_step: int) -> bool:
+        """Write a step the ring held (unless it is recorded already); True when written."""
+        if held.step in self.recorded_steps:
+            return False
+        self._writer.register_step(held.step)
+        for a in held.arrays:
+            self._writer.put_array(held.step, a.layer, a.name, a.tensor, ready=a.ready, layer_attrs=a.layer_attrs)
+        self._writer.put_complete(held.step, loss=held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
+                                  recorded_by="ring", alarm_step=int(alarm_step))
+        bisect.insort(self.recorded_steps, held.step)
+        return True
 
     # -- helpers -------------------------------------------------------------------------
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-    def _warn_once_key(self, key: str, message: str) -> None:
-        self._warn_once(key, message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -568,14 +506,8 @@ class CaptureSession:
             device = device or described["device"]
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
                          "rank": self.rank, "world_size": self.world_size, **self.run_attrs.get("capture", {})}
-        if self.monitor_every:
-            capture_attrs["monitor"] = {
-                "every": self.monitor_every, "eps": self.monitor_eps,
-                "alarm": None if self._rule is None else {"window": self._rule.window, "min_history": self._rule.min_history,
-                                                          "z_threshold": self._rule.z_threshold, "min_change": dict(self._rule.min_change)},
-                "alarm_steps": self.alarm_steps, "ring": 0 if self._ring is None else self._ring.capacity,
-                "timeline_flush_rows": self.timeline_flush_rows,
-            }
+        if self._monitor is not None:
+            capture_attrs["monitor"] = {**self._monitor.attrs(), "timeline_flush_rows": self.timeline_flush_rows}
         return {
             **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},
             "tool_version": __version__,
@@ -626,13 +558,6 @@ def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
         raise InvalidCaptureSetting("ring", f"must be >= 0 steps, got {ring}")
     if ring and not alarm:
         raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write", needs=("alarm", "monitor_every"))
-
-
-def _span(steps: list[int]) -> str:
-    """'5..8' for consecutive steps, else '5, 7, 9'."""
-    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
-        return f"{steps[0]}..{steps[-1]}"
-    return ", ".join(map(str, steps))
 
 
 def _autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:

@@ -1,0 +1,163 @@
+"""The capture session's monitor: per-step statistics, the timeline row, the alarm and the ring.
+
+Every `every`-th step (step % every == 0) is monitored: each attention call of the recorded forward
+pass feeds a `StepCollector` (per-head statistics on the batch slice, W_Q spectral norms), and when
+the step ends ONE timeline row waits for its loss (given by `cap.step(loss)`, else the loss tap's
+sum) and is then written. Each row feeds the alarm rule; an alarm asks the session to record the
+next `alarm_steps` steps in full and writes the ring's steps (monitored steps not written, the last
+`ring` of them, held in host memory) through the session's store.
+
+The session owns the hooks and the step boundaries and tells the monitor about them:
+`begin_step`, `observe`, `add_tapped_loss`, `end_step`, `flush_row`, `close`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from fa_forensics.capture.events import AlarmWarning, AttentionCall, TimelineRow
+from fa_forensics.capture.ring import RingStep, StepRing
+
+# (held ring step, the alarm's step) -> whether the step was written (False: it is recorded already)
+WriteHeld = Callable[[RingStep, int], bool]
+
+
+class StepMonitor:
+    """Monitor, alarm and ring of one capture session (see the module docstring)."""
+
+    def __init__(self, every: int, *, eps: float, alarm=False, alarm_steps: int = 3, ring: int = 0):
+        self.every = int(every)
+        self.eps = eps
+        self.alarm_steps = int(alarm_steps)
+        self.rule = None
+        if alarm:
+            from fa_forensics.monitor.alarm import AlarmRule
+
+            self.rule = alarm if isinstance(alarm, AlarmRule) else AlarmRule()
+        self.ring: Optional[StepRing] = StepRing(ring) if ring else None
+        self.collector = None  # a StepCollector from `start` on
+        self.hot = False  # the current step is monitored
+        self.ring_step: Optional[RingStep] = None  # the current step's arrays, held for the ring
+        self.reported_loss: Optional[float] = None  # cap.step(loss) before the boundary
+        self.tapped_loss: Optional[torch.Tensor] = None  # sum of the scalars backward() was called on
+        self.row: Optional[TimelineRow] = None  # the ended monitored step's row awaiting its loss
+        self.extra_steps: set[int] = set()  # steps an alarm asked for
+        self.alarms: list = []  # every Alarm raised
+        self.monitored_steps: list[int] = []
+
+    def start(self, warn: Callable[[str, str], None]) -> None:
+        """Start the statistics' background worker; warn(key, message) reports once per key."""
+        from fa_forensics.monitor.collector import StepCollector
+
+        self.collector = StepCollector(eps=self.eps, warn=warn, background=True)
+
+    def attrs(self) -> dict:
+        """The monitor's settings, as the store's capture attributes keep them."""
+        rule = self.rule
+        return {
+            "every": self.every, "eps": self.eps,
+            "alarm": None if rule is None else {"window": rule.window, "min_history": rule.min_history,
+                                                "z_threshold": rule.z_threshold, "min_change": dict(rule.min_change)},
+            "alarm_steps": self.alarm_steps, "ring": 0 if self.ring is None else self.ring.capacity,
+        }
+
+    # -- step events -------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Decide whether the step that starts now is monitored."""
+        self.hot = step % self.every == 0
+        self.reported_loss = None
+        if self.hot:
+            self.collector.begin(step)
+
+    def holds_ring(self, recording: bool) -> bool:
+        """The current step's selected layers go to the ring (monitored, not recorded)."""
+        return self.ring is not None and self.hot and not recording
+
+    def ring_step_for(self, step: int) -> RingStep:
+        """The ring entry collecting the arrays of `step` (made at its first array)."""
+        if self.ring_step is None:
+            self.ring_step = RingStep(step)
+        return self.ring_step
+
+    def observe(self, call: AttentionCall, batch: Optional[slice], module_name: str, module) -> None:
+        """Feed one attention call of a monitored step to the statistics (on the capture's batch slice)."""
+        if call.q.dim() != 4:
+            return
+        from fa_forensics.monitor.collector import p_bar_dtype
+
+        q, k = (call.q, call.k) if batch is None else (call.q[batch], call.k[batch])
+        self.collector.observe_call(call.layer, q, k, scale=call.scale, causal=call.causal,
+                                    p_dtype=p_bar_dtype(call.kernel_dtype), module=module, module_name=module_name)
+
+    def add_tapped_loss(self, value: torch.Tensor) -> None:
+        """Add a scalar backward() was called on to the step's loss (no synchronization)."""
+        self.tapped_loss = value if self.tapped_loss is None else self.tapped_loss + value
+
+    def take_tapped_loss(self) -> Optional[torch.Tensor]:
+        """The step's tapped loss, handed over at its end."""
+        tapped, self.tapped_loss = self.tapped_loss, None
+        return tapped
+
+    def end_step(self, step: int, loss: Optional[float], tapped: Optional[torch.Tensor]) -> None:
+        """The monitored step ended: its ring entry is pushed and its row waits for its loss."""
+        if self.hot:
+            given = loss if loss is not None else self.reported_loss
+            if self.ring_step is not None:
+                self.ring_step.loss = given
+                self.ring.push(self.ring_step)
+            self.row = TimelineRow(step, self.collector.finish(), given, tapped)
+        self.ring_step = None
+
+    def flush_row(self, loss: Optional[float], writer, write_held: WriteHeld, warn: Callable[[str, str], None]) -> None:
+        """Write the waiting row (its loss: given now, else reported, else tapped) and run the alarm rule."""
+        row, self.row = self.row, None
+        series = row.series
+        if loss is None:
+            loss = row.given_loss
+        if loss is None and row.tapped_loss is not None:
+            loss = float(row.tapped_loss)  # the one read of the tapped scalar (a device sync on GPU)
+        ring_last = self.ring.last() if self.ring is not None else None
+        if ring_last is not None and ring_last.step == row.step:
+            ring_last.loss = loss
+        if series is None:
+            warn("monitor-empty", f"fa-forensics monitor: step {row.step} was monitored but no attention call was seen "
+                                  "(with gradients enabled); its timeline row holds only the loss")
+            series = {}
+        alarms = []
+        if self.rule is not None:
+            alarms = self.rule.observe(row.step, loss=loss, near_max_ties=series.get("near_max_ties"), wq_sigma=series.get("wq_sigma"))
+        writer.put_timeline(row.step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series)
+        self.monitored_steps.append(row.step)
+        if alarms:
+            self._raise_alarm(row.step, alarms, writer, write_held)
+
+    def close(self) -> None:
+        self.ring_step = None
+        self.hot = False
+        if self.collector is not None:
+            self.collector.close()
+
+    # -- alarm -------------------------------------------------------------------------------
+    def _raise_alarm(self, step: int, alarms: list, writer, write_held: WriteHeld) -> None:
+        """One AlarmWarning (one line); the next alarm_steps steps are asked for; the ring's steps are written."""
+        self.alarms.extend(alarms)
+        follow = range(step + 1, step + 1 + self.alarm_steps)
+        self.extra_steps.update(follow)
+        written = [held.step for held in (self.ring.drain() if self.ring is not None else []) if write_held(held, step)]
+        writer.flush_timeline()  # the alarm's row (and those before it) on disk now
+        first = max(alarms, key=lambda a: a.z)
+        more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
+        what = (f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0
+                else "no steps after it recorded (alarm_steps = 0)")
+        if written:
+            what += f", and steps {_span(written)} from the ring"
+        warnings.warn(AlarmWarning(f"{first.message()}{more}; {what}"), stacklevel=2)
+
+
+def _span(steps: list[int]) -> str:
+    """'5..8' for consecutive steps, else '5, 7, 9'."""
+    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}..{steps[-1]}"
+    return ", ".join(map(str, steps))
