@@ -44,3 +44,19 @@ def replace_module_input(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor],
         if isinstance(kwargs.get(key), torch.Tensor):
             return args, {**kwargs, key: fn(kwargs[key])}
     return None
+
+
+def describe_model(model: torch.nn.Module) -> dict:
+    """{"model": {class, n_params, compiled, wrapper}, "device"}: the class is the model's own under
+    torch.compile (`_orig_mod`) and DDP/FSDP-style wrappers (`module`)."""
+    inner, wrappers = model, []
+    while True:
+        child = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
+        if not isinstance(child, torch.nn.Module):
+            break
+        wrappers.append(type(inner).__name__)
+        inner = child
+    first = next(iter(model.parameters()), None)
+    return {"model": {"class": type(inner).__name__, "n_params": int(sum(p.numel() for p in model.parameters())),
+                      "compiled": "OptimizedModule" in wrappers, "wrappers": wrappers},
+            "device": str(first.device) if first is not None else "unknown"}

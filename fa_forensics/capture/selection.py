@@ -182,3 +182,27 @@ class CaptureSelection:
             "batch": format_batch(self.batch),
             "micro_batch": self.micro_batch,
         }
+
+
+def check_attention_pattern(pattern: str) -> None:
+    """InvalidCaptureSetting("attention_modules") for a module-name regex that does not compile."""
+    import re
+
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError) as exc:
+        raise InvalidCaptureSetting("attention_modules", f"{pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
+
+
+def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
+    """InvalidCaptureSetting for monitor settings that cannot work (together)."""
+    if monitor_every is not None and (not isinstance(monitor_every, int) or monitor_every < 1):
+        raise InvalidCaptureSetting("monitor_every", f"must be a step interval >= 1, got {monitor_every!r}")
+    if alarm and not monitor_every:
+        raise InvalidCaptureSetting("alarm", "the alarm watches the monitor's statistics (e.g. every step: 1)", needs=("monitor_every",))
+    if int(alarm_steps) < 0:
+        raise InvalidCaptureSetting("alarm_steps", f"must be >= 0, got {alarm_steps}")
+    if int(ring) < 0:
+        raise InvalidCaptureSetting("ring", f"must be >= 0 steps, got {ring}")
+    if ring and not alarm:
+        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write", needs=("alarm", "monitor_every"))

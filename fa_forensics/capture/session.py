@@ -38,8 +38,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
-from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules, module_input, replace_module_input
-from fa_forensics.capture.selection import CaptureError, CaptureSelection, InvalidCaptureSetting
+from fa_forensics.capture.modules import (
+    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_input, replace_module_input,
+)
+from fa_forensics.capture.selection import (
+    CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
+)
 from fa_forensics.capture.monitoring import StepMonitor
 from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.ring import RingArray, RingStep
@@ -518,46 +522,6 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
-
-
-def describe_model(model: torch.nn.Module) -> dict:
-    """{"model": {class, n_params, compiled, wrapper}, "device"}: the class is the model's own under
-    torch.compile (`_orig_mod`) and DDP/FSDP-style wrappers (`module`)."""
-    inner, wrappers = model, []
-    while True:
-        child = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
-        if not isinstance(child, torch.nn.Module):
-            break
-        wrappers.append(type(inner).__name__)
-        inner = child
-    first = next(iter(model.parameters()), None)
-    return {"model": {"class": type(inner).__name__, "n_params": int(sum(p.numel() for p in model.parameters())),
-                      "compiled": "OptimizedModule" in wrappers, "wrappers": wrappers},
-            "device": str(first.device) if first is not None else "unknown"}
-
-
-def check_attention_pattern(pattern: str) -> None:
-    """InvalidCaptureSetting("attention_modules") for a module-name regex that does not compile."""
-    import re
-
-    try:
-        re.compile(pattern)
-    except (re.error, TypeError) as exc:
-        raise InvalidCaptureSetting("attention_modules", f"{pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
-
-
-def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
-    """InvalidCaptureSetting for monitor settings that cannot work (together)."""
-    if monitor_every is not None and (not isinstance(monitor_every, int) or monitor_every < 1):
-        raise InvalidCaptureSetting("monitor_every", f"must be a step interval >= 1, got {monitor_every!r}")
-    if alarm and not monitor_every:
-        raise InvalidCaptureSetting("alarm", "the alarm watches the monitor's statistics (e.g. every step: 1)", needs=("monitor_every",))
-    if int(alarm_steps) < 0:
-        raise InvalidCaptureSetting("alarm_steps", f"must be >= 0, got {alarm_steps}")
-    if int(ring) < 0:
-        raise InvalidCaptureSetting("ring", f"must be >= 0 steps, got {ring}")
-    if ring and not alarm:
-        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write", needs=("alarm", "monitor_every"))
 
 
 def _autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:

@@ -158,7 +158,7 @@ def register(app: typer.Typer) -> None:
             from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.selection import CaptureSelection
 
-            from fa_forensics.capture.session import check_attention_pattern, check_monitor_options
+            from fa_forensics.capture.selection import check_attention_pattern, check_monitor_options
 
             if steps is None and monitor_every is None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
