@@ -36,3 +36,39 @@ class OutOfRange(ConfigError):
         self.what, self.value, self.where, self.limit = what, value, where, limit
         super().__init__(f"{what} {value} is out of range at {where}: {what}s are 0..{limit}")
 
+
+
+class BackendUnsupported(ConfigError):
+    """A replay backend cannot run what was asked here: `.backend`, `.reason`, and `.alternative`, a backend that can."""
+
+    def __init__(self, backend: str, reason: str, alternative: str = "emulate") -> None:
+        self.backend, self.reason, self.alternative = backend, reason, alternative
+        super().__init__(f"replay: backend {backend} {reason}; backend {alternative} can")
+
+
+class TargetExists(DumpError, ConfigError):
+    """A file or store to be written exists already: `.path`; `.setting` names the destination (e.g. "out", "to");
+    `.foreign`: it is not an fa-forensics dump, so it is never replaced."""
+
+    def __init__(self, path, setting: str, foreign: bool = False) -> None:
+        self.path, self.setting, self.foreign = path, setting, foreign
+        if foreign:
+            super().__init__(f"{path} exists and is not an fa-forensics dump; it is never replaced")
+        else:
+            super().__init__(f"{path} already exists; overwrite=True replaces it")
+
+
+class TargetUnwritable(DumpError):
+    """A file or store cannot be written: `.path`, `.setting` (the destination, e.g. "to"), `.reason` (the OS's)."""
+
+    def __init__(self, path, setting: str, reason: str) -> None:
+        self.path, self.setting, self.reason = path, setting, reason
+        super().__init__(f"cannot write {path}: {reason}")
+
+
+class UnknownRank(DumpError):
+    """A rank a dump does not hold: `.rank`, `.path` and `.ranks` (those it holds)."""
+
+    def __init__(self, rank: int, path, ranks: str) -> None:
+        self.rank, self.path, self.ranks = rank, path, ranks
+        super().__init__(f"rank {rank} is not in {path} (ranks: {ranks})")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fa_forensics.errors import ConfigError
+from fa_forensics.errors import ConfigError, InvalidSetting, TargetExists
 
 GAP_RANGE = (12.0, 16.0)  # score of the tied keys above the bulk of the others, per row (natural-log units)
 ANCHOR_K = 4.0  # the one non-zero coordinate of a tied key
@@ -61,20 +61,22 @@ class SynthSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
+        def need(ok: bool, setting: str, reason: str) -> None:
             if not ok:
-                raise ConfigError(message)
+                raise InvalidSetting(setting, reason)
 
-        need(self.seq >= 16, f"--seq {self.seq} is too short; use at least {max(16, 2 * (self.ties + N_DISTRACTORS) * N_GROUPS)}")
-        need(self.heads >= 1 and self.batch >= 1 and self.steps >= 1 and self.layers >= 1, "--heads, --batch, --steps and --layers must be at least 1")
-        need(self.head_dim >= 2 * N_GROUPS, f"--head-dim {self.head_dim} is too small; use at least {2 * N_GROUPS}")
-        need(1 <= self.ties <= 16, f"--ties {self.ties} must be between 1 and 16")
-        need((self.ties + N_DISTRACTORS) * N_GROUPS <= self.seq // 2, f"--ties {self.ties} needs --seq of at least {2 * (self.ties + N_DISTRACTORS) * N_GROUPS}")
-        need(0.0 <= self.v_skew <= 1.0, f"--v-skew {self.v_skew} must be a fraction in [0, 1]")
-        need(len(self.planted_heads) > 0, "--planted-heads must name at least one head")
+        need(self.seq >= 16, "seq", f"{self.seq} is too short; use at least {max(16, 2 * (self.ties + N_DISTRACTORS) * N_GROUPS)}")
+        for name in ("heads", "batch", "steps", "layers"):
+            need(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        need(self.head_dim >= 2 * N_GROUPS, "head_dim", f"{self.head_dim} is too small; use at least {2 * N_GROUPS}")
+        need(1 <= self.ties <= 16, "ties", f"{self.ties} must be between 1 and 16")
+        need((self.ties + N_DISTRACTORS) * N_GROUPS <= self.seq // 2, "ties",
+             f"{self.ties} ties need a sequence of at least {2 * (self.ties + N_DISTRACTORS) * N_GROUPS}")
+        need(0.0 <= self.v_skew <= 1.0, "v_skew", f"{self.v_skew} must be a fraction in [0, 1]")
+        need(len(self.planted_heads) > 0, "planted_heads", "must name at least one head")
         bad = [h for h in self.planted_heads if not 0 <= h < self.heads]
-        need(not bad, f"--planted-heads {bad} not in 0..{self.heads - 1}; pick heads below --heads")
-        need(self.sink_strength is None or math.isfinite(self.sink_strength), "--sink-strength must be a finite number")
+        need(not bad, "planted_heads", f"{bad} not in 0..{self.heads - 1}; pick heads below the number of heads")
+        need(self.sink_strength is None or math.isfinite(self.sink_strength), "sink_strength", "must be a finite number")
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,9 +209,9 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not overwrite:
-            raise ConfigError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+            raise TargetExists(out, "out")
         if not out.is_dir() or _existing_format(out) is None:
-            raise ConfigError(f"{out} exists and is not an fa-forensics dump; refusing to overwrite it, choose another --out")
+            raise TargetExists(out, "out", foreign=True)
     g = torch.Generator().manual_seed(spec.seed)
     feature = int(torch.randint(0, spec.head_dim, (1,), generator=g))
     standout = _standout(spec, spec.heads * spec.head_dim, g)

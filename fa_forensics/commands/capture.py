@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 
 LAUNCHER = "fa_forensics.capture.launch"
@@ -72,7 +73,7 @@ def worded_settings(option_of: dict[str, str] = OPTION_OF):
     try:
         yield
     except InvalidSetting as exc:
-        option = option_of.get(exc.setting, exc.setting)
+        option = option_of.get(exc.setting, option_name(exc.setting))
         needs = getattr(exc, "needs", ())
         if needs:
             raise UserError(f"{option} needs {' and '.join(NEEDED_AS.get(n, n) for n in needs)}: {exc.why}") from None

@@ -95,7 +95,9 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
     except UserError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        from fa_forensics.commands.errors import cli_line
+
+        err_console.print(f"[bold red]error:[/] {cli_line(exc)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")

@@ -16,7 +16,7 @@ import torch
 
 from fa_forensics.demo.data import random_batch, stdlib_corpus
 from fa_forensics.demo.model import GPT, GPTConfig
-from fa_forensics.errors import UserError
+from fa_forensics.errors import InvalidSetting
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def build(config: DemoConfig) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor,
     try:
         device = torch.device(config.device)
     except RuntimeError:
-        raise UserError(f"unknown device {config.device!r}; use cpu or cuda") from None
+        raise InvalidSetting("device", f"unknown device {config.device!r}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but no CUDA GPU is available; use --device cpu")
+        raise InvalidSetting("device", "cuda asked for, but no CUDA GPU is available; use cpu")
     torch.manual_seed(config.seed)
     model = GPT(config.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -38,7 +38,7 @@ from fa_forensics.dump.schema import (
     rank_key,
     supported_dtype_names,
 )
-from fa_forensics.errors import DumpError
+from fa_forensics.errors import DumpError, UnknownRank
 
 
 class IncompleteStepWarning(UserWarning):
@@ -134,7 +134,7 @@ class Dump:
             return self._root
         if rank_key(rank) not in root_keys:
             have = sorted({0, *ranks})
-            raise DumpError(f"rank {rank} is not in {self.path} (ranks: {_fmt(have)}); pick one of those with --rank")
+            raise UnknownRank(rank, self.path, _fmt(have))
         try:
             return self._root[rank_key(rank)]
         except Exception as exc:

@@ -25,7 +25,7 @@ from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.reader import open_dump
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
 from fa_forensics.dump.writer import DumpWriter, _existing_format
-from fa_forensics.errors import DumpError
+from fa_forensics.errors import DumpError, InvalidSetting, TargetExists, TargetUnwritable
 
 NAME_RE = re.compile(r"^step(\d+)\.layer(\d+)\.(" + "|".join(ARRAY_NAMES) + r")$")
 NAME_PATTERN = "step{S}.layer{L}.{q,k,v,o,do,x,mask}"
@@ -116,9 +116,9 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
         raise DumpError(f"no safetensors file at {src}; give the path of an existing .safetensors file")
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())):
         if not overwrite:
-            raise DumpError(f"{dst} already exists; pass --overwrite to replace it or choose another --to")
+            raise TargetExists(dst, "to")
         if not dst.is_dir() or _existing_format(dst) is None:
-            raise DumpError(f"{dst} exists and is not an fa-forensics dump; refusing to overwrite it, choose another --to")
+            raise TargetExists(dst, "to", foreign=True)
     try:
         with safe_open(str(src), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -179,7 +179,7 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
     except OSError as exc:
-        raise DumpError(f"cannot write {dst}: {exc.strerror or exc}; choose a writable --to with free space") from None
+        raise TargetUnwritable(dst, "to", str(exc.strerror or exc)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         dst_lock.release()
@@ -212,9 +212,9 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
 
     dst = Path(dst)
     if dst.exists() and not overwrite:
-        raise DumpError(f"{dst} already exists; pass --overwrite to replace it or choose another --to")
+        raise TargetExists(dst, "to")
     if dst.is_dir():
-        raise DumpError(f"{dst} is a folder; --to must be a file path ending in .safetensors")
+        raise InvalidSetting("to", f"{dst} is a folder; give a file path ending in .safetensors")
     dump = open_dump(dump_path)
     triples = dump.select(steps=steps, layers=layers)
     tensors: dict[str, torch.Tensor] = {}
@@ -230,11 +230,11 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
             tensors[f"step{s}.layer{l}.{t}"] = dump.read(s, l, t).contiguous()
     causal = {c for c, _, _ in settings}
     if len(causal) > 1:
-        raise DumpError(f"layers of {dump.path} disagree on causal, but a safetensors file has one; export one layer at a time with --layer")
+        raise DumpError(f"layers of {dump.path} disagree on causal, but a safetensors file has one; export the layers one at a time")
     default_scale = all(math.isclose(sc, 1.0 / math.sqrt(d), rel_tol=1e-7) for _, sc, d in settings if d)
     scales = {sc for _, sc, _ in settings}
     if not default_scale and len(scales) > 1:
-        raise DumpError(f"layers of {dump.path} disagree on scale, but a safetensors file has one; export one layer at a time with --layer")
+        raise DumpError(f"layers of {dump.path} disagree on scale, but a safetensors file has one; export the layers one at a time")
     causal_value = causal.pop() if causal else True
     metadata = {"causal": "true" if causal_value else "false"}
     scale = None if default_scale else scales.pop()
@@ -251,7 +251,7 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; an exported file gets the usual mode
         os.replace(tmp, dst)
     except OSError as exc:
-        raise DumpError(f"cannot write {dst}: {exc.strerror or exc}; choose a writable --to with free space") from None
+        raise TargetUnwritable(dst, "to", str(exc.strerror or exc)) from None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)

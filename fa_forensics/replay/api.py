@@ -10,15 +10,15 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.errors import ConfigError, UserError
+from fa_forensics.errors import BackendUnsupported, ConfigError
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.out import ReplayOut
 
 BACKENDS = ("emulate", "triton")
 
 
-class BackendUnavailable(UserError):
-    """The requested replay backend cannot run here (no Triton, no GPU, not built yet)."""
+class BackendUnavailable(BackendUnsupported):
+    """The requested replay backend cannot run here (no Triton, no GPU, a masked layer)."""
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: Optional[torch.Tensor], causal: bool) -> None:
@@ -82,9 +82,9 @@ def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConf
 
         return emulate_replay(q, k, v, config, do, causal=causal, scale=scale, mask=mask)
     if mask is not None:
-        raise BackendUnavailable("replay: the triton backend does not apply attention masks; use --backend emulate for a masked layer")
+        raise BackendUnavailable("triton", "does not apply attention masks (this layer has one)")
     try:
         from fa_forensics.replay.triton.backend import replay_triton
     except ImportError as exc:
-        raise BackendUnavailable(f"replay: the triton backend is not available here ({exc}); use --backend emulate") from None
+        raise BackendUnavailable("triton", f"is not available here ({exc})") from None
     return replay_triton(q, k, v, config, do, causal=causal, scale=scale)

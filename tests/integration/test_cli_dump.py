@@ -45,7 +45,7 @@ def test_import_export_round_trip_cli(tmp_path):
     assert json.loads((tmp_path / "imp.json").read_text())["steps"] == [3]
     assert open_dump(tmp_path / "d.zarr").layer_info(3, 1).causal is False
     r = runner.invoke(app, ["import", str(tmp_path / "a.safetensors"), "--to", str(tmp_path / "d.zarr")])
-    assert r.exit_code == 2 and "--overwrite" in r.stderr
+    assert r.exit_code == 2 and "already exists; pass --overwrite to replace it or choose another --to" in r.stderr
     r = runner.invoke(app, ["export", str(tmp_path / "d.zarr"), "--to", str(tmp_path / "b.safetensors")])
     assert r.exit_code == 0, r.stderr
     back = load_file(tmp_path / "b.safetensors")
@@ -71,6 +71,18 @@ def test_synth_cli_writes_a_verified_planted_dump(tmp_path):
     d = open_dump(out)
     assert d.steps == [0, 1] and d.layer_info(0, 0).arrays["q"] == (2, 2, 64, 16)
     r = runner.invoke(app, args)
-    assert r.exit_code == 2 and "--overwrite" in r.stderr
+    assert r.exit_code == 2 and "already exists; pass --overwrite to replace it or choose another --out" in r.stderr
     r = runner.invoke(app, ["synth", "--out", str(tmp_path / "t.zarr"), "--planted-heads", "9"])
     assert r.exit_code == 2 and "not in 0..3" in r.stderr and not (tmp_path / "t.zarr").exists()
+
+
+def test_the_cli_words_the_librarys_typed_errors_with_its_options(tmp_path):
+    """The library says the facts (TargetExists, UnknownRank, InvalidSetting); the CLI names the option."""
+    out = tmp_path / "s.zarr"
+    assert runner.invoke(app, ["synth", "--out", str(out), "--seq", "64", "--heads", "2", "--head-dim", "16", "--steps", "1"]).exit_code == 0
+    r = runner.invoke(app, ["synth", "--out", str(out), "--seq", "64", "--heads", "2", "--head-dim", "16", "--steps", "1"])
+    assert r.exit_code == 2 and "already exists; pass --overwrite to replace it or choose another --out" in r.stderr
+    r = runner.invoke(app, ["synth", "--out", str(tmp_path / "t.zarr"), "--head-dim", "2"])
+    assert r.exit_code == 2 and "--head-dim: 2 is too small" in r.stderr
+    r = runner.invoke(app, ["info", str(out), "--rank", "3"])
+    assert r.exit_code == 2 and "rank 3 is not in" in r.stderr and "pick one of those with --rank" in r.stderr

@@ -118,7 +118,7 @@ def test_synth_is_reproducible_and_honours_v_skew(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"planted_heads": (4,)}, "not in 0..3"), ({"v_skew": 1.5}, r"\[0, 1\]"), ({"ties": 0}, "between 1 and 16"), ({"seq": 64, "ties": 8}, "needs --seq")],
+    [({"planted_heads": (4,)}, "not in 0..3"), ({"v_skew": 1.5}, r"\[0, 1\]"), ({"ties": 0}, "between 1 and 16"), ({"seq": 64, "ties": 8}, "ties: 8 ties need a sequence of at least")],
 )
 def test_spec_rejects_bad_values(kwargs, match):
     with pytest.raises(ConfigError, match=match):

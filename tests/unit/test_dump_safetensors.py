@@ -71,7 +71,7 @@ def test_export_selection_and_refusals(make_dump, tmp_path):
     res = export_safetensors(path, tmp_path / "one.safetensors", steps=1, layers=[0])
     assert sorted(load_file(tmp_path / "one.safetensors")) == [f"step1.layer0.{n}" for n in sorted(("q", "k", "v", "o", "do", "x"))]
     assert res.n_tensors == 6
-    with pytest.raises(DumpError, match="already exists; pass --overwrite"):
+    with pytest.raises(DumpError, match="already exists; overwrite=True replaces it"):
         export_safetensors(path, tmp_path / "one.safetensors")
     with pytest.raises(DumpError, match="step 12345 is not in"):
         export_safetensors(path, tmp_path / "two.safetensors", steps=12345)
@@ -109,7 +109,7 @@ def test_bad_files_give_one_line_and_write_nothing(tmp_path, tensors, metadata, 
 def test_import_refuses_to_clobber(make_dump, tmp_path):
     save_file({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, tmp_path / "f.safetensors")
     path = make_dump()
-    with pytest.raises(DumpError, match="already exists; pass --overwrite"):
+    with pytest.raises(DumpError, match="already exists; overwrite=True replaces it"):
         import_safetensors(tmp_path / "f.safetensors", path)
     import_safetensors(tmp_path / "f.safetensors", path, overwrite=True)
     assert open_dump(path).steps == [1]
@@ -151,5 +151,5 @@ def test_exported_file_has_the_usual_mode_and_a_readonly_destination_is_one_line
         ro = tmp_path / "ro"
         ro.mkdir()
         ro.chmod(0o500)
-        with pytest.raises(DumpError, match="cannot write .*choose a writable --to"):
+        with pytest.raises(DumpError, match="cannot write .*"):
             export_safetensors(make_dump("b.zarr"), ro / "out.safetensors")

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.errors import UserError
+from fa_forensics.errors import BackendUnsupported
 from fa_forensics.replay.config import DeltaSource, MaskedBlocks, Precision, ReplayConfig, Rounding, Softmax
 from fa_forensics.replay.emulate.run import high_precision_twin
 from fa_forensics.replay.out import PBarStats, ReplayOut
@@ -32,8 +32,11 @@ from fa_forensics.replay.out import PBarStats, ReplayOut
 _FP32 = Precision.FP32
 
 
-class TritonBackendError(UserError):
-    """The triton backend cannot run this replay here."""
+class TritonBackendError(BackendUnsupported):
+    """The triton backend cannot run this replay here (`.reason`); the emulator can."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("triton", reason)
 
 
 def interpreting() -> bool:
@@ -49,7 +52,7 @@ def _device_for(q: torch.Tensor) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
     raise TritonBackendError(
-        "replay: backend triton needs a CUDA GPU (none found) or TRITON_INTERPRET=1 set before triton is imported; use --backend emulate")
+        "needs a CUDA GPU (none found) or TRITON_INTERPRET=1 set before triton is imported")
 
 
 def to_input(x: torch.Tensor, fmt: Precision, device: torch.device) -> torch.Tensor:
@@ -85,16 +88,15 @@ def _stats(rows: torch.Tensor) -> PBarStats:
 def _check_supported(config: ReplayConfig, backward: bool) -> None:
     """Refuse, in one line, what the kernels do not implement (before triton is imported)."""
     if config.rounding is Rounding.STOCHASTIC:
-        raise TritonBackendError("replay: backend triton implements nearest-even casts only; use --backend emulate for rounding=stochastic")
+        raise TritonBackendError("implements nearest-even casts only, not rounding=stochastic")
     reference_loop = config.masked_blocks is MaskedBlocks.VISIT or config.row_sum_floor > 0
     if reference_loop and config.softmax is not Softmax.STANDARD:
         raise TritonBackendError(
-            f"replay: backend triton skips fully masked KV blocks and does not clamp row sums, which changes the bits under "
-            f"softmax={config.softmax.value} (the reference code's loop); use --backend emulate for this recipe")
+            f"skips fully masked KV blocks and does not clamp row sums, which changes the bits under "
+            f"softmax={config.softmax.value} (the reference code's loop)")
     if backward and config.has_reference_backward:
         raise TritonBackendError(
-            "replay: backend triton runs the FA2 kernels' fp32 backward, not the reference code's bf16 one "
-            "(dp_dtype, delta_dtype, grad_dtype, ds_alpha); use --backend emulate for this recipe's gradients")
+            "runs the FA2 kernels' fp32 backward, not the reference code's bf16 one (dp_dtype, delta_dtype, grad_dtype, ds_alpha)")
 
 
 def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,

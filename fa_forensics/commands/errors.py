@@ -1,0 +1,27 @@
+"""How the CLI words the library's typed errors: the facts come from the library, the option
+that acts on them from here (as huggingface_hub's CLI does for its library's errors)."""
+from __future__ import annotations
+
+from fa_forensics.errors import BackendUnsupported, InvalidSetting, TargetExists, TargetUnwritable, UnknownRank, UserError
+
+
+def option(setting: str) -> str:
+    """The command-line option of a library setting of the same name ("head_dim" -> "--head-dim")."""
+    return "--" + setting.replace("_", "-")
+
+
+def cli_line(exc: UserError) -> str:
+    """The one line `run_cli` prints for a library error."""
+    if isinstance(exc, BackendUnsupported):
+        return f"replay: backend {exc.backend} {exc.reason}; use --backend {exc.alternative}"
+    if isinstance(exc, TargetExists):
+        if exc.foreign:
+            return f"{exc.path} exists and is not an fa-forensics dump; refusing to overwrite it, choose another {option(exc.setting)}"
+        return f"{exc.path} already exists; pass --overwrite to replace it or choose another {option(exc.setting)}"
+    if isinstance(exc, TargetUnwritable):
+        return f"{exc}; choose a writable {option(exc.setting)} with free space"
+    if isinstance(exc, UnknownRank):
+        return f"{exc}; pick one of those with --rank"
+    if isinstance(exc, InvalidSetting):
+        return f"{option(exc.setting)}: {exc.reason}"
+    return str(exc)
