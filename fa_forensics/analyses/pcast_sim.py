@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from fa_forensics.analyses.pcast_kernel import kv_order, pcast_attention, pcast_
 from fa_forensics.analyses.pcast_theory import (
     LN_UNDERFLOW, closed_form_fraction, closed_form_reverse, closed_form_spread, expected_max_normal, std_max_normal,
 )
+from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.analyses.stats import PairedTTest, Ratio, mean_se, paired_ratio, paired_ttest
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.replay.config import KVOrder
@@ -221,3 +222,24 @@ def _with_comparisons(res: PcastSimResult) -> PcastSimResult:
         notes.append(f"{res.config.n_seeds} seeds: the paper used 20 (sweeps) and 100 (t-tests); more seeds give tighter errors")
     return PcastSimResult(config=res.config, delta_k=res.delta_k, sigma_k=res.sigma_k, n_main=n, rows=res.rows,
                           dp=res.dp, ratio=ratio, ratio_448=ratio_448, ttest=tuple(tests), notes=tuple(notes))
+
+
+def payload(res: PcastSimResult) -> dict[str, Any]:
+    """The --json payload of the simulation (keys documented in the README)."""
+    cfg = res.config
+    return {
+        "mode": "simulation",
+        "config": {"deltas": list(cfg.deltas), "seqs": list(cfg.seqs), "n_sinks": cfg.n_sinks, "block": cfg.block,
+                   "queries": cfg.n_queries, "head_dim": cfg.head_dim, "scales": list(cfg.scales),
+                   "orders": list(cfg.orders), "seeds": cfg.n_seeds, "seed": cfg.seed},
+        "delta_k": res.delta_k,
+        "sigma_k": res.sigma_k,
+        "n_main": res.n_main,
+        "rows": to_jsonable(list(res.rows)),
+        "dp": [{"S": p.S, "dp": p.dp, "lsb": p.lsb, "bit_exact": p.bit_exact} for p in res.dp],
+        "ratio": to_jsonable(res.ratio),
+        "ratio_448": to_jsonable(res.ratio_448),
+        "ttest": {"a": "forward S=256", "b": "reverse S=256", "seq": res.n_main,
+                  "tests": to_jsonable(list(res.ttest))},
+        "notes": list(res.notes),
+    }

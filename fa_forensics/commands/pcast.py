@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from fa_forensics.analyses import pcast as pc
 from fa_forensics.analyses import pcast_sim as sim
 from fa_forensics.analyses.pcast_e4m3 import dp_sawtooth
 from fa_forensics.replay.config import KVOrder
-from fa_forensics.analyses.stats import format_p
 from fa_forensics.commands.common import (
     DebugOpt,
     HeadOpt,
@@ -28,7 +26,6 @@ from fa_forensics.commands.common import (
     ensure_out_dir,
     print_warnings,
     run_cli,
-    to_jsonable,
     write_json,
 )
 from fa_forensics.errors import ConfigError, InvalidSetting, UserError
@@ -70,82 +67,6 @@ def _orders(text: str) -> tuple[KVOrder, ...]:
     return tuple(known[n] for n in names)
 
 
-def _dp_table(points) -> Table:
-    t = Table(title="dp(S): worst-case normalized E4M3 step of the P-cast (exhaustive enumeration)")
-    for c in ("S", "dp(S)", "dp / 2^-4", "bit-exact"):
-        t.add_column(c, justify="right")
-    for p in points:
-        t.add_row(f"{p.S:g}", f"{p.dp:.4f}", f"{p.dp / 2 ** -4:.3f}", "yes" if p.bit_exact else "no")
-    return t
-
-
-def _render_sim(res: sim.PcastSimResult) -> None:
-    n = res.n_main
-    t = Table(title=f"Table 1: P-collapse (N = {n}, k = {res.config.n_sinks}, B = {res.config.block}, "
-                    f"δ_k = {res.delta_k:.4f} integrated; {res.config.n_seeds} seeds)")
-    for c in ("Δ", "S", "order", "frac zeroed ± se", "closed form", "spread-avg", "non-sink mass", "info loss", "MSE ± se"):
-        t.add_column(c, justify="right")
-    for r in sorted((r for r in res.rows if r.seq == n), key=lambda r: (r.order, r.S, r.delta)):
-        t.add_row(f"{r.delta:g}", f"{r.S:g}", r.order.value, f"{r.frac_zeroed:.3f} ± {r.frac_zeroed_se:.3f}",
-                  f"{r.closed_form:.3f}", f"{r.closed_form_spread:.3f}", f"{r.nonsink_mass:.3f}", f"{r.info_loss:.3f}",
-                  f"{r.mse:.3e} ± {r.mse_se:.1e}")
-    console.print(t)
-    seqs = sorted({r.seq for r in res.rows if r.delta == sim.DELTA_FIG3})
-    if len(seqs) > 1:
-        t = Table(title=f"Fig. 3 data: MSE vs N at Δ = {sim.DELTA_FIG3:g}")
-        t.add_column("order, S")
-        for s in seqs:
-            t.add_column(f"N={s}", justify="right")
-        for order in res.config.orders:
-            for S in res.config.scales:
-                cells = [res.row(sim.DELTA_FIG3, S, order, s) for s in seqs]
-                t.add_row(f"{order.value} S={S:g}", *[f"{c.mse:.2e}" if c else "-" for c in cells])
-        console.print(t)
-    console.print(_dp_table(res.dp))
-    for ratio in (res.ratio, res.ratio_448):
-        if ratio is not None:
-            console.print(f"MSE {ratio.numerator} / {ratio.denominator} at Δ = {ratio.delta:g}, N = {ratio.seq}: "
-                          f"[bold]{ratio.value:.2f} ± {ratio.se:.2f}[/] (paired over {ratio.n} seeds)")
-    if res.ttest:
-        t = Table(title=f"Paired t-test: forward S=256 vs reverse S=256 (N = {n}, instances = seeds)")
-        for c in ("Δ", "n", "MSE fwd", "MSE rev", "mean diff ± se", "t", "p", "verdict"):
-            t.add_column(c, justify="right")
-        for x in res.ttest:
-            verdict = {"a better": "forward better", "b better": "reverse better"}.get(x.verdict, x.verdict)
-            t.add_row(f"{x.delta:g}", str(x.n), f"{x.mse_a:.3e}", f"{x.mse_b:.3e}", f"{x.mean_diff:+.2e} ± {x.se_diff:.1e}",
-                      f"{x.t:.2f}", format_p(x.p_value), verdict)
-        console.print(t)
-    explained = [r for r in res.rows if r.explanation and r.seq == n]
-    if explained:
-        console.print("[bold]Where measured and closed form differ by more than 0.02:[/]")
-        for r in explained:
-            console.print(f"  Δ={r.delta:g} S={r.S:g} {r.order.value}: measured {r.frac_zeroed:.3f} vs {r.closed_form:.3f}: {r.explanation}",
-                          highlight=False)
-    for note in res.notes:
-        console.print(f"[dim]note: {note}[/]")
-
-
-def _sim_payload(res: sim.PcastSimResult, figures: list[str]) -> dict[str, Any]:
-    cfg = res.config
-    return {
-        "mode": "simulation",
-        "config": {"deltas": list(cfg.deltas), "seqs": list(cfg.seqs), "n_sinks": cfg.n_sinks, "block": cfg.block,
-                   "queries": cfg.n_queries, "head_dim": cfg.head_dim, "scales": list(cfg.scales),
-                   "orders": list(cfg.orders), "seeds": cfg.n_seeds, "seed": cfg.seed},
-        "delta_k": res.delta_k,
-        "sigma_k": res.sigma_k,
-        "n_main": res.n_main,
-        "rows": to_jsonable(list(res.rows)),
-        "dp": [{"S": p.S, "dp": p.dp, "lsb": p.lsb, "bit_exact": p.bit_exact} for p in res.dp],
-        "ratio": to_jsonable(res.ratio),
-        "ratio_448": to_jsonable(res.ratio_448),
-        "ttest": {"a": "forward S=256", "b": "reverse S=256", "seq": res.n_main,
-                  "tests": to_jsonable(list(res.ttest))},
-        "notes": list(res.notes),
-        "figures": figures,
-    }
-
-
 def register(app: typer.Typer) -> None:
     @app.command("pcast", help=HELP)
     def pcast(
@@ -169,6 +90,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         def body() -> None:
             from fa_forensics.figures import pcast as figs
+            from fa_forensics.tables.pcast import sim_tables, tables
 
             S_list = _numbers(scales, "--scales")
             orders = _orders(order)
@@ -180,16 +102,16 @@ def register(app: typer.Typer) -> None:
                                    orders=orders, n_seeds=seeds, seed=seed)
                 with console.status("simulating the FP8 P-cast kernel..."):
                     res = sim.simulate(cfg)
-                _render_sim(res)
+                for renderable in sim_tables(res):
+                    console.print(renderable, highlight=False)
                 if out_dir is not None:
                     figures = [str(figs.fig_dp_sawtooth(dp_sawtooth(), out_dir / "pcast_dp_sawtooth.png")),
                                str(figs.fig_mse_vs_delta(res, out_dir / "pcast_mse_vs_delta.png")),
                                str(figs.fig_mse_vs_seq(res, out_dir / "pcast_mse_vs_seq.png"))]
-                write_json(json_path, _sim_payload(res, figures))
+                write_json(json_path, {**sim.payload(res), "figures": figures})
             else:
                 from fa_forensics.analyses.selection import select
                 from fa_forensics.dump import open_dump
-                from fa_forensics.tables.pcast import tables
 
                 d = open_dump(dump)
                 sels = select(d, step if step is not None else (d.steps[-1] if d.steps else None), layer, head)
