@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules
-from fa_forensics.capture.selection import CaptureError, CaptureSelection, parse_batch, parse_index_list, parse_steps
+from fa_forensics.capture.selection import (
+    CaptureError, CaptureSelection, InvalidCaptureSetting, parse_batch, parse_index_list, parse_steps,
+)
 from fa_forensics.capture.session import CaptureSession, active
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "CaptureSession",
     "CaptureSelection",
     "CaptureError",
+    "InvalidCaptureSetting",
     "DEFAULT_ATTENTION_PATTERN",
     "find_attention_modules",
     "parse_steps",
