@@ -266,10 +266,13 @@ def matmul(
     return out.reshape(*lead, M, N)
 
 
-def _as_fp32_array(x: torch.Tensor) -> Optional[torch.Tensor]:
-    """x as a contiguous fp32 tensor when every value is a finite fp32 number, else None."""
+def _as_fp32_array(x: torch.Tensor, strided: bool = False) -> Optional[torch.Tensor]:
+    """x (3-d) as an fp32 tensor when every value is a finite fp32 number, else None: contiguous,
+    or with `strided` an fp32 x as it is (a transposed view is read in place, not copied)."""
     if not x.dtype.is_floating_point or x.dtype.itemsize > 8:
         return None
+    if strided and x.dtype == torch.float32 and x.transpose(1, 2).is_contiguous():  # a transposed view
+        return x if _jit().all_finite(x.transpose(1, 2).reshape(-1).numpy()) else None
     x32 = x.to(torch.float32).contiguous()
     if x.dtype == torch.float64 and not bool((x32.to(torch.float64) == x).all()):
         return None  # a value that is not an fp32 number (or NaN)
@@ -300,7 +303,7 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
     if not _compiled_available():
         return None
     accumulate_jit = _jit()
-    a, b = _as_fp32_array(a3), _as_fp32_array(b3)
+    a, b = _as_fp32_array(a3, strided=True), _as_fp32_array(b3)
     if a is None or b is None:
         return None
     zero = acc3 is None
@@ -312,7 +315,7 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
             return None
         if out.data_ptr() == acc3.data_ptr():
             out = out.clone()  # the kernels write in place; never into the caller's tensor
-    with accumulate_jit.threads(torch.get_num_threads()):
+    with accumulate_jit.threads(accumulate_jit.wanted_threads(torch.get_num_threads())):
         if params is None:
             accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy(), zero)
         else:

@@ -139,6 +139,14 @@ def tensor_core_matmul(a, b, out, F, neab, zero):
             row[j] = acc[j]
 
 
+_KERNEL_THREADS: list[int] = []  # set by `kernel_threads`: the count the kernels use inside it
+
+
+def wanted_threads(torch_threads: int) -> int:
+    """How many threads a kernel runs on: `kernel_threads`' count inside it, else torch's."""
+    return _KERNEL_THREADS[-1] if _KERNEL_THREADS else torch_threads
+
+
 @contextlib.contextmanager
 def threads(n: int):
     """Run numba's parallel loops on n threads (at most as many as it started), then restore."""
@@ -150,6 +158,18 @@ def threads(n: int):
         numba.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def kernel_threads(n: int):
+    """Inside: the compiled kernels run on n threads whatever torch's setting (a caller that puts
+    torch on one thread, so its pool does not compete with numba's, keeps n for the kernels)."""
+    _KERNEL_THREADS.append(max(1, n))
+    try:
+        with threads(n):
+            yield
+    finally:
+        _KERNEL_THREADS.pop()
+
+
 @numba.njit(types.boolean(types.float32[:]), **_JIT)
 def all_finite(x):
     """True when no value of the fp32 vector x is ±inf or NaN."""
@@ -157,3 +177,4 @@ def all_finite(x):
     for i in range(x.shape[0]):
         ok &= abs(x[i]) <= _FP32_MAX  # False for NaN too
     return ok
+

@@ -23,6 +23,9 @@ KV block j) of config.block_m × block_n, i outer and j inner as the reference l
 product is cast to grad_dtype and added into the dQ_i, dK_j, dV_j buffers with one grad_dtype
 rounding. Query rows then go in the config's blocks (not the memory plan's). Blocks a causal mask
 hides entirely add ±0 and are skipped (exactly a no-op).
+
+Steps 1, 4 and (for dp-p) 3 run as compiled passes per row (`fused.backward_probs`,
+`fused.backward_ds`) where `fused.eligible` says so, bit for bit the torch code's.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 
 from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import Accumulation, DeltaSource, Precision, ReplayConfig
+from fa_forensics.replay.emulate import fused
 from fa_forensics.replay.emulate.forward import scaled_scores
 from fa_forensics.replay.emulate.ops import cast, mm, wider
 
@@ -77,6 +81,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     elif block_m is not None and block_m % _MAX_GROUP:
         raise ValueError(f"block_m={block_m} must be a multiple of {_MAX_GROUP} (the tensor-core groups)")
     alpha = torch.tensor(scale, dtype=torch.float32)
+    use_fused = fused.eligible(config, q, k, v, do, scale=scale)
     S_t = torch.tensor(float(config.p_scale), dtype=torch.float32)
     qk_fmt = wider(config.ds_dtype, x_fmt)
     delta = torch.empty(lse.shape)  # (B, H, T)
@@ -87,31 +92,25 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     for i0, i1 in query_blocks(q.shape[-2], block_m):
         rows = slice(i0, i1)
         mask_r = None if mask is None else mask.expand(*q.shape[:3], k.shape[-2])[..., rows, :]
-        s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
-        P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
-        if mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
-            P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
         do_r = do[..., rows, :]  # (B, H, R, D)
-        dP = cast(mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt), config.dp_dtype)  # (B, H, R, T)
-
-        if config.delta is DeltaSource.DP_P:
-            delta_r = row_dot(dP, P, config)
-        elif config.delta is DeltaSource.O_RECOMPUTED:
-            o_rec = mm(P, v, acc_model, gpu, Precision.FP32)  # (B, H, R, D) fp32
-            delta_r = row_dot(do_r, o_rec, config)
+        if use_fused:  # steps 1 and 4 compiled (and 3 for dp-p): the same operations, one pass per row
+            S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, R, T) raw q kᵀ
+            P = fused.backward_probs(S, lse[..., rows], mask_r, config, scale=scale, row0=i0, causal=causal)
+            delta_r = None if config.delta is DeltaSource.DP_P else _delta(P, do_r, v, o_for_delta, rows, config, None)
+            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, R, T)
+            dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale)
         else:
-            if o_for_delta is None:
-                raise ValueError("o_for_delta is required for delta sources o-lowp and o-highp")
-            o_r = o_for_delta[..., rows, :]
-            if config.delta_dtype is Precision.FP32:  # fused multiply-adds of the exact products
-                delta_r = row_dot(do_r, o_r, config)
-            else:  # the elementwise product rounded first, then summed
-                delta_r = row_dot(cast(do_r * o_r, config.delta_dtype), torch.ones_like(do_r), config)
+            s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
+            P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
+            if mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
+                P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
+            dP = cast(mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt), config.dp_dtype)  # (B, H, R, T)
+            delta_r = _delta(P, do_r, v, o_for_delta, rows, config, dP)
+            P_ds = P * alpha if config.ds_alpha else P
+            dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # (B, H, R, T)
+            p_bar = cast(P * S_t if config.p_scale != 1.0 else P, config.p_dtype)
         delta[..., rows] = delta_r
 
-        P_ds = P * alpha if config.ds_alpha else P
-        dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # (B, H, R, T)
-        p_bar = cast(P * S_t if config.p_scale != 1.0 else P, config.p_dtype)
         pv_fmt = wider(config.p_dtype, x_fmt)
         if reference_blocks:
             dq[..., rows, :] = _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config, i0, i1,
@@ -127,6 +126,22 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     if config.p_scale != 1.0:
         dv = dv / S_t
     return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
+
+
+def _delta(P: torch.Tensor, do_r: torch.Tensor, v: torch.Tensor, o_for_delta: torch.Tensor | None, rows: slice,
+           config: ReplayConfig, dP: torch.Tensor | None) -> torch.Tensor:
+    """δ (B, H, R) of step 3 for the query rows `rows`; dP (the cast dO Vᵀ) only for dp-p."""
+    if config.delta is DeltaSource.DP_P:
+        return row_dot(dP, P, config)
+    if config.delta is DeltaSource.O_RECOMPUTED:
+        o_rec = mm(P, v, config.accumulation, config.gpu, Precision.FP32)  # (B, H, R, D) fp32
+        return row_dot(do_r, o_rec, config)
+    if o_for_delta is None:
+        raise ValueError("o_for_delta is required for delta sources o-lowp and o-highp")
+    o_r = o_for_delta[..., rows, :]
+    if config.delta_dtype is Precision.FP32:  # fused multiply-adds of the exact products
+        return row_dot(do_r, o_r, config)
+    return row_dot(cast(do_r * o_r, config.delta_dtype), torch.ones_like(do_r), config)  # the product rounded first
 
 
 _MAX_GROUP = 32  # the largest tensor-core group F (fp8 on H100)

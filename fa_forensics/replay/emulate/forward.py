@@ -34,6 +34,9 @@ gradients 0).
 `rounding` (nearest-even or seeded stochastic) governs the P̄ cast, the P̄V casts (the rescaled
 accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-even. Every exp is
 `numerics.exp_fp32` (exp rounded once to fp32), so the bits do not depend on the host's vector exp.
+
+Steps 1-7 run as one compiled pass per row (`fused.ForwardBlock`) where `fused.eligible` says so
+(the same operations, bit for bit); the torch code below is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import torch
 
 from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import KVOrder, MaskedBlocks, Precision, PScaleMode, ReplayConfig
+from fa_forensics.replay.emulate import fused
 from fa_forensics.replay.emulate.ops import cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
@@ -152,44 +156,56 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     p_zeroed = torch.zeros((B, H), dtype=torch.int64)
     fired_any = torch.zeros((B, H, T), dtype=torch.bool)
 
+    fused_block = None
+    if scores is None and observe is None and fused.eligible(config, q, k, v, scale=scale):
+        fused_block = fused.ForwardBlock(config, scale, mask_value, m.shape)
     for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
         r0 = max(j0 - row0, 0) if causal and not visit else 0  # rows before j0 see nothing of this block
         if r0 >= T:
             continue
         mask_block = None if mask is None else mask[..., r0:, j0:j1]
-        if scores is not None:
-            s = scores[..., r0:, j0:j1]  # (B, H, R, N)
+        if fused_block is not None:  # steps 1-7 compiled: the same operations, one pass per row
+            S = mm(q[..., r0:, :], k[..., j0:j1, :].transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)
+            p, p_bar, alpha = fused_block.run(S, mask_block, row0=row0, j0=j0, causal=causal, m=m, r0=r0,
+                                              tracker_max=tracker.max, tracker_count=tracker.count, fired=fired_any)
+            row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
+            if config.row_sum_floor > 0:
+                row_sum = torch.maximum(row_sum, row_sum_floor)
+            l[..., r0:] = cast(alpha.squeeze(-1) * l[..., r0:] + row_sum, config.stats_dtype)
         else:
-            s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)
-        tracker.update(s, r0)
-        visible = ~torch.isneginf(s)  # (B, H, R, N)
-        sees_key = visible.any(dim=-1)  # (B, H, R)
-        if visit:
-            s = s.masked_fill(~visible, mask_value)
-        m_prev = m[..., r0:]
-        shift = block_shift(m_prev, s, config)
-        fired_any[..., r0:] |= shift.fired & sees_key
-        m_new = cast(shift.m, config.stats_dtype)  # (B, H, R)
-        m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # (B, H, R)
-        alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
-        s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
-        p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
-        row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
-        if config.row_sum_floor > 0:
-            row_sum = torch.maximum(row_sum, row_sum_floor)
-        l_new = alpha.squeeze(-1) * l[..., r0:] + row_sum
-        l[..., r0:] = cast(l_new, config.stats_dtype)
-        if S_scale == 1.0:
-            p_scaled = p
-        elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
-            p_scaled = exp_fp32(s_minus_m + ln_S)
-        else:
-            p_scaled = p * S_t
-        p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
-        p_one += ((p_bar == S_t) & visible).sum(dim=(-1, -2))
-        p_zeroed += ((p_scaled > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
-        if observe is not None:
-            observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
+            if scores is not None:
+                s = scores[..., r0:, j0:j1]  # (B, H, R, N)
+            else:
+                s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)
+            tracker.update(s, r0)
+            visible = ~torch.isneginf(s)  # (B, H, R, N)
+            sees_key = visible.any(dim=-1)  # (B, H, R)
+            if visit:
+                s = s.masked_fill(~visible, mask_value)
+            m_prev = m[..., r0:]
+            shift = block_shift(m_prev, s, config)
+            fired_any[..., r0:] |= shift.fired & sees_key
+            m_new = cast(shift.m, config.stats_dtype)  # (B, H, R)
+            m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # (B, H, R)
+            alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
+            s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
+            p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
+            row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
+            if config.row_sum_floor > 0:
+                row_sum = torch.maximum(row_sum, row_sum_floor)
+            l_new = alpha.squeeze(-1) * l[..., r0:] + row_sum
+            l[..., r0:] = cast(l_new, config.stats_dtype)
+            if S_scale == 1.0:
+                p_scaled = p
+            elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
+                p_scaled = exp_fp32(s_minus_m + ln_S)
+            else:
+                p_scaled = p * S_t
+            p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
+            p_one += ((p_bar == S_t) & visible).sum(dim=(-1, -2))
+            p_zeroed += ((p_scaled > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
+            if observe is not None:
+                observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
         acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
         v_j = v[..., j0:j1, :]
         if config.pv_dtype is Precision.FP32:
@@ -197,7 +213,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         else:
             pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format), config.pv_dtype, config.rounding, generator)
             acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
-        m[..., r0:] = m_new
+        if fused_block is None:
+            m[..., r0:] = m_new
 
     m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     o32 = acc / (S_t * l).unsqueeze(-1)
@@ -207,9 +224,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     lse = m_use + torch.log(l)
     stats = PBarStats(
         repeated_max_rows=(tracker.count > 1).sum(dim=-1),
-        p_one_count=p_one,
+        p_one_count=p_one if fused_block is None else fused_block.p_one.sum(dim=-1),
         stabilized_rows=fired_any.sum(dim=-1),
-        p_zeroed=p_zeroed,
+        p_zeroed=p_zeroed if fused_block is None else fused_block.p_zeroed.sum(dim=-1),
         rows=torch.full((B, H), T, dtype=torch.int64),
     )
     return Forward(o=o, lse=lse, stats=stats)

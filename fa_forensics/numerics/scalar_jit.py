@@ -1,0 +1,70 @@
+"""Scalar numerics for compiled kernels (numba): the nearest-even cast and exp_fp32, one value at a time.
+
+`round_ne(x, fmt)` gives the bits of `round_to(x, fmt)` (nearest-even) for fp32 x, and `exp32(x)`
+those of `exp_fp32(x)`; both are tested against the torch versions over many values (every
+fp8 value and its neighbours, random bit patterns, ties, overflow, subnormals, NaN and ±inf).
+A format is passed as the `FormatCode` tuple (fraction bits, emin, largest finite value,
+saturates): kernels take it as plain numbers.
+
+- round_ne: |x| is rounded to a multiple of the quantum q = 2^(e − man_bits) (e the binade
+  exponent of |x| clamped at emin, so subnormals fall out) by adding and subtracting
+  c = 2^52 · q in float64, where |x| < c and c's ulp is q: float64's own nearest-even does the
+  rounding, exactly. Saturating formats clamp |x| to their largest value first (as the torch
+  path's clamp before its cast); the others overflow to ±inf. NaN stays NaN, the sign of zero is kept.
+- exp32: exp in float64 (the C library's, as numba's math.exp), rounded once to fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from fa_forensics.numerics.formats import FormatLike, get_format
+
+_JIT = dict(nogil=True, cache=True, inline="always")
+
+
+class FormatCode(NamedTuple):
+    """A float format as plain numbers for a compiled kernel."""
+
+    man_bits: int  # 23 = fp32: no rounding
+    emin: int
+    max_value: float
+    saturates: bool
+
+
+def format_code(fmt: FormatLike) -> FormatCode:
+    """The FormatCode of a format (a name, a FloatFormat or a Precision)."""
+    spec = get_format(fmt)
+    return FormatCode(spec.man_bits, spec.emin, spec.max_value, spec.saturates)
+
+
+@numba.njit(**_JIT)
+def round_ne(x, man_bits, emin, max_value, saturates):
+    """fp32 x rounded to nearest-even in the format (man_bits, emin, max_value, saturates); fp32."""
+    if man_bits >= 23 or x != x:
+        return np.float32(x)
+    a = abs(np.float64(x))
+    if a > max_value:
+        if saturates:
+            a = max_value
+        elif a == math.inf:
+            return np.float32(x)
+    if a == 0.0:
+        return np.float32(x)
+    e = math.frexp(a)[1] - 1  # floor(log2 |x|)
+    if e < emin:
+        e = emin
+    c = math.ldexp(1.0, e - man_bits + 52)
+    y = (a + c) - c
+    if y > max_value:
+        y = math.inf
+    return np.float32(math.copysign(y, x))
+
+
+@numba.njit(**_JIT)
+def exp32(x):
+    """exp(x) for fp32 x: float64 exp rounded once to fp32 (exp(−inf) = 0, NaN stays NaN)."""
+    return np.float32(math.exp(np.float64(x)))
