@@ -80,8 +80,9 @@ def pcast_attention(z: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
     broadcastable to z, e.g. (N,) "not a sink") picks the keys whose zeroing is counted in n_zeroed."""
     lead, (q, n) = z.shape[:-2], z.shape[-2:]
     d = v.shape[-1]
-    z4 = z.to(torch.float32).reshape(-1, 1, q, n)  # (L, 1, q, N): the engine's (B, H, T, N)
-    v4 = torch.broadcast_to(v.to(torch.float32), (*lead, n, d)).reshape(-1, 1, n, d)
+    shape4 = tuple(lead) if len(lead) == 2 else (-1, 1)  # the engine's (B, H) of (B, H, T, N)
+    z4 = z.to(torch.float32).reshape(*shape4, q, n)
+    v4 = torch.broadcast_to(v.to(torch.float32), (*lead, n, d)).reshape(*z4.shape[:2], n, d)  # a view where v broadcasts
     counted = torch.ones((), dtype=torch.bool) if counted is None else counted.to(torch.bool)
     tally = _ZeroedTally(torch.broadcast_to(counted, z.shape).reshape(z4.shape))
     out = forward(None, None, v4, config, causal=False, scale=1.0, generator=None, scores=z4, observe=tally)
