@@ -53,6 +53,17 @@ StepCallback = Callable[["CaptureSession", int, Optional[float]], None]
 
 
 @dataclass
+class StepProgress:
+    """Where the step in progress is: reset at every step boundary."""
+
+    micro: int = -1  # index of the current forward pass within the step
+    layer: int = 0  # attention calls so far in the current forward pass
+    backward_seen: bool = False  # fallback micro-batch detection when no root module is known
+    recorded: bool = False  # an array of the step was queued
+    loss: Optional[float] = None  # loss given by cap.step() before the boundary
+
+
+@dataclass
 class PendingStep:
     """A recorded step that ended and waits for its loss before it is marked complete in the store."""
 
@@ -123,11 +134,7 @@ class CaptureSession:
         self.current_step = 0
         self.busy = False  # the one flag every hook checks: this step is selected, or a step awaits completion
         self._hot = False  # the current step is selected
-        self._micro = -1  # index of the current forward pass within the step
-        self._layer = 0  # attention calls so far in the current forward pass
-        self._backward_seen = False  # fallback micro-batch detection when no root module is known
-        self._step_recorded = False  # an array of the current step was queued
-        self._step_loss: Optional[float] = None  # loss given by cap.step() before the boundary
+        self._now = StepProgress()
         self._pending: Optional[PendingStep] = None
         self._pending_x: Optional[ModuleInput] = None
         self._optimizer_id: Optional[int] = None
@@ -193,8 +200,8 @@ class CaptureSession:
             self._flush_row(loss)
         if self._pending is not None:
             self._flush_pending(loss)
-        elif self._hot and self._step_recorded:  # called before optimizer.step(): the loss of the current step
-            self._step_loss = loss
+        elif self._hot and self._now.recorded:  # called before optimizer.step(): the loss of the current step
+            self._now.loss = loss
         if not row_waiting and self._monitor_hot():
             self._monitor.reported_loss = loss
 
@@ -297,8 +304,8 @@ class CaptureSession:
         if not torch.is_grad_enabled():
             return
         self._flush_waiting()
-        self._micro += 1
-        self._layer = 0
+        self._now.micro += 1
+        self._now.layer = 0
         self._pending_x = None
 
     def _x_hook(self, name: str):
@@ -345,15 +352,16 @@ class CaptureSession:
         if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
         if self._root is None:  # no module tree: a new forward pass starts after a backward pass
-            if self._micro < 0 or self._backward_seen:
-                self._micro += 1
-                self._layer = 0
-                self._backward_seen = False
-        layer = self._layer
-        self._layer += 1
+            now = self._now
+            if now.micro < 0 or now.backward_seen:
+                now.micro += 1
+                now.layer = 0
+                now.backward_seen = False
+        layer = self._now.layer
+        self._now.layer += 1
         x, self._pending_x = self._pending_x, None
-        if self._micro != self.selection.micro_batch:
-            if self._root is None and self._micro < self.selection.micro_batch and o.requires_grad:
+        if self._now.micro != self.selection.micro_batch:
+            if self._root is None and self._now.micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal, mask=attn_mask,
@@ -365,7 +373,7 @@ class CaptureSession:
             if not self._hot:
                 self._monitor.ring_step_for(call.step)
             if self._recorder.record(call):
-                self._step_recorded = True
+                self._now.recorded = True
             else:
                 self._warn_once("dims", f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
                                         "only (B, H, T, D) is recorded")
@@ -384,7 +392,7 @@ class CaptureSession:
             self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
 
     def _mark_backward(self, grad=None) -> None:
-        self._backward_seen = True
+        self._now.backward_seen = True
 
     # -- step boundaries -----------------------------------------------------------------
     def _flush_waiting(self) -> None:
@@ -399,8 +407,8 @@ class CaptureSession:
         self._flush_waiting()
         tapped = None if self._monitor is None else self._monitor.take_tapped_loss()
         if self._hot:
-            if self._step_recorded:
-                self._pending = PendingStep(ended, loss if loss is not None else self._step_loss, tapped)
+            if self._now.recorded:
+                self._pending = PendingStep(ended, loss if loss is not None else self._now.loss, tapped)
                 if self._pending.loss is not None or self.step_by == "manual":
                     self._flush_pending(None)
             else:
@@ -408,9 +416,7 @@ class CaptureSession:
         if self._monitor is not None:
             self._monitor.end_step(ended, loss, tapped)
         self.current_step = ended + 1
-        self._micro, self._layer, self._backward_seen = -1, 0, False
-        self._step_recorded = False
-        self._step_loss = None
+        self._now = StepProgress()
         self._begin_step(self.current_step)
         if self._row_waiting():
             self._update_busy()
