@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, replay_fidelity
+from fa_forensics.analyses.fanout import Workers, map_layers
 from fa_forensics.analyses.recipe import Backend, resolve
-from fa_forensics.analyses.selection import as_seen_by, input_cast_error, load, lp_of, replay_layer
+from fa_forensics.analyses.selection import as_seen_by, input_cast_error, lp_of, replay_layer
 from fa_forensics.errors import DumpError
 
 ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP
@@ -237,39 +238,46 @@ def side_name(side) -> str:
     return "dump" if side is None else side.label
 
 
-def run(dump, selections, a, b, backend="emulate", *, progress=None) -> BitdiffResult:
+def run(dump, selections, a, b, backend="emulate", *, progress=None, workers: Workers = Workers()) -> BitdiffResult:
     """Compare side `a` against side `b` on every selected layer-step (one batched replay per side).
 
     A side is a `Recipe` (O replayed under its config at each layer-step) or None (the O stored in
-    the dump). Both recipes share one accumulation model.
+    the dump). Both recipes share one accumulation model. Work items are (step, layer, head group) on
+    `workers`, reduced in item order (the same result for any N).
     """
     a, b = (None if side is None else resolve(dump, selections, side) for side in (a, b))
-    parts, cast_parts, warnings = [], [], []
-    for sel in selections:
-        t = load(dump, sel)
-        configs = [None if side is None else lp_of(t, side) for side in (a, b)]
-        seen_cfg = min((c for c in configs if c is not None), key=lambda c: _INPUT_BITS[c.input_dtype.value], default=None)
-        seen = t if seen_cfg is None else as_seen_by(t, seen_cfg)  # both replays see the coarser side's inputs
-        warnings.extend(w for w in seen.warnings if w not in warnings)
-        sides = []
-        for cfg in configs:
-            if cfg is None:
-                if t.o is None:
-                    raise DumpError(f"{t.where} has no stored 'o'; compare two presets instead of 'dump'")
-                sides.append(t.o)
-            else:
-                sides.append(replay_layer(seen, cfg, backward=False, backend=backend).o)
-        parts.append(compare_layer_step(sides[0], sides[1], step=sel.step, layer=sel.layer, heads=sel.heads))
-        if seen is not t:
-            o_raw, o_cast = input_cast_error(t, seen_cfg, backend)
-            cast_parts.append(compare_layer_step(o_cast, o_raw, step=sel.step, layer=sel.layer, heads=sel.heads, top_k=0))
-        if progress is not None:
-            progress()
+    items = map_layers(layer_part, dump, selections, workers, progress, args=(a, b, backend))
+    warnings: list[str] = []
+    for warns, _, _ in items:
+        warnings.extend(w for w in warns if w not in warnings)
+    parts = [part for _, part, _ in items]
+    cast_parts = [cast for _, _, cast in items if cast is not None]
     recipe = a if a is not None else b
     return replace(summarize(parts, side_name(a), side_name(b)),
                    accumulation=recipe.accumulation_name if recipe is not None else "ieee", backend=Backend(backend).value,
                    input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
                    replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
+
+
+def layer_part(t, a, b, backend):
+    """(warnings, the a-vs-b comparison, the input cast's own comparison or None) of one layer-step."""
+    configs = [None if side is None else lp_of(t, side) for side in (a, b)]
+    seen_cfg = min((c for c in configs if c is not None), key=lambda c: _INPUT_BITS[c.input_dtype.value], default=None)
+    seen = t if seen_cfg is None else as_seen_by(t, seen_cfg)  # both replays see the coarser side's inputs
+    sides = []
+    for cfg in configs:
+        if cfg is None:
+            if t.o is None:
+                raise DumpError(f"{t.where} has no stored 'o'; compare two presets instead of 'dump'")
+            sides.append(t.o)
+        else:
+            sides.append(replay_layer(seen, cfg, backward=False, backend=backend).o)
+    part = compare_layer_step(sides[0], sides[1], step=t.step, layer=t.layer, heads=t.heads)
+    cast = None
+    if seen is not t:
+        o_raw, o_cast = input_cast_error(t, seen_cfg, backend)
+        cast = compare_layer_step(o_cast, o_raw, step=t.step, layer=t.layer, heads=t.heads, top_k=0)
+    return seen.warnings, part, cast
 
 
 _INPUT_BITS = {"fp32": 24, "fp16": 11, "bf16": 8, "fp8_e4m3": 4, "fp8_e5m2": 3}  # significand bits of each input format

@@ -100,7 +100,32 @@ def map_in_order(fn: Callable[[Item], Result], items: Sequence[Item], workers: W
             if progress:
                 progress(label(item))
         return out
-    from dask.distributed import Client, LocalCluster, as_completed
+    from dask.distributed import as_completed
+
+    with connected(workers) as client:
+        futures = [client.submit(fn, item, pure=False) for item in items]
+        position = {f.key: i for i, f in enumerate(futures)}
+        results: list = [None] * len(items)
+        for future in as_completed(futures):
+            i = position[future.key]
+            results[i] = future.result()
+            if progress:
+                progress(label(items[i]))
+        return results
+
+
+_SHARED: dict = {}  # Workers -> the client of an open `connected` block
+
+
+@contextlib.contextmanager
+def connected(workers: Workers):
+    """A dask client for `workers` (its workers on one torch thread), closed with its cluster at the end.
+    Nested blocks and the `map_in_order` calls inside one share the outer client: a report starts
+    one cluster for all its analyses."""
+    if workers in _SHARED:
+        yield _SHARED[workers]
+        return
+    from dask.distributed import Client, LocalCluster
 
     cluster = None
     try:
@@ -113,18 +138,52 @@ def map_in_order(fn: Callable[[Item], Result], items: Sequence[Item], workers: W
     except (OSError, TimeoutError) as exc:
         where = workers.scheduler or f"a local cluster of {workers.n} workers"
         raise UserError(f"cannot start or reach {where}: {exc}; check --scheduler ADDRESS or use --workers 1") from None
+    _SHARED[workers] = client
     try:
         client.run(_single_threaded)
-        futures = [client.submit(fn, item, pure=False) for item in items]
-        position = {f.key: i for i, f in enumerate(futures)}
-        results: list = [None] * len(items)
-        for future in as_completed(futures):
-            i = position[future.key]
-            results[i] = future.result()
-            if progress:
-                progress(label(items[i]))
-        return results
+        yield client
     finally:
+        del _SHARED[workers]
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+@dataclass(frozen=True)
+class LayerTask:
+    """`fn(load(dump, item), *args)` for one work item, on one torch thread. Picklable: in a worker
+    it opens the dump by its path (`dump` is given only in-process)."""
+
+    fn: Callable
+    args: tuple = ()
+    dump: object = None
+    dump_path: Optional[str] = None
+    rank: Optional[int] = None
+
+    def __call__(self, sel):
+        from fa_forensics.analyses.selection import load
+        from fa_forensics.dump import open_dump
+
+        dump = self.dump if self.dump is not None else open_dump(self.dump_path, rank=self.rank)
+        with one_torch_thread():
+            return self.fn(load(dump, sel), *self.args)
+
+
+def map_layers(fn: Callable, dump, selections: Sequence, workers: Workers = Workers(), progress=None, *,
+               args: tuple = (), heads_per_item: Optional[int] = None, whole_layers: bool = False) -> list:
+    """[fn(layer tensors of item, *args) for item in work_items(selections)], where `workers` says, in
+    item order. `whole_layers`: one item per layer-step (for analyses that pool across heads)."""
+    if whole_layers:
+        items = list(selections)
+    else:
+        items = work_items(selections, heads_per_item)
+    if workers.in_process:
+        task = LayerTask(fn, tuple(args), dump=dump)
+    else:
+        task = LayerTask(fn, tuple(args), dump_path=str(dump.path), rank=getattr(dump, "rank", None))
+    return map_in_order(task, items, workers, progress, label=lambda sel: f"step {sel.step} layer {sel.layer}")
+
+
+def n_items(selections: Sequence, *, whole_layers: bool = False) -> int:
+    """How many work items `map_layers` makes of `selections` (a progress bar's total)."""
+    return len(selections) if whole_layers else len(work_items(selections))

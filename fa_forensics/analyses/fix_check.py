@@ -40,8 +40,9 @@ import torch
 
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.fanout import Workers, map_layers
 from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
-from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_of, replay_layer
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_seen_by, lp_of, replay_layer
 from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
 
 ALPHA = 0.01
@@ -233,6 +234,22 @@ def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCe
     )
 
 
+def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, beta: float, eps: float, offset: float):
+    """(warnings, the variants, [(variant name, VariantLayerStep)]) of one layer-step (its selected heads)."""
+    lp = lp_of(t, recipe)
+    t = as_seen_by(t, lp)  # both sides replay the inputs as the recipe sees them
+    variants = fix_variants(lp, preset_at(t.source, t.step, t.layer, recipe), beta=beta, eps=eps, offset=offset)
+    hp = replay_layer(t, hp_config(), backward=False, backend=backend)
+    s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value, t.mask)  # (B, h, T, T)
+    measured = []
+    for v in variants:
+        out = replay_layer(t, v.config, backward=False, backend=backend)
+        maxp = max_p_bar_in_repeated_rows(s, v.config)
+        measured.append((v.name, measure_variant(out.o, hp.o, t.do, out.stats, step=t.step, layer=t.layer,
+                                                 heads=list(t.heads), max_p_bar_repeated=maxp)))
+    return t.warnings, variants, measured
+
+
 def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayerStep]]) -> FixCheckResult:
     """Merge every variant's layer-steps, pick the target cell from the baseline, decide the verdict."""
     base = next(v for v in variants if v.role == "baseline")
@@ -269,28 +286,20 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
 
 
 def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
-        beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None) -> FixCheckResult:
+        beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None,
+        workers: Workers = Workers()) -> FixCheckResult:
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
-    the fp32 replay; δ errors from the stored dO (when present)."""
+    the fp32 replay; δ errors from the stored dO (when present). Work items are (step, layer, head
+    group) on `workers`, reduced in item order (the same result for any N)."""
     recipe = resolve(dump, selections, recipe)
+    items = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, beta, eps, offset))
     variants: list[FixVariant] = []
     parts: dict[str, list[VariantLayerStep]] = {}
     warnings: list[str] = []
-    for sel in selections:
-        t = load(dump, sel)
-        lp = lp_of(t, recipe)
-        t = as_seen_by(t, lp)  # both sides replay the inputs as the recipe sees them
-        warnings.extend(w for w in t.warnings if w not in warnings)
-        variants = fix_variants(lp, preset_at(t.source, t.step, t.layer, recipe), beta=beta, eps=eps, offset=offset)
-        hp = replay_layer(t, hp_config(), backward=False, backend=backend)
-        s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value, t.mask)  # (B, h, T, T)
-        for v in variants:
-            out = replay_layer(t, v.config, backward=False, backend=backend)
-            maxp = max_p_bar_in_repeated_rows(s, v.config)
-            parts.setdefault(v.name, []).append(measure_variant(out.o, hp.o, t.do, out.stats, step=sel.step, layer=sel.layer,
-                                                                heads=sel.heads, max_p_bar_repeated=maxp))
-            if progress is not None:
-                progress()
+    for warns, variants, measured in items:
+        warnings.extend(w for w in warns if w not in warnings)
+        for name, m in measured:
+            parts.setdefault(name, []).append(m)
     return dataclasses.replace(summarize_fix(variants, parts), recipe=recipe, backend=Backend(backend),
                                settings={"beta": beta, "eps": eps, "offset": offset}, warnings=tuple(warnings),
                                replay_fidelity=replay_fidelity(dump, selections, recipe))

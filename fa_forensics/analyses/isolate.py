@@ -40,10 +40,11 @@ import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
+from fa_forensics.analyses.fanout import Workers, map_layers
 from fa_forensics.analyses.rank1_sim import pk_rows
 from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
 from fa_forensics.analyses.selection import (
-    LayerSelection, LayerTensors, as_seen_by, input_cast_error, load, lp_of, replay_layer,
+    LayerSelection, LayerTensors, as_seen_by, input_cast_error, lp_of, replay_layer,
 )
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
@@ -217,12 +218,15 @@ def run(
     backend: Backend = Backend.EMULATE,
     *,
     progress: Progress = None,
+    workers: Workers = Workers(),
 ) -> IsolateResult:
     """Replay every selected layer-step under the baseline (the recipe) and each single repair; rank
-    heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it."""
+    heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it. Work items
+    are (step, layer, head group), on `workers`, reduced in item order (the same result for any N);
+    `progress` is called once per item."""
     recipe = resolve(dump, selections, recipe)
-    layers = (load(dump, sel) for sel in selections)
-    r = isolate_layers(layers, recipe, backend, progress=progress)
+    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend))
+    r = combine_parts(parts, recipe, backend)
     return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
@@ -234,6 +238,66 @@ def isolate_layers(
     progress: Progress = None,
 ) -> IsolateResult:
     """`run` on layer-steps already loaded (or built in memory)."""
+    parts = []
+    for t in layers:
+        parts.append(layer_part(t, recipe, backend))
+        if progress:
+            progress(f"step {t.step} layer {t.layer}")
+    return combine_parts(parts, recipe, backend)
+
+
+@dataclass(frozen=True)
+class IsolatePart:
+    """What one layer-step (or head group of it) contributes: per-head measures and δ errors of every
+    variant, and of the input cast alone when the recipe rounds the stored inputs."""
+
+    warnings: tuple[str, ...]
+    variants: list  # [Repair] in order
+    tiles: tuple[int, int]
+    measures: dict  # variant name -> [HeadMeasure]
+    signs: dict  # variant name -> δ error (flattened)
+    heads: list  # [HeadDelta] of the baseline
+    cast_measures: list
+    cast_sign: Optional[torch.Tensor]
+
+
+def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart:
+    """Replay one layer-step (its selected heads) under the baseline and every single repair."""
+    if t.do is None:
+        raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
+    lp = lp_of(t, recipe)
+    pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D) from the stored inputs
+    cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
+    cast_measures, cast_sign = [], None
+    if cast_only is not None:
+        o_raw, o_cast = cast_only
+        cast_measures = measure_heads(o_cast, o_raw, delta_error(t.do, o_cast, o_raw), pk, t.x, t.scale)
+        cast_sign = delta_error(t.do, o_cast, o_raw).reshape(-1)
+    t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
+    vs = variants(t.q.shape[2], lp, preset_at(t.source, t.step, t.layer, recipe))
+    tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
+    hp = replay_layer(t, hp_config(), backward=False, backend=backend)
+    delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
+    base_o, measures, signs, heads = None, {}, {}, []
+    for v in vs:
+        out = replay_layer(t, v.config, backward=v.backward, backend=backend)
+        if v.name == "baseline":
+            base_o = out.o
+        if v.backward:  # backward repairs: forward O is the baseline's, δ is the replay's own
+            o_var, dd = base_o, out.delta.to(torch.float64) - delta_hp
+        else:
+            o_var, dd = out.o, delta_error(t.do, out.o, hp.o)
+        measures[v.name] = measure_heads(o_var, hp.o, dd, pk, t.x, t.scale)
+        signs[v.name] = dd.reshape(-1)
+        if v.name == "baseline":
+            for j, h in enumerate(t.heads):
+                s = sum_se(dd[:, j])
+                heads.append(HeadDelta(t.step, t.layer, h, s.value, s.se, s.p_value, sign_test(dd[:, j]).p_value))
+    return IsolatePart(t.warnings, vs, tiles, measures, signs, heads, cast_measures, cast_sign)
+
+
+def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend) -> IsolateResult:
+    """The result of the parts of every selected layer-step, reduced in their order."""
     warnings: list[str] = []
     measures: dict[str, list[HeadMeasure]] = {}
     signs: dict[str, list[torch.Tensor]] = {}
@@ -241,39 +305,16 @@ def isolate_layers(
     cast_signs: list[torch.Tensor] = []
     heads: list[HeadDelta] = []
     tiles, vs = (0, 0), []
-    for t in layers:
-        if t.do is None:
-            raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
-        lp = lp_of(t, recipe)
-        pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D) from the stored inputs
-        cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
-        if cast_only is not None:
-            o_raw, o_cast = cast_only
-            cast_measures.extend(measure_heads(o_cast, o_raw, delta_error(t.do, o_cast, o_raw), pk, t.x, t.scale))
-            cast_signs.append(delta_error(t.do, o_cast, o_raw).reshape(-1))
-        t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
-        warnings.extend(w for w in t.warnings if w not in warnings)
-        vs = variants(t.q.shape[2], lp, preset_at(t.source, t.step, t.layer, recipe))
-        tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
-        hp = replay_layer(t, hp_config(), backward=False, backend=backend)
-        delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
-        base_o = None
-        for v in vs:
-            out = replay_layer(t, v.config, backward=v.backward, backend=backend)
-            if v.name == "baseline":
-                base_o = out.o
-            if v.backward:  # backward repairs: forward O is the baseline's, δ is the replay's own
-                o_var, dd = base_o, out.delta.to(torch.float64) - delta_hp
-            else:
-                o_var, dd = out.o, delta_error(t.do, out.o, hp.o)
-            measures.setdefault(v.name, []).extend(measure_heads(o_var, hp.o, dd, pk, t.x, t.scale))
-            signs.setdefault(v.name, []).append(dd.reshape(-1))
-            if v.name == "baseline":
-                for j, h in enumerate(t.heads):
-                    s = sum_se(dd[:, j])
-                    heads.append(HeadDelta(t.step, t.layer, h, s.value, s.se, s.p_value, sign_test(dd[:, j]).p_value))
-            if progress:
-                progress(f"step {t.step} layer {t.layer}: {v.name}")
+    for part in parts:
+        warnings.extend(w for w in part.warnings if w not in warnings)
+        vs, tiles = part.variants, part.tiles
+        for name, hm in part.measures.items():
+            measures.setdefault(name, []).extend(hm)
+            signs.setdefault(name, []).append(part.signs[name])
+        heads.extend(part.heads)
+        cast_measures.extend(part.cast_measures)
+        if part.cast_sign is not None:
+            cast_signs.append(part.cast_sign)
     if not vs:
         raise UserError("isolate: nothing selected to replay; check --step/--layer/--head against `fa-forensics info`")
 

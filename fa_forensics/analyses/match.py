@@ -127,25 +127,31 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
 
 
 def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
-          recipes: Optional[Sequence[CandidateRecipe]] = None, progress: Optional[Callable[..., None]] = None) -> MatchResult:
-    """match_layer for every selected layer-step (all selected heads at once). A whole layer-step
-    (every stored head) under the default candidates is `best_recipe`'s: read from the dump's cache
-    and written there, so `match` and `--preset auto` share one result."""
-    default = recipes is None
+          recipes: Optional[Sequence[CandidateRecipe]] = None, progress: Optional[Callable[..., None]] = None,
+          workers=None) -> MatchResult:
+    """match_layer for every selected layer-step (all selected heads at once), each a work item on
+    `workers`. A whole layer-step (every stored head) under the default candidates is `best_recipe`'s:
+    read from the dump's cache and written there, so `match` and `--preset auto` share one result."""
+    from fa_forensics.analyses.fanout import Workers, map_layers
+
+    cached = recipes is None and not try_all and backend == "emulate"
     recipes = list(recipes) if recipes is not None else candidate_recipes()
-    layers, dtype = [], ""
-    for sel in selections:
-        whole = (default and not try_all and backend == "emulate"
-                 and list(sel.heads) == list(dump.heads(sel.step, sel.layer)))
-        lm = best_recipe(dump, sel.step, sel.layer, backend=backend) if whole else None
-        if lm is None:
-            t = load(dump, sel)
-            lm = match_layer(t, recipes, try_all=try_all, backend=backend)
-        layers.append(lm)
-        dtype = str(dump.read(sel.step, sel.layer, "o", heads=list(sel.heads[:1])).dtype).replace("torch.", "")
-        if progress is not None:
-            progress(f"step {sel.step} layer {sel.layer}")
-    return MatchResult(layers, try_all, dtype)
+    parts = map_layers(_match_part, dump, selections, workers or Workers(), progress,
+                       args=(recipes, cached, try_all, backend), whole_layers=True)
+    return MatchResult([lm for lm, _ in parts], try_all, parts[-1][1] if parts else "")
+
+
+def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: str) -> tuple[LayerMatch, str]:
+    """(the match of one layer-step, the stored O's dtype)."""
+    if t.o is None:
+        raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
+    dump = t.source
+    lm = None
+    if cached and dump is not None and list(t.heads) == list(dump.heads(t.step, t.layer)):
+        lm = best_recipe(dump, t.step, t.layer, backend=backend)
+    if lm is None:
+        lm = match_layer(t, recipes, try_all=try_all, backend=backend)
+    return lm, str(t.o.dtype).replace("torch.", "")
 
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------

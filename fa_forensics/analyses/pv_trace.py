@@ -45,10 +45,11 @@ from typing import Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.fanout import Workers, map_layers
 from fa_forensics.analyses.fix_check import scores_fp32
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
 from fa_forensics.analyses.recipe import Backend, Recipe, preset_at, resolve
-from fa_forensics.analyses.selection import LayerSelection, as_seen_by, load, lp_hp_pair, lp_of, mask_of
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_seen_by, load, lp_hp_pair, lp_of, mask_of
 from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
@@ -340,35 +341,23 @@ def _cell_rank(cell: TracedCell) -> tuple:
 
 
 def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
-        row: Optional[int] = None, feature: Optional[int] = None, progress=None) -> PVTraceReport:
+        row: Optional[int] = None, feature: Optional[int] = None, progress=None,
+        workers: Workers = Workers()) -> PVTraceReport:
     """Pick (layer, head, feature) by the largest mean O bias pooled over every selected step (rows of
     all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
     batch, row) with the largest error in the bias direction, and trace it. One batched forward
-    replay per layer-step and precision."""
+    replay per layer-step and precision; the layer-steps are work items on `workers` (the pick and
+    the trace run here, on their results in order)."""
     recipe = resolve(dump, selections, recipe)
     warnings: list[str] = []
-    pooled: dict[tuple[int, tuple[int, ...]], list] = {}
-    n_features: dict[tuple[int, tuple[int, ...]], int] = {}  # features D of each pooled group  # (layer, heads) -> [(sel, err (B, h, T, D))]
-    for sel in selections:
-        t = load(dump, sel)
-        lp_cfg = lp_of(t, recipe)
-        if lp_cfg.p_scale != 1.0:
-            raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset "
-                                 f"{preset_at(dump, sel.step, sel.layer, recipe)} has S = {lp_cfg.p_scale:g})")
-        t = as_seen_by(t, lp_cfg)  # both sides replay the inputs as the recipe sees them
-        warnings.extend(w for w in t.warnings if w not in warnings)
-        B, h, T, D = t.q.shape
-        if feature is not None and not 0 <= feature < D:
-            raise OutOfRange("feature", feature, t.where, D - 1)
-        if row is not None and not 0 <= row < T:
-            raise OutOfRange("row", row, t.where, T - 1)
-        lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
-        rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value, t.mask)  # (B, h, T)
-        n_features[(sel.layer, tuple(sel.heads))] = 1 if feature is not None else D
-        pooled.setdefault((sel.layer, tuple(sel.heads)), []).append(
-            (sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep))
-        if progress is not None:
-            progress()
+    pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D), config, rep)]
+    n_features: dict[tuple[int, tuple[int, ...]], int] = {}  # features tested in each pooled group
+    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, row, feature),
+                       whole_layers=True)  # a cell is picked across every head of a layer
+    for warns, sel, err, config, rep in parts:
+        warnings.extend(w for w in warns if w not in warnings)
+        pooled.setdefault((sel.layer, tuple(sel.heads)), []).append((sel, err, config, rep))
+        n_features[(sel.layer, tuple(sel.heads))] = 1 if feature is not None else err.shape[-1]
 
     best: Optional[_Pick] = None
     for items in pooled.values():
@@ -420,6 +409,25 @@ class _Pick:
     sels: list  # every selected layer-step of that layer (the rows the class shares pool)
     row_choice: str
     bias_split: dict
+
+
+def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, row: Optional[int], feature: Optional[int]):
+    """(warnings, selection, O_lp − O_hp (B, h, T, D) float64, the lp config, repeated-maximum rows (B, h, T))
+    of one layer-step; both sides replay the inputs as the recipe sees them."""
+    lp_cfg = lp_of(t, recipe)
+    if lp_cfg.p_scale != 1.0:
+        raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset "
+                             f"{preset_at(t.source, t.step, t.layer, recipe)} has S = {lp_cfg.p_scale:g})")
+    t = as_seen_by(t, lp_cfg)
+    B, h, T, D = t.q.shape
+    if feature is not None and not 0 <= feature < D:
+        raise OutOfRange("feature", feature, t.where, D - 1)
+    if row is not None and not 0 <= row < T:
+        raise OutOfRange("row", row, t.where, T - 1)
+    lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
+    rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value, t.mask)  # (B, h, T)
+    sel = LayerSelection(t.step, t.layer, list(t.heads))
+    return t.warnings, sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep
 
 
 def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, feature: int,

@@ -22,8 +22,9 @@ import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error
+from fa_forensics.analyses.fanout import Workers, map_layers
 from fa_forensics.analyses.recipe import Backend, Recipe, resolve
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -175,12 +176,14 @@ def run(
     *,
     tokens_per_step: int = 4,
     progress: Progress = None,
+    workers: Workers = Workers(),
 ) -> Rank1Result:
     """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
-    (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X)."""
+    (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X).
+    Work items are (step, layer, head group) on `workers`, reduced in item order."""
     recipe = resolve(dump, selections, recipe)
-    layers = (load(dump, sel) for sel in selections)
-    r = rank1_sim_layers(layers, recipe, backend, tokens_per_step=tokens_per_step, progress=progress)
+    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, tokens_per_step))
+    r = combine_parts(parts, recipe, backend, tokens_per_step=tokens_per_step)
     return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
@@ -193,23 +196,52 @@ def rank1_sim_layers(
     progress: Progress = None,
 ) -> Rank1Result:
     """`run` on layer-steps already loaded (or built in memory)."""
+    parts = []
+    for t in layers:
+        parts.append(layer_part(t, recipe, backend, tokens_per_step))
+        if progress:
+            progress(f"step {t.step} layer {t.layer}")
+    return combine_parts(parts, recipe, backend, tokens_per_step=tokens_per_step)
+
+
+@dataclass(frozen=True)
+class Rank1Part:
+    """What one layer-step (or head group of it) contributes, per selected head: Σδ error, the
+    gradient error E (None without X) and the tokens with the largest |δ error|."""
+
+    warnings: tuple[str, ...]
+    step: int
+    layer: int
+    heads: list
+    has_x: bool
+    dsums: list  # float per head
+    E: Optional[torch.Tensor]  # (h, D, C)
+    chosen: list  # per head: [(ChosenToken, pk row, x row)]
+
+
+def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, tokens_per_step: int) -> Rank1Part:
+    """Replay one layer-step (its selected heads); both sides see the inputs as the recipe sees them."""
+    t = as_seen_by(t, lp_of(t, recipe))
+    dd, E, chosen = _layer_part(t, recipe, backend, tokens_per_step)
+    dsums = [float(dd[:, j].sum()) for j in range(len(t.heads))]
+    return Rank1Part(t.warnings, t.step, t.layer, list(t.heads), t.x is not None, dsums, E, chosen)
+
+
+def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, *, tokens_per_step: int = 4) -> Rank1Result:
+    """The result of the parts of every selected layer-step, reduced in their order."""
     warnings: list[str] = []
     per_head: dict[tuple[int, int], dict] = {}
     has_x = True
-    for t in layers:
-        t = as_seen_by(t, lp_of(t, recipe))  # both sides replay the inputs as the recipe sees them
-        warnings.extend(w for w in t.warnings if w not in warnings)
-        has_x = has_x and t.x is not None
-        dd, E, chosen = _layer_part(t, recipe, backend, tokens_per_step)
-        for j, h in enumerate(t.heads):
-            acc = per_head.setdefault((t.layer, h), {"E": [], "steps": [], "dsum": 0.0, "chosen": []})
-            acc["steps"].append(t.step)
-            acc["dsum"] += float(dd[:, j].sum())
-            acc["chosen"].extend(chosen[j])
-            if E is not None:
-                acc["E"].append(E[j])
-        if progress:
-            progress(f"step {t.step} layer {t.layer}")
+    for part in parts:
+        warnings.extend(w for w in part.warnings if w not in warnings)
+        has_x = has_x and part.has_x
+        for j, h in enumerate(part.heads):
+            acc = per_head.setdefault((part.layer, h), {"E": [], "steps": [], "dsum": 0.0, "chosen": []})
+            acc["steps"].append(part.step)
+            acc["dsum"] += part.dsums[j]
+            acc["chosen"].extend(part.chosen[j])
+            if part.E is not None:
+                acc["E"].append(part.E[j])
 
     def score(acc):
         if has_x and acc["E"]:

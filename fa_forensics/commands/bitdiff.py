@@ -21,7 +21,9 @@ from fa_forensics.commands.common import (
     JsonOpt,
     LayerOpt,
     OutOpt,
+    SchedulerOpt,
     StepOpt,
+    WorkersOpt,
     console,
     run_cli,
     write_json,
@@ -107,6 +109,8 @@ def register(app: typer.Typer) -> None:
         head: HeadOpt = None,
         accumulation: AccumulationOpt = "auto",
         backend: BackendOpt = "emulate",
+        workers: WorkersOpt = 1,
+        scheduler: SchedulerOpt = None,
         out: OutOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
@@ -122,7 +126,7 @@ def register(app: typer.Typer) -> None:
             from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
 
             run_tensor_mode(dump=dump, a=a, b=b, step=step, layer=layer, head=head, accumulation=accumulation,
-                         backend=backend, out=out, json_path=json_path, debug=debug)
+                            backend=backend, out=out, json_path=json_path, debug=debug, workers=workers, scheduler=scheduler)
 
         run_cli(debug, body)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fa_forensics.analyses.recipe import Recipe, UnknownPreset
 from fa_forensics.commands.common import (
-    AnalysisArgs, build_accumulation, build_backend, ensure_out_dir, progress_bar, run_cli, show_result,
+    AnalysisArgs, build_accumulation, build_backend, build_workers, ensure_out_dir, progress_bar, run_cli, show_result,
 )
 from fa_forensics.errors import UserError
 from fa_forensics.replay.config import PRESETS, Accumulation
@@ -24,8 +24,9 @@ def side(name: str, accumulation: Accumulation):
         raise UserError(f"--a/--b {name!r} is not 'dump' or a preset; choose one of: dump, auto, {', '.join(PRESETS)}") from None
 
 
-def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path):
+def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler):
     from fa_forensics.analyses import bitdiff
+    from fa_forensics.analyses.fanout import n_items
     from fa_forensics.figures.bitdiff import draw
     from fa_forensics.tables.bitdiff import tables
 
@@ -36,13 +37,13 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
     acc = build_accumulation(accumulation)
     side_a, side_b = side(a, acc), side(b, acc)  # bad sides fail here, before any work
     args = AnalysisArgs(dump_path, step, layer, head, side_a or side_b or Recipe(), build_backend(backend),
-                        ensure_out_dir(out), json_path)
+                        ensure_out_dir(out), json_path, build_workers(workers, scheduler))
     dump, sels = args.open()
-    with progress_bar(f"replaying {a} and {b}", len(sels)) as advance:
-        r = bitdiff.run(dump, sels, side_a, side_b, args.backend, progress=advance)
+    with progress_bar(f"replaying {a} and {b}", n_items(sels)) as advance:
+        r = bitdiff.run(dump, sels, side_a, side_b, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, bitdiff.payload(r), tables(r), draw)
 
 
-def run_tensor_mode(dump, a, b, step, layer, head, accumulation, backend, out, json_path, debug):
+def run_tensor_mode(dump, a, b, step, layer, head, accumulation, backend, out, json_path, debug, workers=1, scheduler=None):
     """Entry point called by the `bitdiff` command when --add is not given."""
-    return run_cli(debug, lambda: _run(dump, a, b, step, layer, head, accumulation, backend, out, json_path))
+    return run_cli(debug, lambda: _run(dump, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler))

@@ -179,6 +179,7 @@ class AnalysisArgs:
     backend: Backend
     out: Optional[Path]
     json_path: Optional[Path]
+    workers: Any = None  # fanout.Workers of --workers / --scheduler (None: in-process)
 
     def open(self):
         """(dump, selections): open the store and select what to analyse (one-line errors); a recipe
@@ -249,6 +250,8 @@ _RECIPE_OPTIONS = (
     ("preset", PresetOpt, AUTO),
     ("accumulation", AccumulationOpt, AUTO),
     ("backend", BackendOpt, "emulate"),
+    ("workers", WorkersOpt, 1),
+    ("scheduler", SchedulerOpt, None),
     ("out", OutOpt, None),
     ("json_path", JsonOpt, None),
     ("debug", DebugOpt, False),
@@ -270,7 +273,7 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
                 dump_path=kwargs.pop("dump"), step=kwargs.pop("step"), layer=kwargs.pop("layer"), head=kwargs.pop("head"),
                 recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
                 backend=build_backend(kwargs.pop("backend")), out=ensure_out_dir(kwargs.pop("out")),
-                json_path=kwargs.pop("json_path"),
+                json_path=kwargs.pop("json_path"), workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler")),
             )
             return run(args, **kwargs)
 

@@ -3,23 +3,20 @@ from __future__ import annotations
 
 import typer
 
-from fa_forensics.commands.common import (AnalysisArgs, SchedulerOpt, WorkersOpt, build_workers, progress_bar,
-                                          register_analysis_command, show_result)
+from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_analysis_command, show_result
 
 
-def run(args: AnalysisArgs, workers: int = 1, scheduler: str | None = None) -> None:
+def run(args: AnalysisArgs) -> None:
     from fa_forensics.analyses import delta_bias
-    from fa_forensics.analyses.fanout import work_items
+    from fa_forensics.analyses.fanout import n_items
     from fa_forensics.figures.delta_bias import draw
     from fa_forensics.tables.delta_bias import tables
 
-    fan_out = build_workers(workers, scheduler)
     dump, sels = args.open()
-    with progress_bar("delta-bias", len(work_items(sels))) as advance:
-        r = delta_bias.run(dump, sels, args.recipe, args.backend, progress=advance, workers=fan_out)
+    with progress_bar("delta-bias", n_items(sels)) as advance:
+        r = delta_bias.run(dump, sels, args.recipe, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, delta_bias.payload(r), tables(r), draw)
 
 
 def register(app: typer.Typer) -> None:
-    register_analysis_command(app, "delta-bias", "Sign and origin of Σ_T(δ_lp − δ_hp): per step/layer/head, cumulative, per feature (paper §3.3, Fig. 5).", run,
-                              extra=[("workers", WorkersOpt, 1), ("scheduler", SchedulerOpt, None)])
+    register_analysis_command(app, "delta-bias", "Sign and origin of Σ_T(δ_lp − δ_hp): per step/layer/head, cumulative, per feature (paper §3.3, Fig. 5).", run)

@@ -8,15 +8,13 @@ from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_an
 
 def run(args: AnalysisArgs) -> None:
     from fa_forensics.analyses import isolate
+    from fa_forensics.analyses.fanout import n_items
     from fa_forensics.figures.isolate import draw
     from fa_forensics.tables.isolate import tables
 
-    from fa_forensics.analyses.recipe import lp_config_for
-
     dump, sels = args.open()
-    n_variants = sum(len(isolate.variants(64, lp_config_for(dump, s.step, s.layer, args.recipe))) + 1 for s in sels)
-    with progress_bar("isolate", n_variants) as advance:
-        r = isolate.run(dump, sels, args.recipe, args.backend, progress=advance)
+    with progress_bar("isolate", n_items(sels)) as advance:
+        r = isolate.run(dump, sels, args.recipe, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, isolate.payload(r), tables(r), draw)
 
 

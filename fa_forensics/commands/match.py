@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, StepOpt, console, progress_bar, run_cli, write_json,
+    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, SchedulerOpt, StepOpt, WorkersOpt, console, progress_bar, run_cli, write_json,
 )
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
@@ -23,17 +23,18 @@ def verdict_line(layer) -> str:
     return f"step {layer.step} layer {layer.layer}: stored O reproduced {_pct(b.o_bits_equal)} by {b.preset} / {b.accumulation}"
 
 
-def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path) -> None:
+def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None) -> None:
     from fa_forensics.analyses.match import candidate_recipes, match
     from fa_forensics.analyses.selection import select
-    from fa_forensics.commands.common import build_backend
+    from fa_forensics.commands.common import build_backend, build_workers
     from fa_forensics.dump import open_dump
 
     backend = build_backend(backend).value
+    fan_out = build_workers(workers, scheduler)
     dump = open_dump(dump_path)
     sels = select(dump, step, layer, head)
     with progress_bar("match", len(sels)) as advance:
-        r = match(dump, sels, try_all=try_all, backend=backend, progress=advance)
+        r = match(dump, sels, try_all=try_all, backend=backend, progress=advance, workers=fan_out)
 
     table = Table(title=f"match: share of stored-O elements (in {r.compared_in}) each recipe reproduces bit for bit"
                         + ("" if try_all else "; stops at the first 100 % (--all: try every recipe)"))
@@ -83,7 +84,9 @@ def register(app: typer.Typer) -> None:
         head: HeadOpt = None,
         try_all: AllOpt = False,
         backend: BackendOpt = "emulate",
+        workers: WorkersOpt = 1,
+        scheduler: SchedulerOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, try_all, backend, json_path))
+        run_cli(debug, lambda: run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler))

@@ -19,8 +19,9 @@ def run(args: AnalysisArgs, row: Optional[int], feature: Optional[int]) -> None:
 
     dump, sels = args.open()
     try:
-        with progress_bar(f"replaying ({args.recipe.preset} vs fp32)", len(sels)) as advance:
-            r = pv_trace.run(dump, sels, args.recipe, args.backend, row=row, feature=feature, progress=advance)
+        with progress_bar(f"replaying ({args.recipe.label} vs fp32)", len(sels)) as advance:
+            r = pv_trace.run(dump, sels, args.recipe, args.backend, row=row, feature=feature, progress=advance,
+                             workers=args.workers)
     except OutOfRange as exc:
         raise UserError(f"--{exc.what} {exc.value} is out of range at {exc.where}: {exc.what}s are 0..{exc.limit}") from None
     except InvalidSetting as exc:

@@ -15,9 +15,11 @@ def run(args: AnalysisArgs, tokens: int) -> None:
     from fa_forensics.figures.rank1_sim import draw
     from fa_forensics.tables.rank1_sim import tables
 
+    from fa_forensics.analyses.fanout import n_items
+
     dump, sels = args.open()
-    with progress_bar("rank1-sim", len(sels)) as advance:
-        r = rank1_sim.run(dump, sels, args.recipe, args.backend, tokens_per_step=tokens, progress=advance)
+    with progress_bar("rank1-sim", n_items(sels)) as advance:
+        r = rank1_sim.run(dump, sels, args.recipe, args.backend, tokens_per_step=tokens, progress=advance, workers=args.workers)
     show_result(args, r, rank1_sim.payload(r), tables(r), draw)
 
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, PresetOpt, StepOpt,
-    build_backend, build_recipe, console, ensure_out_dir, err_console, run_cli, write_json,
+    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, ensure_out_dir, err_console, run_cli, write_json,
 )
 from fa_forensics.errors import UserError
 
@@ -18,7 +18,8 @@ ReportOutOpt = Annotated[Optional[Path], typer.Option(
     "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.", metavar="DIR")]
 
 
-def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: str, backend: str, json_path) -> None:
+def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: str, backend: str, json_path,
+        workers: int = 1, scheduler: Optional[str] = None) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.run import ANALYSES, run_all
@@ -27,6 +28,7 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     if out is None:
         raise UserError("report needs --out DIR (where index.html and its figures go)")
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
+    fan_out = build_workers(workers, scheduler)
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
     from fa_forensics.analyses.selection import select
 
@@ -40,7 +42,8 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         if err_console.is_terminal:  # progress for a person; piped stderr keeps to errors and warnings
             err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
-    sections = run_all(dump, dump_path, out, step=step, layer=layer, head=head, recipe=recipe, backend=backend_, on_start=on_start)
+    sections = run_all(dump, dump_path, out, step=step, layer=layer, head=head, recipe=recipe, backend=backend_, on_start=on_start,
+                       workers=fan_out)
     seconds = time.perf_counter() - t0
     info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation, "backend": backend}
     index = write_report(out, str(dump_path), sections, info=info, seconds=seconds)
@@ -79,7 +82,9 @@ def register(app: typer.Typer) -> None:
         preset: PresetOpt = "auto",
         accumulation: AccumulationOpt = "auto",
         backend: BackendOpt = "emulate",
+        workers: WorkersOpt = 1,
+        scheduler: SchedulerOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, out, step, layer, head, preset, accumulation, backend, json_path))
+        run_cli(debug, lambda: run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler))

@@ -6,12 +6,15 @@ and its figures (`fa_forensics.figures`), into DIR/<name>/. An analysis that fai
 error (e.g. the dump has no dO) becomes a note in the report instead of stopping it; fix-check's
 exit code 1 ("the fix does not remove the bias") is a result, not a failure.
 
-The report's recipe (default preset "bf16") is the low-precision side of every analysis that
+The report's recipe (default preset "auto") is the low-precision side of every analysis that
 replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
-A (B = fp32); pcast keeps its own fp8 settings and studies the last complete step.
+A (B = fp32); pcast keeps its own fp8 settings and studies the last complete step. With `workers`
+(fanout.Workers) the replaying analyses fan their work items out on one cluster, started once for
+the whole report.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
@@ -30,6 +33,7 @@ from fa_forensics.analyses import pcast as a_pcast
 from fa_forensics.analyses import pv_trace as a_pv_trace
 from fa_forensics.analyses import rank1_sim as a_rank1_sim
 from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.fanout import Workers, connected
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import select
 from fa_forensics.errors import UserError
@@ -56,28 +60,35 @@ class Section:
     """One analysis of the report: how to run it, and the modules that give its payload, tables and figures."""
 
     name: str
-    run: Callable[..., Any]  # (dump, selections, recipe, backend) -> Result
+    run: Callable[..., Any]  # (dump, selections, recipe, backend, workers) -> Result
     analysis: ModuleType  # payload(result)
     tables: ModuleType  # tables(result)
     figures: ModuleType  # draw(result, folder)
     whole_dump: bool = False  # studies the last complete step itself (pcast), not the report's selection
 
 
-def _bitdiff_run(dump, sels, recipe, backend):
-    return a_bitdiff.run(dump, sels, recipe, Recipe("fp32", recipe.accumulation), backend)
+def _bitdiff_run(dump, sels, recipe, backend, workers):
+    return a_bitdiff.run(dump, sels, recipe, Recipe("fp32", recipe.accumulation), backend, workers=workers)
 
 
-def _pcast_run(dump, sels, recipe, backend):
+def _pcast_run(dump, sels, recipe, backend, workers):
     return a_pcast.run(dump, sels)
 
 
+def _fanned(run: Callable[..., Any]) -> Callable[..., Any]:
+    """An analysis `run` called with the report's workers."""
+    def call(dump, sels, recipe, backend, workers):
+        return run(dump, sels, recipe, backend, workers=workers)
+    return call
+
+
 SECTIONS: list[Section] = [
-    Section("isolate", a_isolate.run, a_isolate, t_isolate, f_isolate),
-    Section("delta-bias", a_delta_bias.run, a_delta_bias, t_delta_bias, f_delta_bias),
-    Section("rank1-sim", a_rank1_sim.run, a_rank1_sim, t_rank1_sim, f_rank1_sim),
-    Section("pv-trace", a_pv_trace.run, a_pv_trace, t_pv_trace, f_pv_trace),
+    Section("isolate", _fanned(a_isolate.run), a_isolate, t_isolate, f_isolate),
+    Section("delta-bias", _fanned(a_delta_bias.run), a_delta_bias, t_delta_bias, f_delta_bias),
+    Section("rank1-sim", _fanned(a_rank1_sim.run), a_rank1_sim, t_rank1_sim, f_rank1_sim),
+    Section("pv-trace", _fanned(a_pv_trace.run), a_pv_trace, t_pv_trace, f_pv_trace),
     Section("bitdiff", _bitdiff_run, a_bitdiff, t_bitdiff, f_bitdiff),
-    Section("fix-check", a_fix_check.run, a_fix_check, t_fix_check, f_fix_check),
+    Section("fix-check", _fanned(a_fix_check.run), a_fix_check, t_fix_check, f_fix_check),
     Section("pcast", _pcast_run, a_pcast, t_pcast, f_pcast, whole_dump=True),
 ]
 ANALYSES = [s.name for s in SECTIONS]
@@ -121,7 +132,7 @@ def _text(renderables: list, verdict: Optional[str]) -> str:
 
 
 def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selection: dict, recipe: Recipe,
-                backend: Backend) -> SectionResult:
+                backend: Backend, workers: Workers = Workers()) -> SectionResult:
     """Run one analysis into out_dir/<name>/: its JSON, figures and tables."""
     sec_dir = out_dir / section.name
     sec_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +146,7 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
             sels = select(dump, dump.steps[-1] if dump.steps else None)
         else:
             sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
-        result = section.run(dump, sels, recipe, backend)
+        result = section.run(dump, sels, recipe, backend, workers)
         paths = section.figures.draw(result, sec_dir)
         payload = to_jsonable({**section.analysis.payload(result), "figures": [str(p) for p in paths]})
         renderables = section.tables.tables(result)
@@ -152,12 +163,16 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
 
 def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head=None, recipe: Recipe = Recipe(),
             backend: Backend = Backend.EMULATE, sections=SECTIONS,
-            on_start: Optional[Callable[[str], None]] = None) -> list[SectionResult]:
-    """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`."""
+            on_start: Optional[Callable[[str], None]] = None, workers: Workers = Workers()) -> list[SectionResult]:
+    """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`, the
+    work items of each on `workers` (one cluster for all)."""
     selection = {"step": step, "layer": layer, "head": head}
     results = []
-    for section in sections:
-        if on_start is not None:
-            on_start(section.name)
-        results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend))
+    with contextlib.ExitStack() as stack:
+        if not workers.in_process:
+            stack.enter_context(connected(workers))
+        for section in sections:
+            if on_start is not None:
+                on_start(section.name)
+            results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend, workers))
     return results

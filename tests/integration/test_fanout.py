@@ -61,3 +61,78 @@ def test_bad_worker_options_are_one_line_errors(planted_dump):
     assert len(res.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["delta-bias", str(planted_dump), "--scheduler", "tcp://127.0.0.1:9"])
     assert res.exit_code == 2 and "--scheduler" in res.output and "Traceback" not in res.output
+
+
+def _payloads(dump, sels, workers):
+    """The JSON payload of every analysis that fans out, in-process or on `workers`."""
+    import json
+
+    from fa_forensics.analyses import bitdiff, fix_check, isolate, match, pv_trace, rank1_sim
+    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.recipe import Recipe
+
+    runs = {
+        "isolate": lambda: isolate.payload(isolate.run(dump, sels, workers=workers)),
+        "rank1-sim": lambda: rank1_sim.payload(rank1_sim.run(dump, sels, workers=workers)),
+        "pv-trace": lambda: pv_trace.payload(pv_trace.run(dump, sels, workers=workers)),
+        "fix-check": lambda: fix_check.payload(fix_check.run(dump, sels, workers=workers)),
+        "bitdiff": lambda: bitdiff.payload(bitdiff.run(dump, sels, Recipe(), Recipe("fp32"), workers=workers)),
+        "match": lambda: match.match(dump, sels, workers=workers),
+    }
+    return {name: json.dumps(to_jsonable(run()), sort_keys=True) for name, run in runs.items()}
+
+
+def test_every_analysis_on_two_workers_equals_in_process(planted_dump, monkeypatch):
+    """Head groups of 2 (two work items per layer-step; pv-trace and match take whole layer-steps):
+    each analysis's JSON is identical in-process and on one LocalCluster of 2 workers."""
+    dump = open_dump(planted_dump)
+    sels = select(dump, step=1)
+    monkeypatch.setattr(fanout, "HEADS_PER_ITEM", 2)
+    serial = _payloads(dump, sels, Workers())
+    with fanout.connected(Workers(n=2)):  # one cluster for all six, as the report starts it
+        parallel = _payloads(dump, sels, Workers(n=2))
+    for name in serial:
+        assert serial[name] == parallel[name], name
+    assert '"found": true' in serial["isolate"] and '"found": true' in serial["fix-check"]  # real findings, not empty ones
+
+
+def _same_up_to_rounding(a, b, path=""):
+    """a == b, floats to 1e-9 relative (sums over a layer-step's heads in another grouping differ in the
+    last bits); stochastic rounding and what names it are left out (its random bits are drawn per work item)."""
+    if isinstance(a, dict):
+        keep = [k for k in a if k not in ("verdict", "culprits")]
+        assert sorted(keep) == sorted(k for k in b if k not in ("verdict", "culprits")), path
+        for k in keep:
+            _same_up_to_rounding(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        a = [x for x in a if not (isinstance(x, dict) and x.get("name") == "stochastic")]
+        b = [x for x in b if not (isinstance(x, dict) and x.get("name") == "stochastic")]
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_up_to_rounding(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-15), path
+    else:
+        assert a == b, path
+
+
+def test_head_groups_change_no_finding(planted_dump, monkeypatch):
+    """One head per work item or all four in one: the same findings (numbers exact per head, sums over
+    heads to the last bits)."""
+    import json
+
+    dump = open_dump(planted_dump)
+    sels = select(dump, step=1)
+    whole = _payloads(dump, sels, Workers())
+    monkeypatch.setattr(fanout, "HEADS_PER_ITEM", 1)
+    for name, text in _payloads(dump, sels, Workers()).items():
+        _same_up_to_rounding(json.loads(text), json.loads(whole[name]), name)
+
+
+@pytest.mark.parametrize("command", [["isolate"], ["match"], ["report", "--out", "REPORT"]])
+def test_every_fanning_command_takes_workers_and_refuses_bad_ones_in_one_line(planted_dump, tmp_path, command):
+    args = [a.replace("REPORT", str(tmp_path / "r")) for a in command]
+    res = runner.invoke(app, [args[0], str(planted_dump), *args[1:], "--workers", "0"])
+    assert res.exit_code == 2 and "--workers" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, [args[0], str(planted_dump), *args[1:], "--scheduler", "tcp://127.0.0.1:9", "--step", "0"])
+    assert res.exit_code == 2 and "cannot start or reach tcp://127.0.0.1:9" in res.output and "Traceback" not in res.output
