@@ -1,6 +1,7 @@
 """Figures of bitdiff's tensor mode: the ULP-distance histogram and the per-feature bias map."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     from fa_forensics.analyses.bitdiff import bias_map
 
     out = Path(out)
-    name = f"{result.a}_vs_{result.b}"
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{result.a}_vs_{result.b}").strip("_")  # "auto (bf16)" -> "auto_bf16"
     paths = []
 
     fig, ax = new_figure(width=6.4, height=3.6)
