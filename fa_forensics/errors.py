@@ -66,6 +66,32 @@ class TargetUnwritable(DumpError):
         super().__init__(f"cannot write {path}: {reason}")
 
 
+class NothingSelected(DumpError):
+    """No (step, layer, head) of a dump matches the selection: `.path`, `.step`, `.layer`, `.head` (None = any)."""
+
+    def __init__(self, path, step, layer, head) -> None:
+        self.path, self.step, self.layer, self.head = path, step, layer, head
+        asked = ", ".join(f"{k} {v}" for k, v in (("step", step), ("layer", layer), ("head", head)) if v is not None)
+        super().__init__(f"{path}: nothing matches {asked or 'the selection'}; Dump.select lists what exists")
+
+
+class NoTimeline(DumpError):
+    """A dump without the per-step timeline a monitored capture records."""
+
+
+class OtherModel(DumpError):
+    """A run's model differs from the one whose steps a store holds (`allow_other_model` adds them anyway)."""
+
+
+class ClusterUnreachable(ConfigError):
+    """A Dask cluster could not be started or reached: `.where` (an address or "a local cluster of N
+    workers") and `.reason`."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        self.where, self.reason = where, reason
+        super().__init__(f"cannot start or reach {where}: {reason}")
+
+
 class UnknownRank(DumpError):
     """A rank a dump does not hold: `.rank`, `.path` and `.ranks` (those it holds)."""
 

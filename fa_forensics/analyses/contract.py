@@ -81,7 +81,7 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
         where = ", ".join(f"step {u['step']} layer {u['layer']}" for u in fid["unmatched"][:4])
         more = f" and {len(fid['unmatched']) - 4} more" if len(fid["unmatched"]) > 4 else ""
         out.append(f"preset auto: no stored O to match at {where}{more}; replayed preset {fid['unmatched'][0]['preset']} "
-                   f"there, which may not be the kernel that trained (name one with --preset)")
+                   f"there, which may not be the kernel that trained (a named preset replays that recipe instead)")
     if fid.get("o_bits_equal") is None or fid["o_bits_equal"] >= FIDELITY_WARN_BELOW:
         return out
     worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])

@@ -306,7 +306,7 @@ def verdict(r: DeltaBiasResult) -> str:
     """One sentence: the sign and size of the total with its tests, and where it sits."""
     if r.no_difference:
         return (f"preset {r.preset}: no difference from the fp32 replay (δ_lp = δ_hp for all {r.n_tokens} tokens): "
-                f"nothing to analyse; choose a low-precision --preset")
+                f"nothing to analyse; choose a low-precision preset")
     sign = "positive" if r.total > 0 else "negative"
     return (f"preset {r.preset}: Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; "
             f"t-test p {format_p(r.total_t_p_value)}, sign-test p {format_p(r.total_p_value)}); largest in layer "

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
-from fa_forensics.errors import UserError
+from fa_forensics.errors import ClusterUnreachable, InvalidSetting
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -40,9 +40,9 @@ class Workers:
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise UserError(f"--workers {self.n!r} must be a positive integer (1 = no extra processes)")
+            raise InvalidSetting("workers", f"{self.n!r} must be a positive integer (1 = no extra processes)")
         if self.scheduler is not None and not str(self.scheduler).strip():
-            raise UserError("--scheduler needs the address of a running Dask scheduler, e.g. tcp://10.0.0.5:8786")
+            raise InvalidSetting("scheduler", "needs the address of a running Dask scheduler, e.g. tcp://10.0.0.5:8786")
 
     @property
     def in_process(self) -> bool:
@@ -137,7 +137,7 @@ def connected(workers: Workers):
             client = Client(cluster)
     except (OSError, TimeoutError) as exc:
         where = workers.scheduler or f"a local cluster of {workers.n} workers"
-        raise UserError(f"cannot start or reach {where}: {exc}; check --scheduler ADDRESS or use --workers 1") from None
+        raise ClusterUnreachable(where, str(exc)) from None
     _SHARED[workers] = client
     try:
         client.run(_single_threaded)

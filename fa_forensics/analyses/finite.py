@@ -105,7 +105,7 @@ def screen(dump, selections: list) -> list:
             out.append(replace(sel, heads=keep))
     if not out:
         raise NothingFinite(f"{dump.path}: no selected head has finite inputs ({messages[0]}); nothing to analyse: "
-                            "pick another --step / --layer / --head, or capture before the run diverged")
+                            "select other steps, layers or heads, or capture before the run diverged")
     return out
 
 

@@ -316,7 +316,7 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
         if part.cast_sign is not None:
             cast_signs.append(part.cast_sign)
     if not vs:
-        raise UserError("isolate: nothing selected to replay; check --step/--layer/--head against `fa-forensics info`")
+        raise UserError("isolate: nothing selected to replay (no layer-step given)")
 
     biased = [h.t_p_value < BIASED_HEAD_P or h.p_value < BIASED_HEAD_P for h in heads]  # in measure order
     direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if b else 0.0 for h, b in zip(heads, biased)]

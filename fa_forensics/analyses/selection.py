@@ -17,7 +17,7 @@ import torch
 
 from fa_forensics.analyses.recipe import Backend, Recipe, hp_config, lp_config_for
 from fa_forensics.analyses.finite import finite_x, screen
-from fa_forensics.errors import DumpError
+from fa_forensics.errors import DumpError, NothingSelected
 from fa_forensics.replay.config import ReplayConfig
 
 BatchSel = Union[int, slice, None]
@@ -79,7 +79,7 @@ def select(dump, step: Optional[int] = None, layer: Optional[int] = None, head: 
     )
     out = [LayerSelection(int(s), int(l), [int(h) for h in hs]) for s, l, hs in triples]
     if not out:
-        raise DumpError(f"{dump.path}: nothing matches --step {step} --layer {layer} --head {head}; run `fa-forensics info` to list what exists")
+        raise NothingSelected(dump.path, step, layer, head)
     return screen(dump, sorted(out, key=lambda s: (s.step, s.layer)))  # heads with non-finite inputs left out, named
 
 

@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 import numpy as np
 from scipy import stats as sps
 
-from fa_forensics.errors import DumpError
+from fa_forensics.errors import NoTimeline
 from fa_forensics.monitor.stats import TIMELINE_METRICS
 
 
@@ -35,9 +35,9 @@ class TimelineResult:
 
 
 def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = "the dump") -> TimelineResult:
-    """Build the result from the arrays read by `read_timeline` (raises DumpError if none)."""
+    """Build the result from the arrays read by `read_timeline` (raises NoTimeline, a DumpError, if none)."""
     if not timeline or "step" not in timeline or len(timeline["step"]) == 0:
-        raise DumpError(f"{where} has no timeline; record one with `fa-forensics capture --monitor-every N ...`")
+        raise NoTimeline(f"{where} has no timeline; a capture with monitoring (monitor_every) records one")
     steps = np.asarray(timeline["step"])
     loss = np.asarray(timeline.get("loss", np.full(len(steps), np.nan)), dtype=np.float64)
     series = {m: np.asarray(timeline[m], dtype=np.float64) for m in TIMELINE_METRICS if m in timeline}

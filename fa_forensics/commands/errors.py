@@ -2,7 +2,10 @@
 that acts on them from here (as huggingface_hub's CLI does for its library's errors)."""
 from __future__ import annotations
 
-from fa_forensics.errors import BackendUnsupported, InvalidSetting, TargetExists, TargetUnwritable, UnknownRank, UserError
+from fa_forensics.errors import (
+    BackendUnsupported, ClusterUnreachable, InvalidSetting, NoTimeline, NothingSelected, OtherModel, TargetExists, TargetUnwritable,
+    UnknownRank, UserError,
+)
 
 
 def option(setting: str) -> str:
@@ -22,6 +25,15 @@ def cli_line(exc: UserError) -> str:
         return f"{exc}; choose a writable {option(exc.setting)} with free space"
     if isinstance(exc, UnknownRank):
         return f"{exc}; pick one of those with --rank"
+    if isinstance(exc, NothingSelected):
+        asked = " ".join(f"--{k} {v}" for k, v in (("step", exc.step), ("layer", exc.layer), ("head", exc.head)) if v is not None)
+        return f"{exc.path}: nothing matches {asked or 'the selection'}; run `fa-forensics info {exc.path}` to list what exists"
+    if isinstance(exc, NoTimeline):
+        return f"{str(exc).split(';')[0]}; record one with `fa-forensics capture --monitor-every N ...`"
+    if isinstance(exc, OtherModel):
+        return f"{exc}; write to another path, or pass --allow-other-model to add its steps anyway"
+    if isinstance(exc, ClusterUnreachable):
+        return f"{exc}; check --scheduler ADDRESS or use --workers 1"
     if isinstance(exc, InvalidSetting):
         return f"{option(exc.setting)}: {exc.reason}"
     return str(exc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping
 
-from fa_forensics.errors import DumpError
+from fa_forensics.errors import OtherModel
 
 
 def model_fingerprint(model) -> str:
@@ -37,7 +37,7 @@ def describe(model_attrs: Mapping[str, Any]) -> str:
 def check_same_model(path, stored: Mapping[str, Any] | None, new: Mapping[str, Any] | None, allow_other_model: bool) -> bool:
     """True if the store has no fingerprint yet and `new` brings one (the caller records it).
 
-    Raises DumpError when both have fingerprints that differ, unless allow_other_model.
+    Raises OtherModel (a DumpError) when both have fingerprints that differ, unless allow_other_model.
     """
     stored_fp = (stored or {}).get("fingerprint") if isinstance(stored, Mapping) else None
     new_fp = (new or {}).get("fingerprint") if isinstance(new, Mapping) else None
@@ -46,6 +46,5 @@ def check_same_model(path, stored: Mapping[str, Any] | None, new: Mapping[str, A
     if stored_fp is None:
         return True
     if stored_fp != new_fp and not allow_other_model:
-        raise DumpError(f"{path} holds steps of {describe(stored)}, but this run's model is {describe(new)}; "
-                        "write to another path, or pass --allow-other-model to add its steps anyway")
+        raise OtherModel(f"{path} holds steps of {describe(stored)}, but this run's model is {describe(new)}")
     return False

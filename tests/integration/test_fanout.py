@@ -9,7 +9,7 @@ from fa_forensics.analyses.fanout import Workers, map_in_order, work_items
 from fa_forensics.analyses.selection import select
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
-from fa_forensics.errors import UserError
+from fa_forensics.errors import InvalidSetting
 
 runner = CliRunner()
 
@@ -54,8 +54,9 @@ def test_work_items_cut_heads_into_fixed_groups(planted_dump):
 
 
 def test_bad_worker_options_are_one_line_errors(planted_dump):
-    with pytest.raises(UserError, match="--workers"):
+    with pytest.raises(InvalidSetting, match="workers: 0 must be a positive integer") as bad:
         Workers(n=0)
+    assert bad.value.setting == "workers"  # the library names its setting; the CLI words the option
     res = runner.invoke(app, ["delta-bias", str(planted_dump), "--workers", "0"])
     assert res.exit_code == 2 and "--workers" in res.output and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import fa_forensics
-from fa_forensics.capture import CaptureError
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import DumpWriter, open_dump
 from fa_forensics.dump.lock import lock_path
-from fa_forensics.errors import DumpError, UserError
+from fa_forensics.commands.errors import cli_line
+from fa_forensics.errors import DumpError, OtherModel, UserError
 
 TINY = dict(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, attention="sdpa")
 
@@ -72,9 +72,10 @@ def test_a_store_keeps_to_one_model_unless_asked(tmp_path):
     with fa_forensics.capture(again, out=path, steps=[1]) as cap:
         _train(again, cap, 2)
     other = GPT(GPTConfig(**{**TINY, "n_embd": 32}))
-    with pytest.raises(DumpError, match=rf"holds steps of GPT \(.*fingerprint {fingerprint}\), but this run's model is GPT .*--allow-other-model"):
+    with pytest.raises(OtherModel, match=rf"holds steps of GPT \(.*fingerprint {fingerprint}\), but this run's model is GPT ") as refused:
         with fa_forensics.capture(other, out=path, steps=[3]) as cap:
             _train(other, cap, 4)
+    assert cli_line(refused.value).endswith("pass --allow-other-model to add its steps anyway")  # the CLI's wording
     assert _quiet_open(path).steps == [0, 1]
     with fa_forensics.capture(other, out=path, steps=[3], allow_other_model=True) as cap:
         _train(other, cap, 4)
