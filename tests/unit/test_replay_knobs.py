@@ -206,9 +206,17 @@ def test_accumulation_models_and_gpu():
     assert torch.equal(replay(q, k, v, FP32.with_(accumulation="tensor-core")).o, replay(q, k, v, FP32).o)
 
 
-def test_kv_order_precision_enum_is_complete():
-    # every Precision value is accepted as each dtype knob
+def test_every_precision_is_a_dtype_knob_with_its_own_resolution():
+    """Every Precision works as every dtype knob, and its error against fp32 follows its significand:
+    fp32 exact, then fp16 (11 bits) < bf16 (8) < fp8 e4m3 (4) < e5m2 (3), each within a few of its ulps."""
     q, k, v, _ = _inputs(T=16)
+    ref = replay(q, k, v, FP32).o.double()
+    bits = {Precision.FP32: 24, Precision.FP16: 11, Precision.BF16: 8, Precision.FP8_E4M3: 4, Precision.FP8_E5M2: 3}
+    assert set(bits) == set(Precision)
+    err = {}
     for p in Precision:
         out = replay(q, k, v, FP32.with_(input_dtype=p, p_dtype=p, pv_dtype=p, o_dtype=p))
-        assert torch.isfinite(out.o.float()).all(), p
+        err[p] = float((out.o.double() - ref).abs().max())
+        assert err[p] <= 8 * 2.0 ** -bits[p] * float(ref.abs().max()), p  # a few ulps of |O|max
+    ordered = sorted(Precision, key=lambda p: -bits[p])
+    assert err[Precision.FP32] == 0 and all(err[a] < err[b] for a, b in zip(ordered, ordered[1:])), err
