@@ -13,8 +13,19 @@ def option(setting: str) -> str:
     return "--" + setting.replace("_", "-")
 
 
+# Errors whose line is the library's message followed by the options that act on it.
+_ADVICE = {
+    UnknownRank: "pick one of those with --rank",
+    OtherModel: "write to another path, or pass --allow-other-model to add its steps anyway",
+    ClusterUnreachable: "check --scheduler ADDRESS or use --workers 1",
+}
+
+
 def cli_line(exc: UserError) -> str:
     """The one line `run_cli` prints for a library error."""
+    for kind, advice in _ADVICE.items():
+        if isinstance(exc, kind):
+            return f"{exc}; {advice}"
     if isinstance(exc, BackendUnsupported):
         return f"replay: backend {exc.backend} {exc.reason}; use --backend {exc.alternative}"
     if isinstance(exc, TargetExists):
@@ -23,17 +34,11 @@ def cli_line(exc: UserError) -> str:
         return f"{exc.path} already exists; pass --overwrite to replace it or choose another {option(exc.setting)}"
     if isinstance(exc, TargetUnwritable):
         return f"{exc}; choose a writable {option(exc.setting)} with free space"
-    if isinstance(exc, UnknownRank):
-        return f"{exc}; pick one of those with --rank"
     if isinstance(exc, NothingSelected):
         asked = " ".join(f"--{k} {v}" for k, v in (("step", exc.step), ("layer", exc.layer), ("head", exc.head)) if v is not None)
         return f"{exc.path}: nothing matches {asked or 'the selection'}; run `fa-forensics info {exc.path}` to list what exists"
     if isinstance(exc, NoTimeline):
         return f"{str(exc).split(';')[0]}; record one with `fa-forensics capture --monitor-every N ...`"
-    if isinstance(exc, OtherModel):
-        return f"{exc}; write to another path, or pass --allow-other-model to add its steps anyway"
-    if isinstance(exc, ClusterUnreachable):
-        return f"{exc}; check --scheduler ADDRESS or use --workers 1"
     if isinstance(exc, InvalidSetting):
         return f"{option(exc.setting)}: {exc.reason}"
     return str(exc)
