@@ -13,7 +13,9 @@ Every measurement runs in a fresh Python process, so its peak RSS (ru_maxrss) is
             one layer) under /usr/bin/time -v, per (H, T) in --shapes, with every --workers N.
 
     python benchmarks/scale.py replay [--T 1024 2048 4096 8192] [--H 1 12] [--D 64] [--acc ieee]
-    python benchmarks/scale.py analysis [--shapes 16x4096 32x8192:128] [--workers 1 2]
+    python benchmarks/scale.py analysis [--shapes 16x4096 32x8192:128] [--workers 1 2] [--preset auto]
+            (auto, the default, matches the dump's stored O first: one forward replay per candidate
+            recipe tried, then cached in the dump; a named preset measures the analysis alone)
 """
 from __future__ import annotations
 
@@ -102,9 +104,10 @@ def _timed_cli(argv: list[str]) -> tuple[float, float, str]:
     return wall, rss, out.stdout
 
 
-def analysis_table(shapes: list[str], workers: list[int]) -> None:
+def analysis_table(shapes: list[str], workers: list[int], preset: str = "auto") -> None:
     cli = [str(Path(sys.executable).with_name("fa-forensics"))]
-    print(f"delta-bias on one synthetic layer-step (B 1, planted head 1); load average {os.getloadavg()[0]:.1f}")
+    print(f"delta-bias --preset {preset} on one synthetic layer-step (B 1, planted head 1); "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'H':>3} {'T':>5} {'D':>4} {'workers':>7} | {'wall s':>8} {'peak RSS MB':>11} | same numbers")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
@@ -118,7 +121,7 @@ def analysis_table(shapes: list[str], workers: list[int]) -> None:
             for n in workers:
                 js = Path(tmp) / f"db_{H}_{T}_{n}.json"
                 extra = ["--workers", str(n)] if n != 1 else []
-                wall, rss, _ = _timed_cli([*cli, "delta-bias", str(dump), "--json", str(js), *extra])
+                wall, rss, _ = _timed_cli([*cli, "delta-bias", str(dump), "--json", str(js), "--preset", preset, *extra])
                 cells = [c["delta_err_sum"] for c in json.loads(js.read_text())["per_step"]] if js.exists() else []
                 same = "—" if first is None else ("yes" if cells == first else "NO")
                 first = cells if first is None else first
@@ -142,11 +145,12 @@ def main() -> None:
     a = sub.add_parser("analysis")
     a.add_argument("--shapes", nargs="+", default=["16x4096"], help="HxT or HxT:D")
     a.add_argument("--workers", type=int, nargs="+", default=[1])
+    a.add_argument("--preset", default="auto")
     args = ap.parse_args()
     if args.mode == "replay":
         replay_table(args.T, args.H, args.D, args.acc)
     else:
-        analysis_table(args.shapes, args.workers)
+        analysis_table(args.shapes, args.workers, args.preset)
 
 
 if __name__ == "__main__":
