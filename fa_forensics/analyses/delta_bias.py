@@ -19,9 +19,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.fanout import Workers, map_in_order, one_torch_thread, work_items
+from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
 from fa_forensics.analyses.recipe import Backend, Recipe, resolve
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, load, lp_hp_pair, lp_of
+from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
 from fa_forensics.errors import DumpError
 
@@ -170,12 +170,7 @@ def run(
     to its part on one thread, in-process or on `workers`; parts are combined in item order, so the
     result is the same for any number of workers. `progress` is called once per work item."""
     recipe = resolve(dump, selections, recipe)
-    items = work_items(selections)
-    if workers.in_process:
-        part_of = _ItemPart(recipe, backend, dump=dump)
-    else:
-        part_of = _ItemPart(recipe, backend, dump_path=str(dump.path), rank=getattr(dump, "rank", None))
-    parts = map_in_order(part_of, items, workers, progress, label=lambda sel: f"step {sel.step} layer {sel.layer}")
+    parts = map_layers(_seen_part, dump, selections, workers, progress, args=(recipe, backend))
     r = _combine(_join_head_groups(parts), recipe, backend, top_k=top_k)
     return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
 
@@ -189,31 +184,7 @@ def delta_bias_layers(
     progress: Progress = None,
 ) -> DeltaBiasResult:
     """`run` on layer-steps already loaded (or built in memory)."""
-    parts = []
-    for t in layers:
-        parts.append(_seen_part(t, recipe, backend))
-        if progress:
-            progress(f"step {t.step} layer {t.layer}")
-    return _combine(parts, recipe, backend, top_k=top_k)
-
-
-@dataclass(frozen=True)
-class _ItemPart:
-    """The part of one work item: load its heads, replay, reduce (one torch thread: the same bits in
-    a worker process and in-process). Picklable: a worker opens the dump by its path."""
-
-    recipe: Recipe
-    backend: Backend
-    dump: object = None
-    dump_path: Optional[str] = None
-    rank: Optional[int] = None
-
-    def __call__(self, sel: LayerSelection) -> tuple[tuple[str, ...], _LayerPart]:
-        from fa_forensics.dump import open_dump
-
-        dump = self.dump if self.dump is not None else open_dump(self.dump_path, rank=self.rank)
-        with one_torch_thread():
-            return _seen_part(load(dump, sel), self.recipe, self.backend)
+    return _combine(layer_parts(_seen_part, layers, (recipe, backend), progress), recipe, backend, top_k=top_k)
 
 
 def _seen_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> tuple[tuple[str, ...], _LayerPart]:

@@ -184,6 +184,16 @@ def map_layers(fn: Callable, dump, selections: Sequence, workers: Workers = Work
     return map_in_order(task, items, workers, progress, label=lambda sel: f"step {sel.step} layer {sel.layer}")
 
 
+def layer_parts(fn: Callable, layers, args: tuple = (), progress=None) -> list:
+    """[fn(t, *args) for t in layers] for layer-steps already loaded (or built in memory), in-process."""
+    parts = []
+    for t in layers:
+        parts.append(fn(t, *args))
+        if progress:
+            progress(f"step {t.step} layer {t.layer}")
+    return parts
+
+
 def n_items(selections: Sequence, *, whole_layers: bool = False) -> int:
     """How many work items `map_layers` makes of `selections` (a progress bar's total)."""
     return len(selections) if whole_layers else len(work_items(selections))

@@ -40,7 +40,7 @@ import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
-from fa_forensics.analyses.fanout import Workers, map_layers
+from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
 from fa_forensics.analyses.rank1_sim import pk_rows
 from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
 from fa_forensics.analyses.selection import (
@@ -238,12 +238,7 @@ def isolate_layers(
     progress: Progress = None,
 ) -> IsolateResult:
     """`run` on layer-steps already loaded (or built in memory)."""
-    parts = []
-    for t in layers:
-        parts.append(layer_part(t, recipe, backend))
-        if progress:
-            progress(f"step {t.step} layer {t.layer}")
-    return combine_parts(parts, recipe, backend)
+    return combine_parts(layer_parts(layer_part, layers, (recipe, backend), progress), recipe, backend)
 
 
 @dataclass(frozen=True)

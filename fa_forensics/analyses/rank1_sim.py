@@ -22,7 +22,7 @@ import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error
-from fa_forensics.analyses.fanout import Workers, map_layers
+from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
 from fa_forensics.analyses.recipe import Backend, Recipe, resolve
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
@@ -196,11 +196,7 @@ def rank1_sim_layers(
     progress: Progress = None,
 ) -> Rank1Result:
     """`run` on layer-steps already loaded (or built in memory)."""
-    parts = []
-    for t in layers:
-        parts.append(layer_part(t, recipe, backend, tokens_per_step))
-        if progress:
-            progress(f"step {t.step} layer {t.layer}")
+    parts = layer_parts(layer_part, layers, (recipe, backend, tokens_per_step), progress)
     return combine_parts(parts, recipe, backend, tokens_per_step=tokens_per_step)
 
 
