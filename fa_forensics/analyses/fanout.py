@@ -135,7 +135,7 @@ def connected(workers: Workers):
             cluster = LocalCluster(n_workers=workers.n, threads_per_worker=1, processes=True, dashboard_address=None,
                                    silence_logs=logging.ERROR)
             client = Client(cluster)
-    except (OSError, TimeoutError) as exc:
+    except (OSError, TimeoutError, ValueError) as exc:  # ValueError: an address dask cannot parse
         where = workers.scheduler or f"a local cluster of {workers.n} workers"
         raise ClusterUnreachable(where, str(exc)) from None
     _SHARED[workers] = client
