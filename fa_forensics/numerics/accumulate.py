@@ -57,6 +57,21 @@ from fa_forensics.numerics.accumulate_tiles import (
 )
 
 ACCUMULATIONS = ("ieee", "tensor-core")
+
+
+@dataclass(frozen=True)
+class Band:
+    """The causal structure of one of attention's products, for `matmul` to skip work it implies.
+
+    Offsets relative to the output row i (None: no limit): a[i, k] is zero for k outside
+    [i + k_lo, i + k_hi) (the caller vouches for it), and outputs [i, j] with j ≥ i + n_hi are not
+    wanted: they are returned as 0. Skipping zero terms changes no bit (a zero product is a no-op
+    of the ieee fma chain and of a tensor-core group), so every engine gives the same result; the
+    compiled ieee kernel skips them, the others compute the whole product and zero the outputs."""
+
+    k_lo: Optional[int] = None
+    k_hi: Optional[int] = None
+    n_hi: Optional[int] = None
 ENGINES = ("auto", "torch")
 DEFAULT_ENGINE = "auto"  # the engine of matmul(engine=None); tests set "torch" to replay on the reference kernels
 _CHUNK_BYTES = 8 * 2**20  # target size of the largest temporary of one tile (measured best at 4-16 MiB)
@@ -229,6 +244,8 @@ def matmul(
     in_format: FormatLike = "bf16",
     acc: Optional[torch.Tensor] = None,
     engine: Optional[str] = None,
+    band: Optional[Band] = None,
+    assume_finite: bool = False,
 ) -> torch.Tensor:
     """a (..., M, K) @ b (..., K, N) under an accumulation model; returns fp32 (..., M, N).
 
@@ -237,6 +254,10 @@ def matmul(
     engine: "auto" runs the compiled kernels (accumulate_jit) where every operand is a finite
     fp32 number and the torch kernels elsewhere; "torch" always runs the torch kernels (the
     reference the compiled ones are tested against); None: DEFAULT_ENGINE. Both give the same bits.
+    band: the product's causal structure (`Band`): zero terms skipped, unwanted outputs 0.
+    assume_finite: the caller vouches that a, b and acc are finite fp32 numbers (the emulator's
+    bounded intermediates), so the compiled kernels skip the check that routes other values to
+    the torch kernels.
     """
     model = normalize_accumulation(accumulation)
     engine = DEFAULT_ENGINE if engine is None else engine
@@ -254,7 +275,7 @@ def matmul(
     b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
     acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)  # (L, M, N)
     if engine == "auto":
-        out = _compiled(a3, b3, acc3, params)
+        out = _compiled(a3, b3, acc3, params, band, assume_finite)
         if out is not None:
             return out.reshape(*lead, M, N)
     acc3 = torch.zeros(L, M, N, dtype=torch.float32) if acc3 is None else acc3.to(torch.float32)
@@ -263,17 +284,29 @@ def matmul(
             out = _ieee(a3, b3, acc3)
         else:
             out = _tensor_core(a3, b3, acc3, params)
+    if band is not None and band.n_hi is not None:
+        out = _zero_unwanted(out, band.n_hi)
     return out.reshape(*lead, M, N)
 
 
-def _as_fp32_array(x: torch.Tensor, strided: bool = False) -> Optional[torch.Tensor]:
+def _zero_unwanted(out: torch.Tensor, n_hi: int) -> torch.Tensor:
+    """out (L, M, N) with the outputs [i, j], j ≥ i + n_hi, set to 0 (a band's unwanted outputs)."""
+    M, N = out.shape[-2:]
+    wanted = torch.arange(N).unsqueeze(0) < torch.arange(M).unsqueeze(-1) + n_hi  # (M, N)
+    return out.masked_fill(~wanted, 0.0)
+
+
+def _as_fp32_array(x: torch.Tensor, strided: bool = False, assume_finite: bool = False) -> Optional[torch.Tensor]:
     """x (3-d) as an fp32 tensor when every value is a finite fp32 number, else None: contiguous,
-    or with `strided` an fp32 x as it is (a transposed view is read in place, not copied)."""
+    or with `strided` an fp32 x as it is (a transposed view is read in place, not copied).
+    assume_finite: the caller vouches for finite fp32 values; only the layout is handled."""
     if not x.dtype.is_floating_point or x.dtype.itemsize > 8:
         return None
     if strided and x.dtype == torch.float32 and x.transpose(1, 2).is_contiguous():  # a transposed view
-        return x if _jit().all_finite(x.transpose(1, 2).reshape(-1).numpy()) else None
+        return x if assume_finite or _jit().all_finite(x.transpose(1, 2).reshape(-1).numpy()) else None
     x32 = x.to(torch.float32).contiguous()
+    if assume_finite and x.dtype == torch.float32:
+        return x32
     if x.dtype == torch.float64 and not bool((x32.to(torch.float64) == x).all()):
         return None  # a value that is not an fp32 number (or NaN)
     return x32 if _jit().all_finite(x32.view(-1).numpy()) else None
@@ -296,31 +329,42 @@ def _compiled_available() -> bool:
 
 
 def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
-              params: Optional[TensorCoreParams]) -> Optional[torch.Tensor]:
+              params: Optional[TensorCoreParams], band: Optional[Band] = None,
+              assume_finite: bool = False) -> Optional[torch.Tensor]:
     """The model on the compiled kernels: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), or from
     zeros when acc3 is None -> fp32 (L, M, N); None when an operand is outside their domain
-    (not a finite fp32 number)."""
+    (not a finite fp32 number). band: skipped by the ieee kernel, applied to the output otherwise."""
     if not _compiled_available():
         return None
     accumulate_jit = _jit()
-    a, b = _as_fp32_array(a3, strided=True), _as_fp32_array(b3)
+    a, b = _as_fp32_array(a3, strided=True, assume_finite=assume_finite), _as_fp32_array(b3, assume_finite=assume_finite)
     if a is None or b is None:
         return None
     zero = acc3 is None
     if zero:
         out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
     else:
-        out = _as_fp32_array(acc3)
+        out = _as_fp32_array(acc3, assume_finite=assume_finite)
         if out is None:
             return None
         if out.data_ptr() == acc3.data_ptr():
             out = out.clone()  # the kernels write in place; never into the caller's tensor
     with accumulate_jit.threads(accumulate_jit.wanted_threads(torch.get_num_threads())):
         if params is None:
-            accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy(), zero)
+            limits = _band_limits(band, accumulate_jit.NO_LIMIT)
+            accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy(), zero, *limits)
         else:
             accumulate_jit.tensor_core_matmul(a.numpy(), b.numpy(), out.numpy(), params.F, params.neab, zero)
+            if band is not None and band.n_hi is not None:
+                out = _zero_unwanted(out, band.n_hi)
     return out
+
+
+def _band_limits(band: Optional[Band], no_limit: int) -> tuple[int, int, int]:
+    """(k_lo, k_hi, n_hi) of the compiled ieee kernel; ±no_limit where the band sets none."""
+    band = band or Band()
+    return (-no_limit if band.k_lo is None else band.k_lo, no_limit if band.k_hi is None else band.k_hi,
+            no_limit if band.n_hi is None else band.n_hi)
 
 
 @contextlib.contextmanager

@@ -59,21 +59,33 @@ def _fma32(typingctx, a, b, c):
 _A, _C = types.float32[:, :, :], types.float32[:, :, ::1]  # any strides; C-contiguous
 
 
-@numba.njit(types.void(_A, _C, _C, types.boolean), parallel=True, **_JIT)
-def ieee_matmul(a, b, out, zero):
+NO_LIMIT = 1 << 62  # a band offset that never limits
+
+
+@numba.njit(types.void(_A, _C, _C, types.boolean, types.int64, types.int64, types.int64), parallel=True, **_JIT)
+def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
     """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`: out is then only
-    written), += a (L, M, K) @ b (L, K, N) by sequential fp32 fmas in k order (in place)."""
+    written), += a (L, M, K) @ b (L, K, N) by sequential fp32 fmas in k order (in place).
+
+    Band (the causal structure of attention's products; ±NO_LIMIT: none): row i takes the terms
+    k in [i + k_lo, i + k_hi) only, the caller vouching that a[i, k] is zero outside (a zero term
+    is a no-op of the fma chain: fma(0, b, c) = c for finite b and c ≠ −0, and the chains start
+    at +0 or a caller's accumulator); outputs j ≥ i + n_hi are not computed but set to 0."""
     L, M, K = a.shape
     N = b.shape[2]
     for r in prange(L * M):
         l, i = r // M, r % M
         row = out[l, i]
+        k0 = min(max(i + k_lo, 0), K)
+        k1 = min(max(i + k_hi, k0), K)
+        n = min(max(i + n_hi, 0), N)
+        row[n:] = 0.0
         if zero:
-            row[:] = 0.0
-        for k in range(K):
+            row[:n] = 0.0
+        for k in range(k0, k1):
             a_ik = a[l, i, k]
             b_k = b[l, k]
-            for j in range(N):
+            for j in range(n):
                 row[j] = _fma32(a_ik, b_k[j], row[j])
 
 

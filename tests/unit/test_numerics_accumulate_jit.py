@@ -103,3 +103,32 @@ def test_tensor_core_groups_cross_k_chunks_like_one_pass():
     part = matmul(a[:, : 2 * F], b[: 2 * F], "tensor-core")
     assert torch.equal(_bits(matmul(a[:, 2 * F :], b[2 * F :], "tensor-core", acc=part)), _bits(whole))
     assert accumulate.DEFAULT_ENGINE == "auto"
+
+
+@pytest.mark.parametrize("model", ["ieee", "tensor-core"])
+def test_a_band_skips_zero_terms_and_zeroes_unwanted_outputs_without_changing_a_bit(model):
+    """Causal attention's products: a[i, k] is zero outside [i + k_lo, i + k_hi) (P̄ of unseen keys,
+    the rows before a key); the band's product equals the whole product on every engine, and the
+    outputs j ≥ i + n_hi are 0."""
+    g = torch.Generator().manual_seed(9)
+    L, M, K, N = 2, 37, 45, 40
+    rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
+    acc = _values("normal", (L, M, N), "fp32", g)
+    for band in (accumulate.Band(k_hi=5), accumulate.Band(k_lo=-8), accumulate.Band(k_lo=-3, k_hi=4)):
+        inside = (cols >= rows + (band.k_lo if band.k_lo is not None else -K)) & (cols < rows + (band.k_hi or K))
+        a = torch.where(inside, _values("normal", (L, M, K), "bf16", g), torch.zeros(()))
+        for strided in (False, True):
+            a_in = a.transpose(-1, -2).contiguous().transpose(-1, -2) if strided else a
+            b = _values("normal", (L, K, N), "bf16", g)
+            for start in (None, acc):
+                whole = matmul(a_in, b, model, acc=start, engine="torch")
+                for engine in ("auto", "torch"):
+                    got = matmul(a_in, b, model, acc=start, engine=engine, band=band)
+                    assert torch.equal(_bits(got), _bits(whole)), (band, strided, engine)
+    b = _values("normal", (L, 8, N), "bf16", g)
+    a = _values("normal", (L, M, 8), "bf16", g)
+    whole = matmul(a, b, model, engine="torch")
+    wanted = torch.arange(N).unsqueeze(0) < rows + 3  # (M, N)
+    for engine in ("auto", "torch"):
+        got = matmul(a, b, model, engine=engine, band=accumulate.Band(n_hi=3), assume_finite=True)
+        assert torch.equal(_bits(got), _bits(torch.where(wanted, whole, torch.zeros(())))), engine

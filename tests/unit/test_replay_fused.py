@@ -130,6 +130,26 @@ def test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties(kn
             _assert_identical(*_replay_both(cfg, q, k, v, do, causal, mask), (knobs, ties, i))
 
 
+@pytest.mark.parametrize("acc", ["ieee", "tensor-core"])
+def test_fused_stages_skip_unseen_keys_in_one_kv_block_and_in_row_blocks(acc):
+    """The default shape of work (one KV block, the backward in blocks of query rows): causal
+    products skip the keys a row cannot see, bit for bit the torch path's full products."""
+    from fa_forensics.replay.emulate.run import StreamPlan, emulate_replay
+
+    q, k, v, do = _inputs(11, T=100, H=3, ties=True)
+    for delta in ("o-lowp", "dp-p"):
+        cfg = ReplayConfig.preset("bf16").with_(accumulation=acc, delta=delta)
+        for plan in (StreamPlan(heads=3, block_m=None), StreamPlan(heads=2, block_m=32)):
+            runs = []
+            for enabled in (True, False):
+                fused.ENABLED = enabled
+                try:
+                    runs.append(emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=plan))
+                finally:
+                    fused.ENABLED = True
+            _assert_identical(*runs, (delta, plan))
+
+
 def test_the_torch_path_runs_where_the_compiled_stages_do_not_apply():
     q, k, v, do = _inputs(5)
     scale = q.shape[-1] ** -0.5

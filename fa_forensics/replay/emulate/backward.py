@@ -37,7 +37,7 @@ from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import Accumulation, DeltaSource, Precision, ReplayConfig
 from fa_forensics.replay.emulate import fused
 from fa_forensics.replay.emulate.forward import scaled_scores
-from fa_forensics.replay.emulate.ops import cast, mm, wider
+from fa_forensics.replay.emulate.ops import Band, cast, mm, wider
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,13 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         rows = slice(i0, i1)
         mask_r = None if mask is None else mask.expand(*q.shape[:3], k.shape[-2])[..., rows, :]
         do_r = do[..., rows, :]  # (B, H, R, D)
+        sees = i0 + 1 if causal else None  # row i sees keys j < i + sees; P, dS are 0 beyond
         if use_fused:  # steps 1 and 4 compiled (and 3 for dp-p): the same operations, one pass per row
-            S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, R, T) raw q kᵀ
+            S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees))  # (B, H, R, T)
             P = fused.backward_probs(S, lse[..., rows], mask_r, config, scale=scale, row0=i0, causal=causal)
             delta_r = None if config.delta is DeltaSource.DP_P else _delta(P, do_r, v, o_for_delta, rows, config, None)
-            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt)  # (B, H, R, T)
-            dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale)
+            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees))  # (B, H, R, T)
+            dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale, sees=sees)
         else:
             s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
             P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
@@ -115,10 +116,12 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         if reference_blocks:
             dq[..., rows, :] = _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config, i0, i1,
                                                    causal=causal, qk_fmt=qk_fmt, pv_fmt=pv_fmt)
-        else:
-            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt)
-            dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk)
-            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv)
+        else:  # with the compiled stages: dS and P̄ are 0 for the keys a row cannot see, those terms skipped
+            row_band = Band(k_hi=sees) if use_fused else None  # dQ row i: keys k < i + sees
+            key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None  # dK, dV row j: rows ≥ j − i0
+            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band)
+            dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk, band=key_band)
+            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band)
     if dk is None:  # no query rows
         dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
     if not config.ds_alpha:

@@ -49,7 +49,7 @@ import torch
 from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import KVOrder, MaskedBlocks, Precision, PScaleMode, ReplayConfig
 from fa_forensics.replay.emulate import fused
-from fa_forensics.replay.emulate.ops import cast, finfo_max, mm, promote, wider
+from fa_forensics.replay.emulate.ops import Band, cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
 
@@ -165,7 +165,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             continue
         mask_block = None if mask is None else mask[..., r0:, j0:j1]
         if fused_block is not None:  # steps 1-7 compiled: the same operations, one pass per row
-            S = mm(q[..., r0:, :], k[..., j0:j1, :].transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)
+            sees = row0 + r0 - j0 + 1 if causal and not visit else None  # row i sees keys j < i + sees
+            S = mm(q[..., r0:, :], k[..., j0:j1, :].transpose(-1, -2), config.accumulation, config.gpu,
+                   config.input_dtype, band=Band(n_hi=sees))
             p, p_bar, alpha = fused_block.run(S, mask_block, row0=row0, j0=j0, causal=causal, m=m, r0=r0,
                                               tracker_max=tracker.max, tracker_count=tracker.count, fired=fired_any)
             row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
@@ -208,10 +210,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
                 observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
         acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
         v_j = v[..., j0:j1, :]
+        pv_band = None if fused_block is None else Band(k_hi=sees)  # P̄ of a key the row cannot see is 0
         if config.pv_dtype is Precision.FP32:
-            acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled)
+            acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled, band=pv_band)
         else:
-            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format), config.pv_dtype, config.rounding, generator)
+            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band), config.pv_dtype,
+                      config.rounding, generator)
             acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
         if fused_block is None:
             m[..., r0:] = m_new

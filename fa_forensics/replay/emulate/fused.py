@@ -83,11 +83,12 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
         # 1. scaled, masked scores; the block's row max and how often it is attained
         b_max = neg_inf
         b_count = 0
-        for j in range(N):
+        n_vis = min(max(gi - j0 + 1, 0), N) if causal else N  # keys j ≥ n_vis are causally masked
+        for j in range(n_vis, N):
+            row[j] = neg_inf
+        for j in range(n_vis):
             x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
             x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
-            if causal and j0 + j > gi:
-                x = neg_inf
             if has_mask:
                 if mask_bool:
                     if mask[l, i, j] == 0:
@@ -149,6 +150,10 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
         for j in range(N):
             s = row[j]
             visible = s != neg_inf
+            if not visible and not visit:  # exp(−inf − m) = 0 whatever the finite m, S and format
+                row[j] = 0.0
+                pbar[l, i, j] = 0.0
+                continue
             if visit and not visible:
                 s = mask_value
             sm = round_ne(np.float32(s - m_use), sub_man, sub_emin, sub_max, sub_sat)
@@ -227,11 +232,13 @@ def _backward_probs(buf, mask, has_mask, mask_bool, scale, row_base, causal, s_m
         gi = row_base + i
         lse_i = lse[l, i]
         zero_row = has_mask and lse_i == neg_inf
-        for j in range(N):
+        n_vis = min(gi + 1, N) if causal else N  # keys j ≥ n_vis are causally masked
+        p_masked = np.float32(0.0) if zero_row else exp32(np.float32(neg_inf - lse_i))
+        for j in range(n_vis, N):
+            row[j] = p_masked
+        for j in range(n_vis):
             x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
             x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
-            if causal and j > gi:
-                x = neg_inf
             if has_mask:
                 if mask_bool:
                     if mask[l, i, j] == 0:
@@ -244,24 +251,27 @@ def _backward_probs(buf, mask, has_mask, mask_bool, scale, row_base, causal, s_m
 
 @numba.njit(**_JIT)
 def _backward_ds(P, buf, delta, compute_delta, dp_man, dp_emin, dp_max, dp_sat, ds_man, ds_emin, ds_max, ds_sat,
-                 ds_alpha, alpha, p_scale, p_man, p_emin, p_max, p_sat):
+                 ds_alpha, alpha, p_scale, p_man, p_emin, p_max, p_sat, sees):
     """buf (L, R, N): raw dO Vᵀ, overwritten with dS; P (L, R, N) overwritten with P̄ (its cast for
-    dV); delta (L, R): δ, computed here as rowsum(dP ∘ P) by fmas in key order if compute_delta."""
+    dV); delta (L, R): δ, computed here as rowsum(dP ∘ P) by fmas in key order if compute_delta.
+    Row i stops at key i + sees: beyond, P is 0 and dO Vᵀ was not formed (0), and both are left
+    as they are: P̄ = 0 there, and dS = 0, a zero term like the ±0 the full formula gives."""
     L, R, N = buf.shape
     for r in prange(L * R):
         l = r // R
         i = r % R
         row = buf[l, i]
         p_row = P[l, i]
-        for j in range(N):
+        n = min(max(i + sees, 0), N)
+        for j in range(n):
             row[j] = round_ne(row[j], dp_man, dp_emin, dp_max, dp_sat)
         if compute_delta:
             acc = np.float32(0.0)
-            for j in range(N):
+            for j in range(n):
                 acc = _fma(row[j], p_row[j], acc)
             delta[l, i] = acc
         d = delta[l, i]
-        for j in range(N):
+        for j in range(n):
             p = p_row[j]
             p_ds = np.float32(p * alpha) if ds_alpha else p
             row[j] = round_ne(np.float32(p_ds * np.float32(row[j] - d)), ds_man, ds_emin, ds_max, ds_sat)
@@ -288,14 +298,16 @@ def backward_probs(S: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tens
 
 
 def backward_ds(P: torch.Tensor, dP_raw: torch.Tensor, delta: Optional[torch.Tensor], config: ReplayConfig, *,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                scale: float, sees: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dS, P̄ cast, δ (B, H, R)) from P and the raw dO Vᵀ (both overwritten); δ computed as
-    rowsum(dP ∘ P) when delta is None (config.delta dp-p)."""
+    rowsum(dP ∘ P) when delta is None (config.delta dp-p). sees (causal): row i sees keys
+    j < i + sees, where dO Vᵀ was formed; dS and P̄ are 0 beyond (None: every key)."""
     B, H, R, N = P.shape
     L = B * H
     buf, p = dP_raw.reshape(L, R, N), P.reshape(L, R, N)
     compute = delta is None
     d = torch.empty(L, R) if compute else delta.reshape(L, R).contiguous().clone()
     _backward_ds(_np(p), _np(buf), _np(d), compute, *_fmt(config.dp_dtype), *_fmt(config.ds_dtype),
-                 config.ds_alpha, np.float32(scale), np.float32(config.p_scale), *_fmt(config.p_dtype))
+                 config.ds_alpha, np.float32(scale), np.float32(config.p_scale), *_fmt(config.p_dtype),
+                 N if sees is None else sees)
     return buf.view(B, H, R, N), p.view(B, H, R, N), d.view(B, H, R)

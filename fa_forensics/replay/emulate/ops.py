@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.numerics import matmul, round_to, to_torch_dtype
+from fa_forensics.numerics.accumulate import Band
 from fa_forensics.replay.config import Accumulation, GPUModel, Precision, Rounding
 
 # Width order of the formats: the product of two operands is modelled with the wider one's
@@ -52,14 +53,18 @@ def mm(
     gpu: GPUModel,
     in_format: Precision,
     acc: Optional[torch.Tensor] = None,
+    band: Optional[Band] = None,
 ) -> torch.Tensor:
     """fp32 product a @ b ((..., M, K) @ (..., K, N) -> (..., M, N)) under the accumulation model.
 
     acc (..., M, N), if given, is the starting accumulator (the C operand of an MMA): the
     products are added into it in the model's order, as `tl.dot(p, v, acc)` does.
+    band: the causal structure of the product (`numerics.accumulate.Band`), given only on the
+    compiled path, whose operands are finite by construction (`fused.eligible`): zero terms are
+    skipped, unwanted outputs are 0, the finiteness check is skipped; the same bits.
     """
-    return matmul(a, b, accumulation=accumulation.value, gpu=gpu.value, in_format=in_format.value, acc=acc)
-
+    return matmul(a, b, accumulation=accumulation.value, gpu=gpu.value, in_format=in_format.value, acc=acc,
+                  band=band, assume_finite=band is not None)
 
 
 def finfo_max(fmt: Precision) -> float:
