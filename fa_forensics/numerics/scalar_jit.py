@@ -7,11 +7,15 @@ A format is passed as the `FormatCode` tuple (fraction bits, emin, largest finit
 saturates): kernels take it as plain numbers.
 
 - round_ne: |x| is rounded to a multiple of the quantum q = 2^(e − man_bits) (e the binade
-  exponent of |x| clamped at emin, so subnormals fall out) by adding and subtracting
+  exponent of |x| clamped at emin, so subnormals fall out; read from the float64 bit pattern,
+  which keeps the loop free of library calls so that it vectorizes) by adding and subtracting
   c = 2^52 · q in float64, where |x| < c and c's ulp is q: float64's own nearest-even does the
   rounding, exactly. Saturating formats clamp |x| to their largest value first (as the torch
   path's clamp before its cast); the others overflow to ±inf. NaN stays NaN, the sign of zero is kept.
 - exp32: exp in float64 (the C library's, as numba's math.exp), rounded once to fp32.
+
+Kernels elsewhere inline these and numba caches them keyed on their own file only: after an
+edit here, delete the `__pycache__/*.nbi` / `*.nbc` files (an installed copy is always fresh).
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from fa_forensics.numerics.formats import FormatLike, get_format
 
@@ -41,6 +48,24 @@ def format_code(fmt: FormatLike) -> FormatCode:
     return FormatCode(spec.man_bits, spec.emin, spec.max_value, spec.saturates)
 
 
+@intrinsic
+def _bits64(typingctx, x):
+    """The bit pattern of a float64 as an int64 (a bit cast, no conversion)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def _from_bits64(typingctx, n):
+    """The float64 whose bit pattern is the int64 n."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
 @numba.njit(**_JIT)
 def round_ne(x, man_bits, emin, max_value, saturates):
     """fp32 x rounded to nearest-even in the format (man_bits, emin, max_value, saturates); fp32."""
@@ -54,10 +79,10 @@ def round_ne(x, man_bits, emin, max_value, saturates):
             return np.float32(x)
     if a == 0.0:
         return np.float32(x)
-    e = math.frexp(a)[1] - 1  # floor(log2 |x|)
+    e = ((_bits64(a) >> 52) & 2047) - 1023  # floor(log2 |x|): a, an fp32 value, is a normal float64
     if e < emin:
         e = emin
-    c = math.ldexp(1.0, e - man_bits + 52)
+    c = _from_bits64((e - man_bits + 52 + 1023) << 52)  # 2^(e − man_bits + 52), a normal float64
     y = (a + c) - c
     if y > max_value:
         y = math.inf
