@@ -7,9 +7,14 @@ every operand a finite fp32 number, result fp32.
 - ieee: acc = fma(a_k, b_k, acc) for k = 0 .. K−1 in order, with LLVM's `llvm.fma.f32`, which
   is one correctly rounded fused multiply-add by definition (hardware FMA where the CPU has it,
   the C library's fmaf otherwise). That IS the ieee model for any fp32 operands: exact product,
-  one nearest-even rounding of the sum, subnormals included. Loop order per output row: k outer,
-  columns inner, so the compiler vectorizes across columns while each element still sees its
-  products in k order; the row (N fp32 values) stays in L1 across the k loop.
+  one nearest-even rounding of the sum, subnormals included. The output goes in register tiles
+  (4 rows × 64 columns with AVX-512, × 16 otherwise): each accumulator is a vector register that
+  takes the vector fma (`llvm.fma.v16f32`, lane by lane the same fma) of a broadcast a[i, k] and
+  a row segment of b for k in order, so every element still sees its products in k order while
+  the loads per fma drop to about a quarter; the tile is written in LLVM IR (`_tile_fma`)
+  because numba's loop vectorizer keeps accumulators in memory. Leftover columns and rows take
+  the scalar loop (k outer, columns inner). Attention's causal structure can be passed as a band
+  (zero terms skipped, unwanted outputs 0).
 - tensor-core: per group of F consecutive k the F products (exact in fp64: 24 × 24 significant
   bits, exponents far inside fp64's range) and the accumulator are aligned to the largest
   exponent e_max among them, truncated to multiples of 2^q, q = e_max − 23 − neab, summed exactly
@@ -20,8 +25,8 @@ every operand a finite fp32 number, result fp32.
 Why numba rather than a torch C++ extension: numba ships manylinux wheels (llvmlite bundles its
 own LLVM), so a fresh machine needs no compiler and no build step at install time; kernels are
 compiled on first use for the host CPU (a few seconds, cached on disk next to this file by
-`cache=True`) and stay plain Python that a maintainer can read and step through
-(`NUMBA_DISABLE_JIT=1`). A C++ extension would need a compiler and torch headers on every
+`cache=True`) and stay Python that a maintainer can read, with two small LLVM intrinsics (one
+fma, one register tile) where the exact instruction matters. A C++ extension would need a compiler and torch headers on every
 machine, a build of about a minute, and a rebuild for every torch ABI.
 
 Rows are spread over numba's threads (`prange`); `matmul` sets their number to torch's.
@@ -32,8 +37,10 @@ import contextlib
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 _FP32_MAX = float(np.finfo(np.float32).max)
@@ -60,6 +67,57 @@ _A, _C = types.float32[:, :, :], types.float32[:, :, ::1]  # any strides; C-cont
 
 
 NO_LIMIT = 1 << 62  # a band offset that never limits
+_AVX512 = "+avx512f" in llvm.get_host_cpu_features().flatten()
+_LANES = 16 if _AVX512 else 8  # fp32 lanes of one vector register
+_TILE_ROWS, _TILE_VECTORS = 4, (4 if _AVX512 else 2)  # the register tile: 4 rows × 4 (2) vectors of accumulators
+_TILE_COLS = _TILE_VECTORS * _LANES
+
+
+@intrinsic
+def _tile_fma(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, n_k):
+    """The register tile: C (_TILE_ROWS × _TILE_COLS fp32 at c_addr, rows c_row apart) += A @ B
+    with A (_TILE_ROWS × n_k at a_addr, strides a_row, a_k) and B (n_k × _TILE_COLS at b_addr, rows
+    b_k apart; strides in elements). Each accumulator is a vector register that takes
+    `llvm.fma.v*f32` of the broadcast a[r, k] and the row k of B for k = 0 .. n_k − 1 in order:
+    per element the same sequential fma chain as the scalar loop, held in registers."""
+    sig = types.void(*([types.intp] * 8))
+
+    def codegen(context, builder, signature, args):
+        a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, n_k = args
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vec = ir.VectorType(f32, _LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{_LANES}f32")
+        a, b, c = (builder.inttoptr(x, f32.as_pointer()) for x in (a_addr, b_addr, c_addr))
+        broadcast = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+
+        def vector_at(base, offset):
+            return builder.bitcast(builder.gep(base, [offset]), vec.as_pointer())
+
+        slots, homes = [], []
+        for r in range(_TILE_ROWS):
+            for v in range(_TILE_VECTORS):
+                home = vector_at(c, builder.add(builder.mul(c_row, ir.Constant(i64, r)), ir.Constant(i64, v * _LANES)))
+                slot = cgutils.alloca_once(builder, vec)  # promoted to a register by LLVM
+                builder.store(builder.load(home, align=4), slot)
+                slots.append(slot)
+                homes.append(home)
+        with cgutils.for_range(builder, n_k) as loop:
+            b_row = builder.gep(b, [builder.mul(loop.index, b_k)])
+            b_vectors = [builder.load(vector_at(b_row, ir.Constant(i64, v * _LANES)), align=4)
+                         for v in range(_TILE_VECTORS)]
+            a_col = builder.gep(a, [builder.mul(loop.index, a_k)])
+            for r in range(_TILE_ROWS):
+                a_rk = builder.load(builder.gep(a_col, [builder.mul(a_row, ir.Constant(i64, r))]))
+                a_rk = builder.insert_element(ir.Constant(vec, ir.Undefined), a_rk, ir.Constant(ir.IntType(32), 0))
+                a_rk = builder.shuffle_vector(a_rk, ir.Constant(vec, ir.Undefined), broadcast)
+                for v in range(_TILE_VECTORS):
+                    slot = slots[r * _TILE_VECTORS + v]
+                    builder.store(builder.call(fma, [a_rk, b_vectors[v], builder.load(slot)]), slot)
+        for slot, home in zip(slots, homes):
+            builder.store(builder.load(slot), home, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(types.void(_A, _C, _C, types.boolean, types.int64, types.int64, types.int64), parallel=True, **_JIT)
@@ -67,26 +125,44 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
     """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`: out is then only
     written), += a (L, M, K) @ b (L, K, N) by sequential fp32 fmas in k order (in place).
 
-    Band (the causal structure of attention's products; ±NO_LIMIT: none): row i takes the terms
-    k in [i + k_lo, i + k_hi) only, the caller vouching that a[i, k] is zero outside (a zero term
-    is a no-op of the fma chain: fma(0, b, c) = c for finite b and c ≠ −0, and the chains start
-    at +0 or a caller's accumulator); outputs j ≥ i + n_hi are not computed but set to 0."""
+    Work goes in tiles of _TILE_ROWS rows × _TILE_COLS columns held in registers (`_tile_fma`),
+    the rest of the columns (and rows) by the scalar loop; both are the same fma chain per element.
+    Band (the causal structure of attention's products; ±NO_LIMIT: none): row i needs the terms
+    k in [i + k_lo, i + k_hi) only, the caller vouching that a[i, k] is zero outside, and outputs
+    j ≥ i + n_hi are not wanted: they are set to 0. A tile takes the union of its rows' ranges:
+    an extra term is a zero term, a no-op of the fma chain (fma(0, b, c) = c for finite b and
+    c ≠ −0; chains start at +0 or at a caller's accumulator)."""
     L, M, K = a.shape
     N = b.shape[2]
-    for r in prange(L * M):
-        l, i = r // M, r % M
-        row = out[l, i]
-        k0 = min(max(i + k_lo, 0), K)
-        k1 = min(max(i + k_hi, k0), K)
-        n = min(max(i + n_hi, 0), N)
-        row[n:] = 0.0
-        if zero:
-            row[:n] = 0.0
-        for k in range(k0, k1):
-            a_ik = a[l, i, k]
-            b_k = b[l, k]
-            for j in range(n):
-                row[j] = _fma32(a_ik, b_k[j], row[j])
+    a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
+    tiles = (M + _TILE_ROWS - 1) // _TILE_ROWS
+    for t in prange(L * tiles):
+        l = t // tiles
+        i0 = (t % tiles) * _TILE_ROWS
+        i1 = min(i0 + _TILE_ROWS, M)
+        k0 = min(max(i0 + k_lo, 0), K)  # the union of the rows' ranges: offsets grow with the row
+        k1 = min(max(i1 - 1 + k_hi, k0), K)
+        n = min(max(i1 - 1 + n_hi, 0), N)
+        for i in range(i0, i1):
+            row = out[l, i]
+            row[n:] = 0.0
+            if zero:
+                row[:n] = 0.0
+        j_tiled = 0  # columns [0, j_tiled) go in register tiles
+        if i1 - i0 == _TILE_ROWS:
+            j_tiled = min(n + _TILE_COLS - 1, N) // _TILE_COLS * _TILE_COLS  # whole tiles, past n where N allows
+            a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row + k0 * a_k)
+            for j0 in range(0, j_tiled, _TILE_COLS):
+                _tile_fma(a_addr, a_row, a_k, b.ctypes.data + 4 * ((l * K + k0) * N + j0), N,
+                          out.ctypes.data + 4 * ((l * M + i0) * N + j0), N, k1 - k0)
+        for i in range(i0, i1):
+            row = out[l, i]
+            for k in range(k0, k1):
+                a_ik = a[l, i, k]
+                b_k = b[l, k]
+                for j in range(j_tiled, n):
+                    row[j] = _fma32(a_ik, b_k[j], row[j])
+            row[min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
 
 
 @numba.njit(types.void(_A, _C, _C, types.int64, types.int64, types.boolean), parallel=True, **_JIT)
