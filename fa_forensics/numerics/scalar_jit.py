@@ -12,7 +12,8 @@ saturates): kernels take it as plain numbers.
   c = 2^52 · q in float64, where |x| < c and c's ulp is q: float64's own nearest-even does the
   rounding, exactly. Saturating formats clamp |x| to their largest value first (as the torch
   path's clamp before its cast); the others overflow to ±inf. NaN stays NaN, the sign of zero is kept.
-- exp32: exp in float64 (the C library's, as numba's math.exp), rounded once to fp32.
+- exp32: exp in float64 (argument reduction and a polynomial, no library call), rounded once to
+  fp32: the bits of `exp_fp32` for every fp32 argument (checked exhaustively).
 
 Kernels elsewhere inline these and numba caches them keyed on their own file only: after an
 edit here, delete the `__pycache__/*.nbi` / `*.nbc` files (an installed copy is always fresh).
@@ -89,7 +90,44 @@ def round_ne(x, man_bits, emin, max_value, saturates):
     return np.float32(math.copysign(y, x))
 
 
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 with its low 21 bits zero: k · _LN2_HI is exact for |k| < 2^21
+_LN2_LO = 1.90821492927058770002e-10  # ln 2 − _LN2_HI
+_INV_LN2 = 1.4426950408889634
+_ROUND = 6755399441055744.0  # 1.5 · 2^52: adding and subtracting it rounds a float64 to an integer
+_TAYLOR = tuple(1.0 / math.factorial(n) for n in range(14))
+
+
 @numba.njit(**_JIT)
 def exp32(x):
-    """exp(x) for fp32 x: float64 exp rounded once to fp32 (exp(−inf) = 0, NaN stays NaN)."""
-    return np.float32(math.exp(np.float64(x)))
+    """exp(x) for fp32 x: float64 exp rounded once to fp32 (exp(−inf) = 0, NaN stays NaN).
+
+    exp(x) = 2^k · exp(r), k = round(x / ln 2), r = x − k ln 2 (|r| ≤ 0.35, Cody-Waite split),
+    exp(r) − 1 by Horner in float64 (Taylor to degree 13, truncation below 2^-57), 2^k from its
+    bit pattern: no library call, so the loops that use it vectorize. Checked against
+    `exp_fp32` (torch 2.13's float64 exp rounded to fp32) exhaustively: every fp32 x but NaN,
+    4.28e9 values, the same bits (2026-11-24, Xeon with AVX-512); the range checks give 0 below
+    −110 and inf above 89, where fp32 exp is 0 and inf."""
+    d = np.float64(x)
+    if d != d:
+        return np.float32(d)
+    if d < -110.0:
+        return np.float32(0.0)
+    if d > 89.0:
+        return np.float32(math.inf)
+    k = (d * _INV_LN2 + _ROUND) - _ROUND
+    r = (d - k * _LN2_HI) - k * _LN2_LO
+    c = _TAYLOR
+    p = c[13]
+    p = p * r + c[12]
+    p = p * r + c[11]
+    p = p * r + c[10]
+    p = p * r + c[9]
+    p = p * r + c[8]
+    p = p * r + c[7]
+    p = p * r + c[6]
+    p = p * r + c[5]
+    p = p * r + c[4]
+    p = p * r + c[3]
+    p = p * r + c[2]
+    p = p * r * r + r  # exp(r) − 1
+    return np.float32((1.0 + p) * _from_bits64((np.int64(k) + 1023) << 52))

@@ -144,16 +144,15 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
         m_use = np.float32(0.0) if m_new == neg_inf else m_new
         alpha[l, i] = exp32(round_ne(np.float32(m_prev - m_use), st_man, st_emin, st_max, st_sat))
         m[l, i] = m_new
-        # 3. P̄ = exp(s − m), its scaled and cast forms, the counts
+        # 3. P̄ = exp(s − m), its scaled and cast forms, the counts (a −inf score gives P̄ = 0
+        # whatever the finite m and format; the causally masked keys are written as such)
         n_one = 0
         n_zeroed = 0
-        for j in range(N):
+        pb_row = pbar[l, i]
+        n_exp = N if visit else n_vis
+        for j in range(n_exp):
             s = row[j]
             visible = s != neg_inf
-            if not visible and not visit:  # exp(−inf − m) = 0 whatever the finite m, S and format
-                row[j] = 0.0
-                pbar[l, i, j] = 0.0
-                continue
             if visit and not visible:
                 s = mask_value
             sm = round_ne(np.float32(s - m_use), sub_man, sub_emin, sub_max, sub_sat)
@@ -166,12 +165,12 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
                 ps = np.float32(p * p_scale)
             pb = round_ne(ps, p_man, p_emin, p_max, p_sat)
             row[j] = p
-            pbar[l, i, j] = pb
-            if visible:
-                if pb == p_scale:
-                    n_one += 1
-                if ps > 0 and pb == 0:
-                    n_zeroed += 1
+            pb_row[j] = pb
+            n_one += np.int64(visible & (pb == p_scale))
+            n_zeroed += np.int64(visible & (ps > 0) & (pb == 0))
+        for j in range(n_exp, N):
+            row[j] = 0.0
+            pb_row[j] = 0.0
         p_one[l, i] += n_one
         p_zeroed[l, i] += n_zeroed
 
