@@ -12,7 +12,7 @@ Every measurement runs in a fresh Python process, so its peak RSS (ru_maxrss) is
   analysis  `fa-forensics delta-bias` on a synthetic dump (`fa-forensics synth`, B 1, one step,
             one layer) under /usr/bin/time -v, per (H, T) in --shapes, with every --workers N.
 
-    python benchmarks/scale.py replay [--T 1024 2048 4096 8192] [--H 1 12] [--D 64] [--acc ieee]
+    python benchmarks/scale.py replay [--T 1024 2048 4096 8192] [--H 1 12] [--D 64] [--acc ieee] [--repeats 5]
     python benchmarks/scale.py analysis [--shapes 16x4096 32x8192:128] [--workers 1 2] [--preset auto]
             (auto, the default, matches the dump's stored O first: one forward replay per candidate
             recipe tried, then cached in the dump; a named preset measures the analysis alone)
@@ -25,6 +25,7 @@ import math
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,8 +33,9 @@ import time
 from pathlib import Path
 
 
-def _measure_replay(kind: str, H: int, T: int, D: int, acc: str) -> dict:
-    """One forward + backward of `kind` (emulator | sdpa) in this process: seconds and peak RSS."""
+def _measure_replay(kind: str, H: int, T: int, D: int, acc: str, repeats: int) -> dict:
+    """Forward + backward of `kind` (emulator | sdpa) in this process, after a warm-up: the median
+    seconds of `repeats` runs, and peak RSS."""
     import torch
 
     from fa_forensics.replay import ReplayConfig, replay
@@ -52,11 +54,14 @@ def _measure_replay(kind: str, H: int, T: int, D: int, acc: str) -> dict:
             o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
             o.backward(do.float())
         run()  # warm-up
-    w0, c0 = time.perf_counter(), time.process_time()
-    run()
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "threads": torch.get_num_threads()}
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "threads": torch.get_num_threads()}
 
 
 def _child(args: list[str]) -> dict:
@@ -73,14 +78,15 @@ def _growth(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def replay_table(Ts: list[int], Hs: list[int], D: int, acc: str) -> None:
-    print(f"B 1, D {D}, causal, bf16 inputs, preset bf16 : {acc}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+def replay_table(Ts: list[int], Hs: list[int], D: int, acc: str, repeats: int) -> None:
+    print(f"B 1, D {D}, causal, bf16 inputs, preset bf16 : {acc}; median of {repeats} runs; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'H':>3} {'T':>5} | {'SDPA wall':>9} {'cpu':>6} {'RSS MB':>7} | {'emulator wall':>13} {'cpu':>6} {'RSS MB':>7} | {'ratio wall':>10} {'cpu':>5}")
     for H in Hs:
         times = []
         for T in Ts:
-            ref = _child(["replay", "sdpa", str(H), str(T), str(D), acc])
-            emu = _child(["replay", "emulator", str(H), str(T), str(D), acc])
+            ref = _child(["replay", "sdpa", str(H), str(T), str(D), acc, str(repeats)])
+            emu = _child(["replay", "emulator", str(H), str(T), str(D), acc, str(repeats)])
             times.append((T, emu["cpu_s"]))
             print(f"{H:>3} {T:>5} | {ref['wall_s']:>9.2f} {ref['cpu_s']:>6.2f} {ref['peak_rss_mb']:>7.0f} | "
                   f"{emu['wall_s']:>13.2f} {emu['cpu_s']:>6.2f} {emu['peak_rss_mb']:>7.0f} | "
@@ -132,8 +138,8 @@ def analysis_table(shapes: list[str], workers: list[int], preset: str = "auto") 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_one":
-        _, _, what, kind, H, T, D, acc = sys.argv
-        print(json.dumps(_measure_replay(kind, int(H), int(T), int(D), acc)))
+        _, _, what, kind, H, T, D, acc, repeats = sys.argv
+        print(json.dumps(_measure_replay(kind, int(H), int(T), int(D), acc, int(repeats))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -142,13 +148,14 @@ def main() -> None:
     r.add_argument("--H", type=int, nargs="+", default=[1, 12])
     r.add_argument("--D", type=int, default=64)
     r.add_argument("--acc", default="ieee")
+    r.add_argument("--repeats", type=int, default=5, help="runs per measurement (the median is shown)")
     a = sub.add_parser("analysis")
     a.add_argument("--shapes", nargs="+", default=["16x4096"], help="HxT or HxT:D")
     a.add_argument("--workers", type=int, nargs="+", default=[1])
     a.add_argument("--preset", default="auto")
     args = ap.parse_args()
     if args.mode == "replay":
-        replay_table(args.T, args.H, args.D, args.acc)
+        replay_table(args.T, args.H, args.D, args.acc, args.repeats)
     else:
         analysis_table(args.shapes, args.workers, args.preset)
 
