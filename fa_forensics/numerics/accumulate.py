@@ -67,7 +67,7 @@ class Band:
     [i + k_lo, i + k_hi) (the caller vouches for it), and outputs [i, j] with j ≥ i + n_hi are not
     wanted: they are returned as 0. Skipping zero terms changes no bit (a zero product is a no-op
     of the ieee fma chain and of a tensor-core group), so every engine gives the same result; the
-    compiled ieee kernel skips them, the others compute the whole product and zero the outputs."""
+    compiled kernels skip them, the torch kernels compute the whole product and zero the outputs."""
 
     k_lo: Optional[int] = None
     k_hi: Optional[int] = None
@@ -333,7 +333,7 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
               assume_finite: bool = False) -> Optional[torch.Tensor]:
     """The model on the compiled kernels: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), or from
     zeros when acc3 is None -> fp32 (L, M, N); None when an operand is outside their domain
-    (not a finite fp32 number). band: skipped by the ieee kernel, applied to the output otherwise."""
+    (not a finite fp32 number). band: the zero terms and unwanted outputs both kernels skip."""
     if not _compiled_available():
         return None
     accumulate_jit = _jit()
@@ -350,18 +350,17 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
         if out.data_ptr() == acc3.data_ptr():
             out = out.clone()  # the kernels write in place; never into the caller's tensor
     with accumulate_jit.threads(accumulate_jit.wanted_threads(torch.get_num_threads())):
+        limits = _band_limits(band, accumulate_jit.NO_LIMIT)
         if params is None:
-            limits = _band_limits(band, accumulate_jit.NO_LIMIT)
             accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy(), zero, *limits)
         else:
-            accumulate_jit.tensor_core_matmul(a.numpy(), b.numpy(), out.numpy(), params.F, params.neab, zero)
-            if band is not None and band.n_hi is not None:
-                out = _zero_unwanted(out, band.n_hi)
+            b64 = b.to(torch.float64)  # once for every row of a: the kernel works in fp64
+            accumulate_jit.tensor_core_matmul(a.numpy(), b64.numpy(), out.numpy(), params.F, params.neab, zero, *limits)
     return out
 
 
 def _band_limits(band: Optional[Band], no_limit: int) -> tuple[int, int, int]:
-    """(k_lo, k_hi, n_hi) of the compiled ieee kernel; ±no_limit where the band sets none."""
+    """(k_lo, k_hi, n_hi) of the compiled kernels; ±no_limit where the band sets none."""
     band = band or Band()
     return (-no_limit if band.k_lo is None else band.k_lo, no_limit if band.k_hi is None else band.k_hi,
             no_limit if band.n_hi is None else band.n_hi)

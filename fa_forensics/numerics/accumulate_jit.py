@@ -165,56 +165,66 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
             row[min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
 
 
-@numba.njit(types.void(_A, _C, _C, types.int64, types.int64, types.boolean), parallel=True, **_JIT)
-def tensor_core_matmul(a, b, out, F, neab, zero):
+_B64 = types.float64[:, :, ::1]
+
+
+@numba.njit(types.void(_A, _B64, _C, types.int64, types.int64, types.boolean, types.int64, types.int64, types.int64),
+            parallel=True, **_JIT)
+def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
     """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`), becomes the tensor-core model's
-    a (L, M, K) @ b (L, K, N): groups of F products aligned to e_max, truncated, summed exactly,
-    rounded toward zero to fp32 (in place)."""
+    a (L, M, K) @ b (L, K, N) (b in fp64, exact copies of fp32 values): groups of F products aligned
+    to e_max, truncated, summed exactly, rounded toward zero to fp32 (in place).
+
+    Band as in `ieee_matmul`: row i runs the groups that meet [i + k_lo, i + k_hi) (the groups
+    stay aligned to multiples of F; a group of zero products leaves the accumulator as it is:
+    aligned to its own exponent, truncated, summed and rounded, an fp32 value comes back
+    unchanged), and outputs j ≥ i + n_hi are set to 0."""
     L, M, K = a.shape
     N = b.shape[2]
     for r in prange(L * M):
         l, i = r // M, r % M
         row = out[l, i]
-        b64 = np.empty((F, N), np.float64)  # the group's rows of b, in fp64
-        acc = np.empty(N, np.float64)
-        top = np.empty(N, np.float64)  # largest |term| per column
-        scale = np.empty(N, np.float64)  # 2^-q per column
-        inv_scale = np.empty(N, np.float64)  # 2^q
-        total = np.empty(N, np.float64)  # exact sum of the aligned terms
+        g0 = min(max(i + k_lo, 0), K) // F * F
+        g1 = min(max(i + k_hi, g0), K)
+        n_cols = min(max(i + n_hi, 0), N)  # the columns this row computes
+        acc = np.empty(n_cols, np.float64)
+        top = np.empty(n_cols, np.float64)  # largest |term| per column
+        scale = np.empty(n_cols, np.float64)  # 2^-q per column
+        inv_scale = np.empty(n_cols, np.float64)  # 2^q
+        total = np.empty(n_cols, np.float64)  # exact sum of the aligned terms
         total_bits = total.view(np.int64)
-        for j in range(N):
+        for j in range(n_cols):
             acc[j] = 0.0 if zero else row[j]
-        for k0 in range(0, K, F):
+        for k0 in range(g0, g1, F):
             n = min(F, K - k0)
-            for f in range(n):
-                for j in range(N):
-                    b64[f, j] = b[l, k0 + f, j]
-            for j in range(N):
+            for j in range(n_cols):
                 top[j] = abs(acc[j])
             for f in range(n):
                 a_f = np.float64(a[l, i, k0 + f])
-                for j in range(N):
-                    top[j] = max(top[j], abs(a_f * b64[f, j]))
+                b_f = b[l, k0 + f]
+                for j in range(n_cols):
+                    top[j] = max(top[j], abs(a_f * b_f[j]))
             top_bits = top.view(np.int64)
             scale_bits = scale.view(np.int64)
             inv_bits = inv_scale.view(np.int64)
-            for j in range(N):
+            for j in range(n_cols):
                 e_max = max(((top_bits[j] >> 52) & _EXP_MASK) - 1023, -900)  # floor(log2 top); zeros clamp
                 scale_bits[j] = (1023 - (e_max - 23 - neab)) << 52  # 2^-q from its bit pattern
                 inv_bits[j] = (2046 << 52) - scale_bits[j]  # 2^q
-            for j in range(N):
+            for j in range(n_cols):
                 total[j] = 0.0  # +0: an all-zero group sums to +0, as an integer sum does
             for f in range(n):
                 a_f = np.float64(a[l, i, k0 + f])
-                for j in range(N):
-                    total[j] += np.trunc(a_f * b64[f, j] * scale[j])  # exact scaling, truncation toward zero
-            for j in range(N):  # the exact sum, scaled back by 2^q (exact: powers of two, normal range)
+                b_f = b[l, k0 + f]
+                for j in range(n_cols):
+                    total[j] += np.trunc(a_f * b_f[j] * scale[j])  # exact scaling, truncation toward zero
+            for j in range(n_cols):  # the exact sum, scaled back by 2^q (exact: powers of two, normal range)
                 x = (total[j] + np.trunc(acc[j] * scale[j])) * inv_scale[j]
                 acc[j] = x
                 total[j] = x
-            for j in range(N):  # round toward zero to fp32: clear the low 29 fraction bits
+            for j in range(n_cols):  # round toward zero to fp32: clear the low 29 fraction bits
                 total_bits[j] &= _RZ_MASK
-            for j in range(N):  # outside fp32's normal range: ±max on overflow, the subnormal grid 2^-149
+            for j in range(n_cols):  # outside fp32's normal range: ±max on overflow, the subnormal grid 2^-149
                 t = total[j]
                 at = abs(t)
                 if at > _FP32_MAX:
@@ -223,8 +233,9 @@ def tensor_core_matmul(a, b, out, F, neab, zero):
                     acc[j] = np.trunc(acc[j] * 2.0**149) * 2.0**-149
                 else:
                     acc[j] = t
-        for j in range(N):
+        for j in range(n_cols):
             row[j] = acc[j]
+        row[n_cols:] = 0.0
 
 
 _KERNEL_THREADS: list[int] = []  # set by `kernel_threads`: the count the kernels use inside it
