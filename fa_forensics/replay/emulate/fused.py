@@ -150,6 +150,15 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
         n_zeroed = 0
         pb_row = pbar[l, i]
         n_exp = N if visit else n_vis
+        if p_scale == 1.0 and not visit:  # the common case, in loops without branches (they vectorize)
+            for j in range(n_exp):
+                p = exp32(round_ne(np.float32(row[j] - m_use), sub_man, sub_emin, sub_max, sub_sat))
+                row[j] = p
+                pb_row[j] = round_ne(p, p_man, p_emin, p_max, p_sat)
+            for j in range(n_exp):  # a masked key has P̄ = 0 here, so the counts need no mask
+                n_one += np.int64(pb_row[j] == 1.0)
+                n_zeroed += np.int64((row[j] > 0) & (pb_row[j] == 0))
+            n_exp = 0  # done: the general loop below runs over no key
         for j in range(n_exp):
             s = row[j]
             visible = s != neg_inf
@@ -168,7 +177,7 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
             pb_row[j] = pb
             n_one += np.int64(visible & (pb == p_scale))
             n_zeroed += np.int64(visible & (ps > 0) & (pb == 0))
-        for j in range(n_exp, N):
+        for j in range(N if visit else n_vis, N):
             row[j] = 0.0
             pb_row[j] = 0.0
         p_one[l, i] += n_one
@@ -235,6 +244,12 @@ def _backward_probs(buf, mask, has_mask, mask_bool, scale, row_base, causal, s_m
         p_masked = np.float32(0.0) if zero_row else exp32(np.float32(neg_inf - lse_i))
         for j in range(n_vis, N):
             row[j] = p_masked
+        if not has_mask:  # the common case, in a loop without branches (it vectorizes)
+            for j in range(n_vis):
+                x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
+                x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
+                row[j] = exp32(np.float32(x - lse_i))
+            continue
         for j in range(n_vis):
             x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
             x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)

@@ -1,0 +1,96 @@
+"""Bit-identity of two versions of the CPU emulator: replay a fixed corpus, write a digest per output.
+
+Run it under each checkout (PYTHONPATH=CHECKOUT picks the package), then compare the two files:
+
+    PYTHONPATH=/path/to/old python benchmarks/emulator_corpus.py --out old.json
+    python benchmarks/emulator_corpus.py --out new.json
+    python benchmarks/emulator_corpus.py --compare old.json new.json
+
+The corpus: every preset × both accumulation models × causal or not × no mask, a bool mask and an
+additive mask (with rows that see no key) × two shapes (B 1, H 2, T 80, D 16 with tied scores;
+B 2, H 3, T 130, D 32), forward and backward; and GPT-2-size rows (B 1, H 2, T 1024, D 64, causal)
+for three presets × both models, in one pass and in row blocks of 96. Per replay: a sha256 prefix of
+O, lse, δ, dQ, dK, dV and the P̄ statistics. Digests are comparable on one machine (the bits of a
+replay may depend on the host's float64 sum order, see README "Numerics contract").
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import sys
+
+import torch
+
+_FIELDS = ("o", "lse", "delta", "dq", "dk", "dv")
+
+
+def _digest(x) -> str | None:
+    return None if x is None else hashlib.sha256(x.detach().contiguous().float().numpy().tobytes()).hexdigest()[:16]
+
+
+def _inputs(seed: int, B: int, H: int, T: int, D: int, ties: bool):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g) * s for s in (3.0, 3.0, 1.0, 1.0))
+    if ties:
+        q, k = torch.round(q * 2) / 2, torch.round(k * 2) / 2
+    return q, k, v, do
+
+
+def _masks(T: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(1, 1, T, T, generator=g) > 0.3
+    allowed[..., :2, :] = False
+    return {"none": None, "bool": allowed,
+            "add": torch.where(allowed, torch.randn(1, 1, T, T, generator=g), torch.tensor(float("-inf")))}
+
+
+def _record(r, with_stats: bool = True) -> list:
+    row = [_digest(getattr(r, f)) for f in _FIELDS]
+    if with_stats:
+        row += [getattr(r.stats, f).tolist() for f in ("repeated_max_rows", "p_one_count", "stabilized_rows", "p_zeroed")]
+    return row
+
+
+def run_corpus() -> dict:
+    from fa_forensics.replay import ReplayConfig, replay
+    from fa_forensics.replay.config import PRESETS
+    from fa_forensics.replay.emulate.run import StreamPlan, emulate_replay
+
+    out = {}
+    for si, (B, H, T, D, ties) in enumerate([(1, 2, 80, 16, True), (2, 3, 130, 32, False)]):
+        q, k, v, do = _inputs(si, B, H, T, D, ties)
+        masks = _masks(T, si)
+        for name, acc, causal, mk in itertools.product(PRESETS, ("ieee", "tensor-core"), (True, False), masks):
+            cfg = ReplayConfig.preset(name).with_(accumulation=acc)
+            out[f"{si}/{name}/{acc}/{causal}/{mk}"] = _record(replay(q, k, v, cfg, do=do, causal=causal, mask=masks[mk]))
+    q, k, v, do = _inputs(7, 1, 2, 1024, 64, False)
+    for name, acc in itertools.product(("bf16", "bf16-autocast-train", "fp8-s448"), ("ieee", "tensor-core")):
+        cfg = ReplayConfig.preset(name).with_(accumulation=acc)
+        out[f"gpt2/{name}/{acc}"] = _record(replay(q, k, v, cfg, do=do, causal=True))
+        rows = emulate_replay(q, k, v, cfg, do, causal=True, scale=0.125, plan=StreamPlan(heads=1, block_m=96))
+        out[f"gpt2-rows/{name}/{acc}"] = _record(rows, with_stats=False)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the corpus digests here")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two digest files")
+    args = ap.parse_args()
+    if args.compare:
+        a, b = (json.load(open(p)) for p in args.compare)
+        differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        print(f"{len(a)} / {len(b)} replays; {len(differ)} differ" + (": " + ", ".join(differ[:20]) if differ else ""))
+        sys.exit(1 if differ else 0)
+    if not args.out:
+        ap.error("give --out FILE or --compare A B")
+    digests = run_corpus()
+    with open(args.out, "w") as f:
+        json.dump(digests, f, indent=0)
+    print(f"{len(digests)} replays -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
