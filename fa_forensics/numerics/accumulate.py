@@ -354,8 +354,7 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
         if params is None:
             accumulate_jit.ieee_matmul(a.numpy(), b.numpy(), out.numpy(), zero, *limits)
         else:
-            b64 = b.to(torch.float64)  # once for every row of a: the kernel works in fp64
-            accumulate_jit.tensor_core_matmul(a.numpy(), b64.numpy(), out.numpy(), params.F, params.neab, zero, *limits)
+            accumulate_jit.tensor_core_matmul(a.numpy(), b.numpy(), out.numpy(), params.F, params.neab, zero, *limits)
     return out
 
 

@@ -19,15 +19,17 @@ every operand a finite fp32 number, result fp32.
   bits, exponents far inside fp64's range) and the accumulator are aligned to the largest
   exponent e_max among them, truncated to multiples of 2^q, q = e_max − 23 − neab, summed exactly
   (integers below 2^(25 + neab), at most F + 1 of them: exact in fp64), and the sum is rounded
-  toward zero to fp32 (`_rz_fp32`). Columns are vectorized the same way: one pass over the
-  group finds e_max per column, a second sums the truncated terms.
+  toward zero to fp32. The output goes in register tiles (4 rows × 8 columns of fp64 with
+  AVX-512, 2 × 4 otherwise: `register_tiles.tensor_core_tile`), the rest per row with columns
+  vectorized: one pass over the group finds e_max per column, a second sums the truncated terms.
 
 Why numba rather than a torch C++ extension: numba ships manylinux wheels (llvmlite bundles its
 own LLVM), so a fresh machine needs no compiler and no build step at install time; kernels are
 compiled on first use for the host CPU (a few seconds, cached on disk next to this file by
-`cache=True`) and stay Python that a maintainer can read, with two small LLVM intrinsics (one
-fma, one register tile) where the exact instruction matters. A C++ extension would need a compiler and torch headers on every
-machine, a build of about a minute, and a rebuild for every torch ABI.
+`cache=True`) and stay Python that a maintainer can read, with LLVM intrinsics (one fma here,
+the register tiles in `register_tiles`) where the exact instruction matters. A C++ extension
+would need a compiler and torch headers on every machine, a build of about a minute, and a
+rebuild for every torch ABI.
 
 Rows are spread over numba's threads (`prange`); `matmul` sets their number to torch's.
 """
@@ -37,11 +39,11 @@ import contextlib
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
+
+from fa_forensics.numerics.register_tiles import IEEE_COLS, IEEE_ROWS, TC_COLS, TC_ROWS, ieee_tile, tensor_core_tile
 
 _FP32_MAX = float(np.finfo(np.float32).max)
 _FP32_TINY = 2.0**-126  # smallest normal fp32
@@ -67,65 +69,13 @@ _A, _C = types.float32[:, :, :], types.float32[:, :, ::1]  # any strides; C-cont
 
 
 NO_LIMIT = 1 << 62  # a band offset that never limits
-_AVX512 = "+avx512f" in llvm.get_host_cpu_features().flatten()
-_LANES = 16 if _AVX512 else 8  # fp32 lanes of one vector register
-_TILE_ROWS, _TILE_VECTORS = 4, (4 if _AVX512 else 2)  # the register tile: 4 rows × 4 (2) vectors of accumulators
-_TILE_COLS = _TILE_VECTORS * _LANES
-
-
-@intrinsic
-def _tile_fma(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, n_k):
-    """The register tile: C (_TILE_ROWS × _TILE_COLS fp32 at c_addr, rows c_row apart) += A @ B
-    with A (_TILE_ROWS × n_k at a_addr, strides a_row, a_k) and B (n_k × _TILE_COLS at b_addr, rows
-    b_k apart; strides in elements). Each accumulator is a vector register that takes
-    `llvm.fma.v*f32` of the broadcast a[r, k] and the row k of B for k = 0 .. n_k − 1 in order:
-    per element the same sequential fma chain as the scalar loop, held in registers."""
-    sig = types.void(*([types.intp] * 8))
-
-    def codegen(context, builder, signature, args):
-        a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, n_k = args
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        vec = ir.VectorType(f32, _LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{_LANES}f32")
-        a, b, c = (builder.inttoptr(x, f32.as_pointer()) for x in (a_addr, b_addr, c_addr))
-        broadcast = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
-
-        def vector_at(base, offset):
-            return builder.bitcast(builder.gep(base, [offset]), vec.as_pointer())
-
-        slots, homes = [], []
-        for r in range(_TILE_ROWS):
-            for v in range(_TILE_VECTORS):
-                home = vector_at(c, builder.add(builder.mul(c_row, ir.Constant(i64, r)), ir.Constant(i64, v * _LANES)))
-                slot = cgutils.alloca_once(builder, vec)  # promoted to a register by LLVM
-                builder.store(builder.load(home, align=4), slot)
-                slots.append(slot)
-                homes.append(home)
-        with cgutils.for_range(builder, n_k) as loop:
-            b_row = builder.gep(b, [builder.mul(loop.index, b_k)])
-            b_vectors = [builder.load(vector_at(b_row, ir.Constant(i64, v * _LANES)), align=4)
-                         for v in range(_TILE_VECTORS)]
-            a_col = builder.gep(a, [builder.mul(loop.index, a_k)])
-            for r in range(_TILE_ROWS):
-                a_rk = builder.load(builder.gep(a_col, [builder.mul(a_row, ir.Constant(i64, r))]))
-                a_rk = builder.insert_element(ir.Constant(vec, ir.Undefined), a_rk, ir.Constant(ir.IntType(32), 0))
-                a_rk = builder.shuffle_vector(a_rk, ir.Constant(vec, ir.Undefined), broadcast)
-                for v in range(_TILE_VECTORS):
-                    slot = slots[r * _TILE_VECTORS + v]
-                    builder.store(builder.call(fma, [a_rk, b_vectors[v], builder.load(slot)]), slot)
-        for slot, home in zip(slots, homes):
-            builder.store(builder.load(slot), home, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
 
 @numba.njit(types.void(_A, _C, _C, types.boolean, types.int64, types.int64, types.int64), parallel=True, **_JIT)
 def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
     """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`: out is then only
     written), += a (L, M, K) @ b (L, K, N) by sequential fp32 fmas in k order (in place).
 
-    Work goes in tiles of _TILE_ROWS rows × _TILE_COLS columns held in registers (`_tile_fma`),
+    Work goes in tiles of IEEE_ROWS rows × IEEE_COLS columns held in registers (`_tile_fma`),
     the rest of the columns (and rows) by the scalar loop; both are the same fma chain per element.
     Band (the causal structure of attention's products; ±NO_LIMIT: none): row i needs the terms
     k in [i + k_lo, i + k_hi) only, the caller vouching that a[i, k] is zero outside, and outputs
@@ -135,11 +85,11 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
     L, M, K = a.shape
     N = b.shape[2]
     a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
-    tiles = (M + _TILE_ROWS - 1) // _TILE_ROWS
+    tiles = (M + IEEE_ROWS - 1) // IEEE_ROWS
     for t in prange(L * tiles):
         l = t // tiles
-        i0 = (t % tiles) * _TILE_ROWS
-        i1 = min(i0 + _TILE_ROWS, M)
+        i0 = (t % tiles) * IEEE_ROWS
+        i1 = min(i0 + IEEE_ROWS, M)
         k0 = min(max(i0 + k_lo, 0), K)  # the union of the rows' ranges: offsets grow with the row
         k1 = min(max(i1 - 1 + k_hi, k0), K)
         n = min(max(i1 - 1 + n_hi, 0), N)
@@ -149,11 +99,11 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
             if zero:
                 row[:n] = 0.0
         j_tiled = 0  # columns [0, j_tiled) go in register tiles
-        if i1 - i0 == _TILE_ROWS:
-            j_tiled = min(n + _TILE_COLS - 1, N) // _TILE_COLS * _TILE_COLS  # whole tiles, past n where N allows
+        if i1 - i0 == IEEE_ROWS:
+            j_tiled = min(n + IEEE_COLS - 1, N) // IEEE_COLS * IEEE_COLS  # whole tiles, past n where N allows
             a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row + k0 * a_k)
-            for j0 in range(0, j_tiled, _TILE_COLS):
-                _tile_fma(a_addr, a_row, a_k, b.ctypes.data + 4 * ((l * K + k0) * N + j0), N,
+            for j0 in range(0, j_tiled, IEEE_COLS):
+                ieee_tile(a_addr, a_row, a_k, b.ctypes.data + 4 * ((l * K + k0) * N + j0), N,
                           out.ctypes.data + 4 * ((l * M + i0) * N + j0), N, k1 - k0)
         for i in range(i0, i1):
             row = out[l, i]
@@ -165,77 +115,103 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
             row[min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
 
 
-_B64 = types.float64[:, :, ::1]
+@numba.njit(nogil=True, cache=True)
+def _tensor_core_row(a_row, b, row, F, neab, g0, g1, c0, c1):
+    """Columns [c0, c1) of one output row (fp32, holding the accumulator) become the tensor-core
+    model over the groups from g0 (a multiple of F) to g1: a_row (K,) @ b (K, N). Columns are
+    vectorized: one pass over the group finds e_max per column, a second sums the truncated terms."""
+    K = a_row.shape[0]
+    width = max(c1 - c0, 0)
+    acc = np.empty(width, np.float64)
+    top = np.empty(width, np.float64)  # largest |term| per column
+    scale = np.empty(width, np.float64)  # 2^-q per column
+    inv_scale = np.empty(width, np.float64)  # 2^q
+    total = np.empty(width, np.float64)  # exact sum of the aligned terms
+    total_bits = total.view(np.int64)
+    top_bits = top.view(np.int64)
+    scale_bits = scale.view(np.int64)
+    inv_bits = inv_scale.view(np.int64)
+    for j in range(width):
+        acc[j] = row[c0 + j]
+    for k0 in range(g0, g1, F):
+        n = min(F, K - k0)
+        for j in range(width):
+            top[j] = abs(acc[j])
+        for f in range(n):
+            a_f = np.float64(a_row[k0 + f])
+            b_f = b[k0 + f, c0:c1]
+            for j in range(width):
+                top[j] = max(top[j], abs(a_f * np.float64(b_f[j])))
+        for j in range(width):
+            e_max = max(((top_bits[j] >> 52) & _EXP_MASK) - 1023, -900)  # floor(log2 top); zeros clamp
+            scale_bits[j] = (1023 - (e_max - 23 - neab)) << 52  # 2^-q from its bit pattern
+            inv_bits[j] = (2046 << 52) - scale_bits[j]  # 2^q
+        for j in range(width):
+            total[j] = 0.0  # +0: an all-zero group sums to +0, as an integer sum does
+        for f in range(n):
+            a_f = np.float64(a_row[k0 + f])
+            b_f = b[k0 + f, c0:c1]
+            for j in range(width):
+                total[j] += np.trunc(a_f * np.float64(b_f[j]) * scale[j])  # exact scaling, truncation toward zero
+        for j in range(width):  # the exact sum, scaled back by 2^q (exact: powers of two, normal range)
+            x = (total[j] + np.trunc(acc[j] * scale[j])) * inv_scale[j]
+            acc[j] = x
+            total[j] = x
+        for j in range(width):  # round toward zero to fp32: clear the low 29 fraction bits
+            total_bits[j] &= _RZ_MASK
+        for j in range(width):  # outside fp32's normal range: ±max on overflow, the subnormal grid 2^-149
+            t = total[j]
+            at = abs(t)
+            if at > _FP32_MAX:
+                acc[j] = _FP32_MAX if t > 0 else -_FP32_MAX
+            elif at < _FP32_TINY and at > 0:
+                acc[j] = np.trunc(acc[j] * 2.0**149) * 2.0**-149
+            else:
+                acc[j] = t
+    for j in range(width):
+        row[c0 + j] = acc[j]
 
 
-@numba.njit(types.void(_A, _B64, _C, types.int64, types.int64, types.boolean, types.int64, types.int64, types.int64),
+@numba.njit(types.void(_A, _C, _C, types.int64, types.int64, types.boolean, types.int64, types.int64, types.int64),
             parallel=True, **_JIT)
 def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
     """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`), becomes the tensor-core model's
-    a (L, M, K) @ b (L, K, N) (b in fp64, exact copies of fp32 values): groups of F products aligned
-    to e_max, truncated, summed exactly, rounded toward zero to fp32 (in place).
+    a (L, M, K) @ b (L, K, N): groups of F products aligned to e_max, truncated, summed exactly,
+    rounded toward zero to fp32 (in place).
 
-    Band as in `ieee_matmul`: row i runs the groups that meet [i + k_lo, i + k_hi) (the groups
-    stay aligned to multiples of F; a group of zero products leaves the accumulator as it is:
-    aligned to its own exponent, truncated, summed and rounded, an fp32 value comes back
-    unchanged), and outputs j ≥ i + n_hi are set to 0."""
+    Work goes in tiles of TC_ROWS rows × TC_COLS columns held in registers
+    (`register_tiles.tensor_core_tile`), the rest by `_tensor_core_row`; both do the same
+    operations per element. Band as in `ieee_matmul`: a tile runs the groups that meet its rows'
+    [i + k_lo, i + k_hi) (groups stay aligned to multiples of F; a group of zero products leaves
+    the accumulator as it is: aligned to its own exponent, truncated, summed and rounded, an fp32
+    value comes back unchanged), and outputs j ≥ i + n_hi are set to 0."""
     L, M, K = a.shape
     N = b.shape[2]
-    for r in prange(L * M):
-        l, i = r // M, r % M
-        row = out[l, i]
-        g0 = min(max(i + k_lo, 0), K) // F * F
-        g1 = min(max(i + k_hi, g0), K)
-        n_cols = min(max(i + n_hi, 0), N)  # the columns this row computes
-        acc = np.empty(n_cols, np.float64)
-        top = np.empty(n_cols, np.float64)  # largest |term| per column
-        scale = np.empty(n_cols, np.float64)  # 2^-q per column
-        inv_scale = np.empty(n_cols, np.float64)  # 2^q
-        total = np.empty(n_cols, np.float64)  # exact sum of the aligned terms
-        total_bits = total.view(np.int64)
-        for j in range(n_cols):
-            acc[j] = 0.0 if zero else row[j]
-        for k0 in range(g0, g1, F):
-            n = min(F, K - k0)
-            for j in range(n_cols):
-                top[j] = abs(acc[j])
-            for f in range(n):
-                a_f = np.float64(a[l, i, k0 + f])
-                b_f = b[l, k0 + f]
-                for j in range(n_cols):
-                    top[j] = max(top[j], abs(a_f * b_f[j]))
-            top_bits = top.view(np.int64)
-            scale_bits = scale.view(np.int64)
-            inv_bits = inv_scale.view(np.int64)
-            for j in range(n_cols):
-                e_max = max(((top_bits[j] >> 52) & _EXP_MASK) - 1023, -900)  # floor(log2 top); zeros clamp
-                scale_bits[j] = (1023 - (e_max - 23 - neab)) << 52  # 2^-q from its bit pattern
-                inv_bits[j] = (2046 << 52) - scale_bits[j]  # 2^q
-            for j in range(n_cols):
-                total[j] = 0.0  # +0: an all-zero group sums to +0, as an integer sum does
-            for f in range(n):
-                a_f = np.float64(a[l, i, k0 + f])
-                b_f = b[l, k0 + f]
-                for j in range(n_cols):
-                    total[j] += np.trunc(a_f * b_f[j] * scale[j])  # exact scaling, truncation toward zero
-            for j in range(n_cols):  # the exact sum, scaled back by 2^q (exact: powers of two, normal range)
-                x = (total[j] + np.trunc(acc[j] * scale[j])) * inv_scale[j]
-                acc[j] = x
-                total[j] = x
-            for j in range(n_cols):  # round toward zero to fp32: clear the low 29 fraction bits
-                total_bits[j] &= _RZ_MASK
-            for j in range(n_cols):  # outside fp32's normal range: ±max on overflow, the subnormal grid 2^-149
-                t = total[j]
-                at = abs(t)
-                if at > _FP32_MAX:
-                    acc[j] = _FP32_MAX if t > 0 else -_FP32_MAX
-                elif at < _FP32_TINY and at > 0:
-                    acc[j] = np.trunc(acc[j] * 2.0**149) * 2.0**-149
-                else:
-                    acc[j] = t
-        for j in range(n_cols):
-            row[j] = acc[j]
-        row[n_cols:] = 0.0
+    a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
+    tiles = (M + TC_ROWS - 1) // TC_ROWS
+    for t in prange(L * tiles):
+        l = t // tiles
+        i0 = (t % tiles) * TC_ROWS
+        i1 = min(i0 + TC_ROWS, M)
+        g0 = min(max(i0 + k_lo, 0), K) // F * F  # the union of the rows' ranges, in whole groups
+        g1 = min(max(i1 - 1 + k_hi, g0), K)
+        n = min(max(i1 - 1 + n_hi, 0), N)
+        for i in range(i0, i1):
+            row = out[l, i]
+            row[n:] = 0.0
+            if zero:
+                row[:n] = 0.0
+        j_tiled = 0
+        if i1 - i0 == TC_ROWS:
+            j_tiled = min(n + TC_COLS - 1, N) // TC_COLS * TC_COLS
+            a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row)
+            for j0 in range(0, j_tiled, TC_COLS):
+                tensor_core_tile(a_addr, a_row, a_k, b.ctypes.data + 4 * (l * K * N + j0), N,
+                                 out.ctypes.data + 4 * ((l * M + i0) * N + j0), N,
+                                 g0, (g1 - g0 + F - 1) // F, K, F, neab)
+        for i in range(i0, i1):
+            _tensor_core_row(a[l, i], b[l], out[l, i], F, neab, g0, g1, j_tiled, n)
+            out[l, i, min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
 
 
 _KERNEL_THREADS: list[int] = []  # set by `kernel_threads`: the count the kernels use inside it
