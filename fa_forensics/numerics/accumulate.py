@@ -66,12 +66,16 @@ class Band:
     Offsets relative to the output row i (None: no limit): a[i, k] is zero for k outside
     [i + k_lo, i + k_hi) (the caller vouches for it), and outputs [i, j] with j ≥ i + n_hi are not
     wanted: they are returned as 0. Skipping zero terms changes no bit (a zero product is a no-op
-    of the ieee fma chain and of a tensor-core group), so every engine gives the same result; the
-    compiled kernels skip them, the torch kernels compute the whole product and zero the outputs."""
+    of the ieee fma chain and of a tensor-core group, but for the sign of a zero accumulator,
+    which the compiled kernels settle as the full product does), so every engine gives the same
+    result; the compiled kernels skip them, the torch kernels compute the whole product and zero
+    the outputs."""
 
     k_lo: Optional[int] = None
     k_hi: Optional[int] = None
     n_hi: Optional[int] = None
+
+
 ENGINES = ("auto", "torch")
 DEFAULT_ENGINE = "auto"  # the engine of matmul(engine=None); tests set "torch" to replay on the reference kernels
 _CHUNK_BYTES = 8 * 2**20  # target size of the largest temporary of one tile (measured best at 4-16 MiB)
@@ -255,9 +259,8 @@ def matmul(
     fp32 number and the torch kernels elsewhere; "torch" always runs the torch kernels (the
     reference the compiled ones are tested against); None: DEFAULT_ENGINE. Both give the same bits.
     band: the product's causal structure (`Band`): zero terms skipped, unwanted outputs 0.
-    assume_finite: the caller vouches that a, b and acc are finite fp32 numbers (the emulator's
-    bounded intermediates), so the compiled kernels skip the check that routes other values to
-    the torch kernels.
+    assume_finite: the caller vouches that a and b are finite fp32 numbers, so the compiled
+    kernels skip their check (which routes other values to the torch kernels); acc is checked.
     """
     model = normalize_accumulation(accumulation)
     engine = DEFAULT_ENGINE if engine is None else engine
@@ -344,7 +347,7 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
     if zero:
         out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
     else:
-        out = _as_fp32_array(acc3, assume_finite=assume_finite)
+        out = _as_fp32_array(acc3)
         if out is None:
             return None
         if out.data_ptr() == acc3.data_ptr():

@@ -36,6 +36,7 @@ Rows are spread over numba's threads (`prange`); `matmul` sets their number to t
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numba
 import numpy as np
@@ -70,18 +71,34 @@ _A, _C = types.float32[:, :, :], types.float32[:, :, ::1]  # any strides; C-cont
 
 NO_LIMIT = 1 << 62  # a band offset that never limits
 
+@numba.njit(nogil=True, cache=True)
+def _is_negative_zero(x):
+    return x == 0.0 and math.copysign(1.0, x) < 0.0
+
+
+@numba.njit(nogil=True, cache=True)
+def _ieee_chain(a_row, b, j, c, k_start, k_stop):
+    """c after the fmas of the terms k_start .. k_stop − 1 of output column j, in order."""
+    for k in range(k_start, k_stop):
+        c = _fma32(a_row[k], b[k, j], c)
+    return c
+
+
 @numba.njit(types.void(_A, _C, _C, types.boolean, types.int64, types.int64, types.int64), parallel=True, **_JIT)
 def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
     """out (L, M, N) fp32, holding the starting accumulator (zeros if `zero`: out is then only
     written), += a (L, M, K) @ b (L, K, N) by sequential fp32 fmas in k order (in place).
 
-    Work goes in tiles of IEEE_ROWS rows × IEEE_COLS columns held in registers (`_tile_fma`),
-    the rest of the columns (and rows) by the scalar loop; both are the same fma chain per element.
+    Work goes in tiles of IEEE_ROWS rows × IEEE_COLS columns held in registers
+    (`register_tiles.ieee_tile`), the rest of the columns (and rows) by the scalar loop; both are
+    the same fma chain per element.
     Band (the causal structure of attention's products; ±NO_LIMIT: none): row i needs the terms
     k in [i + k_lo, i + k_hi) only, the caller vouching that a[i, k] is zero outside, and outputs
-    j ≥ i + n_hi are not wanted: they are set to 0. A tile takes the union of its rows' ranges:
-    an extra term is a zero term, a no-op of the fma chain (fma(0, b, c) = c for finite b and
-    c ≠ −0; chains start at +0 or at a caller's accumulator)."""
+    j ≥ i + n_hi are not wanted: they are set to 0. A tile runs the union of its rows' ranges.
+    A zero term is a no-op of the fma chain (fma(±0, b, c) = c for finite b), except on a zero
+    accumulator: −0 + +0 = +0. So a chain that is −0 where skipped terms begin, at the start
+    (a caller's accumulator) or at the end (a tiny negative product rounded to −0), takes them
+    after all: rare, and exactly the full product's bits."""
     L, M, K = a.shape
     N = b.shape[2]
     a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
@@ -93,6 +110,17 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
         k0 = min(max(i0 + k_lo, 0), K)  # the union of the rows' ranges: offsets grow with the row
         k1 = min(max(i1 - 1 + k_hi, k0), K)
         n = min(max(i1 - 1 + n_hi, 0), N)
+        negative_start = np.zeros((0, 0), np.bool_)  # (rows, n): starts of −0 that skip leading terms
+        if k0 > 0 and not zero:
+            found = False
+            for i in range(i0, i1):
+                for j in range(n):
+                    found |= _is_negative_zero(out[l, i, j])
+            if found:
+                negative_start = np.zeros((i1 - i0, n), np.bool_)
+                for i in range(i0, i1):
+                    for j in range(n):
+                        negative_start[i - i0, j] = _is_negative_zero(out[l, i, j])
         for i in range(i0, i1):
             row = out[l, i]
             row[n:] = 0.0
@@ -112,7 +140,15 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
                 b_k = b[l, k]
                 for j in range(j_tiled, n):
                     row[j] = _fma32(a_ik, b_k[j], row[j])
-            row[min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
+            n_i = min(max(i + n_hi, 0), N)
+            row[n_i:] = 0.0  # this row's unwanted outputs (a tile computes past them)
+            for j in range(negative_start.shape[1]):  # a −0 start: the whole chain
+                if negative_start[i - i0, j] and j < n_i:
+                    row[j] = _ieee_chain(a[l, i], b[l], j, np.float32(-0.0), 0, K)
+            if k1 < K:
+                for j in range(n_i):  # a chain ending at −0: the terms after it too
+                    if _is_negative_zero(row[j]):
+                        row[j] = _ieee_chain(a[l, i], b[l], j, row[j], k1, K)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -182,9 +218,10 @@ def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
     Work goes in tiles of TC_ROWS rows × TC_COLS columns held in registers
     (`register_tiles.tensor_core_tile`), the rest by `_tensor_core_row`; both do the same
     operations per element. Band as in `ieee_matmul`: a tile runs the groups that meet its rows'
-    [i + k_lo, i + k_hi) (groups stay aligned to multiples of F; a group of zero products leaves
-    the accumulator as it is: aligned to its own exponent, truncated, summed and rounded, an fp32
-    value comes back unchanged), and outputs j ≥ i + n_hi are set to 0."""
+    [i + k_lo, i + k_hi) (groups stay aligned to multiples of F), and outputs j ≥ i + n_hi are set
+    to 0. A group of zero products leaves a nonzero accumulator as it is (aligned to its own
+    exponent, truncated, summed and rounded, an fp32 value comes back unchanged) and turns ±0 into
+    +0, which is what the skipped groups do here."""
     L, M, K = a.shape
     N = b.shape[2]
     a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
@@ -195,12 +232,17 @@ def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
         i1 = min(i0 + TC_ROWS, M)
         g0 = min(max(i0 + k_lo, 0), K) // F * F  # the union of the rows' ranges, in whole groups
         g1 = min(max(i1 - 1 + k_hi, g0), K)
+        g_stop = min(g0 + (g1 - g0 + F - 1) // F * F, K)  # where the last group run ends
         n = min(max(i1 - 1 + n_hi, 0), N)
         for i in range(i0, i1):
             row = out[l, i]
             row[n:] = 0.0
             if zero:
                 row[:n] = 0.0
+            elif g0 > 0:  # a skipped group of zero products turns −0 into +0 (its sum is +0)
+                for j in range(n):
+                    if row[j] == 0.0:
+                        row[j] = 0.0
         j_tiled = 0
         if i1 - i0 == TC_ROWS:
             j_tiled = min(n + TC_COLS - 1, N) // TC_COLS * TC_COLS
@@ -210,8 +252,13 @@ def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
                                  out.ctypes.data + 4 * ((l * M + i0) * N + j0), N,
                                  g0, (g1 - g0 + F - 1) // F, K, F, neab)
         for i in range(i0, i1):
-            _tensor_core_row(a[l, i], b[l], out[l, i], F, neab, g0, g1, j_tiled, n)
-            out[l, i, min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
+            row = out[l, i]
+            _tensor_core_row(a[l, i], b[l], row, F, neab, g0, g1, j_tiled, n)
+            row[min(max(i + n_hi, 0), N):] = 0.0  # this row's unwanted outputs (a tile computes past them)
+            if g_stop < K:  # skipped groups after the last: −0 becomes +0 there too
+                for j in range(n):
+                    if row[j] == 0.0:
+                        row[j] = 0.0
 
 
 _KERNEL_THREADS: list[int] = []  # set by `kernel_threads`: the count the kernels use inside it
@@ -247,9 +294,15 @@ def kernel_threads(n: int):
 
 @numba.njit(types.boolean(types.float32[:]), **_JIT)
 def all_finite(x):
-    """True when no value of the fp32 vector x is ±inf or NaN."""
-    ok = True
-    for i in range(x.shape[0]):
-        ok &= abs(x[i]) <= _FP32_MAX  # False for NaN too
-    return ok
+    """True when no value of the fp32 vector x is ±inf or NaN (exponent bits all ones), in blocks
+    whose integer test vectorizes."""
+    bits = x.view(np.int32)
+    exponent = np.int32(0x7F800000)
+    for start in range(0, bits.shape[0], 4096):
+        special = 0
+        for i in range(start, min(start + 4096, bits.shape[0])):
+            special |= np.int32((bits[i] & exponent) == exponent)
+        if special:
+            return False
+    return True
 

@@ -16,6 +16,8 @@ in elements; the caller keeps every access inside its arrays.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -23,7 +25,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-AVX512 = "+avx512f" in llvm.get_host_cpu_features().flatten()
+# FA_FORENSICS_AVX2_TILES=1 takes the AVX2 shapes on an AVX-512 host (how the tests cover them;
+# give such a process its own NUMBA_CACHE_DIR, or it loads kernels cached with the other shapes)
+AVX512 = "+avx512f" in llvm.get_host_cpu_features().flatten() and os.environ.get("FA_FORENSICS_AVX2_TILES") != "1"
 
 FP32_LANES = 16 if AVX512 else 8
 IEEE_ROWS, IEEE_VECTORS = 4, (4 if AVX512 else 2)  # ieee tile: 4 rows × 4 (2) fp32 vectors

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fa_forensics.numerics import matmul, round_to, tensor_core_params
-from fa_forensics.numerics import accumulate
+from fa_forensics.numerics import accumulate, register_tiles
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,9 @@ def _values(kind: str, shape, fmt: str, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["normal", "wide", "tiny", "zeros", "cancel"])
 def test_compiled_kernels_equal_the_torch_kernels(gpu, fmt, kind):
     g = torch.Generator().manual_seed(zlib.crc32(repr((gpu, fmt, kind)).encode()))
-    for (L, M, K, N), with_acc in (((2, 5, 70, 9), False), ((1, 3, 33, 4), True), ((3, 1, 64, 1), True)):
+    shapes = (((2, 5, 70, 9), False), ((1, 3, 33, 4), True), ((3, 1, 64, 1), True),
+              ((1, 9, 40, 2 * register_tiles.IEEE_COLS + 5), True))  # register tiles, leftover rows and columns
+    for (L, M, K, N), with_acc in shapes:
         a = _values(kind, (L, M, K), fmt, g)
         b = _values("normal" if kind != "tiny" else "tiny", (L, K, N), fmt, g)
         acc = _values(kind, (L, M, N), "fp32", g) if with_acc else None
@@ -115,7 +117,7 @@ def test_a_band_skips_zero_terms_and_zeroes_unwanted_outputs_without_changing_a_
     rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
     acc = _values("normal", (L, M, N), "fp32", g)
     for band in (accumulate.Band(k_hi=5), accumulate.Band(k_lo=-8), accumulate.Band(k_lo=-3, k_hi=4)):
-        inside = (cols >= rows + (band.k_lo if band.k_lo is not None else -K)) & (cols < rows + (band.k_hi or K))
+        inside = (cols >= rows + (-K if band.k_lo is None else band.k_lo)) & (cols < rows + (K if band.k_hi is None else band.k_hi))
         a = torch.where(inside, _values("normal", (L, M, K), "bf16", g), torch.zeros(()))
         for strided in (False, True):
             a_in = a.transpose(-1, -2).contiguous().transpose(-1, -2) if strided else a
@@ -132,3 +134,78 @@ def test_a_band_skips_zero_terms_and_zeroes_unwanted_outputs_without_changing_a_
     for engine in ("auto", "torch"):
         got = matmul(a, b, model, engine=engine, band=accumulate.Band(n_hi=3), assume_finite=True)
         assert torch.equal(_bits(got), _bits(torch.where(wanted, whole, torch.zeros(())))), engine
+
+
+@pytest.mark.parametrize("model", ["ieee", "tensor-core"])
+def test_a_band_keeps_the_full_products_sign_of_zero(model):
+    """Where a chain is −0 as skipped terms begin (a caller's −0 start before skipped leading
+    terms, a tiny negative product rounded to −0 before skipped trailing ones), the full product
+    turns it into +0 or keeps it, by the signs of the zero terms; a band must give those bits."""
+    g = torch.Generator().manual_seed(13)
+    L, M, K, N = 2, 9, 40, 2 * register_tiles.IEEE_COLS + 5
+    tiny = torch.tensor(2.0**-80)
+
+    def signed(shape, choices):
+        return torch.tensor(choices)[torch.randint(len(choices), shape, generator=g)]
+
+    rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
+    for band in (accumulate.Band(k_hi=3), accumulate.Band(k_lo=-2, k_hi=2), accumulate.Band(k_lo=-1, k_hi=20)):
+        inside = (cols >= rows + (-K if band.k_lo is None else band.k_lo)) & (cols < rows + (K if band.k_hi is None else band.k_hi))
+        a = torch.where(inside, signed((L, M, K), (1.0, -1.0, 0.0)) * tiny, signed((L, M, K), (0.0, -0.0)))
+        b = signed((L, K, N), (2.0**-80, -2.0**-80, 0.0, -0.0, 1.0, -1.0))  # tiny products underflow to ±0
+        for start in (None, signed((L, M, N), (0.0, -0.0))):
+            whole = matmul(a, b, model, acc=start, engine="torch")
+            got = matmul(a, b, model, acc=start, band=band)
+            assert torch.equal(_bits(got), _bits(whole)), (model, band, start is None)
+            in_band_only = torch.cat([matmul(a[:, i:i + 1, ks], b[:, ks], model, engine="torch",
+                                             acc=None if start is None else start[:, i:i + 1])
+                                      for i in range(M) for ks in [slice(max(0, i + (band.k_lo or -K)), i + (band.k_hi or K))]], dim=1)
+            flipped = (in_band_only == 0) & torch.signbit(in_band_only) & ~torch.signbit(whole)
+            if model == "ieee":  # (the tensor-core model's groups differ in a slice: no such reference)
+                assert bool(flipped.any()), "no −0 that the skipped terms turn into +0"
+
+
+@pytest.mark.parametrize("model", ["ieee", "tensor-core"])
+def test_a_band_turns_a_negative_zero_start_into_plus_zero_as_skipped_leading_terms_do(model):
+    """A −0 accumulator meets +0 products before the band's first term: the full product is +0
+    from there on (ieee: −0 + +0 = +0; tensor-core: a group of zero products sums to +0)."""
+    L, M, K, N = 1, 5, 48, 2 * register_tiles.IEEE_COLS + 5  # K: whole groups of 16
+    b = torch.ones(L, K, N)
+    start = torch.full((L, M, N), -0.0)
+    rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
+    for k_lo in (20, K):  # the band's terms are −0 products, or there are none
+        a = torch.where(cols >= rows + k_lo, -0.0, 0.0).expand(L, M, K).contiguous()
+        whole = matmul(a, b, model, acc=start, engine="torch")
+        assert not bool(torch.signbit(whole).any())
+        got = matmul(a, b, model, acc=start, band=accumulate.Band(k_lo=k_lo))
+        assert torch.equal(_bits(got), _bits(whole)), (model, k_lo)
+
+
+def test_the_avx2_register_tiles_equal_the_torch_kernels(tmp_path):
+    """The tile shapes of an AVX2 host, run here in a process of their own."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from fa_forensics.numerics import matmul, round_to, register_tiles
+from fa_forensics.numerics.accumulate import Band
+assert not register_tiles.AVX512 and register_tiles.IEEE_COLS == 16 and register_tiles.TC_ROWS == 2
+g = torch.Generator().manual_seed(5)
+for L, M, K, N in ((2, 7, 45, 37), (1, 16, 70, 33)):
+    a = round_to(torch.randn(L, M, K, generator=g) * torch.exp2(torch.randint(-60, 20, (L, M, K), generator=g).float()), "bf16")
+    b = round_to(torch.randn(L, K, N, generator=g), "bf16")
+    acc = torch.randn(L, M, N, generator=g)
+    for model in ("ieee", "tensor-core"):
+        for start, band in ((None, None), (acc, None), (acc, Band(n_hi=5))):
+            got = matmul(a, b, model, acc=start, band=band)
+            want = matmul(a, b, model, acc=start, band=band, engine="torch")
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (model, L, M, K, N, band)
+        t = a.transpose(-1, -2).contiguous().transpose(-1, -2)  # a strided view
+        assert torch.equal(matmul(t, b, model).view(torch.int32), matmul(t, b, model, engine="torch").view(torch.int32))
+print("ok")
+"""
+    env = {**os.environ, "FA_FORENSICS_AVX2_TILES": "1", "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

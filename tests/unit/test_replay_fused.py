@@ -115,8 +115,9 @@ _KNOBS = [
 ]
 
 
-@pytest.mark.parametrize("knobs", _KNOBS, ids=lambda kn: ",".join(f"{k}={v}" for k, v in kn.items()))
-def test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties(knobs):
+@pytest.mark.parametrize("knob_index", range(len(_KNOBS)), ids=[",".join(f"{k}={v}" for k, v in kn.items()) for kn in _KNOBS])
+def test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties(knob_index):
+    knobs = _KNOBS[knob_index]
     g = torch.Generator().manual_seed(7)
     T = 64
     allowed = torch.rand(1, 1, T, T, generator=g) > 0.3
@@ -127,7 +128,7 @@ def test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties(kn
     for ties in (False, True):
         q, k, v, do = _inputs(3, T=T, ties=ties)
         for i, mask in enumerate(masks):
-            causal = i % 2 == 0
+            causal = (i + knob_index) % 2 == 0  # every mask with and without causal, across the knobs
             _assert_identical(*_replay_both(cfg, q, k, v, do, causal, mask), (knobs, ties, i))
 
 
@@ -138,22 +139,32 @@ def test_fused_stages_skip_unseen_keys_in_one_kv_block_and_in_row_blocks(acc):
     from fa_forensics.replay.emulate.run import StreamPlan, emulate_replay
 
     q, k, v, do = _inputs(11, T=100, H=3, ties=True)
-    for delta in ("o-lowp", "dp-p"):
-        cfg = ReplayConfig.preset("bf16").with_(accumulation=acc, delta=delta)
+    g = torch.Generator().manual_seed(12)
+    allowed = torch.rand(1, 1, 100, 100, generator=g) > 0.3
+    masks = [None, allowed, torch.where(allowed, torch.randn(1, 1, 100, 100, generator=g), torch.tensor(float("-inf")))]
+    cases = [("bf16", "o-lowp", masks[0]), ("bf16", "dp-p", masks[1]), ("fp8-s448", "o-lowp", masks[2]),
+             ("bf16-autocast-train", "o-lowp", masks[1])]
+    for name, delta, mask in cases:
+        cfg = ReplayConfig.preset(name).with_(accumulation=acc, delta=delta)
         for plan in (StreamPlan(heads=3, block_m=None), StreamPlan(heads=2, block_m=32)):
             runs = []
             for enabled in (True, False):
                 fused.ENABLED = enabled
                 try:
-                    runs.append(emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=plan))
+                    runs.append(emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=plan, mask=mask))
                 finally:
                     fused.ENABLED = True
-            _assert_identical(*runs, (delta, plan))
+            _assert_identical(*runs, (name, delta, plan))
 
 
 def test_the_torch_path_runs_where_the_compiled_stages_do_not_apply():
     q, k, v, do = _inputs(5)
     scale = q.shape[-1] ** -0.5
+    for bad in (float("inf"), float("nan")):  # where the torch path's −inf + inf is NaN
+        mask = torch.zeros(1, 1, q.shape[2], q.shape[2])
+        mask[..., 0, 5] = bad
+        assert not fused.eligible(ReplayConfig(), q, k, v, do, scale=scale, mask=mask)
+    assert fused.eligible(ReplayConfig(), q, k, v, do, scale=scale, mask=torch.full((1, 1, 80, 80), float("-inf")))
     assert not fused.eligible(ReplayConfig.preset("stochastic"), q, k, v, do, scale=scale)
     huge = q.clone()
     huge[0, 0, 0, 0] = 3e38

@@ -81,7 +81,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     elif block_m is not None and block_m % _MAX_GROUP:
         raise ValueError(f"block_m={block_m} must be a multiple of {_MAX_GROUP} (the tensor-core groups)")
     alpha = torch.tensor(scale, dtype=torch.float32)
-    use_fused = fused.eligible(config, q, k, v, do, scale=scale)
+    use_fused = fused.eligible(config, q, k, v, do, scale=scale, mask=mask)
     S_t = torch.tensor(float(config.p_scale), dtype=torch.float32)
     qk_fmt = wider(config.ds_dtype, x_fmt)
     delta = torch.empty(lse.shape)  # (B, H, T)
@@ -93,13 +93,16 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         rows = slice(i0, i1)
         mask_r = None if mask is None else mask.expand(*q.shape[:3], k.shape[-2])[..., rows, :]
         do_r = do[..., rows, :]  # (B, H, R, D)
-        sees = i0 + 1 if causal else None  # row i sees keys j < i + sees; P, dS are 0 beyond
+        sees = i0 + 1 if causal else None  # row i sees keys j < i + sees; P, P̄ and dS are ±0 beyond
         if use_fused:  # steps 1 and 4 compiled (and 3 for dp-p): the same operations, one pass per row
-            S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees))  # (B, H, R, T)
+            S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees),
+                   finite_operands=True)  # (B, H, R, T) raw q kᵀ, 0 for unseen keys
             P = fused.backward_probs(S, lse[..., rows], mask_r, config, scale=scale, row0=i0, causal=causal)
             delta_r = None if config.delta is DeltaSource.DP_P else _delta(P, do_r, v, o_for_delta, rows, config, None)
-            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees))  # (B, H, R, T)
-            dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale, sees=sees)
+            # dP in full: the sign of a zero dS (P · (dP − δ) with P = +0) is dP's, and the chains of
+            # dQ and dK read it where they end at ±0
+            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, finite_operands=True)  # (B, H, R, T)
+            dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale)
         else:
             s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
             P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
@@ -121,7 +124,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
             key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None  # dK, dV row j: rows ≥ j − i0
             dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band)
             dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk, band=key_band)
-            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band)
+            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band, finite_operands=use_fused)
     if dk is None:  # no query rows
         dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
     if not config.ds_alpha:

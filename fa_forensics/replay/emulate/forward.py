@@ -157,7 +157,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     fired_any = torch.zeros((B, H, T), dtype=torch.bool)
 
     fused_block = None
-    if scores is None and observe is None and fused.eligible(config, q, k, v, scale=scale):
+    if scores is None and observe is None and fused.eligible(config, q, k, v, scale=scale, mask=mask):
         fused_block = fused.ForwardBlock(config, scale, mask_value, m.shape)
     for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
         r0 = max(j0 - row0, 0) if causal and not visit else 0  # rows before j0 see nothing of this block
@@ -167,7 +167,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         if fused_block is not None:  # steps 1-7 compiled: the same operations, one pass per row
             sees = row0 + r0 - j0 + 1 if causal and not visit else None  # row i sees keys j < i + sees
             S = mm(q[..., r0:, :], k[..., j0:j1, :].transpose(-1, -2), config.accumulation, config.gpu,
-                   config.input_dtype, band=Band(n_hi=sees))
+                   config.input_dtype, band=Band(n_hi=sees), finite_operands=True)
             p, p_bar, alpha = fused_block.run(S, mask_block, row0=row0, j0=j0, causal=causal, m=m, r0=r0,
                                               tracker_max=tracker.max, tracker_count=tracker.count, fired=fired_any)
             row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
@@ -210,12 +210,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
                 observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
         acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
         v_j = v[..., j0:j1, :]
-        pv_band = None if fused_block is None else Band(k_hi=sees)  # P̄ of a key the row cannot see is 0
+        compiled = fused_block is not None
+        pv_band = Band(k_hi=sees) if compiled else None  # P̄ of a key the row cannot see is 0
         if config.pv_dtype is Precision.FP32:
-            acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled, band=pv_band)
+            acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled, band=pv_band,
+                                  finite_operands=compiled)
         else:
-            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band), config.pv_dtype,
-                      config.rounding, generator)
+            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band, finite_operands=compiled),
+                      config.pv_dtype, config.rounding, generator)
             acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
         if fused_block is None:
             m[..., r0:] = m_new

@@ -34,10 +34,14 @@ _STANDARD, _STABILIZED, _FIXED = 0, 1, 2
 _SOFTMAX_CODE = {Softmax.STANDARD: _STANDARD, Softmax.STABILIZED: _STABILIZED, Softmax.FIXED_OFFSET: _FIXED}
 
 
-def eligible(config: ReplayConfig, *tensors: torch.Tensor, scale: float) -> bool:
-    """True when the compiled stages apply: nearest-even rounding and finite inputs whose products
-    (q kᵀ · α, dO Vᵀ) stay far inside fp32's range. tensors: q, k (and v, dO), fp32."""
+def eligible(config: ReplayConfig, *tensors: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None) -> bool:
+    """True when the compiled stages apply: nearest-even rounding, finite inputs whose products
+    (q kᵀ · α, dO Vᵀ) stay far inside fp32's range, and no NaN or +inf in an additive mask (where
+    the torch path's −inf + inf gives NaN, the compiled stages skip a causally masked key).
+    tensors: q, k (and v, dO), fp32."""
     if not ENABLED or config.rounding is not Rounding.NEAREST_EVEN:
+        return False
+    if mask is not None and mask.is_floating_point() and bool((torch.isnan(mask) | (mask == math.inf)).any()):
         return False
     tops = []
     for t in tensors:
@@ -244,48 +248,41 @@ def _backward_probs(buf, mask, has_mask, mask_bool, scale, row_base, causal, s_m
         p_masked = np.float32(0.0) if zero_row else exp32(np.float32(neg_inf - lse_i))
         for j in range(n_vis, N):
             row[j] = p_masked
-        if not has_mask:  # the common case, in a loop without branches (it vectorizes)
-            for j in range(n_vis):
-                x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
-                x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
-                row[j] = exp32(np.float32(x - lse_i))
-            continue
-        for j in range(n_vis):
+        for j in range(n_vis):  # without a mask a loop without branches (it vectorizes)
             x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
-            x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
-            if has_mask:
+            row[j] = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
+        if has_mask:
+            for j in range(n_vis):
                 if mask_bool:
                     if mask[l, i, j] == 0:
-                        x = neg_inf
+                        row[j] = neg_inf
                 else:
-                    x = round_ne(np.float32(x + mask[l, i, j]), s_man, s_emin, s_max, s_sat)
-            p = exp32(np.float32(x - lse_i))
+                    row[j] = round_ne(np.float32(row[j] + mask[l, i, j]), s_man, s_emin, s_max, s_sat)
+        for j in range(n_vis):
+            p = exp32(np.float32(row[j] - lse_i))
             row[j] = np.float32(0.0) if zero_row else p
 
 
 @numba.njit(**_JIT)
 def _backward_ds(P, buf, delta, compute_delta, dp_man, dp_emin, dp_max, dp_sat, ds_man, ds_emin, ds_max, ds_sat,
-                 ds_alpha, alpha, p_scale, p_man, p_emin, p_max, p_sat, sees):
+                 ds_alpha, alpha, p_scale, p_man, p_emin, p_max, p_sat):
     """buf (L, R, N): raw dO Vᵀ, overwritten with dS; P (L, R, N) overwritten with P̄ (its cast for
-    dV); delta (L, R): δ, computed here as rowsum(dP ∘ P) by fmas in key order if compute_delta.
-    Row i stops at key i + sees: beyond, P is 0 and dO Vᵀ was not formed (0), and both are left
-    as they are: P̄ = 0 there, and dS = 0, a zero term like the ±0 the full formula gives."""
+    dV); delta (L, R): δ, computed here as rowsum(dP ∘ P) by fmas in key order if compute_delta."""
     L, R, N = buf.shape
     for r in prange(L * R):
         l = r // R
         i = r % R
         row = buf[l, i]
         p_row = P[l, i]
-        n = min(max(i + sees, 0), N)
-        for j in range(n):
+        for j in range(N):
             row[j] = round_ne(row[j], dp_man, dp_emin, dp_max, dp_sat)
         if compute_delta:
             acc = np.float32(0.0)
-            for j in range(n):
+            for j in range(N):
                 acc = _fma(row[j], p_row[j], acc)
             delta[l, i] = acc
         d = delta[l, i]
-        for j in range(n):
+        for j in range(N):
             p = p_row[j]
             p_ds = np.float32(p * alpha) if ds_alpha else p
             row[j] = round_ne(np.float32(p_ds * np.float32(row[j] - d)), ds_man, ds_emin, ds_max, ds_sat)
@@ -312,16 +309,14 @@ def backward_probs(S: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tens
 
 
 def backward_ds(P: torch.Tensor, dP_raw: torch.Tensor, delta: Optional[torch.Tensor], config: ReplayConfig, *,
-                scale: float, sees: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dS, P̄ cast, δ (B, H, R)) from P and the raw dO Vᵀ (both overwritten); δ computed as
-    rowsum(dP ∘ P) when delta is None (config.delta dp-p). sees (causal): row i sees keys
-    j < i + sees, where dO Vᵀ was formed; dS and P̄ are 0 beyond (None: every key)."""
+    rowsum(dP ∘ P) when delta is None (config.delta dp-p)."""
     B, H, R, N = P.shape
     L = B * H
     buf, p = dP_raw.reshape(L, R, N), P.reshape(L, R, N)
     compute = delta is None
     d = torch.empty(L, R) if compute else delta.reshape(L, R).contiguous().clone()
     _backward_ds(_np(p), _np(buf), _np(d), compute, *_fmt(config.dp_dtype), *_fmt(config.ds_dtype),
-                 config.ds_alpha, np.float32(scale), np.float32(config.p_scale), *_fmt(config.p_dtype),
-                 N if sees is None else sees)
+                 config.ds_alpha, np.float32(scale), np.float32(config.p_scale), *_fmt(config.p_dtype))
     return buf.view(B, H, R, N), p.view(B, H, R, N), d.view(B, H, R)

@@ -54,17 +54,20 @@ def mm(
     in_format: Precision,
     acc: Optional[torch.Tensor] = None,
     band: Optional[Band] = None,
+    finite_operands: bool = False,
 ) -> torch.Tensor:
     """fp32 product a @ b ((..., M, K) @ (..., K, N) -> (..., M, N)) under the accumulation model.
 
     acc (..., M, N), if given, is the starting accumulator (the C operand of an MMA): the
     products are added into it in the model's order, as `tl.dot(p, v, acc)` does.
-    band: the causal structure of the product (`numerics.accumulate.Band`), given only on the
-    compiled path, whose operands are finite by construction (`fused.eligible`): zero terms are
-    skipped, unwanted outputs are 0, the finiteness check is skipped; the same bits.
+    band: the causal structure of the product (`numerics.accumulate.Band`): zero terms skipped,
+    unwanted outputs 0; the same bits.
+    finite_operands: a and b are finite by construction (replay inputs that `fused.eligible`
+    checked, P̄ ≤ its scale S), so the compiled kernels skip their finiteness check; values a
+    low-precision cast can overflow (dS, the rescaled accumulator) are always checked.
     """
     return matmul(a, b, accumulation=accumulation.value, gpu=gpu.value, in_format=in_format.value, acc=acc,
-                  band=band, assume_finite=band is not None)
+                  band=band, assume_finite=finite_operands)
 
 
 def finfo_max(fmt: Precision) -> float:
