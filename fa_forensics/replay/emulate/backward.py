@@ -122,8 +122,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         else:  # with the compiled stages: dS and P̄ are 0 for the keys a row cannot see, those terms skipped
             row_band = Band(k_hi=sees) if use_fused else None  # dQ row i: keys k < i + sees
             key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None  # dK, dV row j: rows ≥ j − i0
-            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band)
-            dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk, band=key_band)
+            ds_finite = use_fused and config.ds_dtype in _FP32_RANGE  # |dS| ≤ |dP − δ| < 2^101 (`fused.eligible`)
+            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band, finite_operands=ds_finite)
+            dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk, band=key_band,
+                    finite_operands=ds_finite)
             dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band, finite_operands=use_fused)
     if dk is None:  # no query rows
         dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
@@ -151,6 +153,7 @@ def _delta(P: torch.Tensor, do_r: torch.Tensor, v: torch.Tensor, o_for_delta: to
 
 
 _MAX_GROUP = 32  # the largest tensor-core group F (fp8 on H100)
+_FP32_RANGE = (Precision.FP32, Precision.BF16)  # formats that cannot overflow on values below 2^127
 
 
 def _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config: ReplayConfig, i0: int, i1: int, *,
