@@ -11,10 +11,10 @@ every operand a finite fp32 number, result fp32.
   (4 rows × 64 columns with AVX-512, × 16 otherwise): each accumulator is a vector register that
   takes the vector fma (`llvm.fma.v16f32`, lane by lane the same fma) of a broadcast a[i, k] and
   a row segment of b for k in order, so every element still sees its products in k order while
-  the loads per fma drop to about a quarter; the tile is written in LLVM IR (`_tile_fma`)
-  because numba's loop vectorizer keeps accumulators in memory. Leftover columns and rows take
-  the scalar loop (k outer, columns inner). Attention's causal structure can be passed as a band
-  (zero terms skipped, unwanted outputs 0).
+  the loads per fma drop to about a quarter; the tile is written in LLVM IR
+  (`register_tiles.ieee_tile`) because numba's loop vectorizer keeps accumulators in memory.
+  Leftover columns and rows take the scalar loop (k outer, columns inner). Attention's causal
+  structure can be passed as a band (zero terms skipped, unwanted outputs 0).
 - tensor-core: per group of F consecutive k the F products (exact in fp64: 24 × 24 significant
   bits, exponents far inside fp64's range) and the accumulator are aligned to the largest
   exponent e_max among them, truncated to multiples of 2^q, q = e_max − 23 − neab, summed exactly
