@@ -157,6 +157,18 @@ def test_fused_stages_skip_unseen_keys_in_one_kv_block_and_in_row_blocks(acc):
             _assert_identical(*runs, (name, delta, plan))
 
 
+@pytest.mark.parametrize("acc", ["ieee", "tensor-core"])
+def test_a_shift_below_the_row_maximum_that_overflows_p_bar_gives_the_torch_paths_bits(acc):
+    """A fixed offset below 0 shifts by less than the maximum: exp overflows to inf on large scores,
+    and the products that take such a P̄ must not skip their finiteness check."""
+    q, k, v, do = _inputs(17, T=48)
+    cfg = ReplayConfig.preset("bf16").with_(softmax="fixed-offset", offset=-100.0, accumulation=acc)
+    assert not fused.p_bar_bounded(cfg)
+    fast, ref = _replay_both(cfg, q, k, v, do, True)
+    assert bool(torch.isnan(ref.o).any() | torch.isinf(ref.o).any())
+    _assert_identical(fast, ref, acc)
+
+
 def test_the_torch_path_runs_where_the_compiled_stages_do_not_apply():
     q, k, v, do = _inputs(5)
     scale = q.shape[-1] ** -0.5

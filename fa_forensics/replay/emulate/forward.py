@@ -212,11 +212,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         v_j = v[..., j0:j1, :]
         compiled = fused_block is not None
         pv_band = Band(k_hi=sees) if compiled else None  # P̄ of a key the row cannot see is 0
+        finite = compiled and fused.p_bar_bounded(config)
         if config.pv_dtype is Precision.FP32:
             acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled, band=pv_band,
-                                  finite_operands=compiled)
+                                  finite_operands=finite)
         else:
-            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band, finite_operands=compiled),
+            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band, finite_operands=finite),
                       config.pv_dtype, config.rounding, generator)
             acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
         if fused_block is None:

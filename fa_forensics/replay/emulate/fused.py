@@ -56,6 +56,15 @@ def eligible(config: ReplayConfig, *tensors: torch.Tensor, scale: float, mask: O
     return all(bound * tops[0] * t < _SAFE for t in tops[1:]) and bound * max(tops) ** 2 < _SAFE
 
 
+def p_bar_bounded(config: ReplayConfig) -> bool:
+    """True when the forward's shift m is at least the row maximum, so that P̄ ≤ S (about, after
+    low-precision casts of m) and finite: the standard softmax, the stabilized one with β ≥ 1, a
+    fixed offset ≥ 0. (A shift below the maximum can overflow exp on large scores.)"""
+    if config.softmax is Softmax.STABILIZED:
+        return config.beta >= 1.0
+    return config.softmax is Softmax.STANDARD or config.offset >= 0.0
+
+
 def _fmt(p: Precision):
     return format_code(p.value)
 
