@@ -71,6 +71,7 @@ _A, _C = types.float32[:, :, :], types.float32[:, :, ::1]  # any strides; C-cont
 
 NO_LIMIT = 1 << 62  # a band offset that never limits
 
+
 @numba.njit(nogil=True, cache=True)
 def _is_negative_zero(x):
     return x == 0.0 and math.copysign(1.0, x) < 0.0
@@ -82,6 +83,28 @@ def _ieee_chain(a_row, b, j, c, k_start, k_stop):
     for k in range(k_start, k_stop):
         c = _fma32(a_row[k], b[k, j], c)
     return c
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_tile(t, tiles, tile_rows, M, N, n_hi, out, zero):
+    """Work item t of a kernel's prange: (l, i0, i1, n), rows [i0, i1) of product l, whose union of
+    wanted columns is [0, n); out's rows are cleared past n (and all of it when `zero`)."""
+    l = t // tiles
+    i0 = (t % tiles) * tile_rows
+    i1 = min(i0 + tile_rows, M)
+    n = min(max(i1 - 1 + n_hi, 0), N)
+    for i in range(i0, i1):
+        out[l, i, n:] = 0.0
+        if zero:
+            out[l, i, :n] = 0.0
+    return l, i0, i1, n
+
+
+@numba.njit(nogil=True, cache=True)
+def _tiled_columns(full_tile, n, N, tile_cols):
+    """Columns [0, result) of a tile's rows go in register tiles: whole tiles, past n where N allows
+    (a row's unwanted outputs are cleared afterwards), none for a tile cut short by M."""
+    return min(n + tile_cols - 1, N) // tile_cols * tile_cols if full_tile else 0
 
 
 @numba.njit(types.void(_A, _C, _C, types.boolean, types.int64, types.int64, types.int64), parallel=True, **_JIT)
@@ -98,41 +121,25 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
     A zero term is a no-op of the fma chain (fma(±0, b, c) = c for finite b), except on a zero
     accumulator: −0 + +0 = +0. So a chain that is −0 where skipped terms begin, at the start
     (a caller's accumulator) or at the end (a tiny negative product rounded to −0), takes them
-    after all: rare, and exactly the full product's bits."""
+    after all, in their place: rare, and exactly the full product's bits."""
     L, M, K = a.shape
     N = b.shape[2]
     a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
     tiles = (M + IEEE_ROWS - 1) // IEEE_ROWS
     for t in prange(L * tiles):
-        l = t // tiles
-        i0 = (t % tiles) * IEEE_ROWS
-        i1 = min(i0 + IEEE_ROWS, M)
+        l, i0, i1, n = _row_tile(t, tiles, IEEE_ROWS, M, N, n_hi, out, zero)
         k0 = min(max(i0 + k_lo, 0), K)  # the union of the rows' ranges: offsets grow with the row
         k1 = min(max(i1 - 1 + k_hi, k0), K)
-        n = min(max(i1 - 1 + n_hi, 0), N)
-        negative_start = np.zeros((0, 0), np.bool_)  # (rows, n): starts of −0 that skip leading terms
-        if k0 > 0 and not zero:
-            found = False
+        if k0 > 0 and not zero:  # a −0 start takes the skipped leading terms first
             for i in range(i0, i1):
                 for j in range(n):
-                    found |= _is_negative_zero(out[l, i, j])
-            if found:
-                negative_start = np.zeros((i1 - i0, n), np.bool_)
-                for i in range(i0, i1):
-                    for j in range(n):
-                        negative_start[i - i0, j] = _is_negative_zero(out[l, i, j])
-        for i in range(i0, i1):
-            row = out[l, i]
-            row[n:] = 0.0
-            if zero:
-                row[:n] = 0.0
-        j_tiled = 0  # columns [0, j_tiled) go in register tiles
-        if i1 - i0 == IEEE_ROWS:
-            j_tiled = min(n + IEEE_COLS - 1, N) // IEEE_COLS * IEEE_COLS  # whole tiles, past n where N allows
-            a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row + k0 * a_k)
-            for j0 in range(0, j_tiled, IEEE_COLS):
-                ieee_tile(a_addr, a_row, a_k, b.ctypes.data + 4 * ((l * K + k0) * N + j0), N,
-                          out.ctypes.data + 4 * ((l * M + i0) * N + j0), N, k1 - k0)
+                    if _is_negative_zero(out[l, i, j]):
+                        out[l, i, j] = _ieee_chain(a[l, i], b[l], j, out[l, i, j], 0, k0)
+        j_tiled = _tiled_columns(i1 - i0 == IEEE_ROWS, n, N, IEEE_COLS)
+        a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row + k0 * a_k)
+        for j0 in range(0, j_tiled, IEEE_COLS):
+            ieee_tile(a_addr, a_row, a_k, b.ctypes.data + 4 * ((l * K + k0) * N + j0), N,
+                      out.ctypes.data + 4 * ((l * M + i0) * N + j0), N, k1 - k0)
         for i in range(i0, i1):
             row = out[l, i]
             for k in range(k0, k1):
@@ -142,11 +149,8 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
                     row[j] = _fma32(a_ik, b_k[j], row[j])
             n_i = min(max(i + n_hi, 0), N)
             row[n_i:] = 0.0  # this row's unwanted outputs (a tile computes past them)
-            for j in range(negative_start.shape[1]):  # a −0 start: the whole chain
-                if negative_start[i - i0, j] and j < n_i:
-                    row[j] = _ieee_chain(a[l, i], b[l], j, np.float32(-0.0), 0, K)
             if k1 < K:
-                for j in range(n_i):  # a chain ending at −0: the terms after it too
+                for j in range(n_i):  # a chain ending at −0 takes the skipped trailing terms too
                     if _is_negative_zero(row[j]):
                         row[j] = _ieee_chain(a[l, i], b[l], j, row[j], k1, K)
 
@@ -227,30 +231,21 @@ def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
     a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4
     tiles = (M + TC_ROWS - 1) // TC_ROWS
     for t in prange(L * tiles):
-        l = t // tiles
-        i0 = (t % tiles) * TC_ROWS
-        i1 = min(i0 + TC_ROWS, M)
+        l, i0, i1, n = _row_tile(t, tiles, TC_ROWS, M, N, n_hi, out, zero)
         g0 = min(max(i0 + k_lo, 0), K) // F * F  # the union of the rows' ranges, in whole groups
         g1 = min(max(i1 - 1 + k_hi, g0), K)
         g_stop = min(g0 + (g1 - g0 + F - 1) // F * F, K)  # where the last group run ends
-        n = min(max(i1 - 1 + n_hi, 0), N)
-        for i in range(i0, i1):
-            row = out[l, i]
-            row[n:] = 0.0
-            if zero:
-                row[:n] = 0.0
-            elif g0 > 0:  # a skipped group of zero products turns −0 into +0 (its sum is +0)
+        if g0 > 0 and not zero:  # a skipped group of zero products turns −0 into +0 (its sum is +0)
+            for i in range(i0, i1):
                 for j in range(n):
-                    if row[j] == 0.0:
-                        row[j] = 0.0
-        j_tiled = 0
-        if i1 - i0 == TC_ROWS:
-            j_tiled = min(n + TC_COLS - 1, N) // TC_COLS * TC_COLS
-            a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row)
-            for j0 in range(0, j_tiled, TC_COLS):
-                tensor_core_tile(a_addr, a_row, a_k, b.ctypes.data + 4 * (l * K * N + j0), N,
-                                 out.ctypes.data + 4 * ((l * M + i0) * N + j0), N,
-                                 g0, (g1 - g0 + F - 1) // F, K, F, neab)
+                    if out[l, i, j] == 0.0:
+                        out[l, i, j] = 0.0
+        j_tiled = _tiled_columns(i1 - i0 == TC_ROWS, n, N, TC_COLS)
+        a_addr = a.ctypes.data + 4 * (l * a_l + i0 * a_row)
+        for j0 in range(0, j_tiled, TC_COLS):
+            tensor_core_tile(a_addr, a_row, a_k, b.ctypes.data + 4 * (l * K * N + j0), N,
+                             out.ctypes.data + 4 * ((l * M + i0) * N + j0), N,
+                             g0, (g1 - g0 + F - 1) // F, K, F, neab)
         for i in range(i0, i1):
             row = out[l, i]
             _tensor_core_row(a[l, i], b[l], row, F, neab, g0, g1, j_tiled, n)

@@ -171,26 +171,26 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
             for j in range(n_exp):  # a masked key has P̄ = 0 here, so the counts need no mask
                 n_one += np.int64(pb_row[j] == 1.0)
                 n_zeroed += np.int64((row[j] > 0) & (pb_row[j] == 0))
-            n_exp = 0  # done: the general loop below runs over no key
-        for j in range(n_exp):
-            s = row[j]
-            visible = s != neg_inf
-            if visit and not visible:
-                s = mask_value
-            sm = round_ne(np.float32(s - m_use), sub_man, sub_emin, sub_max, sub_sat)
-            p = exp32(sm)
-            if p_scale == 1.0:
-                ps = p
-            elif exponent_offset:
-                ps = exp32(np.float32(sm + ln_s))
-            else:
-                ps = np.float32(p * p_scale)
-            pb = round_ne(ps, p_man, p_emin, p_max, p_sat)
-            row[j] = p
-            pb_row[j] = pb
-            n_one += np.int64(visible & (pb == p_scale))
-            n_zeroed += np.int64(visible & (ps > 0) & (pb == 0))
-        for j in range(N if visit else n_vis, N):
+        else:
+            for j in range(n_exp):
+                s = row[j]
+                visible = s != neg_inf
+                if visit and not visible:
+                    s = mask_value
+                sm = round_ne(np.float32(s - m_use), sub_man, sub_emin, sub_max, sub_sat)
+                p = exp32(sm)
+                if p_scale == 1.0:
+                    ps = p
+                elif exponent_offset:
+                    ps = exp32(np.float32(sm + ln_s))
+                else:
+                    ps = np.float32(p * p_scale)
+                pb = round_ne(ps, p_man, p_emin, p_max, p_sat)
+                row[j] = p
+                pb_row[j] = pb
+                n_one += np.int64(visible & (pb == p_scale))
+                n_zeroed += np.int64(visible & (ps > 0) & (pb == 0))
+        for j in range(n_exp, N):
             row[j] = 0.0
             pb_row[j] = 0.0
         p_one[l, i] += n_one
