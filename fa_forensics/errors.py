@@ -98,3 +98,41 @@ class UnknownRank(DumpError):
     def __init__(self, rank: int, path, ranks: str) -> None:
         self.rank, self.path, self.ranks = rank, path, ranks
         super().__init__(f"rank {rank} is not in {path} (ranks: {ranks})")
+
+
+# -- writing in places the tool does not trust (dump/safe_files.py) -----------------------------------------
+
+
+def _size(n: int | None) -> str:
+    """'12.3 MB' (decimal units), '?' when unknown."""
+    if n is None:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+class DiskFull(TargetUnwritable):
+    """The file system (or the quota) ran out of space writing `.path`: `.needed` bytes (None: unknown),
+    `.free` bytes free there (None: unknown). Nothing was left half-written in its place."""
+
+    def __init__(self, path, setting: str, needed: int | None, free: int | None, quota: bool = False) -> None:
+        self.needed, self.free, self.quota = needed, free, quota
+        what = "the disk quota is exhausted" if quota else "no space left on the device"
+        need = f"; it needs about {_size(needed)}" if needed is not None else ""
+        super().__init__(path, setting, f"{what} ({_size(free)} free{need}); nothing was left in its place")
+
+
+class LinkRefused(TargetUnwritable):
+    """A path to be written is a symbolic link (`.target` where it points) or a file with other hard links
+    (`.target` None): writing there would change a file the user did not name, so it is refused."""
+
+    def __init__(self, path, setting: str, target: str | None) -> None:
+        self.target = target
+        what = f"it is a symbolic link to {target}" if target is not None else "it is a file with other hard links"
+        super().__init__(path, setting, f"{what}, which fa-forensics never writes through")
+
+
+class HostileShape(DumpError):
+    """A dump's metadata claims an array too large to be real (`.what`): refused before any work scales with it."""

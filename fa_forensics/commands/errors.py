@@ -3,7 +3,8 @@ that acts on them from here (as huggingface_hub's CLI does for its library's err
 from __future__ import annotations
 
 from fa_forensics.errors import (
-    BackendUnsupported, ClusterUnreachable, InvalidSetting, NoTimeline, NothingSelected, OtherModel, TargetExists, TargetUnwritable,
+    BackendUnsupported, ClusterUnreachable, DiskFull, InvalidSetting, LinkRefused, NoTimeline, NothingSelected, OtherModel,
+    TargetExists, TargetUnwritable,
     UnknownRank, UserError,
 )
 
@@ -32,6 +33,10 @@ def cli_line(exc: UserError) -> str:
         if exc.foreign:
             return f"{exc.path} exists and is not an fa-forensics dump; refusing to overwrite it, choose another {option(exc.setting)}"
         return f"{exc.path} already exists; pass --overwrite to replace it or choose another {option(exc.setting)}"
+    if isinstance(exc, DiskFull):
+        return f"{exc}; free space there or choose another {option(exc.setting)}"
+    if isinstance(exc, LinkRefused):
+        return f"{exc}; remove the link or choose another {option(exc.setting)}"
     if isinstance(exc, TargetUnwritable):
         return f"{exc}; choose a writable {option(exc.setting)} with free space"
     if isinstance(exc, NothingSelected):
