@@ -20,9 +20,6 @@ The stored O is the BF16 reference output (`bf16_reference`): the emulator's rep
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -203,10 +200,13 @@ def plant_step(spec: SynthSpec, feature: int, standout: dict[int, float], g: tor
 def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
     """Write a planted dump to `out`; return its ground truth (also stored in the root attrs)."""
     from fa_forensics.dump import DumpWriter
+    from fa_forensics.dump.safe_files import refuse_link
+    from fa_forensics.dump.staging import staged_store
     from fa_forensics.dump.writer import _existing_format
     from pathlib import Path
 
     out = Path(out)
+    refuse_link(out, "out")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not overwrite:
             raise TargetExists(out, "out")
@@ -246,29 +246,15 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
     run_attrs["ground_truth"] = truth
     # Written aside and renamed into place: an --overwrite that fails midway (disk full, Ctrl-C)
     # leaves the old dump as it was, never a half-written one in its place.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp, old = out.parent / f".{out.name}.{tag}.tmp", out.parent / f".{out.name}.{tag}.old"
-    try:
-        with DumpWriter(tmp, run_attrs) as writer:  # closed (its lock released) also when a write fails
-            it = iter(steps)
-            for s in range(spec.steps):
-                for l in range(spec.layers):
-                    ps = next(it)
-                    for name, tensor in ps.tensors.items():
-                        writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
-                writer.complete_step(s)
-        if out.exists():
-            os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if old.exists():
-                os.replace(old, out)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+    needed = sum(t.numel() * t.element_size() for ps in steps for t in ps.tensors.values())
+    with staged_store(out, "out", needed) as tmp, DumpWriter(tmp, run_attrs) as writer:
+        it = iter(steps)
+        for s in range(spec.steps):
+            for l in range(spec.layers):
+                ps = next(it)
+                for name, tensor in ps.tensors.items():
+                    writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
+            writer.complete_step(s)
     return truth
 
 

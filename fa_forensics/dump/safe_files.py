@@ -133,6 +133,21 @@ def make_staging_dir(target, setting: str) -> Path:
         raise unwritable(exc, t, setting) from None
 
 
+def move_into_place(staged, target) -> None:
+    """Rename a complete staged folder to `target`. An existing `target` (already checked replaceable) is first
+    renamed aside (`.NAME.<random>.old`) and deleted only once the new one is in place. OSError propagates."""
+    staged, target = Path(staged), Path(target)
+    if target.is_symlink():
+        raise LinkRefused(target, "out", os.readlink(target))
+    aside = None
+    if target.exists() and (target.is_file() or any(target.iterdir())):
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.replace(target, aside)  # a directory replaces the empty one mkdtemp made
+    os.replace(staged, target)
+    if aside is not None:
+        remove_tree(aside)
+
+
 def remove_tree(path) -> None:
     """Delete a folder the tool made (links inside are removed, never followed); a missing one is fine."""
     p = Path(path)

@@ -10,18 +10,15 @@ partial-head capture (absent: heads 0..H-1). Dtypes are kept, so export∘import
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
-import tempfile
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fa_forensics.dump.lock import StoreLock
+from fa_forensics.dump.safe_files import atomic_write, refuse_link
+from fa_forensics.dump.staging import staged_store
 from fa_forensics.dump.reader import open_dump
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
 from fa_forensics.dump.writer import DumpWriter, _existing_format
@@ -112,6 +109,7 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
     from safetensors import SafetensorError, safe_open
 
     src, dst = Path(src), Path(dst)
+    refuse_link(dst, "to")
     if not src.is_file():
         raise DumpError(f"no safetensors file at {src}; give the path of an existing .safetensors file")
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())):
@@ -164,25 +162,11 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
             if f"layer{l}.heads" in metadata:
                 heads_by_layer[l] = _parse_heads(metadata[f"layer{l}.heads"], l, head, src)
 
-    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"  # beside dst, so the final move is a rename
-    dst_lock = StoreLock(dst).acquire()  # no capture may write dst meanwhile
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        run_attrs = {"device": "cpu", "model": {}, "capture": {"source": "safetensors", "file": src.name}}
+    needed = sum(t.numel() * t.element_size() for s in by_step for tensors in by_step[s].values() for t in tensors.values())
+    run_attrs = {"device": "cpu", "model": {}, "capture": {"source": "safetensors", "file": src.name}}
+    with staged_store(dst, "to", needed) as tmp:  # built aside, renamed into place once whole
         with DumpWriter(tmp, run_attrs) as writer:
             _write_steps(writer, by_step, causal, scale, heads_by_layer)
-        aside = None
-        if dst.exists():  # moved aside, deleted once the new store is in place
-            aside = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.old"
-            os.replace(dst, aside)
-        os.replace(tmp, dst)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-    except OSError as exc:
-        raise TargetUnwritable(dst, "to", str(exc.strerror or exc)) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        dst_lock.release()
     layers = sorted({l for s in by_step for l in by_step[s]})
     return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale)
 
@@ -208,9 +192,10 @@ def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
 
 def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bool = False) -> ConvertResult:
     """Write the complete steps of a dump (or a selection) to one safetensors file, dtypes kept."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     dst = Path(dst)
+    refuse_link(dst, "to")
     if dst.exists() and not overwrite:
         raise TargetExists(dst, "to")
     if dst.is_dir():
@@ -242,23 +227,11 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
         metadata["scale"] = repr(float(scale))
     for l, numbers in head_numbers.items():
         metadata[f"layer{l}.heads"] = ",".join(str(h) for h in numbers)
-    tmp = None
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-        os.close(fd)
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; an exported file gets the usual mode
-        os.replace(tmp, dst)
-    except OSError as exc:
-        raise TargetUnwritable(dst, "to", str(exc.strerror or exc)) from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+        data = save(tensors, metadata=metadata)
+    except MemoryError:
+        raise DumpError(f"the selection of {dump.path} is too large to export in memory; export fewer steps or layers "
+                        f"(--step, --layer)") from None
+    atomic_write(dst, data, "to")
     return ConvertResult(str(dump.path), str(dst), sorted({s for s, _, _ in triples}), sorted({l for _, l, _ in triples}), len(tensors), causal_value, scale)
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -74,6 +74,19 @@ def _default_run_attrs(run_attrs: Mapping[str, Any], world_size: int) -> dict[st
     return attrs
 
 
+def _refuse_inner_links(store: Path, rank: int) -> None:
+    """An existing store is written into only if the folders the writer writes into are not links: zarr
+    creates files inside them, so a planted `step_…` link would let it write outside the store."""
+    tree = store if rank == 0 else store / rank_key(rank)
+    if tree.is_symlink():
+        raise DumpError(f"{tree} is a symbolic link; fa-forensics never writes a store through a link, write a new store")
+    for folder, dirs, _files in os.walk(tree):
+        for name in dirs:
+            if os.path.islink(os.path.join(folder, name)):
+                raise DumpError(f"{os.path.join(folder, name)} is a symbolic link inside the store; fa-forensics never "
+                                f"writes through a link, write a new store (or remove the link)")
+
+
 def _move_aside(path: Path) -> Path:
     """Rename an existing dump to a free `<path>.replaced-<n>` and return the new name."""
     n = 0
@@ -126,6 +139,9 @@ class DumpWriter:
     # -- store ----------------------------------------------------------------------------
     def _open_root(self, run_attrs: dict[str, Any], overwrite: bool) -> zarr.Group:
         p = self.path
+        if p.is_symlink():
+            raise DumpError(f"{p} is a symbolic link to {os.readlink(p)}; fa-forensics never writes a store through a link, "
+                            f"give the real path or another one")
         if p.exists() and not p.is_dir():
             raise DumpError(f"{p} exists and is a file, not a dump store; choose another path")
         is_empty_dir = p.is_dir() and not any(p.iterdir())
@@ -138,6 +154,7 @@ class DumpWriter:
             elif version != FORMAT_VERSION:
                 raise DumpError(f"{p} is a dump of format_version {version}, this tool writes {FORMAT_VERSION}; pass overwrite to replace it")
             else:
+                _refuse_inner_links(p, self.rank)
                 root = zarr.open_group(str(p), mode="r+")
                 self._check_model(root, run_attrs.get("model"))
                 return root
