@@ -143,7 +143,9 @@ def test_overwrite_that_fails_midway_keeps_the_old_dump(tmp_path, monkeypatch):
         return real_write(self, *args, **kwargs)
 
     monkeypatch.setattr(DumpWriter, "write_array", failing_write)
-    with pytest.raises(OSError, match="No space"):
+    from fa_forensics.errors import DiskFull
+
+    with pytest.raises(DiskFull, match="no space left on the device .* it needs about"):
         synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=2, planted_heads=(0,), seed=2), overwrite=True)
     monkeypatch.setattr(DumpWriter, "write_array", real_write)
 

@@ -66,3 +66,19 @@ def test_streamed_replay_under_a_mask_has_the_bits_of_one_pass():
     parts = emulate_replay(q, k, v, config, do, causal=True, scale=0.35, mask=mask, plan=StreamPlan(heads=1, block_m=32))
     for name in ("o", "lse", "dq", "dk", "dv"):
         assert torch.equal(getattr(whole, name), getattr(parts, name)), name
+
+
+def test_a_broadcast_additive_mask_reuses_the_compiled_kernels():
+    """An fp32 additive mask broadcast over heads reaches the compiled stages as a contiguous array: a strided
+    one made numba compile a second specialization of each kernel (minutes on a first use: a fully masked dump
+    took 100 s to match instead of 15 s)."""
+    from fa_forensics.replay.emulate import fused
+
+    q, k, v, do, mask = _inputs()
+    additive = torch.zeros(1, 1, T, T).masked_fill(~mask[:1], float("-inf"))  # (1, 1, T, T): broadcast over B and H
+    out = replay(q, k, v, ReplayConfig.preset("bf16-autocast-stabilized"), do, causal=False, mask=additive)
+    assert torch.all(out.o[0, :, 0, :].float().isfinite())
+    used = [sig for kernel in (fused._forward_block, fused._backward_probs) for sig in kernel.signatures]
+    assert used, "the compiled stages did not run"
+    layouts = {arg.layout for sig in used for arg in sig if hasattr(arg, "layout")}
+    assert layouts == {"C"}, f"a kernel was specialized for non-contiguous arrays: {used}"

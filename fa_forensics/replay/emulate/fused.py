@@ -73,6 +73,13 @@ def _np(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
+def _mask_array(mk: torch.Tensor, mask_bool: bool) -> np.ndarray:
+    """A mask block (L, R, N) as a C-contiguous uint8 (bool) or float32 (additive) array. A broadcast fp32
+    mask is a strided view: passed as is, it would make numba compile (for minutes) and cache a second
+    specialization of each kernel for non-contiguous arrays; contiguous, it reuses the one every replay uses."""
+    return np.ascontiguousarray(_np(mk.to(torch.uint8) if mask_bool else mk.float()))
+
+
 # ---------------------------------------------------------------------------------------------
 # forward: one KV block
 
@@ -225,7 +232,7 @@ class ForwardBlock:
         else:
             mask_bool = mask_block.dtype == torch.bool
             mk = mask_block.expand(B, H, R, N).reshape(L, R, N)
-            mask_np = _np(mk.to(torch.uint8) if mask_bool else mk.float())
+            mask_np = _mask_array(mk, mask_bool)
             has_mask = True
         state = [x[..., r0:].view(L, R) for x in (m, tracker_max, tracker_count, fired, self.p_one, self.p_zeroed)]
         _forward_block(_np(buf), mask_np, has_mask, mask_bool, self.scale, row0 + r0, j0, causal, *self.formats,
@@ -310,7 +317,7 @@ def backward_probs(S: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tens
     else:
         mask_bool = mask.dtype == torch.bool
         mk = mask.expand(B, H, R, N).reshape(L, R, N)
-        mask_np = _np(mk.to(torch.uint8) if mask_bool else mk.float())
+        mask_np = _mask_array(mk, mask_bool)
     lse2 = lse.reshape(L, R).contiguous()
     _backward_probs(_np(buf), mask_np, mask is not None, mask_bool, np.float32(scale), row0, causal,
                     *_fmt(config.s_dtype), _np(lse2))
