@@ -130,12 +130,9 @@ def write_json(path: Optional[Path], payload: Any) -> None:
     data = to_jsonable(payload)
     if isinstance(data, dict) and "warnings" not in data:
         data["warnings"] = list(dict.fromkeys(_SHOWN_WARNINGS.get() or []))
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    except OSError as exc:
-        raise UserError(f"cannot write JSON to {path}: {exc.strerror or exc}; choose a writable path for --json")
+    from fa_forensics.dump.safe_files import atomic_write
+
+    atomic_write(Path(path), json.dumps(data, indent=2) + "\n", "json")  # never through a planted link
 
 
 def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, PresetOpt, StepOpt,
-    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, ensure_out_dir, err_console, run_cli, write_json,
+    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli, write_json,
 )
 from fa_forensics.errors import UserError
 
@@ -22,6 +22,7 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         workers: int = 1, scheduler: Optional[str] = None) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
+    from fa_forensics.report.output import staged_report
     from fa_forensics.report.run import ANALYSES, run_all
     from fa_forensics.report.verdict import report_verdict
 
@@ -33,7 +34,6 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     from fa_forensics.analyses.selection import select
 
     select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
-    out = ensure_out_dir(out)
     t0 = time.perf_counter()
     done = []
 
@@ -42,11 +42,14 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         if err_console.is_terminal:  # progress for a person; piped stderr keeps to errors and warnings
             err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
-    sections = run_all(dump, dump_path, out, step=step, layer=layer, head=head, recipe=recipe, backend=backend_, on_start=on_start,
-                       workers=fan_out)
-    seconds = time.perf_counter() - t0
-    info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation, "backend": backend}
-    index = write_report(out, str(dump_path), sections, info=info, seconds=seconds)
+    with staged_report(out, ANALYSES) as staged:  # built aside, moved into --out only when complete
+        sections = run_all(dump, dump_path, staged, step=step, layer=layer, head=head, recipe=recipe, backend=backend_,
+                           on_start=on_start, workers=fan_out, published_as=Path(out))
+        seconds = time.perf_counter() - t0
+        info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation,
+                "backend": backend}
+        write_report(staged, str(dump_path), sections, info=info, seconds=seconds)
+    index = Path(out) / "index.html"
 
     table = Table(title=f"report: {dump_path}")
     for c in ("analysis", "exit", "seconds", "figures", "result"):

@@ -12,7 +12,8 @@ RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-
 
 
 def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug: DebugOpt = False) -> None:
-    """Check a dump: complete steps, every chunk present and decoding (zstd checksums), dtype attributes. Exit 0 whole, 1 damage or incomplete steps, 2 not a dump."""
+    """Check a dump: complete steps, every chunk present and decoding (zstd checksums), dtype attributes, links leaving
+    the store; list what killed writers left beside it. Exit 0 whole, 1 damage or incomplete steps, 2 not a dump."""
 
     def body() -> int:
         from fa_forensics.dump.integrity import verify as verify_store
@@ -25,6 +26,13 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
                 table.add_column(col)
             for d in report.problems:
                 table.add_row(*("-" if v is None else str(v) for v in (d.step, d.layer, d.array)), d.what)
+            console.print(table)
+        if report.leftovers:
+            table = Table(title=f"left beside {report.path} by writers that are not running", title_justify="left")
+            table.add_column("path")
+            table.add_column("what")
+            for x in report.leftovers:
+                table.add_row(x.path, x.what)
             console.print(table)
         console.print(f"{report.path}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
                       f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)

@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -81,19 +81,73 @@ def read_metadata(node: Path) -> dict[str, Any]:
     return meta
 
 
-def chunk_keys(meta: dict[str, Any]) -> Iterator[str] | None:
-    """Every chunk key of a regular-grid array under the default key encoding, or None if unknown."""
+# No attention tensor has a dimension this long: a larger one is hostile metadata, refused before any work.
+MAX_DIM = 2**31 - 1
+
+
+def chunk_grid(meta: dict[str, Any]) -> tuple[list[int], str] | None:
+    """(chunks per dimension, key separator) of a regular-grid array under the default key encoding, or None."""
     try:
         shape = [int(s) for s in meta["shape"]]
         chunk_shape = [int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"]]
         encoding = meta.get("chunk_key_encoding", {"name": "default"})
-        if encoding.get("name") != "default":
+        if encoding.get("name") != "default" or len(shape) != len(chunk_shape):
             return None
         sep = encoding.get("configuration", {}).get("separator", "/")
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    counts = [math.ceil(s / c) if c > 0 else 0 for s, c in zip(shape, chunk_shape)]
-    return (sep.join(["c", *map(str, idx)]) for idx in itertools.product(*(range(n) for n in counts)))
+    return [-(-s // c) if c > 0 else 0 for s, c in zip(shape, chunk_shape)], str(sep)
+
+
+def chunk_keys(meta: dict[str, Any]) -> Iterator[str] | None:
+    """Every chunk key of a regular-grid array under the default key encoding (lazily), or None if unknown."""
+    grid = chunk_grid(meta)
+    if grid is None:
+        return None
+    counts, sep = grid
+    return (sep.join(["c", *map(str, idx)]) for idx in grid_indices(counts))
+
+
+def grid_indices(counts: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every index of a grid in C order, one at a time (itertools.product would first build each range as a
+    tuple: gigabytes for the chunk counts hostile metadata can claim)."""
+    if any(n <= 0 for n in counts):
+        return
+    idx = [0] * len(counts)
+    while True:
+        yield tuple(idx)
+        d = len(counts) - 1
+        while d >= 0:
+            idx[d] += 1
+            if idx[d] < counts[d]:
+                break
+            idx[d] = 0
+            d -= 1
+        if d < 0:
+            return
+
+
+def _chunk_index(name: str, counts: list[int], sep: str) -> tuple[int, ...] | None:
+    """The grid index of a chunk file name ('c.0.1.0.0'), or None when it is not a key of this grid."""
+    parts = name.split(sep)
+    if len(parts) != len(counts) + 1 or parts[0] != "c":
+        return None
+    try:
+        idx = tuple(int(p) for p in parts[1:])
+    except ValueError:
+        return None
+    return idx if all(0 <= i < n for i, n in zip(idx, counts)) else None
+
+
+def link_leaving(path: Path, root: Path | None) -> str | None:
+    """Where `path` points when it is a symbolic link whose target lies outside `root` (None otherwise)."""
+    if root is None or not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    base = os.path.realpath(root)
+    if target == base or target.startswith(base + os.sep):
+        return None
+    return target
 
 
 def _check_layer_attrs(attrs: dict[str, Any], step: int, layer: int) -> list[Damage]:
@@ -120,7 +174,7 @@ def _check_layer_attrs(attrs: dict[str, Any], step: int, layer: int) -> list[Dam
     return out
 
 
-def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any = None) -> list[Damage]:
+def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any = None, root: Path | None = None) -> list[Damage]:
     """Metadata-level damage of one array: metadata, dtype attribute, shape, chunk files."""
     try:
         meta = read_metadata(array_dir)
@@ -143,25 +197,82 @@ def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any 
         return [Damage(step, layer, name, f"array is empty (shape {tuple(shape)})")]
     if name in HEAD_TENSORS and isinstance(n_heads, int) and name in ("q", "o", "do") and shape[1] != n_heads:
         return [Damage(step, layer, name, f"holds {shape[1]} heads but the layer attribute n_heads is {n_heads}")]
-    keys = chunk_keys(meta)
-    if keys is None:
+    if any(d > MAX_DIM for d in shape):
+        return [Damage(step, layer, name, f"shape {tuple(shape)} is absurd (a dimension above {MAX_DIM}); "
+                                          f"the metadata is hostile or corrupt")]
+    grid = chunk_grid(meta)
+    if grid is None:
         return []
-    missing, folders = [], []
-    for key in keys:
-        chunk = array_dir / key
-        if chunk.is_file():
-            continue
-        (folders if chunk.is_dir() else missing).append(key)
+    return _check_chunk_files(array_dir, grid, step, layer, name, root if root is not None else array_dir.parents[2])
+
+
+def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int, layer: int, name: str,
+                       root: Path | None) -> list[Damage]:
+    """Missing chunks, chunks that are folders, chunk links leaving the store: counted from one streamed
+    listing of the folder (memory bounded by the files present, never by the chunk count the metadata claims)."""
+    counts, sep = grid
+    total = math.prod(counts)
+    present, folders, outside = 0, [], []
+    n_folders = n_outside = 0
+    try:
+        entries = os.scandir(array_dir)
+    except OSError:
+        entries = None
+    if entries is not None:
+        with entries:
+            for entry in entries:
+                if _chunk_index(entry.name, counts, sep) is None:
+                    continue
+                if entry.is_dir():
+                    n_folders += 1
+                    if len(folders) < 3:
+                        folders.append(entry.name)
+                    continue
+                target = link_leaving(Path(entry.path), root)
+                if target is not None:
+                    n_outside += 1
+                    if len(outside) < 3:
+                        outside.append(f"{entry.name} -> {target}")
+                if entry.is_file():
+                    present += 1
+    n_missing = total - present - n_folders
     out = []
-    if missing:
-        out.append(Damage(step, layer, name, f"{_count(missing, 'chunk')} missing ({_first(missing)})"))
-    if folders:
-        out.append(Damage(step, layer, name, f"{_count(folders, 'chunk')} replaced by a folder ({_first(folders)})"))
+    if n_missing > 0:
+        missing = []
+        for idx in grid_indices(counts):  # stops at the third missing key
+            key = sep.join(["c", *map(str, idx)])
+            if not (array_dir / key).exists():
+                missing.append(key)
+                if len(missing) == 3:
+                    break
+        out.append(Damage(step, layer, name, f"{_plural(n_missing, 'chunk')} missing ({_first(missing, n_missing)})"))
+    if n_folders:
+        out.append(Damage(step, layer, name, f"{_plural(n_folders, 'chunk')} replaced by a folder ({_first(folders, n_folders)})"))
+    if n_outside:
+        out.append(Damage(step, layer, name, f"{_plural(n_outside, 'chunk')} {'is a link' if n_outside == 1 else 'are links'} "
+                                              f"leaving the store ({_first(outside, n_outside)}); a dump holds its own data"))
     return out
 
 
-def check_step(step_dir: Path, step: int) -> list[Damage]:
-    """Metadata-level damage of one step (see the module docstring); [] when it reads whole."""
+def _links_out(paths: list[Path], root: Path | None, step: int, layer: int | None = None, name: str | None = None) -> list[Damage]:
+    """A Damage for each of `paths` (folders, zarr.json files) that is a link leaving the store."""
+    out = []
+    for path in paths:
+        target = link_leaving(path, root)
+        if target is not None:
+            out.append(Damage(step, layer, name, f"{path.name} is a link leaving the store (-> {target}); a dump holds its own data"))
+    return out
+
+
+def check_step(step_dir: Path, step: int, root: Path | None = None) -> list[Damage]:
+    """Metadata-level damage of one step (see the module docstring); [] when it reads whole.
+
+    `root`: the store's folder; links (folders, metadata, chunks) that point outside it are damage."""
+    if root is None:
+        root = step_dir.parent
+    leaving = _links_out([step_dir, step_dir / "zarr.json"], root, step)
+    if leaving:
+        return leaving
     try:
         read_metadata(step_dir)
     except ValueError as exc:
@@ -178,6 +289,10 @@ def check_step(step_dir: Path, step: int) -> list[Damage]:
         out.append(Damage(step, None, None, "holds no layer"))
     for layer in layers:
         layer_dir = step_dir / f"layer_{layer:03d}"
+        leaving = _links_out([layer_dir, layer_dir / "zarr.json"], root, step, layer)
+        if leaving:
+            out.extend(leaving)
+            continue
         try:
             attrs = read_metadata(layer_dir).get("attributes", {})
         except ValueError as exc:
@@ -192,7 +307,8 @@ def check_step(step_dir: Path, step: int) -> list[Damage]:
         if not present:
             out.append(Damage(step, layer, None, "holds no array"))
         for name in present:
-            out.extend(check_array(layer_dir / name, step, layer, name, attrs.get("n_heads")))
+            leaving = _links_out([layer_dir / name, layer_dir / name / "zarr.json"], root, step, layer, name)
+            out.extend(leaving or check_array(layer_dir / name, step, layer, name, attrs.get("n_heads"), root))
     return out
 
 
@@ -253,12 +369,13 @@ def _listdir(path: Path) -> list[str]:
         return []
 
 
-def _count(items: list, noun: str) -> str:
-    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}"
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
-def _first(keys: list[str]) -> str:
-    return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+def _first(keys: list[str], n: int) -> str:
+    """The first (up to 3) of `n` keys."""
+    return ", ".join(keys[:3]) + (", ..." if n > 3 else "")
 
 
 @dataclass(frozen=True)
@@ -273,6 +390,7 @@ class VerifyReport:
     problems: list[Damage]
     arrays_checked: int
     chunks_checked: int
+    leftovers: list = field(default_factory=list)  # debris.Leftover beside the store: files of killed writers
 
     @property
     def ok(self) -> bool:
@@ -281,7 +399,8 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "rank": self.rank, "ok": self.ok, "steps": self.steps, "incomplete_steps": self.incomplete_steps,
                 "damaged_steps": self.damaged_steps, "problems": [d.to_dict() for d in self.problems],
-                "arrays_checked": self.arrays_checked, "chunks_checked": self.chunks_checked}
+                "arrays_checked": self.arrays_checked, "chunks_checked": self.chunks_checked,
+                "leftovers": [x.to_dict() for x in self.leftovers]}
 
 
 def verify(path, rank: int | None = None) -> VerifyReport:
@@ -315,7 +434,9 @@ def verify(path, rank: int | None = None) -> VerifyReport:
     problems.extend(timeline)
     damaged = sorted({d.step for d in problems if d.step is not None})
     cut = [s for s in dump.incomplete_steps if s not in dump.damage]
-    return VerifyReport(str(dump.path), dump.rank, whole, cut, damaged, problems, arrays, chunks)
+    from fa_forensics.dump.debris import leftovers
+
+    return VerifyReport(str(dump.path), dump.rank, whole, cut, damaged, problems, arrays, chunks, leftovers(dump.path))
 
 
 def _timeline_problems(dump) -> list[Damage]:

@@ -157,7 +157,7 @@ class Dump:
             if not m:
                 continue
             step = int(m.group(1))
-            problems = check_step(tree / key, step)
+            problems = check_step(tree / key, step, self.path)
             complete = False
             try:
                 g = self._tree[key]

@@ -142,6 +142,8 @@ def render(dump: str, sections, *, info: Optional[dict] = None, seconds: float =
 
 def write_report(out_dir: Path, dump: str, sections, *, info: Optional[dict] = None, seconds: float = 0.0) -> Path:
     """Write out_dir/index.html and return its path."""
+    from fa_forensics.dump.safe_files import atomic_write
+
     path = Path(out_dir) / "index.html"
-    path.write_text(render(dump, sections, info=info, seconds=seconds), encoding="utf-8")
+    atomic_write(path, render(dump, sections, info=info, seconds=seconds), "out")
     return path

@@ -36,6 +36,7 @@ from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.analyses.fanout import Workers, connected
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import select
+from fa_forensics.dump.safe_files import atomic_write, disk_full, is_no_space
 from fa_forensics.errors import UserError
 from fa_forensics.figures import bitdiff as f_bitdiff
 from fa_forensics.figures import delta_bias as f_delta_bias
@@ -132,8 +133,9 @@ def _text(renderables: list, verdict: Optional[str]) -> str:
 
 
 def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selection: dict, recipe: Recipe,
-                backend: Backend, workers: Workers = Workers()) -> SectionResult:
-    """Run one analysis into out_dir/<name>/: its JSON, figures and tables."""
+                backend: Backend, workers: Workers = Workers(), published_as: Optional[Path] = None) -> SectionResult:
+    """Run one analysis into out_dir/<name>/: its JSON, figures and tables. `published_as`: where out_dir will be
+    moved once the report is complete (the figure paths in the JSON name that place)."""
     sec_dir = out_dir / section.name
     sec_dir.mkdir(parents=True, exist_ok=True)
     json_path = sec_dir / f"{section.name}.json"
@@ -148,14 +150,20 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
             sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
         result = section.run(dump, sels, recipe, backend, workers)
         paths = section.figures.draw(result, sec_dir)
-        payload = to_jsonable({**section.analysis.payload(result), "figures": [str(p) for p in paths]})
+        final = [Path(published_as) / Path(p).relative_to(out_dir) if published_as is not None else p for p in paths]
+        payload = to_jsonable({**section.analysis.payload(result), "figures": [str(p) for p in final]})
         renderables = section.tables.tables(result)
     except UserError as exc:
         return SectionResult(section.name, args, 2, False, str(exc), None, [], "", time.perf_counter() - t0)
+    except OSError as exc:
+        if is_no_space(exc):  # nothing more can be written: the whole report stops, worded
+            raise disk_full(exc, out_dir, "out") from None
+        return SectionResult(section.name, args, 2, False, f"cannot write its output ({exc.strerror or exc})", None, [], "",
+                             time.perf_counter() - t0)
     except Exception as exc:  # a bug in one analysis must not cost the others their section
         return SectionResult(section.name, args, 2, False, f"unexpected {type(exc).__name__}: {exc}", None, [], "",
                              time.perf_counter() - t0)
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    atomic_write(json_path, json.dumps(payload, indent=2) + "\n", "out")
     figures = sorted(str(Path(p).relative_to(out_dir)) for p in paths)
     return SectionResult(section.name, args, int(payload.get("exit_code", 0)), True, "", payload, figures,
                          _text(renderables, payload.get("verdict")), time.perf_counter() - t0)
@@ -163,7 +171,8 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
 
 def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head=None, recipe: Recipe = Recipe(),
             backend: Backend = Backend.EMULATE, sections=SECTIONS,
-            on_start: Optional[Callable[[str], None]] = None, workers: Workers = Workers()) -> list[SectionResult]:
+            on_start: Optional[Callable[[str], None]] = None, workers: Workers = Workers(),
+            published_as: Optional[Path] = None) -> list[SectionResult]:
     """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`, the
     work items of each on `workers` (one cluster for all)."""
     selection = {"step": step, "layer": layer, "head": head}
@@ -174,5 +183,6 @@ def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head
         for section in sections:
             if on_start is not None:
                 on_start(section.name)
-            results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend, workers))
+            results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend, workers,
+                                       published_as))
     return results

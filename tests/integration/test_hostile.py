@@ -1,0 +1,312 @@
+"""Hostile dumps and shared directories: planted links, absurd metadata, a full disk, a killed writer.
+
+Every place the tool writes gets a planted symbolic link to a victim file: the victim must keep its content
+and mode, and the command must refuse in one line with exit code 2. A full disk is simulated (ENOSPC from
+the write call), so the tests run everywhere without mounting a file system.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from fa_forensics.cli import app
+
+LAYER = Path("step_000000000") / "layer_000"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    return result, lines
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a file the user owns\n")
+    victim.chmod(0o640)
+    return victim
+
+
+def _unchanged(victim: Path) -> None:
+    assert victim.read_text() == "a file the user owns\n"
+    assert victim.stat().st_mode & 0o777 == 0o640
+
+
+def _refused(result, lines, what: str = "link") -> None:
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert len(lines) == 1 and what in lines[0], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def _tensors_file(path: Path, steps: int = 1) -> Path:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"step{s}.layer0.{n}": torch.randn(1, 2, 16, 8, generator=g).bfloat16()
+               for s in range(steps) for n in ("q", "k", "v", "o", "do")}
+    save_file(tensors, str(path))
+    return path
+
+
+# -- planted links ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["lock", "store"])
+def test_import_never_writes_through_a_planted_link(tmp_path, where):
+    victim = _victim(tmp_path)
+    src = _tensors_file(tmp_path / "in.safetensors")
+    dst = tmp_path / "d.zarr"
+    (tmp_path / ("d.zarr.lock" if where == "lock" else "d.zarr")).symlink_to(victim)
+    _refused(*_cli("import", src, "--to", dst))
+    _unchanged(victim)
+
+
+def test_synth_never_writes_through_a_planted_lock_or_output(tmp_path):
+    victim = _victim(tmp_path)
+    (tmp_path / "s.zarr.lock").symlink_to(victim)
+    _refused(*_cli("synth", "--out", tmp_path / "s.zarr", "--seq", 64, "--heads", 2, "--head-dim", 16, "--steps", 1))
+    (tmp_path / "s.zarr.lock").unlink()
+    (tmp_path / "s.zarr").symlink_to(victim)
+    _refused(*_cli("synth", "--out", tmp_path / "s.zarr", "--seq", 64, "--heads", 2, "--head-dim", 16, "--steps", 1))
+    _unchanged(victim)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_export_never_writes_through_a_planted_link(tmp_path, make_dump, overwrite):
+    victim = _victim(tmp_path)
+    dump = make_dump(steps=(0,))
+    (tmp_path / "out.safetensors").symlink_to(victim)
+    _refused(*_cli("export", dump, "--to", tmp_path / "out.safetensors", *(["--overwrite"] if overwrite else [])))
+    _unchanged(victim)
+    assert (tmp_path / "out.safetensors").is_symlink()
+
+
+def test_json_output_never_writes_through_a_planted_link(tmp_path, make_dump):
+    victim = _victim(tmp_path)
+    dump = make_dump(steps=(0,))
+    (tmp_path / "info.json").symlink_to(victim)
+    _refused(*_cli("info", dump, "--json", tmp_path / "info.json"))
+    _unchanged(victim)
+
+
+@pytest.mark.parametrize("where", ["out", "index.html", "isolate"])
+def test_report_never_writes_through_a_planted_link(tmp_path, make_dump, where):
+    victim = _victim(tmp_path)
+    dump = make_dump(steps=(0,))
+    out = tmp_path / "report"
+    if where == "out":
+        out.symlink_to(tmp_path)
+    else:
+        out.mkdir()
+        (out / where).symlink_to(victim if where == "index.html" else tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    _refused(*_cli("report", dump, "--out", out))
+    _unchanged(victim)
+    assert sorted(os.listdir(tmp_path)) == before  # no staging folder, nothing written anywhere
+
+
+def test_the_writer_never_writes_a_store_through_a_link(tmp_path):
+    """capture writes through DumpWriter: a store path, or a folder inside an existing store, that is a link is refused."""
+    from fa_forensics.dump import DumpWriter
+    from fa_forensics.errors import DumpError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run.zarr").symlink_to(outside)
+    with pytest.raises(DumpError, match="symbolic link"):
+        DumpWriter(tmp_path / "run.zarr", {})
+    assert os.listdir(outside) == []
+
+    victim = _victim(tmp_path)
+    (tmp_path / "run2.zarr.lock").symlink_to(victim)
+    with pytest.raises(DumpError, match="lock file .* is a symbolic link"):
+        DumpWriter(tmp_path / "run2.zarr", {})
+    _unchanged(victim)
+
+
+def test_the_writer_refuses_a_store_with_a_folder_linked_outside(tmp_path, make_dump):
+    from fa_forensics.dump import DumpWriter
+    from fa_forensics.errors import DumpError
+
+    dump = make_dump(steps=(0,))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (dump / "step_000000001").symlink_to(outside)
+    with pytest.raises(DumpError, match="symbolic link inside the store"):
+        DumpWriter(dump, {"model": {"name": "test"}})
+    assert os.listdir(outside) == []
+
+
+def test_a_lock_file_with_other_hard_links_is_refused(tmp_path):
+    from fa_forensics.dump.lock import StoreLock
+    from fa_forensics.errors import DumpError
+
+    victim = _victim(tmp_path)
+    os.link(victim, tmp_path / "d.zarr.lock")
+    with pytest.raises(DumpError, match="other hard links"):
+        StoreLock(tmp_path / "d.zarr").acquire()
+    _unchanged(victim)
+
+
+def test_verify_names_a_chunk_link_that_leaves_the_store(tmp_path, make_dump):
+    dump = make_dump(steps=(0,))
+    other = make_dump(steps=(0,), seed=1)
+    chunk = dump / LAYER / "q" / "c.0.1.0.0"
+    chunk.unlink()
+    chunk.symlink_to(other / LAYER / "q" / "c.0.1.0.0")  # a valid chunk, outside the store
+    result, lines = _cli("verify", dump, "--json", tmp_path / "v.json")
+    assert result.exit_code == 1
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert any("link leaving the store" in p["what"] and "c.0.1.0.0" in p["what"] for p in report["problems"]), report
+
+
+# -- hostile metadata, under a memory cap -------------------------------------------------------------------------
+
+
+_CAPPED = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))
+from typer.testing import CliRunner
+from fa_forensics.cli import app
+runs = {{}}
+for command in ("verify", "info"):
+    r = CliRunner().invoke(app, [command, sys.argv[1]])
+    runs[command] = {{"code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "error": repr(r.exception)}}
+print(json.dumps(runs))
+"""
+
+
+def _capped(dump: Path, cap_gb: float = 6.0, timeout: float = 120) -> dict:
+    """verify and info on `dump` in a process whose address space is capped at `cap_gb` GiB."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _CAPPED.format(cap=int(cap_gb * 2**30)), str(dump)], capture_output=True,
+                         text=True, timeout=timeout, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("tokens", [2 * 10**9, 10**12])
+def test_a_shape_claiming_billions_of_tokens_is_refused_within_a_memory_cap(make_dump, tokens):
+    """T = 2e9 with the chunks unchanged is 2.5e8 chunk keys (about 20 GB as a list): counted, never listed.
+    T = 1e12 is absurd: refused from the shape alone."""
+    dump = make_dump(steps=(0,))
+    meta_path = dump / LAYER / "q" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"][2] = tokens  # chunks (1, 1, 16, 8) unchanged
+    meta_path.write_text(json.dumps(meta))
+    missing = 2 * tokens // 16 - 2  # 2 heads; the two chunks that exist
+    runs = _capped(dump)
+    for command, code in (("verify", 1), ("info", 2)):
+        run = runs[command]
+        lines = [line for line in run["stderr"].splitlines() if line.strip()]
+        assert run["code"] == code, run
+        assert "MemoryError" not in json.dumps(run) and "Traceback" not in run["stderr"]
+        assert len(lines) == 1, run["stderr"]
+        want = "absurd" if tokens > 2**31 else f"{missing} chunks missing"
+        assert want in (lines[0] if command == "info" else run["stdout"].replace("\n", " ")), run
+
+
+# -- a full disk (simulated: ENOSPC from the write call) ------------------------------------------------------
+
+
+def _no_space(*_a, **_k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_import_on_a_full_disk_is_worded_and_leaves_nothing(tmp_path, monkeypatch):
+    from fa_forensics.dump.writer import DumpWriter
+
+    src = _tensors_file(tmp_path / "in.safetensors")
+    monkeypatch.setattr(DumpWriter, "write_array", _no_space)
+    result, lines = _cli("import", src, "--to", tmp_path / "d.zarr")
+    _refused(result, lines, "no space left on the device")
+    assert "it needs about" in lines[0] and "free" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+
+
+def test_synth_on_a_full_disk_keeps_the_old_dump(tmp_path, monkeypatch):
+    from fa_forensics.dump.writer import DumpWriter
+
+    args = ["synth", "--seq", 64, "--heads", 2, "--head-dim", 16, "--steps", 1, "--batch", 1]
+    assert _cli(*args, "--out", tmp_path / "s.zarr")[0].exit_code == 0
+    before = (tmp_path / "s.zarr" / "zarr.json").read_text()
+    monkeypatch.setattr(DumpWriter, "write_array", _no_space)
+    _refused(*_cli(*args, "--seed", 3, "--overwrite", "--out", tmp_path / "s.zarr"), "no space left")
+    assert (tmp_path / "s.zarr" / "zarr.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_export_on_a_full_disk_is_worded_and_leaves_nothing(tmp_path, make_dump, monkeypatch):
+    import fa_forensics.dump.safe_files as safe_files
+
+    dump = make_dump(steps=(0,))
+    real_write = os.write
+
+    def write(fd, data):
+        if os.fstat(fd).st_size > 100:  # the file system fills up after the first hundred bytes
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, bytes(data)[:64])
+
+    monkeypatch.setattr(safe_files.os, "write", write)
+    result, lines = _cli("export", dump, "--to", tmp_path / "out" / "e.safetensors")
+    monkeypatch.setattr(safe_files.os, "write", real_write)
+    _refused(result, lines, "no space left on the device")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_report_on_a_full_disk_is_worded_and_leaves_no_empty_folders(tmp_path, make_dump, monkeypatch):
+    import fa_forensics.figures.isolate as figures
+
+    dump = make_dump(steps=(0,))
+    monkeypatch.setattr(figures, "draw", _no_space)
+    before = sorted(os.listdir(tmp_path))
+    _refused(*_cli("report", dump, "--out", tmp_path / "report", "--step", 0), "no space left")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+# -- a killed writer -----------------------------------------------------------------------------------------
+
+
+def test_a_killed_import_leaves_debris_that_verify_lists_and_the_next_import_removes(tmp_path):
+    small = _tensors_file(tmp_path / "small.safetensors")
+    big = _tensors_file(tmp_path / "big.safetensors", steps=400)
+    dst = tmp_path / "d.zarr"
+    assert _cli("import", small, "--to", dst)[0].exit_code == 0
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fa_forensics", "import", str(big), "--to", str(dst), "--overwrite"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # kill it while it writes its staging store
+            staged = [p for p in tmp_path.iterdir() if p.name.startswith(".d.zarr.") and p.name.endswith(".tmp")]
+            if staged and (staged[0] / "step_000000010").exists():
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the import ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    debris = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("small.safetensors", "big.safetensors", "d.zarr"))
+    assert "d.zarr.lock" in debris and any(n.endswith(".tmp") for n in debris) and any(n.endswith(".tmp.lock") for n in debris)
+
+    result, _ = _cli("verify", dst, "--json", tmp_path / "v.json")
+    assert result.exit_code == 0, result.stdout  # the old dump is whole
+    listed = json.loads((tmp_path / "v.json").read_text())["leftovers"]
+    (tmp_path / "v.json").unlink()
+    assert sorted(Path(x["path"]).name for x in listed) == debris, listed
+
+    assert _cli("import", small, "--to", dst, "--overwrite")[0].exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors", "d.zarr", "small.safetensors"]
