@@ -57,6 +57,15 @@ def _empty_chunk(p):
     _chunk(p, "o").write_bytes(b"")
 
 
+def _link_out(p):
+    """A chunk replaced by a link to a valid copy of itself outside the store."""
+    c = _chunk(p, "k")
+    outside = p.parent / f"{p.name}.outside-chunk"
+    outside.write_bytes(c.read_bytes())
+    c.unlink()
+    c.symlink_to(outside)
+
+
 def _chunk_dir(p):
     c = _chunk(p, "do")
     c.unlink()
@@ -81,6 +90,9 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "deleted-layer": lambda p: shutil.rmtree(p / LAYER),
     "deleted-array": lambda p: shutil.rmtree(p / LAYER / "v"),
     "array-shape-lies": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m.update(shape=[1, 2, 32, 8])),
+    "chunk-link-leaves-store": _link_out,
+    "shape-claims-2e9-tokens": lambda p: _edit(p / LAYER / "v" / "zarr.json", lambda m: m["shape"].__setitem__(2, 2 * 10**9)),
+    "shape-claims-1e12-tokens": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m["shape"].__setitem__(2, 10**12)),
     "root-json-truncated": lambda p: (p / "zarr.json").write_text((p / "zarr.json").read_text()[:40]),
 }
 
@@ -186,6 +198,29 @@ def test_bad_arguments_are_one_line_for_every_command_that_takes_them(case, tmp_
     dump = make_dump("ok.zarr", steps=(0,))
     for command in ["info", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast"]:
         _expect_refusal([command, str(dump), *BAD_ARGS[case], *EXTRA.get(command, [])], tmp_path)
+
+
+WRITES = {  # every command that writes, with the path a planted link sits at
+    "import-lock": (["import", "{src}", "--to", "{tmp}/d.zarr"], "d.zarr.lock"),
+    "import-store": (["import", "{src}", "--to", "{tmp}/d.zarr"], "d.zarr"),
+    "export": (["export", "{dump}", "--to", "{tmp}/e.safetensors", "--overwrite"], "e.safetensors"),
+    "synth-lock": (["synth", "--out", "{tmp}/s.zarr", "--seq", "64", "--head-dim", "16", "--steps", "1"], "s.zarr.lock"),
+    "report": (["report", "{dump}", "--out", "{tmp}/r"], "r"),
+    "json": (["info", "{dump}", "--json", "{tmp}/i.json"], "i.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITES))
+def test_a_planted_link_is_never_written_through(case, tmp_path, make_dump):
+    args, link = WRITES[case]
+    src = tmp_path / "in.safetensors"
+    save_file({"step1.layer0.q": torch.ones(1, 2, 8, 4)}, src)
+    dump = make_dump("ok.zarr", steps=(0,))
+    victim = tmp_path / "victim"
+    victim.write_text("owned by someone else")
+    (tmp_path / link).symlink_to(victim)
+    _expect_refusal([a.replace("{src}", str(src)).replace("{dump}", str(dump)) for a in args], tmp_path)
+    assert victim.read_text() == "owned by someone else"
 
 
 def test_campaign_counts():
