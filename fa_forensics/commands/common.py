@@ -102,14 +102,13 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
         raise typer.Exit(code=130)
-    except Exception as exc:  # a bug, or an environment problem we did not anticipate
+    except Exception as exc:  # the machine refused (memory, disk), or a bug
         if debug:
             raise
-        err_console.print(
-            f"[bold red]error:[/] unexpected {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
-            highlight=False,
-            soft_wrap=True,
-        )
+        from fa_forensics.commands.errors import environment_line
+
+        line = environment_line(exc) or f"unexpected {type(exc).__name__}: {exc} (run again with --debug for the traceback)"
+        err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2)
     finally:
         _SHOWN_WARNINGS.reset(token)

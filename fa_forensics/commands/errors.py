@@ -47,3 +47,25 @@ def cli_line(exc: UserError) -> str:
     if isinstance(exc, InvalidSetting):
         return f"{option(exc.setting)}: {exc.reason}"
     return str(exc)
+
+
+def environment_line(exc: BaseException) -> str | None:
+    """One worded line for what the machine (not the user's input) refused: memory, the file system, a
+    safetensors write; None for anything else (a bug, shown as such)."""
+    import errno
+
+    if isinstance(exc, MemoryError):
+        return ("out of memory; the dump may claim sizes it does not hold (run `fa-forensics verify DUMP`), "
+                "or select less with --step, --layer, --head")
+    if isinstance(exc, OSError):
+        where = f" at {exc.filename}" if exc.filename else ""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            what = "the disk quota is exhausted" if exc.errno == errno.EDQUOT else "no space left on the device"
+            return f"{what}{where}; free space there or write the output elsewhere"
+        return f"the file system refused{where}: {exc.strerror or exc}; check the path and its permissions"
+    if type(exc).__name__ == "SafetensorError":
+        text = " ".join(str(exc).split())
+        if "os error 28" in text or "os error 122" in text:
+            return "no space left on the device writing a safetensors file; free space there or write it elsewhere"
+        return f"safetensors refused the file: {text[:200]}; check the file"
+    return None

@@ -310,3 +310,35 @@ def test_a_killed_import_leaves_debris_that_verify_lists_and_the_next_import_rem
 
     assert _cli("import", small, "--to", dst, "--overwrite")[0].exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors", "d.zarr", "small.safetensors"]
+
+
+# -- what the machine refuses: worded, never "unexpected <Type>" --------------------------------------------------
+
+
+@pytest.mark.parametrize("exc, words", [
+    (MemoryError(), "out of memory"),
+    (OSError(errno.ENOSPC, "No space left on device", "/scratch/x"), "no space left on the device at /scratch/x"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota is exhausted"),
+    (OSError(errno.EACCES, "Permission denied", "/root/x"), "the file system refused at /root/x: Permission denied"),
+])
+def test_what_the_machine_refuses_is_worded_in_one_line(make_dump, monkeypatch, exc, words):
+    from fa_forensics.dump.reader import Dump
+
+    dump = make_dump(steps=(0,))
+
+    def refuse(*_a, **_k):
+        raise exc
+
+    monkeypatch.setattr(Dump, "summary", refuse)
+    result, lines = _cli("info", dump)
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert words in lines[0] and "unexpected" not in lines[0], lines[0]
+
+
+def test_a_safetensors_write_error_is_worded():
+    from safetensors import SafetensorError
+
+    from fa_forensics.commands.errors import environment_line
+
+    assert "no space left" in environment_line(SafetensorError("Error while serializing: IoError(Os { code: 28 ... os error 28"))
+    assert environment_line(ValueError("a bug")) is None
