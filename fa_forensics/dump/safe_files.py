@@ -114,13 +114,19 @@ def atomic_write(path, data: bytes | str, setting: str, *, mode: int | None = No
         os.replace(tmp, p)
         tmp = None
     except OSError as exc:
+        _discard(tmp)  # first, so that the space it held counts as free in the message
+        tmp = None
         raise unwritable(exc, p, setting, len(payload)) from None
     finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        _discard(tmp)
+
+
+def _discard(tmp) -> None:
+    if tmp is not None:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def make_staging_dir(target, setting: str) -> Path:

@@ -29,6 +29,9 @@ def staged_store(dst, setting: str, needed: int | None = None) -> Iterator[Path]
         move_into_place(tmp, dst)
         tmp = None
     except OSError as exc:
+        if tmp is not None:  # first, so that the space it held counts as free in the message
+            remove_tree(tmp)
+            tmp = None
         raise unwritable(exc, dst, setting, needed) from None
     finally:
         if tmp is not None:

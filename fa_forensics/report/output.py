@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Iterator
 
 from fa_forensics.dump.safe_files import (
-    disk_full, is_no_space, make_staging_dir, refuse_link, remove_tree, unwritable,
+    disk_full, free_bytes, is_no_space, make_staging_dir, refuse_link, remove_tree, unwritable,
 )
+from fa_forensics.errors import DiskFull
 
 SETTING = "out"
 
@@ -58,6 +59,10 @@ def staged_report(out, names: list[str]) -> Iterator[Path]:
         yield staged
         publish(staged, out)
     except OSError as exc:
+        remove_tree(staged)  # first, so that the space it held counts as free in the message
         raise (disk_full(exc, out, SETTING) if is_no_space(exc) else unwritable(exc, out, SETTING)) from None
+    except DiskFull as exc:  # a file of the staged report: name --out, and the space free once it is gone
+        remove_tree(staged)
+        raise DiskFull(out, SETTING, None, free_bytes(out), exc.quota) from None
     finally:
         remove_tree(staged)

@@ -36,7 +36,7 @@ from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.analyses.fanout import Workers, connected
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import select
-from fa_forensics.dump.safe_files import atomic_write, disk_full, is_no_space
+from fa_forensics.dump.safe_files import atomic_write, is_no_space
 from fa_forensics.errors import UserError
 from fa_forensics.figures import bitdiff as f_bitdiff
 from fa_forensics.figures import delta_bias as f_delta_bias
@@ -156,8 +156,8 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
     except UserError as exc:
         return SectionResult(section.name, args, 2, False, str(exc), None, [], "", time.perf_counter() - t0)
     except OSError as exc:
-        if is_no_space(exc):  # nothing more can be written: the whole report stops, worded
-            raise disk_full(exc, out_dir, "out") from None
+        if is_no_space(exc):  # nothing more can be written: the whole report stops (output.staged_report words it)
+            raise
         return SectionResult(section.name, args, 2, False, f"cannot write its output ({exc.strerror or exc})", None, [], "",
                              time.perf_counter() - t0)
     except Exception as exc:  # a bug in one analysis must not cost the others their section
