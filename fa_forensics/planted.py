@@ -253,7 +253,8 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
             for l in range(spec.layers):
                 ps = next(it)
                 for name, tensor in ps.tensors.items():
-                    writer.write_array(s, l, name, tensor, layer_attrs={"module": f"synth.layer{l}.attn", "causal": True})
+                    attrs = {"module": f"synth.layer{l}.attn", "causal": True}
+                    writer.write_array(s, l, name, tensor, layer_attrs=attrs)
             writer.complete_step(s)
     return truth
 

@@ -107,7 +107,8 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
             raise
         from fa_forensics.commands.errors import environment_line
 
-        line = environment_line(exc) or f"unexpected {type(exc).__name__}: {exc} (run again with --debug for the traceback)"
+        line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc} "
+                                         f"(run again with --debug for the traceback)")
         err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2)
     finally:

@@ -3,8 +3,8 @@ that acts on them from here (as huggingface_hub's CLI does for its library's err
 from __future__ import annotations
 
 from fa_forensics.errors import (
-    BackendUnsupported, ClusterUnreachable, DiskFull, InvalidSetting, LinkRefused, NoTimeline, NothingSelected, OtherModel,
-    TargetExists, TargetUnwritable,
+    BackendUnsupported, ClusterUnreachable, DiskFull, InvalidSetting, LinkRefused, NoTimeline, NothingSelected,
+    OtherModel, TargetExists, TargetUnwritable,
     UnknownRank, UserError,
 )
 

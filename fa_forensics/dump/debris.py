@@ -110,16 +110,20 @@ def leftovers(store) -> list[Leftover]:
     own_lock = store.with_name(store.name + ".lock")
     line = read_holder(own_lock)
     if os.path.lexists(own_lock) and (not line or holder_dead(line)):
-        out.append(Leftover(str(own_lock), f"lock file of a writer that is not running ({line or 'no holder recorded'})"))
+        holder = line or "no holder recorded"
+        out.append(Leftover(str(own_lock), f"lock file of a writer that is not running ({holder})"))
     for path in _staged(store):
         if path.name.endswith(".old"):
-            out.append(Leftover(str(path), "a dump moved aside by an --overwrite that did not finish (kept: it may be the only copy)"))
+            out.append(Leftover(str(path), "a dump moved aside by an --overwrite that did not finish "
+                                           "(kept: it may be the only copy)"))
         elif path.name.endswith(".tmp.lock"):
             held = read_holder(path)
             if not held or holder_dead(held):
-                out.append(Leftover(str(path), f"lock of a staging store whose writer is not running ({held or 'no holder'})"))
+                holder = held or "no holder"
+                out.append(Leftover(str(path), f"lock of a staging store whose writer is not running ({holder})"))
         else:
             held = read_holder(path.with_name(path.name + ".lock"))
             if not held or holder_dead(held):
-                out.append(Leftover(str(path), "staging store of a writer that is not running; the next write to this path removes it"))
+                out.append(Leftover(str(path), "staging store of a writer that is not running; "
+                                               "the next write to this path removes it"))
     return out

@@ -174,7 +174,8 @@ def _check_layer_attrs(attrs: dict[str, Any], step: int, layer: int) -> list[Dam
     return out
 
 
-def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any = None, root: Path | None = None) -> list[Damage]:
+def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any = None,
+                root: Path | None = None) -> list[Damage]:
     """Metadata-level damage of one array: metadata, dtype attribute, shape, chunk files."""
     try:
         meta = read_metadata(array_dir)
@@ -247,20 +248,24 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int, 
                     break
         out.append(Damage(step, layer, name, f"{_plural(n_missing, 'chunk')} missing ({_first(missing, n_missing)})"))
     if n_folders:
-        out.append(Damage(step, layer, name, f"{_plural(n_folders, 'chunk')} replaced by a folder ({_first(folders, n_folders)})"))
+        out.append(Damage(step, layer, name,
+                          f"{_plural(n_folders, 'chunk')} replaced by a folder ({_first(folders, n_folders)})"))
     if n_outside:
-        out.append(Damage(step, layer, name, f"{_plural(n_outside, 'chunk')} {'is a link' if n_outside == 1 else 'are links'} "
-                                              f"leaving the store ({_first(outside, n_outside)}); a dump holds its own data"))
+        verb = "is a link" if n_outside == 1 else "are links"
+        out.append(Damage(step, layer, name, f"{_plural(n_outside, 'chunk')} {verb} leaving the store "
+                                              f"({_first(outside, n_outside)}); a dump holds its own data"))
     return out
 
 
-def _links_out(paths: list[Path], root: Path | None, step: int, layer: int | None = None, name: str | None = None) -> list[Damage]:
+def _links_out(paths: list[Path], root: Path | None, step: int, layer: int | None = None,
+               name: str | None = None) -> list[Damage]:
     """A Damage for each of `paths` (folders, zarr.json files) that is a link leaving the store."""
     out = []
     for path in paths:
         target = link_leaving(path, root)
         if target is not None:
-            out.append(Damage(step, layer, name, f"{path.name} is a link leaving the store (-> {target}); a dump holds its own data"))
+            out.append(Damage(step, layer, name,
+                              f"{path.name} is a link leaving the store (-> {target}); a dump holds its own data"))
     return out
 
 

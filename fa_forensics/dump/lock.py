@@ -3,9 +3,9 @@
 The lock is a `flock` on the file, so the kernel releases it when the holder dies, SIGKILL
 included: a stale lock file never blocks the next run, and the run that takes it over removes the
 staging stores its dead holder left (debris.py). The lock file is opened with O_NOFOLLOW and must be
-a regular file with one link: a link planted at its name is refused, never written through. The file holds a line naming the holder
-(pid, host, start time, command), which the refusal quotes. Ranks of a multi-rank run write
-disjoint subtrees and lock `run.zarr.rank_<r>.lock` each.
+a regular file with one link: a link planted at its name is refused, never written through. The
+file holds a line naming the holder (pid, host, start time, command), which the refusal quotes.
+Ranks of a multi-rank run write disjoint subtrees and lock `run.zarr.rank_<r>.lock` each.
 """
 from __future__ import annotations
 

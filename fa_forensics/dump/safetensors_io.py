@@ -162,7 +162,8 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
             if f"layer{l}.heads" in metadata:
                 heads_by_layer[l] = _parse_heads(metadata[f"layer{l}.heads"], l, head, src)
 
-    needed = sum(t.numel() * t.element_size() for s in by_step for tensors in by_step[s].values() for t in tensors.values())
+    needed = sum(t.numel() * t.element_size()
+                 for s in by_step for tensors in by_step[s].values() for t in tensors.values())
     run_attrs = {"device": "cpu", "model": {}, "capture": {"source": "safetensors", "file": src.name}}
     with staged_store(dst, "to", needed) as tmp:  # built aside, renamed into place once whole
         with DumpWriter(tmp, run_attrs) as writer:

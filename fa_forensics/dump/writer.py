@@ -79,7 +79,8 @@ def _refuse_inner_links(store: Path, rank: int) -> None:
     creates files inside them, so a planted `step_…` link would let it write outside the store."""
     tree = store if rank == 0 else store / rank_key(rank)
     if tree.is_symlink():
-        raise DumpError(f"{tree} is a symbolic link; fa-forensics never writes a store through a link, write a new store")
+        raise DumpError(f"{tree} is a symbolic link; fa-forensics never writes a store through a link, "
+                        f"write a new store")
     for folder, dirs, _files in os.walk(tree):
         for name in dirs:
             if os.path.islink(os.path.join(folder, name)):
@@ -140,8 +141,8 @@ class DumpWriter:
     def _open_root(self, run_attrs: dict[str, Any], overwrite: bool) -> zarr.Group:
         p = self.path
         if p.is_symlink():
-            raise DumpError(f"{p} is a symbolic link to {os.readlink(p)}; fa-forensics never writes a store through a link, "
-                            f"give the real path or another one")
+            raise DumpError(f"{p} is a symbolic link to {os.readlink(p)}; fa-forensics never writes a store "
+                            f"through a link, give the real path or another one")
         if p.exists() and not p.is_dir():
             raise DumpError(f"{p} exists and is a file, not a dump store; choose another path")
         is_empty_dir = p.is_dir() and not any(p.iterdir())

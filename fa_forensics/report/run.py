@@ -158,8 +158,8 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
     except OSError as exc:
         if is_no_space(exc):  # nothing more can be written: the whole report stops (output.staged_report words it)
             raise
-        return SectionResult(section.name, args, 2, False, f"cannot write its output ({exc.strerror or exc})", None, [], "",
-                             time.perf_counter() - t0)
+        note = f"cannot write its output ({exc.strerror or exc})"
+        return SectionResult(section.name, args, 2, False, note, None, [], "", time.perf_counter() - t0)
     except Exception as exc:  # a bug in one analysis must not cost the others their section
         return SectionResult(section.name, args, 2, False, f"unexpected {type(exc).__name__}: {exc}", None, [], "",
                              time.perf_counter() - t0)
@@ -183,6 +183,6 @@ def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head
         for section in sections:
             if on_start is not None:
                 on_start(section.name)
-            results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend, workers,
-                                       published_as))
+            results.append(run_section(section, dump, Path(dump_path), Path(out_dir), selection, recipe, backend,
+                                       workers, published_as))
     return results

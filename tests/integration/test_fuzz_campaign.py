@@ -91,8 +91,10 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "deleted-array": lambda p: shutil.rmtree(p / LAYER / "v"),
     "array-shape-lies": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m.update(shape=[1, 2, 32, 8])),
     "chunk-link-leaves-store": _link_out,
-    "shape-claims-2e9-tokens": lambda p: _edit(p / LAYER / "v" / "zarr.json", lambda m: m["shape"].__setitem__(2, 2 * 10**9)),
-    "shape-claims-1e12-tokens": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m["shape"].__setitem__(2, 10**12)),
+    "shape-claims-2e9-tokens": lambda p:
+        _edit(p / LAYER / "v" / "zarr.json", lambda m: m["shape"].__setitem__(2, 2 * 10**9)),
+    "shape-claims-1e12-tokens": lambda p:
+        _edit(p / LAYER / "q" / "zarr.json", lambda m: m["shape"].__setitem__(2, 10**12)),
     "root-json-truncated": lambda p: (p / "zarr.json").write_text((p / "zarr.json").read_text()[:40]),
 }
 
@@ -204,7 +206,8 @@ WRITES = {  # every command that writes, with the path a planted link sits at
     "import-lock": (["import", "{src}", "--to", "{tmp}/d.zarr"], "d.zarr.lock"),
     "import-store": (["import", "{src}", "--to", "{tmp}/d.zarr"], "d.zarr"),
     "export": (["export", "{dump}", "--to", "{tmp}/e.safetensors", "--overwrite"], "e.safetensors"),
-    "synth-lock": (["synth", "--out", "{tmp}/s.zarr", "--seq", "64", "--head-dim", "16", "--steps", "1"], "s.zarr.lock"),
+    "synth-lock": (["synth", "--out", "{tmp}/s.zarr", "--seq", "64", "--head-dim", "16", "--steps", "1"],
+                   "s.zarr.lock"),
     "report": (["report", "{dump}", "--out", "{tmp}/r"], "r"),
     "json": (["info", "{dump}", "--json", "{tmp}/i.json"], "i.json"),
 }

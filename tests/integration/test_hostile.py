@@ -116,7 +116,7 @@ def test_report_never_writes_through_a_planted_link(tmp_path, make_dump, where):
 
 
 def test_the_writer_never_writes_a_store_through_a_link(tmp_path):
-    """capture writes through DumpWriter: a store path, or a folder inside an existing store, that is a link is refused."""
+    """capture writes through DumpWriter: a link at the store path, or at its lock, is refused."""
     from fa_forensics.dump import DumpWriter
     from fa_forensics.errors import DumpError
 
@@ -189,8 +189,9 @@ print(json.dumps(runs))
 def _capped(dump: Path, cap_gb: float = 6.0, timeout: float = 120) -> dict:
     """verify and info on `dump` in a process whose address space is capped at `cap_gb` GiB."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _CAPPED.format(cap=int(cap_gb * 2**30)), str(dump)], capture_output=True,
-                         text=True, timeout=timeout, env=env)
+    script = _CAPPED.format(cap=int(cap_gb * 2**30))
+    run = subprocess.run([sys.executable, "-c", script, str(dump)], capture_output=True, text=True, timeout=timeout,
+                         env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.splitlines()[-1])
 
@@ -299,8 +300,10 @@ def test_a_killed_import_leaves_debris_that_verify_lists_and_the_next_import_rem
     finally:
         if proc.poll() is None:
             proc.kill()
-    debris = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("small.safetensors", "big.safetensors", "d.zarr"))
-    assert "d.zarr.lock" in debris and any(n.endswith(".tmp") for n in debris) and any(n.endswith(".tmp.lock") for n in debris)
+    keep = ("small.safetensors", "big.safetensors", "d.zarr")
+    debris = sorted(p.name for p in tmp_path.iterdir() if p.name not in keep)
+    assert "d.zarr.lock" in debris
+    assert any(n.endswith(".tmp") for n in debris) and any(n.endswith(".tmp.lock") for n in debris)
 
     result, _ = _cli("verify", dst, "--json", tmp_path / "v.json")
     assert result.exit_code == 0, result.stdout  # the old dump is whole
@@ -340,5 +343,6 @@ def test_a_safetensors_write_error_is_worded():
 
     from fa_forensics.commands.errors import environment_line
 
-    assert "no space left" in environment_line(SafetensorError("Error while serializing: IoError(Os { code: 28 ... os error 28"))
+    full = SafetensorError("Error while serializing: IoError(Os { code: 28, ... (os error 28)")
+    assert "no space left" in environment_line(full)
     assert environment_line(ValueError("a bug")) is None
