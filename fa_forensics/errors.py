@@ -132,7 +132,3 @@ class LinkRefused(TargetUnwritable):
         self.target = target
         what = f"it is a symbolic link to {target}" if target is not None else "it is a file with other hard links"
         super().__init__(path, setting, f"{what}, which fa-forensics never writes through")
-
-
-class HostileShape(DumpError):
-    """A dump's metadata claims an array too large to be real (`.what`): refused before any work scales with it."""

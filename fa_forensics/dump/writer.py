@@ -76,7 +76,9 @@ def _default_run_attrs(run_attrs: Mapping[str, Any], world_size: int) -> dict[st
 
 def _refuse_inner_links(store: Path, rank: int) -> None:
     """An existing store is written into only if the folders the writer writes into are not links: zarr
-    creates files inside them, so a planted `step_…` link would let it write outside the store."""
+    creates files inside them, so a planted `step_…` link would let it write outside the store. Folders are
+    checked down to the arrays (step/layer/array); chunk files are replaced by zarr's renames, never written
+    through, so the (many) chunk listings are not read."""
     tree = store if rank == 0 else store / rank_key(rank)
     if tree.is_symlink():
         raise DumpError(f"{tree} is a symbolic link; fa-forensics never writes a store through a link, "
@@ -86,6 +88,8 @@ def _refuse_inner_links(store: Path, rank: int) -> None:
             if os.path.islink(os.path.join(folder, name)):
                 raise DumpError(f"{os.path.join(folder, name)} is a symbolic link inside the store; fa-forensics never "
                                 f"writes through a link, write a new store (or remove the link)")
+        if len(Path(folder).relative_to(tree).parts) >= 2:  # step/layer: its array folders are checked, not walked
+            dirs.clear()
 
 
 def _move_aside(path: Path) -> Path:
