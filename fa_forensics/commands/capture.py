@@ -170,6 +170,9 @@ def register(app: typer.Typer) -> None:
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
             _check_script(argv)
+            from fa_forensics.dump.safe_files import refuse_link
+
+            refuse_link(out, "out")  # resolving --out would follow a planted link; the writer refuses one too
             settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite, "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
                         "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring}

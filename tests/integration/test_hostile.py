@@ -346,3 +346,24 @@ def test_a_safetensors_write_error_is_worded():
     full = SafetensorError("Error while serializing: IoError(Os { code: 28, ... (os error 28)")
     assert "no space left" in environment_line(full)
     assert environment_line(ValueError("a bug")) is None
+
+
+@pytest.mark.parametrize("where", ["run.zarr.lock", "run.zarr"])
+def test_capture_never_writes_through_a_planted_link(tmp_path, where):
+    """`fa-forensics capture` on a real training script: its store goes through the dump writer and its lock."""
+    from tests.integration.test_capture_cli import SCRIPT
+
+    victim = _victim(tmp_path)
+    victim_dir = tmp_path / "someone-elses-folder"
+    victim_dir.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    (tmp_path / where).symlink_to(victim if where.endswith(".lock") else victim_dir)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    args = ["capture", "--out", tmp_path / "run.zarr", "--steps", "1", "--", sys.executable, script, "2", tmp_path / "seen.pt"]
+    run = subprocess.run([sys.executable, "-m", "fa_forensics", *map(str, args)], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "symbolic link" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    _unchanged(victim)
+    assert os.listdir(victim_dir) == []
