@@ -139,6 +139,9 @@ def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:
     """Create the --out directory if given; a clear error if it cannot be made."""
     if out is None:
         return None
+    from fa_forensics.dump.safe_files import refuse_link
+
+    refuse_link(out, "out")  # figures are never written into a folder a planted link names
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:

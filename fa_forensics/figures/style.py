@@ -55,10 +55,15 @@ def style_context():
 def save_figure(fig, path: Path, caption: Optional[str] = None) -> Path:
     """Write `fig` as PNG to `path` with `caption` (e.g. "Reproduces paper Fig. 5a: ...") below it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if caption:
         fig.text(0.01, 0.0, caption, ha="left", va="top", fontsize=7.5, color=COLORS["neutral"], wrap=True,
                  transform=fig.transFigure)
-    fig.savefig(path, bbox_inches="tight", pad_inches=0.15)
+    import io
+
+    from fa_forensics.dump.safe_files import atomic_write
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
+    atomic_write(path, png.getvalue(), "out")  # never through a link planted at the file's name
     return path

@@ -115,6 +115,25 @@ def test_report_never_writes_through_a_planted_link(tmp_path, make_dump, where):
     assert sorted(os.listdir(tmp_path)) == before  # no staging folder, nothing written anywhere
 
 
+def test_figures_are_never_written_through_a_planted_link(tmp_path, make_dump):
+    dump = make_dump(steps=(0,))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "figs").symlink_to(elsewhere)
+    _refused(*_cli("isolate", dump, "--out", tmp_path / "figs"))
+    assert os.listdir(elsewhere) == []
+
+    from fa_forensics.errors import LinkRefused
+    from fa_forensics.figures.style import new_figure, save_figure
+
+    victim = _victim(tmp_path)
+    (tmp_path / "f.png").symlink_to(victim)
+    fig, _ = new_figure()
+    with pytest.raises(LinkRefused):
+        save_figure(fig, tmp_path / "f.png")
+    _unchanged(victim)
+
+
 def test_the_writer_never_writes_a_store_through_a_link(tmp_path):
     """capture writes through DumpWriter: a link at the store path, or at its lock, is refused."""
     from fa_forensics.dump import DumpWriter
