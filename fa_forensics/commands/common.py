@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperGroup
 
 try:  # typer >= 0.26 carries its own copy of click
@@ -69,7 +70,7 @@ PresetOpt = Annotated[str, typer.Option(
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Show library warnings (e.g. incomplete steps in a dump) as one yellow line, not two."""
-    err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
 def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
@@ -97,7 +98,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
             raise
         from fa_forensics.commands.errors import cli_line
 
-        err_console.print(f"[bold red]error:[/] {cli_line(exc)}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(cli_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
@@ -109,7 +110,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
 
         line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc} "
                                          f"(run again with --debug for the traceback)")
-        err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2)
     finally:
         _SHOWN_WARNINGS.reset(token)

@@ -38,11 +38,12 @@ def read_holder(lock: Path) -> str:
     except OSError:
         return ""
     try:
-        return os.pread(fd, 400, 0).decode(errors="replace").strip()
+        text = os.pread(fd, 400, 0).decode(errors="replace")
     except OSError:
         return ""
     finally:
         os.close(fd)
+    return "".join(c for c in (text.splitlines() or [""])[0] if c.isprintable()).strip()[:200]
 
 
 def holder_dead(line: str) -> bool:

@@ -112,11 +112,13 @@ class StoreLock:
 
 
 def _read_holder(fd: int, default: str = "holder unknown") -> str:
+    """The holder line of an open lock file: its first line, printable characters only (the file is not trusted)."""
     try:
-        text = os.pread(fd, 400, 0).decode(errors="replace").strip()
+        text = os.pread(fd, 400, 0).decode(errors="replace")
     except OSError:
         text = ""
-    return text or default
+    line = "".join(c for c in (text.splitlines() or [""])[0] if c.isprintable()).strip()[:200]
+    return line or default
 
 
 def _link_target(path: Path) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import zarr
 
-from fa_forensics.dump.integrity import Damage, bad_chunk, check_step, describe_error
+from fa_forensics.dump.integrity import MAX_DIM, Damage, bad_chunk, check_step, describe_error
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     FORMAT_VERSION,
@@ -398,6 +398,10 @@ class Dump:
         arrays = {k: tl[k] for k in sorted(tl.array_keys())}
         if not arrays:
             return None
+        for k, a in arrays.items():
+            if any(d > MAX_DIM for d in a.shape):
+                raise DumpError(f"timeline array '{k}' of {self.path} claims shape {tuple(a.shape)}, absurd (a dimension "
+                                f"above {MAX_DIM}); the metadata is hostile or corrupt, re-capture the timeline")
         # Rows are appended array by array: a run killed mid-append leaves one array a row
         # longer. Keep only the rows every array holds, never a half-written row.
         n = min(a.shape[0] for a in arrays.values())

@@ -386,3 +386,38 @@ def test_capture_never_writes_through_a_planted_link(tmp_path, where):
     assert "symbolic link" in run.stderr and "Traceback" not in run.stderr, run.stderr
     _unchanged(victim)
     assert os.listdir(victim_dir) == []
+
+
+def test_a_hostile_lock_line_and_timeline_shape_stay_one_line(tmp_path, make_dump):
+    """A lock held by a live process whose file holds markup and newlines, and a timeline array claiming
+    10^12 rows: each refusal is one clean line."""
+    import fcntl
+
+    from fa_forensics.dump import DumpWriter
+
+    dump = make_dump(steps=(0,))
+    with DumpWriter(dump, {"model": {"name": "test"}}) as writer:
+        writer.append_timeline(0, loss=1.0)
+    meta_path = dump / "timeline" / "loss" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"][0] = 10**12
+    meta_path.write_text(json.dumps(meta))
+    result, lines = _cli("timeline", dump)
+    assert result.exit_code == 2 and len(lines) == 1 and "absurd" in lines[0], result.stderr
+
+    lock = tmp_path / "x.zarr.lock"
+    lock.write_text("pid 1 [/] on [bold]host\nsecond line\x07\n")  # rich markup that would not parse
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        result, lines = _cli("import", _tensors_file(tmp_path / "in.safetensors"), "--to", tmp_path / "x.zarr")
+    finally:
+        os.close(fd)
+    assert result.exit_code == 2 and len(lines) == 1 and "second line" not in result.stderr, result.stderr
+
+
+def test_a_path_with_markup_in_its_name_is_printed_as_text(tmp_path):
+    folder = tmp_path / "a[/]b"  # the folder "]b" inside the folder "a["
+    folder.mkdir(parents=True)
+    result, lines = _cli("info", folder / "x.zarr")
+    assert result.exit_code == 2 and len(lines) == 1 and "a[/]b" in lines[0], result.stderr
