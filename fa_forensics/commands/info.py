@@ -5,6 +5,7 @@ import warnings
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, run_cli, write_json
@@ -38,16 +39,17 @@ def _ranges(values: list[int]) -> str:
 
 
 def _kv(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in d.items()) if d else "-"
+    """'k=v, ...' as text for a table cell (metadata from a dump is never read as rich markup)."""
+    return escape(", ".join(f"{k}={v}" for k, v in d.items())) if d else "-"
 
 
 def render(summary: dict[str, Any]) -> None:
     """Print a dump summary as rich tables."""
-    run = Table(title=f"dump {summary['path']}", show_header=False, title_justify="left")
+    run = Table(title=f"dump {escape(str(summary['path']))}", show_header=False, title_justify="left")
     run.add_column("field", style="bold")
     run.add_column("value")
     for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank"):
-        run.add_row(key, str(summary.get(key)))
+        run.add_row(key, escape(str(summary.get(key))))
     run.add_row("model", _kv(summary.get("model") or {}))
     run.add_row("capture", _kv(summary.get("capture") or {}))
     run.add_row("steps", f"{_ranges(summary['steps'])} ({len(summary['steps'])} complete)")
@@ -68,8 +70,10 @@ def render(summary: dict[str, Any]) -> None:
         arrays.add_column(col)
     for l in summary["layers"]:
         info = summary["layer_info"][str(l)]
-        layers.add_row(str(l), str(info["module"] or "-"), _ranges(summary["heads"][str(l)]), str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]),
-                       _stored_dtype(info), _unknown(info.get("autocast")), f"{info.get('dropout_p') or 0:g}", str(info.get("mask") or "-"))
+        layers.add_row(str(l), escape(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]), str(info["head_dim"]),
+                       f"{info['scale']:.6g}", str(info["causal"]), escape(_stored_dtype(info)),
+                       escape(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
+                       escape(str(info.get("mask") or "-")))
         for n, a in summary["arrays"][str(l)].items():
             arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]), "×".join(str(x) for x in a["chunks"]))
     console.print(layers)
@@ -81,7 +85,7 @@ def render(summary: dict[str, Any]) -> None:
         gt.add_column("field", style="bold")
         gt.add_column("value")
         for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength", "sink_heads", "seed"):
-            gt.add_row(key, str(truth.get(key)))
+            gt.add_row(key, escape(str(truth.get(key))))
         gt.add_row("tied rows", f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in {len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")
         console.print(gt)
 

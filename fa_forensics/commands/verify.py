@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json
@@ -21,20 +22,22 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
         report = verify_store(dump, rank=rank)
         write_json(json_out, report.to_dict())
         if report.problems:
-            table = Table(title=f"damage in {report.path}", title_justify="left")
+            table = Table(title=f"damage in {escape(report.path)}", title_justify="left")
             for col in ("step", "layer", "array", "problem"):
                 table.add_column(col)
             for d in report.problems:
-                table.add_row(*("-" if v is None else str(v) for v in (d.step, d.layer, d.array)), d.what)
+                cells = ("-" if v is None else escape(str(v)) for v in (d.step, d.layer, d.array))
+                table.add_row(*cells, escape(d.what))
             console.print(table)
         if report.leftovers:
-            table = Table(title=f"left beside {report.path} by writers that are not running", title_justify="left")
+            title = f"left beside {escape(report.path)} by writers that are not running"
+            table = Table(title=title, title_justify="left")
             table.add_column("path")
             table.add_column("what")
             for x in report.leftovers:
-                table.add_row(x.path, x.what)
+                table.add_row(escape(x.path), escape(x.what))
             console.print(table)
-        console.print(f"{report.path}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
+        console.print(f"{escape(report.path)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
                       f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
         if report.ok:
             return 0
@@ -45,7 +48,8 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
             parts.append(f"{len(report.problems)} problem(s)")
         if report.incomplete_steps:
             parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
-        err_console.print(f"[bold red]damaged:[/] {report.path}: {'; '.join(parts)}; re-capture those steps "
+        what = escape(f"{report.path}: {'; '.join(parts)}")
+        err_console.print(f"[bold red]damaged:[/] {what}; re-capture those steps "
                           "(the other steps read whole)", highlight=False, soft_wrap=True)
         return 1
 

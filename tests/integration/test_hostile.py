@@ -421,3 +421,14 @@ def test_a_path_with_markup_in_its_name_is_printed_as_text(tmp_path):
     folder.mkdir(parents=True)
     result, lines = _cli("info", folder / "x.zarr")
     assert result.exit_code == 2 and len(lines) == 1 and "a[/]b" in lines[0], result.stderr
+
+
+def test_markup_in_a_dumps_metadata_is_shown_as_text(make_dump):
+    dump = make_dump(steps=(0,))
+    meta_path = dump / LAYER / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["module"] = "evil[/]module"
+    meta_path.write_text(json.dumps(meta))
+    result, lines = _cli("info", dump)
+    assert result.exit_code == 0 and lines == [], result.stderr
+    assert "evil[/]module" in result.stdout
