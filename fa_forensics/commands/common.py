@@ -131,9 +131,15 @@ def write_json(path: Optional[Path], payload: Any) -> None:
     data = to_jsonable(payload)
     if isinstance(data, dict) and "warnings" not in data:
         data["warnings"] = list(dict.fromkeys(_SHOWN_WARNINGS.get() or []))
+    text = json.dumps(data, indent=2) + "\n"
+    if str(path) in ("/dev/stdout", "/dev/stderr"):  # named streams: links the system made, written as streams
+        stream = sys.stdout if str(path) == "/dev/stdout" else sys.stderr
+        stream.write(text)
+        stream.flush()
+        return
     from fa_forensics.dump.safe_files import atomic_write
 
-    atomic_write(Path(path), json.dumps(data, indent=2) + "\n", "json")  # never through a planted link
+    atomic_write(Path(path), text, "json")  # never through a planted link
 
 
 def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:

@@ -432,3 +432,10 @@ def test_markup_in_a_dumps_metadata_is_shown_as_text(make_dump):
     result, lines = _cli("info", dump)
     assert result.exit_code == 0 and lines == [], result.stderr
     assert "evil[/]module" in result.stdout
+
+
+def test_json_to_the_standard_output_still_works(make_dump):
+    """/dev/stdout is a link the system made: --json /dev/stdout writes the stream, not a file through it."""
+    result, lines = _cli("info", make_dump(steps=(0,)), "--json", "/dev/stdout")
+    assert result.exit_code == 0 and lines == [], result.stderr
+    assert '"warnings": []' in result.stdout
