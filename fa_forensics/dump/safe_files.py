@@ -165,16 +165,3 @@ def remove_tree(path) -> None:
     except OSError:
         pass
 
-
-def tree_bytes(path) -> int:
-    """Bytes of the regular files under `path` (links not followed): what a staged output holds so far."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total

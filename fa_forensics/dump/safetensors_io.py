@@ -22,7 +22,7 @@ from fa_forensics.dump.staging import staged_store
 from fa_forensics.dump.reader import open_dump
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
 from fa_forensics.dump.writer import DumpWriter, _existing_format
-from fa_forensics.errors import DumpError, InvalidSetting, TargetExists, TargetUnwritable
+from fa_forensics.errors import DumpError, InvalidSetting, TargetExists
 
 NAME_RE = re.compile(r"^step(\d+)\.layer(\d+)\.(" + "|".join(ARRAY_NAMES) + r")$")
 NAME_PATTERN = "step{S}.layer{L}.{q,k,v,o,do,x,mask}"
