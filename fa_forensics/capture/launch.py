@@ -2,7 +2,9 @@
 
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
 `fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
-"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring"} in their text forms.
+"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring", "attention", "softmax",
+"report"} in their text forms. At exit the launcher writes {"steps_run", "steps_without_attention",
+"attention_calls_seen", "warnings"} as JSON to the file "report" names (when given), for the command.
 Before the script runs, the launcher
 - patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
   scaled_dot_product_attention` in the script also gets the patched function),
@@ -92,12 +94,36 @@ def main(argv: list[str]) -> int:
             monitor_every=cfg.get("monitor_every"), alarm=bool(cfg.get("alarm", False)),
             alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
+            attention=cfg.get("attention") or (), softmax=cfg.get("softmax"),
         )
         session.start()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    show_capture_warnings_as_lines()
+    said: list[str] = []
+    show_capture_warnings_as_lines(said)
+    try:
+        return _run(session, target, script_args, module_mode)
+    finally:
+        _write_report(cfg.get("report"), session, said)
+
+
+def _write_report(path, session, said: list[str]) -> None:
+    """What the command cannot read from the store: how far the run got and what was said."""
+    if not path:
+        return
+    report = {"steps_run": int(session.current_step), "steps_without_attention": list(session.steps_without_attention),
+              "attention_calls_seen": int(session.attention_calls_seen), "warnings": said}
+    try:
+        with open(path, "w") as fh:
+            json.dump(report, fh)
+    except OSError:
+        pass
+
+
+def _run(session, target: str, script_args: list[str], module_mode: bool) -> int:
+    from fa_forensics.errors import UserError
+
     binder = _auto_binder(session)
     code = 0
     sys.argv = [target, *script_args]
