@@ -58,6 +58,7 @@ def block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, de
 # -- flash_attn ----------------------------------------------------------------------------------
 def _flash_facts(q, k, v, o, where: str, *, dropout_p, scale, causal, cu=None, rest: dict) -> CallFacts:
     """q (B, T, H, D) etc. (varlen: (N, H, D) with cu = (cu_seqlens_q, cu_seqlens_k))."""
+    grad_sink = o_grad_sink(o, (lambda g: _bthd(g.unsqueeze(0))) if cu is not None else _bthd)  # on the O autograd saw
     if cu is not None:
         q, k, v, o = (t.unsqueeze(0) for t in (q, k, v, o))
     check_attention_shapes(q, k, v, o, "BTHD", where)
@@ -81,7 +82,7 @@ def _flash_facts(q, k, v, o, where: str, *, dropout_p, scale, causal, cu=None, r
     if unreplayed:
         attrs["not_replayed"] = unreplayed
     return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale), causal=bool(causal),
-                     mask=mask, dropout_p=float(dropout_p or 0.0), grad_sink=o_grad_sink(o, _bthd), attrs=attrs, warning=warning)
+                     mask=mask, dropout_p=float(dropout_p or 0.0), grad_sink=grad_sink, attrs=attrs, warning=warning)
 
 
 _FLASH_TAIL = ("window_size", "softcap", "alibi_slopes")
@@ -137,6 +138,7 @@ def memory_efficient_attention(args, kwargs, out, where="xformers.ops.memory_eff
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
     bias, p, scale = _arg(args, kwargs, 3, "attn_bias"), _arg(args, kwargs, 4, "p", 0.0), _arg(args, kwargs, 5, "scale")
     o = _output(out)
+    grad_sink = o_grad_sink(o, (lambda g: _bthd(g.unsqueeze(2))) if o.dim() == 3 else _bthd)  # on the O autograd saw
     if q.dim() == 3:  # (B, M, K): one head
         q, k, v, o = (t.unsqueeze(2) for t in (q, k, v, o))
     check_attention_shapes(q, k, v, o, "BTHD", where)
@@ -153,7 +155,7 @@ def memory_efficient_attention(args, kwargs, out, where="xformers.ops.memory_eff
             shape = (B, H, tq, tk) if isinstance(getattr(bias, "_bias", None), torch.Tensor) else (1, 1, tq, tk)
             mask = bias.materialize(shape, dtype=torch.float32, device=q.device)
     return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale), causal=causal,
-                     mask=mask, dropout_p=float(p or 0.0), grad_sink=o_grad_sink(o, _bthd),
+                     mask=mask, dropout_p=float(p or 0.0), grad_sink=grad_sink,
                      attrs={"layout": "BTHD", "attn_bias": kind})
 
 
