@@ -29,7 +29,7 @@ class BlockedAttention(torch.autograd.Function):
             new_max = torch.maximum(m, row_max)
             p = torch.exp(s - new_max)
             correction = torch.exp(row_max - new_max)
-            row_sum.copy_(correction * row_sum + p.sum(dim=-1, keepdim=True))
+            row_sum.copy_(correction * row_sum + p.sum(dim=-1, keepdim=True).clamp(min=1e-10))
             o.mul_(correction).add_(torch.einsum("...ij,...jd->...id", p, vc))
             row_max.copy_(new_max)
         o.div_(row_sum)

@@ -18,7 +18,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
-        y = BlockedAttention.apply(q, k, v, None, True, 8)
+        y = BlockedAttention.apply(q, k, v, None, True, 512)  # tiles of 512 keys, as the paper runs it
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
