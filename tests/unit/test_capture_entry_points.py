@@ -287,3 +287,27 @@ def test_real_flex_attention_block_mask_and_score_mod(tmp_path):
     with pytest.warns(fa_forensics.capture.events.CaptureWarning, match="score_mod 'bump'.*will not reproduce O"):
         _, d = train(tmp_path / "mod", call_mod)
     assert d._layer(1, 0).attrs["score_mod"] == "bump"
+
+
+def test_sdpa_inside_a_watched_callable_is_recorded_once_and_unresolved_names_are_said(tmp_path, standins):
+    def call(q, k, v):
+        import _reference
+
+        o = _reference.attention(q, k, v)  # patched on import below; it calls nothing else
+        return o, o
+
+    def sdpa_inside(q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o
+
+    import _reference
+    monkey = _reference.attention
+    _reference.attention = lambda q, k, v, *a, **kw: sdpa_inside(q, k, v)
+    try:
+        with pytest.warns(fa_forensics.capture.events.CaptureWarning, match="--attention nowhere:attn,layout=BHTD was never patched"):
+            seen, d = train(tmp_path, call, attention=["_reference:attention,causal=true", "nowhere:attn"])
+    finally:
+        _reference.attention = monkey
+    assert d.layers() == [0, 1]  # one call per layer: the SDPA call inside the watched one is its own
+    assert d._layer(1, 0).attrs["source"] == "_reference:attention,layout=BHTD,causal=true"
+    check_layers(d, seen)
