@@ -76,13 +76,14 @@ def _flash_facts(q, k, v, o, where: str, *, dropout_p, scale, causal, cu=None, r
                   if value is not None and value != neutral and not (name == "window_size" and tuple(value) == neutral)]
     warning = None
     if unreplayed:
-        warning = (f"fa-forensics capture: {where} was called with {', '.join(unreplayed)}, which replays do not model; "
-                   "Q, K, V, O are recorded, but a replay of these layers will not reproduce O")
+        warning = (f"fa-forensics capture: {where} was called with {', '.join(unreplayed)}, which replays do not "
+                   "model; Q, K, V, O are recorded, but a replay of these layers will not reproduce O")
     attrs = {"layout": "BTHD", "varlen": cu is not None}
     if unreplayed:
         attrs["not_replayed"] = unreplayed
-    return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale), causal=bool(causal),
-                     mask=mask, dropout_p=float(dropout_p or 0.0), grad_sink=grad_sink, attrs=attrs, warning=warning)
+    return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale),
+                     causal=bool(causal), mask=mask, dropout_p=float(dropout_p or 0.0), grad_sink=grad_sink,
+                     attrs=attrs, warning=warning)
 
 
 _FLASH_TAIL = ("window_size", "softcap", "alibi_slopes")
@@ -120,7 +121,8 @@ def flash_attn_varlen_func(args, kwargs, out, where="flash_attn_varlen_func"):
 def flash_attn_varlen_qkvpacked_func(args, kwargs, out, where="flash_attn_varlen_qkvpacked_func"):
     qkv = _arg(args, kwargs, 0, "qkv")  # (N, 3, H, D)
     cu = _arg(args, kwargs, 1, "cu_seqlens")
-    return _flash_facts(qkv[:, 0], qkv[:, 1], qkv[:, 2], _output(out), where, cu=(cu, cu), **_flash_kwargs(args, kwargs, 3))
+    return _flash_facts(qkv[:, 0], qkv[:, 1], qkv[:, 2], _output(out), where, cu=(cu, cu),
+                        **_flash_kwargs(args, kwargs, 3))
 
 
 def flash_attn_varlen_kvpacked_func(args, kwargs, out, where="flash_attn_varlen_kvpacked_func"):
@@ -154,15 +156,16 @@ def memory_efficient_attention(args, kwargs, out, where="xformers.ops.memory_eff
         else:
             shape = (B, H, tq, tk) if isinstance(getattr(bias, "_bias", None), torch.Tensor) else (1, 1, tq, tk)
             mask = bias.materialize(shape, dtype=torch.float32, device=q.device)
-    return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale), causal=causal,
-                     mask=mask, dropout_p=float(p or 0.0), grad_sink=grad_sink,
+    return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale),
+                     causal=causal, mask=mask, dropout_p=float(p or 0.0), grad_sink=grad_sink,
                      attrs={"layout": "BTHD", "attn_bias": kind})
 
 
 # -- flex_attention ------------------------------------------------------------------------------
 def flex_attention(args, kwargs, out, where="flex_attention"):
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
-    score_mod, block_mask, scale = _arg(args, kwargs, 3, "score_mod"), _arg(args, kwargs, 4, "block_mask"), _arg(args, kwargs, 5, "scale")
+    score_mod, block_mask = _arg(args, kwargs, 3, "score_mod"), _arg(args, kwargs, 4, "block_mask")
+    scale = _arg(args, kwargs, 5, "scale")
     o = _output(out)
     check_attention_shapes(q, k, v, o, "BHTD", where)
     mask = None
@@ -202,6 +205,6 @@ def built_in_entry_points() -> list[EntryPoint]:
     return eps
 
 
-WATCHED_TEXT = ("torch.nn.functional.scaled_dot_product_attention, flash_attn (flash_attn_func, its packed and varlen forms), "
-                "xformers.ops.memory_efficient_attention, torch.nn.attention.flex_attention.flex_attention and "
-                "fa_forensics.capture.record")
+WATCHED_TEXT = ("torch.nn.functional.scaled_dot_product_attention, flash_attn (flash_attn_func, its packed and "
+                "varlen forms), xformers.ops.memory_efficient_attention, "
+                "torch.nn.attention.flex_attention.flex_attention and fa_forensics.capture.record")

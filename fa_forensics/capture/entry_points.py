@@ -86,20 +86,22 @@ class TargetSpec:
         head, *options = [p.strip() for p in str(text).split(",")]
         module, sep, qualname = head.partition(":")
         if not sep or not module or not qualname or not all(p.isidentifier() for p in qualname.split(".")):
-            raise InvalidCaptureSetting("attention", f"{text!r} does not name a callable; write MODULE:QUALNAME, e.g. "
-                                                     "attention:FlashAttentionFunction or mypkg.attn:attention_fn,layout=BTHD")
+            raise InvalidCaptureSetting("attention", f"{text!r} does not name a callable; write MODULE:QUALNAME, "
+                                                     "e.g. attention:FlashAttentionFunction or "
+                                                     "mypkg.attn:attention_fn,layout=BTHD")
         values: dict[str, Any] = {}
         for option in options:
             key, eq, value = option.partition("=")
             key = key.strip().lower()
             if not eq or key not in ("layout", "causal", "scale"):
-                raise InvalidCaptureSetting("attention", f"{option!r} in {text!r} is not an option; use layout=BHTD|BTHD, "
-                                                         "causal=true|false or scale=NUMBER")
+                raise InvalidCaptureSetting("attention", f"{option!r} in {text!r} is not an option; use "
+                                                         "layout=BHTD|BTHD, causal=true|false or scale=NUMBER")
             if key == "layout":
                 values["layout"] = check_layout(value)
             elif key == "causal":
                 if value.lower() not in ("true", "false", "1", "0"):
-                    raise InvalidCaptureSetting("attention", f"causal={value!r} in {text!r}: write causal=true or causal=false")
+                    raise InvalidCaptureSetting("attention", f"causal={value!r} in {text!r}: write causal=true "
+                                                             "or causal=false")
                 values["causal"] = value.lower() in ("true", "1")
             else:
                 try:
@@ -146,8 +148,8 @@ def _generic_adapter(spec: TargetSpec, params: list[str], args: tuple, kwargs: d
     dropout = _first(bound, _DROPOUT)
     warning = None
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
-        warning = (f"fa-forensics capture: {where}: the call's mask ({type(mask).__name__}"
-                   f"{'' if not isinstance(mask, torch.Tensor) else ' of shape ' + str(tuple(mask.shape))}) is not a 4-D "
+        shape = f" of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else ""
+        warning = (f"fa-forensics capture: {where}: the call's mask ({type(mask).__name__}{shape}) is not a 4-D "
                    "SDPA-style mask and is not recorded; replays of these layers ignore it")
         mask = None
     convert = functools.partial(to_bhtd, layout=spec.layout)
@@ -178,7 +180,8 @@ Report = Callable[[EntryPoint, tuple, dict, Any], None]  # called on busy steps 
 class EntryPointPatcher:
     """Patches entry points (now, or when their module is imported) and restores them."""
 
-    def __init__(self, is_busy: Callable[[], bool], report: Report, enter: Callable[[int], None] = lambda delta: None) -> None:
+    def __init__(self, is_busy: Callable[[], bool], report: Report,
+                 enter: Callable[[int], None] = lambda delta: None) -> None:
         self._is_busy = is_busy
         self._report = report
         self._enter = enter  # told +1 / -1 around a busy call (attention calls inside it are the entry point's own)

@@ -244,20 +244,21 @@ class CaptureSession:
         """A watched entry point returned on a busy step: read the call with its adapter and record it."""
         facts = ep.adapter(args, kwargs, out)
         if facts is None:
-            self._warn_once(f"unread:{ep.name}", f"fa-forensics capture: a call of {ep.name} did not pass tensors as its "
-                                                 "first three arguments and return one; it is not recorded")
+            self._warn_once(f"unread:{ep.name}", f"fa-forensics capture: a call of {ep.name} did not pass tensors "
+                                                 "as its first three arguments and return one; it is not recorded")
             return
         if facts.warning:
             self._warn_once(f"call:{ep.name}:{facts.warning}", facts.warning)
-        self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal, attn_mask=facts.mask,
-                          dropout_p=facts.dropout_p, source=ep.name, grad_sink=facts.grad_sink, extra=facts.attrs)
+        self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal,
+                          attn_mask=facts.mask, dropout_p=facts.dropout_p, source=ep.name, grad_sink=facts.grad_sink,
+                          extra=facts.attrs)
 
     def no_attention_message(self, step: int) -> str:
         """One line for a selected step that ran without an attention call: what is watched, how to add one."""
-        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled (watched: "
-                f"{self.watched_text()}); if the model's attention is its own code, name it with --attention "
-                "MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] in Python) or call "
-                "fa_forensics.capture.record(q, k, v, o, layout=...) in it")
+        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled "
+                f"(watched: {self.watched_text()}); if the model's attention is its own code, name it with "
+                "--attention MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] "
+                "in Python) or call fa_forensics.capture.record(q, k, v, o, layout=...) in it")
 
     def _entry_point_busy(self) -> bool:
         return self.busy
@@ -338,9 +339,10 @@ class CaptureSession:
         missing = [t.to_text() for t in self.targets if t.entry_point().name not in patcher.patched]
         patcher.uninstall()
         for name in missing:
-            self._warn_once(f"target:{name}", f"fa-forensics capture: --attention {name} was never patched: its module was "
-                                              "not imported during the run or has no such callable; check MODULE:QUALNAME "
-                                              "(the module must be importable, not the training script itself)")
+            self._warn_once(f"target:{name}", f"fa-forensics capture: --attention {name} was never patched: its "
+                                              "module was not imported during the run or has no such callable; check "
+                                              "MODULE:QUALNAME (the module must be importable, not the training "
+                                              "script itself)")
 
     def bind(self, model: torch.nn.Module) -> int:
         """Hook `model`: its forward starts a micro-batch; its attention modules give X. Returns the count found."""
@@ -433,11 +435,11 @@ class CaptureSession:
             if self._root is None and self._now.micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
-        extra = {"source": source, "softmax": self.softmax.variant_for(source), "softmax_rule": self.softmax.to_text() or "none",
-                 **(extra or {})}
+        extra = {"source": source, "softmax": self.softmax.variant_for(source),
+                 "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal, mask=attn_mask,
-                             dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x, grad_sink=grad_sink,
-                             extra=extra)
+                             dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
+                             grad_sink=grad_sink, extra=extra)
         if self._monitor_hot():
             name = self._module_name(call)
             self._monitor.observe(call, self.selection.batch, name, self._modules_by_name.get(name))
@@ -595,8 +597,9 @@ class CaptureSession:
             model_attrs = {**described["model"], "fingerprint": model_fingerprint(self.model), **model_attrs}
             device = device or described["device"]
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
-                         "rank": self.rank, "world_size": self.world_size, "attention": [t.to_text() for t in self.targets],
-                         "softmax": self.softmax.to_text() or "none", **self.run_attrs.get("capture", {})}
+                         "rank": self.rank, "world_size": self.world_size,
+                         "attention": [t.to_text() for t in self.targets], "softmax": self.softmax.to_text() or "none",
+                         **self.run_attrs.get("capture", {})}
         if self._monitor is not None:
             capture_attrs["monitor"] = {**self._monitor.attrs(), "timeline_flush_rows": self.timeline_flush_rows}
         return {

@@ -43,8 +43,9 @@ class SoftmaxVariant:
         name, eq, value = text.partition("=")
         if eq and name.strip() and name.strip().replace("_", "a").isalnum():
             return cls(env=name.strip(), env_value=value)
-        raise InvalidCaptureSetting("softmax", f"{text!r} is not a softmax rule; write standard, stabilized or ENV=VALUE "
-                                               "(stabilized when the environment variable ENV equals VALUE, e.g. STABLE=1)")
+        raise InvalidCaptureSetting("softmax", f"{text!r} is not a softmax rule; write standard, stabilized or "
+                                               "ENV=VALUE (stabilized when the environment variable ENV equals VALUE, "
+                                               "e.g. STABLE=1)")
 
     def to_text(self) -> Optional[str]:
         if self.fixed:

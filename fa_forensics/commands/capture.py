@@ -25,8 +25,14 @@ MonitorEveryOpt = Annotated[Optional[int], typer.Option("--monitor-every", help=
 AlarmOpt = Annotated[bool, typer.Option("--alarm", help="Watch the timeline with the robust z-score rule; on an alarm print one line and record the next --alarm-steps steps in full.")]
 AlarmStepsOpt = Annotated[int, typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
 RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored steps' tensors (selected layers, batch slice) in host memory; an alarm writes them too.", metavar="K")]
-AttentionOpt = Annotated[Optional[list[str]], typer.Option("--attention", help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with ,layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.", metavar="MODULE:QUALNAME[,OPTS]")]
-SoftmaxOpt = Annotated[Optional[str], typer.Option("--softmax", help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment variable has that value at the call, e.g. STABLE=1). Default: recorded as unknown.", metavar="RULE")]
+AttentionOpt = Annotated[Optional[list[str]], typer.Option(
+    "--attention", metavar="MODULE:QUALNAME[,OPTS]",
+    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
+         ",layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.")]
+SoftmaxOpt = Annotated[Optional[str], typer.Option(
+    "--softmax", metavar="RULE",
+    help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
+         "variable has that value at the call, e.g. STABLE=1). Default: recorded as unknown.")]
 BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
 
 
@@ -210,10 +216,11 @@ def register(app: typer.Typer) -> None:
             warnings_said = list(report.get("warnings", []))
             if never:
                 warnings_said.append(f"selected step(s) {_span_text(never)} were never reached (the run made "
-                                     f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded for them. "
-                                     "Check --steps against the run's length")
-            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary, "never_reached": never,
-                                  "steps_run": ran, "ran_without_attention": without_attention, "warnings": warnings_said})
+                                     f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
+                                     "for them. Check --steps against the run's length")
+            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary,
+                                  "never_reached": never, "steps_run": ran, "ran_without_attention": without_attention,
+                                  "warnings": warnings_said})
             recorded = bool(summary["steps"] or summary["incomplete_steps"] or summary["monitored_steps"])
             if code == 2 and not recorded:  # the launcher or the script said why, in its own line
                 raise typer.Exit(code=2)

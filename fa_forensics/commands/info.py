@@ -112,7 +112,8 @@ def empty_dump_code(d) -> int:
     attention call), else 0."""
     if d.steps or d.incomplete_steps or d.timeline:
         return 0
-    err_console.print(f"[bold yellow]empty:[/] {d.path} holds no recorded step (its capture saw no attention call, or reached no selected step); "
+    err_console.print(f"[bold yellow]empty:[/] {d.path} holds no recorded step (its capture saw no attention call, "
+                      "or reached no selected step); "
                       "re-capture naming the attention (fa-forensics capture --attention MODULE:QUALNAME ...)",
                       highlight=False, soft_wrap=True)
     return 1

@@ -42,10 +42,11 @@ from fa_forensics.errors import DumpError
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 # Every chunk on disk (zarr skips all-zero chunks by default, which would make a lost chunk read as zeros).
 ARRAY_CONFIG = {"write_empty_chunks": True}
-_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask", "autocast", "input_dtype",
-                    # how the call was made: precision facts, softmax variant, entry point and what of it is not replayed
-                    "device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias",
-                    "block_mask", "score_mod", "not_replayed")
+_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask",
+                    "autocast", "input_dtype",
+                    # how the call was made: precision facts, softmax variant, entry point, what is not replayed
+                    "device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen",
+                    "attn_bias", "block_mask", "score_mod", "not_replayed")
 
 
 def _existing_format(path: Path) -> int | None:

@@ -200,8 +200,8 @@ class ReplayConfig:
     @property
     def is_low_precision(self) -> bool:
         """True when any cast in the forward pass rounds below fp32."""
-        casts = (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype, self.s_dtype, self.stats_dtype, self.rescale_dtype,
-                 self.exp_dtype)
+        casts = (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype, self.s_dtype, self.stats_dtype,
+                 self.rescale_dtype, self.exp_dtype)
         return any(d in _LOW_PRECISION for d in casts)
 
     @property

@@ -44,7 +44,8 @@ def test_named_function_captured_through_the_cli_with_bit_equal_losses(tmp_path)
             attrs = dict(d._layer(step, layer).attrs)
             assert attrs["softmax"] == "stabilized" and attrs["module"] == f"h.{layer}.attn" and attrs["causal"] is True
             q, k, v = (d.read(step, layer, n).double() for n in "qkv")
-            s = (q @ k.transpose(-1, -2) * attrs["scale"]).masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), float("-inf"))
+            future = torch.ones(20, 20, dtype=torch.bool).triu(1)
+            s = (q @ k.transpose(-1, -2) * attrs["scale"]).masked_fill(future, float("-inf"))
             assert torch.allclose(d.read(step, layer, "o").double(), torch.softmax(s, -1) @ v, atol=1e-6)
     assert d.attrs["capture"]["attention"] == ["blocked_attention:BlockedAttention,layout=BHTD"]
     assert json.loads((tmp_path / "cli.json").read_text())["warnings"] == []

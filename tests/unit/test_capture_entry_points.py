@@ -158,7 +158,8 @@ def test_named_autograd_function_is_captured_with_its_softmax_variant(tmp_path, 
 
 def test_target_spec_parses_options_and_rejects_bad_text():
     spec = TargetSpec.parse("pkg.mod:Fn.apply_fn,layout=bthd,causal=false,scale=0.125")
-    assert (spec.module, spec.qualname, spec.layout, spec.causal, spec.scale) == ("pkg.mod", "Fn.apply_fn", "BTHD", False, 0.125)
+    parsed = (spec.module, spec.qualname, spec.layout, spec.causal, spec.scale)
+    assert parsed == ("pkg.mod", "Fn.apply_fn", "BTHD", False, 0.125)
     for text in ("attention", "attention:", "a:b,layout=HTD", "a:b,size=3", "a:b,scale=-1"):
         with pytest.raises(InvalidCaptureSetting):
             TargetSpec.parse(text)
@@ -186,7 +187,8 @@ def test_flash_attn_dense_forms(tmp_path, standins, form):
     seen, d = train(tmp_path, call)
     check_layers(d, seen, layout="BTHD")
     info = dict(d._layer(1, 0).attrs)
-    assert info["causal"] is True and info["scale"] == 0.3 and info["source"] == "flash_attn.flash_attn_" + ("func" if form == "func" else f"{form}_func")
+    assert info["causal"] is True and info["scale"] == 0.3
+    assert info["source"] == "flash_attn.flash_attn_" + ("func" if form == "func" else f"{form}_func")
 
 
 @pytest.mark.parametrize("form", ["varlen", "varlen_qkvpacked", "varlen_kvpacked"])
@@ -304,7 +306,8 @@ def test_sdpa_inside_a_watched_callable_is_recorded_once_and_unresolved_names_ar
     monkey = _reference.attention
     _reference.attention = lambda q, k, v, *a, **kw: sdpa_inside(q, k, v)
     try:
-        with pytest.warns(fa_forensics.capture.events.CaptureWarning, match="--attention nowhere:attn,layout=BHTD was never patched"):
+        never = "--attention nowhere:attn,layout=BHTD was never patched"
+        with pytest.warns(fa_forensics.capture.events.CaptureWarning, match=never):
             seen, d = train(tmp_path, call, attention=["_reference:attention,causal=true", "nowhere:attn"])
     finally:
         _reference.attention = monkey

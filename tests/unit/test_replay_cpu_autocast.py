@@ -56,4 +56,5 @@ def test_triton_backend_refuses_cpu_autocast_exp():
     from fa_forensics.replay.triton.backend import _check_supported
 
     with pytest.raises(BackendUnsupported, match="exp_dtype=bf16"):
-        _check_supported(ReplayConfig.preset("bf16-autocast-cpu").with_(masked_blocks="skip", row_sum_floor=0.0), backward=False)
+        cpu = ReplayConfig.preset("bf16-autocast-cpu").with_(masked_blocks="skip", row_sum_floor=0.0)
+        _check_supported(cpu, backward=False)
