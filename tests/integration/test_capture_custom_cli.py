@@ -65,3 +65,25 @@ def test_no_attention_call_seen_is_one_line_and_the_empty_dump_says_so(tmp_path)
     for command in ("info", "verify"):
         result = _cli([command, str(out)])
         assert result.returncode == 1 and "holds no recorded step" in result.stderr, (command, result.stderr)
+
+
+def test_bad_attention_options_and_a_layout_that_does_not_fit_are_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    for option, value, said in (("--attention", "nocolon", "does not name a callable"),
+                                ("--attention", "m:f,layout=HTD", "not a layout"),
+                                ("--softmax", "weird", "not a softmax rule")):
+        run = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "a.zarr"), "--steps", "1", option, value,
+                                       "--", "python", "t.py"])
+        assert run.exit_code == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    script = tmp_path / "swapped.py"  # (B, H, T, D) tensors reported as BTHD: heads of q and k differ
+    script.write_text("import torch, fa_forensics\n"
+                      "w = torch.nn.Parameter(torch.ones(()))\n"
+                      "q, k = torch.randn(1, 2, 5, 4) * w, torch.randn(1, 2, 3, 4) * w\n"
+                      "fa_forensics.capture.record(q, k, k, q, layout='BTHD')\n"
+                      "q.sum().backward(); torch.optim.SGD([w], lr=0.1).step()\n")
+    run = _cli(["capture", "--out", str(tmp_path / "b.zarr"), "--steps", "0", "--", sys.executable, str(script)])
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "layout: fa_forensics.capture.record: " in run.stderr and "read as BTHD" in run.stderr
