@@ -314,3 +314,25 @@ def test_sdpa_inside_a_watched_callable_is_recorded_once_and_unresolved_names_ar
     assert d.layers() == [0, 1]  # one call per layer: the SDPA call inside the watched one is its own
     assert d._layer(1, 0).attrs["source"] == "_reference:attention,layout=BHTD,causal=true"
     check_layers(d, seen)
+
+
+def test_launcher_binds_a_compiled_model_without_a_global_hook_alive_at_compile(tmp_path):
+    from fa_forensics.capture.launch import _auto_binder
+    from fa_forensics.capture.session import CaptureSession
+
+    session = CaptureSession(None, tmp_path / "run.zarr", [0])
+    session.start()
+    original = torch.compile
+    binder = _auto_binder(session)
+    try:
+        net = Net(lambda q, k, v: (q, q))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            compiled = torch.compile(net, backend="eager")
+            compiled(torch.randn(1, 4, 16))  # torch warns at the call when a global module hook is alive
+        assert session._root is compiled and not [w for w in said if "global hooks" in str(w.message)]
+        assert session.attention_module_names == ["_orig_mod.h.0.attn", "_orig_mod.h.1.attn"]
+    finally:
+        binder.remove()
+        session.stop()
+    assert torch.compile is original
