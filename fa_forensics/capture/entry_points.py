@@ -175,6 +175,7 @@ def parameter_names(target) -> list[str]:
 
 # -- patching ------------------------------------------------------------------------------------
 Report = Callable[[EntryPoint, tuple, dict, Any], None]  # called on busy steps only
+_active: Optional["EntryPointPatcher"] = None  # where every wrapper reports (also one bound by an earlier session)
 
 
 class EntryPointPatcher:
@@ -184,12 +185,14 @@ class EntryPointPatcher:
                  enter: Callable[[int], None] = lambda delta: None) -> None:
         self._is_busy = is_busy
         self._report = report
-        self._enter = enter  # told +1 / -1 around a busy call (attention calls inside it are the entry point's own)
+        self._enter = enter  # told +1 / -1 around a busy call (attention calls inside it are its own)
         self._restore: list[Callable[[], None]] = []
         self._finder: Optional[_PostImportFinder] = None
         self.patched: list[str] = []  # names of the entry points patched so far
 
     def install(self, entry_points: list[EntryPoint]) -> None:
+        global _active
+        _active = self
         waiting: dict[str, list[EntryPoint]] = {}
         for ep in entry_points:
             module = sys.modules.get(ep.module)
@@ -202,6 +205,9 @@ class EntryPointPatcher:
             sys.meta_path.insert(0, self._finder)
 
     def uninstall(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
         if self._finder is not None and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
         self._finder = None
@@ -254,22 +260,25 @@ class EntryPointPatcher:
 
         self._restore.append(restore)
 
-    def _wrap(self, original: Callable, ep: EntryPoint) -> Callable:
-        is_busy, report, enter = self._is_busy, self._report, self._enter
+    @staticmethod
+    def _wrap(original: Callable, ep: EntryPoint) -> Callable:
+        """The wrapper reports to the active patcher, so a wrapper that user code bound during an earlier
+        session (`from flash_attn import flash_attn_func`) reports to the current one."""
 
         @functools.wraps(original)
         def watched(*args, **kwargs):
-            if not is_busy():
+            patcher = _active
+            if patcher is None or not patcher._is_busy():
                 return original(*args, **kwargs)
             if torch.compiler.is_compiling():  # no state is mutated in traced code
                 out = original(*args, **kwargs)
             else:
-                enter(1)
+                patcher._enter(1)
                 try:
                     out = original(*args, **kwargs)
                 finally:
-                    enter(-1)
-            report(ep, args, kwargs, out)
+                    patcher._enter(-1)
+            patcher._report(ep, args, kwargs, out)
             return out
 
         watched._fa_forensics_entry_point = ep.name

@@ -336,3 +336,19 @@ def test_launcher_binds_a_compiled_model_without_a_global_hook_alive_at_compile(
         binder.remove()
         session.stop()
     assert torch.compile is original
+
+
+def test_a_binding_made_during_an_earlier_session_reports_to_the_current_one(tmp_path, standins):
+    bound = {}
+
+    def call(q, k, v):
+        if "f" not in bound:  # `from flash_attn import flash_attn_func` once, during the first session
+            from flash_attn import flash_attn_func
+            bound["f"] = flash_attn_func
+        o = bound["f"](_bthd(q), _bthd(k), _bthd(v), causal=True)
+        return _bthd(o), o
+
+    train(tmp_path / "first", call)
+    seen, d = train(tmp_path / "second", call)
+    assert d.steps == [1]
+    check_layers(d, seen, layout="BTHD")
