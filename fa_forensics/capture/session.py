@@ -64,6 +64,7 @@ class StepProgress:
     layer: int = 0  # attention calls so far in the current forward pass
     backward_seen: bool = False  # fallback micro-batch detection when no root module is known
     recorded: bool = False  # an array of the step was queued
+    calls: int = 0  # attention calls seen with gradients enabled
     loss: Optional[float] = None  # loss given by cap.step() before the boundary
 
 
@@ -422,6 +423,7 @@ class CaptureSession:
         if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
         self.attention_calls_seen += 1
+        self._now.calls += 1
         if self._root is None:  # no module tree: a new forward pass starts after a backward pass
             now = self._now
             if now.micro < 0 or now.backward_seen:
@@ -490,7 +492,12 @@ class CaptureSession:
                     self._flush_pending(None)
             else:
                 self.steps_without_attention.append(ended)
-                self._warn_once("empty", self.no_attention_message(ended))
+                if self._now.calls:
+                    self._warn_once("unselected", f"fa-forensics capture: step {ended} ran {self._now.calls} attention "
+                                                  "call(s) but none was selected (check --layers and --micro-batch "
+                                                  "against the model); nothing recorded for it")
+                else:
+                    self._warn_once("empty", self.no_attention_message(ended))
         if self._monitor is not None:
             self._monitor.end_step(ended, loss, tapped)
         self.current_step = ended + 1
