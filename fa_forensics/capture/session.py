@@ -11,9 +11,9 @@ Conventions (also in the README):
 - Only one session is active at a time. Hooks and the SDPA patch are removed on exit, also when
   the block raises; steps that ended before the error are completed, the cut one is not.
 
-Hot path: on a step that is not selected, the SDPA patch and every hook check one boolean
-(`busy`, or `_active` for the attention modules' input hooks) and return; nothing is cloned,
-nothing synchronizes.
+Hot path: on a step that is not selected, the SDPA patch, the wrappers of the other watched entry
+points (capture/entry_points.py, capture/adapters.py) and every hook check one boolean (`busy`, or
+`_active` for the attention modules' input hooks) and return; nothing is cloned, nothing synchronizes.
 
 torch.compile: the hooks and the SDPA patch are traced by dynamo. Each reads its flag in traced
 code (dynamo turns the read into a guard: a step that is not busy runs exactly the graph of a run
