@@ -25,6 +25,7 @@ from fa_forensics.dump.identity import check_same_model
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
+    CALL_ATTR_KEYS,
     FORMAT_VERSION,
     HEAD_TENSORS,
     ARRAY_NAMES,
@@ -43,10 +44,7 @@ CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 # Every chunk on disk (zarr skips all-zero chunks by default, which would make a lost chunk read as zeros).
 ARRAY_CONFIG = {"write_empty_chunks": True}
 _LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask",
-                    "autocast", "input_dtype",
-                    # how the call was made: precision facts, softmax variant, entry point, what is not replayed
-                    "device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen",
-                    "attn_bias", "block_mask", "score_mod", "not_replayed")
+                    "autocast", "input_dtype", *CALL_ATTR_KEYS)
 
 
 def _existing_format(path: Path) -> int | None:

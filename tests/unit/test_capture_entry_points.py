@@ -152,6 +152,8 @@ def test_named_autograd_function_is_captured_with_its_softmax_variant(tmp_path, 
     assert info["softmax"] == "stabilized" and info["softmax_rule"] == "TINY_STABLE=1" and info["causal"] is True
     assert info["source"] == "blocked_attention:BlockedAttention,layout=BHTD"
     assert info["device_type"] == "cpu" and info["autocast"] is False and info["autocast_dtype"] == "none"
+    call = d.layer_info(1, 0).call  # the same facts through the reader
+    assert call["softmax"] == "stabilized" and call["device_type"] == "cpu" and call["layout"] == "BHTD"
     from blocked_attention import BlockedAttention
     assert "apply" not in BlockedAttention.__dict__  # restored on exit
 
