@@ -5,9 +5,12 @@
             loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
             cap.step(loss)            # optional: stores the loss of the step that just ended
 
-Custom attention code that does not call F.scaled_dot_product_attention reports its calls with
-`fa_forensics.capture.record(q, k, v, o, scale=..., causal=...)` (a no-op when no capture is
-active). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100 -- python train.py`.
+Watched without any change to the model: F.scaled_dot_product_attention, flash_attn, xformers'
+memory_efficient_attention and flex_attention. Custom attention is named with `attention=
+["MODULE:QUALNAME,layout=BHTD"]` (a function or an autograd Function; docs/capture-custom-attention.md)
+or reports its calls with `fa_forensics.capture.record(q, k, v, o, layout="BHTD", scale=..., causal=...)`
+(a no-op when no capture is active). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100
+[--attention attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
 
@@ -57,17 +60,23 @@ def capture(
     layers / heads: indices (None = all). batch: slice of the batch dimension (None = whole batch).
     micro_batch: which forward pass of a step is recorded under gradient accumulation.
     attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
-    options: step_by ("optimizer" | "manual"), overwrite, max_queue, on_step, run_attrs.
+    options: step_by ("optimizer" | "manual"), overwrite, max_queue, on_step, run_attrs; attention: custom
+      entry points to watch ("MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"); softmax: the variant
+      custom attention computes ("standard", "stabilized" or "ENV=VALUE", see capture/softmax_variant.py).
     """
     return CaptureSession(model, out, steps, layers, heads, batch, micro_batch, attention_modules, **options)
 
 
 def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
-           causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
-    """Report one attention call of custom attention code to the active capture session (no-op without one)."""
+           causal: bool = True, x: Optional[torch.Tensor] = None, layout: str = "BHTD",
+           mask: Optional[torch.Tensor] = None) -> None:
+    """Report one attention call of custom attention code to the active capture session (no-op without one).
+
+    layout: how q, k, v, o are laid out, "BHTD" (B, heads, T, head_dim) or "BTHD" (B, T, heads, head_dim);
+    the shapes are checked against it (InvalidCaptureSetting naming the shapes) and stored as (B, H, T, D)."""
     session = active()
     if session is not None and session.busy:
-        session.record(q, k, v, o, scale=scale, causal=causal, x=x)
+        session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask)
 
 
 class _CallableModule(types.ModuleType):

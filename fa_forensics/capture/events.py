@@ -24,14 +24,16 @@ class AlarmWarning(CaptureWarning):
     """The monitor's alarm rule fired; the message is one line naming step, layer, head and metric."""
 
 
-def show_capture_warnings_as_lines() -> None:
-    """Show every CaptureWarning as its message alone, one line on stderr (for command-line runs);
-    other warnings keep Python's format."""
+def show_capture_warnings_as_lines(collect: Optional[list] = None) -> None:
+    """Show every CaptureWarning as its message alone, one line on stderr (for command-line runs),
+    also appended to `collect` when given; other warnings keep Python's format."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, CaptureWarning):
             print(str(message), file=sys.stderr if file is None else file, flush=True)
+            if collect is not None:
+                collect.append(str(message))
         else:
             shown(message, category, filename, lineno, file, line)
 
@@ -67,9 +69,10 @@ class AttentionCall:
     mask: Optional[torch.Tensor]
     dropout_p: float
     autocast_dtype: Optional[torch.dtype]
-    source: str  # "sdpa" | "record"
+    source: str  # "sdpa" | "record" | the watched entry point's name
     x: Optional[ModuleInput] = None
     grad_sink: Optional[Callable] = None
+    extra: Optional[dict] = None  # further layer attributes (layout, softmax, precision facts, ...)
 
     @property
     def kernel_dtype(self) -> torch.dtype:

@@ -2,13 +2,17 @@
 
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
 `fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
-"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring"} in their text forms.
+"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring", "attention", "softmax",
+"report"} in their text forms. At exit the launcher writes {"steps_run", "steps_without_attention",
+"attention_calls_seen", "warnings"} as JSON to the file "report" names (when given), for the command.
 Before the script runs, the launcher
 - patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
   scaled_dot_product_attention` in the script also gets the patched function),
 - counts steps through a global optimizer.step() post-hook,
 - installs a global module forward pre-hook that binds the first module whose tree contains
-  attention modules (by the name pattern) as the model, then removes itself.
+  attention modules (by the name pattern) as the model, then removes itself; torch.compile(module)
+  binds the compiled module at once instead (no global hook is alive when the script compiles),
+- patches the attention entry points it watches (capture/adapters.py, --attention) on import.
 Then the script runs as __main__ with its own argv (`--module NAME` runs a module like `python -m`).
 """
 from __future__ import annotations
@@ -34,13 +38,18 @@ def settings_from_env() -> dict:
 
 
 def _auto_binder(session):
-    """A global forward pre-hook that binds the first module containing attention modules, then removes itself."""
+    """Bind the first module containing attention modules: a global forward pre-hook that binds it at its
+    first forward and then removes itself, and a wrapper of torch.compile that binds a compiled module at
+    once (the global hook is removed before torch.compile(module) runs: a global hook alive there would
+    fire twice per call, and torch warns about it). `.remove()` undoes both."""
+    import torch
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     from fa_forensics.capture.modules import find_attention_modules
 
-    handle = None
     seen: set[int] = set()
+    state = {"handle": None}
+    original_compile = torch.compile
 
     def hook(module, args):
         if session._root is not None or id(module) in seen:
@@ -48,12 +57,31 @@ def _auto_binder(session):
         seen.add(id(module))
         if find_attention_modules(module, session.pattern):
             session.bind(module)
-            handle.remove()
+            state["handle"].remove()
             session._on_root_forward(module, args)  # the root's own hook was added during this very call
         return None
 
-    handle = register_module_forward_pre_hook(hook)
-    return handle
+    def compile_and_bind(model=None, *args, **kwargs):
+        if not isinstance(model, torch.nn.Module) or session._root is not None:
+            return original_compile(model, *args, **kwargs)
+        state["handle"].remove()
+        compiled = original_compile(model, *args, **kwargs)
+        if find_attention_modules(compiled, session.pattern):
+            session.bind(compiled)
+        else:
+            state["handle"] = register_module_forward_pre_hook(hook)
+        return compiled
+
+    class Binder:
+        @staticmethod
+        def remove() -> None:
+            state["handle"].remove()
+            if torch.compile is compile_and_bind:
+                torch.compile = original_compile
+
+    state["handle"] = register_module_forward_pre_hook(hook)
+    torch.compile = compile_and_bind
+    return Binder()
 
 
 def main(argv: list[str]) -> int:
@@ -92,12 +120,36 @@ def main(argv: list[str]) -> int:
             monitor_every=cfg.get("monitor_every"), alarm=bool(cfg.get("alarm", False)),
             alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
+            attention=cfg.get("attention") or (), softmax=cfg.get("softmax"),
         )
         session.start()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    show_capture_warnings_as_lines()
+    said: list[str] = []
+    show_capture_warnings_as_lines(said)
+    try:
+        return _run(session, target, script_args, module_mode)
+    finally:
+        _write_report(cfg.get("report"), session, said)
+
+
+def _write_report(path, session, said: list[str]) -> None:
+    """What the command cannot read from the store: how far the run got and what was said."""
+    if not path:
+        return
+    report = {"steps_run": int(session.current_step), "steps_without_attention": list(session.steps_without_attention),
+              "attention_calls_seen": int(session.attention_calls_seen), "warnings": said}
+    try:
+        with open(path, "w") as fh:
+            json.dump(report, fh)
+    except OSError:
+        pass
+
+
+def _run(session, target: str, script_args: list[str], module_mode: bool) -> int:
+    from fa_forensics.errors import UserError
+
     binder = _auto_binder(session)
     code = 0
     sys.argv = [target, *script_args]

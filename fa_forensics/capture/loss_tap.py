@@ -1,6 +1,7 @@
-"""The loss tap: the value of the scalar on which `backward()` is called, for the monitor's timeline.
+"""The loss tap: the value of the scalar on which `backward()` is called, for the monitor's timeline
+and the `loss` of recorded steps when the script does not report it (`cap.step(loss)`).
 
-While a monitoring session is active, `torch.autograd.backward` is wrapped (`Tensor.backward`
+While a capture session is active, `torch.autograd.backward` is wrapped (`Tensor.backward`
 calls it, so `loss.backward()` is covered). On a step the session watches, each backward call
 on a one-element tensor without an explicit gradient adds that tensor (detached, no device
 synchronization) to the step's running sum; under gradient accumulation with `loss / n` per

@@ -89,6 +89,9 @@ class Recorder:
             "input_dtype": str(q.dtype).replace("torch.", ""),
             "autocast": call.autocast_dtype is not None,
             "dropout_p": float(call.dropout_p),
+            "device_type": q.device.type,
+            "autocast_dtype": "none" if call.autocast_dtype is None else str(call.autocast_dtype).replace("torch.", ""),
+            **(call.extra or {}),
         }
         mask = None
         if call.mask is not None:

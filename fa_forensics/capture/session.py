@@ -11,9 +11,9 @@ Conventions (also in the README):
 - Only one session is active at a time. Hooks and the SDPA patch are removed on exit, also when
   the block raises; steps that ended before the error are completed, the cut one is not.
 
-Hot path: on a step that is not selected, the SDPA patch and every hook check one boolean
-(`busy`, or `_active` for the attention modules' input hooks) and return; nothing is cloned,
-nothing synchronizes.
+Hot path: on a step that is not selected, the SDPA patch, the wrappers of the other watched entry
+points (capture/entry_points.py, capture/adapters.py) and every hook check one boolean (`busy`, or
+`_active` for the attention modules' input hooks) and return; nothing is cloned, nothing synchronizes.
 
 torch.compile: the hooks and the SDPA patch are traced by dynamo. Each reads its flag in traced
 code (dynamo turns the read into a guard: a step that is not busy runs exactly the graph of a run
@@ -37,7 +37,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
+from fa_forensics.capture.adapters import WATCHED_TEXT, built_in_entry_points
+from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher, TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
+from fa_forensics.capture.layouts import check_attention_shapes, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
     DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_input, replace_module_input,
 )
@@ -45,6 +48,7 @@ from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
 )
 from fa_forensics.capture.monitoring import StepMonitor
+from fa_forensics.capture.softmax_variant import SoftmaxVariant
 from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.ring import RingArray, RingStep
 from fa_forensics.capture.writer import BackgroundWriter, offload
@@ -60,6 +64,7 @@ class StepProgress:
     layer: int = 0  # attention calls so far in the current forward pass
     backward_seen: bool = False  # fallback micro-batch detection when no root module is known
     recorded: bool = False  # an array of the step was queued
+    calls: int = 0  # attention calls seen with gradients enabled
     loss: Optional[float] = None  # loss given by cap.step() before the boundary
 
 
@@ -111,6 +116,8 @@ class CaptureSession:
         ring: int = 0,
         monitor_eps: float = 1e-3,
         timeline_flush_rows: int = 16,
+        attention=(),
+        softmax: Optional[str] = None,
     ):
         if step_by not in ("optimizer", "manual"):
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
@@ -119,6 +126,12 @@ class CaptureSession:
             raise CaptureError(f"timeline_flush_rows must be >= 1 (timeline rows appended at a time), got {timeline_flush_rows}")
         self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=bool(monitor_every))
         check_attention_pattern(attention_modules)
+        self.targets = [t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (attention or ())]
+        self.softmax = SoftmaxVariant.parse(softmax)
+        self._patcher: Optional[EntryPointPatcher] = None
+        self._tapped_loss: Optional[torch.Tensor] = None  # sum of the scalars backward() ran on in a recorded step
+        self._entry_depth = 0  # > 0 inside a watched entry point's call: attention calls within it are its own
+        self.attention_calls_seen = 0  # attention calls seen with gradients enabled on busy steps
         self.out = os.fspath(out)
         self.model = model
         self.pattern = attention_modules
@@ -143,6 +156,7 @@ class CaptureSession:
         self._writer: Optional[BackgroundWriter] = None
         self._warned: set[str] = set()
         self.recorded_steps: list[int] = []
+        self.steps_without_attention: list[int] = []  # selected steps that ran without a recordable attention call
         self._registered: set[int] = set()  # steps put in the store (as incomplete) when their first array was queued
         self.rank, self.world_size = 0, 1
         self.attention_module_names: list[str] = []
@@ -206,16 +220,53 @@ class CaptureSession:
             self._monitor.reported_loss = loss
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
-               causal: bool = True, x: Optional[torch.Tensor] = None) -> None:
-        """Record one attention call of custom attention code: q, k, v, o (B, H, T, D); x (B, T, C) optional."""
+               causal: bool = True, x: Optional[torch.Tensor] = None, layout: str = "BHTD",
+               mask: Optional[torch.Tensor] = None) -> None:
+        """Record one attention call of custom attention code: q, k, v, o in `layout` (BHTD: (B, H, T, D);
+        BTHD: (B, T, H, D)), shapes checked; mask SDPA-style (B or 1, H or 1, Tq, Tk); x (B, T, C) optional."""
         if self.busy:
-            self._record_eager(q, k, v, o, scale, causal, x)
+            self._record_eager(q, k, v, o, scale, causal, x, check_layout(layout), mask)
 
     @torch.compiler.disable
-    def _record_eager(self, q, k, v, o, scale, causal, x) -> None:
+    def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask) -> None:
+        check_attention_shapes(q, k, v, o, layout, "fa_forensics.capture.record")
         if x is not None:
             self._pending_x = ModuleInput("record", x)
-        self.on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask=None, dropout_p=0.0, source="record")
+        grad_sink = None
+        if layout != "BHTD" and o.requires_grad:
+            def grad_sink(hook, o=o):
+                o.register_hook(lambda grad: hook(to_bhtd(grad, layout)))
+        self.on_attention(to_bhtd(q, layout), to_bhtd(k, layout), to_bhtd(v, layout), to_bhtd(o, layout), scale=scale,
+                          causal=causal, attn_mask=mask, dropout_p=0.0, source="record", grad_sink=grad_sink,
+                          extra={"layout": layout})
+
+    @torch.compiler.disable
+    def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out) -> None:
+        """A watched entry point returned on a busy step: read the call with its adapter and record it."""
+        facts = ep.adapter(args, kwargs, out)
+        if facts is None:
+            self._warn_once(f"unread:{ep.name}", f"fa-forensics capture: a call of {ep.name} did not pass tensors "
+                                                 "as its first three arguments and return one; it is not recorded")
+            return
+        if facts.warning:
+            self._warn_once(f"call:{ep.name}:{facts.warning}", facts.warning)
+        self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal,
+                          attn_mask=facts.mask, dropout_p=facts.dropout_p, source=ep.name, grad_sink=facts.grad_sink,
+                          extra=facts.attrs)
+
+    def no_attention_message(self, step: int) -> str:
+        """One line for a selected step that ran without an attention call: what is watched, how to add one."""
+        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled "
+                f"(watched: {self.watched_text()}); if the model's attention is its own code, name it with "
+                "--attention MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] "
+                "in Python) or call fa_forensics.capture.record(q, k, v, o, layout=...) in it")
+
+    def _entry_point_busy(self) -> bool:
+        return self.busy
+
+    def watched_text(self) -> str:
+        """The attention entry points this session watches, for messages."""
+        return WATCHED_TEXT + "".join(f", {t.to_text()}" for t in self.targets)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -244,9 +295,11 @@ class CaptureSession:
             if self.step_by == "optimizer":
                 self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_step))
             sdpa.install(self)
+            self._patcher = EntryPointPatcher(self._entry_point_busy, self._on_entry_point, self._enter_entry_point)
+            self._patcher.install(built_in_entry_points() + [t.entry_point() for t in self.targets])
             if self._monitor is not None:
                 self._monitor.start(self._warn_once)
-                loss_tap.install(self)
+            loss_tap.install(self)  # the loss of recorded steps when the script does not call cap.step(loss)
             _set_active(self)
             self._begin_step(0)
         except BaseException:
@@ -258,6 +311,7 @@ class CaptureSession:
         """Remove every hook and patch, complete the step(s) that ended, flush and close the store."""
         self._remove_hooks()
         sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
+        self._uninstall_entry_points()
         loss_tap.uninstall(self)
         _set_active(None)
         if self._writer is None:
@@ -275,6 +329,21 @@ class CaptureSession:
                 if not failed:
                     raise
                 warnings.warn(f"fa-forensics capture: closing the store after an error also failed: {exc}", RuntimeWarning)
+
+    def _enter_entry_point(self, delta: int) -> None:
+        self._entry_depth += delta
+
+    def _uninstall_entry_points(self) -> None:
+        patcher, self._patcher = self._patcher, None
+        if patcher is None:
+            return
+        missing = [t.to_text() for t in self.targets if t.entry_point().name not in patcher.patched]
+        patcher.uninstall()
+        for name in missing:
+            self._warn_once(f"target:{name}", f"fa-forensics capture: --attention {name} was never patched: its "
+                                              "module was not imported during the run or has no such callable; check "
+                                              "MODULE:QUALNAME (the module must be importable, not the training "
+                                              "script itself)")
 
     def bind(self, model: torch.nn.Module) -> int:
         """Hook `model`: its forward starts a micro-batch; its attention modules give X. Returns the count found."""
@@ -339,18 +408,22 @@ class CaptureSession:
 
     def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float, source: str,
                      grad_sink: Optional[Callable] = None, grad_enabled: Optional[bool] = None,
-                     autocast_dtype: Union[torch.dtype, None, str] = "ambient") -> None:
+                     autocast_dtype: Union[torch.dtype, None, str] = "ambient", extra: Optional[dict] = None) -> None:
         """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded or monitored.
 
         grad_sink: inside a compiled graph O carries no autograd history here; the dO hook is handed
         to grad_sink instead of being registered on O. grad_enabled, autocast_dtype: the grad mode and
         autocast dtype (None: autocast off) the call was traced in; by default the ones in effect now.
         """
+        if self._entry_depth > 0:
+            return  # inside a watched entry point: its own call is recorded when it returns
         if autocast_dtype == "ambient":
             autocast_dtype = _autocast_dtype(q)
         self._flush_waiting()
         if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
+        self.attention_calls_seen += 1
+        self._now.calls += 1
         if self._root is None:  # no module tree: a new forward pass starts after a backward pass
             now = self._now
             if now.micro < 0 or now.backward_seen:
@@ -364,8 +437,11 @@ class CaptureSession:
             if self._root is None and self._now.micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
+        extra = {"source": source, "softmax": self.softmax.variant_for(source),
+                 "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal, mask=attn_mask,
-                             dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x, grad_sink=grad_sink)
+                             dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
+                             grad_sink=grad_sink, extra=extra)
         if self._monitor_hot():
             name = self._module_name(call)
             self._monitor.observe(call, self.selection.batch, name, self._modules_by_name.get(name))
@@ -405,14 +481,23 @@ class CaptureSession:
     def _end_step(self, loss: Optional[float]) -> None:
         ended = self.current_step
         self._flush_waiting()
-        tapped = None if self._monitor is None else self._monitor.take_tapped_loss()
+        if self._monitor is not None:
+            tapped = self._monitor.take_tapped_loss()
+        else:
+            tapped, self._tapped_loss = self._tapped_loss, None
         if self._hot:
             if self._now.recorded:
                 self._pending = PendingStep(ended, loss if loss is not None else self._now.loss, tapped)
                 if self._pending.loss is not None or self.step_by == "manual":
                     self._flush_pending(None)
             else:
-                self._warn_once(f"empty{ended}", f"fa-forensics capture: step {ended} was selected but no attention call was seen (with gradients enabled); nothing recorded for it")
+                self.steps_without_attention.append(ended)
+                if self._now.calls:
+                    self._warn_once("unselected", f"fa-forensics capture: step {ended} ran {self._now.calls} attention "
+                                                  "call(s) but none was selected (check --layers and --micro-batch "
+                                                  "against the model); nothing recorded for it")
+                else:
+                    self._warn_once("empty", self.no_attention_message(ended))
         if self._monitor is not None:
             self._monitor.end_step(ended, loss, tapped)
         self.current_step = ended + 1
@@ -462,8 +547,12 @@ class CaptureSession:
         if not self._active:
             return
         value = loss_tap.scalar_loss(tensors, grad_tensors)
-        if value is not None:
+        if value is None:
+            return
+        if self._monitor is not None:
             self._monitor.add_tapped_loss(value)
+        elif self._hot:
+            self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
 
     def _module_name(self, call: AttentionCall) -> str:
         """The attention module of a call: the one whose input X came with it, else by call order."""
@@ -515,7 +604,9 @@ class CaptureSession:
             model_attrs = {**described["model"], "fingerprint": model_fingerprint(self.model), **model_attrs}
             device = device or described["device"]
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
-                         "rank": self.rank, "world_size": self.world_size, **self.run_attrs.get("capture", {})}
+                         "rank": self.rank, "world_size": self.world_size,
+                         "attention": [t.to_text() for t in self.targets], "softmax": self.softmax.to_text() or "none",
+                         **self.run_attrs.get("capture", {})}
         if self._monitor is not None:
             capture_attrs["monitor"] = {**self._monitor.attrs(), "timeline_flush_rows": self.timeline_flush_rows}
         return {

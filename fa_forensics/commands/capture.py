@@ -25,6 +25,14 @@ MonitorEveryOpt = Annotated[Optional[int], typer.Option("--monitor-every", help=
 AlarmOpt = Annotated[bool, typer.Option("--alarm", help="Watch the timeline with the robust z-score rule; on an alarm print one line and record the next --alarm-steps steps in full.")]
 AlarmStepsOpt = Annotated[int, typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
 RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored steps' tensors (selected layers, batch slice) in host memory; an alarm writes them too.", metavar="K")]
+AttentionOpt = Annotated[Optional[list[str]], typer.Option(
+    "--attention", metavar="MODULE:QUALNAME[,OPTS]",
+    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
+         ",layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.")]
+SoftmaxOpt = Annotated[Optional[str], typer.Option(
+    "--softmax", metavar="RULE",
+    help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
+         "variable has that value at the call, e.g. STABLE=1). Default: recorded as unknown.")]
 BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
 
 
@@ -61,7 +69,8 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
     raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
 
 
-OPTION_OF = {"monitor_every": "--monitor-every", "alarm": "--alarm", "alarm_steps": "--alarm-steps", "ring": "--ring",
+OPTION_OF = {"attention": "--attention", "softmax": "--softmax", "layout": "--attention ...,layout",
+             "monitor_every": "--monitor-every", "alarm": "--alarm", "alarm_steps": "--alarm-steps", "ring": "--ring",
              "attention_modules": "--attention-modules", "heads": "--heads", "batch": "--batch", "out": "--out"}
 DEMO_OPTION_OF = {**OPTION_OF, "heads": "--capture-heads", "batch": "--capture-batch", "out": "--capture"}
 NEEDED_AS = {"monitor_every": "--monitor-every N", "alarm": "--alarm"}
@@ -129,6 +138,15 @@ def _store_summary(out: Path) -> dict:
         return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": []}
 
 
+def _launcher_report(path: str) -> dict:
+    """The launcher's report (steps run, warnings said); {} when the launcher did not get to write it."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "capture",
@@ -152,11 +170,17 @@ def register(app: typer.Typer) -> None:
         alarm: AlarmOpt = False,
         alarm_steps: AlarmStepsOpt = 3,
         ring: RingOpt = 0,
+        attention: AttentionOpt = None,
+        softmax: SoftmaxOpt = None,
         json_out: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
         def body():
+            import tempfile
+
+            from fa_forensics.capture.entry_points import TargetSpec
             from fa_forensics.capture.launch import ENV_VAR
+            from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
 
             from fa_forensics.capture.selection import check_attention_pattern, check_monitor_options
@@ -167,6 +191,8 @@ def register(app: typer.Typer) -> None:
                 check_monitor_options(monitor_every, alarm, alarm_steps, ring)
                 if attention_modules is not None:
                     check_attention_pattern(attention_modules)
+                targets = [TargetSpec.parse(t).to_text() for t in attention or ()]
+                softmax_rule = SoftmaxVariant.parse(softmax).to_text()
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
             _check_script(argv)
@@ -175,15 +201,29 @@ def register(app: typer.Typer) -> None:
             refuse_link(out, "out")  # resolving --out would follow a planted link; the writer refuses one too
             settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite, "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
-                        "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring}
-            env = {**os.environ, ENV_VAR: json.dumps(settings)}
-            try:
-                code = subprocess.call(argv, env=env)
-            except OSError as exc:
-                raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
+                        "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring,
+                        "attention": targets, "softmax": softmax_rule}
+            with tempfile.TemporaryDirectory(prefix="fa-forensics-capture-") as tmp:
+                settings["report"] = os.path.join(tmp, "report.json")
+                env = {**os.environ, ENV_VAR: json.dumps(settings)}
+                try:
+                    code = subprocess.call(argv, env=env)
+                except OSError as exc:
+                    raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
+                report = _launcher_report(settings["report"])
             summary = _store_summary(out)
-            never = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
-            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary, "never_reached": never})
+            missing = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
+            ran = report.get("steps_run")
+            never = [s for s in missing if ran is None or s >= ran]
+            without_attention = [s for s in missing if s not in never]
+            warnings_said = list(report.get("warnings", []))
+            if never:
+                warnings_said.append(f"selected step(s) {_span_text(never)} were never reached (the run made "
+                                     f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
+                                     "for them. Check --steps against the run's length")
+            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary,
+                                  "never_reached": never, "steps_run": ran, "ran_without_attention": without_attention,
+                                  "warnings": warnings_said})
             recorded = bool(summary["steps"] or summary["incomplete_steps"] or summary["monitored_steps"])
             if code == 2 and not recorded:  # the launcher or the script said why, in its own line
                 raise typer.Exit(code=2)
@@ -195,8 +235,8 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}", highlight=False, soft_wrap=True)
                 raise typer.Exit(code=code if 0 < code < 256 else 1)
             if never:
-                err_console.print(f"[bold yellow]warning:[/] selected step(s) {_span_text(never)} were never reached (the run made fewer "
-                                  f"optimizer.step() calls, or none was seen); nothing recorded for them. Check --steps against the run's length", highlight=False)
+                err_console.print(f"[bold yellow]warning:[/] {warnings_said[-1]}", highlight=False, soft_wrap=True)
+            if never or without_attention:  # a step that ran without attention was said by the launcher, in one line
                 raise typer.Exit(code=1)
 
         run_cli(debug, body)

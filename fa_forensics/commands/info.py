@@ -8,7 +8,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, run_cli, write_json
+from fa_forensics.commands.common import (
+    DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, err_console, exit_code, run_cli, write_json,
+)
 
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to describe (default 0).")]
 
@@ -102,8 +104,23 @@ def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: L
         summary = d.summary(step=step, layer=layer)
         render(summary)
         write_json(json_out, summary)
+        return empty_dump_code(d)
 
-    run_cli(debug, body)
+    code = run_cli(debug, body)
+    if code:
+        exit_code(code)
+
+
+def empty_dump_code(d) -> int:
+    """1 with one line on stderr when the dump holds no step and no timeline (a capture that saw no
+    attention call), else 0."""
+    if d.steps or d.incomplete_steps or d.timeline:
+        return 0
+    err_console.print(f"[bold yellow]empty:[/] {d.path} holds no recorded step (its capture saw no attention call, "
+                      "or reached no selected step); "
+                      "re-capture naming the attention (fa-forensics capture --attention MODULE:QUALNAME ...)",
+                      highlight=False, soft_wrap=True)
+    return 1
 
 
 def register(app: typer.Typer) -> None:

@@ -40,7 +40,7 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
         console.print(f"{escape(report.path)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
                       f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
         if report.ok:
-            return 0
+            return _empty_code(report)
         parts = []
         if report.damaged_steps:
             parts.append(f"{len(report.problems)} problem(s) in step(s) {report.damaged_steps}")
@@ -56,6 +56,16 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
     code = run_cli(debug, body)
     if code:
         exit_code(code)
+
+
+def _empty_code(report) -> int:
+    """1 (with the line that says so) for a whole but empty dump, else 0."""
+    if report.steps or report.incomplete_steps:
+        return 0
+    from fa_forensics.commands.info import empty_dump_code
+    from fa_forensics.dump import open_dump
+
+    return empty_dump_code(open_dump(report.path, rank=report.rank))
 
 
 def register(app: typer.Typer) -> None:

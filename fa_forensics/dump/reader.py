@@ -23,6 +23,7 @@ import zarr
 from fa_forensics.dump.integrity import MAX_DIM, Damage, bad_chunk, check_step, describe_error
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
+    CALL_ATTR_KEYS,
     FORMAT_VERSION,
     HEAD_TENSORS,
     LAYER_RE,
@@ -277,6 +278,7 @@ class Dump:
             mask=a.get("mask"),
             autocast=a.get("autocast"),
             input_dtype=a.get("input_dtype"),
+            call={k: a[k] for k in CALL_ATTR_KEYS if k in a},
         )
 
     def heads(self, step: int, layer: int) -> list[int]:

@@ -99,6 +99,12 @@ def decode(array, name: str) -> torch.Tensor:
     return torch.from_numpy(a.view(carrier_np)).view(dtype)
 
 
+# layer attributes that say how the attention call was made (written by capture): precision facts,
+# softmax variant, entry point, layout, and what of the call a replay does not model
+CALL_ATTR_KEYS = ("device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias",
+                  "block_mask", "score_mod", "not_replayed")
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     """What one layer of one step holds: attention settings and array shapes."""
@@ -114,6 +120,7 @@ class LayerInfo:
     mask: str | None = None  # "bool" | "additive" when SDPA got an attn_mask (array `mask`), else None
     autocast: bool | None = None  # autocast was active at the call (None: not recorded)
     input_dtype: str | None = None  # dtype of Q as passed to SDPA (before autocast's cast)
+    call: dict[str, Any] = field(default_factory=dict)  # the CALL_ATTR_KEYS the capture recorded
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,5 +134,6 @@ class LayerInfo:
             "mask": self.mask,
             "autocast": self.autocast,
             "input_dtype": self.input_dtype,
+            "call": dict(self.call),
             "arrays": {k: list(v) for k, v in self.arrays.items()},
         }

@@ -25,6 +25,7 @@ from fa_forensics.dump.identity import check_same_model
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
+    CALL_ATTR_KEYS,
     FORMAT_VERSION,
     HEAD_TENSORS,
     ARRAY_NAMES,
@@ -42,7 +43,8 @@ from fa_forensics.errors import DumpError
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 # Every chunk on disk (zarr skips all-zero chunks by default, which would make a lost chunk read as zeros).
 ARRAY_CONFIG = {"write_empty_chunks": True}
-_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask", "autocast", "input_dtype")
+_LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask",
+                    "autocast", "input_dtype", *CALL_ATTR_KEYS)
 
 
 def _existing_format(path: Path) -> int | None:

@@ -115,6 +115,10 @@ class ReplayConfig:
     s_dtype: Precision = Precision.FP32
     stats_dtype: Precision = Precision.FP32
     rescale_dtype: Precision = Precision.FP32
+    # exp_dtype: what exp and the row-sum update return in the autocast reference. fp32: CUDA
+    # autocast runs exp and sum in fp32 (and kernels keep them there); bf16: CPU autocast leaves
+    # them in bf16: P̄ and α rounded after exp, rowsum(P̄) of the rounded P̄ rounded, α·ℓ rounded
+    exp_dtype: Precision = Precision.FP32
     # fp8 P scale S: P̄ is multiplied by S before its cast, O divided by S·ℓ in the epilogue
     p_scale: float = 1.0
     p_scale_mode: PScaleMode = PScaleMode.EXPONENT_OFFSET
@@ -196,7 +200,8 @@ class ReplayConfig:
     @property
     def is_low_precision(self) -> bool:
         """True when any cast in the forward pass rounds below fp32."""
-        casts = (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype, self.s_dtype, self.stats_dtype, self.rescale_dtype)
+        casts = (self.input_dtype, self.p_dtype, self.pv_dtype, self.o_dtype, self.s_dtype, self.stats_dtype,
+                 self.rescale_dtype, self.exp_dtype)
         return any(d in _LOW_PRECISION for d in casts)
 
     @property
@@ -233,6 +238,7 @@ _ENUM_FIELDS = {
     "s_dtype": Precision,
     "stats_dtype": Precision,
     "rescale_dtype": Precision,
+    "exp_dtype": Precision,
     "accumulation": Accumulation,
     "gpu": GPUModel,
 }
@@ -268,6 +274,13 @@ def _bf16_autocast_train() -> ReplayConfig:
         ds_dtype=_BF16, dp_dtype=_BF16, delta_dtype=_BF16, grad_dtype=_BF16, ds_alpha=True)
 
 
+def _bf16_autocast_cpu() -> ReplayConfig:
+    # The reference code as it trains under CPU autocast: CPU autocast's op lists cast matmuls to
+    # bf16 as CUDA's do, but leave exp and sum out of the fp32 list, so P̄, α and ℓ's updates are
+    # bf16 too (exp_dtype). The backward knobs are CUDA's (match compares O only).
+    return _bf16_autocast_train().with_(exp_dtype=_BF16)
+
+
 PRESETS = {
     "bf16": lambda: ReplayConfig(),
     "fp32": lambda: ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32),
@@ -278,6 +291,7 @@ PRESETS = {
     "stochastic": lambda: ReplayConfig(rounding=Rounding.STOCHASTIC),
     "bf16-autocast": _bf16_autocast,
     "bf16-autocast-train": _bf16_autocast_train,
+    "bf16-autocast-cpu": _bf16_autocast_cpu,
     # the paper's fix as run (STABLE=1: Algorithm 3 with β = 2, ε = 1e-3 inside the loop above)
     "bf16-autocast-stabilized": lambda: _bf16_autocast_train().with_(softmax=Softmax.STABILIZED, beta=2.0, eps=1e-3),
     "fp8-s1": lambda: _fp8(1.0),

@@ -17,6 +17,8 @@ block_n keys (None = one block), in forward or reverse order. Per block j, in th
     -inf - -inf.
  3. alpha = exp(cast(m_prev - m_use, stats_dtype))   (0 on the first block, where m_prev = -inf)
  4. P̄ = exp(cast(s - m_use, promote(s_dtype, stats_dtype)))   fp32, the pre-cast P̄
+    exp_dtype below fp32 (CPU autocast): alpha and P̄ rounded to it after exp, and in step 5
+    ℓ = cast(cast(alpha · ℓ) + cast(rowsum(P̄)), exp_dtype), every term rounded (no fused pass)
  5. ℓ = cast(fp32(fp32(alpha · ℓ) + max(rowsum(P̄), row_sum_floor)), stats_dtype)   rowsum of
     the pre-cast, unscaled fp32 P̄, summed exactly and rounded once (the kernel's tree order is not
     modelled), clamped from below at row_sum_floor (0: no clamp)
@@ -157,7 +159,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     fired_any = torch.zeros((B, H, T), dtype=torch.bool)
 
     fused_block = None
-    if scores is None and observe is None and fused.eligible(config, q, k, v, scale=scale, mask=mask):
+    low_exp = config.exp_dtype is not Precision.FP32
+    if scores is None and observe is None and not low_exp and fused.eligible(config, q, k, v, scale=scale, mask=mask):
         fused_block = fused.ForwardBlock(config, scale, mask_value, m.shape)
     for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
         r0 = max(j0 - row0, 0) if causal and not visit else 0  # rows before j0 see nothing of this block
@@ -192,10 +195,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
             s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
             p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
+            if low_exp:
+                alpha, p = cast(alpha, config.exp_dtype), cast(p, config.exp_dtype)
             row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
+            if low_exp:
+                row_sum = cast(row_sum, config.exp_dtype)
             if config.row_sum_floor > 0:
                 row_sum = torch.maximum(row_sum, row_sum_floor)
-            l_new = alpha.squeeze(-1) * l[..., r0:] + row_sum
+            l_new = alpha.squeeze(-1) * l[..., r0:]
+            l_new = cast(l_new, config.exp_dtype) + row_sum if low_exp else l_new + row_sum
             l[..., r0:] = cast(l_new, config.stats_dtype)
             if S_scale == 1.0:
                 p_scaled = p

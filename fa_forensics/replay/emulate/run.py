@@ -64,7 +64,7 @@ def high_precision_twin(config: ReplayConfig) -> ReplayConfig:
     """The same replay with every forward cast after the inputs in fp32 (P̄, P̄V, O and the
     autocast intermediates S, m, ℓ, rescaled O): O_hp for δ."""
     return config.with_(p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32, p_scale=1.0,
-                        s_dtype=_FP32, stats_dtype=_FP32, rescale_dtype=_FP32)
+                        s_dtype=_FP32, stats_dtype=_FP32, rescale_dtype=_FP32, exp_dtype=_FP32)
 
 
 _STAT_FIELDS = ("repeated_max_rows", "p_one_count", "stabilized_rows", "p_zeroed", "rows")

@@ -94,6 +94,9 @@ def _check_supported(config: ReplayConfig, backward: bool) -> None:
         raise TritonBackendError(
             f"skips fully masked KV blocks and does not clamp row sums, which changes the bits under "
             f"softmax={config.softmax.value} (the reference code's loop)")
+    if config.exp_dtype is not Precision.FP32:
+        raise TritonBackendError(
+            f"keeps exp and the row sums in fp32, not in exp_dtype={config.exp_dtype.value} (CPU autocast)")
     if backward and config.has_reference_backward:
         raise TritonBackendError(
             "runs the FA2 kernels' fp32 backward, not the reference code's bf16 one (dp_dtype, delta_dtype, grad_dtype, ds_alpha)")

@@ -1,0 +1,1 @@
+"""Stand-in for xformers (the real kernels need CUDA)."""
