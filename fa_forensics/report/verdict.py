@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fa_forensics.analyses.wording import finite, number, share_with_se
+
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
 
 
@@ -80,10 +82,17 @@ def report_verdict(sections) -> str:
         if p_one:
             total = sum(v["share"] for v in p_one)
             se = sum(v["se"] ** 2 for v in p_one) ** 0.5
-            operation += f"; the P̄ = 1 rounding mechanism carries {total:.0%} ± {se:.0%} of the O bias in that feature"
+            if finite(total):
+                operation += f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that feature"
     fix = ""
     if "fix-check" in data:
         fc = data["fix-check"]
-        fix = ("; the stabilized softmax removes it" if fc.get("removed") else "; the stabilized softmax does NOT remove it") + \
-              f" (fix-check: reduction {fc.get('bias_reduction', float('nan')):.1f}x)"
+        collapse = fc.get("collapse") or {}
+        if collapse.get("rows") and collapse.get("applies"):
+            fix = (f"; the stabilized softmax collapses O in {collapse['rows']} row(s) (repeated maximum up to "
+                   f"{number(collapse.get('max_score'), '.4g')} > {number(collapse.get('threshold'), '.4g')}: the "
+                   f"{number(collapse.get('floor'), 'g')} row-sum floor takes over; fix-check)")
+        else:
+            fix = ("; the stabilized softmax removes it" if fc.get("removed") else "; the stabilized softmax does NOT remove it") + \
+                  f" (fix-check: reduction {number(fc.get('bias_reduction'), '.1f')}x)"
     return f"VERDICT: biased rounding at {where} ({signs}), found by {names}{operation}{fix}; {fidelity}."
