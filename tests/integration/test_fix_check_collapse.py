@@ -15,10 +15,10 @@ runner = CliRunner()
 T, D = 32, 8
 
 
-def write_high_tie_dump(path, high: float = 30.0, low: float = 15.0):
+def write_high_tie_dump(path, high: float = 30.0, low: float = 15.0, near: bool = False):
     """Head 0: every row from 1 on attains its maximum `high` twice (keys 0 and 1 identical); head 1:
     the same pair at `low`. The other keys score 0 to 9 below. Scale 1, causal, stored O = the bf16
-    reference."""
+    reference. near: key 1 scores 2⁻¹¹ above key 0 instead (a tie within ε = 1e-3, not an exact one)."""
     from fa_forensics.dump import DumpWriter
     from fa_forensics.planted import bf16_reference
 
@@ -30,6 +30,8 @@ def write_high_tie_dump(path, high: float = 30.0, low: float = 15.0):
     q = torch.zeros(1, 2, T, D)
     q[:, 0, :, 0], q[:, 1, :, 0] = high / 6.0, low / 6.0  # q·k of the pair = high (head 0) or low (head 1)
     q[..., 1:] = 0.1 * torch.randn(1, 2, T, D - 1, generator=g)
+    if near:
+        k[..., 1, 1], q[..., 1] = 2.0**-7, 2.0**-4  # key 1: + 2⁻¹¹ (exact in fp32 and bf16)
     v, do = torch.randn(1, 2, T, D, generator=g), torch.randn(1, 2, T, D, generator=g)
     q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
     o, _ = bf16_reference(q, k, v, causal=True, scale=1.0)
