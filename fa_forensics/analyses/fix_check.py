@@ -390,8 +390,9 @@ def _collapse_summary(fixed: VariantResult, config: ReplayConfig) -> dict:
 def collapse_text(c: dict) -> str:
     """'N rows: their repeated maximum (up to X) exceeds ln(1/floor)/(β−1) = T, ...' for a collapse summary."""
     beta = f"{c['beta']:g}"
-    text = (f"{c['rows']} row(s): their repeated maximum (up to {c['max_score']:.4g}) exceeds ln(1/{c['floor']:g})/(β−1) = "
-            f"{c['threshold']:.4g} at β = {beta}, so the shifted row sum falls below the {c['floor']:g} row-sum floor")
+    text = (f"{c['rows']} row(s): their repeated maximum (up to {c['max_score']:.4g}) exceeds "
+            f"ln(1/{c['floor']:g})/(β−1) = {c['threshold']:.4g} at β = {beta}, so the shifted row sum falls below "
+            f"the {c['floor']:g} row-sum floor")
     if c["applies"] and math.isfinite(c["min_ratio"]):
         text += f" and |O|/|O_fp32| drops to {c['min_ratio']:.2g}"
     return text
@@ -442,5 +443,6 @@ def payload(r: FixCheckResult) -> dict:
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
         "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,
         "nan_count": r.nan_count, "removed": r.removed, "verdict": r.verdict, "exit_code": r.exit_code,
-        "collapse": r.collapse, "bias": bias_claim(r), **r.settings, **recipe_keys(r.recipe, r.backend), **common_keys(r),
+        "collapse": r.collapse, "bias": bias_claim(r), **r.settings, **recipe_keys(r.recipe, r.backend),
+        **common_keys(r),
     }

@@ -93,7 +93,8 @@ def replay_alarm(result: TimelineResult, rule) -> AlarmReplay:
     """Feed the recorded series to `rule` (a fresh monitor.alarm.AlarmRule) as the capture would have."""
     from fa_forensics.monitor.alarm import replay_rule
 
-    alarms = replay_rule(rule, result.steps, result.loss, result.series.get("near_max_ties"), result.series.get("wq_sigma"))
+    series = result.series
+    alarms = replay_rule(rule, result.steps, result.loss, series.get("near_max_ties"), series.get("wq_sigma"))
     return AlarmReplay(settings=rule.settings(), alarms=tuple(alarms), monitored_steps=len(result.steps))
 
 
@@ -106,9 +107,10 @@ def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float =
     if replay.alarms:
         first = replay.alarms[0]
         where = "" if first.layer is None else f" layer {first.layer} head {first.head}"
-        more = f" (+{len(replay.alarms) - 1} more, at steps {sorted({a.step for a in replay.alarms[1:]})})" if len(replay.alarms) > 1 else ""
-        text = (f"the alarm rule ({rule}) fires at step {first.step}{where}: {first.metric} = {first.value:.4g} against a "
-                f"trailing median {first.baseline:.4g} (robust z = {first.z:.1f}){more}")
+        rest = replay.alarms[1:]
+        more = f" (+{len(rest)} more, at steps {sorted({a.step for a in rest})})" if rest else ""
+        text = (f"the alarm rule ({rule}) fires at step {first.step}{where}: {first.metric} = {first.value:.4g} "
+                f"against a trailing median {first.baseline:.4g} (robust z = {first.z:.1f}){more}")
     elif replay.warmup_covers_run:
         text = (f"no alarm, and none was possible: the rule's warm-up ({s['warmup']} monitored steps) covers all {n} "
                 f"monitored steps; give --alarm-warmup below {n} to watch this run")

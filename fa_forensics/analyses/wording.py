@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 
 def finite(x) -> bool:
@@ -29,7 +28,3 @@ def number(x, fmt: str = "+.3e", missing: str = "n/a") -> str:
     """format(x, fmt) for a finite number, else `missing`."""
     return format(x, fmt) if finite(x) else missing
 
-
-def p_value(p: Optional[float]) -> str:
-    """"p = 0.012" or "p n/a"."""
-    return f"p = {p:.2g}" if finite(p) else "p n/a"

@@ -24,9 +24,16 @@ HeadsOpt = Annotated[Optional[str], typer.Option("--heads", help="Heads to recor
 MonitorEveryOpt = Annotated[Optional[int], typer.Option("--monitor-every", help="Append a timeline row (loss, per-head max logit, repeated maxima, extra P̄=1, top-1 probability, W_Q spectral norm) every N steps.", metavar="N")]
 AlarmOpt = Annotated[bool, typer.Option("--alarm", help="Watch the timeline with the robust z-score rule; on an alarm print one line and record the next --alarm-steps steps in full.")]
 AlarmStepsOpt = Annotated[int, typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
-AlarmWarmupOpt = Annotated[Optional[int], typer.Option("--alarm-warmup", help="Monitored steps the alarm watches before it may fire (default 50): a run with no more monitored steps never alarms, so give short runs a short warm-up.", metavar="N")]
-AlarmWindowOpt = Annotated[Optional[int], typer.Option("--alarm-window", help="Trailing monitored values the alarm's robust z-score is taken over (default 20, at least 3).", metavar="N")]
-AlarmZOpt = Annotated[Optional[float], typer.Option("--alarm-z", help="Robust z-score above the trailing median a value must exceed to be out (default 6).", metavar="Z")]
+AlarmWarmupOpt = Annotated[Optional[int], typer.Option(
+    "--alarm-warmup", metavar="N",
+    help="Monitored steps the alarm watches before it may fire (default 50): a run with no more monitored steps "
+         "never alarms, so give short runs a short warm-up.")]
+AlarmWindowOpt = Annotated[Optional[int], typer.Option(
+    "--alarm-window", metavar="N",
+    help="Trailing monitored values the alarm's robust z-score is taken over (default 20, at least 3).")]
+AlarmZOpt = Annotated[Optional[float], typer.Option(
+    "--alarm-z", metavar="Z",
+    help="Robust z-score above the trailing median a value must exceed to be out (default 6).")]
 RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored steps' tensors (selected layers, batch slice) in host memory; an alarm writes them too.", metavar="K")]
 BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
 
@@ -87,8 +94,9 @@ def warn_if_warmup_covers_run(rule, monitored_steps: int) -> None:
     import warnings
 
     if rule is not None and 0 < monitored_steps <= rule.warmup:
-        warnings.warn(f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored steps, "
-                      f"so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup {max(monitored_steps // 4, 1)}")
+        warnings.warn(f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "
+                      f"steps, so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup "
+                      f"{max(monitored_steps // 4, 1)}")
 
 
 @contextmanager
@@ -200,8 +208,8 @@ def register(app: typer.Typer) -> None:
             _check_script(argv)
             settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite, "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
-                        "monitor_every": monitor_every, "alarm": rule.settings() if rule else False, "alarm_steps": alarm_steps,
-                        "ring": ring}
+                        "monitor_every": monitor_every, "alarm": rule.settings() if rule else False,
+                        "alarm_steps": alarm_steps, "ring": ring}
             env = {**os.environ, ENV_VAR: json.dumps(settings)}
             try:
                 code = subprocess.call(argv, env=env)
@@ -279,8 +287,8 @@ def register(app: typer.Typer) -> None:
                 rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z)
             config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr, capture_out=capture_out,
                                 capture_steps=capture_steps or "", capture_layers=capture_layers, capture_heads=capture_heads,
-                                capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every, alarm=rule or False,
-                                alarm_steps=alarm_steps, ring=ring)
+                                capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every,
+                                alarm=rule or False, alarm_steps=alarm_steps, ring=ring)
 
             def log(info, model):
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:

@@ -12,7 +12,8 @@ WarmupOpt = Annotated[Optional[int], typer.Option(
     "--alarm-warmup", metavar="N",
     help="Monitored steps before the replayed alarm rule may fire (default: the capture's setting, else 50).")]
 WindowOpt = Annotated[Optional[int], typer.Option(
-    "--alarm-window", metavar="N", help="Trailing values of the rule's robust z-score (default: the capture's, else 20).")]
+    "--alarm-window", metavar="N",
+    help="Trailing values of the rule's robust z-score (default: the capture's, else 20).")]
 ZOpt = Annotated[Optional[float], typer.Option(
     "--alarm-z", metavar="Z", help="Robust z-score a value must exceed (default: the capture's, else 6).")]
 TIMELINE_OPTION_OF = {"alarm_warmup": "--alarm-warmup", "alarm_window": "--alarm-window", "alarm_z": "--alarm-z"}
@@ -30,7 +31,8 @@ def timeline(dump: DumpArg, out: OutOpt = None, json_path: JsonOpt = None, alarm
     and the capture's alarm rule replayed over them."""
 
     def body() -> None:
-        from fa_forensics.analyses.timeline import alarm_json, analyse_timeline, replay_alarm, timeline_json, timeline_verdict
+        from fa_forensics.analyses.timeline import (alarm_json, analyse_timeline, replay_alarm, timeline_json,
+                                                    timeline_verdict)
         from fa_forensics.commands.capture import worded_settings
         from fa_forensics.dump import open_dump
         from fa_forensics.monitor.alarm import AlarmRule, check_settings

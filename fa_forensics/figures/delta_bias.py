@@ -37,8 +37,8 @@ def plot_cumulative(result, path: Path) -> Path:
     ax.set_ylabel("cumulative Σ (δ_lp − δ_hp)")
     ax.set_title(f"{total_title(result)}\n{result.preset} vs fp32, {where}")
     ax.legend()
-    return save_figure(fig, path, "Paper Fig. 5(a)'s view: the cumulative sum of Σ_T(δ_lp − δ_hp)[T]; under a biased rounding "
-                                  "it stays one-signed, without one it wanders around 0.")
+    return save_figure(fig, path, "Paper Fig. 5(a)'s view: the cumulative sum of Σ_T(δ_lp − δ_hp)[T]; under a biased "
+                                  "rounding it stays one-signed, without one it wanders around 0.")
 
 
 def plot_top_token(result, path: Path) -> Path:

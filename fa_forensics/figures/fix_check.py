@@ -44,11 +44,14 @@ def suptitle(result) -> str:
     """The verdict in figure words: reduction (or what failed) and max P̄ where a maximum repeats."""
     c = result.collapse or {}
     if c.get("rows") and c.get("applies"):
-        head = f"fix-check: the fix collapses O in {c['rows']} row(s) (repeated maximum > {number(c.get('threshold'), '.4g')})"
+        limit = number(c.get("threshold"), ".4g")
+        head = f"fix-check: the fix collapses O in {c['rows']} row(s) (repeated maximum > {limit})"
     elif result.nan_count:
         head = f"fix-check: the fix produced {result.nan_count} NaN"
+    elif finite(result.bias_reduction):
+        head = f"fix-check: bias reduction {result.bias_reduction:.1f}x"
     else:
-        head = f"fix-check: bias reduction {number(result.bias_reduction, '.1f', 'unbounded (fixed bias 0)')}x"
+        head = "fix-check: the fixed bias is exactly 0"
     if finite(result.max_p_bar):
         return f"{head}, max P̄ in repeated-max rows {result.max_p_bar:.4g}"
     return f"{head}; no row with a repeated maximum"

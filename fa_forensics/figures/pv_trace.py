@@ -35,7 +35,8 @@ def plot_pv_trace(report, path: Path) -> Path:
     ax_b.set_ylabel("(ΣP̄V)_lp − (ΣP̄V)_hp (value)")
     ax_b.legend(loc="best")
     sp = tr.split
-    shares = ", ".join(f"{c.cls} {share_with_se(c.share, c.se)}" for c in report.class_shares if c.rows and finite(c.share))
+    shares = ", ".join(f"{c.cls} {share_with_se(c.share, c.se)}" for c in report.class_shares
+                       if c.rows and finite(c.share))
     ax_b.text(0.02, 0.02, f"final rounding: {sp.cls} (A = {sp.a:.8g}, r = {sp.r:+.2e})" + (f"\nO bias of the head by class: {shares}" if shares else ""),
               transform=ax_b.transAxes, fontsize=7, va="bottom")
 

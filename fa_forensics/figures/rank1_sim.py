@@ -47,8 +47,8 @@ def plot_rank1(result, path: Path) -> Path:
         ax[4].loglog(n, c[0] * np.sqrt(n), ":", color=COLORS["highp"], label="slope 0.5 (washes out)")
         ax[4].legend()
     elif c.size:
-        ax[4].text(0.5, 0.5, "no gradient error to accumulate\n(the replays agree at some step)", ha="center", va="center",
-                   transform=ax[4].transAxes, color=COLORS["neutral"])
+        ax[4].text(0.5, 0.5, "no gradient error to accumulate\n(the replays agree at some step)", ha="center",
+                   va="center", transform=ax[4].transAxes, color=COLORS["neutral"])
     ax[4].set_title("(e) accumulation of the W_Q gradient error")
     ax[4].set_xlabel("number of steps n")
     ax[4].set_ylabel("Frobenius norm")

@@ -153,9 +153,12 @@ def check_settings(warmup=None, window=None, z_threshold=None) -> None:
     if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
         raise InvalidSetting("alarm_warmup", f"must be a whole number of monitored steps >= 0, got {warmup!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < MIN_WINDOW):
-        raise InvalidSetting("alarm_window", f"must be a whole number of monitored steps >= {MIN_WINDOW}, got {window!r}")
-    if z_threshold is not None and not (isinstance(z_threshold, (int, float)) and np.isfinite(z_threshold) and z_threshold > 0):
-        raise InvalidSetting("alarm_z", f"must be a finite robust z-score > 0 (default {DEFAULT_Z:g}), got {z_threshold!r}")
+        raise InvalidSetting("alarm_window", f"must be a whole number of monitored steps >= {MIN_WINDOW}, "
+                                             f"got {window!r}")
+    number = isinstance(z_threshold, (int, float)) and not isinstance(z_threshold, bool)
+    if z_threshold is not None and not (number and np.isfinite(z_threshold) and z_threshold > 0):
+        raise InvalidSetting("alarm_z", f"must be a finite robust z-score > 0 (default {DEFAULT_Z:g}), "
+                                        f"got {z_threshold!r}")
 
 
 def rule_from_settings(settings) -> Optional[AlarmRule]:

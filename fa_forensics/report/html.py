@@ -53,14 +53,15 @@ def _finding(name: str, d: dict) -> Optional[str]:
                 f"{_num(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
                 f"accumulation exponent {_num(d.get('accumulation_exponent'), '.2f')} (≈ 1 compounds, ≈ 0.5 washes out).")
     if name == "pv-trace":
-        where = (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, row {d.get('row')}, "
-                 f"feature {d.get('feature')}")
+        where = (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, "
+                 f"row {d.get('row')}, feature {d.get('feature')}")
         n_ones = len(d.get("p_one_positions") or [])
         share = percent(d.get("frac_error_from_p_one"), missing="")
         if d.get("final_error") == 0:
             return f"{where} the P̄V dot product has no error (low precision and fp32 agree)."
         if not share:
-            return f"{where} the P̄V error is {_num(d.get('final_error'))}; no share of it could be attributed to P̄ = 1 terms."
+            return (f"{where} the P̄V error is {_num(d.get('final_error'))}; no share of it could be attributed "
+                    "to P̄ = 1 terms.")
         return (f"{where} the P̄V error is {_num(d.get('final_error'))}; {share} of it entered at the {n_ones} terms "
                 "where P̄ = 1.")
     if name == "bitdiff":

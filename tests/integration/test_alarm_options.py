@@ -75,12 +75,13 @@ def test_bad_alarm_settings_are_one_line_and_exit_2(tmp_path, option, value, tex
 def test_alarm_settings_without_the_alarm_are_one_line(tmp_path):
     r = runner.invoke(app, ["capture", "--out", str(tmp_path / "x.zarr"), "--monitor-every", "1", "--alarm-warmup", "5",
                             "--", sys.executable, str(tmp_path / "t.py")])
-    assert r.exit_code == 2 and "--alarm-warmup set the alarm's rule: add --alarm" in " ".join(r.output.split()), r.output
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--alarm-warmup set the alarm's rule: add --alarm" in text, r.output
 
 
 def test_a_run_inside_the_warmup_is_warned_about():
     from fa_forensics.commands.capture import warn_if_warmup_covers_run
     from fa_forensics.monitor.alarm import AlarmRule
 
-    with pytest.warns(UserWarning, match=r"warm-up \(50 monitored steps\) covered all 20 monitored steps, so it could not fire"):
+    with pytest.warns(UserWarning, match=r"warm-up \(50 monitored steps\) covered all 20 monitored steps, so it"):
         warn_if_warmup_covers_run(AlarmRule(), 20)

@@ -72,3 +72,15 @@ def test_without_a_floor_the_collapse_is_a_warning_not_a_failure(high_tie_dump, 
     assert any("reference code" in w and "would collapse O" in w for w in d["warnings"]), d["warnings"]
     # ties within ε in 62 rows: max P̄ is a number there, beside the rows where the fix fired
     assert "no max P̄" not in r.output and "nan" not in r.output.replace("nan_count", "")
+
+
+def test_the_report_verdict_names_the_collapse(high_tie_dump, tmp_path):
+    from fa_forensics.report.run import SectionResult
+    from fa_forensics.report.verdict import report_verdict
+
+    js = tmp_path / "fc.json"
+    runner.invoke(app, ["fix-check", str(high_tie_dump), "--preset", "bf16-autocast-train", "--json", str(js)])
+    section = SectionResult("fix-check", [], 1, True, "", json.loads(js.read_text()), [], "", 0.0)
+    verdict = report_verdict([section])
+    assert "the stabilized softmax collapses O in 31 row(s) (repeated maximum up to 30 > 23.03" in verdict, verdict
+    assert "removes it" not in verdict

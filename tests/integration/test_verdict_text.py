@@ -24,7 +24,8 @@ NAN = re.compile(r"\bnan\b|n/a%|nan%")  # lower case: the tables have a "NaN" co
 def test_fix_check_shows_max_p_bar_where_the_fix_fired_on_near_ties(tmp_path):
     dump = write_high_tie_dump(tmp_path / "near.zarr", high=12.0, low=12.0, near=True)  # ties within ε, none exact
     js = tmp_path / "fc.json"
-    r = runner.invoke(app, ["fix-check", str(dump), "--preset", "bf16", "--json", str(js), "--out", str(tmp_path / "f")])
+    r = runner.invoke(app, ["fix-check", str(dump), "--preset", "bf16", "--json", str(js),
+                            "--out", str(tmp_path / "f")])
     d = json.loads(js.read_text())
     text = " ".join(r.output.split())
     assert d["triggered_rows"] == 2 * (T - 1) and d["fixed"]["repeated_rows"] == 2 * (T - 1), r.output
@@ -36,7 +37,8 @@ def test_fix_check_shows_max_p_bar_where_the_fix_fired_on_near_ties(tmp_path):
 def test_pv_trace_without_an_o_bias_says_n_a_not_nan_percent(tmp_path):
     js = tmp_path / "pv.json"
     # fp32 against fp32: no O bias in any feature, so no share of it can be attributed
-    r = runner.invoke(app, ["pv-trace", str(PLANTED), "--preset", "fp32", "--step", "0", "--head", "0", "--json", str(js)])
+    r = runner.invoke(app, ["pv-trace", str(PLANTED), "--preset", "fp32", "--step", "0", "--head", "0",
+                            "--json", str(js)])
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "n/a (no O bias to share out)" in text and not NAN.search(text), text
