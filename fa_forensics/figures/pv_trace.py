@@ -56,9 +56,10 @@ def plot_pv_trace(report, path: Path) -> Path:
     ax_c.legend(loc="best")
     fig.suptitle(f"pv-trace: step {report.step}, layer {report.layer}, head {report.head}, "
                  f"{tr.accumulation} accumulation, P̄V rounded to {tr.pv_format}")
+    share = (f"the P̄ = 1 mechanism carries {percent(tr.frac_error_from_p_one)} of it (order-independent split A + r)"
+             if finite(tr.frac_error_from_p_one) else "there is no error to attribute")
     caption = (f"Reproduces paper Fig. 6 (a)-(c): error of one P̄V dot product (Eq. 5); final error "
-               f"{tr.final_error:+.3e}; its final rounding is a {tr.split.cls}, and the P̄ = 1 mechanism carries "
-               f"{tr.frac_error_from_p_one:.0%} of it (order-independent split A + r).")
+               f"{tr.final_error:+.3e}; its final rounding is a {tr.split.cls}, and {share}.")
     return save_figure(fig, path, caption)
 
 

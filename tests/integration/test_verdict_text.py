@@ -34,14 +34,19 @@ def test_fix_check_shows_max_p_bar_where_the_fix_fired_on_near_ties(tmp_path):
     assert f"the fix fired in {2 * (T - 1)} row(s)" in text and not NAN.search(text), text
 
 
-def test_pv_trace_without_an_o_bias_says_n_a_not_nan_percent(tmp_path):
+def test_pv_trace_without_an_o_bias_says_n_a_not_nan_percent(tmp_path, monkeypatch):
+    import fa_forensics.figures.pv_trace as figure
+
+    captions, save = [], figure.save_figure
+    monkeypatch.setattr(figure, "save_figure", lambda fig, path, caption=None: captions.append(caption) or save(fig, path))
     js = tmp_path / "pv.json"
     # fp32 against fp32: no O bias in any feature, so no share of it can be attributed
     r = runner.invoke(app, ["pv-trace", str(PLANTED), "--preset", "fp32", "--step", "0", "--head", "0",
-                            "--json", str(js)])
+                            "--json", str(js), "--out", str(tmp_path / "fig")])
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "n/a (no O bias to share out)" in text and not NAN.search(text), text
+    assert len(captions) == 1 and "no error to attribute" in captions[0] and not NAN.search(captions[0]), captions
     from fa_forensics.report.html import _finding
 
     sentence = _finding("pv-trace", json.loads(js.read_text()))
