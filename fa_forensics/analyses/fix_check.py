@@ -15,7 +15,16 @@ only and compared with the fp32 replay of the same stored inputs:
                    rescale_dtype; the latter matters for bf16-autocast, whose accumulator is bf16);
                    under bf16-hw and fp8-* this is the baseline itself (they already accumulate in fp32).
 Scores for the "repeated maximum" counts and max P̄ follow the preset's s_dtype (bf16 under
-bf16-autocast, where scores within a bf16 ulp of the row max tie exactly).
+bf16-autocast, where scores within a bf16 ulp of the row max tie exactly). Max P̄ is taken over the
+rows whose maximum repeats within ε, the rows the stabilized shift is meant for.
+
+Collapse of the fix: the stabilized shift m = β·r_m leaves a row sum of about k·e^(−(β−1)·r_m) for
+k tied maxima. A preset that clamps block row sums from below (the paper's reference code:
+row_sum_floor 1e-10, presets bf16-autocast-train and bf16-autocast-stabilized) then divides by the
+floor instead of the row sum once r_m > ln(1/floor)/(β−1) (≈ 23.0 at β = 2): O shrinks by the
+factor row sum / floor (0.002 at r_m = 30). Such rows are found from the untiled scores (the fix's
+own shift, row sum < floor) and their |O|/|O_fp32| measured on the replay; under a preset without a
+floor they are reported as a warning (the reference code would collapse there).
 
 The bias is measured where the baseline is most biased: the (layer, head, feature) cell with the
 largest |mean(O_lp − O_hp)| among the cells whose sign test passes Bonferroni at 0.01 (else the
@@ -47,6 +56,7 @@ from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softma
 
 ALPHA = 0.01
 MIN_REDUCTION = 10.0
+REFERENCE_ROW_SUM_FLOOR = 1e-10  # the paper's reference code: block row sums .clamp(min=1e-10)
 
 
 @dataclass(frozen=True)
@@ -88,11 +98,17 @@ class VariantLayerStep:
     stabilized_rows: int
     repeated_max_rows: int
     max_p_bar_repeated: float  # max P̄ in rows with a repeated maximum (nan when none)
+    repeated_rows: int = 0  # rows whose maximum repeats within ε (the rows max P̄ is taken over)
+    collapsed_rows: int = 0  # rows whose row sum under the fix's shift is below the row-sum floor
+    collapse_max_score: float = math.nan  # largest row maximum among them
+    collapse_min_ratio: float = math.nan  # smallest |O_v| / |O_fp32| among them
 
 
 def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Tensor], stats, *, step: int, layer: int,
-                    heads: list[int], max_p_bar_repeated: float = math.nan) -> VariantLayerStep:
-    """Compare one variant's O (B, h, T, D) with the fp32 replay's; δ error from dO when given."""
+                    heads: list[int], max_p_bar_repeated: float = math.nan, repeated_rows: int = 0,
+                    collapse: Optional["RowCollapse"] = None) -> VariantLayerStep:
+    """Compare one variant's O (B, h, T, D) with the fp32 replay's; δ error from dO when given;
+    `collapse`: the rows where the row-sum floor takes over, whose |O_v| / |O_fp32| is measured here."""
     v64, h64 = o_v.to(torch.float64), o_hp.to(torch.float64)
     diff = compare_layer_step(o_v, o_hp, step=step, layer=layer, heads=heads, top_k=0)
     delta_err = None
@@ -100,12 +116,19 @@ def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Te
         delta_err = (do.to(torch.float64) * (v64 - h64)).sum(dim=-1)  # (B, h, T) δ_v − δ_hp
     err = (v64 - h64).abs()
     t = stats.total()
+    n_collapsed, top_score, min_ratio = 0, math.nan, math.nan
+    if collapse is not None and bool(collapse.rows.any()):
+        n_collapsed = int(collapse.rows.sum())
+        top_score = float(collapse.row_max[collapse.rows].max())
+        ratio = v64.norm(dim=-1)[collapse.rows] / h64.norm(dim=-1)[collapse.rows]
+        min_ratio = float(ratio.nan_to_num(nan=0.0).min())
     return VariantLayerStep(
         diff=diff, delta_err=delta_err,
         max_abs_err=float(err.nan_to_num(0.0).max()) if err.numel() else 0.0,
         nan_count=int(torch.isnan(v64).sum()), p_zeroed=t["p_zeroed"], p_one_count=t["p_one_count"],
         stabilized_rows=t["stabilized_rows"], repeated_max_rows=t["repeated_max_rows"],
-        max_p_bar_repeated=max_p_bar_repeated,
+        max_p_bar_repeated=max_p_bar_repeated, repeated_rows=repeated_rows,
+        collapsed_rows=n_collapsed, collapse_max_score=top_score, collapse_min_ratio=min_ratio,
     )
 
 
@@ -125,8 +148,58 @@ def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_
     return scaled_scores(q.to(torch.float32), k.to(torch.float32), config, scale, causal, 0, 0, mask=mask)
 
 
-def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
-    """Max P̄ (after the P̄ cast) over rows whose maximum score is attained more than once.
+def repeated_within_eps(s: torch.Tensor, config: ReplayConfig) -> torch.Tensor:
+    """(B, h, T) bool: rows whose maximum is attained more than once, exactly or within ε by the
+    stabilized rule of `config` (Algorithm 3's test, `replay.emulate.softmax.block_shift`, on the
+    whole row as one block). These are the rows the fix acts on."""
+    from fa_forensics.replay.emulate.softmax import block_shift
+
+    r_m = s.amax(dim=-1)
+    exact = (s == r_m[..., None]).sum(dim=-1) > 1
+    stabilized = config.with_(softmax=Softmax.STABILIZED)
+    fired = block_shift(torch.full_like(r_m, -math.inf), s, stabilized).fired
+    return (exact | fired) & (r_m > -math.inf)
+
+
+@dataclass(frozen=True)
+class RowCollapse:
+    """Rows of one layer-step where the fix's row sum falls below a row-sum floor."""
+
+    rows: torch.Tensor  # (B, h, T) bool
+    row_max: torch.Tensor  # (B, h, T) fp32 row maximum of the scaled scores
+    floor: float
+    applies: bool  # the floor is the replayed preset's own (O collapses there); False: the reference code's
+
+
+def collapsed_rows(s: torch.Tensor, config: ReplayConfig) -> Optional[RowCollapse]:
+    """Rows where the stabilized shift of `config` leaves a row sum below the row-sum floor, on the
+    scores s (B, h, T, T) from `scores_fp32` taken as one block. The floor is the preset's own
+    (row_sum_floor) or, for a preset without one, the paper's reference code's 1e-10. None when
+    `config` does not use the stabilized softmax."""
+    from fa_forensics.numerics import exp_fp32
+    from fa_forensics.replay.emulate.softmax import block_shift
+
+    if config.softmax is not Softmax.STABILIZED:
+        return None
+    applies = config.row_sum_floor > 0
+    floor = config.row_sum_floor if applies else REFERENCE_ROW_SUM_FLOOR
+    r_m = s.amax(dim=-1)
+    shift = block_shift(torch.full_like(r_m, -math.inf), s, config)
+    m = torch.where(torch.isfinite(shift.m), shift.m, torch.zeros_like(shift.m))
+    row_sum = exp_fp32(s - m[..., None]).double().sum(dim=-1)  # (B, h, T); masked scores give 0
+    rows = shift.fired & (row_sum < floor) & (r_m > -math.inf)
+    return RowCollapse(rows=rows, row_max=r_m, floor=floor, applies=applies)
+
+
+def collapse_threshold(floor: float, beta: float) -> float:
+    """The repeated maximum above which one pair of tied maxima leaves a row sum below `floor`
+    under the stabilized shift β·r_m: ln(1/floor)/(β − 1) (≈ 23.0 for 1e-10 at β = 2)."""
+    return math.log(1.0 / floor) / (beta - 1.0) if floor > 0 and beta > 1 else math.inf
+
+
+def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig, rows: Optional[torch.Tensor] = None) -> float:
+    """Max P̄ (after the P̄ cast) over rows whose maximum score is attained more than once
+    (`rows`, (B, h, T) bool, e.g. `repeated_within_eps`; default: exact ties).
 
     Untiled, on the scores s (B, h, T, T) from `scores_fp32`: r_m = rowmax S; the shift m is the
     replay's own rule for one block (`replay.emulate.softmax.block_shift`: standard r_m; stabilized
@@ -137,7 +210,9 @@ def max_p_bar_in_repeated_rows(s: torch.Tensor, config: ReplayConfig) -> float:
     from fa_forensics.replay.emulate.softmax import block_shift
 
     r_m = s.amax(dim=-1)  # (B, h, T)
-    repeated = ((s == r_m[..., None]).sum(dim=-1) > 1) & (r_m > -math.inf)  # a row that sees no key has no maximum
+    if rows is None:
+        rows = ((s == r_m[..., None]).sum(dim=-1) > 1) & (r_m > -math.inf)  # a row that sees no key has no maximum
+    repeated = rows
     if not bool(repeated.any()):
         return math.nan
     m = block_shift(torch.full_like(r_m, -math.inf), s, config).m  # the replay's own shift rule, one block
@@ -169,8 +244,12 @@ class VariantResult:
     p_one_count: int
     triggered_rows: int  # rows where the stabilized shift fired
     repeated_max_rows: int
-    max_p_bar: float  # max P̄ in rows with a repeated maximum
+    max_p_bar: float  # max P̄ in rows with a repeated maximum (nan when no row has one)
     still_biased: bool  # significant (p < 0.01) bias left in the target cell
+    repeated_rows: int = 0  # rows whose maximum repeats within ε (max P̄ is taken over them)
+    collapsed_rows: int = 0  # rows whose row sum under this variant's shift is below the row-sum floor
+    collapse_max_score: float = math.nan  # largest row maximum among them
+    collapse_min_ratio: float = math.nan  # smallest |O_v| / |O_fp32| among them
 
 
 @dataclass(frozen=True)
@@ -194,6 +273,9 @@ class FixCheckResult:
     settings: dict = dataclasses.field(default_factory=dict)  # beta, eps, offset
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
+    # rows where the fix's row sum is below the row-sum floor: {rows, max_score, threshold, floor,
+    # applies (the preset's own floor: O collapses), min_ratio (|O|/|O_fp32|, measured)}
+    collapse: dict = dataclasses.field(default_factory=dict)
 
     @property
     def preset(self) -> str:
@@ -224,6 +306,7 @@ def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCe
         s = sum_se(d)
         dsum, dse, dp = s.value, s.se, sign_test(d).p_value
     maxp = [p.max_p_bar_repeated for p in parts if not math.isnan(p.max_p_bar_repeated)]
+    collapsed = [p for p in parts if p.collapsed_rows]
     return VariantResult(
         name=v.name, role=v.role, what=v.what, o_bias=cell.mean, o_bias_se=cell.se, o_bias_p=cell.p_value,
         delta_err_sum=dsum, delta_err_se=dse, delta_p=dp,
@@ -231,6 +314,9 @@ def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCe
         underflow=sum(p.p_zeroed for p in parts), p_one_count=sum(p.p_one_count for p in parts),
         triggered_rows=sum(p.stabilized_rows for p in parts), repeated_max_rows=sum(p.repeated_max_rows for p in parts),
         max_p_bar=max(maxp) if maxp else math.nan, still_biased=cell.p_value < ALPHA,
+        repeated_rows=sum(p.repeated_rows for p in parts), collapsed_rows=sum(p.collapsed_rows for p in collapsed),
+        collapse_max_score=max((p.collapse_max_score for p in collapsed), default=math.nan),
+        collapse_min_ratio=min((p.collapse_min_ratio for p in collapsed), default=math.nan),
     )
 
 
@@ -241,12 +327,16 @@ def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, beta: float, e
     variants = fix_variants(lp, preset_at(t.source, t.step, t.layer, recipe), beta=beta, eps=eps, offset=offset)
     hp = replay_layer(t, hp_config(), backward=False, backend=backend)
     s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value, t.mask)  # (B, h, T, T)
+    fixed = next(v for v in variants if v.role == "fixed")
+    repeated = repeated_within_eps(s, fixed.config)
     measured = []
     for v in variants:
         out = replay_layer(t, v.config, backward=False, backend=backend)
-        maxp = max_p_bar_in_repeated_rows(s, v.config)
+        maxp = max_p_bar_in_repeated_rows(s, v.config, repeated)
         measured.append((v.name, measure_variant(out.o, hp.o, t.do, out.stats, step=t.step, layer=t.layer,
-                                                 heads=list(t.heads), max_p_bar_repeated=maxp)))
+                                                 heads=list(t.heads), max_p_bar_repeated=maxp,
+                                                 repeated_rows=int(repeated.sum()),
+                                                 collapse=collapsed_rows(s, v.config))))
     return t.warnings, variants, measured
 
 
@@ -260,6 +350,7 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     fixed = results[next(v.name for v in variants if v.role == "fixed")]
     alternatives = [results[v.name] for v in variants if v.role == "alternative"]
     reduction = abs(baseline.o_bias) / abs(fixed.o_bias) if fixed.o_bias != 0 else math.inf
+    collapse = _collapse_summary(fixed, next(v for v in variants if v.role == "fixed").config)
 
     where = f"layer {target.layer} head {target.head} feature {target.feature}"
     numbers = (f"O bias {baseline.o_bias:+.3e} ± {baseline.o_bias_se:.1e} (p={baseline.o_bias_p:.2g}) → "
@@ -271,6 +362,8 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
         tail += f"; produced NaN: {', '.join(broken)}"
     if fixed.nan_count:
         removed, verdict = False, f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at {where}"
+    elif collapse["rows"] and collapse["applies"]:
+        removed, verdict = False, f"FIX FAILS: it collapses O in {collapse_text(collapse)}"
     elif baseline.o_bias_p >= ALPHA:
         removed, verdict = True, f"NO BIAS TO REMOVE: the baseline shows no significant O bias at {where} ({numbers})"
     elif reduction >= MIN_REDUCTION or fixed.o_bias_p >= ALPHA:
@@ -281,8 +374,37 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
         target={"layer": target.layer, "head": target.head, "feature": target.feature},
         baseline=baseline, fixed=fixed, alternatives=alternatives, bias_reduction=reduction,
         max_p_bar=fixed.max_p_bar, triggered_rows=fixed.triggered_rows, nan_count=fixed.nan_count,
-        removed=removed, verdict=verdict, exit_code=0 if removed else 1, n_cells=len(cells),
+        removed=removed, verdict=verdict, exit_code=0 if removed else 1, n_cells=len(cells), collapse=collapse,
     )
+
+
+def _collapse_summary(fixed: VariantResult, config: ReplayConfig) -> dict:
+    """The fixed variant's collapsed rows with the floor and the threshold that explain them."""
+    applies = config.row_sum_floor > 0
+    floor = config.row_sum_floor if applies else REFERENCE_ROW_SUM_FLOOR
+    return {"rows": fixed.collapsed_rows, "max_score": fixed.collapse_max_score,
+            "threshold": collapse_threshold(floor, config.beta), "floor": floor, "beta": config.beta,
+            "applies": applies, "min_ratio": fixed.collapse_min_ratio if applies else math.nan}
+
+
+def collapse_text(c: dict) -> str:
+    """'N rows: their repeated maximum (up to X) exceeds ln(1/floor)/(β−1) = T, ...' for a collapse summary."""
+    beta = f"{c['beta']:g}"
+    text = (f"{c['rows']} row(s): their repeated maximum (up to {c['max_score']:.4g}) exceeds "
+            f"ln(1/{c['floor']:g})/(β−1) = {c['threshold']:.4g} at β = {beta}, so the shifted row sum falls below "
+            f"the {c['floor']:g} row-sum floor")
+    if c["applies"] and math.isfinite(c["min_ratio"]):
+        text += f" and |O|/|O_fp32| drops to {c['min_ratio']:.2g}"
+    return text
+
+
+def collapse_warning(c: dict) -> Optional[str]:
+    """The warning for rows where the paper's reference code (not this preset) would collapse O."""
+    if not c.get("rows") or c.get("applies"):
+        return None
+    return (f"the paper's reference code (block row sums clamped at {c['floor']:g}, presets bf16-autocast-train and "
+            f"bf16-autocast-stabilized) would collapse O under the stabilized softmax in {collapse_text(c)}; "
+            "this preset has no floor, so its replay does not")
 
 
 def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
@@ -300,7 +422,11 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
         warnings.extend(w for w in warns if w not in warnings)
         for name, m in measured:
             parts.setdefault(name, []).append(m)
-    return dataclasses.replace(summarize_fix(variants, parts), recipe=recipe, backend=Backend(backend),
+    result = summarize_fix(variants, parts)
+    note = collapse_warning(result.collapse)
+    if note:
+        warnings.append(note)
+    return dataclasses.replace(result, recipe=recipe, backend=Backend(backend),
                                settings={"beta": beta, "eps": eps, "offset": offset}, warnings=tuple(warnings),
                                replay_fidelity=replay_fidelity(dump, selections, recipe))
 
@@ -317,5 +443,6 @@ def payload(r: FixCheckResult) -> dict:
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
         "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,
         "nan_count": r.nan_count, "removed": r.removed, "verdict": r.verdict, "exit_code": r.exit_code,
-        "bias": bias_claim(r), **r.settings, **recipe_keys(r.recipe, r.backend), **common_keys(r),
+        "collapse": r.collapse, "bias": bias_claim(r), **r.settings, **recipe_keys(r.recipe, r.backend),
+        **common_keys(r),
     }

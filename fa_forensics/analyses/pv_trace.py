@@ -51,6 +51,7 @@ from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactua
 from fa_forensics.analyses.recipe import Backend, Recipe, preset_at, resolve
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_seen_by, load, lp_hp_pair, lp_of, mask_of
 from fa_forensics.analyses.stats import mean_se, sign_test
+from fa_forensics.analyses.wording import finite, share_with_se
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
 from fa_forensics.replay.config import Softmax
@@ -489,7 +490,9 @@ def verdict(r: PVTraceReport) -> str:
         return row
     total = sum(c.share for c in p_one)
     se = sum(c.se**2 for c in p_one) ** 0.5
-    return f"{row}; over {r.rows_attributed} rows of the head it carries {total:.0%} ± {se:.0%} of the O bias"
+    if not finite(total):
+        return f"{row}; the head has no O bias in this feature to share out over its {r.rows_attributed} rows"
+    return f"{row}; over {r.rows_attributed} rows of the head it carries {share_with_se(total, se)} of the O bias"
 
 
 def bias_claim(r: PVTraceReport) -> BiasClaim:

@@ -328,9 +328,16 @@ def verdict(r: Rank1Result) -> str:
         return ("the dump stores no X (attention input), so the rank-1 matrices (PK)[T]ᵀX[T] and the W_Q gradient error "
                 f"cannot be formed; PK rows alone have mean cosine {r.cosine_offdiag_mean:+.2f}. Capture with X to run this analysis")
     expo = r.accumulation_exponent
-    trend = "n/a (fewer than 3 steps)" if expo != expo else ("compounds" if expo > 0.75 else "washes out" if expo < 0.65 else "in between")
-    return (f"rank-1 matrices have mean cosine {r.cosine_offdiag_mean:+.2f}, dominated by input features "
-            f"{[c.feature for c in r.top_columns[:3]]}; gradient error effective rank {r.effective_rank:.2f}, "
+    head = (f"rank-1 matrices have mean cosine {r.cosine_offdiag_mean:+.2f}, dominated by input features "
+            f"{[c.feature for c in r.top_columns[:3]]}")
+    if not any(x > 0 for x in r.cumulative_norms):
+        return f"{head}; no W_Q gradient error to analyse (the low-precision and fp32 replays give the same gradient)"
+    if expo != expo:
+        trend = ("not measured: fewer than 3 steps" if len(r.cumulative_norms) < 3
+                 else "not measured: the summed error is 0 at some step")
+        return f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, accumulation exponent {trend}"
+    trend = "compounds" if expo > 0.75 else "washes out" if expo < 0.65 else "in between"
+    return (f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, "
             f"accumulation exponent {_fmt(expo, 'n/a')} ({trend})")
 
 

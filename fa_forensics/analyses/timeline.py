@@ -74,3 +74,60 @@ def timeline_json(result: TimelineResult) -> dict:
         "top_wq_head": list(result.top_wq_head) if result.top_wq_head else None,
         "alarm_steps": list(result.alarm_steps),
     }
+
+
+@dataclass(frozen=True)
+class AlarmReplay:
+    """The alarm rule run over the recorded timeline (`monitor.alarm.replay_rule`)."""
+
+    settings: dict  # warmup, window, min_history, z_threshold, min_change, persist
+    alarms: tuple  # monitor.alarm.Alarm, in step order
+    monitored_steps: int
+
+    @property
+    def warmup_covers_run(self) -> bool:
+        return self.monitored_steps <= self.settings["warmup"]
+
+
+def replay_alarm(result: TimelineResult, rule) -> AlarmReplay:
+    """Feed the recorded series to `rule` (a fresh monitor.alarm.AlarmRule) as the capture would have."""
+    from fa_forensics.monitor.alarm import replay_rule
+
+    series = result.series
+    alarms = replay_rule(rule, result.steps, result.loss, series.get("near_max_ties"), series.get("wq_sigma"))
+    return AlarmReplay(settings=rule.settings(), alarms=tuple(alarms), monitored_steps=len(result.steps))
+
+
+def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float = 0.01) -> str:
+    """One sentence: does the alarm rule fire on this run (where, or why it cannot), and do repeated
+    maxima track the loss (Spearman, at level alpha)."""
+    s = replay.settings
+    rule = f"warm-up {s['warmup']}, window {s['window']}, z > {s['z_threshold']:g}"
+    n = replay.monitored_steps
+    if replay.alarms:
+        first = replay.alarms[0]
+        where = "" if first.layer is None else f" layer {first.layer} head {first.head}"
+        rest = replay.alarms[1:]
+        more = f" (+{len(rest)} more, at steps {sorted({a.step for a in rest})})" if rest else ""
+        text = (f"the alarm rule ({rule}) fires at step {first.step}{where}: {first.metric} = {first.value:.4g} "
+                f"against a trailing median {first.baseline:.4g} (robust z = {first.z:.1f}){more}")
+    elif replay.warmup_covers_run:
+        text = (f"no alarm, and none was possible: the rule's warm-up ({s['warmup']} monitored steps) covers all {n} "
+                f"monitored steps; give --alarm-warmup below {n} to watch this run")
+    else:
+        text = f"no alarm in {n} monitored steps under the rule ({rule})"
+    rho, p = result.ties_loss_spearman, result.ties_loss_p_value
+    if rho is None:
+        corr = "too few measured steps (or a constant series) to relate repeated maxima to the loss"
+    elif p < alpha:
+        corr = f"repeated maxima track the loss (Spearman ρ = {rho:+.2f}, p = {p:.2g})"
+    else:
+        corr = f"repeated maxima do not track the loss significantly (Spearman ρ = {rho:+.2f}, p = {p:.2g} ≥ {alpha:g})"
+    return f"{text}; {corr}"
+
+
+def alarm_json(replay: AlarmReplay) -> dict:
+    """The replayed rule for --json: its settings and the alarms it raises."""
+    return {"alarm_rule": replay.settings,
+            "rule_alarms": [{"step": a.step, "metric": a.metric, "layer": a.layer, "head": a.head, "value": a.value,
+                             "baseline": a.baseline, "z": a.z} for a in replay.alarms]}

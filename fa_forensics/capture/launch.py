@@ -112,12 +112,14 @@ def main(argv: list[str]) -> int:
             print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)", file=sys.stderr)
             return 2
     try:
+        from fa_forensics.monitor.alarm import rule_from_settings
+
         cfg = settings_from_env()
         session = CaptureSession(
             None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"), int(cfg.get("micro_batch", 0)),
             cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
             overwrite=bool(cfg.get("overwrite", False)), allow_other_model=bool(cfg.get("allow_other_model", False)), keep_sdpa_patch=True,
-            monitor_every=cfg.get("monitor_every"), alarm=bool(cfg.get("alarm", False)),
+            monitor_every=cfg.get("monitor_every"), alarm=rule_from_settings(cfg.get("alarm")) or False,
             alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
             attention=cfg.get("attention") or (), softmax=cfg.get("softmax"),

@@ -58,8 +58,7 @@ class StepMonitor:
         rule = self.rule
         return {
             "every": self.every, "eps": self.eps,
-            "alarm": None if rule is None else {"window": rule.window, "min_history": rule.min_history,
-                                                "z_threshold": rule.z_threshold, "min_change": dict(rule.min_change)},
+            "alarm": None if rule is None else rule.settings(),
             "alarm_steps": self.alarm_steps, "ring": 0 if self.ring is None else self.ring.capacity,
         }
 

@@ -24,6 +24,16 @@ HeadsOpt = Annotated[Optional[str], typer.Option("--heads", help="Heads to recor
 MonitorEveryOpt = Annotated[Optional[int], typer.Option("--monitor-every", help="Append a timeline row (loss, per-head max logit, repeated maxima, extra P̄=1, top-1 probability, W_Q spectral norm) every N steps.", metavar="N")]
 AlarmOpt = Annotated[bool, typer.Option("--alarm", help="Watch the timeline with the robust z-score rule; on an alarm print one line and record the next --alarm-steps steps in full.")]
 AlarmStepsOpt = Annotated[int, typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
+AlarmWarmupOpt = Annotated[Optional[int], typer.Option(
+    "--alarm-warmup", metavar="N",
+    help="Monitored steps the alarm watches before it may fire (default 50): a run with no more monitored steps "
+         "never alarms, so give short runs a short warm-up.")]
+AlarmWindowOpt = Annotated[Optional[int], typer.Option(
+    "--alarm-window", metavar="N",
+    help="Trailing monitored values the alarm's robust z-score is taken over (default 20, at least 3).")]
+AlarmZOpt = Annotated[Optional[float], typer.Option(
+    "--alarm-z", metavar="Z",
+    help="Robust z-score above the trailing median a value must exceed to be out (default 6).")]
 RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored steps' tensors (selected layers, batch slice) in host memory; an alarm writes them too.", metavar="K")]
 AttentionOpt = Annotated[Optional[list[str]], typer.Option(
     "--attention", metavar="MODULE:QUALNAME[,OPTS]",
@@ -71,9 +81,34 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
 
 OPTION_OF = {"attention": "--attention", "softmax": "--softmax", "layout": "--attention ...,layout",
              "monitor_every": "--monitor-every", "alarm": "--alarm", "alarm_steps": "--alarm-steps", "ring": "--ring",
+             "alarm_warmup": "--alarm-warmup", "alarm_window": "--alarm-window", "alarm_z": "--alarm-z",
              "attention_modules": "--attention-modules", "heads": "--heads", "batch": "--batch", "out": "--out"}
 DEMO_OPTION_OF = {**OPTION_OF, "heads": "--capture-heads", "batch": "--capture-batch", "out": "--capture"}
 NEEDED_AS = {"monitor_every": "--monitor-every N", "alarm": "--alarm"}
+
+
+def alarm_rule(alarm: bool, warmup: Optional[int], window: Optional[int], z: Optional[float]):
+    """The alarm rule the options ask for (None without --alarm); InvalidSetting for a bad value."""
+    from fa_forensics.monitor.alarm import AlarmRule, check_settings
+
+    check_settings(warmup, window, z)
+    given = [o for o, v in (("--alarm-warmup", warmup), ("--alarm-window", window), ("--alarm-z", z)) if v is not None]
+    if given and not alarm:
+        raise UserError(f"{', '.join(given)} set the alarm's rule: add --alarm (and --monitor-every N)")
+    return AlarmRule.with_settings(warmup, window, z) if alarm else None
+
+
+def warn_if_warmup_covers_run(rule, monitored_steps: int) -> str | None:
+    """Warn (and return the line, for --json) when the alarm was in its warm-up for every monitored step."""
+    import warnings
+
+    if rule is not None and 0 < monitored_steps <= rule.warmup:
+        line = (f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "
+                f"steps, so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup "
+                f"{max(monitored_steps // 4, 1)}")
+        warnings.warn(line)
+        return line
+    return None
 
 
 @contextmanager
@@ -169,6 +204,9 @@ def register(app: typer.Typer) -> None:
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
         alarm_steps: AlarmStepsOpt = 3,
+        alarm_warmup: AlarmWarmupOpt = None,
+        alarm_window: AlarmWindowOpt = None,
+        alarm_z: AlarmZOpt = None,
         ring: RingOpt = 0,
         attention: AttentionOpt = None,
         softmax: SoftmaxOpt = None,
@@ -189,6 +227,7 @@ def register(app: typer.Typer) -> None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
             with worded_settings():  # one-line errors before launching
                 check_monitor_options(monitor_every, alarm, alarm_steps, ring)
+                rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z)
                 if attention_modules is not None:
                     check_attention_pattern(attention_modules)
                 targets = [TargetSpec.parse(t).to_text() for t in attention or ()]
@@ -201,8 +240,8 @@ def register(app: typer.Typer) -> None:
             refuse_link(out, "out")  # resolving --out would follow a planted link; the writer refuses one too
             settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite, "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
-                        "monitor_every": monitor_every, "alarm": alarm, "alarm_steps": alarm_steps, "ring": ring,
-                        "attention": targets, "softmax": softmax_rule}
+                        "monitor_every": monitor_every, "alarm": rule.settings() if rule else False,
+                        "alarm_steps": alarm_steps, "ring": ring, "attention": targets, "softmax": softmax_rule}
             with tempfile.TemporaryDirectory(prefix="fa-forensics-capture-") as tmp:
                 settings["report"] = os.path.join(tmp, "report.json")
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
@@ -221,6 +260,9 @@ def register(app: typer.Typer) -> None:
                 warnings_said.append(f"selected step(s) {_span_text(never)} were never reached (the run made "
                                      f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
                                      "for them. Check --steps against the run's length")
+            warmup_line = warn_if_warmup_covers_run(rule, summary["monitored_steps"])
+            if warmup_line:
+                warnings_said.append(warmup_line)
             write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary,
                                   "never_reached": never, "steps_run": ran, "ran_without_attention": without_attention,
                                   "warnings": warnings_said})
@@ -257,6 +299,9 @@ def register(app: typer.Typer) -> None:
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
         alarm_steps: AlarmStepsOpt = 3,
+        alarm_warmup: AlarmWarmupOpt = None,
+        alarm_window: AlarmWindowOpt = None,
+        alarm_z: AlarmZOpt = None,
         ring: RingOpt = 0,
         log_every: Annotated[int, typer.Option("--log-every", help="Print the loss every N steps.")] = 1,
         threads: Annotated[int, typer.Option("--threads", help="CPU threads for torch (the model is tiny: 1 avoids oversubscription on shared machines).")] = 1,
@@ -285,10 +330,12 @@ def register(app: typer.Typer) -> None:
                 raise UserError("--capture-steps and --monitor-every write into a store; add --capture DUMP (e.g. --capture run.zarr)")
             if capture_out is not None and capture_steps is None and monitor_every is None:
                 raise UserError("--capture DUMP needs --capture-steps (e.g. 5,6,7) or --monitor-every N")
+            with worded_settings(DEMO_OPTION_OF):
+                rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z)
             config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr, capture_out=capture_out,
                                 capture_steps=capture_steps or "", capture_layers=capture_layers, capture_heads=capture_heads,
-                                capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every, alarm=alarm,
-                                alarm_steps=alarm_steps, ring=ring)
+                                capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every,
+                                alarm=rule or False, alarm_steps=alarm_steps, ring=ring)
 
             def log(info, model):
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:
@@ -296,6 +343,7 @@ def register(app: typer.Typer) -> None:
 
             with worded_settings(DEMO_OPTION_OF):
                 result = train(config, on_step=log)
+            warn_if_warmup_covers_run(rule, result.monitored_steps)
             write_json(json_out, {"losses": list(result.losses), "final_loss": result.losses[-1], "captured_steps": list(result.captured_steps),
                                   "capture": None if capture_out is None else str(capture_out), "seconds": result.seconds, "seed": seed, "steps": steps,
                                   "monitored_steps": result.monitored_steps, "alarm_steps": list(result.alarm_steps)})

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fa_forensics.analyses.wording import percent
 from fa_forensics.figures.style import COLORS, new_figure, save_figure
 
 
@@ -24,7 +25,7 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     ax.set_yscale("symlog")
     ax.set_xlabel(f"signed ULP distance ({result.fmt} ulps)")
     ax.set_ylabel("elements (count)")
-    ax.set_title(f"bitdiff {result.a} vs {result.b}: {result.mismatch_rate:.1%} of elements differ")
+    ax.set_title(f"bitdiff {result.a} vs {result.b}: {percent(result.mismatch_rate, 1)} of elements differ")
     ax.legend()
     paths.append(save_figure(fig, out / f"bitdiff_ulp_{name}.png",
                              "ULP-distance histogram of O, the bit-level view behind paper Fig. 5(c) / Fig. 6."))

@@ -5,7 +5,19 @@ from pathlib import Path
 
 import numpy as np
 
+from fa_forensics.analyses.stats import format_p
 from fa_forensics.figures.style import COLORS, new_figure, save_figure
+
+ALPHA = 0.01  # the level the title's "biased" claim needs (the sign test of the total)
+
+
+def total_title(result) -> str:
+    """What the figure may claim: a one-signed δ error only when the total's sign test says so."""
+    p = result.total_p_value
+    tested = f"{result.total:+.3g} ± {result.total_se:.2g}, sign-test p {format_p(p)}"
+    if p < ALPHA and result.total != 0:
+        return f"{'Positively' if result.total > 0 else 'Negatively'}-biased δ error ({tested})"
+    return f"No significant δ bias ({tested})"
 
 
 def plot_cumulative(result, path: Path) -> Path:
@@ -23,9 +35,10 @@ def plot_cumulative(result, path: Path) -> Path:
         where = f"layer {result.focus_layer} head {result.focus_head}"
     ax.axhline(0, color=COLORS["neutral"], lw=0.8)
     ax.set_ylabel("cumulative Σ (δ_lp − δ_hp)")
-    ax.set_title(f"Positively-biased δ error ({where}); total {result.total:+.3g} ± {result.total_se:.2g}")
+    ax.set_title(f"{total_title(result)}\n{result.preset} vs fp32, {where}")
     ax.legend()
-    return save_figure(fig, path, "Reproduces paper Fig. 5(a): the cumulative sum of Σ_T(δ_lp − δ_hp)[T] stays one-signed.")
+    return save_figure(fig, path, "Paper Fig. 5(a)'s view: the cumulative sum of Σ_T(δ_lp − δ_hp)[T]; under a biased "
+                                  "rounding it stays one-signed, without one it wanders around 0.")
 
 
 def plot_top_token(result, path: Path) -> Path:

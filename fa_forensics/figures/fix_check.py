@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fa_forensics.analyses.wording import finite, number
 from fa_forensics.figures.style import COLORS, new_figure, save_figure
 
 
@@ -34,9 +35,26 @@ def plot_fix_check(result, path: Path) -> Path:
     ax_d.set_xlabel("replay variant")
     ax_d.set_ylabel("Σ_T (δ − δ_hp) (value)")
     ax_d.legend()
-    fig.suptitle(f"fix-check: bias reduction {result.bias_reduction:.1f}x, max P̄ in repeated-max rows {result.max_p_bar:.4g}")
+    fig.suptitle(suptitle(result))
     return save_figure(fig, path, "Paper §4 / App. C: the stabilized softmax (Algorithm 3) against the baseline "
                                   "and the alternatives (fixed offset, stochastic rounding, fp32 P̄V); cf. Fig. 5(a) for Σδ.")
+
+
+def suptitle(result) -> str:
+    """The verdict in figure words: reduction (or what failed) and max P̄ where a maximum repeats."""
+    c = result.collapse or {}
+    if c.get("rows") and c.get("applies"):
+        limit = number(c.get("threshold"), ".4g")
+        head = f"fix-check: the fix collapses O in {c['rows']} row(s) (repeated maximum > {limit})"
+    elif result.nan_count:
+        head = f"fix-check: the fix produced {result.nan_count} NaN"
+    elif finite(result.bias_reduction):
+        head = f"fix-check: bias reduction {result.bias_reduction:.1f}x"
+    else:
+        head = "fix-check: the fixed bias is exactly 0"
+    if finite(result.max_p_bar):
+        return f"{head}, max P̄ in repeated-max rows {result.max_p_bar:.4g}"
+    return f"{head}; no row with a repeated maximum"
 
 
 def draw(result, out: Path) -> list[Path]:

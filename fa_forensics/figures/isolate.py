@@ -27,7 +27,7 @@ def plot_variants(result, path: Path) -> Path:
     from matplotlib.patches import Patch
 
     ax2.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    ax1.legend(handles=[Patch(color=COLORS["lowp"], label="baseline (bf16, tiled)"),
+    ax1.legend(handles=[Patch(color=COLORS["lowp"], label=f"baseline ({result.preset}, tiled)"),
                         Patch(color=COLORS["fix"], label="culprit: removes ≥ 90% of the bias"),
                         Patch(color=COLORS["alt"], label="other repair")], loc="center right")
     fig.suptitle(f"isolate: single repairs vs the fp32 replay ({result.accumulation} accumulation)")
@@ -51,7 +51,7 @@ def plot_heads(result, path: Path) -> Path:
     ax.set_ylabel("layer")
     ax.grid(False)
     fig.colorbar(im, ax=ax, label="Σ_T (δ_lp − δ_hp), summed over steps")
-    ax.set_title("Where the δ error is: baseline bf16 vs fp32")
+    ax.set_title(f"Where the δ error is: baseline {result.preset} vs fp32")
     return save_figure(fig, path, "Analogue of paper Fig. 3 / Fig. 11 (localizing the failing layer and head), "
                                   "measured as the δ error instead of the spectral norm.")
 

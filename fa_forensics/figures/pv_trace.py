@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fa_forensics.analyses.wording import finite, percent, share_with_se
 from fa_forensics.figures.style import COLORS, new_figure, save_figure
 
 
@@ -21,7 +22,7 @@ def plot_pv_trace(report, path: Path) -> Path:
     frac_neg = float((v < 0).mean()) if v.size else float("nan")
     ax_a.hist(v, bins=40, color=COLORS["highp"])
     ax_a.axvline(0, color=COLORS["neutral"], lw=0.8)
-    ax_a.set_title(f"(a) V[:, {tr.feature}]: {100 * frac_neg:.0f}% negative")
+    ax_a.set_title(f"(a) V[:, {tr.feature}]: {percent(frac_neg)} negative")
     ax_a.set_xlabel(f"V[t, {tr.feature}] (value)")
     ax_a.set_ylabel("count (tokens)")
 
@@ -34,7 +35,8 @@ def plot_pv_trace(report, path: Path) -> Path:
     ax_b.set_ylabel("(ΣP̄V)_lp − (ΣP̄V)_hp (value)")
     ax_b.legend(loc="best")
     sp = tr.split
-    shares = ", ".join(f"{c.cls} {c.share:.0%} ± {c.se:.0%}" for c in report.class_shares if c.rows)
+    shares = ", ".join(f"{c.cls} {share_with_se(c.share, c.se)}" for c in report.class_shares
+                       if c.rows and finite(c.share))
     ax_b.text(0.02, 0.02, f"final rounding: {sp.cls} (A = {sp.a:.8g}, r = {sp.r:+.2e})" + (f"\nO bias of the head by class: {shares}" if shares else ""),
               transform=ax_b.transAxes, fontsize=7, va="bottom")
 
@@ -54,9 +56,10 @@ def plot_pv_trace(report, path: Path) -> Path:
     ax_c.legend(loc="best")
     fig.suptitle(f"pv-trace: step {report.step}, layer {report.layer}, head {report.head}, "
                  f"{tr.accumulation} accumulation, P̄V rounded to {tr.pv_format}")
+    share = (f"the P̄ = 1 mechanism carries {percent(tr.frac_error_from_p_one)} of it (order-independent split A + r)"
+             if finite(tr.frac_error_from_p_one) else "there is no error to attribute")
     caption = (f"Reproduces paper Fig. 6 (a)-(c): error of one P̄V dot product (Eq. 5); final error "
-               f"{tr.final_error:+.3e}; its final rounding is a {tr.split.cls}, and the P̄ = 1 mechanism carries "
-               f"{tr.frac_error_from_p_one:.0%} of it (order-independent split A + r).")
+               f"{tr.final_error:+.3e}; its final rounding is a {tr.split.cls}, and {share}.")
     return save_figure(fig, path, caption)
 
 

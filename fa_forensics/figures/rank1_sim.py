@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fa_forensics.analyses.wording import number
 from fa_forensics.figures.style import COLORS, new_figure, save_figure
 
 
@@ -37,20 +38,24 @@ def plot_rank1(result, path: Path) -> Path:
     ax[3].set_title("(d) input features that stand out")
     ax[3].set_xlabel("input feature (column of X)")
     ax[3].set_ylabel("share of ‖(PK)ᵀX‖² (mean over tokens)")
-    if result.cumulative_norms:
-        n = np.arange(1, len(result.cumulative_norms) + 1)
-        c = np.asarray(result.cumulative_norms)
-        ax[4].loglog(n, c, "o-", color=COLORS["lowp"], label=f"‖Σ_(s≤n) E_s‖, exponent {result.accumulation_exponent:.2f}")
+    c = np.asarray(result.cumulative_norms, dtype=np.float64)
+    if c.size and (c > 0).all():  # a log axis needs positive values
+        n = np.arange(1, len(c) + 1)
+        expo = number(result.accumulation_exponent, ".2f")
+        ax[4].loglog(n, c, "o-", color=COLORS["lowp"], label=f"‖Σ_(s≤n) E_s‖, exponent {expo}")
         ax[4].loglog(n, c[0] * n, "--", color=COLORS["neutral"], label="slope 1 (compounds)")
         ax[4].loglog(n, c[0] * np.sqrt(n), ":", color=COLORS["highp"], label="slope 0.5 (washes out)")
         ax[4].legend()
+    elif c.size:
+        ax[4].text(0.5, 0.5, "no gradient error to accumulate\n(the replays agree at some step)", ha="center",
+                   va="center", transform=ax[4].transAxes, color=COLORS["neutral"])
     ax[4].set_title("(e) accumulation of the W_Q gradient error")
     ax[4].set_xlabel("number of steps n")
     ax[4].set_ylabel("Frobenius norm")
     sv = np.asarray(result.singular_values)
     if sv.size:
         ax[5].bar(np.arange(1, sv.size + 1), sv, color=COLORS["highp"])
-    ax[5].set_title(f"(f) singular values of Σ E; eff. rank {result.effective_rank:.2f}")
+    ax[5].set_title(f"(f) singular values of Σ E; eff. rank {number(result.effective_rank, '.2f')}")
     ax[5].set_xlabel("index")
     ax[5].set_ylabel("singular value")
     fig.suptitle(f"rank1-sim: layer {result.focus_layer} head {result.focus_head}")

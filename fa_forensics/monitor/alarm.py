@@ -17,7 +17,10 @@ Only upward moves alarm: more tied maxima, a growing W_Q norm, a loss spike.
 
 No alarm is raised during the first `warmup` monitored steps (their values still fill the
 windows): early training moves every series fast (learning-rate warmup, W_Q growing from its
-initialization, ties collapsing as scores leave 0).
+initialization, ties collapsing as scores leave 0). A run with no more monitored steps than
+`warmup` can therefore never alarm: a short run needs a short warm-up (`capture --alarm-warmup`).
+`warmup`, `window` and `z_threshold` are settings of the capture and of `timeline` (which replays
+the rule over a recorded timeline, `replay_rule`); `AlarmRule.with_settings` checks them.
 
 Defaults (window 20, min_history 8, warmup 50, z 6, min_change ties +8 rows / W_Q +25 % /
 loss +25 %, persist 3 / 3 / 1) were chosen on the demo run (300 steps, 4 × 4 heads): they raise
@@ -31,6 +34,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from fa_forensics.errors import InvalidSetting
+
+DEFAULT_WARMUP = 50
+DEFAULT_WINDOW = 20
+DEFAULT_Z = 6.0
+MIN_WINDOW = 3  # a median and a MAD need a few values
 
 
 @dataclass(frozen=True)
@@ -58,15 +68,37 @@ _RELATIVE = {"wq_sigma": True, "loss": True, "near_max_ties": False}
 class AlarmRule:
     """Robust z-score rule over a trailing window; call `observe` once per monitored step."""
 
-    window: int = 20
+    window: int = DEFAULT_WINDOW
     min_history: int = 8
-    warmup: int = 50  # monitored steps observed before any alarm (learning-rate warmup moves everything)
-    z_threshold: float = 6.0
+    warmup: int = DEFAULT_WARMUP  # monitored steps observed before any alarm (learning-rate warmup moves everything)
+    z_threshold: float = DEFAULT_Z
     min_change: dict = field(default_factory=lambda: {"near_max_ties": 8.0, "wq_sigma": 0.25, "loss": 0.25})
     persist: dict = field(default_factory=lambda: {"near_max_ties": 3, "wq_sigma": 3, "loss": 1})
     _history: dict = field(default_factory=dict, repr=False)
     _streak: dict = field(default_factory=dict, repr=False)
     _observed: int = field(default=0, repr=False)
+
+    @classmethod
+    def with_settings(cls, warmup: Optional[int] = None, window: Optional[int] = None,
+                      z_threshold: Optional[float] = None) -> "AlarmRule":
+        """The rule with the given settings (None: the default), checked: InvalidSetting (setting
+        "alarm_warmup", "alarm_window" or "alarm_z") for a value that cannot work. The history a
+        value needs is min(8, window), so a short window can alarm too."""
+        check_settings(warmup, window, z_threshold)
+        rule = cls()
+        if warmup is not None:
+            rule.warmup = int(warmup)
+        if window is not None:
+            rule.window = int(window)
+            rule.min_history = min(rule.min_history, rule.window)
+        if z_threshold is not None:
+            rule.z_threshold = float(z_threshold)
+        return rule
+
+    def settings(self) -> dict:
+        """The settings a capture records and `timeline` reads back."""
+        return {"warmup": self.warmup, "window": self.window, "min_history": self.min_history,
+                "z_threshold": self.z_threshold, "min_change": dict(self.min_change), "persist": dict(self.persist)}
 
     def _check(self, key: tuple, metric: str, step: int, value: float, layer=None, head=None) -> Optional[Alarm]:
         out = self._out(key, metric, step, value, layer, head)
@@ -114,3 +146,40 @@ class AlarmRule:
                     if a:
                         alarms.append(a)
         return alarms
+
+
+def check_settings(warmup=None, window=None, z_threshold=None) -> None:
+    """InvalidSetting for an alarm setting out of its domain (None = the default, always fine)."""
+    if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+        raise InvalidSetting("alarm_warmup", f"must be a whole number of monitored steps >= 0, got {warmup!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < MIN_WINDOW):
+        raise InvalidSetting("alarm_window", f"must be a whole number of monitored steps >= {MIN_WINDOW}, "
+                                             f"got {window!r}")
+    number = isinstance(z_threshold, (int, float)) and not isinstance(z_threshold, bool)
+    if z_threshold is not None and not (number and np.isfinite(z_threshold) and z_threshold > 0):
+        raise InvalidSetting("alarm_z", f"must be a finite robust z-score > 0 (default {DEFAULT_Z:g}), "
+                                        f"got {z_threshold!r}")
+
+
+def rule_from_settings(settings) -> Optional[AlarmRule]:
+    """The rule a capture's `alarm` setting asks for: False/None = no alarm, True = the defaults,
+    a dict {warmup, window, z_threshold} = those settings (checked), an AlarmRule = itself."""
+    if isinstance(settings, AlarmRule):
+        return settings
+    if not settings:
+        return None
+    if settings is True:
+        return AlarmRule()
+    return AlarmRule.with_settings(settings.get("warmup"), settings.get("window"), settings.get("z_threshold"))
+
+
+def replay_rule(rule: AlarmRule, steps, loss=None, near_max_ties=None, wq_sigma=None) -> list[Alarm]:
+    """The alarms `rule` raises over a recorded timeline: steps (S,), loss (S,), near_max_ties and
+    wq_sigma (S, L, H) or None, fed one monitored step at a time as the capture fed them."""
+    alarms: list[Alarm] = []
+    for i, step in enumerate(steps):
+        loss_i = None if loss is None or not np.isfinite(loss[i]) else float(loss[i])
+        alarms += rule.observe(int(step), loss=loss_i,
+                               near_max_ties=None if near_max_ties is None else near_max_ties[i],
+                               wq_sigma=None if wq_sigma is None else wq_sigma[i])
+    return alarms

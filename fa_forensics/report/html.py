@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from fa_forensics.analyses.wording import percent
 from fa_forensics.report.verdict import report_verdict
 
 TITLES = {
@@ -52,16 +53,23 @@ def _finding(name: str, d: dict) -> Optional[str]:
                 f"{_num(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
                 f"accumulation exponent {_num(d.get('accumulation_exponent'), '.2f')} (≈ 1 compounds, ≈ 0.5 washes out).")
     if name == "pv-trace":
-        return (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, row {d.get('row')}, feature "
-                f"{d.get('feature')} the P̄V error is {_num(d.get('final_error'))}; "
-                f"{_num(100 * d['frac_error_from_p_one'] if isinstance(d.get('frac_error_from_p_one'), (int, float)) else None, '.0f')}% "
-                f"of it entered at the {len(d.get('p_one_positions') or [])} terms where P̄ = 1.")
+        where = (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, "
+                 f"row {d.get('row')}, feature {d.get('feature')}")
+        n_ones = len(d.get("p_one_positions") or [])
+        share = percent(d.get("frac_error_from_p_one"), missing="")
+        if d.get("final_error") == 0:
+            return f"{where} the P̄V dot product has no error (low precision and fp32 agree)."
+        if not share:
+            return (f"{where} the P̄V error is {_num(d.get('final_error'))}; no share of it could be attributed "
+                    "to P̄ = 1 terms.")
+        return (f"{where} the P̄V error is {_num(d.get('final_error'))}; {share} of it entered at the {n_ones} terms "
+                "where P̄ = 1.")
     if name == "bitdiff":
         feats = d.get("biased_features") or []
         top = feats[0] if feats else None
         tail = (f"; most biased: layer {top.get('layer')} head {top.get('head')} feature {top.get('feature')} "
                 f"({_num(top.get('mean'))} ± {_num(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
-        return (f"bitdiff: {_num(100 * d['mismatch_rate'] if isinstance(d.get('mismatch_rate'), (int, float)) else None, '.1f')}% "
+        return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
                 f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; {len(feats)} feature(s) significantly biased{tail}.")
     if name == "fix-check":
         return f"fix-check: {d.get('verdict', 'n/a')}"

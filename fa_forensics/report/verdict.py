@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fa_forensics.analyses.wording import finite, number, share_with_se
+
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
 
 
@@ -44,6 +46,16 @@ def _fidelity(sections) -> str:
     return "replay fidelity not measured (the findings describe the replayed recipe)"
 
 
+def _collapse_clause(fc: dict) -> str:
+    """'; the stabilized softmax collapses O in N row(s) (...)' when fix-check found it under the preset's floor."""
+    c = fc.get("collapse") or {}
+    if not (c.get("rows") and c.get("applies")):
+        return ""
+    return (f"; the stabilized softmax collapses O in {c['rows']} row(s) (repeated maximum up to "
+            f"{number(c.get('max_score'), '.4g')} > {number(c.get('threshold'), '.4g')}: the "
+            f"{number(c.get('floor'), 'g')} row-sum floor takes over; fix-check)")
+
+
 def report_verdict(sections) -> str:
     """The one-sentence verdict that opens the report."""
     by_name = claims(sections)
@@ -53,14 +65,16 @@ def report_verdict(sections) -> str:
         return f"VERDICT: no analysis produced a bias claim for this dump (see the notes below); {fidelity}."
     agree, place = agreement(by_name)
     names = ", ".join(by_name)
+    collapse = _collapse_clause(data.get("fix-check") or {})
     if agree and place is None:
-        return (f"VERDICT: no significant bias (sign or t-test, Bonferroni-corrected p < 0.01) in {names}: nothing to fix; "
-                f"{fidelity}.")
+        return (f"VERDICT: no significant bias (sign or t-test, Bonferroni-corrected p < 0.01) in {names}: "
+                f"nothing to fix{collapse}; {fidelity}.")
     if not agree:
         parts = [f"{n} {'finds' if c['found'] else 'does not find'} one at layer {c['layer']} head {c['head']}"
                  f" ({'+' if c['sign'] > 0 else '−'}{c['quantity']}, p={c['p_value']:.2g} of {c['n_tests']} tests)"
                  for n, c in by_name.items()]
-        return f"VERDICT: the analyses disagree on whether or where a bias exists: {'; '.join(parts)}; {fidelity}."
+        return (f"VERDICT: the analyses disagree on whether or where a bias exists: {'; '.join(parts)}{collapse}; "
+                f"{fidelity}.")
     layer, head = place
     steps = sorted({c["step"] for c in by_name.values() if c.get("step") is not None})
     feature = next((c["feature"] for c in by_name.values() if c.get("feature") is not None), None)
@@ -80,10 +94,16 @@ def report_verdict(sections) -> str:
         if p_one:
             total = sum(v["share"] for v in p_one)
             se = sum(v["se"] ** 2 for v in p_one) ** 0.5
-            operation += f"; the P̄ = 1 rounding mechanism carries {total:.0%} ± {se:.0%} of the O bias in that feature"
+            if finite(total):
+                operation += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias "
+                              "in that feature")
     fix = ""
     if "fix-check" in data:
         fc = data["fix-check"]
-        fix = ("; the stabilized softmax removes it" if fc.get("removed") else "; the stabilized softmax does NOT remove it") + \
-              f" (fix-check: reduction {fc.get('bias_reduction', float('nan')):.1f}x)"
+        if collapse:
+            fix = collapse
+        else:
+            fix = ("; the stabilized softmax removes it" if fc.get("removed")
+                   else "; the stabilized softmax does NOT remove it")
+            fix += f" (fix-check: reduction {number(fc.get('bias_reduction'), '.1f')}x)"
     return f"VERDICT: biased rounding at {where} ({signs}), found by {names}{operation}{fix}; {fidelity}."

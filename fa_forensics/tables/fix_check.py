@@ -5,7 +5,7 @@ import math
 
 from rich.table import Table
 
-from fa_forensics.analyses.fix_check import FixCheckResult
+from fa_forensics.analyses.fix_check import FixCheckResult, collapse_text
 
 
 def _fmt(v, se=None, p=None) -> str:
@@ -29,5 +29,24 @@ def tables(r: FixCheckResult) -> list:
         table.add_row(v.name, v.what, _fmt(v.o_bias, v.o_bias_se, v.o_bias_p), _fmt(v.delta_err_sum, v.delta_err_se, v.delta_p),
                       f"{v.max_abs_err:.2e}", str(v.p_one_count), str(v.triggered_rows), str(v.underflow), str(v.nan_count),
                       "yes" if v.still_biased else "no")
-    return [table, f"max P̄ in rows with a repeated maximum: baseline {r.baseline.max_p_bar:.6g}, fixed {r.max_p_bar:.6g}; "
-                   f"rows where the fix fired: {r.triggered_rows}"]
+    return [table, p_bar_line(r), *collapse_lines(r)]
+
+
+def p_bar_line(r: FixCheckResult) -> str:
+    """Max P̄ over the rows whose maximum repeats (within ε), beside the rows where the fix fired."""
+    eps = r.settings.get("eps")
+    within = f" (within ε = {eps:g})" if eps is not None else ""
+    fired = f"the fix fired in {r.triggered_rows} row(s)"
+    if r.fixed.repeated_rows == 0 or not math.isfinite(r.max_p_bar):
+        return (f"no row's maximum repeats over the whole row{within}, so there is no max P̄ to show; {fired}"
+                + (" on a repeated maximum of one KV block" if r.triggered_rows else ""))
+    return (f"max P̄ in the {r.fixed.repeated_rows} row(s) whose maximum repeats{within}: "
+            f"baseline {r.baseline.max_p_bar:.6g}, fixed {r.max_p_bar:.6g}; {fired}")
+
+
+def collapse_lines(r: FixCheckResult) -> list[str]:
+    """One line when the fix's row sum falls below the preset's row-sum floor in some rows (nothing otherwise)."""
+    c = r.collapse
+    if not c.get("rows") or not c.get("applies"):
+        return []  # without the preset's own floor it is a warning (the reference code would collapse there)
+    return [f"[bold red]the fix collapses O[/] in {collapse_text(c)}"]

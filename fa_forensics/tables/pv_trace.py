@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.pv_trace import PVTraceReport
+from fa_forensics.analyses.wording import share_with_se
 
 
 def tables(r: PVTraceReport) -> list:
@@ -29,7 +30,8 @@ def tables(r: PVTraceReport) -> list:
         table.add_row("Ō error with the P̄ = 1 terms nudged to 1 − 2⁻⁸", f"{tr.nudged_error:+.3e}")
     for c in r.class_shares:
         if c.rows:
-            table.add_row(f"  share of the O bias ({r.rows_attributed} rows): {c.cls} (n={c.rows})", f"{c.share:+.1%} ± {c.se:.1%}")
+            table.add_row(f"  share of the O bias ({r.rows_attributed} rows): {c.cls} (n={c.rows})",
+                          share_with_se(c.share, c.se, 1, signed=True, missing="n/a (no O bias to share out)"))
     cf = r.counterfactual
     if cf is not None:
         table.add_row("O bias → with P̄ = 1 nudged (unattributed part)",

@@ -17,7 +17,13 @@ def tables(r: Rank1Result) -> list[Table]:
         table.add_row("  of which: PK rows / X rows", f"{r.pk_cosine_offdiag_mean:+.3f} / {r.x_cosine_offdiag_mean:+.3f}")
         table.add_row("input features that stand out (share)", ", ".join(f"{c.feature} ({c.weight:.2f})" for c in r.top_columns[:5]))
         table.add_row("singular values of the gradient error Σ E", ", ".join(f"{s:.3g}" for s in r.singular_values[:5]))
-        table.add_row("effective rank / top σ² share", f"{r.effective_rank:.2f} / {r.top_sv_ratio:.2f}")
-        table.add_row("cross-step alignment of top singular vectors", _fmt(r.cross_step_alignment, "needs ≥ 2 steps"))
-        table.add_row("accumulation exponent (1 compounds, 0.5 washes out)", _fmt(r.accumulation_exponent, "needs ≥ 3 steps"))
+        no_error = "n/a (no gradient error)"
+        has_error = any(x > 0 for x in r.cumulative_norms)
+        table.add_row("effective rank / top σ² share",
+                      f"{_fmt(r.effective_rank, 'n/a')} / {_fmt(r.top_sv_ratio, 'n/a')}" if has_error else no_error)
+        table.add_row("cross-step alignment of top singular vectors",
+                      _fmt(r.cross_step_alignment, "needs ≥ 2 steps") if has_error else no_error)
+        steps_short = "needs ≥ 3 steps" if len(r.cumulative_norms) < 3 else "n/a (zero error at some step)"
+        table.add_row("accumulation exponent (1 compounds, 0.5 washes out)",
+                      _fmt(r.accumulation_exponent, steps_short) if has_error else no_error)
     return [table]

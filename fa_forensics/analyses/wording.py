@@ -1,0 +1,30 @@
+"""Numbers in sentences: a value that was not measured reads "n/a", never "nan%" or "n/a%"."""
+from __future__ import annotations
+
+import math
+
+
+def finite(x) -> bool:
+    """True for a real finite number (bools and None are not numbers here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def percent(fraction, digits: int = 0, *, signed: bool = False, missing: str = "n/a") -> str:
+    """A fraction as a percentage ("37%", "+1.5%"), or `missing` (no % sign) when it is not a finite number."""
+    if not finite(fraction):
+        return missing
+    return format(fraction, f"{'+' if signed else ''}.{digits}%")
+
+
+def share_with_se(share, se, digits: int = 0, *, signed: bool = False, missing: str = "n/a") -> str:
+    """"37% ± 5%"; "37%" when se is not finite; `missing` when the share is not."""
+    if not finite(share):
+        return missing
+    text = percent(share, digits, signed=signed)
+    return f"{text} ± {percent(se, digits)}" if finite(se) else text
+
+
+def number(x, fmt: str = "+.3e", missing: str = "n/a") -> str:
+    """format(x, fmt) for a finite number, else `missing`."""
+    return format(x, fmt) if finite(x) else missing
+
