@@ -6,7 +6,14 @@ ends. `finish` returns the row: per metric of TIMELINE_METRICS an (L, H) float64
 nothing was measured). Statistics stay on the device until `finish`, so a GPU run synchronizes
 once per monitored step, not once per layer.
 
-Off the training thread: with `background=True` (the capture default) each call's work runs on one
+Score precision: the statistics count repeated maxima in the precision the monitored kernel forms
+its scores in (`score_dtype`). By default that is the kernel's 16-bit dtype (bf16 for a bf16 or
+bf16-autocast run: the paper's recipe, whose S is bf16); pass score_dtype=torch.float32 for a
+kernel that keeps S in fp32 (FlashAttention's tensor-core accumulator).
+
+On a GPU the statistics are one fused Triton kernel per call (monitor/stats.py), enqueued on the
+training stream: no copies, no worker thread and no synchronization until `finish`.
+Off the training thread (CPU): with `background=True` (the capture default) each call's work runs on one
 worker thread (torch releases the GIL inside its kernels; the thread is started with the collector).
 The training thread only copies the batch slice of q, k (once, as the fp32 values the statistics
 use) and the W_Q block (a few hundred KB; the weights are copied because the optimizer updates
@@ -45,8 +52,9 @@ class StepCollector:
     """Collects HeadStats and W_Q spectral norms of one monitored step, layer by layer."""
 
     def __init__(self, *, eps: float = 1e-3, chunk: int = 128, warn: Optional[WarnFn] = None,
-                 background: bool = False):
+                 background: bool = False, score_dtype: Optional[torch.dtype] = None):
         self.eps = eps
+        self.score_dtype = score_dtype  # None: the P̄ dtype of each call (the kernel's 16-bit dtype)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fa-forensics-monitor") if background else None
         if self._pool is not None:
             self._pool.submit(lambda: None)  # start the thread now, not in the first monitored step (≈ 5 ms there)
@@ -62,8 +70,11 @@ class StepCollector:
 
     @torch.no_grad()
     def observe_call(self, layer: int, q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float], causal: bool,
-                     p_dtype: torch.dtype, module: Optional[torch.nn.Module], module_name: str) -> None:
-        """Statistics of one attention call: q (B, H, T, D), k (B, Hk, Tk, D) (grouped K heads are expanded)."""
+                     p_dtype: torch.dtype, module: Optional[torch.nn.Module], module_name: str,
+                     score_dtype: Optional[torch.dtype] = None) -> None:
+        """Statistics of one attention call: q (B, H, T, D), k (B, Hk, Tk, D) (grouped K heads are expanded).
+
+        score_dtype: the precision the kernel forms S in; None = the collector's, else p_dtype."""
         if q.dim() != 4 or k.dim() != 4 or layer in self._calls:
             return
         H = q.shape[1]
@@ -73,21 +84,23 @@ class StepCollector:
             self._warn(f"wq:{module_name}", f"fa-forensics monitor: no W_Q found for attention module {module_name!r} "
                                             f"(layer {layer}; {what}); wq_sigma is NaN for it")
         q, k = q.detach(), k.detach()
-        if self._pool is None:
+        s_dtype = score_dtype or self.score_dtype or p_dtype
+        if self._pool is None or q.is_cuda:  # a GPU enqueues the work on its stream: in order, nothing to copy
             done: Future = Future()
-            done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype))
+            done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype, s_dtype))
             self._calls[layer] = done
         else:  # copies: the worker must not see later in-place updates (optimizer step, reused buffers)
             w_copy = None if w_q is None else w_q.clone()
-            self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy, scale, causal, p_dtype)
+            self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy, scale,
+                                                   causal, p_dtype, s_dtype)
 
-    def _compute(self, layer, q, k, w_q, scale, causal, p_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
+    def _compute(self, layer, q, k, w_q, scale, causal, p_dtype, s_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
         H = q.shape[1]
         if k.shape[1] != H:  # grouped-query attention: one K head per group of query heads
             k = k.repeat_interleave(H // k.shape[1], dim=1)
         with torch.autocast(q.device.type, enabled=False):  # called inside the forward pass: keep fp32 statistics
             stats = head_statistics(q, k, scale=scale, causal=causal, eps=self.eps, p_dtype=p_dtype,
-                                    chunk=self.chunk, to_cpu=False)
+                                    chunk=self.chunk, to_cpu=False, score_dtype=s_dtype)
             sigma = None if w_q is None else head_spectral_norms(w_q)  # (H,)
         return stats, sigma
 
