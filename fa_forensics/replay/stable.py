@@ -25,37 +25,42 @@ from fa_forensics.errors import ConfigError
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _use_triton(q: torch.Tensor) -> bool:
-    return q.is_cuda
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _use_triton(q: torch.Tensor, backend: str) -> bool:
+    return backend == "triton" or (backend == "auto" and q.is_cuda)
 
 
 class _StableAttention(torch.autograd.Function):
     """Autograd wrapper: forward saves (q, k, v, o, LSE₂); backward runs the FA2 backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, beta: float, eps: float, stable: bool):
+    def forward(ctx, q, k, v, causal: bool, scale: float, beta: float, eps: float, stable: bool, triton: bool):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if _use_triton(q):
+        if triton:
             from fa_forensics.replay.triton import fast_attention as impl
         else:
             from fa_forensics.replay import stable_reference as impl
         o, lse2 = impl.forward(q, k, v, causal=causal, scale=scale, stable=stable, beta=beta, eps=eps)
         ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.triton = causal, scale, triton
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse2 = ctx.saved_tensors
-        if _use_triton(q):
+        if ctx.triton:
             from fa_forensics.replay.triton import fast_attention as impl
         else:
             from fa_forensics.replay import stable_reference as impl
         dq, dk, dv = impl.backward(q, k, v, o, lse2, do.to(q.dtype).contiguous(), causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _checked(q, k, v, beta: float, eps: float) -> None:
+def _checked(q, k, v, beta: float, eps: float, backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ConfigError(f"stable_attention: backend={backend!r}; use one of {', '.join(_BACKENDS)}")
     if q.ndim != 4 or k.shape != v.shape or q.shape != k.shape:
         raise ConfigError(f"stable_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
                           "(B, H, T, D), all three the same shape")
@@ -70,20 +75,22 @@ def _checked(q, k, v, beta: float, eps: float) -> None:
 
 
 def stable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, beta: float = 2.0,
-                     eps: float = 1e-3, scale: Optional[float] = None) -> torch.Tensor:
+                     eps: float = 1e-3, scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """softmax(α·QKᵀ)V with the stabilized softmax of Algorithm 3; (B, H, T, D) → (B, H, T, D).
 
     A drop-in for F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).
     beta > 1 (the paper uses 2..8), eps ≥ 0: scores within eps of the block max count as ties.
+    backend: "auto" (Triton kernels for CUDA tensors, the torch reference for CPU tensors),
+    "triton" (also for CPU tensors, under TRITON_INTERPRET=1) or "torch".
     """
-    _checked(q, k, v, beta, eps)
+    _checked(q, k, v, beta, eps, backend)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _StableAttention.apply(q, k, v, causal, scale, float(beta), float(eps), True)
+    return _StableAttention.apply(q, k, v, causal, scale, float(beta), float(eps), True, _use_triton(q, backend))
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    scale: Optional[float] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """The same kernels without the fix (standard softmax): what the fix's cost is measured against."""
-    _checked(q, k, v, 2.0, 0.0)
+    _checked(q, k, v, 2.0, 0.0, backend)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _StableAttention.apply(q, k, v, causal, scale, 2.0, 0.0, False)
+    return _StableAttention.apply(q, k, v, causal, scale, 2.0, 0.0, False, _use_triton(q, backend))

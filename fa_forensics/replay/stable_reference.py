@@ -41,11 +41,11 @@ def forward(q, k, v, *, causal: bool, scale: float, stable: bool, beta: float = 
     qf, kf, vf = q.float(), k.float(), v.float()
     qk_scale, eps2, beta_m1 = _f32(scale * LOG2E), _f32(eps * LOG2E), _f32(beta - 1.0)
     max_extra2 = _f32(max_extra_shift(dtype) * LOG2E)
-    m = torch.full((B, H, T), -torch.inf)
-    ell = torch.zeros(B, H, T)
-    acc = torch.zeros(B, H, T, D)
+    m = torch.full((B, H, T), -torch.inf, device=q.device)
+    ell = torch.zeros(B, H, T, device=q.device)
+    acc = torch.zeros(B, H, T, D, device=q.device)
     for start in range(0, T, block_n):
-        cols = torch.arange(start, min(start + block_n, T))
+        cols = torch.arange(start, min(start + block_n, T), device=q.device)
         s = torch.matmul(qf, kf[:, :, start:start + len(cols)].transpose(-1, -2)) * qk_scale  # (B, H, T, n)
         if causal:
             s = s.masked_fill(_causal_mask(T, cols, q.device), -torch.inf)
