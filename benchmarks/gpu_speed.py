@@ -100,7 +100,8 @@ def attention_rows(device, dtype, shapes, smoke: bool) -> list[dict]:
                 field: float((a.float() - b.float()).norm() / b.float().norm())
                 for field, a, b in zip(("o", "dq", "dk", "dv"), outputs[name], outputs["sdpa"])}
         ms = row["ms"]
-        row["speed_vs_sdpa"] = {name: {p: ms["sdpa"][p] / ms[name][p] for p in ("fwd", "bwd")} for name in ("stable", "plain")}
+        row["speed_vs_sdpa"] = {name: {p: ms["sdpa"][p] / ms[name][p] for p in ("fwd", "bwd")}
+                                for name in ("stable", "plain")}
         row["fix_cost"] = {p: ms["stable"][p] / ms["plain"][p] - 1 for p in ("fwd", "bwd")}
         rows.append(row)
         del q, k, v, do, outputs

@@ -65,7 +65,8 @@ def _checked(q, k, v, beta: float, eps: float, backend: str) -> None:
         raise ConfigError(f"stable_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
                           "(B, H, T, D), all three the same shape")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ConfigError(f"stable_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+        raise ConfigError(f"stable_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
+                          "cast them to one dtype")
     if q.dtype not in _DTYPES:
         raise ConfigError(f"stable_attention: q has dtype {q.dtype}; use float32, bfloat16 or float16")
     if not beta > 1:

@@ -51,8 +51,10 @@ def _exact(q, k, v, do, causal):
     return o.detach(), qd.grad, kd.grad, vd.grad
 
 
-@pytest.mark.parametrize("T, D, causal, dtype", SHAPES, ids=[f"T{s[0]}-D{s[1]}-{'causal' if s[2] else 'full'}-{str(s[3])[6:]}"
-                                                            for s in SHAPES])
+IDS = [f"T{s[0]}-D{s[1]}-{'causal' if s[2] else 'full'}-{str(s[3])[6:]}" for s in SHAPES]
+
+
+@pytest.mark.parametrize("T, D, causal, dtype", SHAPES, ids=IDS)
 def test_kernels_follow_the_contract_and_exact_attention(T, D, causal, dtype):
     q, k, v, do = _inputs(T, D, dtype, seed=T + D)
     scale = D ** -0.5

@@ -309,7 +309,8 @@ def _check(q: torch.Tensor) -> None:
     if D not in (16, 32, 64, 128):
         from fa_forensics.errors import ConfigError
 
-        raise ConfigError(f"stable_attention: head dim {D} is not supported by the Triton kernel; use 16, 32, 64 or 128")
+        raise ConfigError(f"stable_attention: head dim {D} is not supported by the Triton kernel; "
+                          "use 16, 32, 64 or 128")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

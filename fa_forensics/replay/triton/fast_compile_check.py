@@ -2,7 +2,8 @@
 
 Run in a process where TRITON_INTERPRET is unset (interpreted kernels cannot be compiled):
     python -m fa_forensics.replay.triton.fast_compile_check [--arch 90] [--quick]
-(--quick: only the largest config of each kernel, D 128.) Prints one line per variant: kernel, config, shared memory it needs. Exit code 0 when all compiled
+(--quick: only the largest config of each kernel, D 128.)
+Prints one line per variant: kernel, config, shared memory it needs. Exit code 0 when all compiled
 and each fits the target's shared memory (sm_90: 227 KiB per block; a config that does not fit
 would only be skipped by the autotuner, but a shape with none left would fail on the GPU).
 """
