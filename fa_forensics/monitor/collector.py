@@ -48,6 +48,36 @@ def p_bar_dtype(q_dtype: torch.dtype) -> torch.dtype:
     return q_dtype if q_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+class _HostGram:
+    """W_Q's per-head Gram matrix (as head_spectral_norms forms it, float64), formed on the GPU and copied
+    to pinned host memory without a synchronization; `sigma()` takes σ_max = √λ_max on the host once the
+    stream has passed the copy (torch's CUDA eigvalsh would synchronize at every call to check errors)."""
+
+    def __init__(self, w_heads: torch.Tensor):
+        w = w_heads.detach().double()  # (H, D, C)
+        gram = w @ w.transpose(-1, -2) if w.shape[-2] <= w.shape[-1] else w.transpose(-1, -2) @ w
+        self.host = torch.empty(gram.shape, dtype=torch.float64, pin_memory=gram.is_cuda)
+        self.host.copy_(gram, non_blocking=True)
+
+    def sigma(self) -> torch.Tensor:
+        return torch.linalg.eigvalsh(self.host)[..., -1].clamp_min(0).sqrt().float()  # (H,)
+
+
+def _to_host(entries: list) -> list:
+    """[(layer, metric, tensor)] → [(layer, metric, float64 numpy)], one concatenated copy per device."""
+    by_device: dict = {}
+    for entry in entries:
+        by_device.setdefault(entry[2].device, []).append(entry)
+    out = []
+    for group in by_device.values():
+        flat = torch.cat([t.detach().double().reshape(-1) for _, _, t in group]).cpu().numpy()
+        start = 0
+        for layer, metric, t in group:
+            out.append((layer, metric, flat[start:start + t.numel()]))
+            start += t.numel()
+    return out
+
+
 class StepCollector:
     """Collects HeadStats and W_Q spectral norms of one monitored step, layer by layer."""
 
@@ -101,7 +131,12 @@ class StepCollector:
         with torch.autocast(q.device.type, enabled=False):  # called inside the forward pass: keep fp32 statistics
             stats = head_statistics(q, k, scale=scale, causal=causal, eps=self.eps, p_dtype=p_dtype,
                                     chunk=self.chunk, to_cpu=False, score_dtype=s_dtype)
-            sigma = None if w_q is None else head_spectral_norms(w_q)  # (H,)
+            if w_q is None:
+                sigma = None
+            elif w_q.is_cuda:
+                sigma = _HostGram(w_q)  # no synchronization here: the eigenvalues are taken at `finish`
+            else:
+                sigma = head_spectral_norms(w_q)  # (H,)
         return stats, sigma
 
     def finish(self) -> Optional[dict[str, np.ndarray]]:
@@ -115,21 +150,27 @@ class StepCollector:
         if self._shape is None:
             self._shape = (n_layers, n_heads)
         elif (n_layers, n_heads) != self._shape and (n_layers > self._shape[0] or n_heads > self._shape[1]):
-            self._warn("shape", f"fa-forensics monitor: step {self.step} has {n_layers} layers × {n_heads} heads, the timeline "
-                                f"{self._shape[0]} × {self._shape[1]}; the extra ones are not kept")
+            self._warn("shape", f"fa-forensics monitor: step {self.step} has {n_layers} layers × {n_heads} heads, "
+                                f"the timeline {self._shape[0]} × {self._shape[1]}; the extra ones are not kept")
         L, H = self._shape
         row = {m: np.full((L, H), np.nan) for m in TIMELINE_METRICS}
+        entries = []  # (layer, metric, tensor on its device)
+        grams = []  # (layer, _HostGram)
         for layer, (stats, sigma) in calls.items():
             if layer >= L:
                 continue
-            values = {
-                "max_logit": stats.max_logit, "near_max_ties": stats.near_max_ties,
-                "p_one_extra": stats.p_one_extra, "top1_prob": stats.top1_prob, "wq_sigma": sigma,
-            }
-            for metric, value in values.items():
-                if value is not None:
-                    v = value.detach().double().cpu().numpy()[:H]  # the one device → host copy
-                    row[metric][layer, : v.shape[0]] = v
+            entries += [(layer, "max_logit", stats.max_logit), (layer, "near_max_ties", stats.near_max_ties),
+                        (layer, "p_one_extra", stats.p_one_extra), (layer, "top1_prob", stats.top1_prob)]
+            if isinstance(sigma, _HostGram):
+                grams.append((layer, sigma))
+            elif sigma is not None:
+                entries.append((layer, "wq_sigma", sigma))
+        for layer, metric, v in _to_host(entries):  # one device → host copy per device (one synchronization)
+            v = v[:H]
+            row[metric][layer, : v.shape[0]] = v
+        for layer, gram in grams:  # their copies were queued before the statistics' copy: complete now
+            v = gram.sigma().double().numpy()[:H]
+            row["wq_sigma"][layer, : v.shape[0]] = v
         return row
 
     def close(self) -> None:

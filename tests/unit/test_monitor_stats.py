@@ -218,3 +218,14 @@ def test_bf16_scores_count_the_repeated_maxima_a_bf16_kernel_has(chunk):
     assert torch.equal(got.max_logit, max_logit)
     fp32 = head_statistics(q, k, scale=scale, chunk=chunk)
     assert int(got.near_max_ties.sum()) >= 3 * max(int(fp32.near_max_ties.sum()), 1)
+
+
+def test_deferred_wq_sigma_equals_the_direct_one():
+    """On a GPU the collector forms W_Q's Gram on the device and takes its eigenvalue on the host at the
+    end of the step (no synchronization per layer): the same σ as head_spectral_norms (both layouts)."""
+    from fa_forensics.monitor.collector import _HostGram
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((4, 16, 64), (4, 64, 16)):  # D ≤ C (W Wᵀ) and D > C (Wᵀ W)
+        w = torch.randn(*shape, generator=g)
+        np.testing.assert_array_equal(_HostGram(w).sigma().numpy(), head_spectral_norms(w).numpy())
