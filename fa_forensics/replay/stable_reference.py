@@ -39,19 +39,21 @@ def forward(q, k, v, *, causal: bool, scale: float, stable: bool, beta: float = 
     B, H, T, D = q.shape
     dtype = q.dtype
     qf, kf, vf = q.float(), k.float(), v.float()
-    qk_scale, eps2, beta_m1 = _f32(scale * LOG2E), _f32(eps * LOG2E), _f32(beta - 1.0)
+    qk_scale, eps_raw, beta_m1 = _f32(scale * LOG2E), _f32(eps / scale), _f32(beta - 1.0)
     max_extra2 = _f32(max_extra_shift(dtype) * LOG2E)
     m = torch.full((B, H, T), -torch.inf, device=q.device)
     ell = torch.zeros(B, H, T, device=q.device)
     acc = torch.zeros(B, H, T, D, device=q.device)
     for start in range(0, T, block_n):
         cols = torch.arange(start, min(start + block_n, T), device=q.device)
-        s = torch.matmul(qf, kf[:, :, start:start + len(cols)].transpose(-1, -2)) * qk_scale  # (B, H, T, n)
+        qk = torch.matmul(qf, kf[:, :, start:start + len(cols)].transpose(-1, -2))  # (B, H, T, n) unscaled
         if causal:
-            s = s.masked_fill(_causal_mask(T, cols, q.device), -torch.inf)
-        r = s.amax(dim=-1)
+            qk = qk.masked_fill(_causal_mask(T, cols, q.device), -torch.inf)
+        r_raw = qk.amax(dim=-1)
+        r = r_raw * qk_scale
+        s = qk * qk_scale
         if stable:
-            n_near = ((r[..., None] - s) <= eps2).sum(dim=-1)
+            n_near = (qk >= (r_raw - eps_raw)[..., None]).sum(dim=-1)
             extra = torch.minimum(torch.where(r > 0, beta_m1 * r, -r), max_extra2)
             m_blk = torch.where((n_near > 1) & (r > -torch.inf), r + extra, r)
         else:

@@ -4,10 +4,10 @@ These run `stable_attention` (STABLE=True) and the same kernel without the fix (
 "plain" kernel the fix's cost is measured against). Unlike kernels.py (every cast a replay knob,
 for bit-faithful replay), these are built for speed, after Triton's fused-attention tutorial and
 FlashAttention-2:
-- scores in log2 units: s₂ = fp32(Q Kᵀ) · (α·log2 e), one multiply, so the exponential is a
-  bare exp2 (the scale folded in);
-- the stabilized shift is computed in the same pass as the row maximum (one extra compare-and-sum
-  per block), no second pass and no extra memory traffic;
+- scores in log2 units: the exponent is fp32(Q Kᵀ)·(α·log2 e) − m, one FMA, so the exponential is
+  a bare exp2 (the scale folded in);
+- the stabilized shift is computed in the same pass as the row maximum (one extra compare per
+  score and one row sum per block), no second pass and no extra memory traffic;
 - causal masking only on the diagonal blocks (the blocks below are loaded and used unmasked), the
   sequence-end mask only when T is not a multiple of the tile (a constexpr);
 - backward: δ = rowsum(dO ∘ O) precomputed once (its own small kernel); one program per KV block
@@ -20,11 +20,13 @@ FlashAttention-2:
 Numerics contract (the forward; the CPU reference `replay/stable_reference.py` implements it):
   inputs   Q, K, V in one dtype X (bf16, fp16 or fp32); dots accumulate in fp32 (fp32 inputs:
            input_precision "ieee", never TF32).
-  scores   s₂ = fp32(q·k) · fp32(α·log2 e), −inf where masked (causal: key > query; key ≥ T).
+  scores   qk = fp32(q·k), −inf where masked (causal: key > query; key ≥ T); s₂ = qk · fp32(α·log2 e)
+           (log2 units; on a GPU the multiply may fuse with the subtraction of m below).
   blocks   KV blocks of STABLE_BLOCK_N = 64 keys from key 0, in increasing order. The tile of rows
            (BLOCK_M, autotuned) does not change any result: rows are independent.
-  shift    per row and block, r = max of the block's s₂. STABLE: when at least two scores of the
-           block are within ε₂ = fp32(ε·log2 e) of r (r − s₂ ≤ ε₂) and r > −inf, the block's shift
+  shift    per row and block, r = fp32(max(qk) · α·log2 e) (= the block's max s₂). STABLE: when at least
+           two scores of the block are within ε of it, qk ≥ fp32(max(qk) − ε_raw) with ε_raw = fp32(ε/α)
+           (the test in the dot's own units: one compare per score), and r > −inf, the block's shift
            is r + e with e = (β − 1)·r for r > 0, e = −r for r ≤ 0 (the paper's β·m and 0), and
            e capped at E₂ = fp32(cap(X)·log2 e) (see `max_extra_shift`); else r. The running
            shift is m ← max(m, block shift).
@@ -69,7 +71,7 @@ def _interpreting() -> bool:
 # Forward
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2, beta_m1, max_extra2, lo, hi,
+def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1, max_extra2, lo, hi,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_T: tl.constexpr,
                 STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax over the KV blocks [lo, hi), masked only where the constexprs say so."""
@@ -83,14 +85,15 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2,
         else:
             k = tl.load(K + ptr)
             v = tl.load(V + ptr)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32, unscaled
         if MASK_CAUSAL:
-            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+            qk = tl.where(offs_m[:, None] >= offs_n[None, :], qk, float("-inf"))
         if MASK_T:
-            s = tl.where(offs_n[None, :] < T, s, float("-inf"))
-        r = tl.max(s, 1)
-        if STABLE:  # the paper's rule, in this pass: ties within ε₂ of the block max move the shift up
-            n_near = tl.sum(((r[:, None] - s) <= eps2).to(tl.int32), 1)
+            qk = tl.where(offs_n[None, :] < T, qk, float("-inf"))
+        r_raw = tl.max(qk, 1)
+        r = r_raw * qk_scale  # = max of the scaled scores (a positive scale commutes with max)
+        if STABLE:  # the paper's rule, in this pass: ties within ε of the block max move the shift up
+            n_near = tl.sum((qk >= (r_raw - eps_raw)[:, None]).to(tl.int32), 1)  # one compare per score
             extra = tl.minimum(tl.where(r > 0.0, beta_m1 * r, -r), max_extra2)
             m_blk = tl.where((n_near > 1) & (r > float("-inf")), r + extra, r)
         else:
@@ -98,7 +101,7 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2,
         m_new = tl.maximum(m_i, m_blk)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: P = 0, no NaN
         a = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
+        p = tl.exp2(qk * qk_scale - m_sub[:, None])  # one FMA and an exp2 per score
         l_i = l_i * a + tl.sum(p, 1)
         acc = tl.dot(p.to(q.dtype), v, acc * a[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -106,7 +109,7 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2,
 
 
 @triton.jit
-def fast_attn_fwd(Q, K, V, O, LSE2, T, qk_scale, eps2, beta_m1, max_extra2,
+def fast_attn_fwd(Q, K, V, O, LSE2, T, qk_scale, eps_raw, beta_m1, max_extra2,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                   EVEN: tl.constexpr, STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head). Q, K, V, O contiguous (B, H, T, D)."""
@@ -125,17 +128,17 @@ def fast_attn_fwd(Q, K, V, O, LSE2, T, qk_scale, eps2, beta_m1, max_extra2,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if CAUSAL:
         # blocks left of the diagonal: no mask; then the diagonal blocks (BLOCK_M is a multiple of BLOCK_N)
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2, beta_m1,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
                                     max_extra2, 0, start_m, D, BLOCK_N, False, False, STABLE, DOT_PRECISION)
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2, beta_m1,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
                                     max_extra2, start_m, tl.minimum(start_m + BLOCK_M, T), D, BLOCK_N, True,
                                     not EVEN, STABLE, DOT_PRECISION)
     else:
         full = (T // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2, beta_m1,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
                                     max_extra2, 0, full, D, BLOCK_N, False, False, STABLE, DOT_PRECISION)
         if not EVEN:
-            acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps2, beta_m1,
+            acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
                                         max_extra2, full, T, D, BLOCK_N, False, True, STABLE, DOT_PRECISION)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # rows past T only
     o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
@@ -323,7 +326,7 @@ def forward(q, k, v, *, causal: bool, scale: float, stable: bool, beta: float = 
     B, H, T, D = q.shape
     o = torch.empty_like(q)
     lse2 = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse2, T, scale * LOG2E, eps * LOG2E, beta - 1.0, max_extra_shift(q.dtype) * LOG2E)
+    args = (q, k, v, o, lse2, T, scale * LOG2E, eps / scale, beta - 1.0, max_extra_shift(q.dtype) * LOG2E)
     consts = dict(D=D, BLOCK_N=STABLE_BLOCK_N, CAUSAL=causal, EVEN=T % 128 == 0, STABLE=stable,
                   DOT_PRECISION=_dot_precision(q.dtype))
     if _interpreting():

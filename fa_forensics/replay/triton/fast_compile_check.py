@@ -37,8 +37,8 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[tuple[str, int]]:
                      int(ck.metadata.shared)))
 
     def fwd_sig(dt):
-        return {"Q": dt, "K": dt, "V": dt, "O": dt, "LSE2": "*fp32", "T": "i32", "qk_scale": "fp32", "eps2": "fp32",
-                "beta_m1": "fp32", "max_extra2": "fp32"}
+        return {"Q": dt, "K": dt, "V": dt, "O": dt, "LSE2": "*fp32", "T": "i32", "qk_scale": "fp32",
+                "eps_raw": "fp32", "beta_m1": "fp32", "max_extra2": "fp32"}
 
     fwd_configs = fa._fwd_configs()[2:3] if quick else fa._fwd_configs()  # [2]: 128 rows, 4 stages
     bwd_configs = fa._bwd_configs()[1:2] if quick else fa._bwd_configs()  # [1]: the largest tiles
