@@ -11,7 +11,8 @@ Measures (bf16; B·T = 8192 tokens, model width 1024: H 16 at D 64, H 8 at D 128
   error of O, dQ, dK, dV against SDPA (a check that the kernels are right on this GPU).
 - training step: the demo GPT at GPT-2 size (12 layers, 12 heads, C 768, T 1024, B 8, bf16
   autocast, AdamW): plain; monitored (the monitor's per-call statistics and W_Q norms on every
-  step, via StepCollector, the fused Triton statistics kernel); and, when zarr is installed,
+  step, via StepCollector on batch rows 0:2 as capture's default, the fused Triton statistics
+  kernel); and, when zarr is installed,
   under `fa_forensics.capture` with the monitor on every step and on an unselected step, and
   torch.compile'd capture: recompilations at the first captured step and that step's time.
 Timing: triton.testing.do_bench (median of repeated runs, L2 flushed) for kernels; the median of
@@ -110,15 +111,16 @@ def attention_rows(device, dtype, shapes, smoke: bool) -> list[dict]:
 
 # -- training steps ------------------------------------------------------------------------------
 class MonitoredSDPA:
-    """Feeds every SDPA call of the model to a StepCollector (what `capture(monitor_every=1)` does
-    per call), then runs SDPA. Installed on the demo model's module only while a case runs."""
+    """Feeds every SDPA call of the model to a StepCollector (what `capture(monitor_every=1)` does per
+    call, on capture's default batch slice 0:2), then runs SDPA. Installed on the demo model's module
+    only while a case runs."""
 
     def __init__(self, model, collector):
         self.model, self.collector, self.layer = model, collector, 0
 
     def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         attn = self.model.transformer.h[self.layer].attn
-        self.collector.observe_call(self.layer, q, k, scale=scale, causal=is_causal, p_dtype=torch.bfloat16,
+        self.collector.observe_call(self.layer, q[:2], k[:2], scale=scale, causal=is_causal, p_dtype=torch.bfloat16,
                                     module=attn, module_name=f"transformer.h.{self.layer}.attn")
         self.layer += 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
