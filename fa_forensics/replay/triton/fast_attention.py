@@ -44,23 +44,14 @@ dK = α Σ cast(dS → X)ᵀ Q, dQ = α Σ cast(dS → X) K, all accumulated in 
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-STABLE_BLOCK_N = 64  # the KV block the stabilized rule looks at: part of the numerics contract
-
-
-def max_extra_shift(dtype: torch.dtype) -> float:
-    """The cap on the stabilized extra shift (natural units) for P̄ in dtype: ¾ of ln(1/tiny).
-
-    bf16 / fp32: 65.5 (exp(−65.5) ≈ 3·10⁻²⁹, normal); fp16: 7.3 (exp(−7.3) ≈ 7·10⁻⁴, normal).
-    """
-    return 0.75 * -math.log(torch.finfo(dtype).tiny)
+# One definition of the contract's constants, shared with the torch reference (which imports no triton)
+from fa_forensics.replay.stable_reference import LOG2E, STABLE_BLOCK_N, max_extra_shift
 
 
 def _interpreting() -> bool:
