@@ -126,3 +126,21 @@ def test_without_the_cap_the_stabilized_shift_collapses(monkeypatch):
     o, _ = ref.forward(q, k, v, causal=True, scale=q.shape[-1] ** -0.5, stable=True, beta=2.0)
     ratio = o.double().nan_to_num(0.0).norm() / exact.norm()
     assert not ratio > 0.2, ratio  # only the first row (one maximum, no shift) keeps its value
+
+
+def test_stable_attention_autograd_runs_the_kernels_as_the_gpu_does():
+    """stable_attention(backend="triton") on CPU tensors: the autograd path CUDA tensors take (contiguous
+    copies of strided inputs, the saved LSE₂, the FA2 backward), against the torch backend."""
+    from fa_forensics import stable_attention
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 64, 2, 32, generator=g).bfloat16()  # (B, T, H, D): q, k, v as transposed views
+    results = {}
+    for backend in ("triton", "torch"):
+        q, k, v = (x.clone().requires_grad_() for _ in range(3))
+        o = stable_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=backend)
+        o.float().pow(2).sum().backward()
+        results[backend] = (o, q.grad, k.grad, v.grad)
+    _agree_to_the_last_bit(results["triton"][0], results["torch"][0])
+    for got, want in zip(results["triton"][1:], results["torch"][1:]):
+        assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2, _rel(got, want)
