@@ -6,7 +6,14 @@ ends. `finish` returns the row: per metric of TIMELINE_METRICS an (L, H) float64
 nothing was measured). Statistics stay on the device until `finish`, so a GPU run synchronizes
 once per monitored step, not once per layer.
 
-Off the training thread: with `background=True` (the capture default) each call's work runs on one
+Score precision: the statistics count repeated maxima in the precision the monitored kernel forms
+its scores in (`score_dtype`). By default that is the kernel's 16-bit dtype (bf16 for a bf16 or
+bf16-autocast run: the paper's recipe, whose S is bf16); pass score_dtype=torch.float32 for a
+kernel that keeps S in fp32 (FlashAttention's tensor-core accumulator).
+
+On a GPU the statistics are one fused Triton kernel per call (monitor/stats.py), enqueued on the
+training stream: no copies, no worker thread and no synchronization until `finish`.
+Off the training thread (CPU): with `background=True` (the capture default) each call's work runs on one
 worker thread (torch releases the GIL inside its kernels; the thread is started with the collector).
 The training thread only copies the batch slice of q, k (once, as the fp32 values the statistics
 use) and the W_Q block (a few hundred KB; the weights are copied because the optimizer updates
@@ -41,12 +48,43 @@ def p_bar_dtype(q_dtype: torch.dtype) -> torch.dtype:
     return q_dtype if q_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+class _HostGram:
+    """W_Q's per-head Gram matrix (as head_spectral_norms forms it, float64), formed on the GPU and copied
+    to pinned host memory without a synchronization; `sigma()` takes σ_max = √λ_max on the host once the
+    stream has passed the copy (torch's CUDA eigvalsh would synchronize at every call to check errors)."""
+
+    def __init__(self, w_heads: torch.Tensor):
+        w = w_heads.detach().double()  # (H, D, C)
+        gram = w @ w.transpose(-1, -2) if w.shape[-2] <= w.shape[-1] else w.transpose(-1, -2) @ w
+        self.host = torch.empty(gram.shape, dtype=torch.float64, pin_memory=gram.is_cuda)
+        self.host.copy_(gram, non_blocking=True)
+
+    def sigma(self) -> torch.Tensor:
+        return torch.linalg.eigvalsh(self.host)[..., -1].clamp_min(0).sqrt().float()  # (H,)
+
+
+def _to_host(entries: list) -> list:
+    """[(layer, metric, tensor)] → [(layer, metric, float64 numpy)], one concatenated copy per device."""
+    by_device: dict = {}
+    for entry in entries:
+        by_device.setdefault(entry[2].device, []).append(entry)
+    out = []
+    for group in by_device.values():
+        flat = torch.cat([t.detach().double().reshape(-1) for _, _, t in group]).cpu().numpy()
+        start = 0
+        for layer, metric, t in group:
+            out.append((layer, metric, flat[start:start + t.numel()]))
+            start += t.numel()
+    return out
+
+
 class StepCollector:
     """Collects HeadStats and W_Q spectral norms of one monitored step, layer by layer."""
 
     def __init__(self, *, eps: float = 1e-3, chunk: int = 128, warn: Optional[WarnFn] = None,
-                 background: bool = False):
+                 background: bool = False, score_dtype: Optional[torch.dtype] = None):
         self.eps = eps
+        self.score_dtype = score_dtype  # None: the P̄ dtype of each call (the kernel's 16-bit dtype)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fa-forensics-monitor") if background else None
         if self._pool is not None:
             self._pool.submit(lambda: None)  # start the thread now, not in the first monitored step (≈ 5 ms there)
@@ -62,8 +100,11 @@ class StepCollector:
 
     @torch.no_grad()
     def observe_call(self, layer: int, q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float], causal: bool,
-                     p_dtype: torch.dtype, module: Optional[torch.nn.Module], module_name: str) -> None:
-        """Statistics of one attention call: q (B, H, T, D), k (B, Hk, Tk, D) (grouped K heads are expanded)."""
+                     p_dtype: torch.dtype, module: Optional[torch.nn.Module], module_name: str,
+                     score_dtype: Optional[torch.dtype] = None) -> None:
+        """Statistics of one attention call: q (B, H, T, D), k (B, Hk, Tk, D) (grouped K heads are expanded).
+
+        score_dtype: the precision the kernel forms S in; None = the collector's, else p_dtype."""
         if q.dim() != 4 or k.dim() != 4 or layer in self._calls:
             return
         H = q.shape[1]
@@ -73,22 +114,29 @@ class StepCollector:
             self._warn(f"wq:{module_name}", f"fa-forensics monitor: no W_Q found for attention module {module_name!r} "
                                             f"(layer {layer}; {what}); wq_sigma is NaN for it")
         q, k = q.detach(), k.detach()
-        if self._pool is None:
+        s_dtype = score_dtype or self.score_dtype or p_dtype
+        if self._pool is None or q.is_cuda:  # a GPU enqueues the work on its stream: in order, nothing to copy
             done: Future = Future()
-            done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype))
+            done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype, s_dtype))
             self._calls[layer] = done
         else:  # copies: the worker must not see later in-place updates (optimizer step, reused buffers)
             w_copy = None if w_q is None else w_q.clone()
-            self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy, scale, causal, p_dtype)
+            self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy, scale,
+                                                   causal, p_dtype, s_dtype)
 
-    def _compute(self, layer, q, k, w_q, scale, causal, p_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
+    def _compute(self, layer, q, k, w_q, scale, causal, p_dtype, s_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
         H = q.shape[1]
         if k.shape[1] != H:  # grouped-query attention: one K head per group of query heads
             k = k.repeat_interleave(H // k.shape[1], dim=1)
         with torch.autocast(q.device.type, enabled=False):  # called inside the forward pass: keep fp32 statistics
             stats = head_statistics(q, k, scale=scale, causal=causal, eps=self.eps, p_dtype=p_dtype,
-                                    chunk=self.chunk, to_cpu=False)
-            sigma = None if w_q is None else head_spectral_norms(w_q)  # (H,)
+                                    chunk=self.chunk, to_cpu=False, score_dtype=s_dtype)
+            if w_q is None:
+                sigma = None
+            elif w_q.is_cuda:
+                sigma = _HostGram(w_q)  # no synchronization here: the eigenvalues are taken at `finish`
+            else:
+                sigma = head_spectral_norms(w_q)  # (H,)
         return stats, sigma
 
     def finish(self) -> Optional[dict[str, np.ndarray]]:
@@ -102,21 +150,27 @@ class StepCollector:
         if self._shape is None:
             self._shape = (n_layers, n_heads)
         elif (n_layers, n_heads) != self._shape and (n_layers > self._shape[0] or n_heads > self._shape[1]):
-            self._warn("shape", f"fa-forensics monitor: step {self.step} has {n_layers} layers × {n_heads} heads, the timeline "
-                                f"{self._shape[0]} × {self._shape[1]}; the extra ones are not kept")
+            self._warn("shape", f"fa-forensics monitor: step {self.step} has {n_layers} layers × {n_heads} heads, "
+                                f"the timeline {self._shape[0]} × {self._shape[1]}; the extra ones are not kept")
         L, H = self._shape
         row = {m: np.full((L, H), np.nan) for m in TIMELINE_METRICS}
+        entries = []  # (layer, metric, tensor on its device)
+        grams = []  # (layer, _HostGram)
         for layer, (stats, sigma) in calls.items():
             if layer >= L:
                 continue
-            values = {
-                "max_logit": stats.max_logit, "near_max_ties": stats.near_max_ties,
-                "p_one_extra": stats.p_one_extra, "top1_prob": stats.top1_prob, "wq_sigma": sigma,
-            }
-            for metric, value in values.items():
-                if value is not None:
-                    v = value.detach().double().cpu().numpy()[:H]  # the one device → host copy
-                    row[metric][layer, : v.shape[0]] = v
+            entries += [(layer, "max_logit", stats.max_logit), (layer, "near_max_ties", stats.near_max_ties),
+                        (layer, "p_one_extra", stats.p_one_extra), (layer, "top1_prob", stats.top1_prob)]
+            if isinstance(sigma, _HostGram):
+                grams.append((layer, sigma))
+            elif sigma is not None:
+                entries.append((layer, "wq_sigma", sigma))
+        for layer, metric, v in _to_host(entries):  # one device → host copy per device (one synchronization)
+            v = v[:H]
+            row[metric][layer, : v.shape[0]] = v
+        for layer, gram in grams:  # their copies were queued before the statistics' copy: complete now
+            v = gram.sigma().double().numpy()[:H]
+            row["wq_sigma"][layer, : v.shape[0]] = v
         return row
 
     def close(self) -> None:

@@ -7,8 +7,13 @@ rounding of P̄V. We count, per (batch-summed) head:
   near_max_ties   rows whose maximum is attained more than once within ε (r_m − S ≤ ε, count > 1)
   p_one_extra     Σ over rows of max(0, #{P̄ == 1 in the P̄ dtype} − 1): unit entries beyond the first
   top1_prob       mean over rows of the largest softmax probability, 1 / Σ_t exp(S_t − r_m)
-Scores are formed in fp32 from the inputs as given (bf16 inputs are exact in fp32), `chunk`
-query rows at a time, so memory is O(chunk · T) per head instead of O(T²).
+Scores are counted in the score precision of the kernel being monitored (`score_dtype`): a kernel
+that forms S in bf16 (the paper's recipe) rounds nearby scores onto one value and has several
+times more repeated maxima than fp32 scores show. S = cast(fp32(cast(fp32(q·k) → score_dtype)·α)
+→ score_dtype) (for fp32 scores: fp32(q·k)·α), then "within ε" is fp32(S − r_m) ≥ −ε on those
+values. The torch version works `chunk` query rows at a time, so memory is O(chunk · T) per head
+instead of O(T²); on a GPU the fused Triton kernel (replay/triton/monitor_kernel.py, the same
+definitions) computes per-row results in one launch, without copies or a synchronization.
 """
 from __future__ import annotations
 
@@ -45,12 +50,16 @@ def head_statistics(
     p_dtype: torch.dtype = torch.bfloat16,
     chunk: int = 128,
     to_cpu: bool = True,
+    score_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
 ) -> HeadStats:
     """Statistics of softmax(α q kᵀ) per head, without building the T×T matrix.
 
     q, k: (B, H, T, D) (K may have its own length Tk). `p_dtype` is the dtype P̄ is cast to
     before P̄V (bf16 in the paper's setting). It decides which entries count as equal to 1.
+    `score_dtype` is the precision the monitored kernel forms S in (fp32, bf16 or fp16).
     to_cpu=False leaves the results on q's device (the monitor copies a whole step at once).
+    backend: "auto" (the Triton kernel for CUDA tensors, torch otherwise), "torch" or "triton".
 
     Cost per chunk of rows: one matmul, then scale, mask, max, subtract and exp over the columns
     that the causal mask leaves open. Then the P̄ == 1 count, done as floor(P̄ + 2⁻⁹) (see p_one.py),
@@ -70,6 +79,9 @@ def head_statistics(
     Tk = k.shape[2]
     alpha = scale if scale is not None else D ** -0.5
     device = q.device
+    if backend == "triton" or (backend == "auto" and q.is_cuda and _fused_kernel_fits(q, k)):
+        return _head_statistics_fused(q, k, alpha, causal, eps, p_dtype, score_dtype, to_cpu)
+    rounded = score_dtype != torch.float32
     kT = k.float().transpose(-1, -2)  # (B, H, D, Tk); a view, no copy when k is fp32
     max_logit = torch.full((H,), -torch.inf, device=device)
     ties = torch.zeros(H, dtype=torch.int64, device=device)
@@ -77,13 +89,19 @@ def head_statistics(
     top1_sum = torch.zeros(H, dtype=torch.float64, device=device)
     ties_from_p_one = device.type == "cpu" and near_set_within_p_one(eps, p_dtype)
     bias, mask = _causal_mask(T, Tk, device) if causal else (None, None)  # (T, Tk) fp32 0 / −inf, and bool
-    add_mask = bias is not None and device.type == "cpu" and _scores_are_finite(q, k, alpha, D)
+    add_mask = (bias is not None and device.type == "cpu" and score_dtype != torch.float16
+                and _scores_are_finite(q, k, alpha, D))  # fp16 scores can overflow to ±inf
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
         s = torch.matmul(q[:, :, start:stop].float(), kT)  # (B, H, c, Tk): the same call and shapes as ever (same bits)
         w = min(Tk, _round_up(max(stop + Tk - T, 1), _VECTOR_COLUMNS)) if causal else Tk  # columns the chunk's rows may see
         d = s[..., :w]  # (B, H, c, w) view; columns ≥ w are masked for every row of the chunk
-        d.mul_(alpha)  # S = α q·k
+        if rounded:  # the kernel's S: the dot rounded to score_dtype, times α, rounded again
+            d.copy_(d.to(score_dtype))
+            d.mul_(alpha)
+            d.copy_(d.to(score_dtype))
+        else:
+            d.mul_(alpha)  # S = α q·k
         if add_mask:  # finite scores: S + 0 = S exactly and S + (−inf) = −inf, as masked_fill but 8× cheaper
             d.add_(bias[start:stop, :w])
         elif mask is not None:  # ±inf or NaN scores (or a GPU): masked_fill (inf + (−inf) would be NaN)
@@ -112,6 +130,30 @@ def head_statistics(
         p_one_extra=move(p_one_extra),
         top1_prob=move((top1_sum / rows_total).float()),
         rows=rows_total,
+    )
+
+
+def _fused_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The fused kernel takes one input dtype of fp32/bf16/fp16 and a power-of-two head dim 16..256."""
+    D = q.shape[-1]
+    return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and D in (16, 32, 64, 128, 256)
+
+
+def _head_statistics_fused(q, k, alpha, causal, eps, p_dtype, score_dtype, to_cpu) -> HeadStats:
+    """head_statistics from the fused kernel's per-row results (B, H, T), reduced per head on the device."""
+    from fa_forensics.replay.triton.monitor_kernel import row_statistics
+
+    B, H, T, _ = q.shape
+    rowmax, near, ones, rowsum = row_statistics(q, k, scale=alpha, causal=causal, eps=eps, p_dtype=p_dtype,
+                                                score_dtype=score_dtype)
+    top1_sum = (1.0 / rowsum).double().sum(dim=(0, 2))
+    move = (lambda t: t.cpu()) if to_cpu else (lambda t: t)
+    return HeadStats(
+        max_logit=move(rowmax.amax(dim=(0, 2))),
+        near_max_ties=move((near > 1).sum(dim=(0, 2))),
+        p_one_extra=move((ones.long() - 1).clamp_(min=0).sum(dim=(0, 2))),
+        top1_prob=move((top1_sum / (B * T)).float()),
+        rows=B * T,
     )
 
 

@@ -1,13 +1,15 @@
-"""stable_attention: a drop-in causal attention with the paper's fix (Algorithm 3), trainable.
+"""stable_attention: a drop-in attention with the paper's fix (Algorithm 3), trainable at training speed.
 
 The stabilized softmax shifts a row by β·m (m > 0) or 0 (m < 0) instead of m whenever the
 block's maximum is attained more than once (within ε), so no P̄ entry is exactly 1 and the biased
 bf16 rounding of P̄V (paper §3.3.2) cannot build up. Mathematically it is the same attention.
+The extra shift (β − 1)·m (or −m) is capped so that the largest P̄ stays a normal number of the
+input dtype: a large repeated maximum cannot make O collapse (the paper's kernel does past
+m ≈ 23, where its 10⁻¹⁰ floor on the row sum takes over).
 
-- CUDA tensors: the Triton kernels (fp32 accumulator, P̄ and O in the input dtype, tiles 64×64,
-  FMA contraction on, ℓ summed in fp32: the fast path).
-- CPU tensors: the emulator with the same numerics (ReplayConfig preset "stabilized" with
-  pv_dtype fp32 and P̄ / O in the input dtype); slow, meant for tests and small models.
+- CUDA tensors: the FlashAttention-2 Triton kernels of replay/triton/fast_attention.py (autotuned;
+  its header comment is the numerics contract; tests run them under TRITON_INTERPRET=1).
+- CPU tensors: replay/stable_reference.py, the same contract in torch (slow: tests, small models).
 The forward returns O in the input dtype; the backward (FA2, δ = rowsum(dO ∘ O)) returns dq, dk,
 dv in the input dtypes. Inputs are (B, H, T, D), as for F.scaled_dot_product_attention.
 """
@@ -19,73 +21,77 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.replay.config import Precision, ReplayConfig, Softmax
 
-_PRECISION = {torch.float32: Precision.FP32, torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def stable_config(dtype: torch.dtype, *, causal: bool, beta: float, eps: float, scale: float,
-                  block: Optional[int] = 64) -> ReplayConfig:
-    """The ReplayConfig stable_attention runs: stabilized softmax, fp32 accumulator, casts in dtype."""
-    if dtype not in _PRECISION:
-        raise ConfigError(f"stable_attention: q has dtype {dtype}; use float32, bfloat16 or float16")
-    x = _PRECISION[dtype]
-    return ReplayConfig(input_dtype=x, p_dtype=x, pv_dtype=Precision.FP32, o_dtype=x, softmax=Softmax.STABILIZED,
-                        beta=beta, eps=eps, causal=causal, scale=scale, block_m=block, block_n=block)
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _use_triton(q: torch.Tensor, backend: str) -> bool:
+    return backend == "triton" or (backend == "auto" and q.is_cuda)
 
 
 class _StableAttention(torch.autograd.Function):
-    """Autograd wrapper: forward saves (q, k, v, o, lse); backward runs the FA2 backward."""
+    """Autograd wrapper: forward saves (q, k, v, o, LSE₂); backward runs the FA2 backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, config: ReplayConfig):
-        if q.is_cuda:
-            from fa_forensics.replay.triton import launch
-
-            B, H, T, D = q.shape
-            plan = launch.plan_for(config, T, D, exact_l=False, fp_fusion=True)
-            qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-            o, lse, _ = launch.forward(qc, kc, vc, config, plan, causal=config.causal, scale=config.scale)
-            ctx.save_for_backward(qc, kc, vc, o, lse)
-            ctx.plan = plan
+    def forward(ctx, q, k, v, causal: bool, scale: float, beta: float, eps: float, stable: bool, triton: bool):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if triton:
+            from fa_forensics.replay.triton import fast_attention as impl
         else:
-            from fa_forensics.replay.api import replay
-
-            out = replay(q, k, v, config, backend="emulate")
-            o = out.o.to(q.dtype)
-            ctx.save_for_backward(q, k, v, o, out.lse)
-        ctx.config = config
+            from fa_forensics.replay import stable_reference as impl
+        o, lse2 = impl.forward(q, k, v, causal=causal, scale=scale, stable=stable, beta=beta, eps=eps)
+        ctx.save_for_backward(q, k, v, o, lse2)
+        ctx.causal, ctx.scale, ctx.triton = causal, scale, triton
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        config = ctx.config
-        if q.is_cuda:
-            from fa_forensics.replay.triton import launch
-
-            doc = do.to(q.dtype).contiguous()
-            delta = launch.delta(q, k, v, doc, o, lse, "o", ctx.plan, causal=config.causal, scale=config.scale)
-            dq, dk, dv = launch.backward(q, k, v, doc, lse, delta, config, ctx.plan, causal=config.causal, scale=config.scale)
+        q, k, v, o, lse2 = ctx.saved_tensors
+        if ctx.triton:
+            from fa_forensics.replay.triton import fast_attention as impl
         else:
-            from fa_forensics.replay.api import replay
+            from fa_forensics.replay import stable_reference as impl
+        dq, dk, dv = impl.backward(q, k, v, o, lse2, do.to(q.dtype).contiguous(), causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
-            out = replay(q, k, v, config, do, backend="emulate")  # recomputes the forward, then FA2 backward
-            dq, dk, dv = out.dq, out.dk, out.dv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+def _checked(q, k, v, beta: float, eps: float, backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ConfigError(f"stable_attention: backend={backend!r}; use one of {', '.join(_BACKENDS)}")
+    if q.ndim != 4 or k.shape != v.shape or q.shape != k.shape:
+        raise ConfigError(f"stable_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
+                          "(B, H, T, D), all three the same shape")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ConfigError(f"stable_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
+                          "cast them to one dtype")
+    if q.dtype not in _DTYPES:
+        raise ConfigError(f"stable_attention: q has dtype {q.dtype}; use float32, bfloat16 or float16")
+    if not beta > 1:
+        raise ConfigError(f"stable_attention: beta={beta!r} must be > 1 (the paper uses 2 to 8)")
+    if not eps >= 0:
+        raise ConfigError(f"stable_attention: eps={eps!r} must be >= 0")
 
 
 def stable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, beta: float = 2.0,
-                     eps: float = 1e-3, scale: Optional[float] = None) -> torch.Tensor:
+                     eps: float = 1e-3, scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """softmax(α·QKᵀ)V with the stabilized softmax of Algorithm 3; (B, H, T, D) → (B, H, T, D).
 
     A drop-in for F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).
     beta > 1 (the paper uses 2..8), eps ≥ 0: scores within eps of the block max count as ties.
+    backend: "auto" (Triton kernels for CUDA tensors, the torch reference for CPU tensors),
+    "triton" (also for CPU tensors, under TRITON_INTERPRET=1) or "torch".
     """
-    if q.ndim != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ConfigError(f"stable_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, T, D) with equal k, v")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ConfigError(f"stable_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    _checked(q, k, v, beta, eps, backend)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    config = stable_config(q.dtype, causal=causal, beta=beta, eps=eps, scale=scale)
-    return _StableAttention.apply(q, k, v, config)
+    return _StableAttention.apply(q, k, v, causal, scale, float(beta), float(eps), True, _use_triton(q, backend))
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+    """The same kernels without the fix (standard softmax): what the fix's cost is measured against."""
+    _checked(q, k, v, 2.0, 0.0, backend)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _StableAttention.apply(q, k, v, causal, scale, 2.0, 0.0, False, _use_triton(q, backend))

@@ -187,3 +187,45 @@ def test_alarm_is_silent_during_warmup():
     for step in range(50):
         loss = 3.0 if step < 20 else 30.0  # a spike inside the warmup
         assert rule.observe(step, loss=loss) == []
+
+
+def _brute_rounded(q, k, scale, eps, score_dtype):
+    """Brute force in a kernel's score precision: S = cast(fp32(cast(q·k → dtype))·α → dtype), whole (T, T)."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).to(score_dtype).float()
+    s = (s * scale).to(score_dtype).float()
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -torch.inf)
+    r_m = s.amax(-1, keepdim=True)
+    d = s - r_m
+    ties = ((d >= -eps).sum(-1) > 1).sum((0, 2))
+    ones = (torch.exp(d).bfloat16() == 1).sum(-1)
+    return ties, (ones - 1).clamp(min=0).sum((0, 2)), r_m.amax((0, 2, 3))
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_bf16_scores_count_the_repeated_maxima_a_bf16_kernel_has(chunk):
+    """A kernel with bf16 scores (the paper's recipe) rounds close scores onto one value: counted in
+    that precision there are several times more repeated maxima than fp32 scores show."""
+    g = torch.Generator().manual_seed(4)
+    B, H, T, D = 2, 2, 128, 64
+    q = (torch.randn(B, H, T, D, generator=g) * 3.0).bfloat16()  # sharp rows, maxima of order 10-20
+    k = torch.randn(B, H, T, D, generator=g).bfloat16()
+    scale = D ** -0.5
+    got = head_statistics(q, k, scale=scale, chunk=chunk, score_dtype=torch.bfloat16)
+    ties, p_one_extra, max_logit = _brute_rounded(q, k, scale, 1e-3, torch.bfloat16)
+    assert got.near_max_ties.tolist() == ties.tolist()
+    assert got.p_one_extra.tolist() == p_one_extra.tolist()
+    assert torch.equal(got.max_logit, max_logit)
+    fp32 = head_statistics(q, k, scale=scale, chunk=chunk)
+    assert int(got.near_max_ties.sum()) >= 3 * max(int(fp32.near_max_ties.sum()), 1)
+
+
+def test_deferred_wq_sigma_equals_the_direct_one():
+    """On a GPU the collector forms W_Q's Gram on the device and takes its eigenvalue on the host at the
+    end of the step (no synchronization per layer): the same σ as head_spectral_norms (both layouts)."""
+    from fa_forensics.monitor.collector import _HostGram
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((4, 16, 64), (4, 64, 16)):  # D ≤ C (W Wᵀ) and D > C (Wᵀ W)
+        w = torch.randn(*shape, generator=g)
+        np.testing.assert_array_equal(_HostGram(w).sigma().numpy(), head_spectral_norms(w).numpy())

@@ -1,0 +1,107 @@
+"""The monitor's per-row attention statistics in one fused kernel (never a T×T matrix in memory).
+
+monitor/stats.py reduces these rows to its per-head HeadStats; its chunked torch version is the
+reference, and this kernel follows its definitions operation for operation:
+  s      = cast(fp32(cast(fp32(q·k) → SCORE_DTYPE) · α) → SCORE_DTYPE) (fp32 scores: one fp32
+           multiply, no casts), −inf where masked (causal, bottom-right aligned: key j is visible
+           to query i when j ≤ i + Tk − T; keys ≥ Tk).
+  m      = the row's maximum of s (pass 1, over all KV blocks).
+  ℓ      = Σ exp(s − m) in fp32 (pass 1, online: rescaled when m grows) → top-1 probability 1/ℓ.
+  near   = #{s : fp32(s − m) ≥ −ε} (pass 2, with the final m): a row with near > 1 has a repeated maximum.
+  ones   = #{s : cast(exp(s − m) → P_DTYPE) == 1} (pass 2).
+Two passes over K because "within ε of the row maximum" needs the final maximum; each pass is one
+Q Kᵀ tile product per block (the statistics cost about two forward score computations, no P V).
+exp is evaluated as exp2(x·log2 e). The counts equal the torch version's exactly whenever both
+form the same scores (the dot's summation order can differ by an fp32 ulp on a GPU) and no
+exp(s − m) lies within a few ulps of the P̄ == 1 threshold (torch's exp and this exp2 differ in
+the last bit).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _scores(q, K, base, offs_m, offs_n, offs_d, T, Tk, scale, D: tl.constexpr, CAUSAL: tl.constexpr,
+            SCORE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    k = tl.load(K + base + offs_n[:, None] * D + offs_d[None, :], mask=offs_n[:, None] < Tk, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SCORE_DTYPE == tl.float32:
+        s = s * scale
+    else:
+        s = (s.to(SCORE_DTYPE).to(tl.float32) * scale).to(SCORE_DTYPE).to(tl.float32)
+    visible = offs_n[None, :] < Tk
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Tk - T))
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def monitor_rows(Q, K, ROWMAX, NEAR, ONES, ROWSUM, T, Tk, scale, eps,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 SCORE_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, head); Q (B, H, T, D), K (B, H, Tk, D) contiguous."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = bh * Tk * D
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(Tk, start_m + BLOCK_M + Tk - T)  # keys no row of this block can see are skipped
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    ell = tl.zeros([BLOCK_M], tl.float32)
+    for start_n in range(0, hi, BLOCK_N):  # pass 1: maximum and row sum
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        s = _scores(q, K, k_base, offs_m, offs_n, offs_d, T, Tk, scale, D, CAUSAL, SCORE_DTYPE, DOT_PRECISION)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        ell = ell * tl.exp2((m - m_sub) * 1.4426950408889634) + tl.sum(
+            tl.exp2((s - m_sub[:, None]) * 1.4426950408889634), 1)
+        m = m_new
+    near = tl.zeros([BLOCK_M], tl.int32)
+    ones = tl.zeros([BLOCK_M], tl.int32)
+    for start_n in range(0, hi, BLOCK_N):  # pass 2: counts against the final maximum
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        s = _scores(q, K, k_base, offs_m, offs_n, offs_d, T, Tk, scale, D, CAUSAL, SCORE_DTYPE, DOT_PRECISION)
+        d = s - m[:, None]  # NaN for a row with no visible key: never near, never 1
+        near += tl.sum((d >= -eps).to(tl.int32), 1)
+        p_bar = tl.exp2(d * 1.4426950408889634).to(P_DTYPE).to(tl.float32)
+        ones += tl.sum((p_bar == 1.0).to(tl.int32), 1)
+    ell = tl.where(m == float("-inf"), float("nan"), ell)  # no visible key: top-1 is undefined, as in torch
+    out = bh * T + offs_m
+    tl.store(ROWMAX + out, m, mask=row_ok)
+    tl.store(NEAR + out, near, mask=row_ok)
+    tl.store(ONES + out, ones, mask=row_ok)
+    tl.store(ROWSUM + out, ell, mask=row_ok)
+
+
+def row_statistics(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool, eps: float,
+                   p_dtype: torch.dtype, score_dtype: torch.dtype):
+    """Per row (B, H, T): maximum (fp32), #near (int32), #P̄ == 1 (int32), Σ exp(s − m) (fp32).
+
+    q (B, H, T, D), k (B, H, Tk, D) in one dtype (fp32, bf16 or fp16); D a power of two ≥ 16.
+    """
+    B, H, T, D = q.shape
+    Tk = k.shape[2]
+    q, k = q.contiguous(), k.contiguous()
+    rowmax = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    rowsum = torch.empty_like(rowmax)
+    near = torch.empty((B, H, T), dtype=torch.int32, device=q.device)
+    ones = torch.empty_like(near)
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    block_m, block_n = (32, 32) if interpreting else (64, 64)
+    monitor_rows[(triton.cdiv(T, block_m), B * H)](
+        q, k, rowmax, near, ones, rowsum, T, Tk, float(scale), float(eps),
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, SCORE_DTYPE=_TL[score_dtype], P_DTYPE=_TL[p_dtype],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    return rowmax, near, ones, rowsum
