@@ -80,32 +80,36 @@ class MatchResult:
 
 
 _KERNEL_PRESETS = {r.preset for r in KERNEL_RECIPES}
-_KERNELS_AFTER = "bf16-autocast"  # the kernel recipes are tried after the reference code's readings
+_KERNELS_AFTER = "bf16-autocast"  # on a GPU dump the kernel recipes follow the reference code's readings
 
 
-def candidate_recipes(head_dim: int = 64, n_keys: int = 1024, dtype: str = "bfloat16") -> list[CandidateRecipe]:
+def candidate_recipes(head_dim: int = 64, n_keys: int = 1024, dtype: str = "bfloat16",
+                      device: Optional[str] = None) -> list[CandidateRecipe]:
     """Every preset in `_PRESET_ORDER` (then any other non-stochastic one), each under ieee and
     tensor-core; tensor-core is left out where no product has low-precision operands (it would
     fall back to ieee and repeat the same replay). The hardware kernels' recipes for a layer of this
     head dim, key count and stored dtype (with their tiles, tensor-core only: they model tensor-core
-    kernels) come after the reference code's."""
+    kernels) come after the reference code's on a CUDA dump, last on any other (a CPU run stops early)."""
     names = list(_PRESET_ORDER) + [n for n in PRESETS if n not in _PRESET_ORDER and n != "stochastic"
                                    and n not in _KERNEL_PRESETS]
+    kernels = [CandidateRecipe(k, Accumulation.TENSOR_CORE.value) for k in kernel_presets(head_dim, n_keys, dtype)]
+    on_gpu = str(device or "").startswith("cuda")
     recipes = []
     for name in names:
         cfg = ReplayConfig.preset(name)
         recipes.append(CandidateRecipe(name, Accumulation.IEEE.value))
         if cfg.input_dtype is not Precision.FP32:
             recipes.append(CandidateRecipe(name, Accumulation.TENSOR_CORE.value))
-        if name == _KERNELS_AFTER:
-            recipes += [CandidateRecipe(k, Accumulation.TENSOR_CORE.value) for k in kernel_presets(head_dim, n_keys, dtype)]
-    return recipes
+        if name == _KERNELS_AFTER and on_gpu:
+            recipes += kernels
+    return recipes if on_gpu else recipes + kernels
 
 
 def layer_candidates(t: LayerTensors) -> list[CandidateRecipe]:
-    """candidate_recipes for the layer's head dim, key count and stored O dtype."""
+    """candidate_recipes for the layer's head dim, key count, stored O dtype and the run's device."""
     dtype = str((t.o if t.o is not None else t.q).dtype).replace("torch.", "")
-    return candidate_recipes(t.q.shape[-1], t.k.shape[-2], dtype)
+    device = (getattr(t.source, "attrs", None) or {}).get("device")
+    return candidate_recipes(t.q.shape[-1], t.k.shape[-2], dtype, device)
 
 
 def compare_o(replayed: torch.Tensor, stored: torch.Tensor) -> tuple[float, float, int]:
@@ -172,7 +176,7 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: 
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------
 CACHE_ATTR = "replay_match"  # layer-group attribute holding the cached result (one per accumulation restriction)
-CACHE_VERSION = 2  # part of the fingerprint: raise it when a recipe's arithmetic changes
+CACHE_VERSION = 1  # part of the fingerprint: raise it when a recipe's arithmetic changes
 
 # Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
 _BEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -108,3 +108,43 @@ def _metadata(path: Path) -> dict:
 
     with safe_open(str(path), framework="pt") as f:
         return f.metadata() or {}
+
+
+def gpt2_like_inputs(batch: int, heads: int, seqlen: int, head_dim: int, dtype: torch.dtype, seed: int = 0,
+                     device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k ~ 1.5·N(0,1), v ~ N(0,1) in `dtype` (B, H, T, D): the recorded `gpt2` set's recipe."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (batch, heads, seqlen, head_dim)
+    q, k = (1.5 * torch.randn(shape, generator=g) for _ in range(2))
+    v = torch.randn(shape, generator=g)
+    return tuple(x.to(dtype).to(device) for x in (q, k, v))
+
+
+def record_set(path, tag: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outputs: dict, *, scale: float,
+               causal: bool, note: str = "") -> Path:
+    """Write a recorded set (all rows kept) whose launch shape is q's: `outputs` maps kernel -> its O (B, H, T, D)."""
+    from safetensors.torch import save_file
+
+    B, H, T, _ = q.shape
+    tensors = {f"{tag}.q": q, f"{tag}.k": k, f"{tag}.v": v}
+    tensors |= {f"{tag}.{kernel}.o": o for kernel, o in outputs.items()}
+    layout = {"tag": tag, "batch": None, "heads": list(range(H)), "T": T, "T_recorded": T, "o_rows": [0, T],
+              "dq_rows": None, "dkdv_keys": None, "kernels": list(outputs), "causal": causal, "scale": scale,
+              "dtype": str(q.dtype).replace("torch.", ""), "launch_batch": B, "launch_heads": H, "note": note}
+    path = Path(path)
+    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path),
+              metadata={"layout": json.dumps(layout)})
+    return path
+
+
+def agreement_rows(rec: RecordedSet, sm_count: int = H200_SMS) -> list[dict]:
+    """Per kernel of a recorded set: the preset that models it at the recorded launch and the share of O it
+    reproduces bit for bit (tensor-core products)."""
+    q = rec.tensors[f"{rec.tag}.q"]
+    batch, heads, seqlen = rec.launch()
+    rows = []
+    for kernel in rec.kernels:
+        name = kernel_preset(kernel, q.shape[-1], str(q.dtype).replace("torch.", ""), batch, heads, seqlen, sm_count)
+        share = o_agreement(rec, kernel, ReplayConfig.preset(name).with_(accumulation="tensor-core"))
+        rows.append({"set": rec.tag, "kernel": kernel, "preset": name, "o_bits_equal": share})
+    return rows

@@ -21,7 +21,10 @@ from safetensors import safe_open
 from fa_forensics.dump.writer import DumpWriter
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.split_kv import butterfly_sum, flash_num_splits, split_ranges
-from fa_forensics.replay.gpu_fidelity import RecordedSet, kernel_preset, o_agreement
+from fa_forensics.replay.emulate.forward import forward
+from fa_forensics.replay.gpu_fidelity import (
+    RecordedSet, agreement_rows, gpt2_like_inputs, kernel_preset, o_agreement, record_set,
+)
 
 BITS = Path(__file__).resolve().parents[1] / "data" / "h200_bits"
 # (batch, heads) of each recorded launch (the fixture keeps one batch row and head): they decide
@@ -114,3 +117,23 @@ def test_match_names_cudnn_and_its_tile_on_the_training_capture(tmp_path):
     assert layer["best"]["o_bits_equal"] >= 0.9999
     tried = [c["preset"] for c in layer["candidates"]]
     assert tried[0] == "bf16-autocast-train"  # the reference code's recipe is still tried first
+
+
+def test_recorded_launch_round_trip(tmp_path):
+    """What benchmarks/gpu_validate.py writes on a GPU reads back on a CPU, launch shape and kernels included:
+    a set whose 'kernel outputs' are the models' own replays agrees 100 %, and a swapped one does not."""
+    q, k, v = gpt2_like_inputs(1, 1, 128, 64, torch.bfloat16, seed=5)
+    outputs = {}
+    for kernel in ("cudnn", "flash"):
+        cfg = ReplayConfig.preset(kernel_preset(kernel, 64, "bfloat16", 1, 1, 128)).with_(accumulation="tensor-core")
+        outputs[kernel] = forward(q.float(), k.float(), v.float(), cfg, causal=False, scale=0.125, generator=None).o
+    outputs = {kern: o.to(torch.bfloat16) for kern, o in outputs.items()}
+    path = record_set(tmp_path / "d64.safetensors", "d64", q, k, v, outputs, scale=0.125, causal=False)
+    rec = RecordedSet.load(path)
+    assert rec.launch() == (1, 1, 128) and rec.kernels == ["cudnn", "flash"]
+    rows = {r["kernel"]: r for r in agreement_rows(rec)}
+    assert rows["cudnn"]["preset"] == "sdpa-cudnn-sm90" and rows["cudnn"]["o_bits_equal"] == 1.0
+    assert rows["flash"]["preset"] == "sdpa-flash@block_m=128,block_n=128" and rows["flash"]["o_bits_equal"] == 1.0
+    swapped = record_set(tmp_path / "swap.safetensors", "swap", q, k, v, {"cudnn": outputs["flash"]}, scale=0.125,
+                         causal=False)
+    assert agreement_rows(RecordedSet.load(swapped))[0]["o_bits_equal"] < 1.0
