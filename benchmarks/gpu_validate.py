@@ -140,7 +140,8 @@ def kernel_grid(args) -> list[dict]:
                             dropped = []
                             for _ in range(2):
                                 torch.manual_seed(0)
-                                dropped.append(F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=0.1).cpu())
+                                o_drop = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=0.1)
+                                dropped.append(o_drop.cpu())
                         rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1, "modelled": False,
                                      "deterministic": bool(torch.equal(dropped[0], dropped[1]))})
                     except RuntimeError as exc:

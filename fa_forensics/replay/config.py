@@ -232,7 +232,7 @@ class ReplayConfig:
         bad = []
         if self.softmax is not Softmax.STANDARD:
             bad.append(f"softmax={self.softmax.value}")
-        if self.s_dtype is not Precision.FP32 or self.stats_dtype is not Precision.FP32 or self.rescale_dtype is not Precision.FP32:
+        if any(d is not Precision.FP32 for d in (self.s_dtype, self.stats_dtype, self.rescale_dtype)):
             bad.append("s_dtype / stats_dtype / rescale_dtype below fp32")
         if self.pv_dtype is not Precision.FP32:
             bad.append(f"pv_dtype={self.pv_dtype.value}")
@@ -298,12 +298,13 @@ def parse_tile(text: str, name: str) -> dict:
         key, _, value = part.partition("=")
         kind = _TILE_FIELDS.get(key.strip())
         if kind is None or not value.strip():
-            raise ConfigError(f"replay preset {name!r}: {part!r} is not a tiling field; write KEY=VALUE with KEY one of "
-                              f"{', '.join(_TILE_FIELDS)} (e.g. sdpa-cudnn-sm90@block_n=128)")
+            raise ConfigError(f"replay preset {name!r}: {part!r} is not a tiling field; write KEY=VALUE with KEY "
+                              f"one of {', '.join(_TILE_FIELDS)} (e.g. sdpa-cudnn-sm90@block_n=128)")
         try:
             fields[key.strip()] = kind(value.strip())
         except ValueError:
-            raise ConfigError(f"replay preset {name!r}: {key.strip()}={value.strip()!r} must be {kind.__name__}") from None
+            raise ConfigError(f"replay preset {name!r}: {key.strip()}={value.strip()!r} must be {kind.__name__}") \
+                from None
     return fields
 
 

@@ -63,7 +63,8 @@ def kernel_preset(kernel: str, head_dim: int, dtype: str, batch: int, heads: int
                   sm_count: int = H200_SMS, dropout: bool = False) -> str:
     """The preset (with its tile) that models `kernel` as it ran at this launch shape: FlashAttention-2's
     one-pass tile or its split-KV forward with the split count PyTorch picks for this GPU."""
-    name = KERNEL_PRESETS[kernel] + ("-fp16" if dtype == "float16" and kernel in ("cudnn", "efficient", "flash") else "")
+    fp16 = dtype == "float16" and kernel in ("cudnn", "efficient", "flash")
+    name = KERNEL_PRESETS[kernel] + ("-fp16" if fp16 else "")
     if kernel == "flash":
         splits = flash_num_splits(batch, heads, seqlen, seqlen, head_dim, sm_count, dropout)
         if splits > 1:

@@ -39,8 +39,8 @@ ALLOWED = {
     ("planted.s0l0", "cudnn"): 1, ("planted.s0l0", "efficient"): 4, ("planted.s0l0", "flash"): 1,
     ("demo.s296l1", "cudnn"): 1, ("demo.s296l1", "flash"): 1,
 }
-CASES = [(tag, kernel) for tag in LAUNCH
-         for kernel in ("cudnn", "efficient", "flash", "paper", "paper_stable") if not (tag == "fp16" and "paper" in kernel)]
+KERNELS = ("cudnn", "efficient", "flash", "paper", "paper_stable")
+CASES = [(tag, kernel) for tag in LAUNCH for kernel in KERNELS if not (tag == "fp16" and "paper" in kernel)]
 
 
 def _recorded(tag: str) -> RecordedSet:
@@ -50,7 +50,8 @@ def _recorded(tag: str) -> RecordedSet:
 def _config_for(rec: RecordedSet, kernel: str) -> tuple[str, ReplayConfig]:
     q = rec.tensors[f"{rec.tag}.q"]
     batch, heads = LAUNCH[rec.tag]
-    name = kernel_preset(kernel, q.shape[-1], str(q.dtype).replace("torch.", ""), batch, heads, rec.layout["T_recorded"])
+    dtype = str(q.dtype).replace("torch.", "")
+    name = kernel_preset(kernel, q.shape[-1], dtype, batch, heads, rec.layout["T_recorded"])
     return name, ReplayConfig.preset(name).with_(accumulation="tensor-core")
 
 

@@ -55,7 +55,9 @@ import torch
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp_fp32, fma_fp32, log_fp32
-from fa_forensics.replay.config import ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum
+from fa_forensics.replay.config import (
+    ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum,
+)
 from fa_forensics.replay.emulate import fused, kernel_ops, split_kv
 from fa_forensics.replay.emulate.ops import Band, cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
@@ -73,7 +75,8 @@ class Forward:
     stats: PBarStats
 
 
-def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder, keys: Optional[tuple[int, int]] = None) -> list[tuple[int, int]]:
+def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder,
+              keys: Optional[tuple[int, int]] = None) -> list[tuple[int, int]]:
     """[start, stop) of each KV block in the order the kernel visits them (within `keys`, default all)."""
     lo, hi = keys if keys is not None else (0, n_keys)
     size = block_n or max(hi - lo, 1)

@@ -24,7 +24,8 @@ _PAIR = 2  # adjacent columns a thread holds in each 8-column MMA tile
 
 def scale_log2(scale: float) -> torch.Tensor:
     """c = fp32(α · log2 e), formed in double on the host as FlashAttention-2 sets `scale_softmax_log2`."""
-    return torch.tensor(float(torch.tensor(scale, dtype=torch.float32)) * math.log2(math.e), dtype=torch.float64).float()
+    alpha = float(torch.tensor(scale, dtype=torch.float32))
+    return torch.tensor(alpha * math.log2(math.e), dtype=torch.float64).float()
 
 
 def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor,

@@ -55,7 +55,8 @@ def combine(parts: list[tuple[torch.Tensor, torch.Tensor]], head_dim: int) -> tu
     lse_max = lse.amax(dim=0)
     lse_max = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
     total = butterfly_sum(exp_fp32(lse - lse_max), combine_lanes(head_dim))
-    lse_sum = torch.where((total == 0) | torch.isnan(total), torch.full_like(total, math.inf), log_fp32(total) + lse_max)
+    empty = (total == 0) | torch.isnan(total)
+    lse_sum = torch.where(empty, torch.full_like(total, math.inf), log_fp32(total) + lse_max)
     o = torch.zeros_like(parts[0][0])
     for o_s, lse_s in parts:
         o = fma_fp32(exp_fp32(lse_s - lse_sum).unsqueeze(-1), o_s, o)
