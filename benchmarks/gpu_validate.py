@@ -134,22 +134,30 @@ def kernel_grid(args) -> list[dict]:
                 tag = f"d{head_dim}_{str(dtype)[6:]}_{'causal' if causal else 'full'}"
                 outputs = {}
                 for kernel, backend in KERNEL_BACKENDS.items():
-                    try:
-                        with sdpa_kernel(getattr(SDPBackend, backend)):
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        try:
                             outputs[kernel] = F.scaled_dot_product_attention(q, k, v, is_causal=causal).cpu()
+                        except RuntimeError as exc:
+                            rows.append({"set": tag, "kernel": kernel, "unavailable": str(exc).splitlines()[0]})
+                            continue
+                        try:
                             dropped = []
                             for _ in range(2):
                                 torch.manual_seed(0)
                                 o_drop = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=0.1)
                                 dropped.append(o_drop.cpu())
-                        rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1, "modelled": False,
-                                     "deterministic": bool(torch.equal(dropped[0], dropped[1]))})
-                    except RuntimeError as exc:
-                        rows.append({"set": tag, "kernel": kernel, "unavailable": str(exc).splitlines()[0]})
+                            rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1, "modelled": False,
+                                         "deterministic": bool(torch.equal(dropped[0], dropped[1]))})
+                        except RuntimeError as exc:
+                            rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1,
+                                         "unavailable": str(exc).splitlines()[0]})
+                if not outputs:
+                    continue
                 path = record_set(out_dir / f"{tag}.safetensors", tag, q.cpu(), k.cpu(), v.cpu(), outputs,
                                   scale=head_dim ** -0.5, causal=causal, note=torch.cuda.get_device_name())
-                rows += agreement_rows(RecordedSet.load(path), sm_count=sms)
-                for r in rows[-len(outputs):]:
+                measured = agreement_rows(RecordedSet.load(path), sm_count=sms)
+                rows += measured
+                for r in measured:
                     print(json.dumps(r))
     return rows
 
