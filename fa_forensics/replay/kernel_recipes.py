@@ -35,17 +35,22 @@ def _efficient_tiles(head_dim: int, n_keys: int, dropout: bool) -> list[str]:
     return [_tile(block_m=32, block_n=128)]
 
 
-def flash_tile(head_dim: int, dropout: bool = False) -> tuple[int, int]:
-    """(block_m, block_n) of FlashAttention-2's forward on sm_80 / sm_90 (flash_fwd_launch_template.h) for head
-    dims up to 128; beyond, 128 x 64 is assumed (not read from the source)."""
+def flash_tile(head_dim: int, dropout: bool = False, causal: bool = True, sm8x: bool = False) -> tuple[int, int]:
+    """(block_m, block_n) of FlashAttention-2's forward (flash_fwd_launch_template.h) for head dims up to 128 on
+    sm_80 / sm_90, and on sm_86 / sm_89 (`sm8x`) where it differs; beyond 128, 128 x 64 is assumed (not read
+    from the source)."""
     if head_dim <= 32:
         return (128, 128)
     if head_dim <= 64:
         return (128, 64) if dropout else (128, 128)
     if head_dim <= 96:
-        return (128, 64)
+        return (64, 64) if sm8x and causal else (128, 64)
     if head_dim <= 128:
-        return (128, 32) if dropout else (128, 64)
+        if dropout:
+            return (128, 32)
+        if sm8x:
+            return (64, 64) if causal else (128, 32)
+        return (128, 64)
     return (128, 64)
 
 
@@ -54,6 +59,9 @@ def _flash_tiles(head_dim: int, n_keys: int, dropout: bool) -> list[str]:
     # split count that changes the runs (the count PyTorch picks depends on batch·heads and the GPU's SMs)
     bm, bn = flash_tile(head_dim, dropout)
     tiles = [_tile(block_m=bm, block_n=bn)]
+    bm8, bn8 = flash_tile(head_dim, dropout, sm8x=True)  # sm_86 / sm_89: only another block_n changes the bits
+    if bn8 != bn:
+        tiles.append(_tile(block_m=bm8, block_n=bn8))
     if dropout:
         return tiles
     split_bn = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
