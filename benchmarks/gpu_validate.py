@@ -11,6 +11,13 @@
     at a time with torch.nn.attention.sdpa_kernel, skipped where unavailable) on the stored bf16
     Q, K, V, compared bit for bit with the emulator's O under every `match` recipe
     (analyses.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
+(d) The kernel models on new launches (`kernel_grid`): for head dims 64 and 128, bf16 and fp16, causal and
+    not, inputs made as the recorded `gpt2` set (B 1, H 2, T 1024), O of each SDPA backend (flash, efficient,
+    cudnn), written with replay/gpu_fidelity.record_set to --record-dir (one safetensors per launch, readable
+    on a CPU) and compared with the emulator under the preset that models the backend at that launch
+    (gpu_fidelity.agreement_rows, this GPU's SM count deciding FlashAttention-2's split count). With dropout
+    (p 0.1) O depends on the kernel's Philox mask, which the replay does not model: for those launches the
+    script records only whether two runs with the same seed agree bit for bit.
 (b) Throughput at GPT-2 shapes (B 8, H 12, T 1024, D 64, causal, bf16): the forward of
     F.scaled_dot_product_attention, of the plain Triton kernel (standard softmax, planned once
     outside the timed call) and of stable_attention (stabilized), and the backward of SDPA and of
@@ -23,6 +30,7 @@
 
 Usage: python benchmarks/gpu_validate.py [--dump sample_dumps/planted.zarr | --safetensors F]
                                          [--gpu h100] [--max-layers 2] [--json out.json]
+                                         [--record-dir DIR] [--only kernels]
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import argparse
 import datetime
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -91,7 +100,7 @@ def sdpa_match(args) -> list[dict]:
             except (RuntimeError, AttributeError) as exc:
                 rows.append({"input": label, "sdpa_backend": name, "unavailable": str(exc).splitlines()[0]})
                 continue
-            for recipe in candidate_recipes():
+            for recipe in candidate_recipes(q.shape[-1], k.shape[-2]):
                 key = (recipe.preset, recipe.accumulation)
                 if key not in emulated:
                     cfg = recipe.config().with_(gpu=args.gpu)
@@ -102,6 +111,54 @@ def sdpa_match(args) -> list[dict]:
             best = max((r for r in rows if r.get("sdpa_backend") == name and r.get("input") == label and "preset" in r),
                        key=lambda r: r["o_bits_equal"])
             print(json.dumps({"input": label, "sdpa_backend": name, "best": best}))
+    return rows
+
+
+KERNEL_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def kernel_grid(args) -> list[dict]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa_forensics.replay.gpu_fidelity import RecordedSet, agreement_rows, gpt2_like_inputs, record_set
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out_dir = Path(args.record_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for head_dim in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (True, False):
+                q, k, v = gpt2_like_inputs(1, 2, 1024, head_dim, dtype, seed=head_dim, device="cuda")
+                tag = f"d{head_dim}_{str(dtype)[6:]}_{'causal' if causal else 'full'}"
+                outputs = {}
+                for kernel, backend in KERNEL_BACKENDS.items():
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        try:
+                            outputs[kernel] = F.scaled_dot_product_attention(q, k, v, is_causal=causal).cpu()
+                        except RuntimeError as exc:
+                            rows.append({"set": tag, "kernel": kernel, "unavailable": str(exc).splitlines()[0]})
+                            continue
+                        try:
+                            dropped = []
+                            for _ in range(2):
+                                torch.manual_seed(0)
+                                o_drop = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=0.1)
+                                dropped.append(o_drop.cpu())
+                            rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1, "modelled": False,
+                                         "deterministic": bool(torch.equal(dropped[0], dropped[1]))})
+                        except RuntimeError as exc:
+                            rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1,
+                                         "unavailable": str(exc).splitlines()[0]})
+                if not outputs:
+                    continue
+                path = record_set(out_dir / f"{tag}.safetensors", tag, q.cpu(), k.cpu(), v.cpu(), outputs,
+                                  scale=head_dim ** -0.5, causal=causal, note=torch.cuda.get_device_name())
+                measured = agreement_rows(RecordedSet.load(path), sm_count=sms)
+                rows += measured
+                for r in measured:
+                    print(json.dumps(r))
     return rows
 
 
@@ -156,13 +213,19 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu", default="h100", choices=("h100", "a100"))
     parser.add_argument("--max-layers", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--record-dir", default="gpu_records", help="where (d) writes its recorded launches")
+    parser.add_argument("--only", choices=("kernels",), default=None, help="run only (d), the kernel models (minutes)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_validate: no CUDA GPU here; run it on a machine with one", file=sys.stderr)
         return 2
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "agreement": agreement(args), "sdpa_match": sdpa_match(args),
-              "throughput": throughput(args)}
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+    if args.only != "kernels":
+        report |= {"agreement": agreement(args), "sdpa_match": sdpa_match(args)}
+    report["kernel_grid"] = kernel_grid(args)
+    if args.only != "kernels":
+        report["throughput"] = throughput(args)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

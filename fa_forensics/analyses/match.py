@@ -33,6 +33,7 @@ import zarr
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, replay_layer
 from fa_forensics.errors import DumpError
 from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig
+from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES, kernel_presets
 
 # Most likely first: the reference code as it trains, with and without its fix, then the
 # forward-only readings, hardware kernels, and the rest.
@@ -78,18 +79,37 @@ class MatchResult:
     compared_in: str  # dtype of the stored O the bits are compared in
 
 
-def candidate_recipes() -> list[CandidateRecipe]:
+_KERNEL_PRESETS = {r.preset for r in KERNEL_RECIPES}
+_KERNELS_AFTER = "bf16-autocast"  # on a GPU dump the kernel recipes follow the reference code's readings
+
+
+def candidate_recipes(head_dim: int = 64, n_keys: int = 1024, dtype: str = "bfloat16",
+                      device: Optional[str] = None) -> list[CandidateRecipe]:
     """Every preset in `_PRESET_ORDER` (then any other non-stochastic one), each under ieee and
     tensor-core; tensor-core is left out where no product has low-precision operands (it would
-    fall back to ieee and repeat the same replay)."""
-    names = list(_PRESET_ORDER) + [n for n in PRESETS if n not in _PRESET_ORDER and n != "stochastic"]
+    fall back to ieee and repeat the same replay). The hardware kernels' recipes for a layer of this
+    head dim, key count and stored dtype (with their tiles, tensor-core only: they model tensor-core
+    kernels) come after the reference code's on a CUDA dump, last on any other (a CPU run stops early)."""
+    names = list(_PRESET_ORDER) + [n for n in PRESETS if n not in _PRESET_ORDER and n != "stochastic"
+                                   and n not in _KERNEL_PRESETS]
+    kernels = [CandidateRecipe(k, Accumulation.TENSOR_CORE.value) for k in kernel_presets(head_dim, n_keys, dtype)]
+    on_gpu = str(device or "").startswith("cuda")
     recipes = []
     for name in names:
         cfg = ReplayConfig.preset(name)
         recipes.append(CandidateRecipe(name, Accumulation.IEEE.value))
         if cfg.input_dtype is not Precision.FP32:
             recipes.append(CandidateRecipe(name, Accumulation.TENSOR_CORE.value))
-    return recipes
+        if name == _KERNELS_AFTER and on_gpu:
+            recipes += kernels
+    return recipes if on_gpu else recipes + kernels
+
+
+def layer_candidates(t: LayerTensors) -> list[CandidateRecipe]:
+    """candidate_recipes for the layer's head dim, key count, stored O dtype and the run's device."""
+    dtype = str((t.o if t.o is not None else t.q).dtype).replace("torch.", "")
+    device = (getattr(t.source, "attrs", None) or {}).get("device")
+    return candidate_recipes(t.q.shape[-1], t.k.shape[-2], dtype, device)
 
 
 def compare_o(replayed: torch.Tensor, stored: torch.Tensor) -> tuple[float, float, int]:
@@ -135,7 +155,7 @@ def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, 
     from fa_forensics.analyses.fanout import Workers, map_layers
 
     cached = recipes is None and not try_all and backend == "emulate"
-    recipes = list(recipes) if recipes is not None else candidate_recipes()
+    recipes = list(recipes) if recipes is not None else None
     parts = map_layers(_match_part, dump, selections, workers or Workers(), progress,
                        args=(recipes, cached, try_all, backend), whole_layers=True)
     return MatchResult([lm for lm, _ in parts], try_all, parts[-1][1] if parts else "")
@@ -150,7 +170,7 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: 
     if cached and dump is not None and list(t.heads) == list(dump.heads(t.step, t.layer)):
         lm = best_recipe(dump, t.step, t.layer, backend=backend)
     if lm is None:
-        lm = match_layer(t, recipes, try_all=try_all, backend=backend)
+        lm = match_layer(t, recipes if recipes is not None else layer_candidates(t), try_all=try_all, backend=backend)
     return lm, str(t.o.dtype).replace("torch.", "")
 
 
@@ -224,7 +244,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     if t.o is None:
         memo[(step, layer, acc)] = None
         return None
-    recipes = [r for r in candidate_recipes() if acc is None or r.accumulation == acc]
+    recipes = [r for r in layer_candidates(t) if acc is None or r.accumulation == acc]
     key = fingerprint(t, recipes)
     name = CACHE_ATTR if acc is None else f"{CACHE_ATTR}_{acc}"
     cached = dump._layer(step, layer).attrs.get(name)

@@ -76,8 +76,10 @@ class Recipe:
                 raise ConfigError(f"accumulation {self.accumulation!r} is not one of: {choices}") from None
         elif not self.is_auto:
             object.__setattr__(self, "accumulation", Accumulation.IEEE)
-        if self.config is None and self.preset not in PRESETS and self.preset != AUTO:
+        if self.config is None and self.preset.partition("@")[0] not in PRESETS and self.preset != AUTO:
             raise UnknownPreset(self.preset)
+        if self.config is None and "@" in self.preset:
+            ReplayConfig.preset(self.preset)  # a tile suffix that names no tiling field is a ConfigError
 
     @property
     def is_auto(self) -> bool:

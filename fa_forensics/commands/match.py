@@ -40,11 +40,15 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
                         + ("" if try_all else "; stops at the first 100 % (--all: try every recipe)"))
     for c in ("step", "layer", "best recipe", "o_bits_equal", "max |Δ|", "recipes tried", "runner-up"):
         table.add_column(c, justify="right")
+    def n_candidates(lm) -> int:
+        info = dump.layer_info(lm.step, lm.layer)
+        return len(candidate_recipes(info.head_dim, info.arrays["k"][-2], info.dtype, dump.attrs.get("device")))
+
     for lm in r.layers:
         others = sorted((c for c in lm.candidates if c is not lm.best), key=lambda c: -c.o_bits_equal)
         runner = f"{others[0].preset} / {others[0].accumulation} {_pct(others[0].o_bits_equal)}" if others else "—"
         table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}", _pct(lm.best.o_bits_equal),
-                      f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {len(candidate_recipes())}", runner)
+                      f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {n_candidates(lm)}", runner)
     console.print(table)
 
     lines = [verdict_line(lm) for lm in r.layers]
@@ -76,7 +80,8 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
 
 def register(app: typer.Typer) -> None:
     @app.command("match", help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under every "
-                               "preset (its own tiling) and accumulation model; the share of O elements reproduced, per layer-step.")
+                               "preset (its own tiling; the GPU kernels' recipes with each of their tiles) and "
+                               "accumulation model; the share of O elements reproduced, per layer-step.")
     def command(
         dump: DumpArg,
         step: StepOpt = None,

@@ -73,6 +73,35 @@ class MaskedBlocks(str, enum.Enum):
     VISIT = "visit"
 
 
+class ExpForm(str, enum.Enum):
+    """How a kernel forms P̄ and the rescale factor from the raw scores S = q kᵀ (each a single fp32 rounding
+    per named operation; exp and exp2 rounded once to fp32)."""
+
+    EXP = "exp"  # s = fp32(S·α), P̄ = exp(fp32(s − m)), rescale exp(fp32(m_prev − m)), m the max of s
+    # FlashAttention-2 as published: m the max of raw S, c = fp32(α·log2 e) (host, in double), P̄ =
+    # exp2(fma(S, c, −fp32(m·c))) with one rounding, rescale exp2(fp32(fp32(m_prev − m)·c))
+    EXP2_FMA = "exp2-fma"
+    # PyTorch's vendored FlashAttention-2 (compiled with UNFUSE_FMA): P̄ = exp2(fp32(fp32(S·c) − fp32(m·c)))
+    EXP2_MUL = "exp2-mul"
+
+
+class RowSum(str, enum.Enum):
+    """How the row sum ℓ is accumulated over a block's P̄ (pre-cast fp32 values)."""
+
+    EXACT = "exact"  # summed exactly, rounded once per block: ℓ = fp32(fp32(α·ℓ) + Σ P̄)
+    # FlashAttention-2's register layout: 4 threads share a row, thread q holds columns 8t + 2q + {0, 1}
+    # of each 8-column MMA tile and adds them in column order into its own fp32 partial, rescaled with
+    # the row and carried across KV blocks; one all-reduce at the end: (ℓ₀ + ℓ₂) + (ℓ₁ + ℓ₃)
+    MMA_LANES = "mma-lanes"
+
+
+class Normalize(str, enum.Enum):
+    """How the epilogue applies 1/ℓ to the accumulator."""
+
+    DIVIDE = "divide"  # O = fp32(acc / ℓ)
+    RECIPROCAL = "reciprocal"  # O = fp32(acc · fp32(1 / ℓ)) (FlashAttention-2, memory-efficient)
+
+
 class Accumulation(str, enum.Enum):
     """Accumulation model of every matrix product."""
 
@@ -156,6 +185,14 @@ class ReplayConfig:
     # accumulation model of every matrix product
     accumulation: Accumulation = Accumulation.IEEE
     gpu: GPUModel = GPUModel.H100
+    # kernel models (docs/gpu-fidelity.md): how P̄ is formed, how ℓ is summed, how 1/ℓ is applied, and
+    # FlashAttention-2's split-KV: the key blocks are cut into kv_splits contiguous runs of
+    # ceil(n_blocks / kv_splits) blocks, each run's O (fp32, normalized) and lse are combined as its
+    # combine kernel does (emulate/split_kv.py)
+    exp_form: ExpForm = ExpForm.EXP
+    row_sum: RowSum = RowSum.EXACT
+    normalize: Normalize = Normalize.DIVIDE
+    kv_splits: int = 1
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum fields (from the CLI or JSON) and normalize them.
@@ -182,6 +219,38 @@ class ReplayConfig:
             raise ConfigError(f"ReplayConfig.eps={self.eps!r} must be >= 0")
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
             raise ConfigError(f"ReplayConfig.scale={self.scale!r} must be a positive finite number or None")
+        if not isinstance(self.kv_splits, int) or not 1 <= self.kv_splits <= 128:
+            raise ConfigError(f"ReplayConfig.kv_splits={self.kv_splits!r} must be an integer from 1 to 128")
+        if self.is_kernel_model:
+            self._check_kernel_model()
+
+    @property
+    def is_kernel_model(self) -> bool:
+        """True when a kernel-model knob (exp_form, row_sum, normalize, kv_splits) differs from the default."""
+        return (self.exp_form is not ExpForm.EXP or self.row_sum is not RowSum.EXACT
+                or self.normalize is not Normalize.DIVIDE or self.kv_splits != 1)
+
+    def _check_kernel_model(self) -> None:
+        """The kernel models describe hardware kernels: fp32 scores and statistics, the standard softmax,
+        nearest-even casts, an fp32 P̄V accumulator and no P scale."""
+        bad = []
+        if self.softmax is not Softmax.STANDARD:
+            bad.append(f"softmax={self.softmax.value}")
+        if any(d is not Precision.FP32 for d in (self.s_dtype, self.stats_dtype, self.rescale_dtype, self.exp_dtype)):
+            bad.append("s_dtype / stats_dtype / rescale_dtype / exp_dtype below fp32")
+        if self.pv_dtype is not Precision.FP32:
+            bad.append(f"pv_dtype={self.pv_dtype.value}")
+        if self.masked_blocks is not MaskedBlocks.SKIP or self.row_sum_floor != 0.0:
+            bad.append("the reference code's masked-block loop")
+        if self.p_scale != 1.0:
+            bad.append(f"p_scale={self.p_scale}")
+        if self.rounding is not Rounding.NEAREST_EVEN:
+            bad.append(f"rounding={self.rounding.value}")
+        if self.kv_splits > 1 and self.block_n is None:
+            bad.append("kv_splits without block_n")
+        if bad:
+            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, row_sum, normalize, kv_splits) model "
+                              f"hardware kernels and do not combine with {', '.join(bad)}; drop one or the other")
 
     # ---- derived configs -------------------------------------------------------------------
     def with_(self, **changes) -> "ReplayConfig":
@@ -190,12 +259,16 @@ class ReplayConfig:
 
     @classmethod
     def preset(cls, name: str) -> "ReplayConfig":
-        """A named recipe; see PRESETS for the list."""
+        """A named recipe; see PRESETS for the list. A kernel's tile may follow the name after '@'
+        (`sdpa-cudnn-sm90@block_n=128`, `flash-attn-2@block_m=64,block_n=256,kv_splits=4`): the
+        preset with those tiling fields (block_m, block_n, kv_splits, kv_order) replaced."""
+        base, _, tile = name.partition("@")
         try:
-            factory = PRESETS[name]
+            factory = PRESETS[base]
         except KeyError:
-            raise ConfigError(f"unknown replay preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
-        return factory()
+            raise ConfigError(f"unknown replay preset {base!r}; choose one of: {', '.join(PRESETS)}") from None
+        cfg = factory()
+        return cfg.with_(**parse_tile(tile, name)) if tile else cfg
 
     @property
     def is_low_precision(self) -> bool:
@@ -220,6 +293,36 @@ class ReplayConfig:
         return ", ".join(diffs) or "preset bf16 (the defaults)"
 
 
+_TILE_FIELDS = {"block_m": int, "block_n": int, "kv_splits": int, "kv_order": str}
+
+
+def parse_tile(text: str, name: str) -> dict:
+    """The tiling fields of a preset name's '@' suffix ("block_n=128,kv_splits=4")."""
+    fields = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        kind = _TILE_FIELDS.get(key.strip())
+        if kind is None or not value.strip():
+            raise ConfigError(f"replay preset {name!r}: {part!r} is not a tiling field; write KEY=VALUE with KEY "
+                              f"one of {', '.join(_TILE_FIELDS)} (e.g. sdpa-cudnn-sm90@block_n=128)")
+        try:
+            fields[key.strip()] = kind(value.strip())
+        except ValueError:
+            raise ConfigError(f"replay preset {name!r}: {key.strip()}={value.strip()!r} must be {kind.__name__}") \
+                from None
+    return fields
+
+
+def tile_suffix(config: ReplayConfig, base: ReplayConfig) -> str:
+    """The '@' suffix naming where config's tiling differs from its preset's (empty when it does not)."""
+    parts = []
+    for key in _TILE_FIELDS:
+        value = getattr(config, key)
+        if value != getattr(base, key):
+            parts.append(f"{key}={value.value if isinstance(value, enum.Enum) else value}")
+    return "@" + ",".join(parts) if parts else ""
+
+
 _ENUM_FIELDS = {
     "input_dtype": Precision,
     "p_dtype": Precision,
@@ -241,6 +344,9 @@ _ENUM_FIELDS = {
     "exp_dtype": Precision,
     "accumulation": Accumulation,
     "gpu": GPUModel,
+    "exp_form": ExpForm,
+    "row_sum": RowSum,
+    "normalize": Normalize,
 }
 
 _FP32 = Precision.FP32
@@ -281,6 +387,37 @@ def _bf16_autocast_cpu() -> ReplayConfig:
     return _bf16_autocast_train().with_(exp_dtype=_BF16)
 
 
+def _hw_kernel(**tile) -> ReplayConfig:
+    # a hardware kernel: fp32 scores, statistics and P̄V accumulator, P̄ cast to the input dtype,
+    # tensor-core products, O rounded once after 1/ℓ
+    return ReplayConfig(pv_dtype=_FP32, accumulation=Accumulation.TENSOR_CORE, **tile)
+
+
+def _sdpa_cudnn_sm90() -> ReplayConfig:
+    # cuDNN's fused flash attention on sm_90 (SDPA's CUDNN_ATTENTION; closed source): 128-key tiles in
+    # forward order, exp of the scaled scores, exact row sums, divide; modelled from measurement
+    # (docs/gpu-fidelity.md)
+    return _hw_kernel(block_m=128, block_n=128)
+
+
+def _sdpa_efficient() -> ReplayConfig:
+    # the memory-efficient (xformers / CUTLASS) kernel behind SDPA's EFFICIENT_ATTENTION: 64 x 64 tiles
+    # for head dim <= 64 (64 x 128 up to 128), forward order, output times 1/s_prime
+    return _hw_kernel(block_m=64, block_n=64, normalize=Normalize.RECIPROCAL)
+
+
+def _flash_attn_2(exp_form: ExpForm) -> ReplayConfig:
+    # FlashAttention-2's forward (flash_fwd_kernel.h, softmax.h): 128 x 128 tiles for head dim <= 64 without
+    # dropout, key blocks from last to first, exp2 of S·α·log2 e less the scaled row max, per-thread row-sum
+    # partials, O times 1/ℓ
+    return _hw_kernel(block_m=128, block_n=128, kv_order=KVOrder.REVERSE, exp_form=exp_form,
+                      row_sum=RowSum.MMA_LANES, normalize=Normalize.RECIPROCAL)
+
+
+def _fp16(factory):
+    return lambda: factory().with_(input_dtype=Precision.FP16, p_dtype=Precision.FP16, o_dtype=Precision.FP16)
+
+
 PRESETS = {
     "bf16": lambda: ReplayConfig(),
     "fp32": lambda: ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32),
@@ -294,6 +431,15 @@ PRESETS = {
     "bf16-autocast-cpu": _bf16_autocast_cpu,
     # the paper's fix as run (STABLE=1: Algorithm 3 with β = 2, ε = 1e-3 inside the loop above)
     "bf16-autocast-stabilized": lambda: _bf16_autocast_train().with_(softmax=Softmax.STABILIZED, beta=2.0, eps=1e-3),
+    # kernels users train with (docs/gpu-fidelity.md); their tiles per head dim: replay/kernel_recipes.py
+    "sdpa-cudnn-sm90": _sdpa_cudnn_sm90,
+    "sdpa-efficient": _sdpa_efficient,
+    # PyTorch's vendored FlashAttention-2 (SDPA's FLASH_ATTENTION) is compiled with UNFUSE_FMA
+    "sdpa-flash": lambda: _flash_attn_2(ExpForm.EXP2_MUL),
+    "flash-attn-2": lambda: _flash_attn_2(ExpForm.EXP2_FMA),
+    "sdpa-cudnn-sm90-fp16": _fp16(_sdpa_cudnn_sm90),
+    "sdpa-efficient-fp16": _fp16(_sdpa_efficient),
+    "sdpa-flash-fp16": _fp16(lambda: _flash_attn_2(ExpForm.EXP2_MUL)),
     "fp8-s1": lambda: _fp8(1.0),
     "fp8-s256": lambda: _fp8(256.0),
     "fp8-s448": lambda: _fp8(448.0),

@@ -37,6 +37,13 @@ gradients 0).
 accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-even. Every exp is
 `numerics.exp_fp32` (exp rounded once to fp32), so the bits do not depend on the host's vector exp.
 
+Kernel models (config.exp_form, row_sum, normalize, kv_splits; emulate/kernel_ops.py, split_kv.py):
+exp_form exp2-*: the running max m is that of the raw scores S = q kᵀ, P̄ and the rescale are base-2
+exponentials of S·c (c = fp32(α·log2 e)) as kernel_ops.exp2_block says, and lse = fp32(m·α) + log ℓ;
+row_sum mma-lanes: ℓ is four per-thread partials carried across blocks and reduced in the epilogue;
+normalize reciprocal: O = fp32(acc · fp32(1/ℓ)); kv_splits > 1: FlashAttention-2's split-KV forward
+and combine (split_kv.py). These run on the torch path only.
+
 Steps 1-7 run as one compiled pass per row (`fused.ForwardBlock`) where `fused.eligible` says so
 (the same operations, bit for bit); the torch code below is the reference and the fallback.
 """
@@ -48,9 +55,12 @@ from typing import Callable, Optional
 
 import torch
 
-from fa_forensics.numerics import exp_fp32
-from fa_forensics.replay.config import KVOrder, MaskedBlocks, Precision, PScaleMode, ReplayConfig
-from fa_forensics.replay.emulate import fused
+from fa_forensics.errors import ConfigError
+from fa_forensics.numerics import exp_fp32, fma_fp32, log_fp32
+from fa_forensics.replay.config import (
+    ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum,
+)
+from fa_forensics.replay.emulate import fused, kernel_ops, split_kv
 from fa_forensics.replay.emulate.ops import Band, cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
@@ -67,11 +77,30 @@ class Forward:
     stats: PBarStats
 
 
-def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder) -> list[tuple[int, int]]:
-    """[start, stop) of each KV block in the order the kernel visits them."""
-    size = block_n or n_keys
-    blocks = [(j0, min(j0 + size, n_keys)) for j0 in range(0, n_keys, size)]
+def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder,
+              keys: Optional[tuple[int, int]] = None) -> list[tuple[int, int]]:
+    """[start, stop) of each KV block in the order the kernel visits them (within `keys`, default all)."""
+    lo, hi = keys if keys is not None else (0, n_keys)
+    size = block_n or max(hi - lo, 1)
+    blocks = [(j0, min(j0 + size, hi)) for j0 in range(lo, hi, size)]
     return blocks[::-1] if order is KVOrder.REVERSE else blocks
+
+
+def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: bool, row0: int, col0: int,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """S = q kᵀ (the MMA's fp32 output, unscaled) with masked scores −inf: the exp2 kernels' scores.
+    An additive mask is added to S·α's equivalent, S + mask/α, in fp32."""
+    S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)
+    if causal:
+        rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
+        cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
+        S = S.masked_fill(cols > rows, _NEG_INF)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ConfigError("the exp2 kernel models (exp_form exp2-fma / exp2-mul) take a boolean attn_mask, not an "
+                              "additive one; replay this layer with exp_form exp")
+        S = S.masked_fill(~mask, _NEG_INF)
+    return S
 
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
@@ -127,14 +156,19 @@ class _RowMaxTracker:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *,
             causal: bool, scale: float, generator: Optional[torch.Generator], row0: int = 0,
             mask: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None,
-            observe: Optional[Callable[[BlockCast], None]] = None) -> Forward:
+            observe: Optional[Callable[[BlockCast], None]] = None, keys: Optional[tuple[int, int]] = None,
+            split_part: bool = False) -> Forward:
     """Run the FA2 forward of the module docstring; q (B, H, T, D), k, v (B, H, N, D) fp32
     input_dtype values. q may be a block of query rows starting at row `row0` (rows are
     independent: a block's results are bit for bit those rows of the whole). mask: SDPA's
     attn_mask for these rows, broadcastable to (B, H, T, N), or None.
     scores: given scaled scores s (B, H, T, N) fp32 (-inf = masked) used instead of step 1 (q and
     k are then ignored; pass None): a study of the softmax and P̄ cast on synthetic scores.
-    observe: called with every block's BlockCast (what the P̄ cast did), in visiting order."""
+    observe: called with every block's BlockCast (what the P̄ cast did), in visiting order.
+    keys, split_part: one split of the split-KV forward (its keys; O left fp32, lse in the split form)."""
+    if config.kv_splits > 1 and not split_part:
+        return _forward_split_kv(q, k, v, config, causal=causal, scale=scale, generator=generator, row0=row0,
+                                 mask=mask, scores=scores, observe=observe)
     if scores is not None:
         (B, H, T), D, n_keys = scores.shape[:3], v.shape[-1], scores.shape[-1]
     else:
@@ -151,7 +185,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     mask_value = -finfo_max(config.s_dtype) if visit else _NEG_INF  # masked scores and the initial m
     row_sum_floor = torch.tensor(config.row_sum_floor, dtype=torch.float32)
     m = torch.full((B, H, T), mask_value)  # running shift m_i
-    l = torch.zeros((B, H, T))  # running ℓ_i
+    lanes = config.row_sum is RowSum.MMA_LANES
+    l = torch.zeros((B, H, T, kernel_ops.LANES) if lanes else (B, H, T))  # running ℓ_i (per-thread partials)
+    base2 = config.exp_form is not ExpForm.EXP
+    c_log2 = kernel_ops.scale_log2(scale)
     acc = torch.zeros((B, H, T, D))  # running unnormalized O (pv_dtype values)
     tracker = _RowMaxTracker(m.shape)
     p_one = torch.zeros((B, H), dtype=torch.int64)
@@ -160,9 +197,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
 
     fused_block = None
     low_exp = config.exp_dtype is not Precision.FP32
-    if scores is None and observe is None and not low_exp and fused.eligible(config, q, k, v, scale=scale, mask=mask):
+    if (scores is None and observe is None and not low_exp and not config.is_kernel_model
+            and fused.eligible(config, q, k, v, scale=scale, mask=mask)):
         fused_block = fused.ForwardBlock(config, scale, mask_value, m.shape)
-    for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order):
+    for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order, keys):
         r0 = max(j0 - row0, 0) if causal and not visit else 0  # rows before j0 see nothing of this block
         if r0 >= T:
             continue
@@ -177,6 +215,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             if config.row_sum_floor > 0:
                 row_sum = torch.maximum(row_sum, row_sum_floor)
             l[..., r0:] = cast(alpha.squeeze(-1) * l[..., r0:] + row_sum, config.stats_dtype)
+        elif base2:  # the exp2 kernels: max of raw S, P̄ and the rescale as kernel_ops.exp2_block
+            S_raw = raw_scores(q[..., r0:, :], k[..., j0:j1, :], config, causal, row0 + r0, j0, mask_block)
+            tracker.update(S_raw, r0)
+            visible = ~torch.isneginf(S_raw)
+            m_prev = m[..., r0:]
+            m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
+            m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            alpha, p = kernel_ops.exp2_block(S_raw, m_prev, m_use, c_log2, config.exp_form)
+            _add_row_sum(l, r0, alpha, p, config)
+            p_bar = cast(p, config.p_dtype, config.rounding, generator)
+            p_one += ((p_bar == 1.0) & visible).sum(dim=(-1, -2))
+            p_zeroed += ((p > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
+            if observe is not None:
+                observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p, p_cast=p_bar, visible=visible))
         else:
             if scores is not None:
                 s = scores[..., r0:, j0:j1]  # (B, H, R, N)
@@ -197,14 +249,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
             if low_exp:
                 alpha, p = cast(alpha, config.exp_dtype), cast(p, config.exp_dtype)
-            row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
-            if low_exp:
-                row_sum = cast(row_sum, config.exp_dtype)
-            if config.row_sum_floor > 0:
-                row_sum = torch.maximum(row_sum, row_sum_floor)
-            l_new = alpha.squeeze(-1) * l[..., r0:]
-            l_new = cast(l_new, config.exp_dtype) + row_sum if low_exp else l_new + row_sum
-            l[..., r0:] = cast(l_new, config.stats_dtype)
+            if lanes:
+                _add_row_sum(l, r0, alpha, p, config)
+            else:
+                row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
+                if low_exp:
+                    row_sum = cast(row_sum, config.exp_dtype)
+                if config.row_sum_floor > 0:
+                    row_sum = torch.maximum(row_sum, row_sum_floor)
+                l_new = alpha.squeeze(-1) * l[..., r0:]
+                l_new = cast(l_new, config.exp_dtype) + row_sum if low_exp else l_new + row_sum
+                l[..., r0:] = cast(l_new, config.stats_dtype)
             if S_scale == 1.0:
                 p_scaled = p
             elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
@@ -232,11 +287,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             m[..., r0:] = m_new
 
     m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    o32 = acc / (S_t * l).unsqueeze(-1)
-    if mask is not None:
+    if lanes:
+        l = kernel_ops.reduce_lanes(l)
+    if config.normalize is Normalize.RECIPROCAL:
+        o32 = acc * kernel_ops.reciprocal(l).unsqueeze(-1)
+    else:
+        o32 = acc / (S_t * l).unsqueeze(-1)
+    if mask is not None or split_part:
         o32 = torch.where((l == 0).unsqueeze(-1), torch.zeros_like(o32), o32)  # rows with no allowed key
-    o = cast(o32, config.o_dtype, config.rounding, generator)
-    lse = m_use + torch.log(l)
+    if base2:
+        scale_f = torch.tensor(scale, dtype=torch.float32)
+        lse = fma_fp32(m_use, scale_f, log_fp32(l)) if split_part else m_use * scale_f + log_fp32(l)
+    else:
+        lse = m_use + torch.log(l)
+    if split_part:
+        lse = torch.where(l == 0, torch.full_like(lse, _NEG_INF), lse)
+    o = o32 if split_part else cast(o32, config.o_dtype, config.rounding, generator)
     stats = PBarStats(
         repeated_max_rows=(tracker.count > 1).sum(dim=-1),
         p_one_count=p_one if fused_block is None else fused_block.p_one.sum(dim=-1),
@@ -245,3 +311,34 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         rows=torch.full((B, H), T, dtype=torch.int64),
     )
     return Forward(o=o, lse=lse, stats=stats)
+
+
+def _add_row_sum(l: torch.Tensor, r0: int, alpha: torch.Tensor, p: torch.Tensor, config: ReplayConfig) -> None:
+    """ℓ of rows r0.. after one block (in place): exact (fp32(fp32(α·ℓ) + ΣP̄)) or per-thread partials (mma-lanes)."""
+    if config.row_sum is RowSum.MMA_LANES:
+        l[..., r0:, :] = kernel_ops.lane_row_sums(p, l[..., r0:, :] * alpha)
+    else:
+        l[..., r0:] = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
+
+
+def _forward_split_kv(q, k, v, config: ReplayConfig, *, causal: bool, scale: float, generator, row0: int,
+                      mask, scores, observe) -> Forward:
+    """FlashAttention-2's split-KV forward: every split's fp32 O and lse (`forward` over its keys), then the
+    combine kernel (split_kv.combine) and one cast to o_dtype. P̄ statistics add up over the splits (repeated
+    maxima are counted within each split)."""
+    n_keys = (scores if scores is not None else k).shape[-2]
+
+    def run(keys):
+        part = forward(q, k, v, config, causal=causal, scale=scale, generator=generator, row0=row0, mask=mask,
+                       scores=scores, observe=observe, keys=keys, split_part=True)
+        return part.o, part.lse, part.stats
+
+    o32, lse, stats = split_kv.forward_splits(run, n_keys, config.block_n, config.kv_splits, v.shape[-1])
+    total = PBarStats(
+        repeated_max_rows=torch.stack([s.repeated_max_rows for s in stats]).amax(dim=0),
+        p_one_count=sum(s.p_one_count for s in stats),
+        stabilized_rows=sum(s.stabilized_rows for s in stats),
+        p_zeroed=sum(s.p_zeroed for s in stats),
+        rows=stats[0].rows,
+    )
+    return Forward(o=cast(o32, config.o_dtype, config.rounding, generator), lse=lse, stats=total)

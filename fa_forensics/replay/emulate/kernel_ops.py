@@ -1,0 +1,67 @@
+"""The arithmetic of hardware flash-attention kernels that differs from the emulator's default reading.
+
+- `exp2_block`: P̄ and the rescale factor from raw scores S = q kᵀ in the base-2 forms of ReplayConfig.exp_form
+  (FlashAttention-2's softmax.h: the row max is taken on raw S, c = α·log2 e folds the softmax scale into the
+  exponent's argument);
+- `lane_row_sums` / `reduce_lanes`: FlashAttention-2's row sum ℓ, kept as four per-thread fp32 partials in the
+  MMA accumulator's register layout and all-reduced once in the epilogue;
+- `reciprocal`: the epilogue's 1/ℓ (1 where ℓ is 0 or NaN, as the kernels guard it).
+
+All values are fp32 tensors; every named operation rounds once to fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fa_forensics.numerics import exp2_fp32, fma_fp32
+from fa_forensics.replay.config import ExpForm
+
+LANES = 4  # threads of an MMA quad that share one accumulator row
+_PAIR = 2  # adjacent columns a thread holds in each 8-column MMA tile
+
+
+def scale_log2(scale: float) -> torch.Tensor:
+    """c = fp32(α · log2 e), formed in double on the host as FlashAttention-2 sets `scale_softmax_log2`."""
+    alpha = float(torch.tensor(scale, dtype=torch.float32))
+    return torch.tensor(alpha * math.log2(math.e), dtype=torch.float64).float()
+
+
+def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor,
+               form: ExpForm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rescale (B, H, R, 1), P̄ (B, H, R, N)) for raw scores S (−inf = masked), the previous and new running
+    maxima of raw S (m_use: 0 where nothing is visible yet). rescale = exp2(fp32(fp32(m_prev − m_use)·c));
+    P̄ = exp2(fma(S, c, −fp32(m_use·c))) (exp2-fma) or exp2(fp32(fp32(S·c) − fp32(m_use·c))) (exp2-mul)."""
+    max_scaled = (m_use * c).unsqueeze(-1)  # fp32 product
+    if form is ExpForm.EXP2_FMA:
+        x = fma_fp32(S, c, -max_scaled)
+    else:
+        x = (S * c) - max_scaled  # two fp32 roundings
+    alpha = exp2_fp32((m_prev - m_use) * c).unsqueeze(-1)
+    return alpha, exp2_fp32(x)
+
+
+def lane_row_sums(p: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """Add one block's P̄ (B, H, R, N) into the per-thread partials (B, H, R, 4): thread q takes the block's
+    columns 8t + 2q and 8t + 2q + 1 for t = 0, 1, ... in that order, one fp32 addition each."""
+    *lead, n = p.shape
+    pad = (-n) % (LANES * _PAIR)
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    tiles = p.reshape(*lead, -1, LANES, _PAIR).movedim(-2, -3).reshape(*lead, LANES, -1)  # (..., 4, columns in order)
+    out = partials.clone()
+    for i in range(tiles.shape[-1]):
+        out = out + tiles[..., i]
+    return out
+
+
+def reduce_lanes(partials: torch.Tensor) -> torch.Tensor:
+    """The quad all-reduce (shuffle-xor 2, then 1) of the partials (..., 4): (ℓ₀ + ℓ₂) + (ℓ₁ + ℓ₃)."""
+    return (partials[..., 0] + partials[..., 2]) + (partials[..., 1] + partials[..., 3])
+
+
+def reciprocal(l: torch.Tensor) -> torch.Tensor:
+    """fp32(1 / ℓ), and 1 where ℓ is 0 or NaN (the kernels' guard: such a row's accumulator is 0)."""
+    inv = (1.0 / l.double()).float()
+    return torch.where((l == 0) | torch.isnan(l), torch.ones_like(inv), inv)
