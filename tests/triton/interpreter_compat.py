@@ -7,7 +7,9 @@ The interpreter runs kernels with numpy and has known numeric bugs (issue 4 of t
 - bf16 elementwise arithmetic also works on bit patterns (the kernels avoid it: elementwise
   math is fp32 everywhere);
 - fp32 tl.dot is numpy's matmul (BLAS order, not the sequential walk of an ieee dot);
-- tl.exp2 / tl.log are numpy's, whose last bits differ from torch's (the emulator's libm).
+- tl.exp2 / tl.log are numpy's, whose last bits differ from torch's (the emulator's libm); torch's own
+  fp32 exp2 rounds some arguments differently in its vectorized body and its scalar tail, so
+  even torch's result depends on where an element sits in its tensor.
 
 `install()` replaces three methods of the interpreter's builder:
 - casts between fp32/fp64 and bf16 / fp16 / fp8 go through torch (round to nearest-even; fp8
@@ -15,9 +17,10 @@ The interpreter runs kernels with numpy and has known numeric bugs (issue 4 of t
 - tl.dot decodes its operands to their exact values and runs the `ieee` accumulation model of
   fa_forensics.numerics.matmul (acc ← fp32(acc + a_k·b_k), k = 0..K-1, one rounding per term,
   starting from the C operand), i.e. the emulator's own product;
-- tl.exp2 and tl.log are evaluated by torch.exp2 / torch.log.
+- tl.exp2 is `numerics.exp2_fp32` (fp64 2ˣ rounded once to fp32: the same bits at any position in
+  any tile) and tl.log is torch.log.
 The emulator evaluates exp(x) with numerics.exp_fp32 (correctly rounded), the kernels as
-exp2(x·log2 e); `align_emulator_exp(monkeypatch)` makes the emulator use exp(x) := exp2(fp32(x·log2 e)),
+exp2(x·log2 e); `align_emulator_exp(monkeypatch)` makes the emulator use exp(x) := exp2_fp32(fp32(x·log2 e)),
 so that a test can demand bit-exact agreement of everything downstream of the exponential.
 With it an interpreter run computes what the kernel's source says, in the emulator's order, so
 interpreter-vs-emulator tests check the kernels' logic bit for bit. It changes nothing outside
@@ -103,6 +106,12 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return TensorHandle(out.numpy().astype(np.float32), d.dtype.scalar)
 
 
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    from fa_forensics.numerics import exp2_fp32
+
+    return exp2_fp32(x).to(x.dtype)
+
+
 def _unary_torch(fn):
     """An interpreter unary op evaluated by torch (so kernels and emulator share one libm)."""
     def op(self, arg):
@@ -121,7 +130,7 @@ def install() -> None:
     if _ORIGINAL:
         return
     patches = (("cast_impl", _cast_impl), ("create_fp_to_fp", _fp_to_fp), ("create_dot", _dot),
-               ("create_exp2", _unary_torch(torch.exp2)), ("create_log", _unary_torch(torch.log)))
+               ("create_exp2", _unary_torch(_exp2)), ("create_log", _unary_torch(torch.log)))
     for name, fn in patches:
         _ORIGINAL[name] = getattr(InterpreterBuilder, name)
         setattr(InterpreterBuilder, name, fn)
@@ -141,8 +150,11 @@ LOG2E = 1.4426950408889634
 
 
 def aligned_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) evaluated as the kernels do: exp2(fp32(x · log2 e)) (fp32 in, fp32 out)."""
-    return torch.exp2(x * torch.tensor(LOG2E, dtype=x.dtype))
+    """exp(x) evaluated as the kernels do: exp2(fp32(x · log2 e)) (fp32 in, fp32 out), 2ˣ rounded once
+    (`numerics.exp2_fp32`, the interpreter's tl.exp2 here)."""
+    from fa_forensics.numerics import exp2_fp32
+
+    return exp2_fp32(x * torch.tensor(LOG2E, dtype=x.dtype))
 
 
 def align_emulator_exp(monkeypatch) -> None:
