@@ -119,3 +119,27 @@ def test_without_a_dO_there_are_no_gradients():
     q, k, v, _ = _inputs()
     out = replay(q, k, v, ReplayConfig.preset("bf16"), backend="triton")
     assert out.dq is None and out.delta is None and out.o.dtype == torch.bfloat16 and out.lse.shape == (B, H, T)
+
+
+TENSOR_CORE_KNOBS = [
+    ("bf16-hw", "bf16-hw", {}),
+    ("ds-bf16", "bf16", {"ds_dtype": "bf16"}),
+    ("fp16-ds-fp16", "bf16", {"input_dtype": "fp16", "p_dtype": "fp16", "pv_dtype": "fp16", "o_dtype": "fp16",
+                              "ds_dtype": "fp16"}),
+    ("fp8-p-multiply", "fp8-s256", {"input_dtype": "bf16", "p_scale_mode": "multiply", "block_m": 32, "block_n": 32}),
+]
+
+
+@pytest.mark.parametrize("name,preset,changes", TENSOR_CORE_KNOBS, ids=[k[0] for k in TENSOR_CORE_KNOBS])
+def test_tensor_core_dots_bit_exact_with_aligned_exp(aligned, monkeypatch, name, preset, changes):
+    """Dots of bf16 / fp16 / fp8 operands in the tensor-core model (as a GPU's MMA runs them), fp32 dots
+    ieee: every output of the kernels equals the emulator's under accumulation=tensor-core, bit for bit
+    (fp8's group F is 32 on the H100, so its blocks are 32)."""
+    interpreter_compat.use_tensor_cores(monkeypatch, "h100")
+    cfg = ReplayConfig.preset(preset).with_(**({"block_m": 16, "block_n": 16, "accumulation": "tensor-core"} | changes))
+    inputs = _inputs()
+    tri, emu = _both(cfg, inputs)
+    for f in FIELDS:
+        assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f"{name}: {f} differs"
+    ieee = replay(*inputs[:3], cfg.with_(accumulation="ieee"), inputs[3], backend="emulate")
+    assert not torch.equal(ieee.dv, tri.dv), "the two accumulation models should differ on these inputs"
