@@ -130,17 +130,20 @@ def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str) -> torch
     return exp_fp32(x)
 
 
-def _blocks(n: int, size: int, descending: bool) -> list[tuple[int, int]]:
-    blocks = [(i0, min(i0 + size, n)) for i0 in range(0, n, size)]
+def _blocks(start: int, stop: int, size: int, descending: bool) -> list[tuple[int, int]]:
+    """[i0, i1) of the tiles of `size` (aligned at multiples of size) that cover [start, stop), in order."""
+    blocks = [(max(i0, start), min(i0 + size, stop)) for i0 in range(start // size * size, stop, size)]
     return blocks[::-1] if descending else blocks
 
 
 def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, config: ReplayConfig, *, causal: bool, scale: float,
-                    mask: Optional[torch.Tensor] = None):
+                    mask: Optional[torch.Tensor] = None, row0: int = 0):
     """The backward of config.backward_kernel; q, k, v, do, o (B, H, T|N, D) fp32 holding input-dtype values,
     o the forward's stored O, lse (B, H, T) its lse. Returns (δ, dQ, dK, dV), the gradients as fp32 tensors
-    holding input-dtype values (what the kernel writes)."""
+    holding input-dtype values (what the kernel writes).
+    row0: the query rows are rows row0 .. row0 + T − 1 of the attention (the causal mask and the tiles are
+    placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows."""
     if mask is not None:
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
                           "attn_mask; use backward_kernel=reference")
@@ -152,12 +155,13 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     delta = row_delta(do, o, model.delta_threads(D), model.butterfly_descending)  # (B, H, T)
     dq = torch.zeros(q.shape)
     dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)  # (B, H, N, D) fp32 accumulators
-    for i0, i1 in _blocks(T, bm, model.query_blocks_descending):
+    for a0, a1 in _blocks(row0, row0 + T, bm, model.query_blocks_descending):  # absolute rows of one tile
+        i0, i1 = a0 - row0, a1 - row0
         rows = slice(i0, i1)
         S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt)  # (B, H, R, N)
         P = _probs(S, lse[..., rows], scale, model.exp_form)
         if causal:
-            hidden = torch.arange(N).unsqueeze(0) > torch.arange(i0, i1).unsqueeze(-1)  # (R, N)
+            hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
             P = P.masked_fill(hidden, 0.0)
         P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)  # rows that see no key
         dP = mm(do[..., rows, :], v.transpose(-1, -2), acc_model, gpu, fmt)  # (B, H, R, N)
@@ -168,8 +172,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         dv = mm(p_bar.transpose(-1, -2), do[..., rows, :], acc_model, gpu, fmt, acc=dv)
         dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, fmt, acc=dk)
         dq_r = torch.zeros(B, H, i1 - i0, D)
-        for j0, j1 in _blocks(N, bn, model.dq_keys_descending):
-            if causal and j0 >= i1:
+        for j0, j1 in _blocks(0, N, bn, model.dq_keys_descending):
+            if causal and j0 >= a1:
                 continue  # a tile the mask hides entirely: the kernels skip it
             if model.dq_chained:
                 dq_r = mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, acc=dq_r)
