@@ -95,7 +95,7 @@ class GPUModel(str, enum.Enum):
 
 
 class BackwardKernel(str, enum.Enum):
-    """Which kernel's backward the emulator models (replay/emulate/backward_kernels.py has each model and its source)."""
+    """Which kernel's backward the emulator models (each model and its source: replay/emulate/backward_kernels.py)."""
 
     REFERENCE = "reference"  # the emulator's FA2 contract (replay/emulate/backward.py): every knob above applies
     FLASH_ATTENTION_2 = "flash-attention-2"  # Dao-AILab FlashAttention-2 (SDPA's FLASH_ATTENTION backend), sm80 code

@@ -80,7 +80,8 @@ def _dkdv(kernel: str):
     q, k, v, do = g("q"), g("k"), g("v"), g("do")
     _, _, dk, dv = kernel_backward(q[..., r0:, :], k, v, do[..., r0:, :], o, lse, _config(kernel, torch.bfloat16),
                                    causal=True, scale=layout["scale"], row0=r0)
-    return (_share(dk[..., k0:k1, :], extra[f"gpt2.{kernel}.dk"]), _share(dv[..., k0:k1, :], extra[f"gpt2.{kernel}.dv"]))
+    return (_share(dk[..., k0:k1, :], extra[f"gpt2.{kernel}.dk"]),
+            _share(dv[..., k0:k1, :], extra[f"gpt2.{kernel}.dv"]))
 
 
 DKDV_FLOORS = {"cudnn": (1.0, 1.0), "efficient": (1.0, 1.0), "flash": (1.0, 1.0)}
