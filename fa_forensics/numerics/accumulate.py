@@ -122,8 +122,12 @@ def normalize_accumulation(accumulation) -> str:
     return name
 
 
-def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16") -> Optional[TensorCoreParams]:
-    """(F, neab) of the tensor-core model for (gpu, input format); None for fp32 inputs (ieee fallback)."""
+def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16",
+                       mma_k: Optional[int] = None) -> Optional[TensorCoreParams]:
+    """(F, neab) of the tensor-core model for (gpu, input format); None for fp32 inputs (ieee fallback).
+
+    mma_k: the K of the MMA instruction a kernel issues, where it is smaller than the tensor core's F (an
+    m16n8k8 MMA sums 8 products into the accumulator per instruction): the groups are then mma_k long."""
     fmt = get_format(in_format).name
     if fmt == "fp32":
         return None
@@ -132,6 +136,10 @@ def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16") -> Optional[T
         known = ", ".join(f"{g}/{f}" for g, f in _TC_PARAMS)
         raise ConfigError(f"no tensor-core model for gpu={key[0]} with {fmt} inputs; known: {known}")
     F, neab = _TC_PARAMS[key]
+    if mma_k is not None:
+        if mma_k < 1:
+            raise ConfigError(f"mma_k={mma_k} must be a positive instruction K")
+        F = min(F, mma_k)
     return TensorCoreParams(key[0], fmt, F, neab)
 
 
@@ -269,6 +277,7 @@ def matmul(
     engine: Optional[str] = None,
     band: Optional[Band] = None,
     assume_finite: bool = False,
+    mma_k: Optional[int] = None,
 ) -> torch.Tensor:
     """a (..., M, K) @ b (..., K, N) under an accumulation model; returns fp32 (..., M, N).
 
@@ -280,6 +289,7 @@ def matmul(
     band: the product's causal structure (`Band`): zero terms skipped, unwanted outputs 0.
     assume_finite: the caller vouches that a and b are finite fp32 numbers, so the compiled
     kernels skip their check (which routes other values to the torch kernels); acc is checked.
+    mma_k: the kernel's MMA instruction K where smaller than the tensor core's group (`tensor_core_params`).
     """
     model = normalize_accumulation(accumulation)
     engine = DEFAULT_ENGINE if engine is None else engine
@@ -289,7 +299,7 @@ def matmul(
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
+    params = tensor_core_params(gpu, in_format, mma_k) if model == "tensor-core" else None
     L = 1
     for d in lead:
         L *= d

@@ -63,3 +63,17 @@ def test_a_product_is_aligned_by_its_factors_exponents():
     for engine in ("auto", "torch"):
         out = matmul(a, b, accumulation="tensor-core", gpu="h100", in_format="bf16", engine=engine)
         assert out.item() == 2.25 + 2.0**-22, engine
+
+
+def test_an_instruction_k_shorter_than_the_group_cuts_the_groups():
+    """mma_k = 8 on the H100 (an m16n8k8 MMA): groups of 8 with the H100's alignment width; it is the A100's
+    grouping with two more kept bits, and it changes the bits of a 16-term sum."""
+    from fa_forensics.numerics.accumulate import tensor_core_params
+
+    assert (tensor_core_params("h100", "bf16", mma_k=8).F, tensor_core_params("h100", "bf16", mma_k=8).neab) == (8, 2)
+    assert tensor_core_params("h100", "fp8_e4m3", mma_k=64).F == 32
+    a, b, c, _ = _case("H100", "bf16")
+    k16 = _model(a, b, c, "H100", "bf16")
+    k8 = _model(a, b, c, "H100", "bf16", mma_k=8)
+    k8_torch = _model(a, b, c, "H100", "bf16", mma_k=8, engine="torch")
+    assert torch.equal(k8.view(torch.int32), k8_torch.view(torch.int32)) and not torch.equal(k8, k16)

@@ -22,16 +22,19 @@ flash_bwd_preprocess_kernel.h, flash_bwd_launch_template.h; the sm80 kernels SDP
   dQ: each (query block, key block) tile's dS Kⱼ is formed from zero and atomically added to an fp32 dQ
     buffer (the seqk-parallel kernel); then dQ ← fp32(dQ · α) (convert_dQ). The order of the atomic adds is
     the hardware's: modelled as ascending key blocks. It is not deterministic (see docs/gpu-backward.md).
-sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_backward.h,
-  the xformers kernel):
-  δ (computeDelta): 2 threads per row (kNumThreads / kBlockSizeI), thread t holding columns [8t + 16c, +8);
-    each sums in order, then a butterfly with xor offset 1.
+sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_backward.h and
+  gemm_kernel_utils.h, the xformers kernel):
+  MMA: `DefaultGemmType` for 16-bit inputs on sm75+ issues mma.sync m16n8k8, so each instruction sums 8 products
+    into the accumulator: the tensor-core model's groups are 8 long (mma_k = 8) with the GPU's alignment width.
+  tiles (kBlockSizeI × kBlockSizeJ) 64 × 64 for head dim ≤ 64, 64 × 128 above (kNumThreads = I·J/32).
+  δ (computeDelta): kNumThreads / kBlockSizeI threads per row (2, or 4 above head dim 64), thread t holding
+    columns [8t + 8n·c, +8); each sums in order, then an xor butterfly with offsets 1, 2, ...
   P = exp(fp32(fp32(S · α) − lse)) (the scale multiplies the accumulator, the epilogue subtracts the lse
     and exponentiates), stored to shared memory in the input dtype: P̄ = cast(P) is what dS reads.
   dS = cast(fp32(fp32(fp32(dP − δ) · P̄) · α)): the scale is folded into dS, so dQ and dK are not scaled.
   dK, dV: accumulators continued over the query blocks in ascending order.
-  dQ: one fp32 accumulator per query block continued over the key blocks of 64; measured on the H200:
-    descending key blocks reproduce the recorded bits best (ascending: 0.03-0.04 % fewer).
+  dQ: one fp32 accumulator per query block continued over the key blocks (kBlockSizeJ); measured on the
+    H200: descending key blocks reproduce the recorded bits (ascending: about 0.1 % fewer).
 sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below is the one that reproduces
   the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-backward.md):
   δ: as flash-attention-2's. P = exp2(fp32(fp32(fp32(S · α) − lse) · log2 e)).
@@ -72,6 +75,7 @@ class KernelModel:
     query_blocks_descending: bool  # the dK / dV accumulators walk the query blocks last to first
     dq_chained: bool  # dQ: one accumulator continued over the key blocks (else per-tile partials added in fp32)
     dq_keys_descending: bool  # the key-block order of the dQ sum
+    mma_k: Optional[int] = None  # the MMA instruction's K where smaller than the tensor core's group
 
 
 def _fa2_tiles(d: int) -> tuple[int, int]:
@@ -84,9 +88,9 @@ MODELS = {
         exp_form="exp2-folded", scale_in_ds=False, ds_reads_p_bar=False, query_blocks_descending=True,
         dq_chained=False, dq_keys_descending=False),
     BackwardKernel.SDPA_EFFICIENT: KernelModel(
-        tiles=lambda d: (64, 64), delta_threads=lambda d: 2, butterfly_descending=False,
-        exp_form="exp", scale_in_ds=True, ds_reads_p_bar=True, query_blocks_descending=False,
-        dq_chained=True, dq_keys_descending=True),
+        tiles=lambda d: (64, 64) if d <= 64 else (64, 128), delta_threads=lambda d: 2 if d <= 64 else 4,
+        butterfly_descending=False, exp_form="exp", scale_in_ds=True, ds_reads_p_bar=True,
+        query_blocks_descending=False, dq_chained=True, dq_keys_descending=True, mma_k=8),
     BackwardKernel.SDPA_CUDNN: KernelModel(
         tiles=lambda d: (128, 128), delta_threads=lambda d: 8 if d % 64 == 0 else 4, butterfly_descending=True,
         exp_form="exp2-natural", scale_in_ds=True, ds_reads_p_bar=False, query_blocks_descending=False,
@@ -148,7 +152,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
                           "attn_mask; use backward_kernel=reference")
     model = MODELS[config.backward_kernel]
-    fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
+    fmt, acc_model, gpu, mma_k = config.input_dtype, config.accumulation, config.gpu, model.mma_k
     (B, H, T, D), N = q.shape, k.shape[-2]
     bm, bn = model.tiles(D)
     alpha = torch.tensor(scale, dtype=torch.float32)
@@ -158,27 +162,27 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     for a0, a1 in _blocks(row0, row0 + T, bm, model.query_blocks_descending):  # absolute rows of one tile
         i0, i1 = a0 - row0, a1 - row0
         rows = slice(i0, i1)
-        S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt)  # (B, H, R, N)
+        S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
         P = _probs(S, lse[..., rows], scale, model.exp_form)
         if causal:
             hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
             P = P.masked_fill(hidden, 0.0)
         P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)  # rows that see no key
-        dP = mm(do[..., rows, :], v.transpose(-1, -2), acc_model, gpu, fmt)  # (B, H, R, N)
+        dP = mm(do[..., rows, :], v.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
         p_bar = cast(P, fmt)
         diff = dP - delta[..., rows].unsqueeze(-1)
         ds = diff * p_bar if model.ds_reads_p_bar else P * diff
         dS = cast(ds * alpha if model.scale_in_ds else ds, fmt)  # (B, H, R, N)
-        dv = mm(p_bar.transpose(-1, -2), do[..., rows, :], acc_model, gpu, fmt, acc=dv)
-        dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, fmt, acc=dk)
+        dv = mm(p_bar.transpose(-1, -2), do[..., rows, :], acc_model, gpu, fmt, acc=dv, mma_k=mma_k)
+        dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, fmt, acc=dk, mma_k=mma_k)
         dq_r = torch.zeros(B, H, i1 - i0, D)
         for j0, j1 in _blocks(0, N, bn, model.dq_keys_descending):
             if causal and j0 >= a1:
                 continue  # a tile the mask hides entirely: the kernels skip it
             if model.dq_chained:
-                dq_r = mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, acc=dq_r)
+                dq_r = mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, acc=dq_r, mma_k=mma_k)
             else:
-                dq_r = dq_r + mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt)
+                dq_r = dq_r + mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, mma_k=mma_k)
         dq[..., rows, :] = dq_r
     if not model.scale_in_ds:
         dq, dk = dq * alpha, dk * alpha
