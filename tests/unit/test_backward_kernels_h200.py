@@ -158,3 +158,33 @@ def test_row_delta_reduction_orders():
     for x in (seq, desc, asc):
         assert ((x.double() - exact).abs() <= 64 * 2**-23 * (do.double() * o.double()).abs().sum(-1)).all()
     assert not torch.equal(desc, asc) and not torch.equal(desc, seq)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS.values()))
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gradients_are_attentions_gradients(kernel, causal):
+    """Whatever their rounding, the models compute attention's gradients: within bf16 noise of fp64 autograd
+    (causal or not, T not a multiple of any tile)."""
+    q, k, v, do = (x.to(torch.bfloat16).float() for x in _small_inputs(T=80, D=32))
+    scale = 32 ** -0.5
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(80, 80, dtype=torch.bool).triu(1), float("-inf"))
+    o64 = torch.softmax(s, dim=-1) @ v64
+    o64.backward(do.double())
+    lse = torch.logsumexp(s.detach(), dim=-1).float()
+    o = o64.detach().to(torch.bfloat16).float()
+    cfg = ReplayConfig.preset("bf16-hw").with_(backward_kernel=kernel)
+    _, dq, dk, dv = kernel_backward(q, k, v, do, o, lse, cfg, causal=causal, scale=scale)
+    for got, want in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_only_16_bit_inputs_are_modelled():
+    from fa_forensics.errors import UserError
+
+    q, k, v, do = _small_inputs(T=16)
+    cfg = ReplayConfig.preset("fp32").with_(backward_kernel="sdpa-cudnn")
+    with pytest.raises(UserError, match="bf16 or fp16 inputs"):
+        kernel_backward(q, k, v, do, q, torch.zeros(1, 2, 16), cfg, causal=True, scale=0.25)

@@ -56,7 +56,7 @@ import torch
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp2_fp32, exp_fp32
-from fa_forensics.replay.config import BackwardKernel, ReplayConfig
+from fa_forensics.replay.config import BackwardKernel, Precision, ReplayConfig
 from fa_forensics.replay.emulate.ops import cast, mm
 
 _LOG2E = torch.tensor(1.4426950408889634, dtype=torch.float32)  # M_LOG2E as an fp32 constant
@@ -151,6 +151,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     if mask is not None:
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
                           "attn_mask; use backward_kernel=reference")
+    if config.input_dtype not in (Precision.BF16, Precision.FP16):
+        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
+                          f"fp16 inputs, not input_dtype={config.input_dtype.value}")
     model = MODELS[config.backward_kernel]
     fmt, acc_model, gpu, mma_k = config.input_dtype, config.accumulation, config.gpu, model.mma_k
     (B, H, T, D), N = q.shape, k.shape[-2]
