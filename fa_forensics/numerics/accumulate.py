@@ -12,11 +12,16 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
   (53 ≥ 24 + 2 bits). Anything else (fp64 values outside fp32) takes the fp64 reference step.
 - `tensor-core`: the model of Khattak & Mikaitis, "Accurate Models of NVIDIA Tensor Cores"
   (arXiv 2512.07004). K is walked in groups of F. In each group the F exact products and the
-  running accumulator are aligned to the largest exponent e_max among them (exponent =
-  floor(log2|term|)), keeping 24 + neab significand bits, i.e. bits of weight ≥
-  2^(e_max − 23 − neab); bits shifted out are truncated (toward zero, no sticky bit); the
-  aligned integers are summed exactly; the sum is normalized and rounded toward zero to fp32,
-  which becomes the accumulator of the next group. fp32 inputs fall back to `ieee`.
+  running accumulator are aligned to the largest exponent e_max among them, keeping 24 + neab
+  significand bits, i.e. bits of weight ≥ 2^(e_max − 23 − neab); bits shifted out are truncated
+  (toward zero, no sticky bit); the aligned integers are summed exactly; the sum is normalized
+  and rounded toward zero to fp32, which becomes the accumulator of the next group. The exponent
+  of a product a·b is the sum of its factors' exponents, floor(log2|a|) + floor(log2|b|), as the
+  hardware forms it before normalizing (the significand product in [1, 4) is not renormalized:
+  the authors' models, `denorm_prd`), which is one less than floor(log2|a·b|) when the
+  significands multiply to 2 or more; the accumulator's is floor(log2|acc|). With that rule the
+  model reproduces every published instruction-level output of bf16 and fp16 MMAs on the A100,
+  H100 and H200 (docs/gpu-backward.md). fp32 inputs fall back to `ieee`.
 
 Engines: where every operand and the starting accumulator are finite fp32 numbers (what the
 emulator always passes) the compiled kernels of `accumulate_jit` run (numba: one hardware fma
@@ -117,8 +122,12 @@ def normalize_accumulation(accumulation) -> str:
     return name
 
 
-def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16") -> Optional[TensorCoreParams]:
-    """(F, neab) of the tensor-core model for (gpu, input format); None for fp32 inputs (ieee fallback)."""
+def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16",
+                       mma_k: Optional[int] = None) -> Optional[TensorCoreParams]:
+    """(F, neab) of the tensor-core model for (gpu, input format); None for fp32 inputs (ieee fallback).
+
+    mma_k: the K of the MMA instruction a kernel issues, where it is smaller than the tensor core's F (an
+    m16n8k8 MMA sums 8 products into the accumulator per instruction): the groups are then mma_k long."""
     fmt = get_format(in_format).name
     if fmt == "fp32":
         return None
@@ -127,6 +136,10 @@ def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16") -> Optional[T
         known = ", ".join(f"{g}/{f}" for g, f in _TC_PARAMS)
         raise ConfigError(f"no tensor-core model for gpu={key[0]} with {fmt} inputs; known: {known}")
     F, neab = _TC_PARAMS[key]
+    if mma_k is not None:
+        if mma_k < 1:
+            raise ConfigError(f"mma_k={mma_k} must be a positive instruction K")
+        F = min(F, mma_k)
     return TensorCoreParams(key[0], fmt, F, neab)
 
 
@@ -139,24 +152,35 @@ def ieee_fma_step(acc: torch.Tensor, prod: torch.Tensor) -> torch.Tensor:
     return sum_round_to_odd(acc, prod).to(torch.float32).to(torch.float64)
 
 
-def tensor_core_group(acc: torch.Tensor, prods: torch.Tensor, neab: int) -> torch.Tensor:
+_EXPONENT_BITS = -(1 << 52)  # fp64 sign and exponent bits: x & this = ±2^floor(log2|x|) (0 for 0)
+
+
+def lead_pow2(x: torch.Tensor) -> torch.Tensor:
+    """±2^floor(log2|x|) elementwise (0 for 0) as fp64; every fp32 value, subnormals included, is a
+    normal fp64 number, so clearing the fraction bits gives its exponent exactly."""
+    return (x.to(torch.float64).view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+
+
+def tensor_core_group(acc: torch.Tensor, prods: torch.Tensor, neab: int, leads: torch.Tensor) -> torch.Tensor:
     """One group of the tensor-core model.
 
     acc (...) the fp32 accumulator (any float dtype holding fp32 values); prods (F, ...) the
-    group's exact products, stacked in dim 0 (fp32 or fp64, exact; overwritten in place).
-    Returns the new accumulator (...) as fp64 holding an fp32 value.
+    group's exact products, stacked in dim 0 (fp32 or fp64, exact; overwritten in place); leads
+    (F, ...) the products of the factors' `lead_pow2` (2^(e_a + e_b): the exponents e_max is
+    taken from). Returns the new accumulator (...) as fp64 holding an fp32 value.
     """
     acc = acc.to(torch.float64)
-    top = torch.maximum(prods.amax(dim=0).abs(), prods.amin(dim=0).abs()).to(torch.float64)
-    top = torch.maximum(top, acc.abs())  # (...) the largest |term|
+    top = leads.abs().amax(dim=0).to(torch.float64)
+    top = torch.maximum(top, acc.abs())  # (...) the largest aligned exponent, as a power of two or |acc|
     e_max = ((top.view(torch.int64) >> 52) & 2047) - 1023  # floor(log2 top); zeros give -1023
     q_exp = e_max.clamp(min=-900) - (23 + neab)  # weight of the last kept bit: 2^q_exp
     scale = ((1023 - q_exp) << 52).view(torch.float64)  # 2^-q_exp, built from its bit pattern
     # exact power-of-two scaling, then truncation of the shifted-out bits (toward zero, no sticky):
-    # float -> int conversion truncates toward zero; the sum of F integers < 2^(24 + neab) fits int32
+    # float -> int conversion truncates toward zero; |product| < 4·2^e_max, so each aligned term is
+    # below 2^(25 + neab) and the sum of F + 1 of them is summed in int64
     if prods.dtype == torch.float32:  # products >= 2^-80 when nonzero: a clamped scale only meets zeros
         aligned = prods.mul_(scale.clamp(max=2.0**126).to(torch.float32)).to(torch.int32)
-        total = aligned.sum(dim=0, dtype=torch.int32).to(torch.float64)
+        total = aligned.sum(dim=0, dtype=torch.int64).to(torch.float64)
     else:
         total = prods.mul_(scale).to(torch.int64).sum(dim=0).to(torch.float64)
     total = total + torch.trunc(acc * scale)  # the accumulator, aligned the same way; exact in fp64
@@ -214,11 +238,14 @@ def _ieee_fp32_leads(a3: torch.Tensor, b3: torch.Tensor) -> list[bool]:
 
 def _tensor_core_fast_ok(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor) -> bool:
     """The fp32 tensor-core kernel's global conditions: products exact in fp32 wherever they
-    are normal, nothing near overflow (|a|·|b| and |acc| at most 2^100). Terms below 2^-100 are
-    handled per tile (`no_tiny_terms`, or the kernel's own check)."""
+    are normal, nothing near overflow (|a|·|b| and |acc| at most 2^100), operands normal fp32
+    numbers (their exponents read from their bit patterns). Terms below 2^-100 are handled per
+    tile (`no_tiny_terms`, or the kernel's own check)."""
     ok_a, top_a = _fp32_profile(a)
     ok_b, top_b = _fp32_profile(b)
     if not (ok_a and ok_b) or top_a * top_b > 2.0**100:
+        return False
+    if min(float(min_nonzero_abs(x, tuple(range(x.dim()))).min()) if x.numel() else 1.0 for x in (a, b)) < 2.0**-126:
         return False
     acc_max = float(acc.abs().max()) if acc.numel() else 0.0
     return acc_max <= 2.0**100  # False for inf / NaN too
@@ -250,6 +277,7 @@ def matmul(
     engine: Optional[str] = None,
     band: Optional[Band] = None,
     assume_finite: bool = False,
+    mma_k: Optional[int] = None,
 ) -> torch.Tensor:
     """a (..., M, K) @ b (..., K, N) under an accumulation model; returns fp32 (..., M, N).
 
@@ -261,6 +289,7 @@ def matmul(
     band: the product's causal structure (`Band`): zero terms skipped, unwanted outputs 0.
     assume_finite: the caller vouches that a and b are finite fp32 numbers, so the compiled
     kernels skip their check (which routes other values to the torch kernels); acc is checked.
+    mma_k: the kernel's MMA instruction K where smaller than the tensor core's group (`tensor_core_params`).
     """
     model = normalize_accumulation(accumulation)
     engine = DEFAULT_ENGINE if engine is None else engine
@@ -270,7 +299,7 @@ def matmul(
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
+    params = tensor_core_params(gpu, in_format, mma_k) if model == "tensor-core" else None
     L = 1
     for d in lead:
         L *= d
@@ -474,9 +503,11 @@ def _tensor_core_tile_fp64(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
     at, b = at.to(torch.float64), b.to(torch.float64)
     out = acc.to(torch.float64)
     K, F = at.shape[1], params.F
+    lead_a, lead_b = lead_pow2(at), lead_pow2(b)
     for k0 in range(0, K, F):
         prods = at[:, k0 : k0 + F, :, None] * b[:, k0 : k0 + F, None, :]  # (Lt, n, m, N) exact in fp64
-        out = tensor_core_group(out, prods.transpose(0, 1), params.neab)  # group dim first
+        leads = lead_a[:, k0 : k0 + F, :, None] * lead_b[:, k0 : k0 + F, None, :]
+        out = tensor_core_group(out, prods.transpose(0, 1), params.neab, leads.transpose(0, 1))  # group dim first
     return out.to(torch.float32)
 
 
@@ -497,6 +528,7 @@ def dot_trace(
     if p.dim() != 1 or p.shape != v.shape:
         raise ConfigError(f"dot_trace needs two vectors of one length K; got {tuple(p.shape)} and {tuple(v.shape)}")
     prods = p.to(torch.float64) * v.to(torch.float64)  # (K,) exact
+    leads = lead_pow2(p) * lead_pow2(v)
     K = prods.shape[0]
     trace = torch.empty(K, dtype=torch.float64)
     params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
@@ -507,6 +539,6 @@ def dot_trace(
             trace[k] = acc
     else:
         for k0 in range(0, K, params.F):
-            acc = tensor_core_group(acc, prods[k0 : k0 + params.F].clone(), params.neab)
+            acc = tensor_core_group(acc, prods[k0 : k0 + params.F].clone(), params.neab, leads[k0 : k0 + params.F])
             trace[k0 : k0 + params.F] = acc
     return trace.to(torch.float32)

@@ -155,11 +155,21 @@ def ieee_matmul(a, b, out, zero, k_lo, k_hi, n_hi):
                         row[j] = _ieee_chain(a[l, i], b[l], j, row[j], k1, K)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _lead(x):
+    """2^floor(log2|x|) (0 for 0): the exponent a factor brings to a product's alignment."""
+    if x == 0.0:
+        return 0.0
+    _, e = math.frexp(x)
+    return math.ldexp(1.0, e - 1)
+
+
 @numba.njit(nogil=True, cache=True)
 def _tensor_core_row(a_row, b, row, F, neab, g0, g1, c0, c1):
     """Columns [c0, c1) of one output row (fp32, holding the accumulator) become the tensor-core
     model over the groups from g0 (a multiple of F) to g1: a_row (K,) @ b (K, N). Columns are
-    vectorized: one pass over the group finds e_max per column, a second sums the truncated terms."""
+    vectorized: one pass over the group finds e_max per column (from the factors' exponents,
+    2^(e_a + e_b), and |acc|), a second sums the truncated terms."""
     K = a_row.shape[0]
     width = max(c1 - c0, 0)
     acc = np.empty(width, np.float64)
@@ -178,10 +188,10 @@ def _tensor_core_row(a_row, b, row, F, neab, g0, g1, c0, c1):
         for j in range(width):
             top[j] = abs(acc[j])
         for f in range(n):
-            a_f = np.float64(a_row[k0 + f])
+            lead_a = _lead(np.float64(a_row[k0 + f]))
             b_f = b[k0 + f, c0:c1]
             for j in range(width):
-                top[j] = max(top[j], abs(a_f * np.float64(b_f[j])))
+                top[j] = max(top[j], lead_a * _lead(abs(np.float64(b_f[j]))))
         for j in range(width):
             e_max = max(((top_bits[j] >> 52) & _EXP_MASK) - 1023, -900)  # floor(log2 top); zeros clamp
             scale_bits[j] = (1023 - (e_max - 23 - neab)) << 52  # 2^-q from its bit pattern

@@ -9,9 +9,11 @@ Fast tensor-core kernel (`tensor_core_tile_fp32`), valid when the products are e
 (inputs with at most 12 significant bits) and the tile never meets a nonzero term below
 2^-100 (checked per group, see `_TINY_BITS`; otherwise the caller redoes the tile in fp64).
 Per group of F products it works in fp32/int32 only:
-  e_max from the bit pattern of the largest |term|; scale 2^-q, q = e_max − 23 − neab, and
-  2^q built from bit patterns; products × scale, converted to int32 (truncation toward zero);
-  exact int32 sum (|aligned| < 2^(24+neab), so F + 1 of them fit); RZ to 24 bits by clearing
+  e_max from the bit pattern of the largest product of the factors' leading powers of two
+  (2^(e_a + e_b), the factors' fraction bits cleared: the operands are normal fp32 numbers here)
+  and of |acc|; scale 2^-q, q = e_max − 23 − neab, and 2^q built from bit patterns; products ×
+  scale, converted to int32 (truncation toward zero; |aligned| < 2^(25+neab)); exact int64 sum
+  (int64); RZ to 24 bits by clearing
   the low 29 fraction bits of the (exact) fp64 sum; × 2^q (exact, normal range).
 Why the 2^-100 floor is enough: then e_max ≥ −100, so q ≥ −125 − neab ≥ −126 (2^±q are normal
 fp32 numbers, results are normal) and a product whose exact value is below 2^-126 (inexact in
@@ -38,6 +40,7 @@ import torch
 _TINY_BITS = (127 - 100) << 23  # fp32 bit pattern of 2^-100: smallest nonzero |term| the fast kernel accepts
 _ABS_MASK = 0x7FFFFFFF
 _RZ24_MASK = ~((1 << 29) - 1)  # fp64 keeps 52 fraction bits, fp32 23: clearing the low 29 truncates to fp32
+_SIGN_EXPONENT_32 = -(1 << 23)  # fp32 sign and exponent bits: x & this = ±2^floor(log2|x|) for normal x
 
 
 def tensor_core_tile_fp32(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, F: int, neab: int, track: bool = True):
@@ -54,13 +57,17 @@ def tensor_core_tile_fp32(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, 
     ints = torch.empty(Lt, F, m, N, dtype=torch.int32)  # the same, aligned and truncated
     smallest = torch.full((Lt, m, N), _ABS_MASK, dtype=torch.int32)  # min over groups of (bits(top) - 1) mod 2^31
     acc = acc.to(torch.float32).clone()
+    lead_a = (at.view(torch.int32) & _SIGN_EXPONENT_32).view(torch.float32).abs()  # (Lt, K, m) 2^e_a
+    lead_b = (b.view(torch.int32) & _SIGN_EXPONENT_32).view(torch.float32).abs()  # (Lt, K, N) 2^e_b
+    leads = torch.empty(Lt, F, m, N, dtype=torch.float32)
     scale_c = 127 + 23 + neab + 127  # bits(2^-q) >> 23 = scale_c − E, E the biased exponent of the top
     for k0 in range(0, K, F):
         n = min(F, K - k0)
-        P, I = prods[:, :n], ints[:, :n]
+        P, I, E = prods[:, :n], ints[:, :n], leads[:, :n]
         torch.mul(at[:, k0 : k0 + n, :, None], b[:, k0 : k0 + n, None, :], out=P)  # exact products
-        top = torch.maximum(P.amax(dim=1), P.amin(dim=1).neg_())  # (Lt, m, N) largest |product|
-        top = torch.maximum(top, acc.abs(), out=top)  # largest |term|, accumulator included
+        torch.mul(lead_a[:, k0 : k0 + n, :, None], lead_b[:, k0 : k0 + n, None, :], out=E)  # 2^(e_a + e_b)
+        top = E.amax(dim=1)  # (Lt, m, N) the largest product exponent, as a power of two
+        top = torch.maximum(top, acc.abs(), out=top)  # the accumulator included
         top_bits = top.view(torch.int32)
         # zeros wrap to 2^31 − 1 (harmless); any nonzero top below 2^-100 makes `smallest` small
         if track:
@@ -68,9 +75,9 @@ def tensor_core_tile_fp32(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, 
         scale_bits = (scale_c - (top_bits >> 23)).clamp_(max=253).bitwise_left_shift_(23)  # 2^-q (2^126 for zeros)
         scale = scale_bits.view(torch.float32)  # (Lt, m, N)
         I.copy_(P.mul_(scale.unsqueeze(1)))  # float -> int truncates toward zero: no sticky bit
-        total = I.sum(dim=1, dtype=torch.int32)  # exact: (F + 1) · 2^(24 + neab) < 2^31
-        total += (acc * scale).to(torch.int32)  # the accumulator, aligned the same way
-        t64 = total.to(torch.float64)  # exact
+        total = I.sum(dim=1, dtype=torch.int64)  # exact
+        total += (acc * scale).to(torch.int64)  # the accumulator, aligned the same way
+        t64 = total.to(torch.float64)  # exact: below 2^53
         t64.view(torch.int64).bitwise_and_(_RZ24_MASK)  # round toward zero to 24 significant bits
         inv_scale = ((254 << 23) - scale_bits).view(torch.float32)  # 2^q
         acc = t64.to(torch.float32).mul_(inv_scale)  # exact: a normal fp32 number

@@ -108,7 +108,8 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
     C + A @ B over the groups of F terms starting at k_start (n_groups of them, the last one cut at
     k_end); A at a_addr (strides a_row, a_k; column k at a_addr + k·a_k), B at b_addr (rows b_k
     apart, row k at b_addr + k·b_k). Per lane and group, as `accumulate_jit.tensor_core_matmul`:
-    e_max of the products and the accumulator (in fp64), 2^-q from its bit pattern, the truncated
+    e_max of the products' factor exponents (2^(e_a + e_b)) and the accumulator (in fp64), 2^-q
+    from its bit pattern, the truncated
     scaled terms summed exactly, scaled back, rounded toward zero to fp32 (±max on overflow, the
     subnormal grid below)."""
     sig = types.void(*([types.intp] * 12))
@@ -132,6 +133,9 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
         def b_vector(k):
             return builder.fpext(builder.load(_vector_at(builder, b, builder.mul(k, b_k), v32), align=4), v64)
 
+        def lead(x):  # ±2^floor(log2|x|): the fp64 sign and exponent bits (fp32 values are normal in fp64)
+            return builder.bitcast(builder.and_(builder.bitcast(x, vi), _const(-(1 << 52), vi)), v64)
+
         def a_splat(r, k):
             a_rk = builder.load(builder.gep(a, [builder.add(_offset(builder, a_row, r), builder.mul(a_k, k))]))
             return _splat(builder, builder.fpext(a_rk, f64), v64)
@@ -143,11 +147,11 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
             for r in range(TC_ROWS):
                 builder.store(builder.call(fabs, [builder.load(accs[r])]), tops[r])
                 builder.store(_const(0.0, v64), totals[r])  # +0: an all-zero group sums to +0
-            with cgutils.for_range(builder, n) as term:  # e_max: the largest |term| per lane
+            with cgutils.for_range(builder, n) as term:  # e_max: the largest 2^(e_a + e_b) per lane
                 k = builder.add(k0, term.index)
-                b_k_vector = b_vector(k)
+                b_k_lead = lead(b_vector(k))
                 for r in range(TC_ROWS):
-                    product = builder.fmul(a_splat(r, k), b_k_vector)
+                    product = builder.fmul(lead(a_splat(r, k)), b_k_lead)
                     builder.store(builder.call(vmax, [builder.load(tops[r]), builder.call(fabs, [product])]), tops[r])
             for r in range(TC_ROWS):  # 2^-q, q = e_max − 23 − neab (e_max clamped at −900 for zeros)
                 exponent = builder.and_(builder.lshr(builder.bitcast(builder.load(tops[r]), vi), _const(52, vi)), _const(2047, vi))

@@ -123,6 +123,15 @@ class GPUModel(str, enum.Enum):
     A100 = "a100"  # bf16/fp16: F = 8, neab = 1
 
 
+class BackwardKernel(str, enum.Enum):
+    """Which kernel's backward the emulator models (each model and its source: replay/emulate/backward_kernels.py)."""
+
+    REFERENCE = "reference"  # the emulator's FA2 contract (replay/emulate/backward.py): every knob above applies
+    FLASH_ATTENTION_2 = "flash-attention-2"  # Dao-AILab FlashAttention-2 (SDPA's FLASH_ATTENTION backend), sm80 code
+    SDPA_CUDNN = "sdpa-cudnn"  # SDPA's CUDNN_ATTENTION backend (cuDNN 9 fused flash attention, sm_90)
+    SDPA_EFFICIENT = "sdpa-efficient"  # SDPA's EFFICIENT_ATTENTION backend (the xformers / CUTLASS kernel)
+
+
 _LOW_PRECISION = {Precision.BF16, Precision.FP16, Precision.FP8_E4M3, Precision.FP8_E5M2}
 
 
@@ -193,6 +202,16 @@ class ReplayConfig:
     row_sum: RowSum = RowSum.EXACT
     normalize: Normalize = Normalize.DIVIDE
     kv_splits: int = 1
+
+    # ---- backward kernel models ----------------------------------------------------------------
+    # backward_kernel: "reference" runs the contract of replay/emulate/backward.py with the backward knobs
+    # above; a named kernel runs that kernel's backward as modelled from its source (tile order, exp form,
+    # where the softmax scale and the casts sit: replay/emulate/backward_kernels.py), on the forward's O
+    # and lse, with the products in `accumulation` / `gpu`; the knobs delta, ds_dtype, dp_dtype,
+    # delta_dtype, grad_dtype and ds_alpha do not apply to it (the kernel fixes them), and it writes dQ,
+    # dK, dV in input_dtype as the kernel does.
+    backward_kernel: BackwardKernel = BackwardKernel.REFERENCE
+    # ---- end of the backward kernel models -------------------------------------------------------
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum fields (from the CLI or JSON) and normalize them.
@@ -347,6 +366,7 @@ _ENUM_FIELDS = {
     "exp_form": ExpForm,
     "row_sum": RowSum,
     "normalize": Normalize,
+    "backward_kernel": BackwardKernel,
 }
 
 _FP32 = Precision.FP32

@@ -7,17 +7,21 @@ The interpreter runs kernels with numpy and has known numeric bugs (issue 4 of t
 - bf16 elementwise arithmetic also works on bit patterns (the kernels avoid it: elementwise
   math is fp32 everywhere);
 - fp32 tl.dot is numpy's matmul (BLAS order, not the sequential walk of an ieee dot);
-- tl.exp2 / tl.log are numpy's, whose last bits differ from torch's (the emulator's libm).
+- tl.exp2 / tl.log are numpy's, whose last bits differ from torch's (the emulator's libm); torch's own
+  fp32 exp2 rounds some arguments differently in its vectorized body and its scalar tail, so
+  even torch's result depends on where an element sits in its tensor.
 
 `install()` replaces three methods of the interpreter's builder:
 - casts between fp32/fp64 and bf16 / fp16 / fp8 go through torch (round to nearest-even; fp8
   e4m3 saturates at ±448 and e5m2 at ±57344, as sm_90's `cvt.rn.satfinite` does);
 - tl.dot decodes its operands to their exact values and runs the `ieee` accumulation model of
   fa_forensics.numerics.matmul (acc ← fp32(acc + a_k·b_k), k = 0..K-1, one rounding per term,
-  starting from the C operand), i.e. the emulator's own product;
-- tl.exp2 and tl.log are evaluated by torch.exp2 / torch.log.
+  starting from the C operand), i.e. the emulator's own product; with `use_tensor_cores` a dot of
+  bf16 / fp16 / fp8 operands runs the `tensor-core` model instead, as on a GPU;
+- tl.exp2 is `numerics.exp2_fp32` (fp64 2ˣ rounded once to fp32: the same bits at any position in
+  any tile) and tl.log is torch.log.
 The emulator evaluates exp(x) with numerics.exp_fp32 (correctly rounded), the kernels as
-exp2(x·log2 e); `align_emulator_exp(monkeypatch)` makes the emulator use exp(x) := exp2(fp32(x·log2 e)),
+exp2(x·log2 e); `align_emulator_exp(monkeypatch)` makes the emulator use exp(x) := exp2_fp32(fp32(x·log2 e)),
 so that a test can demand bit-exact agreement of everything downstream of the exponential.
 With it an interpreter run computes what the kernel's source says, in the emulator's order, so
 interpreter-vs-emulator tests check the kernels' logic bit for bit. It changes nothing outside
@@ -90,8 +94,25 @@ def _fp_to_fp(self, src, dst_type, rounding_mode):
     return _ORIGINAL["create_fp_to_fp"](self, src, dst_type, rounding_mode)
 
 
+_DOT_MODEL = {"accumulation": "ieee", "gpu": "h100"}  # see `use_tensor_cores`
+_FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
+                 torch.float8_e5m2: "fp8_e5m2"}
+_WIDTH = {"fp8_e4m3": 0, "fp8_e5m2": 0, "fp16": 1, "bf16": 1}
+
+
+def _dot_format(a_dtype, b_dtype):
+    """The MMA format of a dot of these operand dtypes (the wider one), or None where either is not a
+    tensor-core format (fp32 operands: a GPU runs those dots as fp32 FMAs, the `ieee` model)."""
+    names = [_FORMAT_NAMES.get(_torch_dtype(t)) for t in (a_dtype, b_dtype)]
+    if None in names:
+        return None
+    return max(names, key=_WIDTH.__getitem__)
+
+
 def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    """tl.dot(a, b, d) as the `ieee` model: exact operands, sequential fp32 FMA walk over K."""
+    """tl.dot(a, b, d) under the selected model: exact operands; `ieee` (default) is the sequential
+    fp32 FMA walk over K; `tensor-core` (`use_tensor_cores`) gives dots of bf16 / fp16 / fp8
+    operands the tensor-core model of numerics.matmul, as a GPU's MMA units run them."""
     from triton.runtime.interpreter import TensorHandle
 
     from fa_forensics.numerics import matmul
@@ -99,8 +120,26 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     a_t = decode(a.data, a.dtype.scalar).double()  # (M, K) exact values
     b_t = decode(b.data, b.dtype.scalar).double()  # (K, N)
     acc = decode(d.data, d.dtype.scalar).float()  # (M, N) the C operand
-    out = matmul(a_t, b_t, accumulation="ieee", in_format="fp32", acc=acc).float()
-    return TensorHandle(out.numpy().astype(np.float32), d.dtype.scalar)
+    fmt = _dot_format(a.dtype.scalar, b.dtype.scalar)
+    if _DOT_MODEL["accumulation"] == "tensor-core" and fmt is not None:
+        out = matmul(a_t.float(), b_t.float(), accumulation="tensor-core", gpu=_DOT_MODEL["gpu"], in_format=fmt,
+                     acc=acc)
+    else:
+        out = matmul(a_t, b_t, accumulation="ieee", in_format="fp32", acc=acc)
+    return TensorHandle(out.float().numpy().astype(np.float32), d.dtype.scalar)
+
+
+def use_tensor_cores(monkeypatch, gpu: str = "h100") -> None:
+    """For one test: dots of bf16 / fp16 / fp8 operands run the `tensor-core` accumulation model of
+    `gpu` (what the hardware's MMA does), fp32 dots stay `ieee`."""
+    monkeypatch.setitem(_DOT_MODEL, "accumulation", "tensor-core")
+    monkeypatch.setitem(_DOT_MODEL, "gpu", gpu)
+
+
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    from fa_forensics.numerics import exp2_fp32
+
+    return exp2_fp32(x).to(x.dtype)
 
 
 def _unary_torch(fn):
@@ -121,7 +160,7 @@ def install() -> None:
     if _ORIGINAL:
         return
     patches = (("cast_impl", _cast_impl), ("create_fp_to_fp", _fp_to_fp), ("create_dot", _dot),
-               ("create_exp2", _unary_torch(torch.exp2)), ("create_log", _unary_torch(torch.log)))
+               ("create_exp2", _unary_torch(_exp2)), ("create_log", _unary_torch(torch.log)))
     for name, fn in patches:
         _ORIGINAL[name] = getattr(InterpreterBuilder, name)
         setattr(InterpreterBuilder, name, fn)
@@ -141,8 +180,11 @@ LOG2E = 1.4426950408889634
 
 
 def aligned_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) evaluated as the kernels do: exp2(fp32(x · log2 e)) (fp32 in, fp32 out)."""
-    return torch.exp2(x * torch.tensor(LOG2E, dtype=x.dtype))
+    """exp(x) evaluated as the kernels do: exp2(fp32(x · log2 e)) (fp32 in, fp32 out), 2ˣ rounded once
+    (`numerics.exp2_fp32`, the interpreter's tl.exp2 here)."""
+    from fa_forensics.numerics import exp2_fp32
+
+    return exp2_fp32(x * torch.tensor(LOG2E, dtype=x.dtype))
 
 
 def align_emulator_exp(monkeypatch) -> None:

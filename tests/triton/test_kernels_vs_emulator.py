@@ -1,8 +1,9 @@
 """Interpreter runs of the Triton kernels against the CPU emulator (ieee mode), one test per knob.
 
 Two exponentials: the emulator's exp_fp32(x) and the kernels' exp2(x·log2 e) differ in the last
-bit of fp32 for about 60% of inputs. With `aligned` (the emulator's exp := exp2(fp32(x·log2 e))) everything
-downstream is compared bit for bit; without it, stated tolerances apply.
+bit of fp32 for about 60% of inputs. With `aligned` (the emulator's exp := exp2(fp32(x·log2 e)), both
+2ˣ rounded once by numerics.exp2_fp32) every output, O, lse, δ, dQ, dK and dV, is compared bit for
+bit; without it, stated tolerances apply.
 Shapes: B 1, H 2, T 50 (not a multiple of the block: masking of padded rows/keys), D 32.
 """
 import pytest
@@ -69,27 +70,8 @@ def test_knob_bit_exact_with_aligned_exp(aligned, name, preset, changes):
     cfg = ReplayConfig.preset(preset).with_(**({"block_m": 16, "block_n": 16} | changes))
     tri, emu = _both(cfg, _inputs(planted="stabilized" in name))
     assert tri.o.dtype == emu.o.dtype and tri.backend == "triton" and tri.accumulation == "ieee"
-    # ℓ is an fp64 row sum of fp32 P, rounded to fp32: exact for P ≥ 2⁻²², otherwise its last bit
-    # depends on the summation order (numpy's pairwise vs torch's). A bf16/fp16/fp8 O hides that;
-    # an fp32 O (and what follows from it) shows it in < 3% of entries, by ≤ 2 ulps.
-    # Dots whose fp32 operands give inexact products (fp32 P̄ into dV, dP∘P, P V) and are carried
-    # across blocks also show rare last-bit differences (open question, see docs/_parts/triton.md).
-    fp32_o = cfg.o_dtype.value == "fp32"
-    loose = {"o", "delta"} if fp32_o else set()
-    loose |= {"dv"} if cfg.p_dtype.value == "fp32" else set()
-    loose |= {"delta"} if cfg.delta.value in ("dp-p", "o-recomputed") else set()
-    for f in ("o", "lse", "delta", "dv"):
-        a, b = getattr(tri, f).float(), getattr(emu, f).float()
-        if f in loose:
-            assert _exact_fraction(a, b) >= 0.9, f"{name}: {f}"
-            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"{name}: {f}"
-        else:
-            assert torch.equal(a, b), f"{name}: {f} differs"
-    # dQ and dK: bit-exact except rare last-bit differences (open question, see docs/_parts/triton.md)
-    for f in ("dq", "dk"):
-        a, b = getattr(tri, f), getattr(emu, f)
-        assert _exact_fraction(a, b) >= 0.95, f"{name}: {f} exact fraction {_exact_fraction(a, b)}"
-        assert (a - b).abs().max() <= 4e-7 * b.abs().max(), f"{name}: {f}"
+    for f in FIELDS:  # every output bit for bit, the gradients included
+        assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f"{name}: {f} differs"
     assert tri.stats.total() == emu.stats.total()
     if "stabilized" in name:
         assert tri.stats.total()["stabilized_rows"] > 0  # the rule really fired
@@ -137,3 +119,27 @@ def test_without_a_dO_there_are_no_gradients():
     q, k, v, _ = _inputs()
     out = replay(q, k, v, ReplayConfig.preset("bf16"), backend="triton")
     assert out.dq is None and out.delta is None and out.o.dtype == torch.bfloat16 and out.lse.shape == (B, H, T)
+
+
+TENSOR_CORE_KNOBS = [
+    ("bf16-hw", "bf16-hw", {}),
+    ("ds-bf16", "bf16", {"ds_dtype": "bf16"}),
+    ("fp16-ds-fp16", "bf16", {"input_dtype": "fp16", "p_dtype": "fp16", "pv_dtype": "fp16", "o_dtype": "fp16",
+                              "ds_dtype": "fp16"}),
+    ("fp8-p-multiply", "fp8-s256", {"input_dtype": "bf16", "p_scale_mode": "multiply", "block_m": 32, "block_n": 32}),
+]
+
+
+@pytest.mark.parametrize("name,preset,changes", TENSOR_CORE_KNOBS, ids=[k[0] for k in TENSOR_CORE_KNOBS])
+def test_tensor_core_dots_bit_exact_with_aligned_exp(aligned, monkeypatch, name, preset, changes):
+    """Dots of bf16 / fp16 / fp8 operands in the tensor-core model (as a GPU's MMA runs them), fp32 dots
+    ieee: every output of the kernels equals the emulator's under accumulation=tensor-core, bit for bit
+    (fp8's group F is 32 on the H100, so its blocks are 32)."""
+    interpreter_compat.use_tensor_cores(monkeypatch, "h100")
+    cfg = ReplayConfig.preset(preset).with_(**({"block_m": 16, "block_n": 16, "accumulation": "tensor-core"} | changes))
+    inputs = _inputs()
+    tri, emu = _both(cfg, inputs)
+    for f in FIELDS:
+        assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f"{name}: {f} differs"
+    ieee = replay(*inputs[:3], cfg.with_(accumulation="ieee"), inputs[3], backend="emulate")
+    assert not torch.equal(ieee.dv, tri.dv), "the two accumulation models should differ on these inputs"

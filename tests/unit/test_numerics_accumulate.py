@@ -33,12 +33,16 @@ def _ieee_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _tensor_core_reference(p, v, F, neab):
     acc = Fraction(0)
     for k0 in range(0, len(p), F):
-        terms = [Fraction(x) * Fraction(y) for x, y in zip(p[k0:k0 + F], v[k0:k0 + F])] + [acc]
-        top = max(abs(t) for t in terms)
-        if top == 0:
+        pairs = [(x, y) for x, y in zip(p[k0:k0 + F], v[k0:k0 + F]) if x != 0 and y != 0]
+        terms = [Fraction(x) * Fraction(y) for x, y in pairs] + [acc]
+        if not pairs and acc == 0:
             acc = Fraction(0)
             continue
-        q = Fraction(2) ** (floor_log2(top) - 23 - neab)
+        # a product's exponent is its factors' exponent sum (the significand product in [1, 4) is not
+        # renormalized before the alignment); the accumulator's is its own
+        exponents = [floor_log2(abs(Fraction(x))) + floor_log2(abs(Fraction(y))) for x, y in pairs]
+        exponents += [floor_log2(abs(acc))] if acc != 0 else []
+        q = Fraction(2) ** (max(exponents) - 23 - neab)
         total = sum(math.trunc(t / q) for t in terms) * q
         acc = round_fraction(total, "fp32", "toward-zero")
     return float(acc)
@@ -151,7 +155,7 @@ def test_matmul_broadcasts_batch_dims_and_chunks_rows(monkeypatch):
 def _reference_matmul(a, b, model, F, neab, acc=None):
     """The plain fp64 algorithm: one `ieee_fma_step` per k, or one `tensor_core_group` per group
     of F, over whole (M, N) matrices. a (M, K), b (K, N) -> fp32 (M, N)."""
-    from fa_forensics.numerics.accumulate import ieee_fma_step, tensor_core_group
+    from fa_forensics.numerics.accumulate import ieee_fma_step, lead_pow2, tensor_core_group
 
     a64, b64 = a.double(), b.double()
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64) if acc is None else acc.double()
@@ -161,7 +165,8 @@ def _reference_matmul(a, b, model, F, neab, acc=None):
     else:
         for k0 in range(0, a.shape[1], F):
             prods = a64[:, k0 : k0 + F].T.unsqueeze(-1) * b64[k0 : k0 + F].unsqueeze(1)  # (n, M, N)
-            out = tensor_core_group(out, prods, neab)
+            leads = lead_pow2(a64[:, k0 : k0 + F]).T.unsqueeze(-1) * lead_pow2(b64[k0 : k0 + F]).unsqueeze(1)
+            out = tensor_core_group(out, prods, neab, leads)
     return out.float()
 
 

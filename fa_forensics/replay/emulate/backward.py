@@ -24,6 +24,9 @@ product is cast to grad_dtype and added into the dQ_i, dK_j, dV_j buffers with o
 rounding. Query rows then go in the config's blocks (not the memory plan's). Blocks a causal mask
 hides entirely add ±0 and are skipped (exactly a no-op).
 
+config.backward_kernel other than "reference": the named kernel's backward instead
+(`backward_kernels.kernel_backward`, on the forward's stored O), none of the steps above.
+
 Steps 1, 4 and (for dp-p) 3 run as compiled passes per row (`fused.backward_probs`,
 `fused.backward_ds`) where `fused.eligible` says so, bit for bit the torch code's.
 """
@@ -34,8 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from fa_forensics.numerics import exp_fp32
-from fa_forensics.replay.config import Accumulation, DeltaSource, Precision, ReplayConfig
+from fa_forensics.errors import ConfigError
+from fa_forensics.replay.config import Accumulation, BackwardKernel, DeltaSource, Precision, ReplayConfig
 from fa_forensics.replay.emulate import fused
+from fa_forensics.replay.emulate.backward_kernels import kernel_backward
 from fa_forensics.replay.emulate.forward import scaled_scores
 from fa_forensics.replay.emulate.ops import Band, cast, mm, wider
 
@@ -73,7 +78,14 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     memory. dQ and δ are per row; dK and dV sum over rows, so their accumulators are carried
     from block to block in row order (`mm(..., acc=)`), which is the same chain of roundings as
     one pass as long as block_m is a multiple of the tensor-core group size F (checked).
+    A named config.backward_kernel reads o_for_delta as the forward's stored O and ignores block_m.
     """
+    if config.backward_kernel is not BackwardKernel.REFERENCE:
+        if o_for_delta is None:
+            raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} needs the forward's O")
+        delta, dq, dk, dv = kernel_backward(q, k, v, do, o_for_delta, lse, config, causal=causal, scale=scale,
+                                            mask=mask)
+        return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
     acc_model, gpu, x_fmt = config.accumulation, config.gpu, config.input_dtype
     reference_blocks = config.grad_dtype is not Precision.FP32
     if reference_blocks:  # the bf16 buffers are added to per (query block, KV block) of the config

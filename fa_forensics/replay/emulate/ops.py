@@ -55,6 +55,7 @@ def mm(
     acc: Optional[torch.Tensor] = None,
     band: Optional[Band] = None,
     finite_operands: bool = False,
+    mma_k: Optional[int] = None,
 ) -> torch.Tensor:
     """fp32 product a @ b ((..., M, K) @ (..., K, N) -> (..., M, N)) under the accumulation model.
 
@@ -65,9 +66,11 @@ def mm(
     finite_operands: a and b are finite by construction (replay inputs that `fused.eligible`
     checked, P̄ ≤ its scale S), so the compiled kernels skip their finiteness check; values a
     low-precision cast can overflow (dS, the rescaled accumulator) are always checked.
+    mma_k: the K of the kernel's MMA instruction where smaller than the tensor core's group (an m16n8k8
+    MMA sums 8 products per instruction): the tensor-core model's groups are then that long.
     """
     return matmul(a, b, accumulation=accumulation.value, gpu=gpu.value, in_format=in_format.value, acc=acc,
-                  band=band, assume_finite=finite_operands)
+                  band=band, assume_finite=finite_operands, mma_k=mma_k)
 
 
 def finfo_max(fmt: Precision) -> float:

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 from fa_forensics.numerics import accumulate_jit
-from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding
+from fa_forensics.replay.config import BackwardKernel, DeltaSource, Precision, ReplayConfig, Rounding
 from fa_forensics.replay.emulate.backward import Backward, backward, query_blocks
 from fa_forensics.replay.emulate.forward import Forward, forward
 from fa_forensics.replay.emulate.ops import cast, torch_dtype
@@ -142,8 +142,8 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
         if do is not None:
             do32 = to_input_dtype(do, config)
             o_for_delta = None
-            if config.delta is DeltaSource.O_LOWP:
-                o_for_delta = fwd.o
+            if config.delta is DeltaSource.O_LOWP or config.backward_kernel is not BackwardKernel.REFERENCE:
+                o_for_delta = fwd.o  # a kernel's backward reads the O it stored
             elif config.delta is DeltaSource.O_HIGHP:
                 twin = high_precision_twin(config)
                 o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None, mask=mask).o

@@ -13,7 +13,8 @@ contract (replay/emulate/forward.py, backward.py) with these known differences:
   standard softmax, so masked_blocks=visit and row_sum_floor are accepted there; with another
   softmax (the reference code's STABLE=1 loop, preset "bf16-autocast-stabilized") they are refused;
 - the backward is the FA2 kernels' (fp32 dP, δ, dQ, dK, dV accumulators): the reference code's
-  backward knobs (dp_dtype, delta_dtype, grad_dtype, ds_alpha) are refused when dO is given.
+  backward knobs (dp_dtype, delta_dtype, grad_dtype, ds_alpha) and a named backward_kernel are refused
+  when dO is given.
 The autocast reference's low-precision S, m, ℓ and rescaled accumulator (s_dtype, stats_dtype,
 rescale_dtype, preset "bf16-autocast") are constexpr cast points of the kernels, as in the emulator.
 """
@@ -25,7 +26,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import BackendUnsupported
-from fa_forensics.replay.config import DeltaSource, MaskedBlocks, Precision, ReplayConfig, Rounding, Softmax
+from fa_forensics.replay.config import (BackwardKernel, DeltaSource, MaskedBlocks, Precision, ReplayConfig, Rounding,
+                                        Softmax)
 from fa_forensics.replay.emulate.run import high_precision_twin
 from fa_forensics.replay.out import PBarStats, ReplayOut
 
@@ -100,6 +102,8 @@ def _check_supported(config: ReplayConfig, backward: bool) -> None:
     if config.exp_dtype is not Precision.FP32:
         raise TritonBackendError(
             f"keeps exp and the row sums in fp32, not in exp_dtype={config.exp_dtype.value} (CPU autocast)")
+    if backward and config.backward_kernel is not BackwardKernel.REFERENCE:
+        raise TritonBackendError(f"runs its own backward, not backward_kernel={config.backward_kernel.value}")
     if backward and config.has_reference_backward:
         raise TritonBackendError(
             "runs the FA2 kernels' fp32 backward, not the reference code's bf16 one (dp_dtype, delta_dtype, grad_dtype, ds_alpha)")

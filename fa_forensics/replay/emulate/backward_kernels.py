@@ -1,0 +1,192 @@
+"""The backward passes of the attention kernels users train with, modelled from their sources.
+
+Each model is the order of operations of one kernel's backward, read from its published source (or, for
+the closed-source cuDNN, measured against recorded bits), written with the emulator's two primitives:
+`cast` (one rounding) and `mm` (a matrix product in the config's accumulation model; a product that
+continues an accumulator across tiles is `mm(..., acc=)`). Common to all three: S = Q Kᵀ and dP = dO Vᵀ
+as fp32 products of the input-dtype operands; P recomputed from S and the forward's lse (natural log);
+δ = rowsum(dO ∘ O) over the forward's stored O in fp32, in the kernel's reduction order; dS rounded to the
+input dtype before the dQ and dK products; dQ, dK, dV written in the input dtype. Where they differ:
+
+flash-attention-2 (Dao-AILab/flash-attention csrc/flash_attn/src: flash_bwd_kernel.h,
+flash_bwd_preprocess_kernel.h, flash_bwd_launch_template.h; the sm80 kernels SDPA runs on sm_90):
+  tiles (kBlockM × kBlockN) 128 × 128 for head dim ≤ 64, 64 × 128 for 96 and 128, 64 × 64 above.
+  δ (preprocess dot_do_o): each row is read by kBlockKSmem/8 threads (8 for head dims that are multiples of
+    64, else 4), thread t holding columns [8t + 64c, +8) for c = 0, 1, ..; each sums its products in order,
+    then a butterfly across the threads with xor offsets n/2, .., 2, 1.
+  P = exp2(fma(S, α·log2 e, −fp32(lse·log2 e))) (scale_apply_exp2 with the scale folded in: one rounding
+    of the exponent argument).
+  dS = cast(P · fp32(dP − δ)); P̄ = cast(P) for dV.
+  dK, dV: one CTA per key block walks the query blocks from the LAST to the first (m_block = m_block_max − 1
+    down to m_block_min), its fp32 accumulators continued from tile to tile; at the end dK ← fp32(dK · α).
+  dQ: each (query block, key block) tile's dS Kⱼ is formed from zero and atomically added to an fp32 dQ
+    buffer (the seqk-parallel kernel); then dQ ← fp32(dQ · α) (convert_dQ). The order of the atomic adds is
+    the hardware's: modelled as ascending key blocks. It is not deterministic (see docs/gpu-backward.md).
+sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_backward.h and
+  gemm_kernel_utils.h, the xformers kernel):
+  MMA: `DefaultGemmType` for 16-bit inputs on sm75+ issues mma.sync m16n8k8, so each instruction sums 8 products
+    into the accumulator: the tensor-core model's groups are 8 long (mma_k = 8) with the GPU's alignment width.
+  tiles (kBlockSizeI × kBlockSizeJ) 64 × 64 for head dim ≤ 64, 64 × 128 above (kNumThreads = I·J/32).
+  δ (computeDelta): kNumThreads / kBlockSizeI threads per row (2, or 4 above head dim 64), thread t holding
+    columns [8t + 8n·c, +8); each sums in order, then an xor butterfly with offsets 1, 2, ...
+  P = exp(fp32(fp32(S · α) − lse)) (the scale multiplies the accumulator, the epilogue subtracts the lse
+    and exponentiates), stored to shared memory in the input dtype: P̄ = cast(P) is what dS reads.
+  dS = cast(fp32(fp32(fp32(dP − δ) · P̄) · α)): the scale is folded into dS, so dQ and dK are not scaled.
+  dK, dV: accumulators continued over the query blocks in ascending order.
+  dQ: one fp32 accumulator per query block continued over the key blocks (kBlockSizeJ); measured on the
+    H200: descending key blocks reproduce the recorded bits (ascending: about 0.1 % fewer).
+sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below is the one that reproduces
+  the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-backward.md):
+  δ: as flash-attention-2's. P = exp2(fp32(fp32(fp32(S · α) − lse) · log2 e)).
+  dS = cast(fp32(fp32(P · fp32(dP − δ)) · α)): the scale folded into dS, as in sdpa-efficient.
+  dK, dV: accumulators continued over the query blocks in ascending order.
+  dQ: per (query block, key block of 128) tile from zero, added in fp32 in ascending key order.
+
+Exponentials are rounded once (numerics.exp_fp32 / exp2_fp32); the GPUs' MUFU approximations differ from
+that in the last bit of some P, which flips a bf16 rounding of P̄ or dS in about 1 element of 10⁴ (measured,
+docs/gpu-backward.md). A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal;
+SDPA's attn_mask is not modelled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from fa_forensics.errors import ConfigError
+from fa_forensics.numerics import exp2_fp32, exp_fp32
+from fa_forensics.replay.config import BackwardKernel, Precision, ReplayConfig
+from fa_forensics.replay.emulate.ops import cast, mm
+
+_LOG2E = torch.tensor(1.4426950408889634, dtype=torch.float32)  # M_LOG2E as an fp32 constant
+
+
+@dataclass(frozen=True)
+class KernelModel:
+    """The order of operations of one kernel's backward (see the module docstring)."""
+
+    tiles: Callable[[int], tuple[int, int]]  # head dim -> (query rows, keys) per tile
+    delta_threads: Callable[[int], int]  # head dim -> threads sharing one row of δ (8 columns per load)
+    butterfly_descending: bool  # xor offsets n/2 .. 1 (True) or 1 .. n/2
+    exp_form: str  # "exp2-folded" | "exp2-natural" | "exp"
+    scale_in_ds: bool  # α multiplies dS before its cast (dQ, dK then unscaled)
+    ds_reads_p_bar: bool  # dS is formed from the input-dtype P̄ rather than the fp32 P
+    query_blocks_descending: bool  # the dK / dV accumulators walk the query blocks last to first
+    dq_chained: bool  # dQ: one accumulator continued over the key blocks (else per-tile partials added in fp32)
+    dq_keys_descending: bool  # the key-block order of the dQ sum
+    mma_k: Optional[int] = None  # the MMA instruction's K where smaller than the tensor core's group
+
+
+def _fa2_tiles(d: int) -> tuple[int, int]:
+    return (128, 128) if d <= 64 else (64, 128) if d <= 128 else (64, 64)
+
+
+MODELS = {
+    BackwardKernel.FLASH_ATTENTION_2: KernelModel(
+        tiles=_fa2_tiles, delta_threads=lambda d: 8 if d % 64 == 0 else 4, butterfly_descending=True,
+        exp_form="exp2-folded", scale_in_ds=False, ds_reads_p_bar=False, query_blocks_descending=True,
+        dq_chained=False, dq_keys_descending=False),
+    BackwardKernel.SDPA_EFFICIENT: KernelModel(
+        tiles=lambda d: (64, 64) if d <= 64 else (64, 128), delta_threads=lambda d: 2 if d <= 64 else 4,
+        butterfly_descending=False, exp_form="exp", scale_in_ds=True, ds_reads_p_bar=True,
+        query_blocks_descending=False, dq_chained=True, dq_keys_descending=True, mma_k=8),
+    BackwardKernel.SDPA_CUDNN: KernelModel(
+        tiles=lambda d: (128, 128), delta_threads=lambda d: 8 if d % 64 == 0 else 4, butterfly_descending=True,
+        exp_form="exp2-natural", scale_in_ds=True, ds_reads_p_bar=False, query_blocks_descending=False,
+        dq_chained=False, dq_keys_descending=False),
+}
+
+
+def row_delta(do: torch.Tensor, o: torch.Tensor, threads: int, descending: bool) -> torch.Tensor:
+    """δ = Σ_d dO·O per row (B, H, T) as `threads` threads reduce it: thread t sums the columns
+    [8t + 8·threads·c, +8), c = 0, 1, .. in order (exact products, one fp32 rounding per addition),
+    then the threads' partial sums meet in an xor butterfly (offsets n/2 .. 1 or 1 .. n/2)."""
+    D = do.shape[-1]
+    prod = do * o  # exact: products of 16-bit inputs fit in fp32
+    parts = []
+    for t in range(threads):
+        acc = torch.zeros(do.shape[:-1])
+        for c0 in range(8 * t, D, 8 * threads):
+            for col in range(c0, min(c0 + 8, D)):
+                acc = acc + prod[..., col]
+        parts.append(acc)
+    offsets = []
+    off = 1
+    while off < threads:
+        offsets.append(off)
+        off *= 2
+    for off in (offsets[::-1] if descending else offsets):
+        parts = [parts[i] + parts[i ^ off] for i in range(threads)]
+    return parts[0]
+
+
+def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str) -> torch.Tensor:
+    """P (B, H, R, N) fp32 from the raw scores S and the lse (B, H, R) of these rows."""
+    alpha = torch.tensor(scale, dtype=torch.float32)
+    if form == "exp2-folded":  # exp2(fma(S, α·log2 e, −lse·log2 e)): S·c is exact in fp64, one rounding after
+        c = torch.tensor(scale * 1.4426950408889634, dtype=torch.float32).double()
+        shift = (lse * _LOG2E).double().unsqueeze(-1)
+        return exp2_fp32((S.double() * c - shift).float())
+    x = S * alpha - lse.unsqueeze(-1)  # fp32(fp32(S·α) − lse)
+    if form == "exp2-natural":
+        return exp2_fp32(x * _LOG2E)
+    return exp_fp32(x)
+
+
+def _blocks(start: int, stop: int, size: int, descending: bool) -> list[tuple[int, int]]:
+    """[i0, i1) of the tiles of `size` (aligned at multiples of size) that cover [start, stop), in order."""
+    blocks = [(max(i0, start), min(i0 + size, stop)) for i0 in range(start // size * size, stop, size)]
+    return blocks[::-1] if descending else blocks
+
+
+def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, config: ReplayConfig, *, causal: bool, scale: float,
+                    mask: Optional[torch.Tensor] = None, row0: int = 0):
+    """The backward of config.backward_kernel; q, k, v, do, o (B, H, T|N, D) fp32 holding input-dtype values,
+    o the forward's stored O, lse (B, H, T) its lse. Returns (δ, dQ, dK, dV), the gradients as fp32 tensors
+    holding input-dtype values (what the kernel writes).
+    row0: the query rows are rows row0 .. row0 + T − 1 of the attention (the causal mask and the tiles are
+    placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows."""
+    if mask is not None:
+        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
+                          "attn_mask; use backward_kernel=reference")
+    if config.input_dtype not in (Precision.BF16, Precision.FP16):
+        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
+                          f"fp16 inputs, not input_dtype={config.input_dtype.value}")
+    model = MODELS[config.backward_kernel]
+    fmt, acc_model, gpu, mma_k = config.input_dtype, config.accumulation, config.gpu, model.mma_k
+    (B, H, T, D), N = q.shape, k.shape[-2]
+    bm, bn = model.tiles(D)
+    alpha = torch.tensor(scale, dtype=torch.float32)
+    delta = row_delta(do, o, model.delta_threads(D), model.butterfly_descending)  # (B, H, T)
+    dq = torch.zeros(q.shape)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)  # (B, H, N, D) fp32 accumulators
+    for a0, a1 in _blocks(row0, row0 + T, bm, model.query_blocks_descending):  # absolute rows of one tile
+        i0, i1 = a0 - row0, a1 - row0
+        rows = slice(i0, i1)
+        S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
+        P = _probs(S, lse[..., rows], scale, model.exp_form)
+        if causal:
+            hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
+            P = P.masked_fill(hidden, 0.0)
+        P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)  # rows that see no key
+        dP = mm(do[..., rows, :], v.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
+        p_bar = cast(P, fmt)
+        diff = dP - delta[..., rows].unsqueeze(-1)
+        ds = diff * p_bar if model.ds_reads_p_bar else P * diff
+        dS = cast(ds * alpha if model.scale_in_ds else ds, fmt)  # (B, H, R, N)
+        dv = mm(p_bar.transpose(-1, -2), do[..., rows, :], acc_model, gpu, fmt, acc=dv, mma_k=mma_k)
+        dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, fmt, acc=dk, mma_k=mma_k)
+        dq_r = torch.zeros(B, H, i1 - i0, D)
+        for j0, j1 in _blocks(0, N, bn, model.dq_keys_descending):
+            if causal and j0 >= a1:
+                continue  # a tile the mask hides entirely: the kernels skip it
+            if model.dq_chained:
+                dq_r = mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, acc=dq_r, mma_k=mma_k)
+            else:
+                dq_r = dq_r + mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, mma_k=mma_k)
+        dq[..., rows, :] = dq_r
+    if not model.scale_in_ds:
+        dq, dk = dq * alpha, dk * alpha
+    return delta, cast(dq, fmt), cast(dk, fmt), cast(dv, fmt)
