@@ -6,6 +6,11 @@ import os
 # Triton fixes its interpreter mode when first imported, and test modules import it at collection
 # (transformers does): set the mode here, before any of them, so tests/triton runs interpreted.
 os.environ["TRITON_INTERPRET"] = "1"
+# The match cache of the tests' runs goes to a fresh directory of this session, never ~/.cache (a test that
+# needs another location sets it itself).
+import tempfile
+
+os.environ["FA_FORENSICS_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa-forensics-test-cache-")
 
 import math
 from pathlib import Path
@@ -69,6 +74,12 @@ def build_dump(
             writer.complete_step(s, loss=1.0 + s)
     writer.close()
     return Path(path)
+
+
+@pytest.fixture(autouse=True)
+def match_cache_per_test(tmp_path_factory, monkeypatch):
+    """Each test its own match cache: results are content-addressed, so tests with equal dumps would share one."""
+    monkeypatch.setenv("FA_FORENSICS_CACHE_DIR", str(tmp_path_factory.mktemp("match-cache")))
 
 
 @pytest.fixture(scope="session")
