@@ -66,8 +66,8 @@ def preferred_accumulation(facts: RunFacts) -> Accumulation:
 
 def implied(facts: RunFacts, fallback: str) -> tuple[str, Accumulation, str]:
     """(preset, accumulation, why): the recipe the recorded settings imply, for layer-steps whose
-    stored O cannot be matched. Attention dropout is an argument of torch's SDPA, whose kernels round
-    P̄ once to bf16 and accumulate in fp32 (preset bf16-hw)."""
+    stored O cannot be matched. Torch's SDPA kernels (a recorded source "sdpa", or attention dropout,
+    an argument of SDPA) round P̄ once to bf16 and accumulate in fp32 (preset bf16-hw)."""
     acc = preferred_accumulation(facts)
     if facts.is_fp32_run:
         return fallback, Accumulation.IEEE, "trained in fp32: the replay shows what bf16 would do on these inputs"
@@ -75,8 +75,8 @@ def implied(facts: RunFacts, fallback: str) -> tuple[str, Accumulation, str]:
         return "fp8-s1", Accumulation.IEEE, "recorded fp8 inputs"
     if facts.softmax is not None and facts.softmax.startswith("stabil"):
         return "bf16-autocast-stabilized", acc, "recorded stabilized softmax"
-    if facts.has_dropout and facts.precision in ("bf16", "fp16"):
-        return "bf16-hw", acc, f"{facts.precision} SDPA with attention dropout"
+    if (facts.has_dropout or facts.kernel == "sdpa") and facts.precision in ("bf16", "fp16"):
+        return "bf16-hw", acc, f"{facts.precision} SDPA"
     return fallback, acc, "nothing recorded points to another recipe"
 
 

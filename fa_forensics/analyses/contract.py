@@ -93,11 +93,12 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
     if not fid:
         return []
     out = [line for line in (precision_line(fid),) if line]
-    for reason in dict.fromkeys(u["reason"] for u in fid.get("unverifiable") or []
-                                if not (fid.get("run_precision") == "fp32" and u["reason"].startswith("trained in fp32"))):
+    fp32_run = fid.get("run_precision") == "fp32"  # said once, by precision_line
+    reasons = [u["reason"] for u in fid.get("unverifiable") or [] if not (fp32_run and u["reason"].startswith("trained in fp32"))]
+    for reason in dict.fromkeys(reasons):
         items = [u for u in fid["unverifiable"] if u["reason"] == reason]
-        out.append(f"replay fidelity unverifiable at {_where(items)}: {reason}; analysed with preset {items[0]['preset']} / "
-                   f"{items[0]['accumulation']}, the recipe the recorded settings imply")
+        out.append(f"replay fidelity unverifiable at {_where(items)}: {reason}; analysed with preset "
+                   f"{items[0]['preset']} / {items[0]['accumulation']}, the recipe the recorded settings imply")
     if fid.get("unmatched") and fid.get("requested") == "auto":
         out.append(f"preset auto: no stored O to match at {_where(fid['unmatched'])}; replayed preset "
                    f"{fid['unmatched'][0]['preset']} there, which may not be the kernel that trained (a named preset "
@@ -106,8 +107,8 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
     if share is None or share >= FIDELITY_WARN_BELOW:
         return out
     worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])
-    head = (f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * share:.1f} % of the stored O "
-            f"(worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %)")
+    head = (f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * share:.1f} % of the "
+            f"stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %)")
     mismatch = fid.get("mismatch")
     if share >= MISMATCH_TEST_ABOVE and mismatch:
         return out + [f"{head}; {mismatch['verdict']}"]

@@ -6,10 +6,15 @@ stored Q, K, V of one layer-step (with the dump's scale and causal flag) under e
 recipe, a preset with its own tiling under an accumulation model, and counts the stored-O
 elements it reproduces bit for bit. Bits are compared in the stored O's dtype (a replay whose O
 is wider is rounded to it, nearest-even, as a kernel's epilogue would). The search stops at the
-first candidate that reproduces every element, unless `try_all`.
+first candidate that reproduces every element, unless `try_all`. The candidates are those the
+layer's recorded facts admit (`analyses.candidates`), and the best is named preferring the
+accumulation model the recorded device implies.
 
 `best_recipe` is the cached form behind `--preset auto`: the match of one whole layer-step, kept in
-the layer group's attributes with a fingerprint of the stored arrays (a changed dump recomputes).
+the match cache beside the dump under a fingerprint of the stored arrays (`analyses.match_cache`;
+a changed dump recomputes; the dump is never written). `fidelity` is every analysis's
+`replay_fidelity`: the share reproduced, why it cannot be measured where it cannot, and the sign
+test of the mismatching elements (`analyses.mismatch`).
 
 Only the forward is fingerprinted: O is what the dump stores. Recipes that differ only in their
 backward (bf16-autocast and bf16-autocast-train) give the same O; the candidate order puts the
@@ -169,10 +174,12 @@ def fingerprint(t: LayerTensors, recipes: Sequence[CandidateRecipe]) -> str:
 
 
 def _to_entry(lm: LayerMatch) -> dict:
-    return {"heads": lm.heads, "best": dataclasses.asdict(lm.best), "candidates": [dataclasses.asdict(c) for c in lm.candidates]}
+    return {"heads": lm.heads, "best": dataclasses.asdict(lm.best),
+            "candidates": [dataclasses.asdict(c) for c in lm.candidates]}
 
 
-def _from_entry(entry: dict, step: int, layer: int, allowed: Sequence[CandidateRecipe], facts: RunFacts) -> Optional[LayerMatch]:
+def _from_entry(entry: dict, step: int, layer: int, allowed: Sequence[CandidateRecipe],
+                facts: RunFacts) -> Optional[LayerMatch]:
     """The cached candidates the recipes `allowed` include, the best named by `pick_best`; None when the
     entry cannot answer (unreadable, or it stopped at a recipe not allowed before trying those that are)."""
     try:

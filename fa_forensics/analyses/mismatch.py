@@ -87,7 +87,8 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
                 cells += 1
                 p = _binom_p(k, m)
                 if worst is None or p < worst["p"]:
-                    worst = {"step": t.step, "layer": t.layer, "head": head, "feature": f, "positive": k, "n": m, "p": p}
+                    worst = {"step": t.step, "layer": t.layer, "head": head, "feature": f,
+                             "positive": k, "n": m, "p": p}
     p_feature = min(1.0, worst["p"] * cells)
     share = worst["positive"] / worst["n"]
     worst.update(share_positive=share, share_se=math.sqrt(share * (1 - share) / worst["n"]))
@@ -99,16 +100,18 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
     order = [_bin(v) for v in range(-ULP_BINS, ULP_BINS + 1) if v]
     hist = {k: hist[k] for k in order if k in hist}
     pooled_share = n_pos / n
+    pooled_se = math.sqrt(pooled_share * (1 - pooled_share) / n)
     biased = p_feature < alpha
     if biased:
         verdict = (f"the mismatches are biased (p = {p_feature:.2g}, sign test per feature, Bonferroni over {cells}; "
                    f"step {worst['step']} layer {worst['layer']} head {worst['head']} feature {worst['feature']}: "
-                   f"{100 * share:.0f} % ± {100 * worst['share_se']:.0f} % of {worst['n']} positive): do not trust the bias findings")
+                   f"{100 * share:.0f} % ± {100 * worst['share_se']:.0f} % of {worst['n']} positive): "
+                   f"do not trust the bias findings")
     else:
         verdict = (f"the mismatches are unbiased (p = {p_feature:.2g}, sign test per feature, Bonferroni over {cells}; "
-                   f"{100 * pooled_share:.0f} % ± {100 * math.sqrt(pooled_share * (1 - pooled_share) / n):.0f} % of {n} "
+                   f"{100 * pooled_share:.0f} % ± {100 * pooled_se:.0f} % of {n} "
                    f"positive): bias findings stand")
     return {"n_mismatched": n, "positive": n_pos, "share_positive": pooled_share,
-            "share_se": math.sqrt(pooled_share * (1 - pooled_share) / n), "p_pooled": _binom_p(n_pos, n),
+            "share_se": pooled_se, "p_pooled": _binom_p(n_pos, n),
             "n_features": cells, "p_feature": p_feature, "worst": worst, "ulp_histogram": hist, "biased": biased,
             "verdict": verdict}

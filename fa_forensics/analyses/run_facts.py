@@ -24,7 +24,7 @@ class RunFacts:
     device: Optional[str]  # device type: cpu | cuda | ...
     dropout_p: float
     softmax: Optional[str]  # standard | stabilized
-    kernel: Optional[str]  # a recorded kernel / entry-point name
+    kernel: Optional[str]  # the recorded kernel or entry point: "sdpa", "record", a wrapped callable's name
 
     @property
     def is_fp32_run(self) -> bool:
@@ -38,8 +38,13 @@ class RunFacts:
 UNKNOWN = RunFacts(None, None, None, 0.0, None, None)
 
 
+_UNKNOWN_WORDS = ("unknown", "none", "")
+
+
 def _text(value) -> Optional[str]:
-    return value.strip().lower() if isinstance(value, str) and value.strip() else None
+    """A recorded text fact, lower-cased; None when absent or recorded as unknown."""
+    text = value.strip().lower() if isinstance(value, str) else ""
+    return None if text in _UNKNOWN_WORDS else text
 
 
 def _precision(dtype: Optional[str], autocast: Optional[bool]) -> Optional[str]:
@@ -53,11 +58,10 @@ def _precision(dtype: Optional[str], autocast: Optional[bool]) -> Optional[str]:
     return p
 
 
-def _device(run_attrs: dict) -> Optional[str]:
-    raw = _text(run_attrs.get("device_type")) or _text(run_attrs.get("device"))
-    if raw is None or raw == "unknown":
-        return None
-    return raw.split(":")[0]
+def _device(layer_attrs: dict, run_attrs: dict) -> Optional[str]:
+    raw = (_text(layer_attrs.get("device_type")) or _text(run_attrs.get("device_type"))
+           or _text(run_attrs.get("device")))
+    return None if raw is None else raw.split(":")[0]
 
 
 def _stored_dtype(dump, step: int, layer: int) -> Optional[str]:
@@ -87,4 +91,4 @@ def facts_at(dump, step: int, layer: int) -> RunFacts:
         dropout = 0.0
     softmax = next((_text(a.get(k)) for a in (layer_attrs, run_attrs) for k in _SOFTMAX_KEYS if _text(a.get(k))), None)
     kernel = next((_text(layer_attrs.get(k)) for k in _KERNEL_KEYS if _text(layer_attrs.get(k))), None)
-    return RunFacts(_precision(dtype, autocast), autocast, _device(run_attrs), dropout, softmax, kernel)
+    return RunFacts(_precision(dtype, autocast), autocast, _device(layer_attrs, run_attrs), dropout, softmax, kernel)

@@ -7,8 +7,8 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt, console, progress_bar,
-    run_cli, use_match_cache, write_json,
+    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt, console,
+    progress_bar, run_cli, use_match_cache, write_json,
 )
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
@@ -23,7 +23,8 @@ def verdict_line(layer, why=None) -> str:
     the stored O cannot be reproduced there."""
     b = layer.best
     if why:
-        return f"step {layer.step} layer {layer.layer}: fidelity unverifiable ({why}); best by chance {b.preset} / {b.accumulation}"
+        return (f"step {layer.step} layer {layer.layer}: fidelity unverifiable ({why}); best by chance "
+                f"{b.preset} / {b.accumulation}")
     return f"step {layer.step} layer {layer.layer}: stored O reproduced {_pct(b.o_bits_equal)} by {b.preset} / {b.accumulation}"
 
 
@@ -61,12 +62,12 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
         if worst.best.o_bits_equal == 1.0:
             parts.append(f"stored O reproduced 100 % in every selected layer-step ({len(seen)}) by {named}")
         else:
-            parts.append(f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} (step {worst.step} "
-                         f"layer {worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); analyses describe the "
-                         f"recipe they replay, not the kernel that trained")
+            parts.append(f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} "
+                         f"(step {worst.step} layer {worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); "
+                         f"analyses describe the recipe they replay, not the kernel that trained")
         if worst.best.o_bits_equal < 0.99:
-            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: findings "
-                            f"describe that recipe, not the kernel that trained")
+            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: "
+                            f"findings describe that recipe, not the kernel that trained")
     return lead + "; ".join(parts), warnings
 
 

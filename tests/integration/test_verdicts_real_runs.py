@@ -79,7 +79,8 @@ def test_a_dropout_run_is_analysed_with_its_recorded_recipe_and_fidelity_is_unve
     for command in ("delta-bias", "pv-trace"):
         d, output = _json([command, str(runs.dropout)], tmp_path, f"{command}.json")
         fid = d["replay_fidelity"]
-        assert (fid["preset"], fid["accumulation"], fid["o_bits_equal"], fid["verifiable"]) == ("bf16-hw", "ieee", None, False)
+        assert (fid["preset"], fid["accumulation"]) == ("bf16-hw", "ieee")
+        assert fid["o_bits_equal"] is None and fid["verifiable"] is False
         assert [u["layer"] for u in fid["unverifiable"]] == [0, 1]
         line = next(w for w in d["warnings"] if w.startswith("replay fidelity unverifiable at step 1 layer 0"))
         assert "analysed with preset bf16-hw / ieee, the recipe the recorded settings imply" in line

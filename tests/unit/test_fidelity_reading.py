@@ -54,7 +54,10 @@ def test_auto_keeps_the_accumulation_the_device_implies_unless_the_other_is_clea
 
 def test_the_recipe_implied_where_o_cannot_be_matched():
     assert implied(_facts(precision="bf16", dropout_p=0.1, device="cpu"), "bf16")[:2] == ("bf16-hw", Accumulation.IEEE)
-    assert implied(_facts(precision="bf16", dropout_p=0.1, device="cuda"), "bf16")[:2] == ("bf16-hw", Accumulation.TENSOR_CORE)
+    on_gpu = implied(_facts(precision="bf16", dropout_p=0.1, device="cuda"), "bf16")
+    assert on_gpu[:2] == ("bf16-hw", Accumulation.TENSOR_CORE)
+    assert implied(_facts(precision="bf16", kernel="sdpa"), "bf16")[0] == "bf16-hw"
+    assert implied(_facts(precision="bf16", kernel="record"), "bf16")[0] == "bf16"
     preset, acc, why = implied(_facts(precision="fp32"), "bf16")
     assert (preset, acc) == ("bf16", Accumulation.IEEE) and "what bf16 would do" in why
 
@@ -112,6 +115,21 @@ def test_facts_are_read_defensively(make_dump):
     facts = facts_at(open_dump(make_dump(steps=(0,), seq=16, dtype=torch.float32)), 0, 0)
     assert facts.precision == "fp32" and facts.autocast is None and facts.softmax is None and facts.dropout_p == 0
     assert facts_at(None, 0, 0) == UNKNOWN
+
+
+def test_facts_as_a_capture_records_them(make_dump):
+    """Layer attributes of a capture that records its entry point, device and softmax variant ("unknown" = None)."""
+    import zarr
+
+    path = make_dump(steps=(0,), seq=16)
+    group = zarr.open_group(str(path), mode="r+")["step_000000000/layer_000"]
+    group.attrs.update({"source": "sdpa", "softmax": "standard", "device_type": "cuda", "autocast": True,
+                        "dtype": "bfloat16", "dropout_p": 0.0})
+    facts = facts_at(open_dump(path), 0, 0)
+    assert (facts.kernel, facts.softmax, facts.device) == ("sdpa", "standard", "cuda")
+    assert facts.autocast is True and facts.precision == "bf16"
+    group.attrs.update({"softmax": "unknown"})
+    assert facts_at(open_dump(path), 0, 0).softmax is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
