@@ -56,7 +56,11 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
         parts.append(f"fidelity unverifiable at {where}: {unverifiable_reason(first)}; the analyses replay {preset} / "
                      f"{acc.value}, the recipe the recorded settings imply")
         warnings.append(parts[-1])
-    if seen:
+    if seen and lead:
+        worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
+        parts.append(f"the fp32 replay reproduces {_pct(worst.best.o_bits_equal)} of the stored O at worst (step {worst.step} "
+                     f"layer {worst.layer}; an fp32 kernel that sums in another order differs in the last bits)")
+    elif seen:
         worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
         named = ", ".join(f"{p} / {a}" for p, a in sorted({(lm.best.preset, lm.best.accumulation) for lm in seen}))
         if worst.best.o_bits_equal == 1.0:
