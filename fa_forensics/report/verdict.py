@@ -33,6 +33,23 @@ def agreement(by_name: dict[str, dict]) -> tuple[bool, Optional[tuple[int, int]]
     return (len(places) == 1 and one_sign), (next(iter(places)) if len(places) == 1 else None)
 
 
+def report_verdict(sections) -> str:
+    """The one-sentence verdict that opens the report, led by what the run's precision means when it is fp32."""
+    verdict, lead = _report_verdict(sections), _precision(sections)
+    return verdict.replace("VERDICT: ", f"VERDICT: {lead}", 1) if lead else verdict
+
+
+def _precision(sections) -> str:
+    """What the run's recorded precision means, leading the verdict ('' for a low-precision run)."""
+    from fa_forensics.analyses.contract import precision_line
+
+    for s in sections:
+        line = precision_line(None if s.data is None else s.data.get("replay_fidelity"))
+        if line:
+            return f"{line}. "
+    return ""
+
+
 def _fidelity(sections) -> str:
     """The verdict's fidelity clause: the share of the stored O the replayed recipe reproduces and what the
     mismatches mean (their sign test from 88 %), or why it cannot be measured (attention dropout)."""
@@ -63,27 +80,8 @@ def _fidelity(sections) -> str:
     return "replay fidelity not measured (the findings describe the replayed recipe)"
 
 
-def _precision(sections) -> str:
-    """What the run's recorded precision means, leading the verdict ('' for a low-precision run)."""
-    from fa_forensics.analyses.contract import precision_line
-
-    for s in sections:
-        line = precision_line(None if s.data is None else s.data.get("replay_fidelity"))
-        if line:
-            return f"{line}. "
-    return ""
-
-
-def report_verdict(sections) -> str:
-    """The one-sentence verdict that opens the report."""
-    return _with_precision(_report_verdict(sections), _precision(sections))
-
-
-def _with_precision(verdict: str, lead: str) -> str:
-    return verdict.replace("VERDICT: ", f"VERDICT: {lead}", 1) if lead else verdict
-
-
 def _report_verdict(sections) -> str:
+    """The verdict's sentence, before the run's precision leads it."""
     by_name = claims(sections)
     data = {s.name: s.data for s in sections if s.data is not None}
     fidelity = _fidelity(sections)
