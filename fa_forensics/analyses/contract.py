@@ -80,10 +80,12 @@ def _where(items: Sequence[dict]) -> str:
 
 def precision_line(fid: Optional[dict]) -> Optional[str]:
     """What the run's recorded precision means for the findings, when it is not a low-precision run."""
-    if fid and fid.get("run_precision") == "fp32":
-        return (f"trained in fp32: no low-precision rounding to analyse; the findings show what {fid.get('preset')} "
-                f"would do on these inputs")
-    return None
+    if not fid or fid.get("run_precision") != "fp32":
+        return None
+    if fid.get("preset") == "fp32":
+        return "trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides"
+    return (f"trained in fp32: no low-precision rounding to analyse; the findings show what {fid.get('preset')} "
+            f"would do on these inputs")
 
 
 def fidelity_warnings(fid: Optional[dict]) -> list[str]:
@@ -97,8 +99,9 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
     reasons = [u["reason"] for u in fid.get("unverifiable") or [] if not (fp32_run and u["reason"].startswith("trained in fp32"))]
     for reason in dict.fromkeys(reasons):
         items = [u for u in fid["unverifiable"] if u["reason"] == reason]
+        why = "the recipe the recorded settings imply" if fid.get("requested") == "auto" else "as asked"
         out.append(f"replay fidelity unverifiable at {_where(items)}: {reason}; analysed with preset "
-                   f"{items[0]['preset']} / {items[0]['accumulation']}, the recipe the recorded settings imply")
+                   f"{items[0]['preset']} / {items[0]['accumulation']}, {why}")
     if fid.get("unmatched") and fid.get("requested") == "auto":
         out.append(f"preset auto: no stored O to match at {_where(fid['unmatched'])}; replayed preset "
                    f"{fid['unmatched'][0]['preset']} there, which may not be the kernel that trained (a named preset "

@@ -85,6 +85,8 @@ def read(key: str) -> Optional[dict]:
     if root is None:
         return None
     path = root / f"{key}.json"
+    if root.is_symlink():
+        return None  # refused; `write` says so
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:

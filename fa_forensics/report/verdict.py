@@ -63,8 +63,8 @@ def _fidelity(sections) -> str:
         reasons = list(dict.fromkeys(u.get("reason") for u in fidelity.get("unverifiable") or []
                                      if not str(u.get("reason", "")).startswith("trained in fp32")))
         if reasons:
-            return (f"replay fidelity unverifiable ({'; '.join(reasons)}): the findings describe {named}, "
-                    f"the recipe the recorded settings imply")
+            why = "the recipe the recorded settings imply" if fidelity.get("requested") == "auto" else "as asked"
+            return f"replay fidelity unverifiable ({'; '.join(reasons)}): the findings describe {named}, {why}"
         share = fidelity.get("o_bits_equal")
         if share is None:
             if fidelity.get("run_precision") == "fp32":

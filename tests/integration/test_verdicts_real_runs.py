@@ -88,6 +88,9 @@ def test_a_dropout_run_is_analysed_with_its_recorded_recipe_and_fidelity_is_unve
     verdict = report_verdict([SimpleNamespace(name="delta-bias", data=d)])
     assert "replay fidelity unverifiable (attention dropout p=0.1" in verdict
 
+    d, _ = _json(["delta-bias", str(runs.dropout), "--preset", "bf16"], tmp_path, "named.json")
+    assert any(w.endswith("analysed with preset bf16 / ieee, as asked") for w in d["warnings"])
+
 
 def test_mismatches_of_a_bf16_autocast_run_get_a_sign_test(runs, tmp_path):
     d, output = _json(["delta-bias", str(runs.bf16)], tmp_path)
@@ -120,6 +123,8 @@ def test_an_fp32_run_is_called_an_fp32_run(runs, tmp_path):
                                  "would do on these inputs")
     verdict = report_verdict([SimpleNamespace(name="delta-bias", data=d)])
     assert verdict.startswith("VERDICT: trained in fp32: no low-precision rounding to analyse")
+    d, _ = _json(["delta-bias", str(runs.fp32), "--preset", "fp32"], tmp_path, "named.json")
+    assert "trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides" in d["warnings"]
     m, _ = _json(["match", str(runs.fp32)], tmp_path, "m.json")
     assert m["verdict"].startswith("trained in fp32: no low-precision rounding to analyse")
     assert {c["preset"] for layer in m["layers"] for c in layer["candidates"]} == {"fp32"}
