@@ -160,9 +160,6 @@ def write_json(path: Optional[Path], payload: Any) -> None:
     diagnostics = _DIAGNOSTICS.get()
     if isinstance(data, dict):
         own = list(data.get("warnings") or [])
-        for message in own:
-            if diagnostics is not None:
-                diagnostics.add(message)
         data["warnings"] = list(dict.fromkeys(own + (diagnostics.messages if diagnostics is not None else [])))
     path = Path(path)
     try:

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from fa_forensics.commands.common import (
     BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt, console,
-    progress_bar, run_cli, use_match_cache, write_json,
+    print_warnings, progress_bar, run_cli, use_match_cache, write_json,
 )
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
@@ -39,6 +39,7 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
     """(the verdict, its warnings): led by the run's precision where it is fp32; layers whose O cannot be
     reproduced (attention dropout) are named, not ranked."""
     from fa_forensics.analyses.candidates import implied
+    from fa_forensics.analyses.contract import FIDELITY_WARN_BELOW, MISMATCH_TEST_ABOVE
     from fa_forensics.analyses.match import unverifiable_reason
     from fa_forensics.analyses.recipe import FALLBACK_PRESET
 
@@ -69,7 +70,10 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
             parts.append(f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} "
                          f"(step {worst.step} layer {worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); "
                          f"analyses describe the recipe they replay, not the kernel that trained")
-        if worst.best.o_bits_equal < 0.99:
+        if MISMATCH_TEST_ABOVE <= worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
+            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: every "
+                            f"analysis tests whether the mismatches are biased (replay_fidelity.mismatch)")
+        elif worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
             warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: "
                             f"findings describe that recipe, not the kernel that trained")
     return lead + "; ".join(parts), warnings
@@ -116,6 +120,7 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
         "compared_in": r.compared_in, "all": try_all, "backend": backend, "warnings": warnings, "verdict": verdict,
     }
     write_json(json_path, payload)
+    print_warnings(warnings)
     for line in (lines if len(lines) <= 8 else []):
         console.print(line, highlight=False)
     console.print(f"[bold]verdict:[/] {verdict}", highlight=False)
