@@ -160,7 +160,7 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: 
 
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------
-CACHE_ATTR = match_cache.LEGACY_ATTR  # where earlier versions kept the match, in the layer's attributes (read only)
+CACHE_ATTR = match_cache.IN_DUMP_ATTR  # the layer attribute a dump may carry its match in (read, never written)
 CACHE_VERSION = 2  # part of the fingerprint: raise it when a recipe's arithmetic changes
 
 # Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
@@ -199,8 +199,8 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
                 backend: str = "emulate") -> Optional[LayerMatch]:
     """The match of one whole layer-step (every stored head) over the candidate recipes the dump's
     recorded facts admit (those under `accumulation` only, when given), or None when the layer stores
-    no O. Read from the match cache (or a dump's legacy in-dump cache) when its fingerprint fits, else
-    computed and kept in the cache (`analyses.match_cache`); the dump is never written."""
+    no O. Read from the match cache (or the match a dump carries in its attributes) when its fingerprint
+    fits, else computed and kept in the cache (`analyses.match_cache`); the dump is never written."""
     try:
         memo = _BEST.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
@@ -216,7 +216,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     recipes = admissible([r for r in candidate_recipes() if acc is None or r.accumulation == acc], facts)
     key = fingerprint(t, recipes)
     lm = None
-    for entry in (match_cache.read(key), match_cache.legacy(dump, step, layer, t, acc)):
+    for entry in (match_cache.read(key), match_cache.in_dump(dump, step, layer, t, acc)):
         if entry is not None and lm is None:
             lm = _from_entry(entry, step, layer, recipes, facts)
     if lm is None:

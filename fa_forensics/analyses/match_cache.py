@@ -11,9 +11,9 @@ are written symlink-safe: a temporary file made in the target directory, then re
 target (a rename replaces a link, never follows it); a target or `match` directory that is a
 symbolic link is refused with a warning, and reads open the file with O_NOFOLLOW.
 
-Dumps written by earlier versions carry their match in the layer group's attributes
-(`replay_match`); `legacy` reads it when its fingerprint (over the recipe list of that version)
-still fits the stored bytes.
+A dump may carry a match in its layer groups' attributes (`replay_match`, fingerprinted over the
+recipe list `_IN_DUMP_RECIPES`; the bundled sample dumps do): `in_dump` reads it when its
+fingerprint fits the stored bytes. It is never written.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ import torch
 
 ENV_DIR = "FA_FORENSICS_CACHE_DIR"
 OFF = "off"
-LEGACY_ATTR = "replay_match"
-_LEGACY_VERSION = 1
-# The recipes the in-dump cache was fingerprinted over, in the order tried.
-_LEGACY_RECIPES = (
+IN_DUMP_ATTR = "replay_match"
+_IN_DUMP_VERSION = 1
+# The recipes an in-dump match is fingerprinted over, in the order tried.
+_IN_DUMP_RECIPES = (
     ("bf16-autocast-train", "ieee"), ("bf16-autocast-train", "tensor-core"), ("bf16-autocast-stabilized", "ieee"),
     ("bf16-autocast-stabilized", "tensor-core"), ("bf16-autocast", "ieee"), ("bf16-autocast", "tensor-core"),
     ("bf16-hw", "ieee"), ("bf16-hw", "tensor-core"), ("bf16", "ieee"), ("bf16", "tensor-core"), ("stabilized", "ieee"),
@@ -128,16 +128,16 @@ def write(key: str, entry: dict) -> None:
               f"(set {ENV_DIR} to a writable directory, or to 'off')")
 
 
-def legacy(dump, step: int, layer: int, t, accumulation: Optional[str]) -> Optional[dict]:
-    """The match an earlier version kept in the layer group's attributes, when its fingerprint still
-    fits the stored bytes: {heads, candidates[]}, or None."""
-    name = LEGACY_ATTR if accumulation is None else f"{LEGACY_ATTR}_{accumulation}"
+def in_dump(dump, step: int, layer: int, t, accumulation: Optional[str]) -> Optional[dict]:
+    """The match kept in the layer group's attributes, when its fingerprint fits the stored bytes:
+    {heads, candidates[]}, or None."""
+    name = IN_DUMP_ATTR if accumulation is None else f"{IN_DUMP_ATTR}_{accumulation}"
     try:
         cached = dump._layer(step, layer).attrs.get(name)
     except Exception:  # a stand-in without zarr groups
         return None
     if not isinstance(cached, dict) or "fingerprint" not in cached:
         return None
-    recipes = [list(r) for r in _LEGACY_RECIPES if accumulation is None or r[1] == accumulation]
-    key = data_hash(t, (_LEGACY_VERSION, t.scale, t.causal, [tuple(r) for r in recipes]))
+    recipes = [list(r) for r in _IN_DUMP_RECIPES if accumulation is None or r[1] == accumulation]
+    key = data_hash(t, (_IN_DUMP_VERSION, t.scale, t.causal, [tuple(r) for r in recipes]))
     return cached if cached["fingerprint"] == key else None

@@ -168,7 +168,7 @@ def test_match_and_every_auto_analysis_leave_a_read_only_dump_untouched(runs, tm
         _writable(folder)
 
 
-def test_the_demo_capture_is_read_from_its_legacy_cache_and_left_untouched(tmp_path):
+def test_the_demo_capture_is_answered_by_the_match_it_carries_and_left_untouched(tmp_path):
     folder = tmp_path / "evidence"
     folder.mkdir()
     store = folder / "demo.zarr"

@@ -34,8 +34,7 @@ def counted_matches(monkeypatch):
 
 @pytest.mark.parametrize("path, preset", [(PLANTED, "bf16"), (DEMO, "bf16-autocast-train")])
 def test_the_sample_dumps_carry_their_match_and_auto_reads_it(path, preset, counted_matches):
-    """Both bundled dumps ship a cache in their layers' attributes (written by an earlier version) and it still fits:
-    read, never rewritten."""
+    """Both bundled dumps carry their match in their layers' attributes and it still fits: read, never rewritten."""
     dump = open_dump(path)
     sels = select(dump)
     recipe = resolve(dump, sels, Recipe())
