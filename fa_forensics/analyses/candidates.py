@@ -51,9 +51,15 @@ def _softmax_allows(preset: str, facts: RunFacts) -> bool:
     return stabilized == facts.softmax.startswith("stabil")
 
 
+def _kernel_allows(preset: str, facts: RunFacts) -> bool:
+    """A recorded torch SDPA call is never the paper's pure-PyTorch reference code (the bf16-autocast presets)."""
+    return not (facts.kernel == "sdpa" and preset.startswith("bf16-autocast"))
+
+
 def admissible(recipes: Sequence[R], facts: RunFacts) -> list[R]:
-    """The recipes the recorded precision and softmax variant allow (all of them when nothing is recorded)."""
-    kept = [r for r in recipes if _precision_allows(r.preset, facts) and _softmax_allows(r.preset, facts)]
+    """The recipes the recorded precision, softmax variant and kernel allow (all of them when nothing is recorded)."""
+    kept = [r for r in recipes
+            if _precision_allows(r.preset, facts) and _softmax_allows(r.preset, facts) and _kernel_allows(r.preset, facts)]
     return kept or list(recipes)
 
 

@@ -39,6 +39,8 @@ def test_a_bf16_run_is_never_an_fp8_run_and_an_fp32_run_only_fp32():
     assert names(UNKNOWN) == {r.preset for r in candidate_recipes()}  # nothing recorded: nothing ruled out
     standard = names(_facts(precision="bf16", softmax="standard"))
     assert "bf16-autocast-stabilized" not in standard and "stabilized" not in standard
+    sdpa = names(_facts(precision="bf16", kernel="sdpa"))
+    assert not any(n.startswith("bf16-autocast") for n in sdpa) and {"bf16", "bf16-hw"} <= sdpa
 
 
 def test_auto_keeps_the_accumulation_the_device_implies_unless_the_other_is_clearly_better():
