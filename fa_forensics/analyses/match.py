@@ -134,7 +134,7 @@ def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, 
           workers=None) -> MatchResult:
     """match_layer for every selected layer-step (all selected heads at once), each a work item on
     `workers`. A whole layer-step (every stored head) under the default candidates is `best_recipe`'s:
-    read from the dump's cache and written there, so `match` and `--preset auto` share one result."""
+    read from the match cache and kept there, so `match` and `--preset auto` share one result."""
     from fa_forensics.analyses.fanout import Workers, map_layers
 
     cached = recipes is None and not try_all and backend == "emulate"

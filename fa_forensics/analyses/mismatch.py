@@ -62,10 +62,15 @@ def _bin(v: int) -> str:
     return f"<={-ULP_BINS}" if v <= -ULP_BINS else f">={ULP_BINS}" if v >= ULP_BINS else f"{v:+d}"
 
 
-def _binom_p(k: int, n: int) -> float:
-    from scipy.stats import binomtest
+def _binom_p(k, n):
+    """Two-sided sign-test p of k successes in n trials at probability 1/2 (elementwise; 1 where n = 0):
+    the symmetric binomial's two tails, 2·P(X ≤ min(k, n − k)), capped at 1."""
+    import numpy as np
+    from scipy.stats import binom
 
-    return float(binomtest(k, n, 0.5).pvalue) if n else 1.0
+    k, n = np.asarray(k, dtype=np.int64), np.asarray(n, dtype=np.int64)
+    p = np.minimum(1.0, 2.0 * binom.cdf(np.minimum(k, n - k), np.maximum(n, 1), 0.5))
+    return np.where(n > 0, p, 1.0)
 
 
 def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
@@ -79,16 +84,16 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
         return None
     cells, worst = 0, None
     for t in tallies:
-        for hi, head in enumerate(t.heads):
-            for f in range(t.positive.shape[1]):
-                k, m = int(t.positive[hi, f]), int(t.positive[hi, f] + t.negative[hi, f])
-                if not m:
-                    continue
-                cells += 1
-                p = _binom_p(k, m)
-                if worst is None or p < worst["p"]:
-                    worst = {"step": t.step, "layer": t.layer, "head": head, "feature": f,
-                             "positive": k, "n": m, "p": p}
+        n_cell = t.positive + t.negative  # (h, D)
+        tested = n_cell > 0
+        if not bool(tested.any()):
+            continue
+        p = torch.from_numpy(_binom_p(t.positive.numpy(), n_cell.numpy()))
+        cells += int(tested.sum())
+        hi, f = divmod(int(torch.where(tested, p, torch.full_like(p, 2.0)).argmin()), p.shape[1])
+        if worst is None or float(p[hi, f]) < worst["p"]:
+            worst = {"step": t.step, "layer": t.layer, "head": t.heads[hi], "feature": f,
+                     "positive": int(t.positive[hi, f]), "n": int(n_cell[hi, f]), "p": float(p[hi, f])}
     p_feature = min(1.0, worst["p"] * cells)
     share = worst["positive"] / worst["n"]
     worst.update(share_positive=share, share_se=math.sqrt(share * (1 - share) / worst["n"]))
@@ -112,6 +117,6 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
                    f"{100 * pooled_share:.0f} % ± {100 * pooled_se:.0f} % of {n} "
                    f"positive): bias findings stand")
     return {"n_mismatched": n, "positive": n_pos, "share_positive": pooled_share,
-            "share_se": pooled_se, "p_pooled": _binom_p(n_pos, n),
+            "share_se": pooled_se, "p_pooled": float(_binom_p(n_pos, n)),
             "n_features": cells, "p_feature": p_feature, "worst": worst, "ulp_histogram": hist, "biased": biased,
             "verdict": verdict}
