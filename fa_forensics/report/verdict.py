@@ -36,7 +36,10 @@ def agreement(by_name: dict[str, dict]) -> tuple[bool, Optional[tuple[int, int]]
 def report_verdict(sections) -> str:
     """The one-sentence verdict that opens the report, led by what the run's precision means when it is fp32."""
     verdict, lead = _report_verdict(sections), _precision(sections)
-    return verdict.replace("VERDICT: ", f"VERDICT: {lead}", 1) if lead else verdict
+    if not lead:
+        return verdict
+    body = verdict.removeprefix("VERDICT: ")
+    return f"VERDICT: {lead}{body[:1].upper()}{body[1:]}"
 
 
 def _precision(sections) -> str:

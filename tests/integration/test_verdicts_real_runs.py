@@ -123,7 +123,8 @@ def test_an_fp32_run_is_called_an_fp32_run(runs, tmp_path):
     assert d["warnings"][-1] == ("trained in fp32: no low-precision rounding to analyse; the findings show what bf16 "
                                  "would do on these inputs")
     verdict = report_verdict([SimpleNamespace(name="delta-bias", data=d)])
-    assert verdict.startswith("VERDICT: trained in fp32: no low-precision rounding to analyse")
+    assert verdict.startswith("VERDICT: trained in fp32: no low-precision rounding to analyse; the findings show what "
+                              "bf16 would do on these inputs. No significant bias")
     d, _ = _json(["delta-bias", str(runs.fp32), "--preset", "fp32"], tmp_path, "named.json")
     assert "trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides" in d["warnings"]
     m, _ = _json(["match", str(runs.fp32)], tmp_path, "m.json")
