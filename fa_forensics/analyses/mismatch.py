@@ -5,7 +5,8 @@ bias findings rest on the mean of O_lp − O_hp per (layer, head, feature): they
 differences from the replay carry no sign of their own in any feature. `tally` counts, over the
 mismatching elements of one layer-step, the sign of (stored − replayed) per (head, feature) and the
 histogram of the difference in units in the last place of the stored dtype; `sign_test` tests each
-feature (two-sided binomial test of "as many + as −", Bonferroni over the features tested) and pools.
+feature (two-sided binomial test of "as many + as −", Bonferroni over the features tested) and all
+features pooled (a skew spread thinly over every feature).
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def _binom_p(k, n):
 def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
     """{n_mismatched, positive, share_positive, share_se, p_pooled, n_features, p_feature (Bonferroni),
     worst {step, layer, head, feature, positive, n, share_positive, share_se}, ulp_histogram, biased,
-    verdict}, or None when nothing mismatches. biased: the corrected per-feature p is below `alpha`."""
+    verdict}, or None when nothing mismatches. biased: the corrected per-feature p or the pooled p is
+    below `alpha` / 2 (two tests: a sign of its own in one feature, or in all of them together)."""
     n_pos = sum(int(t.positive.sum()) for t in tallies)
     n_neg = sum(int(t.negative.sum()) for t in tallies)
     n = n_pos + n_neg
@@ -106,17 +108,22 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
     hist = {k: hist[k] for k in order if k in hist}
     pooled_share = n_pos / n
     pooled_se = math.sqrt(pooled_share * (1 - pooled_share) / n)
-    biased = p_feature < alpha
-    if biased:
+    p_pooled = float(_binom_p(n_pos, n))
+    pooled = f"{100 * pooled_share:.0f} % ± {100 * pooled_se:.0f} % of {n} positive"
+    # two tests (per feature, pooled), each at alpha / 2
+    biased = min(p_feature, p_pooled) < alpha / 2
+    if p_feature < alpha / 2:
         verdict = (f"the mismatches are biased (p = {p_feature:.2g}, sign test per feature, Bonferroni over {cells}; "
                    f"step {worst['step']} layer {worst['layer']} head {worst['head']} feature {worst['feature']}: "
                    f"{100 * share:.0f} % ± {100 * worst['share_se']:.0f} % of {worst['n']} positive): "
                    f"do not trust the bias findings")
+    elif biased:
+        verdict = (f"the mismatches are biased overall (p = {p_pooled:.2g}, pooled sign test; {pooled}): "
+                   f"do not trust the bias findings")
     else:
-        verdict = (f"the mismatches are unbiased (p = {p_feature:.2g}, sign test per feature, Bonferroni over {cells}; "
-                   f"{100 * pooled_share:.0f} % ± {100 * pooled_se:.0f} % of {n} "
-                   f"positive): bias findings stand")
+        verdict = (f"the mismatches are unbiased (p = {min(1.0, 2 * min(p_feature, p_pooled)):.2g}, sign tests per "
+                   f"feature, Bonferroni over {cells}, and pooled; {pooled}): bias findings stand")
     return {"n_mismatched": n, "positive": n_pos, "share_positive": pooled_share,
-            "share_se": pooled_se, "p_pooled": float(_binom_p(n_pos, n)),
+            "share_se": pooled_se, "p_pooled": p_pooled,
             "n_features": cells, "p_feature": p_feature, "worst": worst, "ulp_histogram": hist, "biased": biased,
             "verdict": verdict}

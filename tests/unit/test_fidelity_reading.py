@@ -98,6 +98,11 @@ def test_the_sign_test_tells_unbiased_from_biased_mismatches(make_dump):
     assert biased["biased"] and biased["worst"]["feature"] == 5 and biased["worst"]["share_positive"] == 1.0
     assert "do not trust the bias findings" in biased["verdict"] and biased["p_feature"] < ALPHA
 
+    thin = _bumped(t.o, torch.rand(t.o.shape, generator=g) < 0.03, positive)  # every mismatch upwards, few per feature
+    overall = sign_test([tally(0, 0, sel.heads, replayed, thin)], ALPHA)
+    assert overall["biased"] and overall["p_feature"] >= ALPHA / 2 and overall["p_pooled"] < 1e-10
+    assert overall["verdict"].startswith("the mismatches are biased overall (p = ")
+
     assert sign_test([tally(0, 0, sel.heads, replayed, t.o)], ALPHA) is None  # nothing mismatches: nothing to test
 
 
