@@ -6,11 +6,6 @@ import os
 # Triton fixes its interpreter mode when first imported, and test modules import it at collection
 # (transformers does): set the mode here, before any of them, so tests/triton runs interpreted.
 os.environ["TRITON_INTERPRET"] = "1"
-# The match cache of the tests' runs goes to a fresh directory of this session, never ~/.cache (a test that
-# needs another location sets it itself).
-import tempfile
-
-os.environ["FA_FORENSICS_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa-forensics-test-cache-")
 
 import math
 from pathlib import Path
@@ -74,6 +69,18 @@ def build_dump(
             writer.complete_step(s, loss=1.0 + s)
     writer.close()
     return Path(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def match_cache_of_the_session(tmp_path_factory):
+    """Session and module fixtures' match results go to a directory of this session, never ~/.cache."""
+    before = os.environ.get("FA_FORENSICS_CACHE_DIR")
+    os.environ["FA_FORENSICS_CACHE_DIR"] = str(tmp_path_factory.mktemp("match-cache-session"))
+    yield
+    if before is None:
+        os.environ.pop("FA_FORENSICS_CACHE_DIR", None)
+    else:
+        os.environ["FA_FORENSICS_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

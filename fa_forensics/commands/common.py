@@ -146,6 +146,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         raise typer.Exit(code=2)
     finally:
         _DIAGNOSTICS.reset(token)
+        use_match_cache(None)  # --match-cache holds for one command only
 
 
 def write_json(path: Optional[Path], payload: Any) -> None:
@@ -257,7 +258,7 @@ def build_recipe(preset: str, accumulation: str) -> Recipe:
 
 
 def use_match_cache(value: Optional[str]) -> None:
-    """Apply --match-cache (None: the environment's or the default directory)."""
+    """Apply --match-cache for the running command (None: the environment's or the default directory)."""
     from fa_forensics.analyses.match_cache import set_cache_dir
 
     set_cache_dir(value)

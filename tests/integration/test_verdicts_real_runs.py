@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 import fa_forensics
+from fa_forensics.analyses import match_cache
 from fa_forensics.analyses.match import best_recipe
 from fa_forensics.cli import app
 from fa_forensics.commands.match import runner_up
@@ -183,6 +184,7 @@ def test_the_demo_capture_is_answered_by_the_match_it_carries_and_left_untouched
         assert not cache.exists()  # every layer-step answered by the fingerprinted in-dump cache
         d, _ = _json(["delta-bias", str(store), "--step", "299", "--layer", "1", "--match-cache", "off"], tmp_path)
         assert d["replay_fidelity"]["o_bits_equal"] == 1.0
+        assert match_cache.cache_dir() is not None  # the option held for that command only
         assert _snapshot(store) == before
     finally:
         _writable(folder)
