@@ -71,6 +71,24 @@ def build_dump(
     return Path(path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def match_cache_of_the_session(tmp_path_factory):
+    """Session and module fixtures' match results go to a directory of this session, never ~/.cache."""
+    before = os.environ.get("FA_FORENSICS_CACHE_DIR")
+    os.environ["FA_FORENSICS_CACHE_DIR"] = str(tmp_path_factory.mktemp("match-cache-session"))
+    yield
+    if before is None:
+        os.environ.pop("FA_FORENSICS_CACHE_DIR", None)
+    else:
+        os.environ["FA_FORENSICS_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def match_cache_per_test(tmp_path_factory, monkeypatch):
+    """Each test its own match cache: results are content-addressed, so tests with equal dumps would share one."""
+    monkeypatch.setenv("FA_FORENSICS_CACHE_DIR", str(tmp_path_factory.mktemp("match-cache")))
+
+
 @pytest.fixture(scope="session")
 def planted_dump() -> Path:
     """Path of sample_dumps/planted.zarr (made by `fa-forensics synth`, see docs/_parts/dump.md)."""

@@ -55,14 +55,16 @@ def claim(quantity: str, p_value: float, n_tests: int, value: float, *, layer=No
 
 
 FIDELITY_WARN_BELOW = 0.99  # o_bits_equal under which every analysis warns
+MISMATCH_TEST_ABOVE = 0.88  # from this o_bits_equal on, the mismatches' sign test replaces the blanket caveat
 
 
 def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict]:
     """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`:
     {preset, accumulation, requested, o_bits_equal, per_layer[] {step, layer, preset, accumulation,
-    o_bits_equal}, unmatched[]} (analyses.match.fidelity:
-    one forward replay per layer-step), or None for in-memory layers and dumps without O. An
-    analysis stores what this returns in its Result's `replay_fidelity` and never computes it elsewhere.
+    o_bits_equal}, unmatched[], unverifiable[] {step, layer, preset, accumulation, reason}, verifiable,
+    run_precision, mismatch} (analyses.match.fidelity: one forward replay per layer-step), or None for
+    in-memory layers and dumps without O. An analysis stores what this returns in its Result's
+    `replay_fidelity` and never computes it elsewhere.
     """
     if dump is None:
         return None
@@ -71,23 +73,50 @@ def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict
     return fidelity(dump, selections, recipe)
 
 
+def _where(items: Sequence[dict]) -> str:
+    where = ", ".join(f"step {u['step']} layer {u['layer']}" for u in items[:4])
+    return where + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+
+def precision_line(fid: Optional[dict]) -> Optional[str]:
+    """What the run's recorded precision means for the findings, when it is not a low-precision run."""
+    if not fid or fid.get("run_precision") != "fp32":
+        return None
+    if fid.get("preset") == "fp32":
+        return "trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides"
+    return (f"trained in fp32: no low-precision rounding to analyse; the findings show what {fid.get('preset')} "
+            f"would do on these inputs")
+
+
 def fidelity_warnings(fid: Optional[dict]) -> list[str]:
-    """One line when the replayed recipe reproduces less than 99 % of the stored O, one when `auto`
-    found no stored O to match somewhere and replayed its fallback there."""
+    """One line each: the run's precision when it is fp32; the layer-steps whose fidelity cannot be
+    verified and why; `auto` finding no stored O somewhere; and, under 99 % fidelity, either the
+    mismatches' sign test (from 88 %) or that the findings describe the replayed recipe only."""
     if not fid:
         return []
-    out = []
+    out = [line for line in (precision_line(fid),) if line]
+    fp32_run = fid.get("run_precision") == "fp32"  # said once, by precision_line
+    reasons = [u["reason"] for u in fid.get("unverifiable") or [] if not (fp32_run and u["reason"].startswith("trained in fp32"))]
+    for reason in dict.fromkeys(reasons):
+        items = [u for u in fid["unverifiable"] if u["reason"] == reason]
+        why = "the recipe the recorded settings imply" if fid.get("requested") == "auto" else "as asked"
+        out.append(f"replay fidelity unverifiable at {_where(items)}: {reason}; analysed with preset "
+                   f"{items[0]['preset']} / {items[0]['accumulation']}, {why}")
     if fid.get("unmatched") and fid.get("requested") == "auto":
-        where = ", ".join(f"step {u['step']} layer {u['layer']}" for u in fid["unmatched"][:4])
-        more = f" and {len(fid['unmatched']) - 4} more" if len(fid["unmatched"]) > 4 else ""
-        out.append(f"preset auto: no stored O to match at {where}{more}; replayed preset {fid['unmatched'][0]['preset']} "
-                   f"there, which may not be the kernel that trained (a named preset replays that recipe instead)")
-    if fid.get("o_bits_equal") is None or fid["o_bits_equal"] >= FIDELITY_WARN_BELOW:
+        out.append(f"preset auto: no stored O to match at {_where(fid['unmatched'])}; replayed preset "
+                   f"{fid['unmatched'][0]['preset']} there, which may not be the kernel that trained (a named preset "
+                   f"replays that recipe instead)")
+    share = fid.get("o_bits_equal")
+    if share is None or share >= FIDELITY_WARN_BELOW:
         return out
     worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])
-    return out + [f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * fid['o_bits_equal']:.1f} % of "
-            f"the stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %): the findings "
-            f"describe that recipe, not the kernel that trained; `fa-forensics match` names the recipe that does"]
+    head = (f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * share:.1f} % of the "
+            f"stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %)")
+    mismatch = fid.get("mismatch")
+    if share >= MISMATCH_TEST_ABOVE and mismatch:
+        return out + [f"{head}; {mismatch['verdict']}"]
+    return out + [f"{head}: the findings describe that recipe, not the kernel that trained; `fa-forensics match` names "
+                  f"the recipe that does"]
 
 
 def recipe_keys(recipe: Recipe, backend: Backend) -> dict:

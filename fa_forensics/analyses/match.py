@@ -6,10 +6,15 @@ stored Q, K, V of one layer-step (with the dump's scale and causal flag) under e
 recipe, a preset with its own tiling under an accumulation model, and counts the stored-O
 elements it reproduces bit for bit. Bits are compared in the stored O's dtype (a replay whose O
 is wider is rounded to it, nearest-even, as a kernel's epilogue would). The search stops at the
-first candidate that reproduces every element, unless `try_all`.
+first candidate that reproduces every element, unless `try_all`. The candidates are those the
+layer's recorded facts admit (`analyses.candidates`), and the best is named preferring the
+accumulation model the recorded device implies.
 
 `best_recipe` is the cached form behind `--preset auto`: the match of one whole layer-step, kept in
-the layer group's attributes with a fingerprint of the stored arrays (a changed dump recomputes).
+the match cache beside the dump under a fingerprint of the stored arrays (`analyses.match_cache`;
+a changed dump recomputes; the dump is never written). `fidelity` is every analysis's
+`replay_fidelity`: the share reproduced, why it cannot be measured where it cannot, and the sign
+test of the mismatching elements (`analyses.mismatch`).
 
 Only the forward is fingerprinted: O is what the dump stores. Recipes that differ only in their
 backward (bf16-autocast and bf16-autocast-train) give the same O; the candidate order puts the
@@ -18,18 +23,16 @@ training recipe first, so a dump made by training names it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-import zarr
 
+from fa_forensics.analyses import match_cache
+from fa_forensics.analyses.candidates import admissible, pick_best
+from fa_forensics.analyses.run_facts import UNKNOWN, RunFacts, facts_at
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, replay_layer
 from fa_forensics.errors import DumpError
 from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig
@@ -130,8 +133,10 @@ def compare_o(replayed: torch.Tensor, stored: torch.Tensor) -> tuple[float, floa
     return float(equal.sum()) / n, max_err, n
 
 
-def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all: bool = False, backend: str = "emulate") -> LayerMatch:
-    """Replay one layer-step under each recipe until one reproduces every stored-O element."""
+def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all: bool = False, backend: str = "emulate",
+                facts: RunFacts = UNKNOWN) -> LayerMatch:
+    """Replay one layer-step under each recipe until one reproduces every stored-O element; the best
+    is named by `candidates.pick_best` (the accumulation model the recorded device implies first)."""
     if t.o is None:
         raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
     tried: list[Candidate] = []
@@ -141,9 +146,7 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
         tried.append(Candidate(recipe.preset, recipe.accumulation, share, max_err, n))
         if share == 1.0 and not try_all:
             break
-    order = {id(c): i for i, c in enumerate(tried)}
-    best = max(tried, key=lambda c: (c.o_bits_equal, -(c.max_abs_err if math.isfinite(c.max_abs_err) else math.inf), -order[id(c)]))
-    return LayerMatch(t.step, t.layer, list(t.heads), best, tried)
+    return LayerMatch(t.step, t.layer, list(t.heads), pick_best(tried, facts), tried)
 
 
 def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
@@ -151,18 +154,18 @@ def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, 
           workers=None) -> MatchResult:
     """match_layer for every selected layer-step (all selected heads at once), each a work item on
     `workers`. A whole layer-step (every stored head) under the default candidates is `best_recipe`'s:
-    read from the dump's cache and written there, so `match` and `--preset auto` share one result."""
+    read from the match cache and kept there, so `match` and `--preset auto` share one result."""
     from fa_forensics.analyses.fanout import Workers, map_layers
 
     cached = recipes is None and not try_all and backend == "emulate"
-    recipes = list(recipes) if recipes is not None else None
     parts = map_layers(_match_part, dump, selections, workers or Workers(), progress,
-                       args=(recipes, cached, try_all, backend), whole_layers=True)
+                       args=(None if recipes is None else list(recipes), cached, try_all, backend), whole_layers=True)
     return MatchResult([lm for lm, _ in parts], try_all, parts[-1][1] if parts else "")
 
 
 def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: str) -> tuple[LayerMatch, str]:
-    """(the match of one layer-step, the stored O's dtype)."""
+    """(the match of one layer-step, the stored O's dtype); without given recipes, the candidates
+    the layer's recorded facts admit."""
     if t.o is None:
         raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
     dump = t.source
@@ -170,13 +173,15 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: 
     if cached and dump is not None and list(t.heads) == list(dump.heads(t.step, t.layer)):
         lm = best_recipe(dump, t.step, t.layer, backend=backend)
     if lm is None:
-        lm = match_layer(t, recipes if recipes is not None else layer_candidates(t), try_all=try_all, backend=backend)
+        facts = facts_at(dump, t.step, t.layer)
+        recipes = recipes if recipes is not None else admissible(layer_candidates(t), facts)
+        lm = match_layer(t, recipes, try_all=try_all, backend=backend, facts=facts)
     return lm, str(t.o.dtype).replace("torch.", "")
 
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------
-CACHE_ATTR = "replay_match"  # layer-group attribute holding the cached result (one per accumulation restriction)
-CACHE_VERSION = 1  # part of the fingerprint: raise it when a recipe's arithmetic changes
+CACHE_ATTR = match_cache.IN_DUMP_ATTR  # the layer attribute a dump may carry its match in (read, never written)
+CACHE_VERSION = 2  # part of the fingerprint: raise it when a recipe's arithmetic changes
 
 # Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
 _BEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -184,55 +189,38 @@ _BEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def fingerprint(t: LayerTensors, recipes: Sequence[CandidateRecipe]) -> str:
     """sha256 of what a match result depends on: the stored q, k, v, o (and mask) bytes, scale,
-    causal flag and the recipes tried (a changed dump or recipe list invalidates the cache)."""
-    h = hashlib.sha256()
-    for x in (t.q, t.k, t.v, t.o, t.mask):
-        if x is None:
-            h.update(b"none")
-            continue
-        h.update(str((tuple(x.shape), str(x.dtype))).encode())
-        h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(repr((CACHE_VERSION, t.scale, t.causal, [(r.preset, r.accumulation) for r in recipes])).encode())
-    return h.hexdigest()
+    causal flag and the recipes tried (a changed dump or recipe list has another fingerprint)."""
+    return match_cache.data_hash(t, (CACHE_VERSION, t.scale, t.causal, [(r.preset, r.accumulation) for r in recipes]))
 
 
-def _to_attr(lm: LayerMatch, key: str) -> dict:
-    return {"fingerprint": key, "heads": lm.heads, "best": dataclasses.asdict(lm.best),
+def _to_entry(lm: LayerMatch) -> dict:
+    return {"heads": lm.heads, "best": dataclasses.asdict(lm.best),
             "candidates": [dataclasses.asdict(c) for c in lm.candidates]}
 
 
-def _from_attr(a: dict, step: int, layer: int) -> LayerMatch:
-    cands = [Candidate(**c) for c in a["candidates"]]
-    return LayerMatch(step, layer, list(a["heads"]), Candidate(**a["best"]), cands)
-
-
-def _write_cache(dump, step: int, layer: int, name: str, value: dict) -> None:
-    """Store the match in the layer group's attributes under the dump's writer lock; skipped, with no
-    error, when another process holds the lock or the store cannot be written (the result stands).
-    A local store's group metadata is replaced atomically (written beside it, then renamed), so an
-    interrupted write never leaves the dump unreadable."""
-    from fa_forensics.dump.lock import StoreLock
-
+def _from_entry(entry: dict, step: int, layer: int, allowed: Sequence[CandidateRecipe],
+                facts: RunFacts) -> Optional[LayerMatch]:
+    """The cached candidates the recipes `allowed` include, the best named by `pick_best`; None when the
+    entry cannot answer (unreadable, or it stopped at a recipe not allowed before trying those that are)."""
     try:
-        with StoreLock(dump.path):
-            meta_path = Path(dump.path) / dump._layer(step, layer).path / "zarr.json"
-            if meta_path.is_file():
-                meta = json.loads(meta_path.read_text())
-                meta.setdefault("attributes", {})[name] = value
-                tmp = meta_path.with_name(f".zarr.json.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(meta, indent=2))
-                os.replace(tmp, meta_path)
-            else:  # not a local directory store: zarr writes it
-                zarr.open_group(str(dump.path), mode="r+")[dump._layer(step, layer).path].attrs[name] = value
-    except Exception:  # held lock, read-only store or file system
-        pass
+        tried = [Candidate(**c) for c in entry["candidates"]]
+        heads = list(entry["heads"])
+    except (KeyError, TypeError):
+        return None
+    names = {(r.preset, r.accumulation) for r in allowed}
+    kept = [c for c in tried if (c.preset, c.accumulation) in names]
+    stopped_early = any(c.o_bits_equal == 1.0 for c in tried)
+    if not kept or (stopped_early and not any(c.o_bits_equal == 1.0 for c in kept)):
+        return None
+    return LayerMatch(step, layer, heads, pick_best(kept, facts), kept)
 
 
 def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulation] = None,
                 backend: str = "emulate") -> Optional[LayerMatch]:
-    """The match of one whole layer-step (every stored head) over the candidate recipes (those under
-    `accumulation` only, when given), or None when the layer stores no O. Read from the dump's cache
-    when its fingerprint still fits, else computed and written back to the layer group's attributes."""
+    """The match of one whole layer-step (every stored head) over the candidate recipes the dump's
+    recorded facts admit (those under `accumulation` only, when given), or None when the layer stores
+    no O. Read from the match cache (or the match a dump carries in its attributes) when its fingerprint
+    fits, else computed and kept in the cache (`analyses.match_cache`); the dump is never written."""
     try:
         memo = _BEST.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
@@ -244,59 +232,97 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     if t.o is None:
         memo[(step, layer, acc)] = None
         return None
-    recipes = [r for r in layer_candidates(t) if acc is None or r.accumulation == acc]
+    facts = facts_at(dump, step, layer)
+    recipes = admissible([r for r in layer_candidates(t) if acc is None or r.accumulation == acc], facts)
     key = fingerprint(t, recipes)
-    name = CACHE_ATTR if acc is None else f"{CACHE_ATTR}_{acc}"
-    cached = dump._layer(step, layer).attrs.get(name)
     lm = None
-    if isinstance(cached, dict) and cached.get("fingerprint") == key:
-        try:
-            lm = _from_attr(cached, step, layer)
-        except (KeyError, TypeError):
-            lm = None  # an unreadable cache is recomputed
+    for entry in (match_cache.read(key), match_cache.in_dump(dump, step, layer, t, acc)):
+        if entry is not None and lm is None:
+            lm = _from_entry(entry, step, layer, recipes, facts)
     if lm is None:
-        lm = match_layer(t, recipes, backend=backend)
-        _write_cache(dump, step, layer, name, _to_attr(lm, key))
+        lm = match_layer(t, recipes, backend=backend, facts=facts)
+        match_cache.write(key, _to_entry(lm))
     memo[(step, layer, acc)] = lm
     return lm
 
 
-# Per opened Dump: (step, layer, heads, config, backend) -> compare_o of the replayed O (None: no stored O).
+# Per opened Dump: (step, layer, heads, config, backend) -> (compare_o of the replayed O, its MismatchTally),
+# or None: no stored O.
 _O_SHARES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def unverifiable_reason(facts: RunFacts) -> Optional[str]:
+    """Why stored O cannot tell whether a replay computes what training computed (None: it can)."""
+    if facts.has_dropout:
+        return (f"attention dropout p={facts.dropout_p:g}: stored O includes dropout, which no replay of the stored "
+                f"Q, K, V reproduces")
+    if facts.is_fp32_run:
+        return "trained in fp32: stored O is fp32 attention, not the low-precision recipe replayed"
+    return None
+
+
+def _precision_name(facts_list: Sequence[RunFacts]) -> Optional[str]:
+    names = {f.precision for f in facts_list}
+    return names.pop() if len(names) == 1 else ("mixed" if len(names) > 1 else None)
 
 
 def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate") -> Optional[dict]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
     low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
-    over the selected layer-steps and heads, and per layer-step with the preset replayed there.
-    `preset` / `accumulation` name the replayed recipe ("per layer" when `auto` chose several),
-    `requested` the one asked for; `unmatched` lists the layer-steps with no stored O to compare
-    with. None when no layer stores O, unless `auto` had to fall back there (then o_bits_equal is None)."""
+    over the selected layer-steps and heads, and per layer-step with the preset replayed there;
+    `mismatch`: the sign test of the elements it does not reproduce (`analyses.mismatch`).
+    `preset` / `accumulation` name the replayed recipe ("per layer" where they differ between
+    layer-steps), `requested` the one asked for; `unmatched` lists the layer-steps with no stored O
+    to compare with, `unverifiable` those whose stored O cannot be compared (attention dropout, an
+    fp32 run) with the reason; `run_precision` is the recorded precision (fp32, bf16, ...; None:
+    not recorded). None when no layer stores O, unless `auto` had to fall back there or a layer is
+    unverifiable (then o_bits_equal is None)."""
+    from fa_forensics.analyses.contract import ALPHA
+    from fa_forensics.analyses.mismatch import sign_test, tally
     from fa_forensics.analyses.recipe import lp_config_for, preset_at
 
-    per_layer, unmatched, equal, total = [], [], 0.0, 0
+    per_layer, unmatched, unverifiable, tallies, facts_seen = [], [], [], [], []
+    equal, total = 0.0, 0
     try:
         shares = _O_SHARES.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
         shares = {}
     for sel in selections:
+        facts = facts_at(dump, sel.step, sel.layer)
+        facts_seen.append(facts)
         config = lp_config_for(dump, sel.step, sel.layer, recipe)
+        preset = preset_at(dump, sel.step, sel.layer, recipe)
+        reason = unverifiable_reason(facts)
+        if reason is not None:
+            unverifiable.append({"step": sel.step, "layer": sel.layer, "preset": preset,
+                                 "accumulation": config.accumulation.value, "reason": reason})
+            continue
         key = (sel.step, sel.layer, tuple(sel.heads), config, backend)
         if key not in shares:  # the analyses of one report share a dump: replay each layer-step once
             t = load(dump, sel)
-            shares[key] = None if t.o is None else compare_o(replay_layer(t, config, backward=False, backend=backend).o, t.o)
+            if t.o is None:
+                shares[key] = None
+            else:
+                o = replay_layer(t, config, backward=False, backend=backend).o
+                shares[key] = (compare_o(o, t.o), tally(sel.step, sel.layer, sel.heads, o, t.o))
         if shares[key] is None:
-            unmatched.append({"step": sel.step, "layer": sel.layer, "preset": preset_at(dump, sel.step, sel.layer, recipe)})
+            unmatched.append({"step": sel.step, "layer": sel.layer, "preset": preset})
             continue
-        share, _, n = shares[key]
-        per_layer.append({"step": sel.step, "layer": sel.layer, "preset": preset_at(dump, sel.step, sel.layer, recipe),
+        (share, _, n), counts = shares[key]
+        tallies.append(counts)
+        per_layer.append({"step": sel.step, "layer": sel.layer, "preset": preset,
                           "accumulation": config.accumulation.value, "o_bits_equal": share})
         equal, total = equal + share * n, total + n
-    if not total and not (recipe.is_auto and unmatched):
+    if not total and not ((recipe.is_auto and unmatched) or unverifiable):
         return None
-    replayed = {(p["preset"], p["accumulation"]) for p in per_layer}
-    preset, accumulation = replayed.pop() if len(replayed) == 1 else ("per layer", "per layer")
-    if not per_layer:
+    shown = per_layer or unverifiable
+    presets = {p["preset"] for p in shown}
+    accumulations = {p["accumulation"] for p in shown}
+    preset = presets.pop() if len(presets) == 1 else "per layer"
+    accumulation = accumulations.pop() if len(accumulations) == 1 else "per layer"
+    if not shown:
         preset, accumulation = unmatched[0]["preset"], recipe.accumulation_name
     return {"preset": preset, "accumulation": accumulation, "requested": recipe.preset,
-            "o_bits_equal": equal / total if total else None, "per_layer": per_layer, "unmatched": unmatched}
+            "o_bits_equal": equal / total if total else None, "per_layer": per_layer, "unmatched": unmatched,
+            "unverifiable": unverifiable, "verifiable": not unverifiable,
+            "run_precision": _precision_name(facts_seen), "mismatch": sign_test(tallies, ALPHA)}

@@ -1,15 +1,17 @@
 """The low-precision side every analysis replays against fp32, resolved in one place.
 
 A `Recipe` is what the user asked for: a preset name and an accumulation model, or `auto`, the
-recipe that reproduces the dump's stored O best (`analyses.match`, cached in the dump). The CLI
+recipe that reproduces the dump's stored O best (`analyses.match`, cached beside the dump). The CLI
 builds it once per command. `lp_config_for(dump, step, layer, recipe)` is the only function that
 turns it into the `ReplayConfig` replayed for one (step, layer): every analysis calls it.
 
 `auto` is decided per layer-step, whole layer (every stored head), by `resolve`: the first time a
-dump is matched its result is written into the layer's attributes, afterwards it is read back.
-A resolved Recipe carries its choices, so work items sent to other processes replay the same
-recipe without matching again. Where nothing can be matched (no stored O, a layer built in
-memory) `auto` replays FALLBACK_PRESET and says so in the analysis's warnings.
+dump is matched its result is kept in the match cache beside it (`analyses.match_cache`; the dump
+itself is never written), afterwards it is read back. A resolved Recipe carries its choices, so
+work items sent to other processes replay the same recipe without matching again. Where nothing
+can be matched (attention dropout, an fp32 run, no stored O, a layer built in memory) `auto`
+replays the recipe the recorded settings imply (`analyses.candidates.implied`; FALLBACK_PRESET when
+nothing points elsewhere) and says so in the analysis's warnings.
 The high-precision side is always `hp_config()`: every cast fp32, ieee accumulation.
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Choice:
     preset: str
     accumulation: Accumulation
     o_bits_equal: Optional[float]
+    why: Optional[str] = None  # why this recipe was not matched but implied by the recorded settings
 
 
 @dataclass(frozen=True)
@@ -113,12 +116,19 @@ class Recipe:
 
 
 def choose(dump, step: int, layer: int, recipe: Recipe) -> Choice:
-    """The Choice of `auto` at (step, layer): resolved, else matched (cached in the dump), else the fallback."""
+    """The Choice of `auto` at (step, layer): resolved, else matched (cached beside the dump), else the
+    recipe the recorded settings imply (`candidates.implied`): where the stored O cannot be matched
+    (attention dropout, an fp32 run, no stored O, a layer built in memory)."""
     known = recipe.choice_at(step, layer)
     if known is not None:
         return known
-    fallback = Choice(FALLBACK_PRESET, recipe.accumulation or Accumulation.IEEE, None)
-    if dump is None:
+    from fa_forensics.analyses.candidates import implied
+    from fa_forensics.analyses.run_facts import facts_at
+
+    facts = facts_at(dump, step, layer)
+    preset, accumulation, why = implied(facts, FALLBACK_PRESET)
+    fallback = Choice(preset, recipe.accumulation or accumulation, None, why)
+    if dump is None or facts.has_dropout or facts.is_fp32_run:
         return fallback
     from fa_forensics.analyses.match import best_recipe
 

@@ -57,11 +57,16 @@ SchedulerOpt = Annotated[Optional[str], typer.Option("--scheduler", help="Addres
 AccumulationOpt = Annotated[str, typer.Option(
     "--accumulation", help="Accumulation model of every matrix product: ieee | tensor-core | auto (default: the one "
                            "--preset auto matched, ieee for a named preset).")]
+MatchCacheOpt = Annotated[Optional[str], typer.Option(
+    "--match-cache", metavar="DIR|off",
+    help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
+         "else $XDG_CACHE_HOME/fa-forensics, else ~/.cache/fa-forensics).")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
     help="Low-precision reading replayed against fp32: auto (default: per layer-step, the recipe that reproduces the "
-         "dump's stored O best, as `fa-forensics match` finds it; cached in the dump) | bf16 (FA2 tiling, fp32 scores and "
+         "dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds it; kept "
+         "in the match cache, never in the dump) | bf16 (FA2 tiling, fp32 scores and "
          "statistics, bf16 P̄ and P̄V) | "
          "bf16-autocast (the paper's reference code's forward) | bf16-autocast-train (its forward and backward as it trains) | "
          "bf16-autocast-stabilized (its fix as run, STABLE=1) | bf16-hw (hardware kernels, fp32 accumulator) | stabilized "
@@ -73,25 +78,53 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     err_console.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
+class Diagnostics:
+    """The one collector of a command's warnings: every line printed on stderr is in its --json
+    `warnings` too, whichever way it came (a library `warnings.warn`, an analysis's result)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._printed: set[str] = set()
+
+    def add(self, message: str) -> None:
+        if message not in self.messages:
+            self.messages.append(message)
+
+    def show(self, message: str) -> None:
+        """Add `message` and print it now (once)."""
+        self.add(message)
+        if message not in self._printed:
+            self._printed.add(message)
+            _one_line_warning(message, None, None, None)
+
+    def flush(self) -> None:
+        """Print what was collected and not yet shown."""
+        for message in list(self.messages):
+            self.show(message)
+
+
+# The diagnostics of the running command (one per run_cli call).
+_DIAGNOSTICS: contextvars.ContextVar[Optional[Diagnostics]] = contextvars.ContextVar("diagnostics", default=None)
+
+
 def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
     """Run a command body; map errors to one line and exit code 2, warnings to one line each.
 
-    Warnings are shown when the body ends (or as they come, with --debug); a body that fails
-    with a UserError shows only its error line, which names what must be fixed first.
+    Library warnings are collected (`Diagnostics`) and shown when the body ends (as they come, with
+    --debug); a body that fails with a UserError shows only its error line, which names what must be
+    fixed first.
     """
-    shown: list[str] = []
-    token = _SHOWN_WARNINGS.set(shown)
+    diagnostics = Diagnostics()
+    token = _DIAGNOSTICS.set(diagnostics)
     try:
         with warnings.catch_warnings():
-            if not debug:
-                warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+            collect = diagnostics.show if debug else diagnostics.add
+            warnings.showwarning = lambda message, *args, **kwargs: collect(str(message))
             result = fn()
-        for message in dict.fromkeys(shown):
-            _one_line_warning(message, None, None, None)
+        diagnostics.flush()
         return result
     except typer.Exit:
-        for message in dict.fromkeys(shown):
-            _one_line_warning(message, None, None, None)
+        diagnostics.flush()
         raise
     except UserError as exc:
         if debug:
@@ -113,24 +146,23 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2)
     finally:
-        _SHOWN_WARNINGS.reset(token)
-
-
-# The warnings a running command has raised so far (one list per run_cli call), for its JSON.
-_SHOWN_WARNINGS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("shown_warnings", default=None)
+        _DIAGNOSTICS.reset(token)
+        use_match_cache(None)  # --match-cache holds for one command only
 
 
 def write_json(path: Optional[Path], payload: Any) -> None:
     """Write `payload` as JSON to `path` (if given), creating parent folders.
 
-    A payload (dict or dataclass) without a `warnings` key gets one: the warnings the command has raised so far
-    (the lines it prints on stderr), so that every command's JSON carries `warnings`.
+    `warnings` is the payload's own (if any) followed by every other warning the command has raised so
+    far (the lines it prints on stderr), so that every command's JSON carries all of them.
     """
     if path is None:
         return
     data = to_jsonable(payload)
-    if isinstance(data, dict) and "warnings" not in data:
-        data["warnings"] = list(dict.fromkeys(_SHOWN_WARNINGS.get() or []))
+    diagnostics = _DIAGNOSTICS.get()
+    if isinstance(data, dict):
+        own = list(data.get("warnings") or [])
+        data["warnings"] = list(dict.fromkeys(own + (diagnostics.messages if diagnostics is not None else [])))
     text = json.dumps(data, indent=2) + "\n"
     if str(path) in ("/dev/stdout", "/dev/stderr"):  # named streams: links the system made, written as streams
         stream = sys.stdout if str(path) == "/dev/stdout" else sys.stderr
@@ -232,6 +264,13 @@ def build_recipe(preset: str, accumulation: str) -> Recipe:
         raise UserError(f"--preset {exc}") from None
 
 
+def use_match_cache(value: Optional[str]) -> None:
+    """Apply --match-cache for the running command (None: the environment's or the default directory)."""
+    from fa_forensics.analyses.match_cache import set_cache_dir
+
+    set_cache_dir(value)
+
+
 def build_workers(workers: int, scheduler: Optional[str]):
     """The fan-out of --workers / --scheduler (one-line errors for bad values)."""
     from fa_forensics.analyses.fanout import Workers
@@ -257,6 +296,7 @@ _RECIPE_OPTIONS = (
     ("preset", PresetOpt, AUTO),
     ("accumulation", AccumulationOpt, AUTO),
     ("backend", BackendOpt, "emulate"),
+    ("match_cache", MatchCacheOpt, None),
     ("workers", WorkersOpt, 1),
     ("scheduler", SchedulerOpt, None),
     ("out", OutOpt, None),
@@ -276,6 +316,7 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
         debug = kwargs.pop("debug")
 
         def body():
+            use_match_cache(kwargs.pop("match_cache"))
             args = AnalysisArgs(
                 dump_path=kwargs.pop("dump"), step=kwargs.pop("step"), layer=kwargs.pop("layer"), head=kwargs.pop("head"),
                 recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
@@ -314,9 +355,13 @@ def show_result(args: AnalysisArgs, result: Any, payload: dict, tables: Sequence
 
 
 def print_warnings(warnings_: Sequence[str]) -> None:
-    """Each warning of a result as one yellow line on stderr."""
+    """Each warning of a result as one yellow line on stderr (once per command)."""
+    diagnostics = _DIAGNOSTICS.get()
     for w in warnings_:
-        err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+        if diagnostics is not None:
+            diagnostics.show(w)
+        else:
+            _one_line_warning(w, None, None, None)
 
 
 def exit_code(code: int) -> None:

@@ -7,7 +7,8 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, SchedulerOpt, StepOpt, WorkersOpt, console, progress_bar, run_cli, write_json,
+    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt, console,
+    print_warnings, progress_bar, run_cli, use_match_cache, write_json,
 )
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
@@ -17,10 +18,65 @@ def _pct(x: float) -> str:
     return "100 %" if x == 1.0 else f"{100 * x:.2f} %"
 
 
-def verdict_line(layer) -> str:
-    """'step S layer L: stored O reproduced 100 % by PRESET / ACCUMULATION' (or the best share)."""
+def verdict_line(layer, why=None) -> str:
+    """'step S layer L: stored O reproduced 100 % by PRESET / ACCUMULATION' (or the best share), or why
+    the stored O cannot be reproduced there."""
     b = layer.best
+    if why:
+        return (f"step {layer.step} layer {layer.layer}: fidelity unverifiable ({why}); best by chance "
+                f"{b.preset} / {b.accumulation}")
     return f"step {layer.step} layer {layer.layer}: stored O reproduced {_pct(b.o_bits_equal)} by {b.preset} / {b.accumulation}"
+
+
+def runner_up(lm):
+    """The best candidate other than the best recipe (compared by name: a cached match has equal copies)."""
+    best = (lm.best.preset, lm.best.accumulation)
+    others = [c for c in lm.candidates if (c.preset, c.accumulation) != best]
+    return max(others, key=lambda c: c.o_bits_equal) if others else None
+
+
+def _verdict(r, facts: dict) -> tuple[str, list[str]]:
+    """(the verdict, its warnings): led by the run's precision where it is fp32; layers whose O cannot be
+    reproduced (attention dropout) are named, not ranked."""
+    from fa_forensics.analyses.candidates import implied
+    from fa_forensics.analyses.contract import FIDELITY_WARN_BELOW, MISMATCH_TEST_ABOVE
+    from fa_forensics.analyses.match import unverifiable_reason
+    from fa_forensics.analyses.recipe import FALLBACK_PRESET
+
+    blind = [lm for lm in r.layers if facts[(lm.step, lm.layer)].has_dropout]
+    seen = [lm for lm in r.layers if lm not in blind]
+    lead = ""
+    if r.layers and all(facts[(lm.step, lm.layer)].is_fp32_run for lm in r.layers):
+        lead = ("trained in fp32: no low-precision rounding to analyse (the analyses show what bf16 would do on these "
+                "inputs); ")
+    parts, warnings = [], []
+    if blind:
+        first = facts[(blind[0].step, blind[0].layer)]
+        preset, acc, _ = implied(first, FALLBACK_PRESET)
+        where = ", ".join(f"step {lm.step} layer {lm.layer}" for lm in blind[:4]) + (" …" if len(blind) > 4 else "")
+        parts.append(f"fidelity unverifiable at {where}: {unverifiable_reason(first)}; the analyses replay {preset} / "
+                     f"{acc.value}, the recipe the recorded settings imply")
+        warnings.append(parts[-1])
+    if seen and lead:
+        worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
+        parts.append(f"the fp32 replay reproduces {_pct(worst.best.o_bits_equal)} of the stored O at worst (step {worst.step} "
+                     f"layer {worst.layer}; an fp32 kernel that sums in another order differs in the last bits)")
+    elif seen:
+        worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
+        named = ", ".join(f"{p} / {a}" for p, a in sorted({(lm.best.preset, lm.best.accumulation) for lm in seen}))
+        if worst.best.o_bits_equal == 1.0:
+            parts.append(f"stored O reproduced 100 % in every selected layer-step ({len(seen)}) by {named}")
+        else:
+            parts.append(f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} "
+                         f"(step {worst.step} layer {worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); "
+                         f"analyses describe the recipe they replay, not the kernel that trained")
+        if MISMATCH_TEST_ABOVE <= worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
+            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: every "
+                            f"analysis tests whether the mismatches are biased (replay_fidelity.mismatch)")
+        elif worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
+            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: "
+                            f"findings describe that recipe, not the kernel that trained")
+    return lead + "; ".join(parts), warnings
 
 
 def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None) -> None:
@@ -45,34 +101,30 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
         return len(candidate_recipes(info.head_dim, info.arrays["k"][-2], info.dtype, dump.attrs.get("device")))
 
     for lm in r.layers:
-        others = sorted((c for c in lm.candidates if c is not lm.best), key=lambda c: -c.o_bits_equal)
-        runner = f"{others[0].preset} / {others[0].accumulation} {_pct(others[0].o_bits_equal)}" if others else "—"
+        second = runner_up(lm)
+        runner = f"{second.preset} / {second.accumulation} {_pct(second.o_bits_equal)}" if second else "—"
         table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}", _pct(lm.best.o_bits_equal),
                       f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {n_candidates(lm)}", runner)
     console.print(table)
 
-    lines = [verdict_line(lm) for lm in r.layers]
-    worst = min(r.layers, key=lambda lm: lm.best.o_bits_equal)
-    recipes = sorted({(lm.best.preset, lm.best.accumulation) for lm in r.layers})
-    named = ", ".join(f"{p} / {a}" for p, a in recipes)
-    if worst.best.o_bits_equal == 1.0:
-        verdict = f"stored O reproduced 100 % in every selected layer-step ({len(r.layers)}) by {named}"
-    else:
-        verdict = (f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} (step {worst.step} layer "
-                   f"{worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); analyses describe the recipe they "
-                   f"replay, not the kernel that trained")
-    worst = worst.best.o_bits_equal
-    warnings = [] if worst >= 0.99 else [
-        f"stored O reproduced only {_pct(worst)} by the best known recipe: findings describe that recipe, not the kernel that trained"]
+    from fa_forensics.analyses.match import unverifiable_reason
+    from fa_forensics.analyses.run_facts import facts_at
+
+    facts = {(lm.step, lm.layer): facts_at(dump, lm.step, lm.layer) for lm in r.layers}
+    why = {key: unverifiable_reason(f) if f.has_dropout else None for key, f in facts.items()}
+    lines = [verdict_line(lm, why[(lm.step, lm.layer)]) for lm in r.layers]
+    verdict, warnings = _verdict(r, facts)
     payload = {
         "layers": [{"step": lm.step, "layer": lm.layer, "heads": lm.heads,
                     "best": {"preset": lm.best.preset, "accumulation": lm.best.accumulation, "o_bits_equal": lm.best.o_bits_equal},
+                    "run_precision": facts[(lm.step, lm.layer)].precision, "unverifiable": why[(lm.step, lm.layer)],
                     "candidates": [{"preset": c.preset, "accumulation": c.accumulation, "o_bits_equal": c.o_bits_equal,
                                     "max_abs_err": c.max_abs_err} for c in lm.candidates]}
                    for lm in r.layers],
         "compared_in": r.compared_in, "all": try_all, "backend": backend, "warnings": warnings, "verdict": verdict,
     }
     write_json(json_path, payload)
+    print_warnings(warnings)
     for line in (lines if len(lines) <= 8 else []):
         console.print(line, highlight=False)
     console.print(f"[bold]verdict:[/] {verdict}", highlight=False)
@@ -89,9 +141,14 @@ def register(app: typer.Typer) -> None:
         head: HeadOpt = None,
         try_all: AllOpt = False,
         backend: BackendOpt = "emulate",
+        match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler))
+        def body():
+            use_match_cache(match_cache)
+            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler)
+
+        run_cli(debug, body)

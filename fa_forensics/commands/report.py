@@ -9,8 +9,9 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, PresetOpt, StepOpt,
-    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli, write_json,
+    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt, StepOpt,
+    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
+    use_match_cache, write_json,
 )
 from fa_forensics.errors import UserError
 
@@ -85,9 +86,14 @@ def register(app: typer.Typer) -> None:
         preset: PresetOpt = "auto",
         accumulation: AccumulationOpt = "auto",
         backend: BackendOpt = "emulate",
+        match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
-        run_cli(debug, lambda: run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler))
+        def body():
+            use_match_cache(match_cache)
+            return run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler)
+
+        run_cli(debug, body)

@@ -3,8 +3,9 @@
 Each analysis's JSON has a `bias` claim (`analyses.contract.BiasClaim`: found after Bonferroni at
 p < 0.01, quantity O or δ, layer, head, sign). The verdict says whether the analyses agree that a
 bias exists and where (culprit layer, head, step), which operation carries it (isolate's repairs,
-pv-trace's P̄ = 1 share), whether the fix removes it (fix-check) and the replay fidelity; when the
-analyses disagree it says so, naming which found what.
+pv-trace's P̄ = 1 share), whether the fix removes it (fix-check) and the replay fidelity (with the sign
+test of the mismatches, or why it is unverifiable); when the analyses disagree it says so, naming which
+found what. An fp32 run's verdict leads with that: there is no low-precision rounding in it to analyse.
 """
 from __future__ import annotations
 
@@ -34,15 +35,53 @@ def agreement(by_name: dict[str, dict]) -> tuple[bool, Optional[tuple[int, int]]
     return (len(places) == 1 and one_sign), (next(iter(places)) if len(places) == 1 else None)
 
 
+def report_verdict(sections) -> str:
+    """The one-sentence verdict that opens the report, led by what the run's precision means when it is fp32."""
+    verdict, lead = _report_verdict(sections), _precision(sections)
+    if not lead:
+        return verdict
+    body = verdict.removeprefix("VERDICT: ")
+    return f"VERDICT: {lead}{body[:1].upper()}{body[1:]}"
+
+
+def _precision(sections) -> str:
+    """What the run's recorded precision means, leading the verdict ('' for a low-precision run)."""
+    from fa_forensics.analyses.contract import precision_line
+
+    for s in sections:
+        line = precision_line(None if s.data is None else s.data.get("replay_fidelity"))
+        if line:
+            return f"{line}. "
+    return ""
+
+
 def _fidelity(sections) -> str:
+    """The verdict's fidelity clause: the share of the stored O the replayed recipe reproduces and what the
+    mismatches mean (their sign test from 88 %), or why it cannot be measured (attention dropout)."""
+    from fa_forensics.analyses.contract import FIDELITY_WARN_BELOW, MISMATCH_TEST_ABOVE
+
     for s in sections:
         fidelity = None if s.data is None else s.data.get("replay_fidelity")
-        if fidelity is not None:
-            share = fidelity.get("o_bits_equal")
-            low = "" if share is None or share >= 0.99 else ": the findings describe that recipe, not the kernel that trained"
-            shown = "unknown" if share is None else f"{100 * share:.1f} %"
-            return (f"replay fidelity: recipe {fidelity.get('preset')} / {fidelity.get('accumulation')} "
-                    f"reproduces {shown} of the stored O bits{low}")
+        if fidelity is None:
+            continue
+        named = f"recipe {fidelity.get('preset')} / {fidelity.get('accumulation')}"
+        reasons = list(dict.fromkeys(u.get("reason") for u in fidelity.get("unverifiable") or []
+                                     if not str(u.get("reason", "")).startswith("trained in fp32")))
+        if reasons:
+            why = "the recipe the recorded settings imply" if fidelity.get("requested") == "auto" else "as asked"
+            return f"replay fidelity unverifiable ({'; '.join(reasons)}): the findings describe {named}, {why}"
+        share = fidelity.get("o_bits_equal")
+        if share is None:
+            if fidelity.get("run_precision") == "fp32":
+                return f"the findings describe {named} replayed on the run's fp32 inputs"
+            return f"replay fidelity: {named} reproduces an unknown share of the stored O bits"
+        shown = f"replay fidelity: {named} reproduces {100 * share:.1f} % of the stored O bits"
+        mismatch = fidelity.get("mismatch")
+        if share < 1.0 and share >= MISMATCH_TEST_ABOVE and mismatch:
+            return f"{shown}; {mismatch['verdict']}"
+        if share < FIDELITY_WARN_BELOW:
+            return f"{shown}: the findings describe that recipe, not the kernel that trained"
+        return shown
     return "replay fidelity not measured (the findings describe the replayed recipe)"
 
 
@@ -56,8 +95,8 @@ def _collapse_clause(fc: dict) -> str:
             f"{number(c.get('floor'), 'g')} row-sum floor takes over; fix-check)")
 
 
-def report_verdict(sections) -> str:
-    """The one-sentence verdict that opens the report."""
+def _report_verdict(sections) -> str:
+    """The verdict's sentence, before the run's precision leads it."""
     by_name = claims(sections)
     data = {s.name: s.data for s in sections if s.data is not None}
     fidelity = _fidelity(sections)

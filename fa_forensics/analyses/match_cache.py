@@ -1,0 +1,143 @@
+"""Where `match` keeps its results: beside the evidence, never in it.
+
+A match result depends only on the stored bytes of one layer-step and the recipes tried, so it is
+kept in a content-addressed file `<cache dir>/match/<fingerprint>.json` (the sha256 of those bytes
+and recipes, `analyses.match.fingerprint`): a changed dump has another fingerprint and is matched
+again, a copy of a dump finds its original's result. A dump is never written.
+
+The cache directory is $FA_FORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/fa-forensics, else
+~/.cache/fa-forensics; FA_FORENSICS_CACHE_DIR=off (or `--match-cache off`) keeps nothing. Files
+are written symlink-safe: a temporary file made in the target directory, then renamed over the
+target (a rename replaces a link, never follows it); a target or `match` directory that is a
+symbolic link is refused with a warning, and reads open the file with O_NOFOLLOW.
+
+A dump may carry a match in its layer groups' attributes (`replay_match`, fingerprinted over the
+recipe list `_IN_DUMP_RECIPES`; the bundled sample dumps do): `in_dump` reads it when its
+fingerprint fits the stored bytes. It is never written.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ENV_DIR = "FA_FORENSICS_CACHE_DIR"
+OFF = "off"
+IN_DUMP_ATTR = "replay_match"
+_IN_DUMP_VERSION = 1
+# The recipes an in-dump match is fingerprinted over, in the order tried.
+_IN_DUMP_RECIPES = (
+    ("bf16-autocast-train", "ieee"), ("bf16-autocast-train", "tensor-core"), ("bf16-autocast-stabilized", "ieee"),
+    ("bf16-autocast-stabilized", "tensor-core"), ("bf16-autocast", "ieee"), ("bf16-autocast", "tensor-core"),
+    ("bf16-hw", "ieee"), ("bf16-hw", "tensor-core"), ("bf16", "ieee"), ("bf16", "tensor-core"), ("stabilized", "ieee"),
+    ("stabilized", "tensor-core"), ("fp32", "ieee"), ("fp8-s1", "ieee"), ("fp8-s256", "ieee"), ("fp8-s448", "ieee"),
+)
+
+_override: Optional[str] = None  # set by the CLI's --match-cache; wins over the environment
+
+
+class MatchCacheWarning(UserWarning):
+    """The match cache could not be read or written; the result stands, it is only not kept."""
+
+
+def set_cache_dir(value: Optional[str]) -> None:
+    """Redirect the cache (a directory) or switch it off ("off"); None restores the default."""
+    global _override
+    _override = None if value is None else str(value)
+
+
+def cache_dir() -> Optional[Path]:
+    """The directory match results go to, or None when the cache is off."""
+    value = _override if _override is not None else os.environ.get(ENV_DIR)
+    if value is not None:
+        return None if value.strip().lower() == OFF or not value.strip() else Path(value).expanduser() / "match"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fa-forensics" / "match"
+
+
+def data_hash(t, extra: object) -> str:
+    """sha256 of the stored q, k, v, o (and mask) bytes of a layer-step and `extra` (a repr'd tuple)."""
+    h = hashlib.sha256()
+    for x in (t.q, t.k, t.v, t.o, t.mask):
+        if x is None:
+            h.update(b"none")
+            continue
+        h.update(str((tuple(x.shape), str(x.dtype))).encode())
+        h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(repr(extra).encode())
+    return h.hexdigest()
+
+
+def _warn(message: str) -> None:
+    warnings.warn(MatchCacheWarning(f"match cache: {message}"), stacklevel=3)
+
+
+def read(key: str) -> Optional[dict]:
+    """The cached entry of fingerprint `key`, or None (absent, unreadable, or a link: not followed)."""
+    root = cache_dir()
+    if root is None:
+        return None
+    path = root / f"{key}.json"
+    if root.is_symlink():
+        return None  # refused; `write` says so
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            _warn(f"{path} is a symbolic link; not followed, the layer-step is matched again")
+        return None
+    try:
+        with os.fdopen(fd, "r") as f:
+            entry = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) and entry.get("fingerprint") == key else None
+
+
+def write(key: str, entry: dict) -> None:
+    """Keep `entry` under fingerprint `key`; a failure is one warning, never an error."""
+    root = cache_dir()
+    if root is None:
+        return
+    target = root / f"{key}.json"
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if root.is_symlink():
+            _warn(f"{root} is a symbolic link; nothing written there")
+            return
+        if target.is_symlink():
+            _warn(f"{target} is a symbolic link; not followed, not replaced")
+            return
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({**entry, "fingerprint": key}, f)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        _warn(f"cannot write in {root} ({exc.strerror or exc}); the result is not kept "
+              f"(set {ENV_DIR} to a writable directory, or to 'off')")
+
+
+def in_dump(dump, step: int, layer: int, t, accumulation: Optional[str]) -> Optional[dict]:
+    """The match kept in the layer group's attributes, when its fingerprint fits the stored bytes:
+    {heads, candidates[]}, or None."""
+    name = IN_DUMP_ATTR if accumulation is None else f"{IN_DUMP_ATTR}_{accumulation}"
+    try:
+        cached = dump._layer(step, layer).attrs.get(name)
+    except Exception:  # a stand-in without zarr groups
+        return None
+    if not isinstance(cached, dict) or "fingerprint" not in cached:
+        return None
+    recipes = [list(r) for r in _IN_DUMP_RECIPES if accumulation is None or r[1] == accumulation]
+    key = data_hash(t, (_IN_DUMP_VERSION, t.scale, t.causal, [tuple(r) for r in recipes]))
+    return cached if cached["fingerprint"] == key else None

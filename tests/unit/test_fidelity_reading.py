@@ -1,0 +1,147 @@
+"""Reading replay fidelity: candidates the recorded facts allow, the accumulation model the device implies,
+the sign test of the elements a replay does not reproduce, and how per-layer recipes are named."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fa_forensics.analyses.candidates import CLEAR_MARGIN, admissible, implied, pick_best
+from fa_forensics.analyses.contract import ALPHA
+from fa_forensics.analyses.match import candidate_recipes, fidelity
+from fa_forensics.analyses.mismatch import sign_test, tally, ulp_difference
+from fa_forensics.analyses.recipe import Choice, Recipe
+from fa_forensics.analyses.run_facts import UNKNOWN, RunFacts, facts_at
+from fa_forensics.analyses.selection import load, replay_layer, select
+from fa_forensics.dump import open_dump
+from fa_forensics.replay.config import Accumulation, ReplayConfig
+
+
+def _facts(**kw) -> RunFacts:
+    return RunFacts(**{**UNKNOWN.__dict__, **kw})
+
+
+@dataclass(frozen=True)
+class _Tried:
+    preset: str
+    accumulation: str
+    o_bits_equal: float
+    max_abs_err: float = 1e-3
+
+
+def test_a_bf16_run_is_never_an_fp8_run_and_an_fp32_run_only_fp32():
+    names = lambda facts: {r.preset for r in admissible(candidate_recipes(), facts)}  # noqa: E731
+    bf16 = names(_facts(precision="bf16"))
+    assert not any(n.startswith("fp8") for n in bf16) and "bf16-autocast-train" in bf16
+    assert names(_facts(precision="fp32")) == {"fp32"}
+    assert names(_facts(precision="fp8")) == {"fp8-s1", "fp8-s256", "fp8-s448"}
+    assert names(UNKNOWN) == {r.preset for r in candidate_recipes()}  # nothing recorded: nothing ruled out
+    standard = names(_facts(precision="bf16", softmax="standard"))
+    assert "bf16-autocast-stabilized" not in standard and "stabilized" not in standard
+    sdpa = names(_facts(precision="bf16", kernel="sdpa"))
+    assert not any(n.startswith("bf16-autocast") for n in sdpa) and {"bf16", "bf16-hw"} <= sdpa
+
+
+def test_auto_keeps_the_accumulation_the_device_implies_unless_the_other_is_clearly_better():
+    ieee, tc = _Tried("bf16-hw", "ieee", 0.97560), _Tried("bf16-hw", "tensor-core", 0.97562)  # 0.002 % apart
+    assert pick_best([ieee, tc], _facts(device="cpu")) is ieee
+    assert pick_best([ieee, tc], UNKNOWN) is ieee
+    assert pick_best([ieee, tc], _facts(device="cuda")) is tc
+    far = _Tried("bf16-hw", "tensor-core", 0.9756 + CLEAR_MARGIN)
+    assert pick_best([ieee, far], _facts(device="cpu")) is far
+    exact = _Tried("bf16", "tensor-core", 1.0)
+    assert pick_best([_Tried("bf16", "ieee", 0.999), exact], _facts(device="cpu")) is exact
+
+
+def test_the_recipe_implied_where_o_cannot_be_matched():
+    assert implied(_facts(precision="bf16", dropout_p=0.1, device="cpu"), "bf16")[:2] == ("bf16-hw", Accumulation.IEEE)
+    on_gpu = implied(_facts(precision="bf16", dropout_p=0.1, device="cuda"), "bf16")
+    assert on_gpu[:2] == ("bf16-hw", Accumulation.TENSOR_CORE)
+    assert implied(_facts(precision="bf16", kernel="sdpa"), "bf16")[0] == "bf16-hw"
+    assert implied(_facts(precision="bf16", kernel="record"), "bf16")[0] == "bf16"
+    preset, acc, why = implied(_facts(precision="fp32"), "bf16")
+    assert (preset, acc) == ("bf16", Accumulation.IEEE) and "what bf16 would do" in why
+
+
+def _bumped(stored: torch.Tensor, where: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """stored with the elements `where` moved one bf16 ulp away from zero (`up`) or towards it."""
+    bits = stored.view(torch.int16).clone()
+    bits[where] += torch.where(up[where], 1, -1).to(torch.int16)
+    return bits.view(torch.bfloat16)
+
+
+def test_the_sign_test_tells_unbiased_from_biased_mismatches(make_dump):
+    """The replay of a dump whose O is the bf16 preset's, against stored O with 3 % of elements one ulp off."""
+    path = make_dump(steps=(0,), batch=2, heads=2, seq=64, head_dim=8)
+    dump = open_dump(path)
+    (sel,) = select(dump)
+    t = load(dump, sel)
+    replayed = replay_layer(t, ReplayConfig.preset("bf16"), backward=False).o
+    assert torch.equal(replayed.to(torch.bfloat16), t.o)
+    g = torch.Generator().manual_seed(3)
+    where = torch.rand(t.o.shape, generator=g) < 0.03
+    positive = t.o.float() > 0
+
+    random_signs = torch.rand(t.o.shape, generator=g) < 0.5
+    noisy = _bumped(t.o, where, random_signs)
+    assert (ulp_difference(noisy, replayed).abs() <= 1).all()
+    fair = sign_test([tally(0, 0, sel.heads, replayed, noisy)], ALPHA)
+    assert not fair["biased"] and fair["verdict"].startswith("the mismatches are unbiased (p = ")
+    assert fair["n_mismatched"] == int(where.sum()) and set(fair["ulp_histogram"]) == {"-1", "+1"}
+
+    feature = torch.zeros_like(where)
+    feature[..., 5] = True  # in feature 5 a third of the elements mismatch, every one upwards (stored > replayed)
+    where = where | (feature & (torch.rand(t.o.shape, generator=g) < 0.3))
+    skewed = _bumped(t.o, where, torch.where(feature, positive, random_signs))
+    biased = sign_test([tally(0, 0, sel.heads, replayed, skewed)], ALPHA)
+    assert biased["biased"] and biased["worst"]["feature"] == 5 and biased["worst"]["share_positive"] == 1.0
+    assert "do not trust the bias findings" in biased["verdict"] and biased["p_feature"] < ALPHA
+
+    thin = _bumped(t.o, torch.rand(t.o.shape, generator=g) < 0.03, positive)  # every mismatch upwards, few per feature
+    overall = sign_test([tally(0, 0, sel.heads, replayed, thin)], ALPHA)
+    assert overall["biased"] and overall["p_feature"] >= ALPHA / 2 and overall["p_pooled"] < 1e-10
+    assert overall["verdict"].startswith("the mismatches are biased overall (p = ")
+
+    assert sign_test([tally(0, 0, sel.heads, replayed, t.o)], ALPHA) is None  # nothing mismatches: nothing to test
+
+
+def test_layers_that_differ_only_in_accumulation_name_the_preset(make_dump):
+    path = make_dump(steps=(0, 1), seq=16)
+    dump = open_dump(path)
+    sels = select(dump)
+    recipe = Recipe(choices=(((0, 0), Choice("bf16", Accumulation.IEEE, 1.0)),
+                             ((1, 0), Choice("bf16", Accumulation.TENSOR_CORE, 1.0))))
+    fid = fidelity(dump, sels, recipe)
+    assert (fid["preset"], fid["accumulation"]) == ("bf16", "per layer")
+    assert fid["run_precision"] == "bf16" and fid["verifiable"]
+
+
+def test_facts_are_read_defensively(make_dump):
+    """A dump whose layers record no dtype, autocast or dropout: precision from the stored dtype, the rest unknown."""
+    facts = facts_at(open_dump(make_dump(steps=(0,), seq=16, dtype=torch.float32)), 0, 0)
+    assert facts.precision == "fp32" and facts.autocast is None and facts.softmax is None and facts.dropout_p == 0
+    assert facts_at(None, 0, 0) == UNKNOWN
+
+
+def test_facts_as_a_capture_records_them(make_dump):
+    """Layer attributes of a capture that records its entry point, device and softmax variant ("unknown" = None)."""
+    import zarr
+
+    path = make_dump(steps=(0,), seq=16)
+    group = zarr.open_group(str(path), mode="r+")["step_000000000/layer_000"]
+    group.attrs.update({"source": "sdpa", "softmax": "standard", "device_type": "cuda", "autocast": True,
+                        "dtype": "bfloat16", "dropout_p": 0.0})
+    facts = facts_at(open_dump(path), 0, 0)
+    assert (facts.kernel, facts.softmax, facts.device) == ("sdpa", "standard", "cuda")
+    assert facts.autocast is True and facts.precision == "bf16"
+    group.attrs.update({"softmax": "unknown"})
+    assert facts_at(open_dump(path), 0, 0).softmax is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ulp_difference_counts_representable_values_across_zero(dtype):
+    a = torch.tensor([0.0, -0.0, 1.0, -1.0]).to(dtype)
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
+    b = torch.tensor([tiny, tiny, 1.0, -1.0], dtype=torch.float64).to(dtype)
+    assert ulp_difference(a, b).tolist() == [-1, -1, 0, 0]
