@@ -25,13 +25,23 @@ def attention_dropout(t, dump, info):
 
 @layer_check
 def attention_mask(t, dump, info):
-    """A layer captured with an attn_mask: say where the mask is applied and where it is not."""
-    if t.mask is not None:
-        allowed = t.mask if t.mask.dtype == torch.bool else ~t.mask.isneginf()
-        empty = int((~allowed).all(dim=-1).sum())
-        rows = f"; {empty} (batch, head, query) rows allow no key (O = 0 there, as SDPA)" if empty else ""
-        yield (f"{t.where}: captured with an attention mask ({getattr(info, 'mask', None) or 'bool'}); every replay and "
-               f"every score, P̄ and P the analyses form apply it{rows}")
+    """A layer captured with an attn_mask: one line for the run (the same text in every layer-step, so it is
+    said once), and per step the (batch, head, query) rows that allow no key, counted as the replay applies
+    the mask: broadcast over batch and heads, and with the causal rule where the layer is causal."""
+    if t.mask is None:
+        return
+    yield (f"captured with an attention mask ({getattr(info, 'mask', None) or 'bool'}); every replay and every "
+           "score, P̄ and P the analyses form apply it")
+    B, H, T = t.q.shape[:3]
+    K = t.k.shape[-2]
+    allowed = t.mask if t.mask.dtype == torch.bool else ~t.mask.isneginf()
+    allowed = allowed.expand(B, H, T, K)
+    if t.causal:
+        allowed = allowed & torch.ones(T, K, dtype=torch.bool).tril()  # the replay's causal rule: key ≤ query
+    empty = int((~allowed).all(dim=-1).sum())
+    if empty:
+        yield (f"step {t.step}: {empty} of {B * H * T} (batch, head, query) rows allow no key under the mask "
+               "(O = 0 there, as SDPA)")
 
 
 @layer_check

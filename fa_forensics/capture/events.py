@@ -81,6 +81,12 @@ class AttentionCall:
             return self.autocast_dtype
         return self.q.dtype
 
+    @property
+    def score_dtype(self) -> torch.dtype:
+        """The precision the kernel forms S in: torch's fused SDPA kernels keep S in their fp32 accumulator;
+        attention written in torch ops (`record`, a watched entry point) rounds S = QKᵀ to the kernel dtype."""
+        return torch.float32 if self.source == "sdpa" else self.kernel_dtype
+
 
 @dataclass(frozen=True)
 class TimelineRow:

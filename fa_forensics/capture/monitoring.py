@@ -88,7 +88,8 @@ class StepMonitor:
 
         q, k = (call.q, call.k) if batch is None else (call.q[batch], call.k[batch])
         self.collector.observe_call(call.layer, q, k, scale=call.scale, causal=call.causal,
-                                    p_dtype=p_bar_dtype(call.kernel_dtype), module=module, module_name=module_name)
+                                    p_dtype=p_bar_dtype(call.kernel_dtype), score_dtype=call.score_dtype,
+                                    module=module, module_name=module_name)
 
     def add_tapped_loss(self, value: torch.Tensor) -> None:
         """Add a scalar backward() was called on to the step's loss (no synchronization)."""
