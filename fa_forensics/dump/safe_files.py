@@ -130,11 +130,14 @@ def _discard(tmp) -> None:
 
 
 def make_staging_dir(target, setting: str) -> Path:
-    """A new empty hidden folder beside `target` (`.NAME.<random>.tmp`) to build an output in."""
+    """A new empty hidden folder beside `target` (`.NAME.<random>.tmp`) to build an output in. It gets the mode
+    a plain mkdir would (0777 & ~umask), not mkdtemp's 0700, since it becomes the output others read."""
     t = Path(target)
     try:
         t.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{t.name}.", suffix=".tmp", dir=t.parent))
+        staged = Path(tempfile.mkdtemp(prefix=f".{t.name}.", suffix=".tmp", dir=t.parent))
+        os.chmod(staged, 0o777 & ~_umask())
+        return staged
     except OSError as exc:
         raise unwritable(exc, t, setting) from None
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fa_forensics.dump.safe_files import (
-    disk_full, free_bytes, is_no_space, make_staging_dir, refuse_link, remove_tree, unwritable,
+    disk_full, free_bytes, is_no_space, make_staging_dir, move_into_place, refuse_link, remove_tree, unwritable,
 )
 from fa_forensics.errors import DiskFull
 
@@ -40,10 +40,7 @@ def publish(staged: Path, out: Path) -> None:
         src, dst = staged / name, out / name
         refuse_link(dst, SETTING)
         if dst.is_dir():
-            aside = make_staging_dir(dst, SETTING)
-            os.replace(dst, aside)
-            os.replace(src, dst)
-            remove_tree(aside)
+            move_into_place(src, dst)
         else:
             os.replace(src, dst)
     remove_tree(staged)

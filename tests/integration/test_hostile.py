@@ -439,3 +439,22 @@ def test_json_to_the_standard_output_still_works(make_dump):
     result, lines = _cli("info", make_dump(steps=(0,)), "--json", "/dev/stdout")
     assert result.exit_code == 0 and lines == [], result.stderr
     assert '"warnings": []' in result.stdout
+
+
+def test_synth_and_report_outputs_get_the_mode_a_plain_mkdir_gives(tmp_path):
+    """Outputs built aside and moved into place are readable by others as any folder the user makes (not 0700)."""
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    old = os.umask(0o022)
+    try:
+        res = CliRunner().invoke(app, ["synth", "--out", str(tmp_path / "s.zarr"), "--seq", "64", "--heads", "2",
+                                       "--head-dim", "16", "--batch", "1", "--steps", "1"])
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / "s.zarr").stat().st_mode & 0o777 == 0o755
+        res = CliRunner().invoke(app, ["report", str(tmp_path / "s.zarr"), "--out", str(tmp_path / "rep")])
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / "rep").stat().st_mode & 0o777 == 0o755
+    finally:
+        os.umask(old)
