@@ -17,6 +17,7 @@ from typing import Optional, Sequence, TypeVar
 
 from fa_forensics.analyses.run_facts import RunFacts
 from fa_forensics.replay.config import Accumulation, Precision, ReplayConfig, Softmax
+from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 
 R = TypeVar("R")
 
@@ -56,10 +57,22 @@ def _kernel_allows(preset: str, facts: RunFacts) -> bool:
     return not (facts.kernel == "sdpa" and preset.startswith("bf16-autocast"))
 
 
+_GPU_KERNEL_PRESETS = {r.preset for r in KERNEL_RECIPES}
+
+
+def _device_allows(preset: str, facts: RunFacts) -> bool:
+    """A run recorded on a CPU never ran a GPU kernel (the recipes named after SDPA's and flash_attn's kernels)."""
+    if facts.device is None or facts.device.startswith(_GPU_DEVICES):
+        return True
+    return preset.split("@", 1)[0] not in _GPU_KERNEL_PRESETS
+
+
 def admissible(recipes: Sequence[R], facts: RunFacts) -> list[R]:
-    """The recipes the recorded precision, softmax variant and kernel allow (all of them when nothing is recorded)."""
+    """The recipes the recorded precision, softmax variant, kernel and device allow (all of them when nothing is
+    recorded)."""
     kept = [r for r in recipes
-            if _precision_allows(r.preset, facts) and _softmax_allows(r.preset, facts) and _kernel_allows(r.preset, facts)]
+            if _precision_allows(r.preset, facts) and _softmax_allows(r.preset, facts)
+            and _kernel_allows(r.preset, facts) and _device_allows(r.preset, facts)]
     return kept or list(recipes)
 
 

@@ -21,12 +21,14 @@ import errno
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from fa_forensics.dump.safe_files import atomic_write
+from fa_forensics.errors import TargetUnwritable
 
 ENV_DIR = "FA_FORENSICS_CACHE_DIR"
 OFF = "off"
@@ -115,14 +117,10 @@ def write(key: str, entry: dict) -> None:
         if target.is_symlink():
             _warn(f"{target} is a symbolic link; not followed, not replaced")
             return
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({**entry, "fingerprint": key}, f)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(target, json.dumps({**entry, "fingerprint": key}), "match cache", mode=0o600)
+    except TargetUnwritable as exc:  # a link planted there, a full disk, a read-only folder
+        _warn(f"cannot write {target} ({exc.reason}); the result is not kept "
+              f"(set {ENV_DIR} to a writable directory, or to 'off')")
     except OSError as exc:
         _warn(f"cannot write in {root} ({exc.strerror or exc}); the result is not kept "
               f"(set {ENV_DIR} to a writable directory, or to 'off')")

@@ -80,7 +80,9 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
 
 
 def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None) -> None:
+    from fa_forensics.analyses.candidates import admissible
     from fa_forensics.analyses.match import candidate_recipes, match
+    from fa_forensics.analyses.run_facts import facts_at
     from fa_forensics.analyses.selection import select
     from fa_forensics.commands.common import build_backend, build_workers
     from fa_forensics.dump import open_dump
@@ -97,8 +99,10 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
     for c in ("step", "layer", "best recipe", "o_bits_equal", "max |Δ|", "recipes tried", "runner-up"):
         table.add_column(c, justify="right")
     def n_candidates(lm) -> int:
+        """How many recipes the search may try at this layer-step: those the recorded facts admit."""
         info = dump.layer_info(lm.step, lm.layer)
-        return len(candidate_recipes(info.head_dim, info.arrays["k"][-2], info.dtype, dump.attrs.get("device")))
+        every = candidate_recipes(info.head_dim, info.arrays["k"][-2], info.dtype, dump.attrs.get("device"))
+        return len(admissible(every, facts_at(dump, lm.step, lm.layer)))
 
     for lm in r.layers:
         second = runner_up(lm)

@@ -43,6 +43,15 @@ def test_a_bf16_run_is_never_an_fp8_run_and_an_fp32_run_only_fp32():
     assert not any(n.startswith("bf16-autocast") for n in sdpa) and {"bf16", "bf16-hw"} <= sdpa
 
 
+def test_a_cpu_run_never_ran_a_gpu_kernel():
+    every = candidate_recipes(device="cuda")
+    gpu_kernels = {r.preset for r in every if r.preset.startswith(("sdpa-", "flash-attn-"))}
+    assert gpu_kernels  # the catalogue offers SDPA's and flash_attn's kernels
+    kept = lambda device: {r.preset for r in admissible(every, _facts(precision="bf16", device=device))}  # noqa: E731
+    assert gpu_kernels <= kept("cuda") and gpu_kernels <= kept(None)
+    assert not gpu_kernels & kept("cpu") and "bf16-autocast-cpu" in kept("cpu")
+
+
 def test_auto_keeps_the_accumulation_the_device_implies_unless_the_other_is_clearly_better():
     ieee, tc = _Tried("bf16-hw", "ieee", 0.97560), _Tried("bf16-hw", "tensor-core", 0.97562)  # 0.002 % apart
     assert pick_best([ieee, tc], _facts(device="cpu")) is ieee
