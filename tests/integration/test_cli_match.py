@@ -66,8 +66,10 @@ def test_match_all_tries_every_recipe_the_recorded_precision_allows(tmp_path):
     tried = {(c["preset"], c["accumulation"]) for c in layer["candidates"]}
     assert any(r.preset.startswith("fp8") for r in candidates)
     assert not any(p.startswith("fp8") for p, _ in tried)  # a bf16 dump is never an FP8 run
-    assert open_dump(small).attrs.get("device") is None  # no device recorded: the GPU kernels are not ruled out
-    assert tried == {(r.preset, r.accumulation) for r in candidates if not r.preset.startswith("fp8")}
+    assert open_dump(small).attrs.get("device") == "cpu"  # the writer records the device: a CPU run
+    kernels = {(r.preset, r.accumulation) for r in candidates if r.preset.startswith(("sdpa-", "flash-attn-"))}
+    assert kernels and not kernels & tried  # a CPU run never ran a GPU kernel
+    assert tried == {(r.preset, r.accumulation) for r in candidates if not r.preset.startswith("fp8")} - kernels
     assert layer["run_precision"] == "bf16"
     shares = {(c["preset"], c["accumulation"]): c["o_bits_equal"] for c in layer["candidates"]}
     assert shares[("bf16-autocast", "ieee")] == 1.0  # same forward as the training recipe
