@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
 from fa_forensics.commands.errors import option as option_name
@@ -269,15 +270,20 @@ def register(app: typer.Typer) -> None:
             recorded = bool(summary["steps"] or summary["incomplete_steps"] or summary["monitored_steps"])
             if code == 2 and not recorded:  # the launcher or the script said why, in its own line
                 raise typer.Exit(code=2)
-            console.print(f"capture: {out}: steps {summary['steps']}" + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
-                          + (f", {summary['monitored_steps']} monitored steps in the timeline" if summary["monitored_steps"] else "")
-                          + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
+            if recorded or Path(out).exists():
+                console.print(f"capture: {out}: steps {summary['steps']}"
+                              + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
+                              + (f", {summary['monitored_steps']} monitored steps in the timeline"
+                                 if summary["monitored_steps"] else "")
+                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
+            if never:  # said on stderr as in --json, before any error line
+                err_console.print(f"[bold yellow]warning:[/] {escape(warnings_said[len(report.get('warnings', []))])}",
+                                  highlight=False, soft_wrap=True)
             if code != 0:
                 kept = f"steps completed before it are kept in {out}" if summary["steps"] else "nothing was recorded"
-                err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}", highlight=False, soft_wrap=True)
+                err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}",
+                                  highlight=False, soft_wrap=True)
                 raise typer.Exit(code=code if 0 < code < 256 else 1)
-            if never:
-                err_console.print(f"[bold yellow]warning:[/] {warnings_said[-1]}", highlight=False, soft_wrap=True)
             if never or without_attention:  # a step that ran without attention was said by the launcher, in one line
                 raise typer.Exit(code=1)
 
