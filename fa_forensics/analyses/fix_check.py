@@ -388,10 +388,13 @@ def _collapse_summary(fixed: VariantResult, config: ReplayConfig) -> dict:
 
 
 def collapse_text(c: dict) -> str:
-    """'N rows: their repeated maximum (up to X) exceeds ln(1/floor)/(β−1) = T, ...' for a collapse summary."""
+    """'N rows: their repeated maximum (up to X) is above about ln(1/floor)/(β−1) = T, ...' for a collapse summary.
+    The threshold is approximate: k tied maxima collapse above (ln k + ln(1/floor))/(β−1); the rows counted are
+    those whose shifted row sum is measured below the floor."""
     beta = f"{c['beta']:g}"
-    text = (f"{c['rows']} row(s): their repeated maximum (up to {c['max_score']:.4g}) exceeds "
-            f"ln(1/{c['floor']:g})/(β−1) = {c['threshold']:.4g} at β = {beta}, so the shifted row sum falls below "
+    text = (f"{c['rows']} row(s): their repeated maximum (up to {c['max_score']:.4g}) is above about "
+            f"ln(1/{c['floor']:g})/(β−1) = {c['threshold']:.4g} at β = {beta} (more for more tied maxima: "
+            f"ln(k/{c['floor']:g})/(β−1) for k of them), so the shifted row sum falls below "
             f"the {c['floor']:g} row-sum floor")
     if c["applies"] and math.isfinite(c["min_ratio"]):
         text += f" and |O|/|O_fp32| drops to {c['min_ratio']:.2g}"
