@@ -80,5 +80,7 @@ def test_a_broadcast_additive_mask_reuses_the_compiled_kernels():
     assert torch.all(out.o[0, :, 0, :].float().isfinite())
     used = [sig for kernel in (fused._forward_block, fused._backward_probs) for sig in kernel.signatures]
     assert used, "the compiled stages did not run"
-    layouts = {arg.layout for sig in used for arg in sig if hasattr(arg, "layout")}
-    assert layouts == {"C"}, f"a kernel was specialized for non-contiguous arrays: {used}"
+    # the mask is the kernels' second argument (the row statistics of causal row blocks other tests replay may be
+    # strided views, so only the mask's layout is this test's concern)
+    layouts = {sig[1].layout for sig in used}
+    assert layouts == {"C"}, f"a kernel was specialized for a non-contiguous mask: {used}"
