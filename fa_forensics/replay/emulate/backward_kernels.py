@@ -150,7 +150,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows."""
     if mask is not None:
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
-                          "attn_mask; use backward_kernel=reference")
+                          "attn_mask; use backward_kernel=reference (on the command line: a --preset without a "
+                          "kernel backward, such as bf16-hw)")
     if config.input_dtype not in (Precision.BF16, Precision.FP16):
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
                           f"fp16 inputs, not input_dtype={config.input_dtype.value}")
