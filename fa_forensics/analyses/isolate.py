@@ -48,7 +48,7 @@ from fa_forensics.analyses.selection import (
 )
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
-from fa_forensics.replay.config import DeltaSource, Precision, ReplayConfig, Rounding, Softmax
+from fa_forensics.replay.config import BackwardKernel, DeltaSource, Precision, ReplayConfig, Rounding, Softmax
 
 Progress = Optional[Callable[[str], None]]
 CULPRIT_REDUCTION = 0.9  # a repair is a culprit when it removes ≥ 90% of the baseline's Σδ bias
@@ -84,13 +84,18 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
     the order of the paper's §3.2."""
     base = baseline_config(T, lp)
     fp32 = Precision.FP32
+    delta_base, delta_note = base, ""
+    if base.backward_kernel is not BackwardKernel.REFERENCE:  # a kernel's backward fixes δ: the knob needs ours
+        delta_base = base.with_(backward_kernel=BackwardKernel.REFERENCE)
+        delta_note = f" (the emulator's reference backward: {base.backward_kernel.value}'s own fixes δ)"
     o_dt = base.o_dtype.value
     tiles = f"{base.block_m or T}x{base.block_n or T} tiles"
     repairs = [
         ("no-tiling", "block = sequence length", base.with_(block_m=None, block_n=None), False),
         ("o-fp32", "O path in fp32 (P̄V product, accumulator and stored O)", base.with_(pv_dtype=fp32, rescale_dtype=fp32, o_dtype=fp32), False),
-        ("delta-o-recomputed", "δ from O recomputed as P̄V/ℓ in fp32 in the backward", base.with_(delta=DeltaSource.O_RECOMPUTED), True),
-        ("delta-dp-p", "δ = rowsum(dP ∘ P)", base.with_(delta=DeltaSource.DP_P), True),
+        ("delta-o-recomputed", "δ from O recomputed as P̄V/ℓ in fp32 in the backward" + delta_note,
+         delta_base.with_(delta=DeltaSource.O_RECOMPUTED), True),
+        ("delta-dp-p", "δ = rowsum(dP ∘ P)" + delta_note, delta_base.with_(delta=DeltaSource.DP_P), True),
         ("pv-fp32", f"P̄V product and accumulator in fp32 (O still stored {o_dt})", base.with_(pv_dtype=fp32, rescale_dtype=fp32), False),
         *([("stats-fp32", "row max m and row sum ℓ kept in fp32", base.with_(stats_dtype=fp32), False)]
           if base.stats_dtype is not fp32 else []),

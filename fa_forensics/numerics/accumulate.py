@@ -21,7 +21,7 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
   the authors' models, `denorm_prd`), which is one less than floor(log2|a·b|) when the
   significands multiply to 2 or more; the accumulator's is floor(log2|acc|). With that rule the
   model reproduces every published instruction-level output of bf16 and fp16 MMAs on the A100,
-  H100 and H200 (docs/gpu-backward.md). fp32 inputs fall back to `ieee`.
+  H100 and H200 (docs/gpu-fidelity.md). fp32 inputs fall back to `ieee`.
 
 Engines: where every operand and the starting accumulator are finite fp32 numbers (what the
 emulator always passes) the compiled kernels of `accumulate_jit` run (numba: one hardware fma

@@ -202,6 +202,10 @@ class ReplayConfig:
     row_sum: RowSum = RowSum.EXACT
     normalize: Normalize = Normalize.DIVIDE
     kv_splits: int = 1
+    # mma_k: the K of the MMA instruction the kernel issues, where smaller than the tensor core's group (the
+    # memory-efficient kernel's mma.sync m16n8k8 sums 8 products per instruction): the tensor-core model's
+    # groups are then mma_k long, in every product of the forward and the backward; None = the tensor core's
+    mma_k: Optional[int] = None
 
     # ---- backward kernel models ----------------------------------------------------------------
     # backward_kernel: "reference" runs the contract of replay/emulate/backward.py with the backward knobs
@@ -240,14 +244,16 @@ class ReplayConfig:
             raise ConfigError(f"ReplayConfig.scale={self.scale!r} must be a positive finite number or None")
         if not isinstance(self.kv_splits, int) or not 1 <= self.kv_splits <= 128:
             raise ConfigError(f"ReplayConfig.kv_splits={self.kv_splits!r} must be an integer from 1 to 128")
+        if self.mma_k is not None and (not isinstance(self.mma_k, int) or not 1 <= self.mma_k <= 64):
+            raise ConfigError(f"ReplayConfig.mma_k={self.mma_k!r} must be an MMA instruction's K (1 to 64) or None")
         if self.is_kernel_model:
             self._check_kernel_model()
 
     @property
     def is_kernel_model(self) -> bool:
-        """True when a kernel-model knob (exp_form, row_sum, normalize, kv_splits) differs from the default."""
+        """True when a kernel-model knob (exp_form, row_sum, normalize, kv_splits, mma_k) differs from the default."""
         return (self.exp_form is not ExpForm.EXP or self.row_sum is not RowSum.EXACT
-                or self.normalize is not Normalize.DIVIDE or self.kv_splits != 1)
+                or self.normalize is not Normalize.DIVIDE or self.kv_splits != 1 or self.mma_k is not None)
 
     def _check_kernel_model(self) -> None:
         """The kernel models describe hardware kernels: fp32 scores and statistics, the standard softmax,
@@ -268,8 +274,8 @@ class ReplayConfig:
         if self.kv_splits > 1 and self.block_n is None:
             bad.append("kv_splits without block_n")
         if bad:
-            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, row_sum, normalize, kv_splits) model "
-                              f"hardware kernels and do not combine with {', '.join(bad)}; drop one or the other")
+            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, row_sum, normalize, kv_splits, mma_k) "
+                              f"model hardware kernels and do not combine with {', '.join(bad)}; drop one or the other")
 
     # ---- derived configs -------------------------------------------------------------------
     def with_(self, **changes) -> "ReplayConfig":
@@ -416,14 +422,16 @@ def _hw_kernel(**tile) -> ReplayConfig:
 def _sdpa_cudnn_sm90() -> ReplayConfig:
     # cuDNN's fused flash attention on sm_90 (SDPA's CUDNN_ATTENTION; closed source): 128-key tiles in
     # forward order, exp of the scaled scores, exact row sums, divide; modelled from measurement
-    # (docs/gpu-fidelity.md)
-    return _hw_kernel(block_m=128, block_n=128)
+    # (docs/gpu-fidelity.md); its backward: backward_kernels.py
+    return _hw_kernel(block_m=128, block_n=128, backward_kernel=BackwardKernel.SDPA_CUDNN)
 
 
 def _sdpa_efficient() -> ReplayConfig:
     # the memory-efficient (xformers / CUTLASS) kernel behind SDPA's EFFICIENT_ATTENTION: 64 x 64 tiles
-    # for head dim <= 64 (64 x 128 up to 128), forward order, output times 1/s_prime
-    return _hw_kernel(block_m=64, block_n=64, normalize=Normalize.RECIPROCAL)
+    # for head dim <= 64 (64 x 128 up to 128), forward order, output times 1/s_prime; every product an
+    # mma.sync m16n8k8 (gemm_kernel_utils.h DefaultGemmType for 16-bit inputs on sm75+): 8-term groups
+    return _hw_kernel(block_m=64, block_n=64, normalize=Normalize.RECIPROCAL, mma_k=8,
+                      backward_kernel=BackwardKernel.SDPA_EFFICIENT)
 
 
 def _flash_attn_2(exp_form: ExpForm) -> ReplayConfig:
@@ -431,7 +439,8 @@ def _flash_attn_2(exp_form: ExpForm) -> ReplayConfig:
     # dropout, key blocks from last to first, exp2 of S·α·log2 e less the scaled row max, per-thread row-sum
     # partials, O times 1/ℓ
     return _hw_kernel(block_m=128, block_n=128, kv_order=KVOrder.REVERSE, exp_form=exp_form,
-                      row_sum=RowSum.MMA_LANES, normalize=Normalize.RECIPROCAL)
+                      row_sum=RowSum.MMA_LANES, normalize=Normalize.RECIPROCAL,
+                      backward_kernel=BackwardKernel.FLASH_ATTENTION_2)
 
 
 def _fp16(factory):

@@ -19,6 +19,29 @@ def test_variants_are_single_repairs_of_a_tiled_baseline():
         assert len(diff) <= 2, (v.name, diff)
 
 
+def test_delta_repairs_of_a_kernel_preset_run_the_reference_backward():
+    """A kernel preset's backward fixes δ itself, so the δ repairs run the emulator's backward (and say so);
+    the baseline keeps the kernel's backward."""
+    from fa_forensics.replay.config import ReplayConfig
+    from fa_forensics.replay.emulate.backward import backward
+    from fa_forensics.replay.emulate.forward import forward
+
+    vs = {v.name: v for v in variants(256, ReplayConfig.preset("sdpa-cudnn-sm90"), "sdpa-cudnn-sm90")}
+    assert vs["baseline"].config.backward_kernel.value == "sdpa-cudnn"
+    for name, source in (("delta-o-recomputed", DeltaSource.O_RECOMPUTED), ("delta-dp-p", DeltaSource.DP_P)):
+        cfg = vs[name].config
+        assert cfg.backward_kernel.value == "reference" and cfg.delta is source
+        assert "sdpa-cudnn's own fixes δ" in vs[name].description
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 1, 64, 16, generator=g).bfloat16().float() for _ in range(4))
+    deltas = []
+    for name in ("baseline", "delta-dp-p"):
+        cfg = vs[name].config
+        f = forward(q, k, v, cfg, causal=True, scale=0.25, generator=None)
+        deltas.append(backward(q, k, v, do, f.lse, cfg, causal=True, scale=0.25, o_for_delta=f.o).delta)
+    assert not torch.equal(deltas[0], deltas[1])  # the repair changes δ
+
+
 def test_measure_heads_uses_eq1_for_the_gradient_error():
     g = torch.Generator().manual_seed(0)
     o_var, o_hp = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g)

@@ -3,7 +3,7 @@
 Each model recomputes what the kernel wrote from the recorded inputs and the kernel's own O and lse, on the rows
 the fixtures keep: dQ of the last query rows (they read every key block), dK and dV of keys 768..831 of the gpt2
 set (rows 768..1023, every row that sees them: two query tiles of 128, four of 64). The shares asserted are the
-measured ones rounded down (docs/gpu-backward.md has the full-size table); the exponentials' last bit (the GPU's
+measured ones rounded down (docs/gpu-fidelity.md has the full-size table); the exponentials' last bit (the GPU's
 MUFU approximation against a correctly rounded exp) is what keeps some below 100 %.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fa_forensics.replay.emulate.backward_kernels import kernel_backward
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 KERNELS = {"cudnn": "sdpa-cudnn", "efficient": "sdpa-efficient", "flash": "flash-attention-2"}
+PRESETS = {"cudnn": "sdpa-cudnn-sm90", "efficient": "sdpa-efficient", "flash": "sdpa-flash"}  # forward and backward
 
 
 def _load(path: Path) -> tuple[dict, dict]:
@@ -28,21 +29,23 @@ def _load(path: Path) -> tuple[dict, dict]:
 
 
 def _config(kernel: str, dtype: torch.dtype) -> ReplayConfig:
-    fmt = "fp16" if dtype == torch.float16 else "bf16"
-    return ReplayConfig.preset("bf16-hw").with_(backward_kernel=KERNELS[kernel], input_dtype=fmt)
+    """The kernel's preset (its forward and backward model) for this input dtype."""
+    config = ReplayConfig.preset(PRESETS[kernel] + ("-fp16" if dtype == torch.float16 else ""))
+    assert config.backward_kernel.value == KERNELS[kernel]
+    return config
 
 
 def _share(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() == b.float()).float().mean().item()
 
 
-def _dq_share(tag: str, kernel: str, model: str | None = None) -> float:
+def _dq_share(tag: str, kernel: str, model: str | None = None, **changes) -> float:
     t, layout = _load(DATA / "h200_bits" / f"{tag}.safetensors")
     r0, r1 = layout["dq_rows"]
     assert layout["o_rows"] == [r0, r1]
     g = lambda name: t[f"{tag}.{name}"].float()  # noqa: E731
     q, k, v, do = g("q"), g("k"), g("v"), g("do")
-    cfg = _config(model or kernel, t[f"{tag}.q"].dtype)
+    cfg = _config(model or kernel, t[f"{tag}.q"].dtype).with_(**changes)
     _, dq, _, _ = kernel_backward(q[..., r0:r1, :], k, v, do[..., r0:r1, :], g(f"{kernel}.o"), g(f"{kernel}.lse"),
                                   cfg, causal=True, scale=layout["scale"], row0=r0)
     return _share(dq, t[f"{tag}.{kernel}.dq"])
@@ -71,16 +74,19 @@ def test_dq_tells_the_kernels_apart(kernel, other):
 
 def test_the_efficient_kernel_needs_its_k8_instruction(monkeypatch):
     """The memory-efficient kernel issues mma.sync m16n8k8 (8 products per instruction): with the tensor core's
-    own 16-term groups its model loses bits that the 8-term groups reproduce."""
+    own 16-term groups its model loses bits that the 8-term groups reproduce. Its preset carries mma_k 8; a
+    config without mma_k still gets the kernel's own 8 in its backward."""
     import dataclasses
 
     from fa_forensics.replay.config import BackwardKernel
     from fa_forensics.replay.emulate import backward_kernels
 
     assert _dq_share("fp16", "efficient") == 1.0
+    assert _dq_share("fp16", "efficient", mma_k=None) == 1.0
+    assert _dq_share("fp16", "efficient", mma_k=16) < 0.999
     model = backward_kernels.MODELS[BackwardKernel.SDPA_EFFICIENT]
     monkeypatch.setitem(backward_kernels.MODELS, BackwardKernel.SDPA_EFFICIENT, dataclasses.replace(model, mma_k=None))
-    assert _dq_share("fp16", "efficient") < 0.999
+    assert _dq_share("fp16", "efficient", mma_k=None) < 0.999
 
 
 def _dkdv(kernel: str):

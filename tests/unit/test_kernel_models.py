@@ -59,3 +59,48 @@ def test_match_candidates_per_head_dim():
     assert not any("kv_splits" in n for n in kernel_presets(64, 256))  # one 256-key block: nothing to split
     assert all(n.startswith(("sdpa-cudnn-sm90-fp16", "sdpa-efficient-fp16", "sdpa-flash-fp16"))
                for n in kernel_presets(64, 1024, "float16"))
+
+
+@pytest.mark.parametrize("name,backward,mma_k", [
+    ("sdpa-cudnn-sm90", "sdpa-cudnn", None), ("sdpa-cudnn-sm90-fp16", "sdpa-cudnn", None),
+    ("sdpa-efficient", "sdpa-efficient", 8), ("sdpa-efficient-fp16", "sdpa-efficient", 8),
+    ("sdpa-flash", "flash-attention-2", None), ("sdpa-flash-fp16", "flash-attention-2", None),
+    ("flash-attn-2", "flash-attention-2", None),
+])
+def test_kernel_presets_model_forward_and_backward(name, backward, mma_k):
+    """A kernel preset replays that kernel's backward too: replay(..., dO) gives the named backward's gradients
+    on the replay's own O and lse, which are not the emulator's reference backward's."""
+    from fa_forensics.replay import replay
+    from fa_forensics.replay.emulate.backward_kernels import kernel_backward
+
+    cfg = ReplayConfig.preset(name)
+    assert (cfg.backward_kernel.value, cfg.mma_k) == (backward, mma_k)
+    dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 128, 32, generator=g).to(dtype) * s for s in (1.5, 1.5, 1.0))
+    do = (torch.randn(1, 1, 128, 32, generator=g) * 0.01).to(dtype)
+    out = replay(q, k, v, cfg, do, causal=True, scale=32 ** -0.5)
+    _, dq, dk, dv = kernel_backward(*(x.float() for x in (q, k, v, do)), out.o.float(), out.lse, cfg, causal=True,
+                                    scale=32 ** -0.5)
+    assert torch.equal(out.dq, dq) and torch.equal(out.dk, dk) and torch.equal(out.dv, dv)
+    ref = replay(q, k, v, cfg.with_(backward_kernel="reference"), do, causal=True, scale=32 ** -0.5)
+    assert not torch.equal(ref.dq.to(dtype), out.dq.to(dtype))
+
+
+def test_mma_k_sets_the_tensor_core_groups_of_every_product():
+    """mma_k = 8 (an m16n8k8 instruction) regroups the products of forward and backward; 16 is the H100's own
+    group for bf16, so it changes nothing; it is a kernel-model knob (refused with the reference code's)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(1, 1, 64, 64, generator=g).bfloat16() * s for s in (1.5, 1.5, 1.0, 0.01))
+    from fa_forensics.replay import replay
+
+    base = ReplayConfig.preset("bf16-hw")
+    outs = {m: replay(q, k, v, base.with_(mma_k=m), do, causal=True, scale=0.125) for m in (None, 16, 8)}
+    for name in ("o", "dq", "dk", "dv"):
+        assert torch.equal(getattr(outs[None], name), getattr(outs[16], name))
+    assert not torch.equal(outs[None].dq, outs[8].dq) and not torch.equal(outs[None].dk, outs[8].dk)
+    for bad in (0, 65, 8.0):
+        with pytest.raises(ConfigError, match="mma_k"):
+            ReplayConfig(mma_k=bad, pv_dtype="fp32")
+    with pytest.raises(ConfigError, match="kernel-model knobs"):
+        ReplayConfig.preset("bf16-autocast").with_(mma_k=8)

@@ -2,7 +2,7 @@
 (tests/data/tensor_core_mma: the published validation data of Khattak & Mikaitis, arXiv 2512.07004).
 
 bf16 and fp16: every published output is reproduced bit for bit. fp8 (E4M3, E5M2) on the H100 with the
-published parameters (F = 32, neab = −10): 71.7 % and 83.2 % of the full sets (docs/gpu-backward.md); the
+published parameters (F = 32, neab = −10): 71.7 % and 83.2 % of the full sets (docs/gpu-fidelity.md); the
 floors below are this fixture's measured shares, rounded down.
 """
 from __future__ import annotations

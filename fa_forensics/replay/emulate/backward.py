@@ -108,19 +108,21 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         sees = i0 + 1 if causal else None  # row i sees keys j < i + sees; P, P̄ and dS are ±0 beyond
         if use_fused:  # steps 1 and 4 compiled (and 3 for dp-p): the same operations, one pass per row
             S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees),
-                   finite_operands=True)  # (B, H, R, T) raw q kᵀ, 0 for unseen keys
+                   finite_operands=True, mma_k=config.mma_k)  # (B, H, R, T) raw q kᵀ, 0 for unseen keys
             P = fused.backward_probs(S, lse[..., rows], mask_r, config, scale=scale, row0=i0, causal=causal)
             delta_r = None if config.delta is DeltaSource.DP_P else _delta(P, do_r, v, o_for_delta, rows, config, None)
             # dP in full: the sign of a zero dS (P · (dP − δ) with P = +0) is dP's, and the chains of
             # dQ and dK read it where they end at ±0
-            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, finite_operands=True)  # (B, H, R, T)
+            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, finite_operands=True,
+                        mma_k=config.mma_k)  # (B, H, R, T)
             dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale)
         else:
             s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
             P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
             if mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
                 P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
-            dP = cast(mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt), config.dp_dtype)  # (B, H, R, T)
+            dP = cast(mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, mma_k=config.mma_k),
+                      config.dp_dtype)  # (B, H, R, T)
             delta_r = _delta(P, do_r, v, o_for_delta, rows, config, dP)
             P_ds = P * alpha if config.ds_alpha else P
             dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # (B, H, R, T)
@@ -135,10 +137,12 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
             row_band = Band(k_hi=sees) if use_fused else None  # dQ row i: keys k < i + sees
             key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None  # dK, dV row j: rows ≥ j − i0
             ds_finite = use_fused and config.ds_dtype in _FP32_RANGE  # |dS| ≤ |dP − δ| < 2^101 (`fused.eligible`)
-            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band, finite_operands=ds_finite)
+            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band, finite_operands=ds_finite,
+                                  mma_k=config.mma_k)
             dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk, band=key_band,
-                    finite_operands=ds_finite)
-            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band, finite_operands=use_fused)
+                    finite_operands=ds_finite, mma_k=config.mma_k)
+            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band,
+                    finite_operands=use_fused, mma_k=config.mma_k)
     if dk is None:  # no query rows
         dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
     if not config.ds_alpha:
@@ -172,7 +176,7 @@ def _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config: ReplayConfig, i0:
                         causal: bool, qk_fmt: Precision, pv_fmt: Precision) -> torch.Tensor:
     """One query block i (rows i0:i1) of the grad_dtype path: for each KV block j in order, the
     block products cast to grad_dtype and added into dQ_i (returned), dK_j, dV_j (in place)."""
-    acc_model, gpu, fmt = config.accumulation, config.gpu, config.grad_dtype
+    acc_model, gpu, fmt, mk = config.accumulation, config.gpu, config.grad_dtype, config.mma_k
     n_keys = k.shape[-2]
     bn = config.block_n or n_keys
     dq_i = torch.zeros(dS.shape[:-1] + (k.shape[-1],))  # (B, H, R, D)
@@ -181,7 +185,9 @@ def _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config: ReplayConfig, i0:
             break  # every later block is hidden from every row of this query block
         j1 = min(j0 + bn, n_keys)
         ds_ij, p_ij = dS[..., j0:j1], p_bar[..., j0:j1]  # (B, H, R, bn)
-        dq_i = cast(dq_i + cast(mm(ds_ij, k[..., j0:j1, :], acc_model, gpu, qk_fmt), fmt), fmt)
-        dk[..., j0:j1, :] = cast(dk[..., j0:j1, :] + cast(mm(ds_ij.transpose(-1, -2), q[..., i0:i1, :], acc_model, gpu, qk_fmt), fmt), fmt)
-        dv[..., j0:j1, :] = cast(dv[..., j0:j1, :] + cast(mm(p_ij.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt), fmt), fmt)
+        dq_i = cast(dq_i + cast(mm(ds_ij, k[..., j0:j1, :], acc_model, gpu, qk_fmt, mma_k=mk), fmt), fmt)
+        dk_ij = mm(ds_ij.transpose(-1, -2), q[..., i0:i1, :], acc_model, gpu, qk_fmt, mma_k=mk)
+        dv_ij = mm(p_ij.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, mma_k=mk)
+        dk[..., j0:j1, :] = cast(dk[..., j0:j1, :] + cast(dk_ij, fmt), fmt)
+        dv[..., j0:j1, :] = cast(dv[..., j0:j1, :] + cast(dv_ij, fmt), fmt)
     return dq_i

@@ -21,7 +21,7 @@ flash_bwd_preprocess_kernel.h, flash_bwd_launch_template.h; the sm80 kernels SDP
     down to m_block_min), its fp32 accumulators continued from tile to tile; at the end dK ← fp32(dK · α).
   dQ: each (query block, key block) tile's dS Kⱼ is formed from zero and atomically added to an fp32 dQ
     buffer (the seqk-parallel kernel); then dQ ← fp32(dQ · α) (convert_dQ). The order of the atomic adds is
-    the hardware's: modelled as ascending key blocks. It is not deterministic (see docs/gpu-backward.md).
+    the hardware's: modelled as ascending key blocks. It is not deterministic (see docs/gpu-fidelity.md).
 sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_backward.h and
   gemm_kernel_utils.h, the xformers kernel):
   MMA: `DefaultGemmType` for 16-bit inputs on sm75+ issues mma.sync m16n8k8, so each instruction sums 8 products
@@ -36,7 +36,7 @@ sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_a
   dQ: one fp32 accumulator per query block continued over the key blocks (kBlockSizeJ); measured on the
     H200: descending key blocks reproduce the recorded bits (ascending: about 0.1 % fewer).
 sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below is the one that reproduces
-  the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-backward.md):
+  the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-fidelity.md):
   δ: as flash-attention-2's. P = exp2(fp32(fp32(fp32(S · α) − lse) · log2 e)).
   dS = cast(fp32(fp32(P · fp32(dP − δ)) · α)): the scale folded into dS, as in sdpa-efficient.
   dK, dV: accumulators continued over the query blocks in ascending order.
@@ -44,7 +44,7 @@ sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below i
 
 Exponentials are rounded once (numerics.exp_fp32 / exp2_fp32); the GPUs' MUFU approximations differ from
 that in the last bit of some P, which flips a bf16 rounding of P̄ or dS in about 1 element of 10⁴ (measured,
-docs/gpu-backward.md). A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal;
+docs/gpu-fidelity.md). A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal;
 SDPA's attn_mask is not modelled.
 """
 from __future__ import annotations
@@ -150,12 +150,14 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows."""
     if mask is not None:
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
-                          "attn_mask; use backward_kernel=reference")
+                          "attn_mask; use backward_kernel=reference (on the command line: a --preset without a "
+                          "kernel backward, such as bf16-hw)")
     if config.input_dtype not in (Precision.BF16, Precision.FP16):
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
                           f"fp16 inputs, not input_dtype={config.input_dtype.value}")
     model = MODELS[config.backward_kernel]
-    fmt, acc_model, gpu, mma_k = config.input_dtype, config.accumulation, config.gpu, model.mma_k
+    fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
+    mma_k = config.mma_k if config.mma_k is not None else model.mma_k  # the config's, else the kernel's own
     (B, H, T, D), N = q.shape, k.shape[-2]
     bm, bn = model.tiles(D)
     alpha = torch.tensor(scale, dtype=torch.float32)

@@ -90,7 +90,8 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: b
                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """S = q kᵀ (the MMA's fp32 output, unscaled) with masked scores −inf: the exp2 kernels' scores.
     An additive mask is added to S·α's equivalent, S + mask/α, in fp32."""
-    S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)
+    S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
+           mma_k=config.mma_k)
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
@@ -107,7 +108,8 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale:
                   causal: bool, row0: int, col0: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s = cast(α · cast(q kᵀ, s_dtype), s_dtype) with the causal mask (-inf); q rows start at
     row0, k rows at col0. mask: the attn_mask block of these rows and keys (bool or additive)."""
-    S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype)  # (B, H, R, N)
+    S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
+           mma_k=config.mma_k)  # (B, H, R, N)
     S = cast(S, config.s_dtype)  # the autocast matmul's output dtype
     s = cast(S * torch.tensor(scale, dtype=torch.float32), config.s_dtype)
     if causal:
@@ -278,9 +280,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         finite = compiled and fused.p_bar_bounded(config)
         if config.pv_dtype is Precision.FP32:
             acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled, band=pv_band,
-                                  finite_operands=finite)
+                                  finite_operands=finite, mma_k=config.mma_k)
         else:
-            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band, finite_operands=finite),
+            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band, finite_operands=finite,
+                         mma_k=config.mma_k),
                       config.pv_dtype, config.rounding, generator)
             acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
         if fused_block is None:
