@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.analyses.wording import bit_share
 
 
 ALPHA = 0.01  # every command's significance level, Bonferroni-corrected over the items it tests
@@ -110,7 +111,7 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
     if share is None or share >= FIDELITY_WARN_BELOW:
         return out
     worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])
-    head = (f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {100 * share:.1f} % of the "
+    head = (f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {bit_share(share)} of the "
             f"stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %)")
     mismatch = fid.get("mismatch")
     if share >= MISMATCH_TEST_ABOVE and mismatch:

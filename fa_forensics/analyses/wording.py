@@ -28,3 +28,14 @@ def number(x, fmt: str = "+.3e", missing: str = "n/a") -> str:
     """format(x, fmt) for a finite number, else `missing`."""
     return format(x, fmt) if finite(x) else missing
 
+
+
+def bit_share(fraction) -> str:
+    """A share of bit-identical elements as "99.97 %": one decimal, more where one decimal would round a share
+    below 1 up to "100.0 %" (never claims every bit when some differ); "n/a" when not measured."""
+    if not finite(fraction):
+        return "n/a"
+    digits = 1
+    while fraction < 1.0 and round(100 * fraction, digits) >= 100.0 and digits < 6:
+        digits += 1
+    return f"{100 * fraction:.{digits}f} %"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fa_forensics.analyses.wording import finite, number, share_with_se
+from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se
 
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
 
@@ -75,7 +75,7 @@ def _fidelity(sections) -> str:
             if fidelity.get("run_precision") == "fp32":
                 return f"the findings describe {named} replayed on the run's fp32 inputs"
             return f"replay fidelity: {named} reproduces an unknown share of the stored O bits"
-        shown = f"replay fidelity: {named} reproduces {100 * share:.1f} % of the stored O bits"
+        shown = f"replay fidelity: {named} reproduces {bit_share(share)} of the stored O bits"
         mismatch = fidelity.get("mismatch")
         if share < 1.0 and share >= MISMATCH_TEST_ABOVE and mismatch:
             return f"{shown}; {mismatch['verdict']}"

@@ -154,3 +154,10 @@ def test_ulp_difference_counts_representable_values_across_zero(dtype):
     tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
     b = torch.tensor([tiny, tiny, 1.0, -1.0], dtype=torch.float64).to(dtype)
     assert ulp_difference(a, b).tolist() == [-1, -1, 0, 0]
+
+
+def test_a_share_below_one_never_reads_as_every_bit():
+    from fa_forensics.analyses.wording import bit_share
+
+    assert bit_share(1.0) == "100.0 %" and bit_share(0.5) == "50.0 %" and bit_share(float("nan")) == "n/a"
+    assert bit_share(0.99973) == "99.97 %" and bit_share(0.999996) == "99.9996 %"
