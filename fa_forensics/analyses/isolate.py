@@ -48,7 +48,9 @@ from fa_forensics.analyses.selection import (
 )
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
-from fa_forensics.replay.config import BackwardKernel, DeltaSource, Precision, ReplayConfig, Rounding, Softmax
+from fa_forensics.replay.config import (
+    BackwardKernel, DeltaSource, ExpForm, Normalize, Precision, ReplayConfig, Rounding, RowSum, Softmax,
+)
 
 Progress = Optional[Callable[[str], None]]
 CULPRIT_REDUCTION = 0.9  # a repair is a culprit when it removes ≥ 90% of the baseline's Σδ bias
@@ -88,6 +90,13 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
     if base.backward_kernel is not BackwardKernel.REFERENCE:  # a kernel's backward fixes δ: the knob needs ours
         delta_base = base.with_(backward_kernel=BackwardKernel.REFERENCE)
         delta_note = f" (the emulator's reference backward: {base.backward_kernel.value}'s own fixes δ)"
+    # The kernel models (exp form, row sum, 1/ℓ, split-KV, MMA groups) describe the hardware kernel's standard
+    # softmax with nearest-even casts: the stabilized and stochastic repairs run on the same tiles without them.
+    plain, plain_note = base, ""
+    if base.is_kernel_model:
+        plain = base.with_(exp_form=ExpForm.EXP, row_sum=RowSum.EXACT, normalize=Normalize.DIVIDE, kv_splits=1,
+                           mma_k=None)
+        plain_note = " (on the kernel's tiles, without its exp, row-sum and 1/ℓ model)"
     o_dt = base.o_dtype.value
     tiles = f"{base.block_m or T}x{base.block_n or T} tiles"
     repairs = [
@@ -101,8 +110,10 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
           if base.stats_dtype is not fp32 else []),
         *([("scores-fp32", "scores S = α·q·kᵀ kept in fp32", base.with_(s_dtype=fp32), False)]
           if base.s_dtype is not fp32 else []),
-        ("stabilized", f"stabilized softmax (Algorithm 3, β={base.beta:g})", base.with_(softmax=Softmax.STABILIZED), False),
-        ("stochastic", "stochastic rounding of the P̄, P̄V and O casts", base.with_(rounding=Rounding.STOCHASTIC), False),
+        ("stabilized", f"stabilized softmax (Algorithm 3, β={base.beta:g})" + plain_note,
+         plain.with_(softmax=Softmax.STABILIZED), False),
+        ("stochastic", "stochastic rounding of the P̄, P̄V and O casts" + plain_note,
+         plain.with_(rounding=Rounding.STOCHASTIC), False),
     ]
     own_tiles = lp.block_n is not None
     out = [Repair("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]

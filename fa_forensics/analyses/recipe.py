@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.replay.config import PRESETS, Accumulation, ReplayConfig
+from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 
 AUTO = "auto"
 FALLBACK_PRESET = "bf16"  # what `auto` replays where no stored O can be matched
@@ -54,12 +55,21 @@ class Choice:
     why: Optional[str] = None  # why this recipe was not matched but implied by the recorded settings
 
 
+def _default_accumulation(preset: str, config: Optional[ReplayConfig]) -> Accumulation:
+    """A named preset without --accumulation: the GPU kernels' models keep their tensor-core products (what the
+    hardware ran); every other preset replays ieee."""
+    if config is None and preset.partition("@")[0] in {r.preset for r in KERNEL_RECIPES}:
+        return ReplayConfig.preset(preset).accumulation
+    return Accumulation.IEEE
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The low-precision reading an analysis replays: a preset and the accumulation of every product.
 
     preset `auto`: the best match per layer-step; `accumulation` None there means "the matched
-    one", a given accumulation restricts the match to it. For a named preset None means ieee.
+    one", a given accumulation restricts the match to it. For a named preset None means ieee (tensor-core
+    for the GPU kernels' models).
     `config` is given only for a reading that is no named preset (a library caller's own config);
     its accumulation is still replaced by `accumulation`, so one option decides it everywhere.
     `choices` ((step, layer) -> Choice) is filled by `resolve` for `auto`.
@@ -77,10 +87,10 @@ class Recipe:
             except ValueError:
                 choices = ", ".join(a.value for a in Accumulation)
                 raise ConfigError(f"accumulation {self.accumulation!r} is not one of: {choices}") from None
-        elif not self.is_auto:
-            object.__setattr__(self, "accumulation", Accumulation.IEEE)
         if self.config is None and self.preset.partition("@")[0] not in PRESETS and self.preset != AUTO:
             raise UnknownPreset(self.preset)
+        if self.accumulation is None and not self.is_auto:
+            object.__setattr__(self, "accumulation", _default_accumulation(self.preset, self.config))
         if self.config is None and "@" in self.preset:
             ReplayConfig.preset(self.preset)  # a tile suffix that names no tiling field is a ConfigError
 

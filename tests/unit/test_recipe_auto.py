@@ -118,3 +118,15 @@ def test_a_read_only_copy_of_a_sample_dump_is_analysed_without_writing(tmp_path)
     finally:
         for p in [copy, *copy.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def test_a_named_gpu_kernel_preset_keeps_its_tensor_core_products():
+    """--preset sdpa-flash without --accumulation replays what the hardware ran (tensor-core products); other
+    presets replay ieee, and --accumulation still decides where given."""
+    from fa_forensics.analyses.recipe import Recipe
+    from fa_forensics.replay.config import Accumulation
+
+    assert Recipe("sdpa-flash").accumulation is Accumulation.TENSOR_CORE
+    assert Recipe("sdpa-cudnn-sm90@block_m=128,block_n=128").accumulation is Accumulation.TENSOR_CORE
+    assert Recipe("bf16-hw").accumulation is Accumulation.IEEE
+    assert Recipe("sdpa-flash", "ieee").accumulation is Accumulation.IEEE
