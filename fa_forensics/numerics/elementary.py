@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+LOG2E = 1.4426950408889634  # log2(e) rounded to float64: exp(x) = 2^(x · LOG2E); kernels fold it into their scale
+
 
 def exp_fp32(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for fp32 (or fp64) x, rounded once to fp32; same shape. exp(−inf) = 0, NaN stays NaN."""

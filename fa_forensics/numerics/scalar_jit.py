@@ -29,6 +29,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from fa_forensics.numerics.elementary import LOG2E
 from fa_forensics.numerics.formats import FormatLike, get_format
 
 _JIT = dict(nogil=True, cache=True, inline="always")
@@ -92,7 +93,7 @@ def round_ne(x, man_bits, emin, max_value, saturates):
 
 _LN2_HI = 6.93147180369123816490e-01  # ln 2 with its low 21 bits zero: k · _LN2_HI is exact for |k| < 2^21
 _LN2_LO = 1.90821492927058770002e-10  # ln 2 − _LN2_HI
-_INV_LN2 = 1.4426950408889634
+_INV_LN2 = LOG2E  # 1/ln 2
 _ROUND = 6755399441055744.0  # 1.5 · 2^52: adding and subtracting it rounds a float64 to an integer
 _TAYLOR = tuple(1.0 / math.factorial(n) for n in range(14))
 

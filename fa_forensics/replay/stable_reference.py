@@ -14,7 +14,8 @@ import math
 
 import torch
 
-LOG2E = 1.4426950408889634
+from fa_forensics.numerics.elementary import LOG2E
+
 STABLE_BLOCK_N = 64  # the KV block the stabilized rule looks at: part of the numerics contract
 
 

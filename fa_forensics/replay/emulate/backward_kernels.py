@@ -56,10 +56,11 @@ import torch
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp2_fp32, exp_fp32
+from fa_forensics.numerics.elementary import LOG2E
 from fa_forensics.replay.config import BackwardKernel, Precision, ReplayConfig
 from fa_forensics.replay.emulate.ops import cast, mm
 
-_LOG2E = torch.tensor(1.4426950408889634, dtype=torch.float32)  # M_LOG2E as an fp32 constant
+_LOG2E = torch.tensor(LOG2E, dtype=torch.float32)  # M_LOG2E as an fp32 constant
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str) -> torch
     """P (B, H, R, N) fp32 from the raw scores S and the lse (B, H, R) of these rows."""
     alpha = torch.tensor(scale, dtype=torch.float32)
     if form == "exp2-folded":  # exp2(fma(S, α·log2 e, −lse·log2 e)): S·c is exact in fp64, one rounding after
-        c = torch.tensor(scale * 1.4426950408889634, dtype=torch.float32).double()
+        c = torch.tensor(scale * LOG2E, dtype=torch.float32).double()
         shift = (lse * _LOG2E).double().unsqueeze(-1)
         return exp2_fp32((S.double() * c - shift).float())
     x = S * alpha - lse.unsqueeze(-1)  # fp32(fp32(S·α) − lse)

@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 
 # One definition of the contract's constants, shared with the torch reference (which imports no triton)
-from fa_forensics.replay.stable_reference import LOG2E, STABLE_BLOCK_N, max_extra_shift
+from fa_forensics.numerics.elementary import LOG2E
+from fa_forensics.replay.stable_reference import STABLE_BLOCK_N, max_extra_shift
 
 
 def _interpreting() -> bool:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 
 
 @triton.jit
