@@ -31,7 +31,8 @@ def attention_mask(t, dump, info):
     if t.mask is None:
         return
     yield (f"captured with an attention mask ({getattr(info, 'mask', None) or 'bool'}); every replay and every "
-           "score, P̄ and P the analyses form apply it")
+           "score, P̄ and P the analyses form apply it (the GPU kernels' backward models do not model masks: under "
+           "their presets the backward there is the emulator's reference backward)")
     B, H, T = t.q.shape[:3]
     K = t.k.shape[-2]
     allowed = t.mask if t.mask.dtype == torch.bool else ~t.mask.isneginf()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.replay.config import PRESETS, Accumulation, ReplayConfig
+from fa_forensics.replay.config import PRESETS, Accumulation, BackwardKernel, ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 
 AUTO = "auto"
@@ -168,11 +168,21 @@ def preset_at(dump, step: int, layer: int, recipe: Recipe) -> str:
 
 
 def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
-    """The low-precision config replayed at (step, layer) of `dump` (None for in-memory layers)."""
+    """The low-precision config replayed at (step, layer) of `dump` (None for in-memory layers). A layer captured
+    with an attn_mask replays the emulator's reference backward where the preset names a GPU kernel's backward:
+    those models do not model masks (the mask check says so)."""
     if not recipe.is_auto:
-        return recipe.base_config()
-    choice = choose(dump, step, layer, recipe)
-    return ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
+        config = recipe.base_config()
+    else:
+        choice = choose(dump, step, layer, recipe)
+        config = ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
+    if config.backward_kernel is not BackwardKernel.REFERENCE and dump is not None and _has_mask(dump, step, layer):
+        config = config.with_(backward_kernel=BackwardKernel.REFERENCE)
+    return config
+
+
+def _has_mask(dump, step: int, layer: int) -> bool:
+    return "mask" in (getattr(dump.layer_info(step, layer), "arrays", None) or {})
 
 
 def hp_config() -> ReplayConfig:

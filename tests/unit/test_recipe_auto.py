@@ -130,3 +130,34 @@ def test_a_named_gpu_kernel_preset_keeps_its_tensor_core_products():
     assert Recipe("sdpa-cudnn-sm90@block_m=128,block_n=128").accumulation is Accumulation.TENSOR_CORE
     assert Recipe("bf16-hw").accumulation is Accumulation.IEEE
     assert Recipe("sdpa-flash", "ieee").accumulation is Accumulation.IEEE
+
+
+def test_a_masked_layer_under_a_gpu_kernel_preset_replays_the_reference_backward(tmp_path):
+    """The GPU kernels' backward models do not model masks: on a layer captured with an attn_mask the analyses
+    replay the emulator's reference backward instead of stopping, and the mask check says so."""
+    import torch
+    from typer.testing import CliRunner
+
+    from fa_forensics.analyses.recipe import Recipe, lp_config_for
+    from fa_forensics.cli import app
+    from fa_forensics.dump import DumpWriter, open_dump
+    from fa_forensics.replay.config import BackwardKernel
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 1, 2, 32, 16
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    mask = torch.rand(B, 1, T, T, generator=g) > 0.2
+    o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask).bfloat16()
+    path = tmp_path / "masked.zarr"
+    with DumpWriter(path, {"amp_dtype": "bfloat16", "device": "cuda:0"}) as w:
+        attrs = {"n_heads": H, "head_dim": D, "scale": D ** -0.5, "causal": False, "dtype": "bfloat16", "mask": "bool"}
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("mask", mask)):
+            w.write_array(0, 0, name, t, attrs)
+        w.complete_step(0)
+    dump = open_dump(path)
+    assert ReplayConfig.preset("sdpa-cudnn-sm90").backward_kernel is not BackwardKernel.REFERENCE
+    config = lp_config_for(dump, 0, 0, Recipe("sdpa-cudnn-sm90"))
+    assert config.backward_kernel is BackwardKernel.REFERENCE
+    res = CliRunner().invoke(app, ["delta-bias", str(path), "--preset", "sdpa-cudnn-sm90"])
+    assert res.exit_code == 0, res.output
+    assert "reference backward" in res.output
