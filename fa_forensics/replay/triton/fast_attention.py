@@ -63,6 +63,18 @@ def _interpreting() -> bool:
 # Forward
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _load_kv(K, V, ptr, offs_n, T, MASK_T: tl.constexpr):
+    """The (BLOCK_N, D) tiles of K and V at `ptr`; rows past T read as 0 only where MASK_T compiles the check."""
+    if MASK_T:
+        k = tl.load(K + ptr, mask=offs_n[:, None] < T, other=0.0)
+        v = tl.load(V + ptr, mask=offs_n[:, None] < T, other=0.0)
+    else:
+        k = tl.load(K + ptr)
+        v = tl.load(V + ptr)
+    return k, v
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1, max_extra2, lo, hi,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_T: tl.constexpr,
                 STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -70,13 +82,7 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_r
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        ptr = base + offs_n[:, None] * D + offs_d[None, :]
-        if MASK_T:
-            k = tl.load(K + ptr, mask=offs_n[:, None] < T, other=0.0)
-            v = tl.load(V + ptr, mask=offs_n[:, None] < T, other=0.0)
-        else:
-            k = tl.load(K + ptr)
-            v = tl.load(V + ptr)
+        k, v = _load_kv(K, V, base + offs_n[:, None] * D + offs_d[None, :], offs_n, T, MASK_T)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32, unscaled
         if MASK_CAUSAL:
             qk = tl.where(offs_m[:, None] >= offs_n[None, :], qk, float("-inf"))
@@ -200,13 +206,7 @@ def _bwd_dq_blocks(dq, q, do, lse2, delta, K, V, base, offs_m, offs_d, T, qk_sca
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        ptr = base + offs_n[:, None] * D + offs_d[None, :]
-        if MASK_T:
-            k = tl.load(K + ptr, mask=offs_n[:, None] < T, other=0.0)
-            v = tl.load(V + ptr, mask=offs_n[:, None] < T, other=0.0)
-        else:
-            k = tl.load(K + ptr)
-            v = tl.load(V + ptr)
+        k, v = _load_kv(K, V, base + offs_n[:, None] * D + offs_d[None, :], offs_n, T, MASK_T)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if MASK_CAUSAL:
