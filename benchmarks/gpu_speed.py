@@ -263,8 +263,10 @@ def main(argv=None) -> int:
         dtype = torch.bfloat16
         shapes = [(8192 // T, 1024 // D, T, D, causal) for T in ((1024,) if args.quick else (1024, 4096))
                   for D in (64, 128) for causal in (True, False)]
-    result = {"environment": environment(device), "dtype": str(dtype).replace("torch.", "")}
-    result["attention"] = attention_rows(device, dtype, shapes, args.smoke)
+    result = {"environment": environment(device), "dtype": str(dtype).replace("torch.", ""), "attention": []}
+    for shape in shapes:  # the JSON is rewritten after each part, so a run cut short keeps what it measured
+        result["attention"] += attention_rows(device, dtype, [shape], args.smoke)
+        _write_partial(result, args.json)
     result["training_step"] = training_rows(device, args.smoke, args.quick)
     result["summary"] = summary(result)
     result["wall_s"] = time.perf_counter() - t_start
@@ -274,6 +276,12 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             f.write(text)
     return 0
+
+
+def _write_partial(result: dict, path) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result | {"partial": True}, f, indent=1)
 
 
 def summary(result) -> dict:
