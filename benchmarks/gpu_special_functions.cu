@@ -195,6 +195,50 @@ __global__ void lg2_table(float* T) {
   T[i] = lg2_ftz(__uint_as_float(0x3f800000u + i));
 }
 
+
+// lg2.approx.ftz on [1, 2): its bits as an int32 difference to the correctly rounded log2 (exact table)
+__global__ void lg2_table_diff(int32_t* d) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (1u << 23)) return;
+  float x = __uint_as_float(0x3f800000u + i);
+  d[i] = (int32_t)__float_as_int(lg2_ftz(x)) - (int32_t)__float_as_int((float)log2((double)x));
+}
+
+// the law lg2(2^e m) == RZ_fp32(e + lg2(m)) for e in [1, 126], every mantissa; lg2_m the table on [1, 2)
+__global__ void lg2_law(int e, const float* lg2_m, unsigned long long* mism) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  float x = __uint_as_float(((uint32_t)(127 + e) << 23) + i);
+  float want = __double2float_rz((double)e + (double)lg2_m[i]);
+  count_block(i < (1u << 23) && __float_as_uint(lg2_ftz(x)) != __float_as_uint(want), mism);
+}
+
+// the law ex2(x) == 2^n T+[f] for every fp32 x in (0, 128), |x| 2^23 truncated (Tp: ex2 at +i 2^-23)
+__global__ void ex2_positive_law(uint32_t start, uint32_t n, const float* Tp, unsigned long long* mism) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  float x = __uint_as_float(start + i);
+  long long X = (long long)trunc((double)x * 8388608.0);
+  long long nn = X >> 23, f = X & 8388607;
+  float pred = ldexpf(Tp[f], (int)nn);
+  count_block(i < n && __float_as_uint(pred) != __float_as_uint(ex2_ftz(x)),
+              &mism[((start + blockIdx.x * blockDim.x) >> 23) & 0xff]);
+}
+
+// expf / logf (CUDA's accurate ones) per input binade: how many differ from the correctly rounded value, and a
+// checksum of their bits (sum of bits times position, mod 2^64) to compare with an emulation bit for bit
+__global__ void accurate_fn_census(int op, uint32_t start, uint32_t n, unsigned long long* mism,
+                                   unsigned long long* sum) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  float x = __uint_as_float(start + i);
+  float y = op == 0 ? expf(x) : logf(x);
+  float cr = op == 0 ? (float)exp((double)x) : (float)log((double)x);
+  uint32_t binade = ((start + blockIdx.x * blockDim.x) >> 23) & 0x1ff;
+  bool live = i < n;
+  count_block(live && __float_as_uint(y) != __float_as_uint(cr), &mism[binade]);
+  unsigned long long term = live ? (unsigned long long)__float_as_uint(y) * (unsigned long long)(start + i) : 0ull;
+  for (int off = 16; off > 0; off >>= 1) term += __shfl_down_sync(0xffffffffu, term, off);
+  if ((threadIdx.x & 31) == 0) atomicAdd(&sum[binade], term);
+}
+
 static void write_file(const std::string& path, const void* host, size_t bytes) {
   FILE* f = fopen(path.c_str(), "wb");
   if (!f || fwrite(host, 1, bytes, f) != bytes) {
@@ -207,11 +251,13 @@ static void write_file(const std::string& path, const void* host, size_t bytes) 
 static unsigned blocks(uint64_t n) { return (unsigned)((n + 255) / 256); }
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: %s OUT_DIR\n", argv[0]);
+  if (argc < 2 || argc > 3) {
+    fprintf(stderr, "usage: %s OUT_DIR [all|tables|laws]\n", argv[0]);
     return 2;
   }
   std::string out = argv[1];
+  std::string part = argc == 3 ? argv[2] : "all";
+  bool tables = part != "laws", laws = part != "tables";
   FILE* summary = fopen((out + "/summary.txt").c_str(), "w");
   if (!summary) {
     fprintf(stderr, "cannot write %s/summary.txt\n", out.c_str());
@@ -241,6 +287,7 @@ int main(int argc, char** argv) {
   std::vector<uint32_t> h_ex(128);
   std::vector<int8_t> h_d8(1u << 24);
 
+  if (tables) {
   // 1. the error profile of ex2.approx.ftz over [-128, 0], per binade
   // 2. the scaling hypotheses
   for (int F = 22; F <= 24; ++F) {
@@ -331,6 +378,57 @@ int main(int argc, char** argv) {
   logf_vs_cr<<<blocks(big - one), 256>>>(one, big - one, mism);
   CHECK(cudaMemcpy(h_m.data(), mism, sizeof(unsigned long long), cudaMemcpyDeviceToHost));
   fprintf(summary, "logf == correctly rounded log over [1,8192) mismatches = %llu of %u\n", h_m[0], big - one);
+  }  // tables
+
+  if (laws) {
+    // 6a. the exact lg2 table on [1, 2) and the law that scales it
+    int32_t* d32;
+    CHECK(cudaMalloc(&d32, sizeof(int32_t) << 23));
+    lg2_table_diff<<<blocks(1u << 23), 256>>>(d32);
+    std::vector<int32_t> h_d32(1u << 23);
+    CHECK(cudaMemcpy(h_d32.data(), d32, sizeof(int32_t) << 23, cudaMemcpyDeviceToHost));
+    write_file(out + "/lg2_exact.i32", h_d32.data(), sizeof(int32_t) << 23);
+    lg2_table<<<blocks(1u << 23), 256>>>(T);
+    unsigned long long law_total = 0;
+    fprintf(summary, "lg2 law RZ(e + lg2(m)) per_e =");
+    for (int e = 1; e <= 126; ++e) {
+      CHECK(cudaMemset(mism, 0, sizeof(unsigned long long)));
+      lg2_law<<<blocks(1u << 23), 256>>>(e, T, mism);
+      CHECK(cudaMemcpy(h_m.data(), mism, sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+      law_total += h_m[0];
+      if (h_m[0]) fprintf(summary, " %d:%llu", e, h_m[0]);
+    }
+    fprintf(summary, "\nlg2 law RZ(e + lg2(m)) e=1..126 mismatches = %llu of %llu\n", law_total, 126ull << 23);
+    // 6b. ex2 on positive inputs: every fp32 in [0, 128)
+    frac_table<<<blocks(1u << 23), 256>>>(0, 23, 0, T);
+    CHECK(cudaMemset(mism, 0, 256 * sizeof(unsigned long long)));
+    const uint32_t pos_end = 0x43000000u;  // 128.0
+    ex2_positive_law<<<blocks(pos_end), 256>>>(0, pos_end, T, mism);
+    CHECK(cudaMemcpy(h_m.data(), mism, 256 * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    unsigned long long pos_total = 0;
+    for (int e = 0; e < 256; ++e) pos_total += h_m[e];
+    fprintf(summary, "ex2 positive law over [0,128) mismatches = %llu of %u\n", pos_total, pos_end);
+    // 6c/d. CUDA's accurate expf over [-104, 89] and logf over (0, inf): per binade, census and checksum
+    unsigned long long *cm, *cs;
+    CHECK(cudaMalloc(&cm, 512 * sizeof(unsigned long long)));
+    CHECK(cudaMalloc(&cs, 512 * sizeof(unsigned long long)));
+    std::vector<unsigned long long> h_cm(512), h_cs(512);
+    struct Range { int op; uint32_t start, end; const char* name; };
+    const Range ranges[] = {{0, 0x80000000u, 0xC2D00000u, "expf_neg"}, {0, 0x00000000u, 0x42B20000u, "expf_pos"},
+                            {1, 0x00800000u, 0x7F800000u, "logf"}};
+    for (const Range& r : ranges) {
+      CHECK(cudaMemset(cm, 0, 512 * sizeof(unsigned long long)));
+      CHECK(cudaMemset(cs, 0, 512 * sizeof(unsigned long long)));
+      accurate_fn_census<<<blocks((uint64_t)(r.end - r.start)), 256>>>(r.op, r.start, r.end - r.start, cm, cs);
+      CHECK(cudaGetLastError());
+      CHECK(cudaMemcpy(h_cm.data(), cm, 512 * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(h_cs.data(), cs, 512 * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+      for (int b = 0; b < 512; ++b)
+        if (h_cs[b] || h_cm[b]) fprintf(summary, "census %s binade=%d mismatches=%llu checksum=%llu\n", r.name, b,
+                                        h_cm[b], h_cs[b]);
+    }
+    fflush(summary);
+  }  // laws
   CHECK(cudaDeviceSynchronize());
   fprintf(summary, "done = 1\n");
   fclose(summary);

@@ -1,7 +1,7 @@
 """Tabulate the GPU's approximate exp2 / log2 (needs nvcc and a CUDA GPU): builds and runs
 benchmarks/gpu_special_functions.cu, then packs its output into two compressed .npz files.
 
-    python benchmarks/gpu_special_functions.py OUT_DIR
+    python benchmarks/gpu_special_functions.py OUT_DIR [all|tables|laws]
 
 OUT_DIR gets `sf_tables.npz` (summary text, ex2 fraction tables for 23 and 24 fraction bits, the lg2 tables,
 the SASS that exp2f, ex2.approx, __logf and logf compile to) and `sf_binades.npz` (ex2.approx.ftz on whole
@@ -47,10 +47,11 @@ def sass_of_probe(work: Path) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
+    if len(argv) not in (1, 2):
         print(__doc__)
         return 2
     out = Path(argv[0])
+    part = argv[1] if len(argv) == 2 else "all"
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
                        check=True)
         raw = work / "raw"
         raw.mkdir()
-        run = subprocess.run([str(binary), str(raw)], capture_output=True, text=True)
+        run = subprocess.run([str(binary), str(raw), part], capture_output=True, text=True)
         summary = (raw / "summary.txt").read_text() if (raw / "summary.txt").exists() else ""
         print(summary)
         print(run.stderr, file=sys.stderr)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         tables = {"summary": np.array(summary), "sass": np.array(sass), "returncode": np.array(run.returncode)}
         binades = {}
         for f in sorted(raw.iterdir()):
-            dtype = {".i8": np.int8, ".i16": np.int16}.get(f.suffix)
+            dtype = {".i8": np.int8, ".i16": np.int16, ".i32": np.int32}.get(f.suffix)
             if dtype is None:
                 continue
             target = binades if f.stem.startswith("ex2_neg") else tables
