@@ -49,7 +49,7 @@ from fa_forensics.analyses.selection import (
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import (
-    BackwardKernel, DeltaSource, ExpForm, Normalize, Precision, ReplayConfig, Rounding, RowSum, Softmax,
+    BackwardKernel, DeltaSource, ExpForm, ExpUnit, Normalize, Precision, ReplayConfig, Rounding, RowSum, Softmax,
 )
 
 Progress = Optional[Callable[[str], None]]
@@ -94,8 +94,8 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
     # softmax with nearest-even casts: the stabilized and stochastic repairs run on the same tiles without them.
     plain, plain_note = base, ""
     if base.is_kernel_model:
-        plain = base.with_(exp_form=ExpForm.EXP, row_sum=RowSum.EXACT, normalize=Normalize.DIVIDE, kv_splits=1,
-                           mma_k=None)
+        plain = base.with_(exp_form=ExpForm.EXP, exp_unit=ExpUnit.CORRECTLY_ROUNDED, row_sum=RowSum.EXACT,
+                           normalize=Normalize.DIVIDE, kv_splits=1, mma_k=None)
         plain_note = " (on the kernel's tiles, without its exp, row-sum and 1/ℓ model)"
     o_dt = base.o_dtype.value
     tiles = f"{base.block_m or T}x{base.block_n or T} tiles"

@@ -83,6 +83,17 @@ class ExpForm(str, enum.Enum):
     EXP2_FMA = "exp2-fma"
     # PyTorch's vendored FlashAttention-2 (compiled with UNFUSE_FMA): P̄ = exp2(fp32(fp32(S·c) − fp32(m·c)))
     EXP2_MUL = "exp2-mul"
+    # the memory-efficient kernel (iterative_softmax): scores scaled once, s = fp32(S·c), m = max s,
+    # P̄ = exp2(fp32(s − m)) and the rescale exp2(fp32(m_prev − m)), both in the scaled domain
+    EXP2_SCALED = "exp2-scaled"
+
+
+class ExpUnit(str, enum.Enum):
+    """Which 2^x the base-2 kernel models (exp_form exp2-*) evaluate."""
+
+    CORRECTLY_ROUNDED = "correctly-rounded"  # 2^x rounded once to fp32 (numerics.exp2_fp32)
+    # the GPU's special function unit as sm_90 computes ex2.approx.ftz / exp2f (numerics.sfu, tabulated on an H200)
+    SFU_SM90 = "sfu-sm90"
 
 
 class RowSum(str, enum.Enum):
@@ -199,6 +210,7 @@ class ReplayConfig:
     # ceil(n_blocks / kv_splits) blocks, each run's O (fp32, normalized) and lse are combined as its
     # combine kernel does (emulate/split_kv.py)
     exp_form: ExpForm = ExpForm.EXP
+    exp_unit: ExpUnit = ExpUnit.CORRECTLY_ROUNDED
     row_sum: RowSum = RowSum.EXACT
     normalize: Normalize = Normalize.DIVIDE
     kv_splits: int = 1
@@ -251,8 +263,10 @@ class ReplayConfig:
 
     @property
     def is_kernel_model(self) -> bool:
-        """True when a kernel-model knob (exp_form, row_sum, normalize, kv_splits, mma_k) differs from the default."""
-        return (self.exp_form is not ExpForm.EXP or self.row_sum is not RowSum.EXACT
+        """True when a kernel-model knob (exp_form, exp_unit, row_sum, normalize, kv_splits, mma_k) differs from the
+        default."""
+        return (self.exp_form is not ExpForm.EXP or self.exp_unit is not ExpUnit.CORRECTLY_ROUNDED
+                or self.row_sum is not RowSum.EXACT
                 or self.normalize is not Normalize.DIVIDE or self.kv_splits != 1 or self.mma_k is not None)
 
     def _check_kernel_model(self) -> None:
@@ -273,8 +287,11 @@ class ReplayConfig:
             bad.append(f"rounding={self.rounding.value}")
         if self.kv_splits > 1 and self.block_n is None:
             bad.append("kv_splits without block_n")
+        if self.exp_unit is not ExpUnit.CORRECTLY_ROUNDED and self.exp_form is ExpForm.EXP:
+            bad.append(f"exp_unit={self.exp_unit.value} with exp_form=exp (the unit models the base-2 forms)")
         if bad:
-            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, row_sum, normalize, kv_splits, mma_k) "
+            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, exp_unit, row_sum, normalize, kv_splits, "
+                              "mma_k) "
                               f"model hardware kernels and do not combine with {', '.join(bad)}; drop one or the other")
 
     # ---- derived configs -------------------------------------------------------------------
@@ -370,6 +387,7 @@ _ENUM_FIELDS = {
     "accumulation": Accumulation,
     "gpu": GPUModel,
     "exp_form": ExpForm,
+    "exp_unit": ExpUnit,
     "row_sum": RowSum,
     "normalize": Normalize,
     "backward_kernel": BackwardKernel,
@@ -415,22 +433,24 @@ def _bf16_autocast_cpu() -> ReplayConfig:
 
 def _hw_kernel(**tile) -> ReplayConfig:
     # a hardware kernel: fp32 scores, statistics and P̄V accumulator, P̄ cast to the input dtype,
-    # tensor-core products, O rounded once after 1/ℓ
-    return ReplayConfig(pv_dtype=_FP32, accumulation=Accumulation.TENSOR_CORE, **tile)
+    # tensor-core products, 2^x from the special function unit, O rounded once after 1/ℓ
+    return ReplayConfig(pv_dtype=_FP32, accumulation=Accumulation.TENSOR_CORE, exp_unit=ExpUnit.SFU_SM90, **tile)
 
 
 def _sdpa_cudnn_sm90() -> ReplayConfig:
     # cuDNN's fused flash attention on sm_90 (SDPA's CUDNN_ATTENTION; closed source): 128-key tiles in
-    # forward order, exp of the scaled scores, exact row sums, divide; modelled from measurement
-    # (docs/gpu-fidelity.md); its backward: backward_kernels.py
-    return _hw_kernel(block_m=128, block_n=128, backward_kernel=BackwardKernel.SDPA_CUDNN)
+    # forward order, 2^x of the once-scaled scores less their max, exact row sums, O times 1/ℓ; modelled
+    # from measurement (docs/gpu-fidelity.md); its backward: backward_kernels.py
+    return _hw_kernel(block_m=128, block_n=128, exp_form=ExpForm.EXP2_SCALED, normalize=Normalize.RECIPROCAL,
+                      backward_kernel=BackwardKernel.SDPA_CUDNN)
 
 
 def _sdpa_efficient() -> ReplayConfig:
     # the memory-efficient (xformers / CUTLASS) kernel behind SDPA's EFFICIENT_ATTENTION: 64 x 64 tiles
-    # for head dim <= 64 (64 x 128 up to 128), forward order, output times 1/s_prime; every product an
-    # mma.sync m16n8k8 (gemm_kernel_utils.h DefaultGemmType for 16-bit inputs on sm75+): 8-term groups
-    return _hw_kernel(block_m=64, block_n=64, normalize=Normalize.RECIPROCAL, mma_k=8,
+    # for head dim <= 64 (64 x 128 up to 128), forward order, scores scaled by α·log2 e once and exp2f of
+    # them less their max (iterative_softmax), output times 1/s_prime; every product an mma.sync m16n8k8
+    # (gemm_kernel_utils.h DefaultGemmType for 16-bit inputs on sm75+): 8-term groups
+    return _hw_kernel(block_m=64, block_n=64, exp_form=ExpForm.EXP2_SCALED, normalize=Normalize.RECIPROCAL, mma_k=8,
                       backward_kernel=BackwardKernel.SDPA_EFFICIENT)
 
 

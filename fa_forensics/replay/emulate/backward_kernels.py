@@ -42,9 +42,8 @@ sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below i
   dK, dV: accumulators continued over the query blocks in ascending order.
   dQ: per (query block, key block of 128) tile from zero, added in fp32 in ascending key order.
 
-Exponentials are rounded once (numerics.exp_fp32 / exp2_fp32); the GPUs' MUFU approximations differ from
-that in the last bit of some P, which flips a bf16 rounding of P̄ or dS in about 1 element of 10⁴ (measured,
-docs/gpu-fidelity.md). A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal;
+2^x is the config's exp_unit (the kernel presets: the special function unit's ex2.approx, numerics/sfu.py, as
+exp2f compiles to); exp (the memory-efficient kernel's) is rounded once, as CUDA's accurate expf nearly always is. A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal;
 SDPA's attn_mask is not modelled.
 """
 from __future__ import annotations
@@ -57,7 +56,8 @@ import torch
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp2_fp32, exp_fp32
 from fa_forensics.numerics.elementary import LOG2E
-from fa_forensics.replay.config import BackwardKernel, Precision, ReplayConfig
+from fa_forensics.replay.config import BackwardKernel, ExpForm, Precision, ReplayConfig
+from fa_forensics.replay.emulate import kernel_ops
 from fa_forensics.replay.emulate.ops import cast, mm
 
 _LOG2E = torch.tensor(LOG2E, dtype=torch.float32)  # M_LOG2E as an fp32 constant
@@ -122,16 +122,19 @@ def row_delta(do: torch.Tensor, o: torch.Tensor, threads: int, descending: bool)
     return parts[0]
 
 
-def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str) -> torch.Tensor:
-    """P (B, H, R, N) fp32 from the raw scores S and the lse (B, H, R) of these rows."""
+def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str, exp2=exp2_fp32) -> torch.Tensor:
+    """P (B, H, R, N) fp32 from the raw scores S and the lse (B, H, R) of these rows; 2^x by `exp2`."""
     alpha = torch.tensor(scale, dtype=torch.float32)
     if form == "exp2-folded":  # exp2(fma(S, α·log2 e, −lse·log2 e)): S·c is exact in fp64, one rounding after
         c = torch.tensor(scale * LOG2E, dtype=torch.float32).double()
         shift = (lse * _LOG2E).double().unsqueeze(-1)
-        return exp2_fp32((S.double() * c - shift).float())
+        return exp2((S.double() * c - shift).float())
+    if form == "exp2-folded-mul":  # the same without the FMA: exp2(fp32(fp32(S·c) − fp32(lse·log2 e)))
+        c = torch.tensor(scale * LOG2E, dtype=torch.float32)
+        return exp2(S * c - (lse * _LOG2E).unsqueeze(-1))
     x = S * alpha - lse.unsqueeze(-1)  # fp32(fp32(S·α) − lse)
     if form == "exp2-natural":
-        return exp2_fp32(x * _LOG2E)
+        return exp2(x * _LOG2E)
     return exp_fp32(x)
 
 
@@ -157,6 +160,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
                           f"fp16 inputs, not input_dtype={config.input_dtype.value}")
     model = MODELS[config.backward_kernel]
+    exp_form = model.exp_form
+    if exp_form == "exp2-folded" and config.exp_form is ExpForm.EXP2_MUL:
+        exp_form = "exp2-folded-mul"  # a build with the FMA unfused (PyTorch's) unfuses it here too
     fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
     mma_k = config.mma_k if config.mma_k is not None else model.mma_k  # the config's, else the kernel's own
     (B, H, T, D), N = q.shape, k.shape[-2]
@@ -169,7 +175,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         i0, i1 = a0 - row0, a1 - row0
         rows = slice(i0, i1)
         S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
-        P = _probs(S, lse[..., rows], scale, model.exp_form)
+        P = _probs(S, lse[..., rows], scale, exp_form, kernel_ops.exp2_function(config.exp_unit))
         if causal:
             hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
             P = P.masked_fill(hidden, 0.0)

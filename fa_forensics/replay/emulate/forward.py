@@ -224,7 +224,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             m_prev = m[..., r0:]
             m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
             m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-            alpha, p = kernel_ops.exp2_block(S_raw, m_prev, m_use, c_log2, config.exp_form)
+            alpha, p = kernel_ops.exp2_block(S_raw, m_prev, m_use, c_log2, config.exp_form, config.exp_unit)
             _add_row_sum(l, r0, alpha, p, config)
             p_bar = cast(p, config.p_dtype, config.rounding, generator)
             p_one += ((p_bar == 1.0) & visible).sum(dim=(-1, -2))
@@ -300,7 +300,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
         o32 = torch.where((l == 0).unsqueeze(-1), torch.zeros_like(o32), o32)  # rows with no allowed key
     if base2:
         scale_f = torch.tensor(scale, dtype=torch.float32)
-        lse = fma_fp32(m_use, scale_f, log_fp32(l)) if split_part else m_use * scale_f + log_fp32(l)
+        lse = kernel_ops.kernel_lse(m_use, l, scale_f, c_log2, config.exp_form, config.exp_unit)
     else:
         lse = m_use + torch.log(l)
     if split_part:
@@ -336,7 +336,8 @@ def _forward_split_kv(q, k, v, config: ReplayConfig, *, causal: bool, scale: flo
                        scores=scores, observe=observe, keys=keys, split_part=True)
         return part.o, part.lse, part.stats
 
-    o32, lse, stats = split_kv.forward_splits(run, n_keys, config.block_n, config.kv_splits, v.shape[-1])
+    exp, log = kernel_ops.accurate_exp_log(config.exp_unit)
+    o32, lse, stats = split_kv.forward_splits(run, n_keys, config.block_n, config.kv_splits, v.shape[-1], exp, log)
     total = PBarStats(
         repeated_max_rows=torch.stack([s.repeated_max_rows for s in stats]).amax(dim=0),
         p_one_count=sum(s.p_one_count for s in stats),

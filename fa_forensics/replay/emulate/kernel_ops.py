@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from fa_forensics.numerics import exp2_fp32, fma_fp32
-from fa_forensics.replay.config import ExpForm
+from fa_forensics.numerics import exp2_fp32, exp_fp32, fma_fp32, libdevice, log_fp32, sfu
+from fa_forensics.replay.config import ExpForm, ExpUnit
 
 LANES = 4  # threads of an MMA quad that share one accumulator row
 _PAIR = 2  # adjacent columns a thread holds in each 8-column MMA tile
@@ -28,18 +28,50 @@ def scale_log2(scale: float) -> torch.Tensor:
     return torch.tensor(alpha * math.log2(math.e), dtype=torch.float64).float()
 
 
+def exp2_function(unit: ExpUnit):
+    """The 2^x of fp32 tensors that `unit` names: correctly rounded, or the GPU's special function unit."""
+    return sfu.ex2_approx if unit is ExpUnit.SFU_SM90 else exp2_fp32
+
+
+def fast_log_function(unit: ExpUnit):
+    """The log a kernel takes of ℓ for its lse with the fast intrinsic (__logf): the unit's, or correctly rounded."""
+    return sfu.logf_fast if unit is ExpUnit.SFU_SM90 else log_fp32
+
+
+def accurate_exp_log(unit: ExpUnit):
+    """(exp, log) of a kernel built without fast math: CUDA's expf and logf on the GPU, else correctly rounded."""
+    return (libdevice.expf, libdevice.logf) if unit is ExpUnit.SFU_SM90 else (exp_fp32, log_fp32)
+
+
+def kernel_lse(m: torch.Tensor, l: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: ExpForm,
+               unit: ExpUnit) -> torch.Tensor:
+    """The lse (natural log) a base-2 kernel writes from its raw row max m and row sum ℓ: FlashAttention-2's
+    fma(m, α, __logf(ℓ)) (softmax.h; the compiler contracts the multiply-add), or for exp2-scaled
+    fp32(fp32(fp32(m·c) / fp32(log2 e)) + logf(ℓ)) (the memory-efficient kernel's epilogue)."""
+    if form is ExpForm.EXP2_SCALED:
+        log2e = torch.tensor(math.log2(math.e), dtype=torch.float32)
+        return (m * c) / log2e + accurate_exp_log(unit)[1](l)
+    return fma_fp32(m, scale, fast_log_function(unit)(l))
+
+
 def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor,
-               form: ExpForm) -> tuple[torch.Tensor, torch.Tensor]:
+               form: ExpForm, unit: ExpUnit = ExpUnit.CORRECTLY_ROUNDED) -> tuple[torch.Tensor, torch.Tensor]:
     """(rescale (B, H, R, 1), P̄ (B, H, R, N)) for raw scores S (−inf = masked), the previous and new running
-    maxima of raw S (m_use: 0 where nothing is visible yet). rescale = exp2(fp32(fp32(m_prev − m_use)·c));
-    P̄ = exp2(fma(S, c, −fp32(m_use·c))) (exp2-fma) or exp2(fp32(fp32(S·c) − fp32(m_use·c))) (exp2-mul)."""
+    maxima of raw S (m_use: 0 where nothing is visible yet). rescale = exp2(fp32(fp32(m_prev − m_use)·c))
+    (exp2-scaled: exp2(fp32(fp32(m_prev·c) − fp32(m_use·c)))); P̄ = exp2(fma(S, c, −fp32(m_use·c))) (exp2-fma)
+    or exp2(fp32(fp32(S·c) − fp32(m_use·c))) (exp2-mul, exp2-scaled: the max of fp32(S·c) is fp32(m·c)).
+    2^x as `unit` computes it."""
+    exp2 = exp2_function(unit)
     max_scaled = (m_use * c).unsqueeze(-1)  # fp32 product
     if form is ExpForm.EXP2_FMA:
         x = fma_fp32(S, c, -max_scaled)
     else:
         x = (S * c) - max_scaled  # two fp32 roundings
-    alpha = exp2_fp32((m_prev - m_use) * c).unsqueeze(-1)
-    return alpha, exp2_fp32(x)
+    if form is ExpForm.EXP2_SCALED:
+        alpha = exp2(m_prev * c - m_use * c).unsqueeze(-1)
+    else:
+        alpha = exp2((m_prev - m_use) * c).unsqueeze(-1)
+    return alpha, exp2(x)
 
 
 def lane_row_sums(p: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ ceil(n_blocks / splits) key blocks (block_n keys each) is its own online softmax
 by that run's ℓ, and an fp32 lse = fma(m, α, log ℓ) (−inf where the run sees no key). The combine kernel, per row:
 lse_max = max lse (0 if all −inf); e_s = exp(fp32(lse_s − lse_max)); their sum by a shuffle-xor butterfly over the
 lanes of its thread layout; lse = fp32(log Σ) + lse_max; O = Σ_s fma(exp(fp32(lse_s − lse)), O_s, O) in split
-order from 0, then one cast to the output dtype. exp and log are modelled correctly rounded (the GPU's are
-within a few ulp).
+order from 0, then one cast to the output dtype. exp and log are the given functions (the kernel presets: CUDA's
+expf and logf, numerics.libdevice, as a build without fast math calls them).
 """
 from __future__ import annotations
 
@@ -49,29 +49,31 @@ def butterfly_sum(values: torch.Tensor, lanes: int) -> torch.Tensor:
     return held[0]
 
 
-def combine(parts: list[tuple[torch.Tensor, torch.Tensor]], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def combine(parts: list[tuple[torch.Tensor, torch.Tensor]], head_dim: int, exp=exp_fp32,
+            log=log_fp32) -> tuple[torch.Tensor, torch.Tensor]:
     """(O fp32 (B, H, R, D), lse (B, H, R)) from each split's (O_s fp32, lse_s)."""
     lse = torch.stack([p[1] for p in parts])  # (S, B, H, R)
     lse_max = lse.amax(dim=0)
     lse_max = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
-    total = butterfly_sum(exp_fp32(lse - lse_max), combine_lanes(head_dim))
+    total = butterfly_sum(exp(lse - lse_max), combine_lanes(head_dim))
     empty = (total == 0) | torch.isnan(total)
-    lse_sum = torch.where(empty, torch.full_like(total, math.inf), log_fp32(total) + lse_max)
+    lse_sum = torch.where(empty, torch.full_like(total, math.inf), log(total) + lse_max)
     o = torch.zeros_like(parts[0][0])
     for o_s, lse_s in parts:
-        o = fma_fp32(exp_fp32(lse_s - lse_sum).unsqueeze(-1), o_s, o)
+        o = fma_fp32(exp(lse_s - lse_sum).unsqueeze(-1), o_s, o)
     return o, lse_sum
 
 
 def forward_splits(run: Callable[[tuple[int, int]], tuple[torch.Tensor, torch.Tensor, object]], n_keys: int,
-                   block_n: int, splits: int, head_dim: int):
-    """Run `run(keys)` (one split's (O_s, lse_s, stats)) for every split and combine: (O, lse, [stats])."""
+                   block_n: int, splits: int, head_dim: int, exp=exp_fp32, log=log_fp32):
+    """Run `run(keys)` (one split's (O_s, lse_s, stats)) for every split and combine with `exp`, `log`:
+    (O, lse, [stats])."""
     parts, stats = [], []
     for keys in split_ranges(n_keys, block_n, splits):
         o_s, lse_s, st = run(keys)
         parts.append((o_s, lse_s))
         stats.append(st)
-    o, lse = combine(parts, head_dim)
+    o, lse = combine(parts, head_dim, exp, log)
     return o, lse, stats
 
 
