@@ -99,7 +99,10 @@ def compiled_set(out: Path, facts: dict) -> Path:
     q, k, v = gpt2_like_inputs(1, 2, 512, 64, torch.bfloat16, seed=7, device=DEVICE)
     do = (0.01 * torch.randn(q.shape, generator=torch.Generator().manual_seed(8))).to(torch.bfloat16).to(DEVICE)
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=0.125)
-    kernel = {1: "flash", 2: "efficient", 4: "cudnn"}.get(int(choice), f"backend{int(choice)}")
+    from torch.nn.attention import SDPBackend
+
+    name = SDPBackend(int(choice)).name
+    kernel = {backend: kernel for kernel, backend in BACKENDS.items()}.get(name, name.lower())
 
     @torch.compile
     def attention(q, k, v):
