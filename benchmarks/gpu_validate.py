@@ -11,13 +11,13 @@
     at a time with torch.nn.attention.sdpa_kernel, skipped where unavailable) on the stored bf16
     Q, K, V, compared bit for bit with the emulator's O under every `match` recipe
     (analyses.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
-(d) The kernel models on new launches (`kernel_grid`): for head dims 64 and 128, bf16 and fp16, causal and
-    not, inputs made as the recorded `gpt2` set (B 1, H 2, T 1024), O of each SDPA backend (flash, efficient,
-    cudnn), written with replay/gpu_fidelity.record_set to --record-dir (one safetensors per launch, readable
-    on a CPU) and compared with the emulator under the preset that models the backend at that launch
-    (gpu_fidelity.agreement_rows, this GPU's SM count deciding FlashAttention-2's split count). With dropout
-    (p 0.1) O depends on the kernel's Philox mask, which the replay does not model: for those launches the
-    script records only whether two runs with the same seed agree bit for bit.
+(d) The kernel models on new launches (`kernel_grid`): benchmarks/gpu_record_kernels.py records head dims 64
+    and 128, bf16 and fp16, causal and not, and a torch.compile'd call (O, lse, dQ, dK, dV of each SDPA backend)
+    to --record-dir, then benchmarks/gpu_fidelity_sets.py replays each under the preset that models the backend
+    at that launch (the H200's SM count deciding FlashAttention-2's split count). The replay on the CPU takes
+    minutes: on a lent GPU, record only (gpu_record_kernels.py) and replay the files elsewhere. With dropout
+    (p 0.1) O depends on the kernel's Philox mask, which the replay does not model: the recorder keeps only
+    whether two runs with the same seed agree bit for bit.
 (b) Throughput at GPT-2 shapes (B 8, H 12, T 1024, D 64, causal, bf16): the forward of
     F.scaled_dot_product_attention, of the plain Triton kernel (standard softmax, planned once
     outside the timed call) and of stable_attention (stabilized), and the backward of SDPA and of
@@ -114,51 +114,17 @@ def sdpa_match(args) -> list[dict]:
     return rows
 
 
-KERNEL_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
-
-
 def kernel_grid(args) -> list[dict]:
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """(d): record SDPA's kernels on new launches (benchmarks/gpu_record_kernels.py) and replay them
+    (benchmarks/gpu_fidelity_sets.py): O, lse, dQ, dK, dV shares per set and kernel."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_fidelity_sets
+    import gpu_record_kernels
 
-    from fa_forensics.replay.gpu_fidelity import RecordedSet, agreement_rows, gpt2_like_inputs, record_set
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out_dir = Path(args.record_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for head_dim in (64, 128):
-        for dtype in (torch.bfloat16, torch.float16):
-            for causal in (True, False):
-                q, k, v = gpt2_like_inputs(1, 2, 1024, head_dim, dtype, seed=head_dim, device="cuda")
-                tag = f"d{head_dim}_{str(dtype)[6:]}_{'causal' if causal else 'full'}"
-                outputs = {}
-                for kernel, backend in KERNEL_BACKENDS.items():
-                    with sdpa_kernel(getattr(SDPBackend, backend)):
-                        try:
-                            outputs[kernel] = F.scaled_dot_product_attention(q, k, v, is_causal=causal).cpu()
-                        except RuntimeError as exc:
-                            rows.append({"set": tag, "kernel": kernel, "unavailable": str(exc).splitlines()[0]})
-                            continue
-                        try:
-                            dropped = []
-                            for _ in range(2):
-                                torch.manual_seed(0)
-                                o_drop = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=0.1)
-                                dropped.append(o_drop.cpu())
-                            rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1, "modelled": False,
-                                         "deterministic": bool(torch.equal(dropped[0], dropped[1]))})
-                        except RuntimeError as exc:
-                            rows.append({"set": tag, "kernel": kernel, "dropout_p": 0.1,
-                                         "unavailable": str(exc).splitlines()[0]})
-                if not outputs:
-                    continue
-                path = record_set(out_dir / f"{tag}.safetensors", tag, q.cpu(), k.cpu(), v.cpu(), outputs,
-                                  scale=head_dim ** -0.5, causal=causal, note=torch.cuda.get_device_name())
-                measured = agreement_rows(RecordedSet.load(path), sm_count=sms)
-                rows += measured
-                for r in measured:
-                    print(json.dumps(r))
+    paths, facts = gpu_record_kernels.record(Path(args.record_dir))
+    rows = [{"recorded": facts}]
+    for path in paths:
+        rows += gpu_fidelity_sets.measure(str(path))
     return rows
 
 

@@ -1,0 +1,58 @@
+"""Build tests/data/h200_unseen/ from launches recorded by benchmarks/gpu_record_kernels.py (needs those files).
+
+    python benchmarks/make_h200_unseen_fixture.py RECORDS_DIR [tests/data/h200_unseen]
+
+Keeps, per set, batch row 0 and head 0: `d64_bfloat16_full` (non-causal: every key and value, the last 64 query
+rows, each kernel's o, lse, dq of those rows), `d128_float16_causal` truncated to its first 256 rows (causal: those
+rows' outputs do not depend on later keys; o and dq of rows 192..255) and `compiled` (torch.compile'd SDPA, the
+backend SDPA chose: every key, the last 64 rows' o). The layout metadata says what is kept, as in
+tests/data/h200_bits (replay/gpu_fidelity.RecordedSet reads it).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+KEEP = {  # set -> (T kept, first kept output row)
+    "d64_bfloat16_full": (1024, 960),
+    "d128_float16_causal": (256, 192),
+    "compiled": (512, 448),
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    src = Path(argv[0])
+    dst = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[1] / "tests" / "data" / "h200_unseen"
+    dst.mkdir(parents=True, exist_ok=True)
+    for tag, (t_keep, r0) in KEEP.items():
+        with safe_open(str(src / f"{tag}.safetensors"), "pt") as f:
+            layout = json.loads(f.metadata()["layout"])
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        out = {}
+        for name in ("q", "do"):
+            if f"{tag}.{name}" in t:
+                out[f"{tag}.{name}"] = t[f"{tag}.{name}"][:1, :1, r0:t_keep]
+        for name in ("k", "v"):
+            out[f"{tag}.{name}"] = t[f"{tag}.{name}"][:1, :1, :t_keep]
+        for kernel in layout["kernels"]:
+            for name in ("o", "dq"):
+                if f"{tag}.{kernel}.{name}" in t:
+                    out[f"{tag}.{kernel}.{name}"] = t[f"{tag}.{kernel}.{name}"][:1, :1, r0:t_keep]
+            if f"{tag}.{kernel}.lse" in t:
+                lse = t[f"{tag}.{kernel}.lse"].reshape(*t[f"{tag}.q"].shape[:2], -1)
+                out[f"{tag}.{kernel}.lse"] = lse[:1, :1, r0:t_keep]
+        kept = dict(layout, batch=0, heads=[0], T=t_keep, o_rows=[r0, t_keep], dq_rows=[r0, t_keep], dkdv_keys=None,
+                    q_rows=[r0, t_keep], source=f"{tag}.safetensors")
+        save_file({k: v.contiguous() for k, v in out.items()}, str(dst / f"{tag}.safetensors"),
+                  metadata={"layout": json.dumps(kept)})
+        print(tag, sum(v.numel() * v.element_size() for v in out.values()), "bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
