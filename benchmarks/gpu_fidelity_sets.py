@@ -1,6 +1,7 @@
 """The replay against full recorded GPU sets: for every kernel of every set, the share of bit-identical O (its
 preset at the recorded launch, replay/gpu_fidelity.kernel_preset) and, where the set has gradients, of dQ, dK, dV
-recomputed by the kernel's backward model from the recorded O and lse, and of the recorded lse.
+recomputed by the kernel's backward model from the recorded O and lse (and, `*_replay`, from the replay's own O
+and lse, as an analysis runs it), and of the recorded lse.
 
     python benchmarks/gpu_fidelity_sets.py FILE.safetensors ... [--json OUT]
 
@@ -67,6 +68,11 @@ def measure_set(tag: str, layout: dict, t: dict) -> list[dict]:
                                                 causal=causal, scale=scale)
                 for n, got in (("dq", dq), ("dk", dk), ("dv", dv)):
                     row[n] = _share(got, g(f"{kernel}.{n}"))
+                # the whole preset, as an analysis of a dump runs it: the backward on the replay's own O and lse
+                _, dq, dk, dv = kernel_backward(q, k, v, g("do").float(), fwd.o, fwd.lse, config, causal=causal,
+                                                scale=scale)
+                for n, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+                    row[f"{n}_replay"] = _share(got, g(f"{kernel}.{n}"))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
