@@ -1,0 +1,86 @@
+"""The documentation site builds with --strict, its generated pages follow the code, and no doc it names is missing."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+from typer._click import Context
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def _hook():
+    spec = importlib.util.spec_from_file_location("cli_reference_hook", DOCS / "_hooks" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _commands():
+    from fa_forensics.cli import app
+
+    group = typer.main.get_command(app)
+    root = Context(group, info_name="fa-forensics")
+    return {name: group.get_command(root, name) for name in group.list_commands(root)}
+
+
+def test_site_builds_strict(tmp_path):
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, "mkdocs build --strict failed (install the docs extra: pip install -e '.[docs]'):\n" \
+        + done.stdout[-4000:] + done.stderr[-4000:]
+    cli_page = (site / "cli" / "index.html").read_text()
+    for name in _commands():
+        assert f'id="fa-forensics-{name}"' in cli_page, f"the built CLI reference has no section for {name}"
+    api_page = (site / "api" / "index.html").read_text()
+    for entry in ("open_dump", "ReplayConfig", "stable_attention", "explain_add"):
+        assert entry in api_page, f"the built API page does not document {entry}"
+
+
+def test_cli_reference_has_every_option_of_every_command():
+    sections = dict(_hook().command_sections())
+    commands = _commands()
+    assert list(sections) == list(commands)
+    for name, command in commands.items():
+        for param in command.params:
+            if getattr(param, "hidden", False):
+                continue
+            for opt in param.opts:
+                if opt.startswith("-"):
+                    assert f"`{opt}" in sections[name] or f", {opt}" in sections[name] or f"/{opt}" in sections[name], \
+                        f"{name}: {opt} missing from the generated reference"
+
+
+def test_json_page_has_a_section_for_every_command_with_json():
+    page = (DOCS / "json.md").read_text()
+    anchors = set(re.findall(r"\{#([\w-]+)\}", page))
+    section_of = {"import": "import-export", "export": "import-export"}
+    for name, command in _commands().items():
+        if any("--json" in param.opts for param in command.params):
+            assert section_of.get(name, name) in anchors, f"docs/json.md has no section for `{name} --json`"
+
+
+def test_every_doc_named_in_the_project_exists():
+    named = {}
+    files = [ROOT / "README.md", *DOCS.rglob("*.md")]
+    for folder in ("fa_forensics", "tests", "benchmarks"):
+        files += (ROOT / folder).rglob("*.py")
+    for path in files:
+        for doc in re.findall(r"\bdocs/[\w./-]+\.md\b", path.read_text(errors="replace")):
+            named.setdefault(doc, path.relative_to(ROOT))
+    missing = {doc: str(where) for doc, where in named.items() if not (ROOT / doc).is_file()}
+    assert not missing, f"docs named but absent: {missing}"
+
+
+def test_readme_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target:
+            continue
+        assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"
