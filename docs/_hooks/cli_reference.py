@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import html
 
+try:  # recent typer versions carry their own copy of click
+    from typer._click import Context
+except ImportError:  # older typer runs on click itself
+    from click import Context
+
 MARKER = "<!-- cli-reference -->"
 PROG = "fa-forensics"
 
@@ -30,7 +35,6 @@ def _help_paragraphs(text: str) -> str:
 def command_sections(app=None) -> list[tuple[str, str]]:
     """(command name, markdown section) for every command of the app, in --help order."""
     import typer
-    from typer._click import Context
 
     if app is None:
         from fa_forensics.cli import app
@@ -62,7 +66,6 @@ def command_sections(app=None) -> list[tuple[str, str]]:
 def reference_markdown(app=None) -> str:
     """The whole generated reference: the root options, then one section per command."""
     import typer
-    from typer._click import Context
 
     if app is None:
         from fa_forensics.cli import app

@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 
 import typer
-from typer._click import Context
+
+try:  # recent typer versions carry their own copy of click
+    from typer._click import Context
+except ImportError:  # older typer runs on click itself
+    from click import Context
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -84,3 +88,18 @@ def test_readme_links_resolve():
         if "://" in target:
             continue
         assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"
+
+
+def test_architecture_layers_name_every_room_in_import_order():
+    spec = importlib.util.spec_from_file_location("import_layers_hook", DOCS / "_hooks" / "import_layers.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    package = ROOT / "fa_forensics"
+    rooms = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    rooms |= {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+    rows = hook.layers(ROOT)
+    assert {room for _, comp, _, _ in rows for room in comp} == rooms
+    level = {room: lvl for lvl, comp, _, _ in rows for room in comp}
+    for lvl, comp, deps, _ in rows:
+        assert all(level[dep] < lvl for dep in deps), f"{comp} imports a room of its own or a higher layer"
+    assert level["errors"] == 0 and level["cli"] > level["commands"]
