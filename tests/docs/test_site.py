@@ -103,3 +103,32 @@ def test_architecture_layers_name_every_room_in_import_order():
     for lvl, comp, deps, _ in rows:
         assert all(level[dep] < lvl for dep in deps), f"{comp} imports a room of its own or a higher layer"
     assert level["errors"] == 0 and level["cli"] > level["commands"]
+
+
+def _json_section(anchor: str) -> str:
+    page = (DOCS / "json.md").read_text()
+    for block in re.split(r"\n## ", page)[1:]:
+        title, body = block.split("\n", 1)
+        if f"{{#{anchor}}}" in title:
+            return body
+    raise AssertionError(f"docs/json.md has no section {anchor}")
+
+
+def _undocumented(keys, section: str) -> list[str]:
+    return [key for key in keys if not re.search(r"(?<!\w)" + re.escape(key) + r"(?!\w)", section)]
+
+
+def test_json_page_names_every_key_info_writes(planted_dump):
+    from fa_forensics.dump import open_dump
+
+    keys = open_dump(planted_dump).summary()  # what `info --json` writes, besides `warnings`
+    assert not _undocumented(keys, _json_section("info")), "info --json keys missing from docs/json.md"
+
+
+def test_json_page_names_every_key_bitdiff_add_writes():
+    import dataclasses
+
+    from fa_forensics.numerics import explain_add
+
+    keys = ["input_a", "input_b", *(field.name for field in dataclasses.fields(explain_add(-2.4071154594421387, -2.296875)))]
+    assert not _undocumented(keys, _json_section("bitdiff-add")), "bitdiff --add keys missing from docs/json.md"
