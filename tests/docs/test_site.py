@@ -130,5 +130,6 @@ def test_json_page_names_every_key_bitdiff_add_writes():
 
     from fa_forensics.numerics import explain_add
 
-    keys = ["input_a", "input_b", *(field.name for field in dataclasses.fields(explain_add(-2.4071154594421387, -2.296875)))]
+    explanation = explain_add(-2.4071154594421387, -2.296875)
+    keys = ["input_a", "input_b", *(field.name for field in dataclasses.fields(explanation))]
     assert not _undocumented(keys, _json_section("bitdiff-add")), "bitdiff --add keys missing from docs/json.md"
