@@ -11,7 +11,7 @@ additive mask (with rows that see no key) × two shapes (B 1, H 2, T 80, D 16 wi
 B 2, H 3, T 130, D 32), forward and backward; and GPT-2-size rows (B 1, H 2, T 1024, D 64, causal)
 for three presets × both models, in one pass and in row blocks of 96. Per replay: a sha256 prefix of
 O, lse, δ, dQ, dK, dV and the P̄ statistics. Digests are comparable on one machine (the bits of a
-replay may depend on the host's float64 sum order, see README "Numerics contract").
+replay may depend on the host's float64 sum order, see docs/replay.md, "Numerics contract of the emulator").
 """
 from __future__ import annotations
 

@@ -91,9 +91,9 @@ def match_cache_per_test(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def planted_dump() -> Path:
-    """Path of sample_dumps/planted.zarr (made by `fa-forensics synth`, see docs/_parts/dump.md)."""
+    """Path of sample_dumps/planted.zarr (made by `fa-forensics synth`, see docs/dump.md)."""
     if not (PLANTED_DUMP / "zarr.json").is_file():
-        pytest.fail(f"{PLANTED_DUMP} is missing; regenerate it with the synth command in docs/_parts/dump.md")
+        pytest.fail(f"{PLANTED_DUMP} is missing; regenerate it with the synth command in docs/dump.md")
     return PLANTED_DUMP
 
 

@@ -310,7 +310,7 @@ def bias_claim(r: BitdiffResult) -> BiasClaim:
 
 
 def payload(r: BitdiffResult) -> dict:
-    """The --json payload (keys documented in the README)."""
+    """The --json payload (keys documented in docs/json.md)."""
     return {
         "a": r.a, "b": r.b, "format": r.fmt, "steps": r.steps, "n_elements": r.n_elements,
         "mismatch_rate": r.mismatch_rate, "ulp_hist": r.ulp_hist,

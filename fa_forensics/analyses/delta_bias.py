@@ -7,8 +7,9 @@ the gradient error compound. Per feature i, Σ_T dO[T,i]·(O_lp − O_hp)[T,i] s
 it, and the sign agreement of dO and the O error shows the paper's mechanism (Fig. 5b/c: both
 negative in features 20 and 29). All arithmetic here is float64 on exactly upcast tensors.
 
-"lp" is the recipe's low-precision config (default preset "bf16"; "bf16-autocast" is the forward of
-the paper's reference code, "bf16-hw" the hardware kernels' fp32 accumulator; `fa-forensics match`
+"lp" is the recipe's low-precision config (default preset "auto": per layer-step the one that
+reproduces the stored O; "bf16-autocast" is the forward of the paper's reference code, "bf16-hw" the
+hardware kernels' fp32 accumulator; `fa-forensics match`
 says which one reproduces a dump's stored O); "hp" is always the fp32 preset on the same stored inputs.
 """
 from __future__ import annotations
@@ -294,7 +295,7 @@ def bias_claim(r: DeltaBiasResult) -> BiasClaim:
 
 
 def payload(r: DeltaBiasResult) -> dict:
-    """The --json payload (keys documented in the README)."""
+    """The --json payload (keys documented in docs/json.md)."""
     return {
         "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,
         "top_features": r.top_features, "focus": {"layer": r.focus_layer, "head": r.focus_head},

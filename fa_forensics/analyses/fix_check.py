@@ -1,7 +1,8 @@
 """fix-check: does the stabilized softmax (paper §4, Algorithm 3) remove the bias, and do the
 alternatives (App. C's fixed offset, stochastic rounding, P̄V in fp32)?
 
-Every variant is the recipe's low-precision config (default preset "bf16" = `ReplayConfig()`; e.g.
+Every variant is the recipe's low-precision config (default preset "auto": per layer-step the one that
+reproduces the stored O; e.g.
 "bf16-autocast", the paper's reference code, or "bf16-hw", hardware kernels) with one change, derived by dataclasses.replace and keeping the preset's tiling, replayed forward
 only and compared with the fp32 replay of the same stored inputs:
   - baseline:      the preset unchanged;
@@ -441,7 +442,7 @@ def bias_claim(r: FixCheckResult) -> BiasClaim:
 
 
 def payload(r: FixCheckResult) -> dict:
-    """The --json payload (keys documented in the README)."""
+    """The --json payload (keys documented in docs/json.md)."""
     return {
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
         "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,

@@ -388,7 +388,7 @@ def bias_claim(r: IsolateResult) -> BiasClaim:
 
 
 def payload(r: IsolateResult) -> dict:
-    """The --json payload (keys documented in the README)."""
+    """The --json payload (keys documented in docs/json.md)."""
     return {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
         "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,

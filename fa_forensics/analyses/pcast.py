@@ -226,7 +226,7 @@ def verdict(res: PcastDumpResult) -> str:
 
 
 def payload(res: PcastDumpResult) -> dict:
-    """The --json payload of the dump mode (keys documented in the README)."""
+    """The --json payload of the dump mode (keys documented in docs/json.md)."""
     return {
         "mode": "dump", "dump": res.path, "n_sinks": res.n_sinks, "block": res.block, "delta_k": res.delta_k,
         "scales": list(res.scales), "orders": list(res.orders), "heads": list(res.heads),

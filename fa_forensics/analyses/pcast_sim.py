@@ -225,7 +225,7 @@ def _with_comparisons(res: PcastSimResult) -> PcastSimResult:
 
 
 def payload(res: PcastSimResult) -> dict[str, Any]:
-    """The --json payload of the simulation (keys documented in the README)."""
+    """The --json payload of the simulation (keys documented in docs/json.md)."""
     cfg = res.config
     return {
         "mode": "simulation",

@@ -26,7 +26,8 @@ order-independent split of the sum into A (the P̄ = 1 terms) and r (the rest) i
 counterfactual (the same row with the P̄ = 1 terms nudged below 1), and summarised over every row
 of the head as the share of the O bias each class of final rounding carries.
 
-Under a --preset (default "bf16") the trace follows that preset's casts: its s_dtype (bf16 under
+Under a --preset (default "auto": the one that reproduces the stored O) the trace follows that
+preset's casts: its s_dtype (bf16 under
 "bf16-autocast": S = round(q·kᵀ), s = round(S·α), s − m rounded too, so near-maximal scores tie
 exactly and P̄ = 1 is far more common), its softmax shift (standard, stabilized, fixed offset),
 its p_dtype (the P̄ cast) and its pv_dtype (the once-rounded P̄V result; fp32 under "bf16-hw",
@@ -501,7 +502,7 @@ def bias_claim(r: PVTraceReport) -> BiasClaim:
 
 
 def payload(r: PVTraceReport) -> dict:
-    """The --json payload (keys documented in the README)."""
+    """The --json payload (keys documented in docs/json.md)."""
     tr = r.trace
     return {
         "step": r.step, "layer": r.layer, "head": r.head, "batch": r.batch,

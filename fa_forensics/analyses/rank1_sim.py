@@ -10,7 +10,8 @@ steps, and how its norm grows with the number of steps (exponent ≈ 1: compound
 
 P here is the high-precision attention matrix softmax(α Q Kᵀ) (float64, causal mask as stored):
 the backward passes being compared differ only in δ (§3.2), so P, K and X are common to both.
-The δ error is that of the recipe's low-precision config (default preset "bf16") against fp32.
+The δ error is that of the recipe's low-precision config (default preset "auto": per layer-step the one that
+reproduces the stored O) against fp32.
 """
 from __future__ import annotations
 
@@ -342,7 +343,7 @@ def verdict(r: Rank1Result) -> str:
 
 
 def payload(r: Rank1Result) -> dict:
-    """The --json payload (keys documented in the README)."""
+    """The --json payload (keys documented in docs/json.md)."""
     return {
         "has_x": r.has_x, "focus": {"layer": r.focus_layer, "head": r.focus_head}, "tokens": r.tokens,
         "cosine_offdiag_mean": r.cosine_offdiag_mean, "pk_cosine_offdiag_mean": r.pk_cosine_offdiag_mean,

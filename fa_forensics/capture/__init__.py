@@ -61,7 +61,7 @@ def capture(
     micro_batch: which forward pass of a step is recorded under gradient accumulation.
     attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
     options: step_by ("optimizer" | "manual"), overwrite, max_queue, on_step, run_attrs; attention: custom
-      entry points to watch ("MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"); softmax: the variant
+      entry points to watch (`"MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"`); softmax: the variant
       custom attention computes ("standard", "stabilized" or "ENV=VALUE", see capture/softmax_variant.py).
     """
     return CaptureSession(model, out, steps, layers, heads, batch, micro_batch, attention_modules, **options)

@@ -1,6 +1,6 @@
 """The capture session: a context manager that records Q, K, V, O, dO and X at chosen training steps.
 
-Conventions (also in the README):
+Conventions (also in docs/capture.md):
 - Step k, counting from 0, is the training iteration whose forward/backward passes precede the
   (k+1)-th `optimizer.step()` call (nanoGPT's iter_num). Steps are counted through a global
   optimizer step post-hook on the first optimizer that steps (`step_by="optimizer"`), or only by

@@ -46,7 +46,7 @@ err_console = _console(stderr=True)
 
 # Shared option types (huggingface_hub style): one definition, used by every command.
 DumpArg = Annotated[Path, typer.Argument(help="Path of a dump store (a .zarr directory).", show_default=False)]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON to FILE (keys documented in the README).", metavar="FILE")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md).", metavar="FILE")]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Directory for figures (PNG) and other files.", metavar="DIR")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="Training step to analyse (default: every complete step).")]

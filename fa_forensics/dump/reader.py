@@ -410,7 +410,7 @@ class Dump:
         return {k: np.asarray(a[:n]) for k, a in arrays.items()}
 
     def summary(self, step: int | None = None, layer: int | None = None) -> dict[str, Any]:
-        """Everything `fa-forensics info --json` prints (keys documented in the README).
+        """Everything `fa-forensics info --json` prints (keys documented in docs/json.md).
 
         Layer details come from the first complete step holding each layer, or from `step`;
         `layer` restricts them to one layer. A missing step or layer raises DumpError.

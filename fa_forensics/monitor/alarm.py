@@ -1,6 +1,6 @@
 """The early-warning rule of the training monitor.
 
-Rule (documented in the README): for each watched series — per (layer, head) the count of
+Rule (documented in docs/monitor.md): for each watched series — per (layer, head) the count of
 rows with a repeated maximum (`near_max_ties`) and the W_Q spectral norm (`wq_sigma`), and the
 loss — keep a trailing window of the last `window` monitored values. A new value is "out" when
 its robust z-score

@@ -106,7 +106,7 @@ def exp32(x):
     exp(r) − 1 by Horner in float64 (Taylor to degree 13, truncation below 2^-57), 2^k from its
     bit pattern: no library call, so the loops that use it vectorize. The range checks give 0
     below −110 and inf above 89, where fp32 exp is 0 and inf. The same bits as `exp_fp32` for
-    every fp32 argument (checked exhaustively: README, "Scale")."""
+    every fp32 argument (checked exhaustively: docs/scale.md)."""
     d = np.float64(x)
     if d != d:
         return np.float32(d)
