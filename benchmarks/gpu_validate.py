@@ -10,7 +10,7 @@
     F.scaled_dot_product_attention under each SDPA backend (flash, efficient, cudnn, math; one
     at a time with torch.nn.attention.sdpa_kernel, skipped where unavailable) on the stored bf16
     Q, K, V, compared bit for bit with the emulator's O under every `match` recipe
-    (analyses.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
+    (fidelity.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
 (d) The kernel models on new launches (`kernel_grid`): for head dims 64 and 128, bf16 and fp16, causal and
     not, inputs made as the recorded `gpt2` set (B 1, H 2, T 1024), O of each SDPA backend (flash, efficient,
     cudnn), written with replay/gpu_fidelity.record_set to --record-dir (one safetensors per launch, readable
@@ -86,7 +86,7 @@ def sdpa_match(args) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa_forensics.analyses.match import candidate_recipes, compare_o
+    from fa_forensics.fidelity.match import candidate_recipes, compare_o
     from fa_forensics.replay import replay
 
     rows = []

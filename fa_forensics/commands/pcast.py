@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
                                str(figs.fig_mse_vs_seq(res, out_dir / "pcast_mse_vs_seq.png"))]
                 write_json(json_path, {**sim.payload(res), "figures": figures})
             else:
-                from fa_forensics.analyses.selection import select
+                from fa_forensics.layers.selection import select
                 from fa_forensics.dump import open_dump
 
                 d = open_dump(dump)

@@ -294,7 +294,7 @@ PLANTED_PREVIOUS = {
 
 
 def test_dump_mode_reproduces_the_previous_kernels_numbers_on_the_planted_sample(planted_dump):
-    from fa_forensics.analyses.selection import LayerSelection
+    from fa_forensics.layers.selection import LayerSelection
     from fa_forensics.dump import open_dump
 
     res = pc.run(open_dump(planted_dump), [LayerSelection(step=2, layer=0, heads=[0, 1])], scales=(1.0, 256.0))

@@ -9,11 +9,12 @@ import pytest
 import zarr
 from typer.testing import CliRunner
 
-import fa_forensics.analyses.match as match_mod
+import fa_forensics.fidelity.match as match_mod
 from fa_forensics.analyses import delta_bias
-from fa_forensics.analyses.match import CACHE_ATTR, best_recipe
-from fa_forensics.analyses.recipe import Choice, Recipe, lp_config_for, resolve
-from fa_forensics.analyses.selection import select
+from fa_forensics.fidelity.match import CACHE_ATTR, best_recipe
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import Choice, Recipe, lp_config_for
+from fa_forensics.layers.selection import select
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 from fa_forensics.dump.lock import StoreLock
@@ -123,7 +124,7 @@ def test_a_read_only_copy_of_a_sample_dump_is_analysed_without_writing(tmp_path)
 def test_a_named_gpu_kernel_preset_keeps_its_tensor_core_products():
     """--preset sdpa-flash without --accumulation replays what the hardware ran (tensor-core products); other
     presets replay ieee, and --accumulation still decides where given."""
-    from fa_forensics.analyses.recipe import Recipe
+    from fa_forensics.fidelity.recipe import Recipe
     from fa_forensics.replay.config import Accumulation
 
     assert Recipe("sdpa-flash").accumulation is Accumulation.TENSOR_CORE
@@ -138,7 +139,7 @@ def test_a_masked_layer_under_a_gpu_kernel_preset_replays_the_reference_backward
     import torch
     from typer.testing import CliRunner
 
-    from fa_forensics.analyses.recipe import Recipe, lp_config_for
+    from fa_forensics.fidelity.recipe import Recipe, lp_config_for
     from fa_forensics.cli import app
     from fa_forensics.dump import DumpWriter, open_dump
     from fa_forensics.replay.config import BackwardKernel

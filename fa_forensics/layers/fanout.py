@@ -161,7 +161,7 @@ class LayerTask:
     rank: Optional[int] = None
 
     def __call__(self, sel):
-        from fa_forensics.analyses.selection import load
+        from fa_forensics.layers.selection import load
         from fa_forensics.dump import open_dump
 
         dump = self.dump if self.dump is not None else open_dump(self.dump_path, rank=self.rank)
