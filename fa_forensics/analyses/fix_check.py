@@ -55,7 +55,8 @@ from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
 from fa_forensics.fidelity.pair import lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
-from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
+from fa_forensics.enums import Precision, Rounding, Softmax
+from fa_forensics.replay.config import ReplayConfig
 
 ALPHA = 0.01
 MIN_REDUCTION = 10.0

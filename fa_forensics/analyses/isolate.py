@@ -49,9 +49,8 @@ from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
-from fa_forensics.replay.config import (
-    BackwardKernel, DeltaSource, ExpForm, Normalize, Precision, ReplayConfig, Rounding, RowSum, Softmax,
-)
+from fa_forensics.enums import BackwardKernel, DeltaSource, ExpForm, Normalize, Precision, Rounding, RowSum, Softmax
+from fa_forensics.replay.config import ReplayConfig
 
 Progress = Optional[Callable[[str], None]]
 CULPRIT_REDUCTION = 0.9  # a repair is a culprit when it removes ≥ 90% of the baseline's Σδ bias

@@ -57,7 +57,7 @@ from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.analyses.wording import finite, share_with_se
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
-from fa_forensics.replay.config import Softmax
+from fa_forensics.enums import Softmax
 from fa_forensics.replay.emulate.softmax import block_shift
 
 ONE = 1.0

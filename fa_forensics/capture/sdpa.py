@@ -42,7 +42,8 @@ def _tap_in_graph(args: tuple, kwargs: dict, out):
     scale = bound["scale"]
     o, _token = tap_attention(bound["query"], bound["key"], bound["value"], out, bound["attn_mask"],
                               float(bound["dropout_p"] or 0.0), bool(bound["is_causal"]),
-                              None if scale is None else float(scale), torch.is_grad_enabled(), autocast_dtype(bound["query"]))
+                              None if scale is None else float(scale), torch.is_grad_enabled(),
+                              autocast_dtype(bound["query"]))
     return o
 
 

@@ -11,7 +11,8 @@ from fa_forensics.commands.common import (
     AnalysisArgs, build_accumulation, build_backend, build_workers, ensure_out_dir, progress_bar, run_cli, show_result,
 )
 from fa_forensics.errors import UserError
-from fa_forensics.replay.config import PRESETS, Accumulation
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import PRESETS
 
 
 def side(name: str, accumulation: Accumulation):

@@ -56,8 +56,9 @@ HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse 
 WorkersOpt = Annotated[int, typer.Option("--workers", help="Worker processes (a local dask.distributed cluster); 1 = in-process. The output does not depend on it.")]
 SchedulerOpt = Annotated[Optional[str], typer.Option("--scheduler", help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; the dump must be on storage its workers see.", metavar="ADDRESS")]
 AccumulationOpt = Annotated[str, typer.Option(
-    "--accumulation", help=f"Accumulation model of every matrix product: {' | '.join(ACCUMULATIONS)} | {AUTO} (default: "
-                           "the one --preset auto matched, ieee for a named preset).")]
+    "--accumulation",
+    help=f"Accumulation model of every matrix product: {' | '.join(ACCUMULATIONS)} | {AUTO} (default: the one "
+         "--preset auto matched, ieee for a named preset).")]
 MatchCacheOpt = Annotated[Optional[str], typer.Option(
     "--match-cache", metavar="DIR|off",
     help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
@@ -65,8 +66,8 @@ MatchCacheOpt = Annotated[Optional[str], typer.Option(
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
-    help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces the "
-         "dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds it; kept "
+    help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces "
+         "the dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds it; kept "
          f"in the match cache, never in the dump) | a replay preset: {' | '.join(PRESETS)}. --accumulation still "
          "applies.")]
 

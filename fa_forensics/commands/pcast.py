@@ -15,7 +15,7 @@ import typer
 from fa_forensics.analyses import pcast as pc
 from fa_forensics.analyses import pcast_sim as sim
 from fa_forensics.analyses.pcast_e4m3 import dp_sawtooth
-from fa_forensics.replay.config import KVOrder
+from fa_forensics.enums import KVOrder
 from fa_forensics.commands.common import (
     DebugOpt,
     HeadOpt,

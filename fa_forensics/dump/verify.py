@@ -35,7 +35,8 @@ class VerifyReport:
         return not self.problems and not self.incomplete_steps
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "rank": self.rank, "ok": self.ok, "steps": self.steps, "incomplete_steps": self.incomplete_steps,
+        return {"path": self.path, "rank": self.rank, "ok": self.ok, "steps": self.steps,
+                "incomplete_steps": self.incomplete_steps,
                 "damaged_steps": self.damaged_steps, "problems": [d.to_dict() for d in self.problems],
                 "arrays_checked": self.arrays_checked, "chunks_checked": self.chunks_checked,
                 "leftovers": [x.to_dict() for x in self.leftovers]}

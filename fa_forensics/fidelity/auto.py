@@ -7,7 +7,7 @@ A layer-step is matched whole (every stored head) by `match.best_recipe`: the fi
 matched its result is kept in the match cache beside it (`fidelity.match_cache`; the dump itself is
 never written), afterwards it is read back. Where nothing can be matched (attention dropout, an fp32
 run, no stored O, a layer built in memory) `auto` replays the recipe the recorded settings imply
-(`fidelity.candidates.implied`; FALLBACK_PRESET when nothing points elsewhere) and says so in the
+(`recipe.implied_choice`; FALLBACK_PRESET when nothing points elsewhere) and says so in the
 analysis's warnings.
 """
 from __future__ import annotations
@@ -16,22 +16,20 @@ from dataclasses import replace
 from typing import Sequence
 
 from fa_forensics.enums import Accumulation
-from fa_forensics.fidelity.candidates import implied
 from fa_forensics.fidelity.match import best_recipe
-from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Choice, Recipe
+from fa_forensics.fidelity.recipe import Choice, Recipe, implied_choice
 from fa_forensics.fidelity.run_facts import facts_at
 
 
 def choose(dump, step: int, layer: int, recipe: Recipe) -> Choice:
     """The Choice of `auto` at (step, layer): resolved, else matched (cached beside the dump), else the
-    recipe the recorded settings imply (`candidates.implied`): where the stored O cannot be matched
+    recipe the recorded settings imply (`recipe.implied_choice`): where the stored O cannot be matched
     (attention dropout, an fp32 run, no stored O, a layer built in memory)."""
     known = recipe.choice_at(step, layer)
     if known is not None:
         return known
     facts = facts_at(dump, step, layer)
-    preset, accumulation, why = implied(facts, FALLBACK_PRESET)
-    fallback = Choice(preset, recipe.accumulation or accumulation, None, why)
+    fallback = implied_choice(facts, recipe)
     if dump is None or facts.has_dropout or facts.is_fp32_run:
         return fallback
     lm = best_recipe(dump, step, layer, accumulation=recipe.accumulation)

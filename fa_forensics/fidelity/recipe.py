@@ -16,6 +16,8 @@ from typing import Optional
 
 from fa_forensics.enums import AUTO, Accumulation, BackwardKernel
 from fa_forensics.errors import ConfigError
+from fa_forensics.fidelity.candidates import implied
+from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.replay.config import PRESETS, ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 
@@ -111,20 +113,31 @@ class Recipe:
         return None
 
 
-def resolved_choice(recipe: Recipe, step: int, layer: int) -> Choice:
-    """What a resolved `auto` recipe replays at (step, layer); a ConfigError where it was not resolved there."""
+def implied_choice(facts: RunFacts, recipe: Recipe) -> Choice:
+    """What `auto` replays where the stored O cannot be matched (attention dropout, an fp32 run, no stored O, a
+    layer built in memory): the recipe the recorded settings imply (`candidates.implied`)."""
+    preset, accumulation, why = implied(facts, FALLBACK_PRESET)
+    return Choice(preset, recipe.accumulation or accumulation, None, why)
+
+
+def resolved_choice(dump, step: int, layer: int, recipe: Recipe) -> Choice:
+    """What an `auto` recipe replays at (step, layer): its resolved choice there; for a layer built in memory
+    (`dump` None: nothing to match) the implied recipe. A ConfigError for a dump's layer-step it was not
+    resolved at: `fidelity.auto.resolve` decides `auto` once, before any replay."""
     choice = recipe.choice_at(step, layer)
-    if choice is None:
-        raise ConfigError(f"preset auto is not resolved at step {step} layer {layer}: resolve the recipe first "
-                          f"(fidelity.auto.resolve)")
-    return choice
+    if choice is not None:
+        return choice
+    if dump is None:
+        return implied_choice(facts_at(None, step, layer), recipe)
+    raise ConfigError(f"preset auto is not resolved at step {step} layer {layer}: resolve the recipe first "
+                      f"(fidelity.auto.resolve)")
 
 
 def preset_at(dump, step: int, layer: int, recipe: Recipe) -> str:
     """The name of the preset replayed at (step, layer) (a named preset, or what `auto` chose there)."""
     if not recipe.is_auto:
         return recipe.preset
-    return resolved_choice(recipe, step, layer).preset
+    return resolved_choice(dump, step, layer, recipe).preset
 
 
 def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
@@ -134,7 +147,7 @@ def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
     if not recipe.is_auto:
         config = recipe.base_config()
     else:
-        choice = resolved_choice(recipe, step, layer)
+        choice = resolved_choice(dump, step, layer, recipe)
         config = ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
     if config.backward_kernel is not BackwardKernel.REFERENCE and dump is not None and _has_mask(dump, step, layer):
         config = config.with_(backward_kernel=BackwardKernel.REFERENCE)

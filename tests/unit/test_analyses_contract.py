@@ -11,7 +11,8 @@ from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe, lp_config_for
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
-from fa_forensics.replay.config import Accumulation, ReplayConfig
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import ReplayConfig
 
 
 @pytest.fixture

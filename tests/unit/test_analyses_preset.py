@@ -7,13 +7,13 @@ import torch
 from fa_forensics.analyses.fix_check import fix_variants, scores_fp32
 from fa_forensics.analyses.isolate import isolate_layers, variants
 from fa_forensics.analyses.pv_trace import p_bar_row, repeated_max_rows, trace_pv
-from fa_forensics.fidelity.recipe import Recipe, UnknownPreset, lp_config_for
-from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import Choice, Recipe, UnknownPreset, lp_config_for
+from fa_forensics.dump import open_dump
 from fa_forensics.fidelity.pair import lp_hp_pair
-from fa_forensics.layers.selection import LayerSelection
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import matmul
-from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig, Softmax
+from fa_forensics.enums import Accumulation, Precision, Softmax
+from fa_forensics.replay.config import PRESETS, ReplayConfig
 from fa_forensics.enums import Backend
 from fa_forensics.report.run import ANALYSES, command_line
 from test_analyses_delta_bias import planted_layer
@@ -29,10 +29,17 @@ def test_lp_config_is_the_preset_with_the_chosen_accumulation():
     assert Recipe().is_auto and Recipe().accumulation_name == "auto"  # the default: what reproduces the stored O
     with pytest.raises(ConfigError):
         Recipe().base_config()  # auto is decided per layer-step
-    with pytest.raises(ConfigError, match="not resolved"):
-        lp_config_for(None, 0, 0, Recipe())  # auto is resolved once, before any replay
-    in_memory = resolve(None, [LayerSelection(0, 0, [0])], Recipe())
-    assert lp_config_for(None, 0, 0, in_memory) == ReplayConfig()  # nothing to match in memory: the fallback, bf16
+    assert lp_config_for(None, 0, 0, Recipe()) == ReplayConfig()  # nothing to match in memory: the fallback, bf16
+
+
+def test_auto_is_resolved_once_before_a_dump_is_replayed(planted_dump):
+    """A dump's layer-step is never matched behind the caller's back: `auto` there needs `resolve` first."""
+    dump = open_dump(planted_dump)
+    with pytest.raises(ConfigError, match="preset auto is not resolved at step"):
+        lp_config_for(dump, dump.steps[0], 0, Recipe())
+    chosen = Recipe(choices=(((dump.steps[0], 0), Choice("bf16-hw", Accumulation.IEEE, None)),))
+    assert lp_config_for(dump, dump.steps[0], 0, chosen) == ReplayConfig.preset("bf16-hw").with_(
+        accumulation=Accumulation.IEEE)
 
 
 def test_unknown_preset_is_one_line_listing_the_presets():

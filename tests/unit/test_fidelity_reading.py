@@ -15,7 +15,8 @@ from fa_forensics.fidelity.recipe import Choice, Recipe
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts, facts_at
 from fa_forensics.layers.selection import load, replay_layer, select
 from fa_forensics.dump import open_dump
-from fa_forensics.replay.config import Accumulation, ReplayConfig
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import ReplayConfig
 
 
 def _facts(**kw) -> RunFacts:
