@@ -67,9 +67,9 @@ BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emul
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
     help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces "
-         "the dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds it; kept "
-         f"in the match cache, never in the dump) | a replay preset: {' | '.join(PRESETS)}. --accumulation still "
-         "applies.")]
+         "the dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds "
+         f"it; kept in the match cache, never in the dump) | a replay preset: {' | '.join(PRESETS)}. --accumulation "
+         "still applies.")]
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -19,7 +19,8 @@ def run(args: AnalysisArgs, tokens: int) -> None:
 
     dump, sels, recipe = args.open()
     with progress_bar("rank1-sim", n_items(sels)) as advance:
-        r = rank1_sim.run(dump, sels, recipe, args.backend, tokens_per_step=tokens, progress=advance, workers=args.workers)
+        r = rank1_sim.run(dump, sels, recipe, args.backend, tokens_per_step=tokens, progress=advance,
+                          workers=args.workers)
     show_result(args, r, rank1_sim.payload(r), tables(r), draw)
 
 

@@ -24,6 +24,7 @@ from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 FALLBACK_PRESET = "bf16"  # what `auto` replays where no stored O can be matched
 DEFAULT_PRESET = AUTO
 
+
 class UnknownPreset(ConfigError):
     """A preset name that is not in PRESETS; `.name` is the name given."""
 
