@@ -49,8 +49,9 @@ def _time(fn) -> tuple[float, float]:
 
 def main() -> None:
     from fa_forensics.analyses import bitdiff, delta_bias, fix_check, isolate, pv_trace, rank1_sim
-    from fa_forensics.analyses.recipe import Backend, Recipe
-    from fa_forensics.analyses.selection import load, replay_layer, select
+    from fa_forensics.enums import Backend
+    from fa_forensics.fidelity.recipe import Recipe
+    from fa_forensics.layers.selection import load, replay_layer, select
     from fa_forensics.dump import open_dump
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

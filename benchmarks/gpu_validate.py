@@ -10,7 +10,7 @@
     F.scaled_dot_product_attention under each SDPA backend (flash, efficient, cudnn, math; one
     at a time with torch.nn.attention.sdpa_kernel, skipped where unavailable) on the stored bf16
     Q, K, V, compared bit for bit with the emulator's O under every `match` recipe
-    (analyses.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
+    (fidelity.match.candidate_recipes, --gpu's tensor-core model): the share of equal elements.
 (d) The kernel models on new launches (`kernel_grid`): benchmarks/gpu_record_kernels.py records head dims 64
     and 128, bf16 and fp16, causal and not, and a torch.compile'd call (O, lse, dQ, dK, dV of each SDPA backend)
     to --record-dir, then benchmarks/gpu_fidelity_sets.py replays each under the preset that models the backend
@@ -86,7 +86,7 @@ def sdpa_match(args) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa_forensics.analyses.match import candidate_recipes, compare_o
+    from fa_forensics.fidelity.match import candidate_recipes, compare_o
     from fa_forensics.replay import replay
 
     rows = []

@@ -20,9 +20,11 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, replay_fidelity
-from fa_forensics.analyses.fanout import Workers, map_layers
-from fa_forensics.analyses.recipe import Backend, resolve
-from fa_forensics.analyses.selection import as_seen_by, input_cast_error, lp_of, replay_layer
+from fa_forensics.layers.fanout import Workers, map_layers
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.pair import input_cast_error, lp_of
+from fa_forensics.layers.selection import as_seen_by, replay_layer
 from fa_forensics.errors import DumpError
 
 ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from fa_forensics.analyses.recipe import Backend, Recipe
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.match import fidelity
+from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.analyses.wording import bit_share
 
 
@@ -63,15 +65,13 @@ def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict
     """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`:
     {preset, accumulation, requested, o_bits_equal, per_layer[] {step, layer, preset, accumulation,
     o_bits_equal}, unmatched[], unverifiable[] {step, layer, preset, accumulation, reason}, verifiable,
-    run_precision, mismatch} (analyses.match.fidelity: one forward replay per layer-step), or None for
+    run_precision, mismatch} (fidelity.match.fidelity: one forward replay per layer-step), or None for
     in-memory layers and dumps without O. An analysis stores what this returns in its Result's
     `replay_fidelity` and never computes it elsewhere.
     """
     if dump is None:
         return None
-    from fa_forensics.analyses.match import fidelity
-
-    return fidelity(dump, selections, recipe)
+    return fidelity(dump, selections, recipe, alpha=ALPHA)
 
 
 def _where(items: Sequence[dict]) -> str:

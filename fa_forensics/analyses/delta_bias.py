@@ -20,9 +20,12 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
-from fa_forensics.analyses.recipe import Backend, Recipe, resolve
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, lp_hp_pair, lp_of
+from fa_forensics.layers.fanout import Workers, layer_parts, map_layers
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
+from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
 from fa_forensics.errors import DumpError
 

@@ -50,10 +50,14 @@ import torch
 
 from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.fanout import Workers, map_layers
-from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_seen_by, lp_of, replay_layer
-from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
+from fa_forensics.layers.fanout import Workers, map_layers
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
+from fa_forensics.fidelity.pair import lp_of
+from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
+from fa_forensics.enums import Precision, Rounding, Softmax
+from fa_forensics.replay.config import ReplayConfig
 
 ALPHA = 0.01
 MIN_REDUCTION = 10.0

@@ -40,17 +40,19 @@ import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.delta_bias import delta_error, delta_of
-from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
+from fa_forensics.layers.fanout import Workers, layer_parts, map_layers
 from fa_forensics.analyses.rank1_sim import pk_rows
-from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
-from fa_forensics.analyses.selection import (
-    LayerSelection, LayerTensors, as_seen_by, input_cast_error, lp_of, replay_layer,
-)
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
+from fa_forensics.fidelity.pair import input_cast_error, lp_of
+from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
-from fa_forensics.replay.config import (
-    BackwardKernel, DeltaSource, ExpForm, ExpUnit, Normalize, Precision, ReplayConfig, Rounding, RowSum, Softmax,
+from fa_forensics.enums import (
+    BackwardKernel, DeltaSource, ExpForm, ExpUnit, Normalize, Precision, Rounding, RowSum, Softmax,
 )
+from fa_forensics.replay.config import ReplayConfig
 
 Progress = Optional[Callable[[str], None]]
 CULPRIT_REDUCTION = 0.9  # a repair is a culprit when it removes ≥ 90% of the baseline's Σδ bias

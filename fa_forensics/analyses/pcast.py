@@ -21,10 +21,10 @@ from scipy import stats
 from fa_forensics.analyses.pcast_e4m3 import DpPoint, default_dp_scales, dp_curve
 from fa_forensics.analyses.pcast_kernel import kv_order, pcast_attention, pcast_config, reference_attention
 from fa_forensics.analyses.pcast_theory import LN_UNDERFLOW, expected_max_normal
-from fa_forensics.analyses.selection import load
+from fa_forensics.layers.selection import load
 from fa_forensics.analyses.stats import mean_se
 from fa_forensics.errors import InvalidSetting
-from fa_forensics.replay.config import KVOrder
+from fa_forensics.enums import KVOrder
 from fa_forensics.replay.emulate.forward import scaled_scores
 
 MIN_NONSINK_KEYS = 16  # rows with fewer non-sink keys give no sink-strength estimate

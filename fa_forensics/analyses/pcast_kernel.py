@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import InvalidSetting
-from fa_forensics.replay.config import KVOrder, PScaleMode, ReplayConfig
+from fa_forensics.enums import KVOrder, PScaleMode
+from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.forward import BlockCast, forward
 
 BASE_PRESET = "fp8-s1"  # the engine's fp8 recipe the study varies (S, order, block)

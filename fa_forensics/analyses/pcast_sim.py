@@ -22,7 +22,7 @@ from fa_forensics.analyses.pcast_theory import (
 from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.analyses.stats import PairedTTest, Ratio, mean_se, paired_ratio, paired_ttest
 from fa_forensics.errors import InvalidSetting
-from fa_forensics.replay.config import KVOrder
+from fa_forensics.enums import KVOrder
 
 DELTA_FIG3 = 7.0  # the sink strength of the paper's sequence-length sweep (Fig. 3)
 N_MAIN_DEFAULT = 4096  # the paper's N for Table 1 / Fig. 2

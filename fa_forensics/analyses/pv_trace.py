@@ -46,16 +46,19 @@ from typing import Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.fanout import Workers, map_layers
+from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.analyses.fix_check import scores_fp32
 from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
-from fa_forensics.analyses.recipe import Backend, Recipe, preset_at, resolve
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_seen_by, load, lp_hp_pair, lp_of, mask_of
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import Recipe, preset_at
+from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
+from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.analyses.wording import finite, share_with_se
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
-from fa_forensics.replay.config import Softmax
+from fa_forensics.enums import Softmax
 from fa_forensics.replay.emulate.softmax import block_shift
 
 ONE = 1.0

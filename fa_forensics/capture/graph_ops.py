@@ -20,22 +20,18 @@ from typing import Callable, Optional
 
 import torch
 
+from fa_forensics.capture import current
+
 _GRAD_HOOKS: dict[int, Callable[[torch.Tensor], None]] = {}  # token -> the session's dO hook
 _TOKENS = itertools.count(1)
 _NO_TOKEN = 0
-
-
-def _session():
-    from fa_forensics.capture import sdpa
-
-    return sdpa.active_session()
 
 
 @torch.library.custom_op("fa_forensics::tap_attention", mutates_args=())
 def tap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, mask: Optional[torch.Tensor],
                   dropout_p: float, is_causal: bool, scale: Optional[float], grad_enabled: bool,
                   autocast_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
-    session = _session()
+    session = current.session
     token = _NO_TOKEN
     if session is not None and grad_enabled:  # compiled graphs run with grad mode off: the traced mode is passed in
         sinks: list = []
@@ -80,7 +76,7 @@ def _(grad, token):
 
 @torch.library.custom_op("fa_forensics::tap_input", mutates_args=())
 def tap_input(x: torch.Tensor, name: str, grad_enabled: bool) -> torch.Tensor:
-    session = _session()
+    session = current.session
     if session is not None and grad_enabled:
         session.take_input(name, x)
     return x.clone()

@@ -17,15 +17,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from fa_forensics.capture import current
+
 _ORIGINAL = F.scaled_dot_product_attention
-_session = None  # the active CaptureSession, or None
 
 
 @functools.wraps(_ORIGINAL)
 def patched_sdpa(*args, **kwargs):
     """Drop-in for F.scaled_dot_product_attention that reports recorded calls to the active session."""
     out = _ORIGINAL(*args, **kwargs)
-    session = _session
+    session = current.session
     if session is not None and session.busy:
         if torch.compiler.is_compiling():
             return _tap_in_graph(args, kwargs, out)
@@ -41,7 +42,8 @@ def _tap_in_graph(args: tuple, kwargs: dict, out):
     scale = bound["scale"]
     o, _token = tap_attention(bound["query"], bound["key"], bound["value"], out, bound["attn_mask"],
                               float(bound["dropout_p"] or 0.0), bool(bound["is_causal"]),
-                              None if scale is None else float(scale), torch.is_grad_enabled(), _autocast_dtype(bound["query"]))
+                              None if scale is None else float(scale), torch.is_grad_enabled(),
+                              autocast_dtype(bound["query"]))
     return o
 
 
@@ -53,7 +55,8 @@ def _report(session, args: tuple, kwargs: dict, out) -> None:
                          attn_mask=bound["attn_mask"], dropout_p=float(bound["dropout_p"] or 0.0), source="sdpa")
 
 
-def _autocast_dtype(q) -> Optional[torch.dtype]:
+def autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
+    """Autocast's dtype on q's device when autocast is on there, else None."""
     device_type = q.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
@@ -69,22 +72,20 @@ def _bind(args: tuple, kwargs: dict) -> dict:
 
 def install(session) -> None:
     """Route SDPA calls to `session` (patching F.scaled_dot_product_attention if not yet patched)."""
-    global _session
-    _session = session
+    current.session = session
     F.scaled_dot_product_attention = patched_sdpa
 
 
 def uninstall(session, keep_patch: bool = False) -> None:
     """Stop routing to `session`; restore the original function unless `keep_patch` (the launcher keeps it)."""
-    global _session
-    if _session is session:
-        _session = None
+    if current.session is session:
+        current.session = None
     if not keep_patch and F.scaled_dot_product_attention is patched_sdpa:
         F.scaled_dot_product_attention = _ORIGINAL
 
 
 def active_session() -> Optional[object]:
-    return _session
+    return current.session
 
 
 def original_sdpa():

@@ -418,7 +418,7 @@ class CaptureSession:
         if self._entry_depth > 0:
             return  # inside a watched entry point: its own call is recorded when it returns
         if autocast_dtype == "ambient":
-            autocast_dtype = _autocast_dtype(q)
+            autocast_dtype = sdpa.autocast_dtype(q)
         self._flush_waiting()
         if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
@@ -619,12 +619,6 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
-
-
-def _autocast_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
-    """Autocast's dtype on q's device when autocast is on there, else None."""
-    device_type = q.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _as_float(loss) -> Optional[float]:

@@ -6,12 +6,13 @@ see ReplayConfig.preset) replayed with the chosen accumulation model on the stor
 """
 from __future__ import annotations
 
-from fa_forensics.analyses.recipe import Recipe, UnknownPreset
+from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
 from fa_forensics.commands.common import (
     AnalysisArgs, build_accumulation, build_backend, build_workers, ensure_out_dir, progress_bar, run_cli, show_result,
 )
 from fa_forensics.errors import UserError
-from fa_forensics.replay.config import PRESETS, Accumulation
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import PRESETS
 
 
 def side(name: str, accumulation: Accumulation):
@@ -26,7 +27,7 @@ def side(name: str, accumulation: Accumulation):
 
 def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler):
     from fa_forensics.analyses import bitdiff
-    from fa_forensics.analyses.fanout import n_items
+    from fa_forensics.layers.fanout import n_items
     from fa_forensics.figures.bitdiff import draw
     from fa_forensics.tables.bitdiff import tables
 
@@ -38,7 +39,7 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
     side_a, side_b = side(a, acc), side(b, acc)  # bad sides fail here, before any work
     args = AnalysisArgs(dump_path, step, layer, head, side_a or side_b or Recipe(), build_backend(backend),
                         ensure_out_dir(out), json_path, build_workers(workers, scheduler))
-    dump, sels = args.open()
+    dump, sels, _ = args.open()  # each side is resolved by bitdiff.run
     with progress_bar(f"replaying {a} and {b}", n_items(sels)) as advance:
         r = bitdiff.run(dump, sels, side_a, side_b, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, bitdiff.payload(r), tables(r), draw)

@@ -28,9 +28,10 @@ except ImportError:
     from click import exceptions as click_exceptions
 
 from fa_forensics.analyses.contract import to_jsonable
-from fa_forensics.analyses.recipe import AUTO, Backend, Recipe, UnknownPreset
+from fa_forensics.enums import ACCUMULATIONS, AUTO, Accumulation, Backend
 from fa_forensics.errors import UserError
-from fa_forensics.replay.config import Accumulation
+from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
+from fa_forensics.replay.config import PRESETS
 
 REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
 
@@ -55,8 +56,9 @@ HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse 
 WorkersOpt = Annotated[int, typer.Option("--workers", help="Worker processes (a local dask.distributed cluster); 1 = in-process. The output does not depend on it.")]
 SchedulerOpt = Annotated[Optional[str], typer.Option("--scheduler", help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; the dump must be on storage its workers see.", metavar="ADDRESS")]
 AccumulationOpt = Annotated[str, typer.Option(
-    "--accumulation", help="Accumulation model of every matrix product: ieee | tensor-core | auto (default: the one "
-                           "--preset auto matched, ieee for a named preset).")]
+    "--accumulation",
+    help=f"Accumulation model of every matrix product: {' | '.join(ACCUMULATIONS)} | {AUTO} (default: the one "
+         "--preset auto matched, ieee for a named preset).")]
 MatchCacheOpt = Annotated[Optional[str], typer.Option(
     "--match-cache", metavar="DIR|off",
     help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
@@ -64,13 +66,10 @@ MatchCacheOpt = Annotated[Optional[str], typer.Option(
 BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
-    help="Low-precision reading replayed against fp32: auto (default: per layer-step, the recipe that reproduces the "
-         "dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds it; kept "
-         "in the match cache, never in the dump) | bf16 (FA2 tiling, fp32 scores and "
-         "statistics, bf16 P̄ and P̄V) | "
-         "bf16-autocast (the paper's reference code's forward) | bf16-autocast-train (its forward and backward as it trains) | "
-         "bf16-autocast-stabilized (its fix as run, STABLE=1) | bf16-hw (hardware kernels, fp32 accumulator) | stabilized "
-         "(bf16 + Algorithm 3) | stochastic | fp32 | fp8-s1 | fp8-s256 | fp8-s448. --accumulation still applies.")]
+    help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces "
+         "the dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds "
+         f"it; kept in the match cache, never in the dump) | a replay preset: {' | '.join(PRESETS)}. --accumulation "
+         "still applies.")]
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -221,22 +220,22 @@ class AnalysisArgs:
     workers: Any = None  # fanout.Workers of --workers / --scheduler (None: in-process)
 
     def open(self):
-        """(dump, selections): open the store and select what to analyse (one-line errors); a recipe
-        `auto` is decided here for every selected layer-step (see `analyses.recipe.resolve`)."""
-        from fa_forensics.analyses.selection import select
-        from fa_forensics.dump import open_dump
+        """(dump, selections, recipe): open the store, select what to analyse (one-line errors) and resolve the
+        recipe once for every selected layer-step (`fidelity.auto.resolve`; a named preset is itself). Every
+        analysis of the command replays the returned recipe."""
+        from fa_forensics.dump import open_dump  # lazy, as every heavy import here: the CLI starts fast
+        from fa_forensics.layers.selection import select
 
         dump = open_dump(self.dump_path)
         selections = select(dump, self.step, self.layer, self.head)
-        if self.recipe.is_auto:
-            object.__setattr__(self, "recipe", resolve_recipe(dump, selections, self.recipe))
-        return dump, selections
+        recipe = resolve_recipe(dump, selections, self.recipe) if self.recipe.is_auto else self.recipe
+        return dump, selections, recipe
 
 
 def resolve_recipe(dump, selections, recipe: Recipe) -> Recipe:
-    """`analyses.recipe.resolve` with a progress line (matching a dump the first time replays its forward
-    under every candidate recipe; later runs read the result from the dump)."""
-    from fa_forensics.analyses.recipe import resolve
+    """`fidelity.auto.resolve` with a progress line (matching a dump the first time replays its forward
+    under every candidate recipe; later runs read the result from the match cache)."""
+    from fa_forensics.fidelity.auto import resolve
 
     with progress_bar("preset auto: matching the stored O", len(selections)) as advance:
         for sel in selections:
@@ -266,14 +265,14 @@ def build_recipe(preset: str, accumulation: str) -> Recipe:
 
 def use_match_cache(value: Optional[str]) -> None:
     """Apply --match-cache for the running command (None: the environment's or the default directory)."""
-    from fa_forensics.analyses.match_cache import set_cache_dir
+    from fa_forensics.fidelity.match_cache import set_cache_dir
 
     set_cache_dir(value)
 
 
 def build_workers(workers: int, scheduler: Optional[str]):
     """The fan-out of --workers / --scheduler (one-line errors for bad values)."""
-    from fa_forensics.analyses.fanout import Workers
+    from fa_forensics.layers.fanout import Workers
 
     return Workers(n=workers, scheduler=scheduler)
 

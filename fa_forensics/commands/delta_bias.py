@@ -8,13 +8,13 @@ from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_an
 
 def run(args: AnalysisArgs) -> None:
     from fa_forensics.analyses import delta_bias
-    from fa_forensics.analyses.fanout import n_items
+    from fa_forensics.layers.fanout import n_items
     from fa_forensics.figures.delta_bias import draw
     from fa_forensics.tables.delta_bias import tables
 
-    dump, sels = args.open()
+    dump, sels, recipe = args.open()
     with progress_bar("delta-bias", n_items(sels)) as advance:
-        r = delta_bias.run(dump, sels, args.recipe, args.backend, progress=advance, workers=args.workers)
+        r = delta_bias.run(dump, sels, recipe, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, delta_bias.payload(r), tables(r), draw)
 
 

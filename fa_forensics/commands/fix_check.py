@@ -25,11 +25,11 @@ def run(args: AnalysisArgs, beta: float, eps: float, offset: float) -> int:
         raise UserError(f"--eps {eps} must be >= 0")
     if not (math.isfinite(offset) and offset > 0):
         raise UserError(f"--offset {offset} must be a finite number > 0 (the fixed shift m = rowmax + offset of App. C)")
-    from fa_forensics.analyses.fanout import n_items
+    from fa_forensics.layers.fanout import n_items
 
-    dump, sels = args.open()
+    dump, sels, recipe = args.open()
     with progress_bar("replaying variants", n_items(sels)) as advance:
-        r = fix_check.run(dump, sels, args.recipe, args.backend, beta=beta, eps=eps, offset=offset, progress=advance,
+        r = fix_check.run(dump, sels, recipe, args.backend, beta=beta, eps=eps, offset=offset, progress=advance,
                           workers=args.workers)
     show_result(args, r, fix_check.payload(r), tables(r), draw, verdict_style="bold green" if r.removed else "bold red")
     return r.exit_code

@@ -8,13 +8,13 @@ from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_an
 
 def run(args: AnalysisArgs) -> None:
     from fa_forensics.analyses import isolate
-    from fa_forensics.analyses.fanout import n_items
+    from fa_forensics.layers.fanout import n_items
     from fa_forensics.figures.isolate import draw
     from fa_forensics.tables.isolate import tables
 
-    dump, sels = args.open()
+    dump, sels, recipe = args.open()
     with progress_bar("isolate", n_items(sels)) as advance:
-        r = isolate.run(dump, sels, args.recipe, args.backend, progress=advance, workers=args.workers)
+        r = isolate.run(dump, sels, recipe, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, isolate.payload(r), tables(r), draw)
 
 

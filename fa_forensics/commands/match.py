@@ -47,10 +47,10 @@ def runner_up(lm):
 def _verdict(r, facts: dict) -> tuple[str, list[str]]:
     """(the verdict, its warnings): led by the run's precision where it is fp32; layers whose O cannot be
     reproduced (attention dropout) are named, not ranked."""
-    from fa_forensics.analyses.candidates import implied
+    from fa_forensics.fidelity.candidates import implied
     from fa_forensics.analyses.contract import FIDELITY_WARN_BELOW, MISMATCH_TEST_ABOVE
-    from fa_forensics.analyses.match import unverifiable_reason
-    from fa_forensics.analyses.recipe import FALLBACK_PRESET
+    from fa_forensics.fidelity.match import unverifiable_reason
+    from fa_forensics.fidelity.recipe import FALLBACK_PRESET
 
     blind = [lm for lm in r.layers if facts[(lm.step, lm.layer)].has_dropout]
     seen = [lm for lm in r.layers if lm not in blind]
@@ -93,10 +93,10 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
 
 
 def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None) -> None:
-    from fa_forensics.analyses.candidates import admissible
-    from fa_forensics.analyses.match import candidate_recipes, match
-    from fa_forensics.analyses.run_facts import facts_at
-    from fa_forensics.analyses.selection import select
+    from fa_forensics.fidelity.candidates import admissible
+    from fa_forensics.fidelity.match import candidate_recipes, match, unverifiable_reason
+    from fa_forensics.fidelity.run_facts import facts_at
+    from fa_forensics.layers.selection import select
     from fa_forensics.commands.common import build_backend, build_workers
     from fa_forensics.dump import open_dump
 
@@ -123,9 +123,6 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
         table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}", _pct(lm.best.o_bits_equal),
                       f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {n_candidates(lm)}", runner)
     console.print(table)
-
-    from fa_forensics.analyses.match import unverifiable_reason
-    from fa_forensics.analyses.run_facts import facts_at
 
     facts = {(lm.step, lm.layer): facts_at(dump, lm.step, lm.layer) for lm in r.layers}
     why = {key: unverifiable_reason(f) if f.has_dropout else None for key, f in facts.items()}

@@ -15,7 +15,7 @@ import typer
 from fa_forensics.analyses import pcast as pc
 from fa_forensics.analyses import pcast_sim as sim
 from fa_forensics.analyses.pcast_e4m3 import dp_sawtooth
-from fa_forensics.replay.config import KVOrder
+from fa_forensics.enums import KVOrder
 from fa_forensics.commands.common import (
     DebugOpt,
     HeadOpt,
@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
                                str(figs.fig_mse_vs_seq(res, out_dir / "pcast_mse_vs_seq.png"))]
                 write_json(json_path, {**sim.payload(res), "figures": figures})
             else:
-                from fa_forensics.analyses.selection import select
+                from fa_forensics.layers.selection import select
                 from fa_forensics.dump import open_dump
 
                 d = open_dump(dump)

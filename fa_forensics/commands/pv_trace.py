@@ -17,10 +17,10 @@ def run(args: AnalysisArgs, row: Optional[int], feature: Optional[int]) -> None:
     from fa_forensics.figures.pv_trace import draw
     from fa_forensics.tables.pv_trace import tables
 
-    dump, sels = args.open()
+    dump, sels, recipe = args.open()
     try:
-        with progress_bar(f"replaying ({args.recipe.label} vs fp32)", len(sels)) as advance:
-            r = pv_trace.run(dump, sels, args.recipe, args.backend, row=row, feature=feature, progress=advance,
+        with progress_bar(f"replaying ({recipe.label} vs fp32)", len(sels)) as advance:
+            r = pv_trace.run(dump, sels, recipe, args.backend, row=row, feature=feature, progress=advance,
                              workers=args.workers)
     except OutOfRange as exc:
         raise UserError(f"--{exc.what} {exc.value} is out of range at {exc.where}: {exc.what}s are 0..{exc.limit}") from None

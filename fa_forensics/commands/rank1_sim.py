@@ -15,11 +15,12 @@ def run(args: AnalysisArgs, tokens: int) -> None:
     from fa_forensics.figures.rank1_sim import draw
     from fa_forensics.tables.rank1_sim import tables
 
-    from fa_forensics.analyses.fanout import n_items
+    from fa_forensics.layers.fanout import n_items
 
-    dump, sels = args.open()
+    dump, sels, recipe = args.open()
     with progress_bar("rank1-sim", n_items(sels)) as advance:
-        r = rank1_sim.run(dump, sels, args.recipe, args.backend, tokens_per_step=tokens, progress=advance, workers=args.workers)
+        r = rank1_sim.run(dump, sels, recipe, args.backend, tokens_per_step=tokens, progress=advance,
+                          workers=args.workers)
     show_result(args, r, rank1_sim.payload(r), tables(r), draw)
 
 

@@ -32,7 +32,7 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
     fan_out = build_workers(workers, scheduler)
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
-    from fa_forensics.analyses.selection import select
+    from fa_forensics.layers.selection import select
 
     select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
     the store; list what killed writers left beside it. Exit 0 whole, 1 damage or incomplete steps, 2 not a dump."""
 
     def body() -> int:
-        from fa_forensics.dump.integrity import verify as verify_store
+        from fa_forensics.dump.verify import verify as verify_store
 
         report = verify_store(dump, rank=rank)
         write_json(json_out, report.to_dict())

@@ -8,7 +8,7 @@ Two depths:
   `dtype` attribute does not fit its stored data type, layer attributes of the wrong type. The
   reader runs it for every complete step when it lists steps, and skips a damaged step.
 - `check_chunk_data` decodes every chunk of an array (zstd checksums, when the store has them,
-  catch flipped bits); `fa-forensics verify` runs it.
+  catch flipped bits); `dump.verify.verify` (the `fa-forensics verify` command) runs it.
 
 Only local stores (a folder) are supported, as everywhere in fa-forensics.
 """
@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -381,72 +381,3 @@ def _plural(n: int, noun: str) -> str:
 def _first(keys: list[str], n: int) -> str:
     """The first (up to 3) of `n` keys."""
     return ", ".join(keys[:3]) + (", ..." if n > 3 else "")
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """What `verify` found in one rank's tree: whole steps, cut-off steps, and every problem."""
-
-    path: str
-    rank: int
-    steps: list[int]  # complete, and every chunk decodes
-    incomplete_steps: list[int]  # cut off while writing (no `complete` flag)
-    damaged_steps: list[int]
-    problems: list[Damage]
-    arrays_checked: int
-    chunks_checked: int
-    leftovers: list = field(default_factory=list)  # debris.Leftover beside the store: files of killed writers
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems and not self.incomplete_steps
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "rank": self.rank, "ok": self.ok, "steps": self.steps, "incomplete_steps": self.incomplete_steps,
-                "damaged_steps": self.damaged_steps, "problems": [d.to_dict() for d in self.problems],
-                "arrays_checked": self.arrays_checked, "chunks_checked": self.chunks_checked,
-                "leftovers": [x.to_dict() for x in self.leftovers]}
-
-
-def verify(path, rank: int | None = None) -> VerifyReport:
-    """Check a store fully: metadata (check_step) of every step, then every chunk of every whole step decodes.
-
-    Raises DumpError (bad input) when `path` is not a dump at all.
-    """
-    import warnings
-
-    from fa_forensics.dump.reader import open_dump
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dump = open_dump(path, rank=rank)
-    problems: list[Damage] = [d for ds in dump.damage.values() for d in ds]
-    arrays = chunks = 0
-    whole = []
-    for step in dump.steps:
-        found = []
-        for layer in dump.layers(step):
-            group = dump._layer(step, layer)
-            for name in dump._array_names(step, layer):
-                array = group[name]
-                arrays += 1
-                chunks += math.prod(math.ceil(s / c) for s, c in zip(array.shape, array.chunks))
-                found.extend(check_chunk_data(array, step, layer, name))
-        problems.extend(found)
-        if not found:
-            whole.append(step)
-    timeline = _timeline_problems(dump)
-    problems.extend(timeline)
-    damaged = sorted({d.step for d in problems if d.step is not None})
-    cut = [s for s in dump.incomplete_steps if s not in dump.damage]
-    from fa_forensics.dump.debris import leftovers
-
-    return VerifyReport(str(dump.path), dump.rank, whole, cut, damaged, problems, arrays, chunks, leftovers(dump.path))
-
-
-def _timeline_problems(dump) -> list[Damage]:
-    try:
-        dump.timeline
-    except Exception as exc:
-        return [Damage(None, None, "timeline", f"cannot be read ({describe_error(exc)})")]
-    return []

@@ -31,7 +31,6 @@ from fa_forensics.dump.schema import (
     ARRAY_NAMES,
     RANK_RE,
     STEP_RE,
-    TENSOR_NAMES,
     TIMELINE_GROUP,
     LayerInfo,
     decode,

@@ -3,17 +3,16 @@
     from fa_forensics.replay import replay, ReplayConfig
     out = replay(q, k, v, ReplayConfig.preset("bf16"), do=do)   # out.o, out.lse, out.stats, out.dq ...
 """
-from fa_forensics.replay.config import (  # noqa: F401
-    PRESETS,
+from fa_forensics.enums import (  # noqa: F401
     Accumulation,
     DeltaSource,
     GPUModel,
     KVOrder,
     Precision,
     PScaleMode,
-    ReplayConfig,
     Rounding,
     Softmax,
 )
+from fa_forensics.replay.config import PRESETS, ReplayConfig  # noqa: F401
 from fa_forensics.replay.out import PBarStats, ReplayOut  # noqa: F401
 from fa_forensics.replay.api import BackendUnavailable, replay  # noqa: F401

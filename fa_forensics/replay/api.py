@@ -10,11 +10,10 @@ from typing import Optional
 
 import torch
 
+from fa_forensics.enums import BACKENDS
 from fa_forensics.errors import BackendUnsupported, ConfigError
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.out import ReplayOut
-
-BACKENDS = ("emulate", "triton")
 
 
 class BackendUnavailable(BackendUnsupported):

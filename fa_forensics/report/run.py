@@ -33,9 +33,10 @@ from fa_forensics.analyses import pcast as a_pcast
 from fa_forensics.analyses import pv_trace as a_pv_trace
 from fa_forensics.analyses import rank1_sim as a_rank1_sim
 from fa_forensics.analyses.contract import to_jsonable
-from fa_forensics.analyses.fanout import Workers, connected
-from fa_forensics.analyses.recipe import Backend, Recipe
-from fa_forensics.analyses.selection import select
+from fa_forensics.layers.fanout import Workers, connected
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.layers.selection import select
 from fa_forensics.dump.safe_files import atomic_write, is_no_space
 from fa_forensics.errors import UserError
 from fa_forensics.figures import bitdiff as f_bitdiff

@@ -176,8 +176,8 @@ def test_cli_capture_of_gpt2_with_dropout_and_padding(tmp_path):
 def test_analyses_apply_the_recorded_mask_and_warn_about_dropout(tmp_path):
     from typer.testing import CliRunner
 
-    from fa_forensics.analyses.recipe import hp_config
-    from fa_forensics.analyses.selection import load, replay_layer, select
+    from fa_forensics.fidelity.recipe import hp_config
+    from fa_forensics.layers.selection import load, replay_layer, select
     from fa_forensics.cli import app
 
     out, report = tmp_path / "drop.zarr", tmp_path / "delta.json"

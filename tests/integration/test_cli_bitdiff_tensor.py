@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from fa_forensics.analyses import bitdiff
-from fa_forensics.analyses.recipe import Recipe
-from fa_forensics.analyses.selection import select
+from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.layers.selection import select
 from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
 
 ROOT = Path(__file__).resolve().parents[2]

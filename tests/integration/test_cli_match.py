@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fa_forensics.analyses.match import candidate_recipes, compare_o
+from fa_forensics.fidelity.match import candidate_recipes, compare_o
 from fa_forensics.cli import app
 from fa_forensics.dump.writer import DumpWriter
 from fa_forensics.dump import open_dump

@@ -4,9 +4,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from fa_forensics.analyses import delta_bias, fanout
-from fa_forensics.analyses.fanout import Workers, map_in_order, work_items
-from fa_forensics.analyses.selection import select
+from fa_forensics.analyses import delta_bias
+from fa_forensics.layers import fanout
+from fa_forensics.layers.fanout import Workers, map_in_order, work_items
+from fa_forensics.layers.selection import select
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import InvalidSetting
@@ -68,9 +69,10 @@ def _payloads(dump, sels, workers):
     """The JSON payload of every analysis that fans out, in-process or on `workers`."""
     import json
 
-    from fa_forensics.analyses import bitdiff, fix_check, isolate, match, pv_trace, rank1_sim
+    from fa_forensics.analyses import bitdiff, fix_check, isolate, pv_trace, rank1_sim
+    from fa_forensics.fidelity import match
     from fa_forensics.analyses.contract import to_jsonable
-    from fa_forensics.analyses.recipe import Recipe
+    from fa_forensics.fidelity.recipe import Recipe
 
     runs = {
         "isolate": lambda: isolate.payload(isolate.run(dump, sels, workers=workers)),

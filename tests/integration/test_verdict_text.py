@@ -63,8 +63,8 @@ def test_report_sentences_never_put_a_percent_sign_on_n_a():
 
 def test_delta_bias_title_follows_the_sign_test(make_dump, tmp_path):
     from fa_forensics.analyses import delta_bias
-    from fa_forensics.analyses.recipe import Recipe
-    from fa_forensics.analyses.selection import select
+    from fa_forensics.fidelity.recipe import Recipe
+    from fa_forensics.layers.selection import select
     from fa_forensics.dump import open_dump
     from fa_forensics.figures.delta_bias import total_title
 

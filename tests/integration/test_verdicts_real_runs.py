@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 import fa_forensics
-from fa_forensics.analyses import match_cache
-from fa_forensics.analyses.match import best_recipe
+from fa_forensics.fidelity import match_cache
+from fa_forensics.fidelity.match import best_recipe
 from fa_forensics.cli import app
 from fa_forensics.commands.match import runner_up
 from fa_forensics.dump import open_dump

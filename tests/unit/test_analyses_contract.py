@@ -5,11 +5,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fa_forensics.analyses import delta_bias, selection
-from fa_forensics.analyses.recipe import Backend, Recipe, lp_config_for
+from fa_forensics.analyses import delta_bias
+from fa_forensics.layers import checks, selection
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.recipe import Recipe, lp_config_for
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
-from fa_forensics.replay.config import Accumulation, ReplayConfig
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import ReplayConfig
 
 
 @pytest.fixture
@@ -20,9 +23,9 @@ def odd_head_check():
         if 1 in t.heads:
             yield f"{t.where}: head 1 selected"
 
-    selection.layer_check(check)
+    checks.layer_check(check)
     yield check
-    selection.LAYER_CHECKS.remove(check)
+    checks.LAYER_CHECKS.remove(check)
 
 
 def test_recipe_resolves_once_per_layer_with_the_accumulation_applied(planted_dump):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fa_forensics.analyses.delta_bias import delta_bias_layers, delta_error, feature_contributions
-from fa_forensics.analyses.selection import LayerTensors
+from fa_forensics.layers.selection import LayerTensors
 
 
 def planted_layer(step=0, T=128, D=16, C=32, seed=0, standout=(3, 7), layer=0):

@@ -7,9 +7,9 @@ import os
 import pytest
 import zarr
 
-import fa_forensics.analyses.match as match_mod
-from fa_forensics.analyses import match_cache
-from fa_forensics.analyses.match import best_recipe
+import fa_forensics.fidelity.match as match_mod
+from fa_forensics.fidelity import match_cache
+from fa_forensics.fidelity.match import best_recipe
 from fa_forensics.dump import open_dump
 
 

@@ -7,12 +7,14 @@ import torch
 from fa_forensics.analyses.fix_check import fix_variants, scores_fp32
 from fa_forensics.analyses.isolate import isolate_layers, variants
 from fa_forensics.analyses.pv_trace import p_bar_row, repeated_max_rows, trace_pv
-from fa_forensics.analyses.recipe import Recipe, UnknownPreset, lp_config_for
-from fa_forensics.analyses.selection import lp_hp_pair
+from fa_forensics.fidelity.recipe import Choice, Recipe, UnknownPreset, lp_config_for
+from fa_forensics.dump import open_dump
+from fa_forensics.fidelity.pair import lp_hp_pair
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import matmul
-from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig, Softmax
-from fa_forensics.analyses.recipe import Backend
+from fa_forensics.enums import Accumulation, Precision, Softmax
+from fa_forensics.replay.config import PRESETS, ReplayConfig
+from fa_forensics.enums import Backend
 from fa_forensics.report.run import ANALYSES, command_line
 from test_analyses_delta_bias import planted_layer
 
@@ -28,6 +30,16 @@ def test_lp_config_is_the_preset_with_the_chosen_accumulation():
     with pytest.raises(ConfigError):
         Recipe().base_config()  # auto is decided per layer-step
     assert lp_config_for(None, 0, 0, Recipe()) == ReplayConfig()  # nothing to match in memory: the fallback, bf16
+
+
+def test_auto_is_resolved_once_before_a_dump_is_replayed(planted_dump):
+    """A dump's layer-step is never matched behind the caller's back: `auto` there needs `resolve` first."""
+    dump = open_dump(planted_dump)
+    with pytest.raises(ConfigError, match="preset auto is not resolved at step"):
+        lp_config_for(dump, dump.steps[0], 0, Recipe())
+    chosen = Recipe(choices=(((dump.steps[0], 0), Choice("bf16-hw", Accumulation.IEEE, None)),))
+    assert lp_config_for(dump, dump.steps[0], 0, chosen) == ReplayConfig.preset("bf16-hw").with_(
+        accumulation=Accumulation.IEEE)
 
 
 def test_unknown_preset_is_one_line_listing_the_presets():
@@ -83,7 +95,8 @@ def test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias():
 
 def test_bf16_row_sum_is_the_rest_of_the_autocast_delta_bias():
     from fa_forensics.analyses.delta_bias import delta_of
-    from fa_forensics.analyses.selection import hp_config, replay_layer
+    from fa_forensics.fidelity.recipe import hp_config
+    from fa_forensics.layers.selection import replay_layer
 
     t = planted_layer(step=0, seed=0, T=128)
     delta_hp = delta_of(t.do, replay_layer(t, hp_config(), backward=False).o)  # (B, h, T)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from fa_forensics.analyses.selection import LayerSelection, load, lp_hp_pair, replay_layer, select
-from fa_forensics.analyses.recipe import Recipe
+from fa_forensics.fidelity.pair import lp_hp_pair
+from fa_forensics.layers.selection import LayerSelection, load, replay_layer, select
+from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import ReplayConfig
 

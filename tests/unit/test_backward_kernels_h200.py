@@ -78,7 +78,7 @@ def test_the_efficient_kernel_needs_its_k8_instruction(monkeypatch):
     config without mma_k still gets the kernel's own 8 in its backward."""
     import dataclasses
 
-    from fa_forensics.replay.config import BackwardKernel
+    from fa_forensics.enums import BackwardKernel
     from fa_forensics.replay.emulate import backward_kernels
 
     assert _dq_share("fp16", "efficient") == 1.0

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from fa_forensics.cli import app
 from fa_forensics.dump import DumpWriter, IncompleteStepWarning, open_dump
-from fa_forensics.dump.integrity import verify
+from fa_forensics.dump.verify import verify
 from fa_forensics.errors import DumpError
 
 LAYER = "step_000000001/layer_000"

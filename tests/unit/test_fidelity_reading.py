@@ -7,15 +7,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fa_forensics.analyses.candidates import CLEAR_MARGIN, admissible, implied, pick_best
+from fa_forensics.fidelity.candidates import CLEAR_MARGIN, admissible, implied, pick_best
 from fa_forensics.analyses.contract import ALPHA
-from fa_forensics.analyses.match import candidate_recipes, fidelity
-from fa_forensics.analyses.mismatch import sign_test, tally, ulp_difference
-from fa_forensics.analyses.recipe import Choice, Recipe
-from fa_forensics.analyses.run_facts import UNKNOWN, RunFacts, facts_at
-from fa_forensics.analyses.selection import load, replay_layer, select
+from fa_forensics.fidelity.match import candidate_recipes, fidelity
+from fa_forensics.fidelity.mismatch import sign_test, tally, ulp_difference
+from fa_forensics.fidelity.recipe import Choice, Recipe
+from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts, facts_at
+from fa_forensics.layers.selection import load, replay_layer, select
 from fa_forensics.dump import open_dump
-from fa_forensics.replay.config import Accumulation, ReplayConfig
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import ReplayConfig
 
 
 def _facts(**kw) -> RunFacts:
@@ -121,7 +122,7 @@ def test_layers_that_differ_only_in_accumulation_name_the_preset(make_dump):
     sels = select(dump)
     recipe = Recipe(choices=(((0, 0), Choice("bf16", Accumulation.IEEE, 1.0)),
                              ((1, 0), Choice("bf16", Accumulation.TENSOR_CORE, 1.0))))
-    fid = fidelity(dump, sels, recipe)
+    fid = fidelity(dump, sels, recipe, alpha=ALPHA)
     assert (fid["preset"], fid["accumulation"]) == ("bf16", "per layer")
     assert fid["run_precision"] == "bf16" and fid["verifiable"]
 

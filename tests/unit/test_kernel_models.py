@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa_forensics.analyses.recipe import Recipe
+from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.errors import ConfigError
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.kernel_ops import lane_row_sums, reduce_lanes

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from fa_forensics.analyses import checks
-from fa_forensics.analyses.selection import LayerTensors
+from fa_forensics.layers import checks
+from fa_forensics.layers.selection import LayerTensors
 
 
 def _layer(mask: torch.Tensor, causal: bool, step: int = 0, layer: int = 0) -> LayerTensors:

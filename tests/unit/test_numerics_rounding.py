@@ -94,7 +94,7 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours(x0):
 
 
 def test_round_to_keeps_dtype_and_accepts_precision_enum():
-    from fa_forensics.replay.config import Precision
+    from fa_forensics.enums import Precision
 
     x = torch.randn(10, dtype=torch.float64)
     assert round_to(x, Precision.BF16).dtype == torch.float64

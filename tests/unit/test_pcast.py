@@ -14,7 +14,7 @@ from fa_forensics.analyses import pcast_sim as sim
 from fa_forensics.analyses import pcast_theory as th
 from fa_forensics.analyses.stats import paired_ratio, paired_ttest
 from fa_forensics.numerics import exp_fp32
-from fa_forensics.replay.config import Precision
+from fa_forensics.enums import Precision
 from fa_forensics.replay.emulate.ops import cast
 
 
@@ -255,7 +255,8 @@ def test_ratio_at_paper_operating_point_is_about_3_4():
 @pytest.mark.parametrize("S", [1.0, 256.0, 448.0])
 def test_pcast_kernel_is_the_fp8_preset_with_s_multiplied_and_gives_a_full_replays_bits(S):
     from fa_forensics.replay.api import replay
-    from fa_forensics.replay.config import PScaleMode, ReplayConfig
+    from fa_forensics.enums import PScaleMode
+    from fa_forensics.replay.config import ReplayConfig
     from fa_forensics.replay.emulate.forward import scaled_scores
 
     preset = ReplayConfig.preset(f"fp8-s{S:g}")
@@ -294,7 +295,7 @@ PLANTED_PREVIOUS = {
 
 
 def test_dump_mode_reproduces_the_previous_kernels_numbers_on_the_planted_sample(planted_dump):
-    from fa_forensics.analyses.selection import LayerSelection
+    from fa_forensics.layers.selection import LayerSelection
     from fa_forensics.dump import open_dump
 
     res = pc.run(open_dump(planted_dump), [LayerSelection(step=2, layer=0, heads=[0, 1])], scales=(1.0, 256.0))

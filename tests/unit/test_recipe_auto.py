@@ -9,15 +9,17 @@ import pytest
 import zarr
 from typer.testing import CliRunner
 
-import fa_forensics.analyses.match as match_mod
+import fa_forensics.fidelity.match as match_mod
 from fa_forensics.analyses import delta_bias
-from fa_forensics.analyses.match import CACHE_ATTR, best_recipe
-from fa_forensics.analyses.recipe import Choice, Recipe, lp_config_for, resolve
-from fa_forensics.analyses.selection import select
+from fa_forensics.fidelity.match import CACHE_ATTR, best_recipe
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.recipe import Choice, Recipe, lp_config_for
+from fa_forensics.layers.selection import select
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 from fa_forensics.dump.lock import StoreLock
-from fa_forensics.replay.config import Accumulation, ReplayConfig
+from fa_forensics.enums import Accumulation
+from fa_forensics.replay.config import ReplayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANTED, DEMO = ROOT / "sample_dumps" / "planted.zarr", ROOT / "sample_dumps" / "demo.zarr"
@@ -123,8 +125,8 @@ def test_a_read_only_copy_of_a_sample_dump_is_analysed_without_writing(tmp_path)
 def test_a_named_gpu_kernel_preset_keeps_its_tensor_core_products():
     """--preset sdpa-flash without --accumulation replays what the hardware ran (tensor-core products); other
     presets replay ieee, and --accumulation still decides where given."""
-    from fa_forensics.analyses.recipe import Recipe
-    from fa_forensics.replay.config import Accumulation
+    from fa_forensics.fidelity.recipe import Recipe
+    from fa_forensics.enums import Accumulation
 
     assert Recipe("sdpa-flash").accumulation is Accumulation.TENSOR_CORE
     assert Recipe("sdpa-cudnn-sm90@block_m=128,block_n=128").accumulation is Accumulation.TENSOR_CORE
@@ -138,10 +140,10 @@ def test_a_masked_layer_under_a_gpu_kernel_preset_replays_the_reference_backward
     import torch
     from typer.testing import CliRunner
 
-    from fa_forensics.analyses.recipe import Recipe, lp_config_for
+    from fa_forensics.fidelity.recipe import Recipe, lp_config_for
     from fa_forensics.cli import app
     from fa_forensics.dump import DumpWriter, open_dump
-    from fa_forensics.replay.config import BackwardKernel
+    from fa_forensics.enums import BackwardKernel
 
     g = torch.Generator().manual_seed(0)
     B, H, T, D = 1, 2, 32, 16

@@ -16,7 +16,7 @@ import math
 import torch
 
 from fa_forensics.numerics import exp2_fp32, exp_fp32, fma_fp32, libdevice, log_fp32, sfu
-from fa_forensics.replay.config import ExpForm, ExpUnit
+from fa_forensics.enums import ExpForm, ExpUnit
 
 LANES = 4  # threads of an MMA quad that share one accumulator row
 _PAIR = 2  # adjacent columns a thread holds in each 8-column MMA tile

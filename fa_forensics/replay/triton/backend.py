@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import BackendUnsupported
-from fa_forensics.replay.config import (BackwardKernel, DeltaSource, MaskedBlocks, Precision, ReplayConfig, Rounding,
-                                        Softmax)
+from fa_forensics.enums import BackwardKernel, DeltaSource, MaskedBlocks, Precision, Rounding, Softmax
+from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.run import high_precision_twin
 from fa_forensics.replay.out import PBarStats, ReplayOut
 

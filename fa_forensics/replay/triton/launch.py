@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fa_forensics.replay.config import KVOrder, Precision, ReplayConfig
+from fa_forensics.enums import KVOrder, Precision
+from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.ops import promote
 from fa_forensics.replay.triton import kernels
 

@@ -4,20 +4,21 @@
 `load` reads one layer-step with all selected heads batched (one read per tensor, never head by
 head) and runs every registered layer check, whose messages become the layer's `warnings`;
 `replay_layer` replays it under a config with the dump's own softmax scale and causal flag;
-`lp_hp_pair` gives the comparison every analysis makes: the recipe's low-precision replay against
-the high-precision replay (preset "fp32", ieee) of the same stored inputs.
+`as_seen_by` rounds the inputs to what a config sees. The recipe side (which config to replay)
+is fidelity's (`fidelity.pair.lp_hp_pair`); this layer only takes configs.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from fa_forensics.analyses.recipe import Backend, Recipe, hp_config, lp_config_for
-from fa_forensics.analyses.finite import finite_x, screen
+from fa_forensics.enums import Backend
 from fa_forensics.errors import DumpError, NothingSelected
+from fa_forensics.layers.checks import with_checks
+from fa_forensics.layers.finite import finite_x, screen
 from fa_forensics.replay.config import ReplayConfig
 
 BatchSel = Union[int, slice, None]
@@ -85,7 +86,7 @@ def select(dump, step: Optional[int] = None, layer: Optional[int] = None, head: 
 
 def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
     """Read q, k, v, o, do (selected heads batched) and x of one layer-step, plus its scale and causal
-    flag, and attach the warnings of every registered layer check."""
+    flag, and attach the warnings of every registered layer check (`checks.with_checks`)."""
     info = dump.layer_info(sel.step, sel.layer)
     for name in ("q", "k", "v"):
         if not dump.has(sel.step, sel.layer, name):
@@ -111,32 +112,6 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
     return with_checks(t, dump, info)
 
 
-# ---- layer checks: the one place where per-layer warnings come from --------------------------------
-
-LayerCheck = Callable[[LayerTensors, object, object], Iterable[str]]
-LAYER_CHECKS: list[LayerCheck] = []
-
-
-def layer_check(fn: LayerCheck) -> LayerCheck:
-    """Register `fn(t, dump, info) -> iterable of one-line warnings`, run by `load` on every layer-step.
-
-    `info` is `dump.layer_info(step, layer)` (the layer's attrs), `dump` may be None for layers
-    built in memory. A check names where (`t.where`) and what it means for the findings.
-    """
-    LAYER_CHECKS.append(fn)
-    return fn
-
-
-def with_checks(t: LayerTensors, dump=None, info=None) -> LayerTensors:
-    """`t` with the warnings of every registered check (kept in registration order, no repeats)."""
-    found = list(t.warnings)
-    for check in LAYER_CHECKS:
-        for message in check(t, dump, info) or ():
-            if message not in found:
-                found.append(message)
-    return replace(t, warnings=tuple(found))
-
-
 def collect_warnings(layers: Iterable[LayerTensors]) -> tuple[str, ...]:
     """The warnings of several layer-steps, in order, without repeats (for a Result's `warnings`)."""
     out: list[str] = []
@@ -156,11 +131,6 @@ def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backe
         raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture with dO")
     return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal, scale=t.scale,
                   mask=t.mask)
-
-
-def lp_of(t: LayerTensors, recipe: Recipe) -> ReplayConfig:
-    """The recipe's low-precision config at this layer-step (see `recipe.lp_config_for`)."""
-    return lp_config_for(t.source, t.step, t.layer, recipe)
 
 
 def as_seen_by(t: LayerTensors, lp: ReplayConfig) -> LayerTensors:
@@ -188,27 +158,6 @@ def as_seen_by(t: LayerTensors, lp: ReplayConfig) -> LayerTensors:
     return replace(t, q=q, k=k, v=v, do=do, warnings=(*t.warnings, message) if message not in t.warnings else t.warnings)
 
 
-def lp_hp_pair(t: LayerTensors, recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *, backward: bool = True):
-    """(low-precision replay, high-precision replay) of identical inputs (`as_seen_by`): the recipe's
-    config at this layer-step against preset "fp32" (ieee)."""
-    lp_cfg = lp_of(t, recipe)
-    seen = as_seen_by(t, lp_cfg)
-    lp = replay_layer(seen, lp_cfg, backward=backward, backend=backend)
-    hp = replay_layer(seen, hp_config(), backward=backward, backend=backend)
-    return lp, hp
-
-
-def input_cast_error(t: LayerTensors, lp: ReplayConfig, backend: Backend = Backend.EMULATE):
-    """(O_fp32 of the stored inputs, O_fp32 of the inputs as `lp` sees them), or None when the
-    recipe's input cast changes nothing: the error of the input cast alone, kept apart from the kernel's."""
-    seen = as_seen_by(t, lp)
-    if seen is t:
-        return None
-    raw = replay_layer(t, hp_config(), backward=False, backend=backend)
-    cast = replay_layer(seen, hp_config(), backward=False, backend=backend)
-    return raw.o, cast.o
-
-
 def mask_of(mask: Optional[torch.Tensor], batch: int, head: int) -> Optional[torch.Tensor]:
     """The (T, K) attn_mask of one (batch entry, selected head) of a layer's broadcastable mask, or None."""
     if mask is None:
@@ -225,5 +174,3 @@ def heads_of(selections: Sequence[LayerSelection]) -> int:
     """Total number of (step, layer, head) items in a selection list (for progress bars)."""
     return sum(len(s.heads) for s in selections)
 
-
-from fa_forensics.analyses import checks as _checks  # noqa: E402,F401  (registers the layer checks)

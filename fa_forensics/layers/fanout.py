@@ -23,7 +23,9 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
+from fa_forensics.dump import open_dump
 from fa_forensics.errors import ClusterUnreachable, InvalidSetting
+from fa_forensics.layers.selection import load
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -161,9 +163,6 @@ class LayerTask:
     rank: Optional[int] = None
 
     def __call__(self, sel):
-        from fa_forensics.analyses.selection import load
-        from fa_forensics.dump import open_dump
-
         dump = self.dump if self.dump is not None else open_dump(self.dump_path, rank=self.rank)
         with one_torch_thread():
             return self.fn(load(dump, sel), *self.args)

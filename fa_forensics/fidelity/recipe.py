@@ -1,39 +1,28 @@
-"""The low-precision side every analysis replays against fp32, resolved in one place.
+"""The low-precision side every analysis replays against fp32: what the user asked for, resolved per layer-step.
 
 A `Recipe` is what the user asked for: a preset name and an accumulation model, or `auto`, the
-recipe that reproduces the dump's stored O best (`analyses.match`, cached beside the dump). The CLI
-builds it once per command. `lp_config_for(dump, step, layer, recipe)` is the only function that
-turns it into the `ReplayConfig` replayed for one (step, layer): every analysis calls it.
-
-`auto` is decided per layer-step, whole layer (every stored head), by `resolve`: the first time a
-dump is matched its result is kept in the match cache beside it (`analyses.match_cache`; the dump
-itself is never written), afterwards it is read back. A resolved Recipe carries its choices, so
-work items sent to other processes replay the same recipe without matching again. Where nothing
-can be matched (attention dropout, an fp32 run, no stored O, a layer built in memory) `auto`
-replays the recipe the recorded settings imply (`analyses.candidates.implied`; FALLBACK_PRESET when
-nothing points elsewhere) and says so in the analysis's warnings.
+recipe that reproduces the dump's stored O best (`fidelity.match`, cached beside the dump). The CLI
+builds it once per command and resolves `auto` once (`fidelity.auto.resolve`): a resolved Recipe
+carries its choices per (step, layer), so every analysis and every work item sent to other
+processes replays the same recipe without matching again. `lp_config_for(dump, step, layer,
+recipe)` is the only function that turns a Recipe into the `ReplayConfig` replayed for one
+(step, layer): every analysis calls it.
 The high-precision side is always `hp_config()`: every cast fp32, ieee accumulation.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
+from fa_forensics.enums import AUTO, Accumulation, BackwardKernel
 from fa_forensics.errors import ConfigError
-from fa_forensics.replay.config import PRESETS, Accumulation, BackwardKernel, ReplayConfig
+from fa_forensics.fidelity.candidates import implied
+from fa_forensics.fidelity.run_facts import RunFacts, facts_at
+from fa_forensics.replay.config import PRESETS, ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 
-AUTO = "auto"
 FALLBACK_PRESET = "bf16"  # what `auto` replays where no stored O can be matched
 DEFAULT_PRESET = AUTO
-
-
-class Backend(str, enum.Enum):
-    """Where a replay runs."""
-
-    EMULATE = "emulate"  # the CPU reference emulator
-    TRITON = "triton"  # the GPU kernels
 
 
 class UnknownPreset(ConfigError):
@@ -125,46 +114,31 @@ class Recipe:
         return None
 
 
-def choose(dump, step: int, layer: int, recipe: Recipe) -> Choice:
-    """The Choice of `auto` at (step, layer): resolved, else matched (cached beside the dump), else the
-    recipe the recorded settings imply (`candidates.implied`): where the stored O cannot be matched
-    (attention dropout, an fp32 run, no stored O, a layer built in memory)."""
-    known = recipe.choice_at(step, layer)
-    if known is not None:
-        return known
-    from fa_forensics.analyses.candidates import implied
-    from fa_forensics.analyses.run_facts import facts_at
-
-    facts = facts_at(dump, step, layer)
+def implied_choice(facts: RunFacts, recipe: Recipe) -> Choice:
+    """What `auto` replays where the stored O cannot be matched (attention dropout, an fp32 run, no stored O, a
+    layer built in memory): the recipe the recorded settings imply (`candidates.implied`)."""
     preset, accumulation, why = implied(facts, FALLBACK_PRESET)
-    fallback = Choice(preset, recipe.accumulation or accumulation, None, why)
-    if dump is None or facts.has_dropout or facts.is_fp32_run:
-        return fallback
-    from fa_forensics.analyses.match import best_recipe
-
-    lm = best_recipe(dump, step, layer, accumulation=recipe.accumulation)
-    if lm is None:
-        return fallback
-    return Choice(lm.best.preset, Accumulation(lm.best.accumulation), lm.best.o_bits_equal)
+    return Choice(preset, recipe.accumulation or accumulation, None, why)
 
 
-def resolve(dump, selections: Sequence, recipe: Recipe) -> Recipe:
-    """`recipe` with `auto` decided for every selected layer-step (itself for a named preset)."""
-    if not recipe.is_auto:
-        return recipe
-    choices = dict(recipe.choices)
-    for sel in selections:
-        key = (sel.step, sel.layer)
-        if key not in choices:
-            choices[key] = choose(dump, sel.step, sel.layer, recipe)
-    return replace(recipe, choices=tuple(choices.items()))
+def resolved_choice(dump, step: int, layer: int, recipe: Recipe) -> Choice:
+    """What an `auto` recipe replays at (step, layer): its resolved choice there; for a layer built in memory
+    (`dump` None: nothing to match) the implied recipe. A ConfigError for a dump's layer-step it was not
+    resolved at: `fidelity.auto.resolve` decides `auto` once, before any replay."""
+    choice = recipe.choice_at(step, layer)
+    if choice is not None:
+        return choice
+    if dump is None:
+        return implied_choice(facts_at(None, step, layer), recipe)
+    raise ConfigError(f"preset auto is not resolved at step {step} layer {layer}: resolve the recipe first "
+                      f"(fidelity.auto.resolve)")
 
 
 def preset_at(dump, step: int, layer: int, recipe: Recipe) -> str:
     """The name of the preset replayed at (step, layer) (a named preset, or what `auto` chose there)."""
     if not recipe.is_auto:
         return recipe.preset
-    return choose(dump, step, layer, recipe).preset
+    return resolved_choice(dump, step, layer, recipe).preset
 
 
 def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
@@ -174,7 +148,7 @@ def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
     if not recipe.is_auto:
         config = recipe.base_config()
     else:
-        choice = choose(dump, step, layer, recipe)
+        choice = resolved_choice(dump, step, layer, recipe)
         config = ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
     if config.backward_kernel is not BackwardKernel.REFERENCE and dump is not None and _has_mask(dump, step, layer):
         config = config.with_(backward_kernel=BackwardKernel.REFERENCE)

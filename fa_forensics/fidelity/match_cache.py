@@ -2,7 +2,7 @@
 
 A match result depends only on the stored bytes of one layer-step and the recipes tried, so it is
 kept in a content-addressed file `<cache dir>/match/<fingerprint>.json` (the sha256 of those bytes
-and recipes, `analyses.match.fingerprint`): a changed dump has another fingerprint and is matched
+and recipes, `fidelity.match.fingerprint`): a changed dump has another fingerprint and is matched
 again, a copy of a dump finds its original's result. A dump is never written.
 
 The cache directory is $FA_FORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/fa-forensics, else
@@ -34,7 +34,8 @@ ENV_DIR = "FA_FORENSICS_CACHE_DIR"
 OFF = "off"
 IN_DUMP_ATTR = "replay_match"
 _IN_DUMP_VERSION = 1
-# The recipes an in-dump match is fingerprinted over, in the order tried.
+# The recipes an in-dump match (format version 1) is fingerprinted over, in the order tried: a record of what
+# that version tried, kept as written (not the current candidate list: a dump carrying it must keep matching).
 _IN_DUMP_RECIPES = (
     ("bf16-autocast-train", "ieee"), ("bf16-autocast-train", "tensor-core"), ("bf16-autocast-stabilized", "ieee"),
     ("bf16-autocast-stabilized", "tensor-core"), ("bf16-autocast", "ieee"), ("bf16-autocast", "tensor-core"),

@@ -7,14 +7,14 @@ recipe, a preset with its own tiling under an accumulation model, and counts the
 elements it reproduces bit for bit. Bits are compared in the stored O's dtype (a replay whose O
 is wider is rounded to it, nearest-even, as a kernel's epilogue would). The search stops at the
 first candidate that reproduces every element, unless `try_all`. The candidates are those the
-layer's recorded facts admit (`analyses.candidates`), and the best is named preferring the
+layer's recorded facts admit (`fidelity.candidates`), and the best is named preferring the
 accumulation model the recorded device implies.
 
 `best_recipe` is the cached form behind `--preset auto`: the match of one whole layer-step, kept in
-the match cache beside the dump under a fingerprint of the stored arrays (`analyses.match_cache`;
+the match cache beside the dump under a fingerprint of the stored arrays (`fidelity.match_cache`;
 a changed dump recomputes; the dump is never written). `fidelity` is every analysis's
 `replay_fidelity`: the share reproduced, why it cannot be measured where it cannot, and the sign
-test of the mismatching elements (`analyses.mismatch`).
+test of the mismatching elements (`fidelity.mismatch`).
 
 Only the forward is fingerprinted: O is what the dump stores. Recipes that differ only in their
 backward (bf16-autocast and bf16-autocast-train) give the same O; the candidate order puts the
@@ -30,12 +30,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses import match_cache
-from fa_forensics.analyses.candidates import admissible, pick_best
-from fa_forensics.analyses.run_facts import UNKNOWN, RunFacts, facts_at
-from fa_forensics.analyses.selection import LayerSelection, LayerTensors, load, replay_layer
+from fa_forensics.enums import Accumulation, Precision
 from fa_forensics.errors import DumpError
-from fa_forensics.replay.config import PRESETS, Accumulation, Precision, ReplayConfig
+from fa_forensics.fidelity import match_cache
+from fa_forensics.fidelity.candidates import admissible, pick_best
+from fa_forensics.fidelity.mismatch import sign_test, tally
+from fa_forensics.fidelity.recipe import lp_config_for, preset_at
+from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts, facts_at
+from fa_forensics.layers.fanout import Workers, map_layers
+from fa_forensics.layers.selection import LayerSelection, LayerTensors, load, replay_layer
+from fa_forensics.replay.config import PRESETS, ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES, kernel_presets
 
 # Most likely first: the reference code as it trains, with and without its fix, then the
@@ -155,8 +159,6 @@ def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, 
     """match_layer for every selected layer-step (all selected heads at once), each a work item on
     `workers`. A whole layer-step (every stored head) under the default candidates is `best_recipe`'s:
     read from the match cache and kept there, so `match` and `--preset auto` share one result."""
-    from fa_forensics.analyses.fanout import Workers, map_layers
-
     cached = recipes is None and not try_all and backend == "emulate"
     parts = map_layers(_match_part, dump, selections, workers or Workers(), progress,
                        args=(None if recipes is None else list(recipes), cached, try_all, backend), whole_layers=True)
@@ -220,7 +222,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     """The match of one whole layer-step (every stored head) over the candidate recipes the dump's
     recorded facts admit (those under `accumulation` only, when given), or None when the layer stores
     no O. Read from the match cache (or the match a dump carries in its attributes) when its fingerprint
-    fits, else computed and kept in the cache (`analyses.match_cache`); the dump is never written."""
+    fits, else computed and kept in the cache (`fidelity.match_cache`); the dump is never written."""
     try:
         memo = _BEST.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
@@ -266,21 +268,18 @@ def _precision_name(facts_list: Sequence[RunFacts]) -> Optional[str]:
     return names.pop() if len(names) == 1 else ("mixed" if len(names) > 1 else None)
 
 
-def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate") -> Optional[dict]:
+def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate", *,
+             alpha: float) -> Optional[dict]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
     low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
     over the selected layer-steps and heads, and per layer-step with the preset replayed there;
-    `mismatch`: the sign test of the elements it does not reproduce (`analyses.mismatch`).
+    `mismatch`: the sign test of the elements it does not reproduce at level `alpha` (`fidelity.mismatch`).
     `preset` / `accumulation` name the replayed recipe ("per layer" where they differ between
     layer-steps), `requested` the one asked for; `unmatched` lists the layer-steps with no stored O
     to compare with, `unverifiable` those whose stored O cannot be compared (attention dropout, an
     fp32 run) with the reason; `run_precision` is the recorded precision (fp32, bf16, ...; None:
     not recorded). None when no layer stores O, unless `auto` had to fall back there or a layer is
     unverifiable (then o_bits_equal is None)."""
-    from fa_forensics.analyses.contract import ALPHA
-    from fa_forensics.analyses.mismatch import sign_test, tally
-    from fa_forensics.analyses.recipe import lp_config_for, preset_at
-
     per_layer, unmatched, unverifiable, tallies, facts_seen = [], [], [], [], []
     equal, total = 0.0, 0
     try:
@@ -325,4 +324,4 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
     return {"preset": preset, "accumulation": accumulation, "requested": recipe.preset,
             "o_bits_equal": equal / total if total else None, "per_layer": per_layer, "unmatched": unmatched,
             "unverifiable": unverifiable, "verifiable": not unverifiable,
-            "run_precision": _precision_name(facts_seen), "mismatch": sign_test(tallies, ALPHA)}
+            "run_precision": _precision_name(facts_seen), "mismatch": sign_test(tallies, alpha)}

@@ -1,16 +1,43 @@
 """The layer checks: what `selection.load` warns about on each layer-step it reads.
 
 Each check is a function `(t: LayerTensors, dump, info) -> iterable of one-line warnings`
-registered with `@layer_check`; `info` is the layer's attrs (`dump.layer_info(step, layer)`),
+registered with `@layer_check` (this module holds the registry; `selection.load` runs it through
+`with_checks`); `info` is the layer's attrs (`dump.layer_info(step, layer)`),
 `dump` is None for layers built in memory. A warning names where (`t.where`), what was found and
 what it means for the findings. Checks added here run for every analysis, and their messages reach
 each Result's `warnings`, its JSON and the CLI's stderr (one yellow line each).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Callable, Iterable
+
 import torch
 
-from fa_forensics.analyses.selection import layer_check  # noqa: F401  (the decorator checks below use)
+from fa_forensics.layers.finite import left_out_warnings
+
+LayerCheck = Callable[[object, object, object], Iterable[str]]  # (LayerTensors, dump, info) -> warnings
+LAYER_CHECKS: list[LayerCheck] = []
+
+
+def layer_check(fn: LayerCheck) -> LayerCheck:
+    """Register `fn(t, dump, info) -> iterable of one-line warnings`, run by `selection.load` on every layer-step.
+
+    `info` is `dump.layer_info(step, layer)` (the layer's attrs), `dump` may be None for layers
+    built in memory. A check names where (`t.where`) and what it means for the findings.
+    """
+    LAYER_CHECKS.append(fn)
+    return fn
+
+
+def with_checks(t, dump=None, info=None):
+    """The LayerTensors `t` with the warnings of every registered check (registration order, no repeats)."""
+    found = list(t.warnings)
+    for check in LAYER_CHECKS:
+        for message in check(t, dump, info) or ():
+            if message not in found:
+                found.append(message)
+    return replace(t, warnings=tuple(found))
 
 
 @layer_check
@@ -47,7 +74,5 @@ def attention_mask(t, dump, info):
 
 @layer_check
 def non_finite_inputs(t, dump, info):
-    """Heads that selection.select left out for NaN / Inf / overflowing inputs (analyses/finite.py)."""
-    from fa_forensics.analyses.finite import left_out_warnings
-
+    """Heads that selection.select left out for NaN / Inf / overflowing inputs (layers/finite.py)."""
     return left_out_warnings(dump) if dump is not None else ()

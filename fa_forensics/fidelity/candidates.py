@@ -1,7 +1,7 @@
 """Which recipes may have computed a dump's O, and which of the tried ones to name, from what it records.
 
 A bf16 run is never an FP8 run: `admissible` keeps the candidate recipes the recorded facts
-(`analyses.run_facts`) allow, so `match` and `--preset auto` never name a recipe on noise that the
+(`fidelity.run_facts`) allow, so `match` and `--preset auto` never name a recipe on noise that the
 run cannot have used. `implied` is the recipe the recorded settings point to, replayed where stored
 O cannot be matched (attention dropout, no stored O, an fp32 run). `pick_best` prefers the
 accumulation model the recorded device implies (tensor cores on a GPU, ieee otherwise) unless the
@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, TypeVar
 
-from fa_forensics.analyses.run_facts import RunFacts
-from fa_forensics.replay.config import Accumulation, Precision, ReplayConfig, Softmax
+from fa_forensics.fidelity.run_facts import RunFacts
+from fa_forensics.enums import Accumulation, Precision, Softmax
+from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
 
 R = TypeVar("R")
