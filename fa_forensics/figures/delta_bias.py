@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_forensics.analyses.stats import format_p
-from fa_forensics.figures.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 ALPHA = 0.01  # the level the title's "biased" claim needs (the sign test of the total)
 

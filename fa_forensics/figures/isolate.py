@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_forensics.figures.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 
 def plot_variants(result, path: Path) -> Path:

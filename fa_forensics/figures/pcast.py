@@ -15,7 +15,7 @@ from fa_forensics.analyses.pcast import PcastDumpResult
 from fa_forensics.analyses.pcast_e4m3 import DpPoint
 from fa_forensics.analyses.pcast_sim import DELTA_FIG3, PcastSimResult
 from fa_forensics.analyses.pcast_theory import LN_UNDERFLOW
-from fa_forensics.figures.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 # The five configurations of the paper's §6.2, with their look.
 CURVES = (

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_forensics.analyses.wording import finite, percent, share_with_se
-from fa_forensics.figures.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 
 def plot_pv_trace(report, path: Path) -> Path:

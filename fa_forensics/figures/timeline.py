@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_forensics.analyses.timeline import TimelineResult
-from fa_forensics.figures.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 
 def loss_curve(r: TimelineResult, path: Path) -> Path:

@@ -124,7 +124,7 @@ def test_figures_are_never_written_through_a_planted_link(tmp_path, make_dump):
     assert os.listdir(elsewhere) == []
 
     from fa_forensics.errors import LinkRefused
-    from fa_forensics.figures.style import new_figure, save_figure
+    from fa_forensics.analyses.style import new_figure, save_figure
 
     victim = _victim(tmp_path)
     (tmp_path / "f.png").symlink_to(victim)
