@@ -7,10 +7,10 @@ from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_an
 
 
 def run(args: AnalysisArgs) -> None:
-    from fa_forensics.analyses import delta_bias
+    from fa_forensics.analyses.delta_bias import compute as delta_bias
     from fa_forensics.analyses.fanout import n_items
-    from fa_forensics.figures.delta_bias import draw
-    from fa_forensics.tables.delta_bias import tables
+    from fa_forensics.analyses.delta_bias.figure import draw
+    from fa_forensics.analyses.delta_bias.table import tables
 
     dump, sels = args.open()
     with progress_bar("delta-bias", n_items(sels)) as advance:

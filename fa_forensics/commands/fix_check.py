@@ -15,9 +15,9 @@ OffsetOpt = Annotated[float, typer.Option("--offset", help="Offset of App. C's f
 
 
 def run(args: AnalysisArgs, beta: float, eps: float, offset: float) -> int:
-    from fa_forensics.analyses import fix_check
-    from fa_forensics.figures.fix_check import draw
-    from fa_forensics.tables.fix_check import tables
+    from fa_forensics.analyses.fix_check import compute as fix_check
+    from fa_forensics.analyses.fix_check.figure import draw
+    from fa_forensics.analyses.fix_check.table import tables
 
     if not beta > 1:
         raise UserError(f"--beta {beta} must be > 1 (the paper uses 2 to 8)")

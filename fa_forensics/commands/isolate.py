@@ -7,10 +7,10 @@ from fa_forensics.commands.common import AnalysisArgs, progress_bar, register_an
 
 
 def run(args: AnalysisArgs) -> None:
-    from fa_forensics.analyses import isolate
+    from fa_forensics.analyses.isolate import compute as isolate
     from fa_forensics.analyses.fanout import n_items
-    from fa_forensics.figures.isolate import draw
-    from fa_forensics.tables.isolate import tables
+    from fa_forensics.analyses.isolate.figure import draw
+    from fa_forensics.analyses.isolate.table import tables
 
     dump, sels = args.open()
     with progress_bar("isolate", n_items(sels)) as advance:

@@ -12,9 +12,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from fa_forensics.analyses import pcast as pc
-from fa_forensics.analyses import pcast_sim as sim
-from fa_forensics.analyses.pcast_e4m3 import dp_sawtooth
+from fa_forensics.analyses.pcast import compute as pc
+from fa_forensics.analyses.pcast import sim as sim
+from fa_forensics.analyses.pcast.e4m3 import dp_sawtooth
 from fa_forensics.replay.config import KVOrder
 from fa_forensics.commands.common import (
     DebugOpt,
@@ -89,8 +89,8 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         def body() -> None:
-            from fa_forensics.figures import pcast as figs
-            from fa_forensics.tables.pcast import sim_tables, tables
+            from fa_forensics.analyses.pcast import figure as figs
+            from fa_forensics.analyses.pcast.table import sim_tables, tables
 
             S_list = _numbers(scales, "--scales")
             orders = _orders(order)

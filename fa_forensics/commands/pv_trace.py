@@ -13,9 +13,9 @@ FeatureOpt = Annotated[Optional[int], typer.Option("--feature", help="Feature i 
 
 
 def run(args: AnalysisArgs, row: Optional[int], feature: Optional[int]) -> None:
-    from fa_forensics.analyses import pv_trace
-    from fa_forensics.figures.pv_trace import draw
-    from fa_forensics.tables.pv_trace import tables
+    from fa_forensics.analyses.pv_trace import compute as pv_trace
+    from fa_forensics.analyses.pv_trace.figure import draw
+    from fa_forensics.analyses.pv_trace.table import tables
 
     dump, sels = args.open()
     try:

@@ -11,9 +11,9 @@ TokensOpt = Annotated[int, typer.Option("--tokens", min=1, help="Tokens per step
 
 
 def run(args: AnalysisArgs, tokens: int) -> None:
-    from fa_forensics.analyses import rank1_sim
-    from fa_forensics.figures.rank1_sim import draw
-    from fa_forensics.tables.rank1_sim import tables
+    from fa_forensics.analyses.rank1_sim import compute as rank1_sim
+    from fa_forensics.analyses.rank1_sim.figure import draw
+    from fa_forensics.analyses.rank1_sim.table import tables
 
     from fa_forensics.analyses.fanout import n_items
 

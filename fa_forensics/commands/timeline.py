@@ -31,7 +31,7 @@ def timeline(dump: DumpArg, out: OutOpt = None, json_path: JsonOpt = None, alarm
     and the capture's alarm rule replayed over them."""
 
     def body() -> None:
-        from fa_forensics.analyses.timeline import (alarm_json, analyse_timeline, replay_alarm, timeline_json,
+        from fa_forensics.analyses.timeline.compute import (alarm_json, analyse_timeline, replay_alarm, timeline_json,
                                                     timeline_verdict)
         from fa_forensics.commands.capture import worded_settings
         from fa_forensics.dump import open_dump
@@ -71,7 +71,7 @@ def timeline(dump: DumpArg, out: OutOpt = None, json_path: JsonOpt = None, alarm
             console.print(f"the capture's alarm fired at steps {list(result.alarm_steps)}")
         out_dir = ensure_out_dir(out)
         if out_dir is not None:
-            from fa_forensics.figures.timeline import all_timeline_figures
+            from fa_forensics.analyses.timeline.figure import all_timeline_figures
 
             for path in all_timeline_figures(result, out_dir):
                 console.print(f"wrote {path}")

@@ -25,33 +25,33 @@ from typing import Any, Callable, Optional
 
 from rich.console import Console
 
-from fa_forensics.analyses import bitdiff as a_bitdiff
-from fa_forensics.analyses import delta_bias as a_delta_bias
-from fa_forensics.analyses import fix_check as a_fix_check
-from fa_forensics.analyses import isolate as a_isolate
-from fa_forensics.analyses import pcast as a_pcast
-from fa_forensics.analyses import pv_trace as a_pv_trace
-from fa_forensics.analyses import rank1_sim as a_rank1_sim
+from fa_forensics.analyses.bitdiff import compute as a_bitdiff
+from fa_forensics.analyses.delta_bias import compute as a_delta_bias
+from fa_forensics.analyses.fix_check import compute as a_fix_check
+from fa_forensics.analyses.isolate import compute as a_isolate
+from fa_forensics.analyses.pcast import compute as a_pcast
+from fa_forensics.analyses.pv_trace import compute as a_pv_trace
+from fa_forensics.analyses.rank1_sim import compute as a_rank1_sim
 from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.analyses.fanout import Workers, connected
 from fa_forensics.analyses.recipe import Backend, Recipe
 from fa_forensics.analyses.selection import select
 from fa_forensics.dump.safe_files import atomic_write, is_no_space
 from fa_forensics.errors import UserError
-from fa_forensics.figures import bitdiff as f_bitdiff
-from fa_forensics.figures import delta_bias as f_delta_bias
-from fa_forensics.figures import fix_check as f_fix_check
-from fa_forensics.figures import isolate as f_isolate
-from fa_forensics.figures import pcast as f_pcast
-from fa_forensics.figures import pv_trace as f_pv_trace
-from fa_forensics.figures import rank1_sim as f_rank1_sim
-from fa_forensics.tables import bitdiff as t_bitdiff
-from fa_forensics.tables import delta_bias as t_delta_bias
-from fa_forensics.tables import fix_check as t_fix_check
-from fa_forensics.tables import isolate as t_isolate
-from fa_forensics.tables import pcast as t_pcast
-from fa_forensics.tables import pv_trace as t_pv_trace
-from fa_forensics.tables import rank1_sim as t_rank1_sim
+from fa_forensics.analyses.bitdiff import figure as f_bitdiff
+from fa_forensics.analyses.delta_bias import figure as f_delta_bias
+from fa_forensics.analyses.fix_check import figure as f_fix_check
+from fa_forensics.analyses.isolate import figure as f_isolate
+from fa_forensics.analyses.pcast import figure as f_pcast
+from fa_forensics.analyses.pv_trace import figure as f_pv_trace
+from fa_forensics.analyses.rank1_sim import figure as f_rank1_sim
+from fa_forensics.analyses.bitdiff import table as t_bitdiff
+from fa_forensics.analyses.delta_bias import table as t_delta_bias
+from fa_forensics.analyses.fix_check import table as t_fix_check
+from fa_forensics.analyses.isolate import table as t_isolate
+from fa_forensics.analyses.pcast import table as t_pcast
+from fa_forensics.analyses.pv_trace import table as t_pv_trace
+from fa_forensics.analyses.rank1_sim import table as t_rank1_sim
 
 REPORT_TEXT_WIDTH = 160  # columns of the tables embedded in the page
 

@@ -285,7 +285,7 @@ def test_export_on_a_full_disk_is_worded_and_leaves_nothing(tmp_path, make_dump,
 
 
 def test_report_on_a_full_disk_is_worded_and_leaves_no_empty_folders(tmp_path, make_dump, monkeypatch):
-    import fa_forensics.figures.isolate as figures
+    import fa_forensics.analyses.isolate.figure as figures
 
     dump = make_dump(steps=(0,))
     monkeypatch.setattr(figures, "draw", _no_space)

@@ -5,7 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fa_forensics.analyses import delta_bias, selection
+from fa_forensics.analyses import selection
+from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.analyses.recipe import Backend, Recipe, lp_config_for
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump

@@ -10,7 +10,7 @@ import zarr
 from typer.testing import CliRunner
 
 import fa_forensics.analyses.match as match_mod
-from fa_forensics.analyses import delta_bias
+from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.analyses.match import CACHE_ATTR, best_recipe
 from fa_forensics.analyses.recipe import Choice, Recipe, lp_config_for, resolve
 from fa_forensics.analyses.selection import select

@@ -1,8 +1,8 @@
 """The kernel-faithful P-cast simulation (paper 002 §6): Table 1, Fig. 2, Fig. 3 and their tests.
 
 Synthetic scores (N(0, 1), the first k keys raised by Δ) and V are replayed by the engine's fp8
-recipe (`pcast_kernel`) at every (Δ, S, KV order, N); the measured zeroed fraction is set against
-the closed forms (`pcast_theory`), the output MSE against an fp64 softmax, and configurations are
+recipe (`pcast.kernel`) at every (Δ, S, KV order, N); the measured zeroed fraction is set against
+the closed forms (`pcast.theory`), the output MSE against an fp64 softmax, and configurations are
 compared pairwise (the S=1 / S=256 ratio, the forward/reverse paired t-test).
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from fa_forensics.analyses.pcast_e4m3 import DpPoint, default_dp_scales, dp_curve
-from fa_forensics.analyses.pcast_kernel import kv_order, pcast_attention, pcast_config, reference_attention
-from fa_forensics.analyses.pcast_theory import (
+from fa_forensics.analyses.pcast.e4m3 import DpPoint, default_dp_scales, dp_curve
+from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_config, reference_attention
+from fa_forensics.analyses.pcast.theory import (
     LN_UNDERFLOW, closed_form_fraction, closed_form_reverse, closed_form_spread, expected_max_normal, std_max_normal,
 )
 from fa_forensics.analyses.contract import to_jsonable

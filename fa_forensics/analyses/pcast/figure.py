@@ -1,6 +1,6 @@
 """Figures of the FP8 P-cast study (paper 002, Figs. 1-3) and the per-head dump view.
 
-Each function takes a result of fa_forensics.analyses.pcast and writes one PNG.
+Each function takes a result of fa_forensics.analyses.pcast.compute and writes one PNG.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-from fa_forensics.analyses.pcast import PcastDumpResult
-from fa_forensics.analyses.pcast_e4m3 import DpPoint
-from fa_forensics.analyses.pcast_sim import DELTA_FIG3, PcastSimResult
-from fa_forensics.analyses.pcast_theory import LN_UNDERFLOW
+from fa_forensics.analyses.pcast.compute import PcastDumpResult
+from fa_forensics.analyses.pcast.e4m3 import DpPoint
+from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
+from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW
 from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 # The five configurations of the paper's §6.2, with their look.

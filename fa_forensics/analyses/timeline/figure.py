@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_forensics.analyses.timeline import TimelineResult
+from fa_forensics.analyses.timeline.compute import TimelineResult
 from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.bitdiff import BitdiffResult
+from fa_forensics.analyses.bitdiff.compute import BitdiffResult
 
 
 def tables(r: BitdiffResult) -> list[Table]:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.delta_bias import delta_error
+from fa_forensics.analyses.delta_bias.compute import delta_error
 from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
 from fa_forensics.analyses.recipe import Backend, Recipe, resolve
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_f64, as_seen_by, lp_hp_pair, lp_of

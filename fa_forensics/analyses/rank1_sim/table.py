@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.rank1_sim import Rank1Result, _fmt
+from fa_forensics.analyses.rank1_sim.compute import Rank1Result, _fmt
 
 
 def tables(r: Rank1Result) -> list[Table]:

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fa_forensics.analyses.bitdiff import BiasCell, LayerStepDiff, compare_layer_step, summarize
+from fa_forensics.analyses.bitdiff.compute import BiasCell, LayerStepDiff, compare_layer_step, summarize
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.fanout import Workers, map_layers
 from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve

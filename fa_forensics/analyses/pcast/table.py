@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.pcast import PcastDumpResult
-from fa_forensics.analyses.pcast_sim import DELTA_FIG3, PcastSimResult
+from fa_forensics.analyses.pcast.compute import PcastDumpResult
+from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
 from fa_forensics.analyses.stats import format_p
 
 

@@ -12,7 +12,7 @@ from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 def plot_bitdiff(result, out: Path) -> list[Path]:
     """ULP histogram and bias map (mean signed error per (layer, head) × feature, significant cells outlined)."""
-    from fa_forensics.analyses.bitdiff import bias_map
+    from fa_forensics.analyses.bitdiff.compute import bias_map
 
     out = Path(out)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{result.a}_vs_{result.b}").strip("_")  # "auto (bf16)" -> "auto_bf16"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.isolate import IsolateResult
+from fa_forensics.analyses.isolate.compute import IsolateResult
 from fa_forensics.analyses.stats import format_p, format_pm
 
 

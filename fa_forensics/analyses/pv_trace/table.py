@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.pv_trace import PVTraceReport
+from fa_forensics.analyses.pv_trace.compute import PVTraceReport
 from fa_forensics.analyses.wording import share_with_se
 
 

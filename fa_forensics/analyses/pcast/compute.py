@@ -5,9 +5,9 @@ casts them to E4M3 (anything below 2^-10 becomes 0) and accumulates O from the c
 ℓ comes from the pre-cast P̄ (Algorithm 1). A strong attention sink raises the running maximum m,
 so under forward KV order most non-sink P̄ fall below 2^-10/S and are silently zeroed
 ("P-collapse"). Each captured head's real scores are replayed by the engine's fp8 recipe at every
-(S, KV order) (`pcast_kernel`); its sink strength, zeroed share and output MSE give a
-recommendation of S and order. The synthetic study is `pcast_sim`; dp(S) is `pcast_e4m3`; the
-closed forms are `pcast_theory`.
+(S, KV order) (`pcast.kernel`); its sink strength, zeroed share and output MSE give a
+recommendation of S and order. The synthetic study is `pcast.sim`; dp(S) is `pcast.e4m3`; the
+closed forms are `pcast.theory`.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Optional, Sequence
 import torch
 from scipy import stats
 
-from fa_forensics.analyses.pcast_e4m3 import DpPoint, default_dp_scales, dp_curve
-from fa_forensics.analyses.pcast_kernel import kv_order, pcast_attention, pcast_config, reference_attention
-from fa_forensics.analyses.pcast_theory import LN_UNDERFLOW, expected_max_normal
+from fa_forensics.analyses.pcast.e4m3 import DpPoint, default_dp_scales, dp_curve
+from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_config, reference_attention
+from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW, expected_max_normal
 from fa_forensics.analyses.selection import load
 from fa_forensics.analyses.stats import mean_se
 from fa_forensics.errors import InvalidSetting

@@ -5,7 +5,7 @@ import math
 
 from rich.table import Table
 
-from fa_forensics.analyses.fix_check import FixCheckResult, collapse_text
+from fa_forensics.analyses.fix_check.compute import FixCheckResult, collapse_text
 
 
 def _fmt(v, se=None, p=None) -> str:

@@ -46,8 +46,9 @@ import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.fanout import Workers, map_layers
-from fa_forensics.analyses.fix_check import scores_fp32
-from fa_forensics.analyses.p_one import P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares, counterfactual, nudge, split_rows
+from fa_forensics.analyses.fix_check.compute import scores_fp32
+from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
+                                                   counterfactual, nudge, split_rows)
 from fa_forensics.analyses.recipe import Backend, Recipe, preset_at, resolve
 from fa_forensics.analyses.selection import LayerSelection, LayerTensors, as_seen_by, load, lp_hp_pair, lp_of, mask_of
 from fa_forensics.analyses.stats import mean_se, sign_test

@@ -5,7 +5,7 @@ import math
 
 from rich.table import Table
 
-from fa_forensics.analyses.delta_bias import DeltaBiasResult
+from fa_forensics.analyses.delta_bias.compute import DeltaBiasResult
 from fa_forensics.analyses.stats import format_p, format_pm
 
 

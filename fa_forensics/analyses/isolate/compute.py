@@ -39,9 +39,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.analyses.delta_bias import delta_error, delta_of
+from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of
 from fa_forensics.analyses.fanout import Workers, layer_parts, map_layers
-from fa_forensics.analyses.rank1_sim import pk_rows
+from fa_forensics.analyses.rank1_sim.compute import pk_rows
 from fa_forensics.analyses.recipe import FALLBACK_PRESET, Backend, Recipe, hp_config, preset_at, resolve
 from fa_forensics.analyses.selection import (
     LayerSelection, LayerTensors, as_seen_by, input_cast_error, lp_of, replay_layer,
