@@ -11,18 +11,16 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.analyses.wording import percent
 from fa_forensics.report.verdict import report_verdict
 
-TITLES = {
-    "isolate": "isolate: which precision choice causes the error (paper §3.2)",
-    "delta-bias": "delta-bias: is Σ(δ_lp − δ_hp) biased, and through which features (§3.3.1-3.3.2, Fig. 5)",
-    "rank1-sim": "rank1-sim: structurally similar rank-1 error terms (§3.3.1, Fig. 4)",
-    "pv-trace": "pv-trace: the error of one P̄V dot product, term by term (§3.3.2, Fig. 6)",
-    "bitdiff": "bitdiff: O replayed in low precision vs fp32, bit by bit (the bias map)",
-    "fix-check": "fix-check: does the stabilized softmax remove the bias (§4, App. C)",
-    "pcast": "pcast: FP8 P-cast collapse per head (the P-Cast paper)",
-}
+
+
+def _title(name: str) -> str:
+    """The registered title of an analysis's section (its name when it has none)."""
+    analysis = BY_NAME.get(name)
+    return analysis.section.title if analysis is not None and analysis.section is not None else name
 
 
 def _num(x, fmt: str = "+.3e") -> str:
@@ -128,7 +126,7 @@ def render(dump: str, sections, *, info: Optional[dict] = None, seconds: float =
     parts.append(f"<p class='meta'>{len(sections)} analyses in {seconds:.0f} s. Each section's figures and JSON are in "
                  "the folder of the same name beside this page.</p>")
     for s in sections:
-        parts.append(f"<h2 id='{e(s.name)}'>{e(TITLES.get(s.name, s.name))}</h2>")
+        parts.append(f"<h2 id='{e(s.name)}'>{e(_title(s.name))}</h2>")
         parts.append(f"<p class='meta'>command: <code>fa-forensics {e(' '.join(s.args))}</code> · exit code {s.exit_code} · {s.seconds:.1f} s</p>")
         if s.data is None:
             parts.append(f"<p class='note'>{e(s.note or 'no result')}</p>")
