@@ -114,6 +114,10 @@ class Analysis:
     def draw(self, result: Any, out: Path) -> list:
         return self.module("figure").draw(result, out)
 
+    def finding(self, payload: dict) -> Optional[str]:
+        """The report's one sentence of this analysis, from its --json payload."""
+        return self.module("table").finding(payload)
+
     def defaults(self) -> dict:
         """The compute's keywords of the analysis's own options, at their defaults (what the report runs)."""
         return {o.compute_keyword: o.default for o in self.options if not o.shared and not o.argument}

@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.bitdiff.compute import BitdiffResult
+from fa_forensics.analyses.wording import number, percent
 
 
 def tables(r: BitdiffResult) -> list[Table]:
@@ -34,3 +35,14 @@ def tables(r: BitdiffResult) -> list[Table]:
         out.append(f"input-cast (not a kernel error): rounding the stored inputs to the recipe's format alone changes "
                    f"{ic['mismatch_rate']:.1%} of the fp32 O elements and biases {ic['n_biased_features']} feature(s)")
     return out
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    feats = d.get("biased_features") or []
+    top = feats[0] if feats else None
+    tail = (f"; most biased: layer {top.get('layer')} head {top.get('head')} feature {top.get('feature')} "
+            f"({number(top.get('mean'))} ± {number(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
+    return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
+            f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; "
+            f"{len(feats)} feature(s) significantly biased{tail}.")

@@ -29,3 +29,14 @@ def tables(r: DeltaBiasResult) -> list[Table]:
         share = f"{f.share:.0%}" if math.isfinite(f.share) else "—"
         ft.add_row(str(f.feature), f"{f.contribution:+.3e}", share, f"{f.sign_agreement:.2f}")
     return [table, ft]
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    rows = d.get("per_step") or []
+    sig = [r for r in rows if isinstance(r, dict) and (r.get("p_value") or 1) < 0.01]
+    pos = [r for r in sig if (r.get("delta_err_sum") or 0) > 0]
+    feats = [str(f.get("feature")) for f in (d.get("top_features") or [])[:3] if isinstance(f, dict)]
+    return (f"delta-bias: {len(sig)} of {len(rows)} (step, layer, head) items have a significant Σ(δ_lp − δ_hp) "
+            f"(sign test p < 0.01), {len(pos)} of them positive; top features by dO·(O_lp − O_hp): "
+            f"{', '.join(feats) or 'n/a'}.")

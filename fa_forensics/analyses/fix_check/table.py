@@ -50,3 +50,8 @@ def collapse_lines(r: FixCheckResult) -> list[str]:
     if not c.get("rows") or not c.get("applies"):
         return []  # without the preset's own floor it is a warning (the reference code would collapse there)
     return [f"[bold red]the fix collapses O[/] in {collapse_text(c)}"]
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    return f"fix-check: {d.get('verdict', 'n/a')}"

@@ -5,6 +5,7 @@ from rich.table import Table
 
 from fa_forensics.analyses.isolate.compute import IsolateResult
 from fa_forensics.analyses.stats import format_p, format_pm
+from fa_forensics.analyses.wording import number
 
 
 def tables(r: IsolateResult) -> list[Table]:
@@ -27,3 +28,13 @@ def tables(r: IsolateResult) -> list[Table]:
     for h in r.heads[:10]:
         ht.add_row(str(h.step), str(h.layer), str(h.head), format_pm(h.delta_err_sum, h.delta_err_se), format_p(h.t_p_value), format_p(h.p_value))
     return [table, ht]
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    culprits = d.get("culprits") or []
+    heads = d.get("heads") or []
+    top = heads[0] if heads else None
+    where = (f"; the largest Σδ error is at step {top.get('step')}, layer {top.get('layer')}, "
+             f"head {top.get('head')} ({number(top.get('delta_err_sum'))})") if isinstance(top, dict) else ""
+    return (f"isolate: repairs that remove ≥ 90% of the δ error: {', '.join(map(str, culprits)) or 'none'}{where}.")

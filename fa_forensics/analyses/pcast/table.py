@@ -83,3 +83,9 @@ def sim_tables(res: PcastSimResult) -> list:
     for note in res.notes:
         out.append(f"[dim]note: {note}[/]")
     return out
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    heads = d.get("heads") or []
+    return f"pcast: {len(heads)} head(s) analysed for FP8 P-cast collapse." if heads else "pcast: ran."

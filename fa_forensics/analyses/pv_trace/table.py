@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.pv_trace.compute import PVTraceReport
-from fa_forensics.analyses.wording import share_with_se
+from fa_forensics.analyses.wording import number, percent, share_with_se
 
 
 def tables(r: PVTraceReport) -> list:
@@ -54,3 +54,18 @@ def tables(r: PVTraceReport) -> list:
         out.append(f"  rounded {ex.rounded_bits}  ({float(ex.rounded)!r}) to {tr.pv_format}: guard {ex.guard} round {ex.round} "
                    f"sticky {ex.sticky} → rounded {ex.direction}, error {float(ex.error):+.6g}")
     return out
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    where = (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, "
+             f"row {d.get('row')}, feature {d.get('feature')}")
+    n_ones = len(d.get("p_one_positions") or [])
+    share = percent(d.get("frac_error_from_p_one"), missing="")
+    if d.get("final_error") == 0:
+        return f"{where} the P̄V dot product has no error (low precision and fp32 agree)."
+    if not share:
+        return (f"{where} the P̄V error is {number(d.get('final_error'))}; no share of it could be attributed "
+                "to P̄ = 1 terms.")
+    return (f"{where} the P̄V error is {number(d.get('final_error'))}; {share} of it entered at the {n_ones} terms "
+            "where P̄ = 1.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.rank1_sim.compute import Rank1Result, _fmt
+from fa_forensics.analyses.wording import number
 
 
 def tables(r: Rank1Result) -> list[Table]:
@@ -27,3 +28,12 @@ def tables(r: Rank1Result) -> list[Table]:
         table.add_row("accumulation exponent (1 compounds, 0.5 washes out)",
                       _fmt(r.accumulation_exponent, steps_short) if has_error else no_error)
     return [table]
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    cols = [str(c.get("feature")) for c in (d.get("top_columns") or [])[:3] if isinstance(c, dict)]
+    return (f"rank1-sim: mean off-diagonal cosine {number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank "
+            f"{number(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
+            f"accumulation exponent {number(d.get('accumulation_exponent'), '.2f')} "
+            "(≈ 1 compounds, ≈ 0.5 washes out).")
