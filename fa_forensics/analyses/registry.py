@@ -275,7 +275,7 @@ PCAST = Analysis(
     json_keys=("mode", "dump", "n_sinks", "block", "delta_k", "scales", "orders", "heads", "dp", "warnings",
                "replay_fidelity", "verdict", "figures"),
     other_json_keys={"simulation": ("mode", "config", "delta_k", "sigma_k", "n_main", "rows", "dp", "ratio",
-                                    "ratio_448", "ttest", "notes", "warnings", "figures")},
+                                    "ratio_448", "ttest", "notes", "figures", "warnings")},
     section=Section("pcast: FP8 P-cast collapse per head (the P-Cast paper)", recipe_flags=(), whole_dump=True),
 )
 

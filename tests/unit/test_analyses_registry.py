@@ -58,3 +58,20 @@ def test_registered_json_keys_are_the_payload_keys_of_a_real_run(planted_dump):
     delta_bias = BY_NAME["delta-bias"]
     result = delta_bias.compute(dump, select(dump, 1, 0, 1), Recipe("bf16"), Backend.EMULATE, **delta_bias.defaults())
     assert [*delta_bias.payload(result), "figures"] == list(delta_bias.json_keys)
+
+
+def test_registered_json_keys_of_the_other_modes_are_what_they_write(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    add = tmp_path / "add.json"
+    r = runner.invoke(app, ["bitdiff", "--add", "-2.4071154594421387", "-2.296875", "--json", str(add)])
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(add.read_text())) == list(BY_NAME["bitdiff"].other_json_keys["add"])
+    sim = tmp_path / "sim.json"
+    r = runner.invoke(app, ["pcast", "--seq", "256", "--sink-strength", "7", "--seeds", "2", "--queries", "2",
+                            "--head-dim", "16", "--json", str(sim)])
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(sim.read_text())) == list(BY_NAME["pcast"].other_json_keys["simulation"])
