@@ -48,7 +48,12 @@ def _time(fn) -> tuple[float, float]:
 
 
 def main() -> None:
-    from fa_forensics.analyses import bitdiff, delta_bias, fix_check, isolate, pv_trace, rank1_sim
+    from fa_forensics.analyses.bitdiff import compute as bitdiff
+    from fa_forensics.analyses.delta_bias import compute as delta_bias
+    from fa_forensics.analyses.fix_check import compute as fix_check
+    from fa_forensics.analyses.isolate import compute as isolate
+    from fa_forensics.analyses.pv_trace import compute as pv_trace
+    from fa_forensics.analyses.rank1_sim import compute as rank1_sim
     from fa_forensics.enums import Backend
     from fa_forensics.fidelity.recipe import Recipe
     from fa_forensics.layers.selection import load, replay_layer, select

@@ -1,7 +1,8 @@
 """The `fa-forensics` command line: assembles one command module per concern.
 
 No analysis logic lives here: each module in fa_forensics/commands/ registers its command(s)
-on the app, parses options, calls one library function and renders the result.
+on the app, parses options, calls one library function and renders the result; the analysis
+commands are generated from the registry of analyses (commands/analysis.py).
 """
 from __future__ import annotations
 
@@ -9,23 +10,7 @@ import typer
 
 from fa_forensics import __version__
 from fa_forensics.commands.common import OneLineErrorsGroup
-from fa_forensics.commands import (
-    bitdiff,
-    capture,
-    delta_bias,
-    dump_io,
-    fix_check,
-    info,
-    isolate,
-    match,
-    pcast,
-    pv_trace,
-    rank1_sim,
-    report,
-    synth,
-    timeline,
-    verify,
-)
+from fa_forensics.commands import analysis, capture, dump_io, info, match, report, synth, verify
 
 app = typer.Typer(
     name="fa-forensics",
@@ -38,8 +23,8 @@ app = typer.Typer(
     cls=OneLineErrorsGroup,
 )
 
-# Order here is the order in --help.
-for _module in (capture, info, verify, synth, dump_io, match, isolate, delta_bias, rank1_sim, pv_trace, bitdiff, fix_check, pcast, timeline, report):
+# Order here is the order in --help; `analysis` adds every registered analysis (fa_forensics.analyses.registry).
+for _module in (capture, info, verify, synth, dump_io, match, analysis, report):
     _module.register(app)
 
 

@@ -1,4 +1,5 @@
-"""`fa-forensics bitdiff`: explain one addition bit by bit (--add), or compare two O tensors bit by bit.
+"""The body of `fa-forensics bitdiff` (its options are registered in fa_forensics.analyses.registry): explain
+one addition bit by bit (--add), or compare two O tensors bit by bit.
 
 The --add mode is self-contained (fa_forensics.numerics.explain_add). The tensor mode (a DUMP
 and no --add) lives in fa_forensics/commands/bitdiff_tensor.py.
@@ -7,31 +8,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Optional, Tuple
+from typing import Optional, Tuple
 
-import typer
 from rich.panel import Panel
 from rich.table import Table
 
-from fa_forensics.commands.common import (
-    AccumulationOpt,
-    BackendOpt,
-    DebugOpt,
-    HeadOpt,
-    JsonOpt,
-    LayerOpt,
-    OutOpt,
-    SchedulerOpt,
-    StepOpt,
-    WorkersOpt,
-    console,
-    run_cli,
-    write_json,
-)
+from fa_forensics.analyses.registry import INTO_CHOICES
+from fa_forensics.commands.common import console, run_cli, write_json
 from fa_forensics.errors import UserError
 
-HELP = "Explain one addition bit by bit (--add A B), or compare two O tensors of a dump bit by bit."
-INTO_CHOICES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32")
 
 
 def parse_operand(text: str, name: str) -> float:
@@ -95,40 +80,27 @@ def render_add(ex) -> Panel:
     return Panel(t, title=f"{ex.a!r} + {ex.b!r} in {acc.name}, stored as {into.name}", expand=False)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("bitdiff", help=HELP)
-    def bitdiff(
-        dump: Annotated[Optional[Path], typer.Argument(help="Dump store (tensor mode); not needed with --add.", show_default=False)] = None,
-        add: Annotated[Optional[Tuple[str, str]], typer.Option("--add", help="Explain A + B: decimal, 32-char fp32 bits, or 0x hex.", metavar="A B")] = None,
-        into: Annotated[str, typer.Option("--into", help="Format the sum is stored into: " + " | ".join(INTO_CHOICES) + ".")] = "bf16",
-        acc: Annotated[str, typer.Option("--acc", help="Accumulator format the addition happens in.")] = "fp32",
-        a: Annotated[str, typer.Option("--a", help="Tensor mode: replay preset of the first O (auto: the recipe that reproduces the stored O best).", metavar="PRESET")] = "auto",
-        b: Annotated[str, typer.Option("--b", help="Tensor mode: replay preset of the second O.", metavar="PRESET")] = "fp32",
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        accumulation: AccumulationOpt = "auto",
-        backend: BackendOpt = "emulate",
-        workers: WorkersOpt = 1,
-        scheduler: SchedulerOpt = None,
-        out: OutOpt = None,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
-        def body() -> None:
-            if add is not None and dump is not None:
-                raise UserError(f"bitdiff takes either a DUMP (tensor mode) or --add A B, not both; drop {dump} or --add")
-            if add is not None:
-                run_add(add[0], add[1], into, acc, json_path)
-                return
-            if dump is None:
-                raise UserError("bitdiff needs a DUMP (tensor mode) or --add A B (explain one addition); see fa-forensics bitdiff --help")
-            from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
+def run(dump: Optional[Path], add: Optional[Tuple[str, str]], into: str, acc: str, a: str, b: str, step, layer, head,
+        accumulation: str, backend: str, workers: int, scheduler: Optional[str], out: Optional[Path],
+        json_path: Optional[Path], debug: bool) -> None:
+    """The `bitdiff` command (options: the registry's): --add mode, or tensor mode with a DUMP."""
 
-            run_tensor_mode(dump=dump, a=a, b=b, step=step, layer=layer, head=head, accumulation=accumulation,
-                            backend=backend, out=out, json_path=json_path, debug=debug, workers=workers, scheduler=scheduler)
+    def body() -> None:
+        if add is not None and dump is not None:
+            raise UserError(f"bitdiff takes either a DUMP (tensor mode) or --add A B, not both; drop {dump} or --add")
+        if add is not None:
+            run_add(add[0], add[1], into, acc, json_path)
+            return
+        if dump is None:
+            raise UserError("bitdiff needs a DUMP (tensor mode) or --add A B (explain one addition); "
+                            "see fa-forensics bitdiff --help")
+        from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
 
-        run_cli(debug, body)
+        run_tensor_mode(dump=dump, a=a, b=b, step=step, layer=layer, head=head, accumulation=accumulation,
+                        backend=backend, out=out, json_path=json_path, debug=debug, workers=workers,
+                        scheduler=scheduler)
+
+    run_cli(debug, body)
 
 
 def run_add(text_a: str, text_b: str, into: str, acc: str, json_path: Optional[Path]) -> None:

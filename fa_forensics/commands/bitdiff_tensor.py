@@ -26,10 +26,10 @@ def side(name: str, accumulation: Accumulation):
 
 
 def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler):
-    from fa_forensics.analyses import bitdiff
+    from fa_forensics.analyses.bitdiff import compute as bitdiff
     from fa_forensics.layers.fanout import n_items
-    from fa_forensics.figures.bitdiff import draw
-    from fa_forensics.tables.bitdiff import tables
+    from fa_forensics.analyses.bitdiff.figure import draw
+    from fa_forensics.analyses.bitdiff.table import tables
 
     if not a or not b:
         raise UserError("bitdiff tensor mode needs both --a and --b (each 'dump' or a preset such as bf16, fp32, stabilized)")

@@ -1,8 +1,8 @@
-"""Assemble the report's index.html: the verdict (report/verdict.py), a paragraph of findings, then one section per analysis
-(its verdict, key numbers, figures beside the page and the command's own printed tables).
+"""Assemble the report's index.html: the verdict (report/verdict.py), a paragraph of findings, then one section
+per analysis (its verdict, key numbers, figures beside the page and the command's own printed tables).
 
-`findings` turns each command's documented JSON keys into one sentence; it reads keys defensively
-(a command whose JSON lacks a key gives a shorter sentence, never an exception).
+`findings` gathers each analysis's one sentence (`finding` in its room's table.py), made from its documented
+JSON keys read defensively (a command whose JSON lacks a key gives a shorter sentence, never an exception).
 """
 from __future__ import annotations
 
@@ -11,18 +11,14 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from fa_forensics.analyses.wording import percent
+from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.report.verdict import report_verdict
 
-TITLES = {
-    "isolate": "isolate: which precision choice causes the error (paper §3.2)",
-    "delta-bias": "delta-bias: is Σ(δ_lp − δ_hp) biased, and through which features (§3.3.1-3.3.2, Fig. 5)",
-    "rank1-sim": "rank1-sim: structurally similar rank-1 error terms (§3.3.1, Fig. 4)",
-    "pv-trace": "pv-trace: the error of one P̄V dot product, term by term (§3.3.2, Fig. 6)",
-    "bitdiff": "bitdiff: O replayed in low precision vs fp32, bit by bit (the bias map)",
-    "fix-check": "fix-check: does the stabilized softmax remove the bias (§4, App. C)",
-    "pcast": "pcast: FP8 P-cast collapse per head (the P-Cast paper)",
-}
+
+def _title(name: str) -> str:
+    """The registered title of an analysis's section (its name when it has none)."""
+    analysis = BY_NAME.get(name)
+    return analysis.section.title if analysis is not None and analysis.section is not None else name
 
 
 def _num(x, fmt: str = "+.3e") -> str:
@@ -32,51 +28,9 @@ def _num(x, fmt: str = "+.3e") -> str:
 
 
 def _finding(name: str, d: dict) -> Optional[str]:
-    """One sentence per analysis from its JSON payload."""
-    if name == "isolate":
-        culprits = d.get("culprits") or []
-        heads = d.get("heads") or []
-        top = heads[0] if heads else None
-        where = (f"; the largest Σδ error is at step {top.get('step')}, layer {top.get('layer')}, head {top.get('head')} "
-                 f"({_num(top.get('delta_err_sum'))})") if isinstance(top, dict) else ""
-        return (f"isolate: repairs that remove ≥ 90% of the δ error: {', '.join(map(str, culprits)) or 'none'}{where}.")
-    if name == "delta-bias":
-        rows = d.get("per_step") or []
-        sig = [r for r in rows if isinstance(r, dict) and (r.get("p_value") or 1) < 0.01]
-        pos = [r for r in sig if (r.get("delta_err_sum") or 0) > 0]
-        feats = [str(f.get("feature")) for f in (d.get("top_features") or [])[:3] if isinstance(f, dict)]
-        return (f"delta-bias: {len(sig)} of {len(rows)} (step, layer, head) items have a significant Σ(δ_lp − δ_hp) "
-                f"(sign test p < 0.01), {len(pos)} of them positive; top features by dO·(O_lp − O_hp): {', '.join(feats) or 'n/a'}.")
-    if name == "rank1-sim":
-        cols = [str(c.get("feature")) for c in (d.get("top_columns") or [])[:3] if isinstance(c, dict)]
-        return (f"rank1-sim: mean off-diagonal cosine {_num(d.get('cosine_offdiag_mean'), '.2f')}, effective rank "
-                f"{_num(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
-                f"accumulation exponent {_num(d.get('accumulation_exponent'), '.2f')} (≈ 1 compounds, ≈ 0.5 washes out).")
-    if name == "pv-trace":
-        where = (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, "
-                 f"row {d.get('row')}, feature {d.get('feature')}")
-        n_ones = len(d.get("p_one_positions") or [])
-        share = percent(d.get("frac_error_from_p_one"), missing="")
-        if d.get("final_error") == 0:
-            return f"{where} the P̄V dot product has no error (low precision and fp32 agree)."
-        if not share:
-            return (f"{where} the P̄V error is {_num(d.get('final_error'))}; no share of it could be attributed "
-                    "to P̄ = 1 terms.")
-        return (f"{where} the P̄V error is {_num(d.get('final_error'))}; {share} of it entered at the {n_ones} terms "
-                "where P̄ = 1.")
-    if name == "bitdiff":
-        feats = d.get("biased_features") or []
-        top = feats[0] if feats else None
-        tail = (f"; most biased: layer {top.get('layer')} head {top.get('head')} feature {top.get('feature')} "
-                f"({_num(top.get('mean'))} ± {_num(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
-        return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
-                f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; {len(feats)} feature(s) significantly biased{tail}.")
-    if name == "fix-check":
-        return f"fix-check: {d.get('verdict', 'n/a')}"
-    if name == "pcast":
-        heads = d.get("heads") or []
-        return f"pcast: {len(heads)} head(s) analysed for FP8 P-cast collapse." if heads else "pcast: ran."
-    return None
+    """One sentence per analysis from its JSON payload (the analysis's own `finding`, in its room)."""
+    analysis = BY_NAME.get(name)
+    return analysis.finding(d) if analysis is not None and analysis.section is not None else None
 
 
 def findings(sections) -> list[str]:
@@ -128,7 +82,7 @@ def render(dump: str, sections, *, info: Optional[dict] = None, seconds: float =
     parts.append(f"<p class='meta'>{len(sections)} analyses in {seconds:.0f} s. Each section's figures and JSON are in "
                  "the folder of the same name beside this page.</p>")
     for s in sections:
-        parts.append(f"<h2 id='{e(s.name)}'>{e(TITLES.get(s.name, s.name))}</h2>")
+        parts.append(f"<h2 id='{e(s.name)}'>{e(_title(s.name))}</h2>")
         parts.append(f"<p class='meta'>command: <code>fa-forensics {e(' '.join(s.args))}</code> · exit code {s.exit_code} · {s.seconds:.1f} s</p>")
         if s.data is None:
             parts.append(f"<p class='note'>{e(s.note or 'no result')}</p>")

@@ -1,10 +1,10 @@
 """Run every analysis on one dump for the report, through the library, and collect what each gave.
 
-Each section calls the analysis module's `run(...)` with the report's selection and recipe, then its
-`payload(result)` (the same dict the command writes with --json), its tables (`fa_forensics.tables`)
-and its figures (`fa_forensics.figures`), into DIR/<name>/. An analysis that fails with a user
-error (e.g. the dump has no dO) becomes a note in the report instead of stopping it; fix-check's
-exit code 1 ("the fix does not remove the bias") is a result, not a failure.
+The sections are the registered analyses (fa_forensics.analyses.registry) that have one. Each runs its
+compute with the report's selection and recipe and its own options' defaults, then gives its payload (the
+same dict the command writes with --json), its tables and its figures, into DIR/<name>/. An analysis
+that fails with a user error (e.g. the dump has no dO) becomes a note in the report instead of stopping
+it; fix-check's exit code 1 ("the fix does not remove the bias") is a result, not a failure.
 
 The report's recipe (default preset "auto") is the low-precision side of every analysis that
 replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
@@ -20,79 +20,24 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from rich.console import Console
 
-from fa_forensics.analyses import bitdiff as a_bitdiff
-from fa_forensics.analyses import delta_bias as a_delta_bias
-from fa_forensics.analyses import fix_check as a_fix_check
-from fa_forensics.analyses import isolate as a_isolate
-from fa_forensics.analyses import pcast as a_pcast
-from fa_forensics.analyses import pv_trace as a_pv_trace
-from fa_forensics.analyses import rank1_sim as a_rank1_sim
 from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.layers.fanout import Workers, connected
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.analyses.registry import BY_NAME, REPORTED, Analysis
 from fa_forensics.layers.selection import select
 from fa_forensics.dump.safe_files import atomic_write, is_no_space
 from fa_forensics.errors import UserError
-from fa_forensics.figures import bitdiff as f_bitdiff
-from fa_forensics.figures import delta_bias as f_delta_bias
-from fa_forensics.figures import fix_check as f_fix_check
-from fa_forensics.figures import isolate as f_isolate
-from fa_forensics.figures import pcast as f_pcast
-from fa_forensics.figures import pv_trace as f_pv_trace
-from fa_forensics.figures import rank1_sim as f_rank1_sim
-from fa_forensics.tables import bitdiff as t_bitdiff
-from fa_forensics.tables import delta_bias as t_delta_bias
-from fa_forensics.tables import fix_check as t_fix_check
-from fa_forensics.tables import isolate as t_isolate
-from fa_forensics.tables import pcast as t_pcast
-from fa_forensics.tables import pv_trace as t_pv_trace
-from fa_forensics.tables import rank1_sim as t_rank1_sim
 
 REPORT_TEXT_WIDTH = 160  # columns of the tables embedded in the page
 
 
-@dataclass(frozen=True)
-class Section:
-    """One analysis of the report: how to run it, and the modules that give its payload, tables and figures."""
-
-    name: str
-    run: Callable[..., Any]  # (dump, selections, recipe, backend, workers) -> Result
-    analysis: ModuleType  # payload(result)
-    tables: ModuleType  # tables(result)
-    figures: ModuleType  # draw(result, folder)
-    whole_dump: bool = False  # studies the last complete step itself (pcast), not the report's selection
-
-
-def _bitdiff_run(dump, sels, recipe, backend, workers):
-    return a_bitdiff.run(dump, sels, recipe, Recipe("fp32", recipe.accumulation), backend, workers=workers)
-
-
-def _pcast_run(dump, sels, recipe, backend, workers):
-    return a_pcast.run(dump, sels)
-
-
-def _fanned(run: Callable[..., Any]) -> Callable[..., Any]:
-    """An analysis `run` called with the report's workers."""
-    def call(dump, sels, recipe, backend, workers):
-        return run(dump, sels, recipe, backend, workers=workers)
-    return call
-
-
-SECTIONS: list[Section] = [
-    Section("isolate", _fanned(a_isolate.run), a_isolate, t_isolate, f_isolate),
-    Section("delta-bias", _fanned(a_delta_bias.run), a_delta_bias, t_delta_bias, f_delta_bias),
-    Section("rank1-sim", _fanned(a_rank1_sim.run), a_rank1_sim, t_rank1_sim, f_rank1_sim),
-    Section("pv-trace", _fanned(a_pv_trace.run), a_pv_trace, t_pv_trace, f_pv_trace),
-    Section("bitdiff", _bitdiff_run, a_bitdiff, t_bitdiff, f_bitdiff),
-    Section("fix-check", _fanned(a_fix_check.run), a_fix_check, t_fix_check, f_fix_check),
-    Section("pcast", _pcast_run, a_pcast, t_pcast, f_pcast, whole_dump=True),
-]
+# The report's sections: every registered analysis that has one, in the registry's order.
+SECTIONS: list[Analysis] = list(REPORTED)
 ANALYSES = [s.name for s in SECTIONS]
 
 
@@ -113,15 +58,19 @@ class SectionResult:
 
 
 def command_line(name: str, dump: Path, selection: dict, recipe: Recipe, backend: Backend) -> list[str]:
-    """The `fa-forensics` arguments that give the same section on their own."""
-    if name == "pcast":
-        return [name, str(dump)]
+    """The `fa-forensics` arguments that give the same section on their own, from the analysis's registered
+    section: its selection, the flags that carry the report's recipe, the accumulation and the backend."""
+    section = BY_NAME[name].section
     args = [name, str(dump)]
-    for flag, value in (("--step", selection.get("step")), ("--layer", selection.get("layer")), ("--head", selection.get("head"))):
+    if section.whole_dump:
+        return args
+    for flag in ("--step", "--layer", "--head"):
+        value = selection.get(flag.removeprefix("--"))
         if value is not None:
             args += [flag, str(value)]
-    side = ["--a", recipe.preset, "--b", "fp32"] if name == "bitdiff" else ["--preset", recipe.preset]
-    return [*args, *side, "--accumulation", recipe.accumulation_name, "--backend", Backend(backend).value]
+    for flag, value in section.recipe_flags:
+        args += [flag, recipe.preset if value == "PRESET" else value]
+    return [*args, "--accumulation", recipe.accumulation_name, "--backend", Backend(backend).value]
 
 
 def _text(renderables: list, verdict: Optional[str]) -> str:
@@ -133,7 +82,7 @@ def _text(renderables: list, verdict: Optional[str]) -> str:
     return console.export_text()
 
 
-def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selection: dict, recipe: Recipe,
+def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selection: dict, recipe: Recipe,
                 backend: Backend, workers: Workers = Workers(), published_as: Optional[Path] = None) -> SectionResult:
     """Run one analysis into out_dir/<name>/: its JSON, figures and tables. `published_as`: where out_dir will be
     moved once the report is complete (the figure paths in the JSON name that place)."""
@@ -145,15 +94,15 @@ def run_section(section: Section, dump, dump_path: Path, out_dir: Path, selectio
     args = command_line(section.name, dump_path, selection, recipe, backend)
     t0 = time.perf_counter()
     try:
-        if section.whole_dump:
+        if section.section.whole_dump:
             sels = select(dump, dump.steps[-1] if dump.steps else None)
         else:
             sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
-        result = section.run(dump, sels, recipe, backend, workers)
-        paths = section.figures.draw(result, sec_dir)
+        result = section.report_run(dump, sels, recipe, backend, workers)
+        paths = section.draw(result, sec_dir)
         final = [Path(published_as) / Path(p).relative_to(out_dir) if published_as is not None else p for p in paths]
-        payload = to_jsonable({**section.analysis.payload(result), "figures": [str(p) for p in final]})
-        renderables = section.tables.tables(result)
+        payload = to_jsonable({**section.payload(result), "figures": [str(p) for p in final]})
+        renderables = section.tables(result)
     except UserError as exc:
         return SectionResult(section.name, args, 2, False, str(exc), None, [], "", time.perf_counter() - t0)
     except OSError as exc:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from fa_forensics.analyses import bitdiff
+from fa_forensics.analyses.bitdiff import compute as bitdiff
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.layers.selection import select
 from fa_forensics.commands.bitdiff_tensor import run_tensor_mode

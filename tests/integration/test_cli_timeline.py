@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 import fa_forensics
+from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.cli import app
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
@@ -61,6 +62,7 @@ def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
     assert -1 <= payload["ties_loss_spearman"] <= 1 and 0 <= payload["ties_loss_p_value"] <= 1
     layer, head = payload["top_wq_head"]
     assert tl["wq_sigma"][-1, layer, head] == np.nanmax(tl["wq_sigma"][-1])
+    assert list(payload) == list(BY_NAME["timeline"].json_keys)  # the keys the registry documents
 
 
 def test_timeline_of_a_store_without_one_is_one_line(tmp_path):

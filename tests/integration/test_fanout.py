@@ -4,8 +4,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from fa_forensics.analyses import delta_bias
 from fa_forensics.layers import fanout
+from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.layers.fanout import Workers, map_in_order, work_items
 from fa_forensics.layers.selection import select
 from fa_forensics.cli import app
@@ -69,8 +69,12 @@ def _payloads(dump, sels, workers):
     """The JSON payload of every analysis that fans out, in-process or on `workers`."""
     import json
 
-    from fa_forensics.analyses import bitdiff, fix_check, isolate, pv_trace, rank1_sim
     from fa_forensics.fidelity import match
+    from fa_forensics.analyses.bitdiff import compute as bitdiff
+    from fa_forensics.analyses.fix_check import compute as fix_check
+    from fa_forensics.analyses.isolate import compute as isolate
+    from fa_forensics.analyses.pv_trace import compute as pv_trace
+    from fa_forensics.analyses.rank1_sim import compute as rank1_sim
     from fa_forensics.analyses.contract import to_jsonable
     from fa_forensics.fidelity.recipe import Recipe
 

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -124,7 +123,7 @@ def test_figures_are_never_written_through_a_planted_link(tmp_path, make_dump):
     assert os.listdir(elsewhere) == []
 
     from fa_forensics.errors import LinkRefused
-    from fa_forensics.figures.style import new_figure, save_figure
+    from fa_forensics.analyses.style import new_figure, save_figure
 
     victim = _victim(tmp_path)
     (tmp_path / "f.png").symlink_to(victim)
@@ -285,7 +284,7 @@ def test_export_on_a_full_disk_is_worded_and_leaves_nothing(tmp_path, make_dump,
 
 
 def test_report_on_a_full_disk_is_worded_and_leaves_no_empty_folders(tmp_path, make_dump, monkeypatch):
-    import fa_forensics.figures.isolate as figures
+    import fa_forensics.analyses.isolate.figure as figures
 
     dump = make_dump(steps=(0,))
     monkeypatch.setattr(figures, "draw", _no_space)

@@ -8,7 +8,6 @@ import re
 import warnings
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from fa_forensics.cli import app
@@ -35,7 +34,7 @@ def test_fix_check_shows_max_p_bar_where_the_fix_fired_on_near_ties(tmp_path):
 
 
 def test_pv_trace_without_an_o_bias_says_n_a_not_nan_percent(tmp_path, monkeypatch):
-    import fa_forensics.figures.pv_trace as figure
+    import fa_forensics.analyses.pv_trace.figure as figure
 
     captions, save = [], figure.save_figure
     monkeypatch.setattr(figure, "save_figure", lambda fig, path, caption=None: captions.append(caption) or save(fig, path))
@@ -62,11 +61,11 @@ def test_report_sentences_never_put_a_percent_sign_on_n_a():
 
 
 def test_delta_bias_title_follows_the_sign_test(make_dump, tmp_path):
-    from fa_forensics.analyses import delta_bias
+    from fa_forensics.analyses.delta_bias import compute as delta_bias
     from fa_forensics.fidelity.recipe import Recipe
     from fa_forensics.layers.selection import select
     from fa_forensics.dump import open_dump
-    from fa_forensics.figures.delta_bias import total_title
+    from fa_forensics.analyses.delta_bias.figure import total_title
 
     dump = open_dump(make_dump(steps=(0,), heads=1, seq=16))  # random inputs: no planted bias
     r = delta_bias.run(dump, select(dump, 0), Recipe("bf16"))

@@ -1,7 +1,7 @@
 """bitdiff tensor mode: mismatch rate, ULP histogram, bias map and largest differences on built tensors."""
 import torch
 
-from fa_forensics.analyses.bitdiff import compare_layer_step, coarser, summarize, ulp_bins
+from fa_forensics.analyses.bitdiff.compute import compare_layer_step, coarser, summarize, ulp_bins
 
 
 def _next_up(x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fa_forensics.analyses import delta_bias
 from fa_forensics.layers import checks, selection
+from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe, lp_config_for
 from fa_forensics.cli import app

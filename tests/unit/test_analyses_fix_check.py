@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fa_forensics.analyses.fix_check import (
+from fa_forensics.analyses.fix_check.compute import (
     fix_variants, max_p_bar_in_repeated_rows, measure_variant, scores_fp32, summarize_fix,
 )
 from fa_forensics.replay import ReplayConfig, replay

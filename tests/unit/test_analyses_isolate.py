@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fa_forensics.analyses.isolate import baseline_block, isolate_layers, measure_heads, variants
-from fa_forensics.enums import DeltaSource, Precision
+from fa_forensics.analyses.isolate.compute import baseline_block, isolate_layers, measure_heads, variants
+from fa_forensics.replay.config import DeltaSource, Precision
 from test_analyses_delta_bias import planted_layer
 
 

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from fa_forensics.analyses.fix_check import fix_variants, scores_fp32
-from fa_forensics.analyses.isolate import isolate_layers, variants
-from fa_forensics.analyses.pv_trace import p_bar_row, repeated_max_rows, trace_pv
-from fa_forensics.fidelity.recipe import Choice, Recipe, UnknownPreset, lp_config_for
+from fa_forensics.analyses.fix_check.compute import fix_variants, scores_fp32
+from fa_forensics.analyses.isolate.compute import isolate_layers, variants
+from fa_forensics.analyses.pv_trace.compute import p_bar_row, repeated_max_rows, trace_pv
 from fa_forensics.dump import open_dump
+from fa_forensics.fidelity.recipe import Choice, Recipe, UnknownPreset, lp_config_for
 from fa_forensics.fidelity.pair import lp_hp_pair
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import matmul
@@ -94,7 +94,7 @@ def test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias():
 
 
 def test_bf16_row_sum_is_the_rest_of_the_autocast_delta_bias():
-    from fa_forensics.analyses.delta_bias import delta_of
+    from fa_forensics.analyses.delta_bias.compute import delta_of
     from fa_forensics.fidelity.recipe import hp_config
     from fa_forensics.layers.selection import replay_layer
 

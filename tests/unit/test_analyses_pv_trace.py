@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fa_forensics.analyses.pv_trace import pick_cell, trace_pv
+from fa_forensics.analyses.pv_trace.compute import pick_cell, trace_pv
 
 
 def _bf16(xs):
@@ -85,7 +85,7 @@ def test_pick_cell_finds_planted_feature_and_worst_row():
 def test_stabilized_trace_compares_at_one_shift():
     """Under a stabilized / fixed-offset shift m the fp32 P̄ uses the same m, so Ō_lp − Ō_hp is the
     rounding error (≈ ℓ · O error), not the gap between two shifts (review2: Ō error was +2.5)."""
-    from fa_forensics.analyses.pv_trace import p_bar_row
+    from fa_forensics.analyses.pv_trace.compute import p_bar_row
     from fa_forensics.replay.config import ReplayConfig
 
     g = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 import numpy as np
 from scipy import stats as sps
 
-from fa_forensics.analyses.timeline import analyse_timeline
+from fa_forensics.analyses.timeline.compute import analyse_timeline
 
 
 def test_steps_without_a_ties_measurement_are_left_out_not_counted_as_zero():

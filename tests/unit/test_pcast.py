@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from fa_forensics.analyses import pcast as pc
-from fa_forensics.analyses import pcast_e4m3 as e4
-from fa_forensics.analyses import pcast_kernel as kern
-from fa_forensics.analyses import pcast_sim as sim
-from fa_forensics.analyses import pcast_theory as th
+from fa_forensics.analyses.pcast import compute as pc
+from fa_forensics.analyses.pcast import e4m3 as e4
+from fa_forensics.analyses.pcast import kernel as kern
+from fa_forensics.analyses.pcast import sim
+from fa_forensics.analyses.pcast import theory as th
 from fa_forensics.analyses.stats import paired_ratio, paired_ttest
 from fa_forensics.numerics import exp_fp32
 from fa_forensics.enums import Precision

@@ -10,10 +10,10 @@ import zarr
 from typer.testing import CliRunner
 
 import fa_forensics.fidelity.match as match_mod
-from fa_forensics.analyses import delta_bias
+from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.fidelity.match import CACHE_ATTR, best_recipe
-from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.recipe import Choice, Recipe, lp_config_for
+from fa_forensics.fidelity.auto import resolve
 from fa_forensics.layers.selection import select
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump

@@ -56,7 +56,7 @@ from typing import Callable, Optional
 import torch
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.numerics import exp_fp32, fma_fp32, log_fp32
+from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import (
     ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum,
 )

@@ -1,0 +1,48 @@
+"""Tables of a bitdiff (tensor mode) result."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from fa_forensics.analyses.bitdiff.compute import BitdiffResult
+from fa_forensics.analyses.wording import number, percent
+
+
+def tables(r: BitdiffResult) -> list[Table]:
+    """The ULP histogram, the biased features (when any) and the largest differences (when any)."""
+    table = Table(title=f"bitdiff: {r.a} vs {r.b} (bits compared in {r.fmt}; {r.n_elements} elements)")
+    table.add_column("ULP distance (a − b)", justify="right")
+    table.add_column("count", justify="right")
+    for label, count in zip(r.ulp_hist["bins"], r.ulp_hist["counts"]):
+        if count:
+            table.add_row(label, str(count))
+    out = [table]
+    if r.biased_features:
+        bt = Table(title=f"biased features (sign test p < {r.alpha:g}/{r.n_cells}, Bonferroni)")
+        for c in ("layer", "head", "feature", "mean a − b ± se", "frac > 0", "p"):
+            bt.add_column(c, justify="right")
+        for c in r.biased_features[:12]:
+            bt.add_row(str(c.layer), str(c.head), str(c.feature), f"{c.mean:+.3e} ± {c.se:.1e}", f"{c.frac_positive:.2f}", f"{c.p_value:.2g}")
+        out.append(bt)
+    if r.largest:
+        lt = Table(title="largest differences")
+        for c in ("step/layer/head", "b,row,feat", "a", "b", "ULP", "a bits", "b bits"):
+            lt.add_column(c)
+        for d in r.largest[:5]:
+            lt.add_row(f"{d.step}/{d.layer}/{d.head}", f"{d.batch},{d.row},{d.feature}", f"{d.a:.7g}", f"{d.b:.7g}", str(d.ulp), d.a_bits, d.b_bits)
+        out.append(lt)
+    if r.input_cast is not None:
+        ic = r.input_cast
+        out.append(f"input-cast (not a kernel error): rounding the stored inputs to the recipe's format alone changes "
+                   f"{ic['mismatch_rate']:.1%} of the fp32 O elements and biases {ic['n_biased_features']} feature(s)")
+    return out
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    feats = d.get("biased_features") or []
+    top = feats[0] if feats else None
+    tail = (f"; most biased: layer {top.get('layer')} head {top.get('head')} feature {top.get('feature')} "
+            f"({number(top.get('mean'))} ± {number(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
+    return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
+            f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; "
+            f"{len(feats)} feature(s) significantly biased{tail}.")

@@ -1,0 +1,73 @@
+"""Figures of `delta-bias`: paper Fig. 5a (cumulative Σδ error) and Fig. 5b/c (dO and O error per feature)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fa_forensics.analyses.stats import format_p
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+
+ALPHA = 0.01  # the level the title's "biased" claim needs (the sign test of the total)
+
+
+def total_title(result) -> str:
+    """What the figure may claim: a one-signed δ error only when the total's sign test says so."""
+    p = result.total_p_value
+    tested = f"{result.total:+.3g} ± {result.total_se:.2g}, sign-test p {format_p(p)}"
+    if p < ALPHA and result.total != 0:
+        return f"{'Positively' if result.total > 0 else 'Negatively'}-biased δ error ({tested})"
+    return f"No significant δ bias ({tested})"
+
+
+def plot_cumulative(result, path: Path) -> Path:
+    """Fig. 5a: cumulative Σ_T(δ_lp − δ_hp) across steps (or across tokens when the dump has one step)."""
+    fig, ax = new_figure(width=6.4, height=3.6)
+    if len(result.steps) > 1:
+        ax.bar(result.steps, result.step_sums, color=COLORS["highp"], alpha=0.5, label="per step Σ_T (δ_lp − δ_hp)")
+        ax.plot(result.steps, result.cumulative, "o-", color=COLORS["lowp"], label="cumulative over steps")
+        ax.set_xlabel("training step")
+        where = "selected layers and heads"
+    else:
+        ax.plot(np.arange(len(result.cumulative_tokens)), result.cumulative_tokens, color=COLORS["lowp"],
+                label=f"cumulative over tokens (step {result.steps[0]}, batch 0)")
+        ax.set_xlabel("token position T")
+        where = f"layer {result.focus_layer} head {result.focus_head}"
+    ax.axhline(0, color=COLORS["neutral"], lw=0.8)
+    ax.set_ylabel("cumulative Σ (δ_lp − δ_hp)")
+    ax.set_title(f"{total_title(result)}\n{result.preset} vs fp32, {where}")
+    ax.legend()
+    return save_figure(fig, path, "Paper Fig. 5(a)'s view: the cumulative sum of Σ_T(δ_lp − δ_hp)[T]; under a biased "
+                                  "rounding it stays one-signed, without one it wanders around 0.")
+
+
+def plot_top_token(result, path: Path) -> Path:
+    """Fig. 5b/c: dO[T, :] and (O_lp − O_hp)[T, :] per feature at the token with the largest δ error."""
+    tok = result.top_token
+    fig, (ax1, ax2) = new_figure(2, 1, width=7.0, height=5.0, sharex=True)
+    D = len(tok.do)
+    top = {f.feature for f in result.top_features[:3]}
+    colors = [COLORS["highlight"] if i in top else COLORS["highp"] for i in range(D)]
+    ax1.bar(range(D), tok.do, color=colors)
+    ax1.set_ylabel("dO[T, i]")
+    ax1.set_title(f"(b) dO at token T={tok.token} (step {tok.step}, batch {tok.batch}, layer {result.focus_layer} head {result.focus_head})")
+    ax2.bar(range(D), tok.o_err, color=colors)
+    ax2.set_ylabel("(O_lp − O_hp)[T, i]")
+    ax2.set_xlabel("feature i")
+    ax2.set_title(f"(c) O error at the same token; (δ_lp − δ_hp)[T] = {tok.delta_err:+.3g}")
+    from matplotlib.patches import Patch
+
+    ax1.legend(handles=[Patch(color=COLORS["highlight"], label=f"top features {sorted(top)}"),
+                        Patch(color=COLORS["highp"], label="other features")])
+    for ax in (ax1, ax2):
+        ax.axhline(0, color=COLORS["neutral"], lw=0.8)
+    return save_figure(fig, path, "Reproduces paper Fig. 5(b)/(c): dO and the O error share their sign in the dominant "
+                                  "features, so their product makes (δ_lp − δ_hp)[T] positive.")
+
+
+def draw(result, out: Path) -> list[Path]:
+    """Every delta-bias figure into the folder `out` (the top-token panel only when there is one)."""
+    paths = [plot_cumulative(result, out / "delta_bias_cumulative.png")]
+    if result.top_token is not None:
+        paths.append(plot_top_token(result, out / "delta_bias_top_token.png"))
+    return paths

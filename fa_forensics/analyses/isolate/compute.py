@@ -1,0 +1,398 @@
+"""isolate: which single repair removes the δ error? (paper §3.2, Claim 1)
+
+Each (step, layer) is replayed once per variant with all selected heads batched: the low-precision
+baseline and single repairs of it, each compared with the high-precision replay (preset "fp32") of
+the same stored inputs. Per variant and head: the O bias (signed mean of O_var − O_hp ± se), the O
+RMSE, Σ_T(δ_var − δ_hp), and the gradient errors ‖dQ_var − dQ_hp‖ and ‖dW_Q,var − dW_Q,hp‖.
+
+Baseline and preset: the baseline is the recipe's low-precision config at the layer-step (default
+preset "bf16", ieee accumulation). Its tiling is the preset's own (bf16-autocast 512 x 512, bf16-hw 128 x 64,
+fp8-* 64 x 64); a preset without tiles (bf16, stabilized, stochastic, fp32) tiles like the paper's
+reference code (a pure-PyTorch FlashAttention-2 with 512 x 512 blocks; 64 x 64 when T ≤ 512 so a
+short dump still tiles). The "no-tiling" repair sets block = sequence; every other repair keeps the
+baseline's tiling. What each repair changes, derived from the preset with dataclasses.replace:
+  - o-fp32:    the whole O path fp32: pv_dtype, rescale_dtype and o_dtype (for bf16-autocast the
+               bf16 accumulator too; S, m and ℓ stay as the preset has them);
+  - pv-fp32:   the P̄V product and its running accumulator fp32 (pv_dtype and rescale_dtype), O still
+               stored in the preset's o_dtype: the hardware kernels' reading (bf16-hw already is);
+  - stabilized, stochastic, delta-*: one knob each (softmax, rounding, delta source).
+A repair that changes nothing under the preset (pv-fp32 under bf16-hw or fp8-*, stabilized under
+"stabilized", ...) is kept in the table, marked "(= baseline under this preset)", and can never be
+a culprit (its residual equals the baseline's).
+
+Gradient errors use the paper's Eq. 1, exact when the two backward passes differ only in δ (the
+§3.2 setting: an fp32 backward on the same inputs): dQ_var − dQ_hp = −α·diag(δ_var − δ_hp)·(P K),
+dW_Q = dQᵀX, with P the fp32 attention matrix. δ itself comes from O (δ = rowsum(dO ∘ O), float64)
+for forward repairs; the two backward repairs (δ from O recomputed, δ = rowsum(dP ∘ P)) run the
+replay's backward and take its δ.
+
+Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the heads where it is significant
+(t-test or sign test p < 0.01; heads with only noise define no bias). A repair's residual is its own
+Σδ error projected on the baseline's sign per biased head; it is a culprit when the residual is at most
+10% of the baseline's (reduction ≥ 0.9). With no biased head there are no culprits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of
+from fa_forensics.layers.fanout import Workers, layer_parts, map_layers
+from fa_forensics.analyses.rank1_sim.compute import pk_rows
+from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
+from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
+from fa_forensics.fidelity.pair import input_cast_error, lp_of
+from fa_forensics.analyses.stats import sign_test, sum_se
+from fa_forensics.errors import DumpError, UserError
+from fa_forensics.enums import (
+    BackwardKernel, DeltaSource, ExpForm, ExpUnit, Normalize, Precision, Rounding, RowSum, Softmax,
+)
+from fa_forensics.replay.config import ReplayConfig
+
+Progress = Optional[Callable[[str], None]]
+CULPRIT_REDUCTION = 0.9  # a repair is a culprit when it removes ≥ 90% of the baseline's Σδ bias
+BIASED_HEAD_P = 0.01  # heads whose baseline Σδ error is significant (t-test or sign test) define the bias
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One replay of the isolation table: a name, what it changes, its config, whether δ needs the backward."""
+
+    name: str
+    description: str
+    config: ReplayConfig
+    backward: bool
+
+
+def baseline_block(T: int) -> int:
+    """The baseline's tile size: 512 like the paper's reference code, 64 for short sequences (T ≤ 512)."""
+    return 512 if T > 512 else 64
+
+
+def baseline_config(T: int, lp: ReplayConfig = ReplayConfig()) -> ReplayConfig:
+    """The low-precision config, tiled as it says (else `baseline_block(T)`)."""
+    base = lp
+    if base.block_m is None and base.block_n is None:
+        b = baseline_block(T)
+        base = base.with_(block_m=b, block_n=b)
+    return base
+
+
+def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRESET) -> list[Repair]:
+    """The baseline (`lp`, the low-precision config named `preset`, tiled) and its single repairs, in
+    the order of the paper's §3.2."""
+    base = baseline_config(T, lp)
+    fp32 = Precision.FP32
+    delta_base, delta_note = base, ""
+    if base.backward_kernel is not BackwardKernel.REFERENCE:  # a kernel's backward fixes δ: the knob needs ours
+        delta_base = base.with_(backward_kernel=BackwardKernel.REFERENCE)
+        delta_note = f" (the emulator's reference backward: {base.backward_kernel.value}'s own fixes δ)"
+    # The kernel models (exp form, row sum, 1/ℓ, split-KV, MMA groups) describe the hardware kernel's standard
+    # softmax with nearest-even casts: the stabilized and stochastic repairs run on the same tiles without them.
+    plain, plain_note = base, ""
+    if base.is_kernel_model:
+        plain = base.with_(exp_form=ExpForm.EXP, exp_unit=ExpUnit.CORRECTLY_ROUNDED, row_sum=RowSum.EXACT,
+                           normalize=Normalize.DIVIDE, kv_splits=1, mma_k=None)
+        plain_note = " (on the kernel's tiles, without its exp, row-sum and 1/ℓ model)"
+    o_dt = base.o_dtype.value
+    tiles = f"{base.block_m or T}x{base.block_n or T} tiles"
+    repairs = [
+        ("no-tiling", "block = sequence length", base.with_(block_m=None, block_n=None), False),
+        ("o-fp32", "O path in fp32 (P̄V product, accumulator and stored O)", base.with_(pv_dtype=fp32, rescale_dtype=fp32, o_dtype=fp32), False),
+        ("delta-o-recomputed", "δ from O recomputed as P̄V/ℓ in fp32 in the backward" + delta_note,
+         delta_base.with_(delta=DeltaSource.O_RECOMPUTED), True),
+        ("delta-dp-p", "δ = rowsum(dP ∘ P)" + delta_note, delta_base.with_(delta=DeltaSource.DP_P), True),
+        ("pv-fp32", f"P̄V product and accumulator in fp32 (O still stored {o_dt})", base.with_(pv_dtype=fp32, rescale_dtype=fp32), False),
+        *([("stats-fp32", "row max m and row sum ℓ kept in fp32", base.with_(stats_dtype=fp32), False)]
+          if base.stats_dtype is not fp32 else []),
+        *([("scores-fp32", "scores S = α·q·kᵀ kept in fp32", base.with_(s_dtype=fp32), False)]
+          if base.s_dtype is not fp32 else []),
+        ("stabilized", f"stabilized softmax (Algorithm 3, β={base.beta:g})" + plain_note,
+         plain.with_(softmax=Softmax.STABILIZED), False),
+        ("stochastic", "stochastic rounding of the P̄, P̄V and O casts" + plain_note,
+         plain.with_(rounding=Rounding.STOCHASTIC), False),
+    ]
+    own_tiles = lp.block_n is not None
+    out = [Repair("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
+    for name, what, cfg, backward in repairs:
+        same = cfg == base and not backward
+        out.append(Repair(name, what + (" (= baseline under this preset)" if same else ""), cfg, backward))
+    return out
+
+
+# ---- pure per-head measurements -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HeadMeasure:
+    """Sums for one variant on one (step, layer, head), combined later across heads and steps."""
+
+    n_o: int
+    o_err_sum: float
+    o_err_sumsq: float
+    delta_err_sum: float
+    dq_err_sq: float
+    dwq_err_sq: Optional[float]
+
+
+def measure_heads(
+    o_var: torch.Tensor,
+    o_hp: torch.Tensor,
+    dd: torch.Tensor,
+    pk: torch.Tensor,
+    x: Optional[torch.Tensor],
+    scale: float,
+) -> list[HeadMeasure]:
+    """Per head: sums of the O error and its square, Σδ error, ‖dQ error‖², ‖dW_Q error‖² (Eq. 1-2).
+
+    o_var, o_hp (B, h, T, D); dd = δ_var − δ_hp (B, h, T); pk (B, h, T, D); x (B, T, C) or None.
+    """
+    err = o_var.to(torch.float64) - o_hp.to(torch.float64)  # (B, h, T, D)
+    dq = -scale * dd.unsqueeze(-1) * pk  # (B, h, T, D): dQ_var − dQ_hp
+    dq_sq = (dq**2).sum(dim=(0, 2, 3))  # (h,)
+    dwq_sq = None
+    if x is not None:
+        dwq = torch.einsum("bhtd,btc->hdc", dq, x.to(torch.float64))  # (h, D, C)
+        dwq_sq = (dwq**2).sum(dim=(1, 2))
+    out = []
+    for j in range(err.shape[1]):
+        e = err[:, j]
+        out.append(HeadMeasure(
+            n_o=e.numel(), o_err_sum=float(e.sum()), o_err_sumsq=float((e * e).sum()),
+            delta_err_sum=float(dd[:, j].sum()), dq_err_sq=float(dq_sq[j]),
+            dwq_err_sq=None if dwq_sq is None else float(dwq_sq[j]),
+        ))
+    return out
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RepairResult:
+    name: str
+    description: str
+    o_bias: float  # mean of O_var − O_hp over every selected element
+    o_bias_se: float
+    o_rmse: float
+    delta_err_sum: float  # Σ over selected steps, layers, heads, batch, tokens of (δ_var − δ_hp)
+    delta_err_se: float  # its standard error (s·√n over tokens)
+    delta_err_residual: float  # |Σ over biased heads of sign(baseline's Σδ)·Σ_T (δ_var − δ_hp)|
+    reduction: float  # 1 − residual / Σ over biased heads of |baseline's Σδ|: share of the bias removed
+    delta_p_value: float  # sign test over tokens of δ_var − δ_hp
+    dq_err: float  # ‖dQ_var − dQ_hp‖_F over the selection (Eq. 1)
+    dwq_err: Optional[float]  # ‖dW_Q,var − dW_Q,hp‖_F (per head D x C blocks), None without X
+
+
+@dataclass(frozen=True)
+class HeadDelta:
+    step: int
+    layer: int
+    head: int
+    delta_err_sum: float  # baseline Σ_T (δ_lp − δ_hp) (summed over the batch)
+    delta_err_se: float  # its standard error
+    t_p_value: float  # one-sample t-test of the per-token errors
+    p_value: float  # sign test over the head's tokens
+
+
+@dataclass(frozen=True)
+class LayerDelta:
+    layer: int
+    delta_err_sum: float  # Σ over steps and heads of the baseline's Σ_T (δ_lp − δ_hp)
+    delta_err_abs: float  # Σ over (step, head) of |Σ_T (δ_lp − δ_hp)|
+
+
+@dataclass(frozen=True)
+class IsolateResult:
+    variants: list[RepairResult]
+    heads: list[HeadDelta]  # largest |delta_err_sum| first
+    layers: list[LayerDelta]  # largest delta_err_abs first
+    culprits: list[str]  # repairs removing ≥ 90% of the baseline's |Σδ error|
+    baseline_block: int
+    n_biased_heads: int  # (step, layer, head) items whose baseline Σδ error is significant (p < 0.01)
+    recipe: Recipe  # the low-precision side the baseline and repairs derive from
+    backend: Backend
+    baseline_tiles: tuple = (0, 0)  # (block_m, block_n) of the baseline
+    input_cast: Optional[RepairResult] = None  # the recipe's input cast alone (None when it changes nothing)
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.label
+
+    @property
+    def accumulation(self) -> str:
+        return self.recipe.accumulation_name
+
+
+def run(
+    dump,
+    selections: Sequence[LayerSelection],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
+    *,
+    progress: Progress = None,
+    workers: Workers = Workers(),
+) -> IsolateResult:
+    """Replay every selected layer-step under the baseline (the recipe) and each single repair; rank
+    heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it. Work items
+    are (step, layer, head group), on `workers`, reduced in item order (the same result for any N);
+    `progress` is called once per item."""
+    recipe = resolve(dump, selections, recipe)
+    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend))
+    r = combine_parts(parts, recipe, backend)
+    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
+
+
+def isolate_layers(
+    layers: Iterable[LayerTensors],
+    recipe: Recipe = Recipe(),
+    backend: Backend = Backend.EMULATE,
+    *,
+    progress: Progress = None,
+) -> IsolateResult:
+    """`run` on layer-steps already loaded (or built in memory)."""
+    return combine_parts(layer_parts(layer_part, layers, (recipe, backend), progress), recipe, backend)
+
+
+@dataclass(frozen=True)
+class IsolatePart:
+    """What one layer-step (or head group of it) contributes: per-head measures and δ errors of every
+    variant, and of the input cast alone when the recipe rounds the stored inputs."""
+
+    warnings: tuple[str, ...]
+    variants: list  # [Repair] in order
+    tiles: tuple[int, int]
+    measures: dict  # variant name -> [HeadMeasure]
+    signs: dict  # variant name -> δ error (flattened)
+    heads: list  # [HeadDelta] of the baseline
+    cast_measures: list
+    cast_sign: Optional[torch.Tensor]
+
+
+def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart:
+    """Replay one layer-step (its selected heads) under the baseline and every single repair."""
+    if t.do is None:
+        raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
+    lp = lp_of(t, recipe)
+    pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D) from the stored inputs
+    cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
+    cast_measures, cast_sign = [], None
+    if cast_only is not None:
+        o_raw, o_cast = cast_only
+        cast_measures = measure_heads(o_cast, o_raw, delta_error(t.do, o_cast, o_raw), pk, t.x, t.scale)
+        cast_sign = delta_error(t.do, o_cast, o_raw).reshape(-1)
+    t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
+    vs = variants(t.q.shape[2], lp, preset_at(t.source, t.step, t.layer, recipe))
+    tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
+    hp = replay_layer(t, hp_config(), backward=False, backend=backend)
+    delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
+    base_o, measures, signs, heads = None, {}, {}, []
+    for v in vs:
+        out = replay_layer(t, v.config, backward=v.backward, backend=backend)
+        if v.name == "baseline":
+            base_o = out.o
+        if v.backward:  # backward repairs: forward O is the baseline's, δ is the replay's own
+            o_var, dd = base_o, out.delta.to(torch.float64) - delta_hp
+        else:
+            o_var, dd = out.o, delta_error(t.do, out.o, hp.o)
+        measures[v.name] = measure_heads(o_var, hp.o, dd, pk, t.x, t.scale)
+        signs[v.name] = dd.reshape(-1)
+        if v.name == "baseline":
+            for j, h in enumerate(t.heads):
+                s = sum_se(dd[:, j])
+                heads.append(HeadDelta(t.step, t.layer, h, s.value, s.se, s.p_value, sign_test(dd[:, j]).p_value))
+    return IsolatePart(t.warnings, vs, tiles, measures, signs, heads, cast_measures, cast_sign)
+
+
+def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend) -> IsolateResult:
+    """The result of the parts of every selected layer-step, reduced in their order."""
+    warnings: list[str] = []
+    measures: dict[str, list[HeadMeasure]] = {}
+    signs: dict[str, list[torch.Tensor]] = {}
+    cast_measures: list[HeadMeasure] = []
+    cast_signs: list[torch.Tensor] = []
+    heads: list[HeadDelta] = []
+    tiles, vs = (0, 0), []
+    for part in parts:
+        warnings.extend(w for w in part.warnings if w not in warnings)
+        vs, tiles = part.variants, part.tiles
+        for name, hm in part.measures.items():
+            measures.setdefault(name, []).extend(hm)
+            signs.setdefault(name, []).append(part.signs[name])
+        heads.extend(part.heads)
+        cast_measures.extend(part.cast_measures)
+        if part.cast_sign is not None:
+            cast_signs.append(part.cast_sign)
+    if not vs:
+        raise UserError("isolate: nothing selected to replay (no layer-step given)")
+
+    biased = [h.t_p_value < BIASED_HEAD_P or h.p_value < BIASED_HEAD_P for h in heads]  # in measure order
+    direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if b else 0.0 for h, b in zip(heads, biased)]
+    base_bias = sum(abs(h.delta_err_sum) for h, b in zip(heads, biased) if b)
+    results = [_combine(v, measures[v.name], torch.cat(signs[v.name]), direction, base_bias) for v in vs]
+    input_cast = None
+    if cast_measures:
+        what = Repair("input-cast", f"the recipe's rounding of the stored inputs to {vs[0].config.input_dtype.value} "
+                                     "(fp32 replays of stored vs rounded inputs; not a kernel error)", hp_config(), False)
+        input_cast = _combine(what, cast_measures, torch.cat(cast_signs), [0.0] * len(cast_measures), 0.0)
+    culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
+    heads.sort(key=lambda h: -abs(h.delta_err_sum))
+    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), recipe, Backend(backend),
+                         tuple(int(b) for b in tiles), input_cast, tuple(warnings))
+
+
+def _combine(v: Repair, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> RepairResult:
+    n = sum(m.n_o for m in hm)
+    s = sum(m.o_err_sum for m in hm)
+    ss = sum(m.o_err_sumsq for m in hm)
+    mean = s / n
+    var = max(ss / n - mean * mean, 0.0) * n / max(n - 1, 1)
+    residual = abs(sum(d * m.delta_err_sum for d, m in zip(direction, hm)))
+    dwq = None if any(m.dwq_err_sq is None for m in hm) else sum(m.dwq_err_sq for m in hm) ** 0.5
+    return RepairResult(
+        name=v.name, description=v.description, o_bias=mean, o_bias_se=(var / n) ** 0.5,
+        o_rmse=(ss / n) ** 0.5, delta_err_sum=sum(m.delta_err_sum for m in hm), delta_err_se=sum_se(dd_all).se, delta_err_residual=residual,
+        reduction=1.0 - residual / base_bias if base_bias > 0 else float("nan"),
+        delta_p_value=sign_test(dd_all).p_value, dq_err=sum(m.dq_err_sq for m in hm) ** 0.5, dwq_err=dwq,
+    )
+
+
+def _rank_layers(heads: list[HeadDelta]) -> list[LayerDelta]:
+    by: dict[int, list[float]] = {}
+    for h in heads:
+        by.setdefault(h.layer, []).append(h.delta_err_sum)
+    out = [LayerDelta(l, sum(v), sum(abs(x) for x in v)) for l, v in by.items()]
+    return sorted(out, key=lambda l: -l.delta_err_abs)
+
+
+
+def verdict(r: IsolateResult) -> str:
+    """One sentence: the baseline's Σδ bias, where it is largest, and the repairs that remove it."""
+    base = r.variants[0]
+    top = r.heads[0]
+    if r.n_biased_heads == 0:
+        return (f"no significant Σδ bias in any selected head (largest: step {top.step} layer {top.layer} head {top.head}, "
+                f"{top.delta_err_sum:+.3g} ± {top.delta_err_se:.2g}); nothing to isolate")
+    names = ", ".join(r.culprits) if r.culprits else "none"
+    return (f"baseline Σ(δ_lp − δ_hp) = {base.delta_err_sum:+.3g} ± {base.delta_err_se:.2g} in {r.n_biased_heads} biased head(s), "
+            f"largest at step {top.step} layer {top.layer} head {top.head}; repairs removing ≥ 90%: {names}")
+
+
+def bias_claim(r: IsolateResult) -> BiasClaim:
+    """The most significant head's Σδ error (t-test or sign test, Bonferroni over both tests of every head)."""
+    h = min(r.heads, key=lambda h: min(h.t_p_value, h.p_value))
+    return claim("delta", min(h.t_p_value, h.p_value), 2 * len(r.heads), h.delta_err_sum, layer=h.layer, head=h.head, step=h.step)
+
+
+def payload(r: IsolateResult) -> dict:
+    """The --json payload (keys documented in docs/json.md)."""
+    return {
+        "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
+        "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,
+        "input_cast": r.input_cast, "bias": bias_claim(r), **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+    }

@@ -1,0 +1,235 @@
+"""The FP8 P-cast study on a captured dump (paper 002): per head, sink strength, collapse, a fix.
+
+An FP8 attention kernel multiplies the fp32 probabilities P̄ = exp(Z − m) by a static scale S,
+casts them to E4M3 (anything below 2^-10 becomes 0) and accumulates O from the cast values, while
+ℓ comes from the pre-cast P̄ (Algorithm 1). A strong attention sink raises the running maximum m,
+so under forward KV order most non-sink P̄ fall below 2^-10/S and are silently zeroed
+("P-collapse"). Each captured head's real scores are replayed by the engine's fp8 recipe at every
+(S, KV order) (`pcast.kernel`); its sink strength, zeroed share and output MSE give a
+recommendation of S and order. The synthetic study is `pcast.sim`; dp(S) is `pcast.e4m3`; the
+closed forms are `pcast.theory`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from scipy import stats
+
+from fa_forensics.analyses.pcast.e4m3 import DpPoint, default_dp_scales, dp_curve
+from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_config, reference_attention
+from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW, expected_max_normal
+from fa_forensics.layers.selection import load
+from fa_forensics.analyses.stats import mean_se
+from fa_forensics.errors import InvalidSetting
+from fa_forensics.enums import KVOrder
+from fa_forensics.replay.emulate.forward import scaled_scores
+
+MIN_NONSINK_KEYS = 16  # rows with fewer non-sink keys give no sink-strength estimate
+FIX_MSE_RATIO = 1.2  # a head "needs a fix" when forward S=1 is this much worse than the best setting
+FIX_MASS_ZEROED = 0.005  # ... or its cast silently drops this fraction of the probability mass
+
+
+@dataclass(frozen=True)
+class HeadSetting:
+    """One (S, order) setting on one head's real scores."""
+
+    S: float
+    order: KVOrder
+    frac_zeroed: float  # zeroed non-sink P̄ / all non-sink (unmasked) P̄
+    mass_zeroed: float  # mean over rows of Σ zeroed P̄ / ℓ
+    closed_form: Optional[float]  # forward: Φ((gap − 10 ln 2 − ln S)/σ) from the measured gap; reverse: None
+    mse: float  # mean over query rows of the per-row MSE of O against fp64 (V as captured)
+    mse_se: float
+
+
+@dataclass(frozen=True)
+class HeadPcast:
+    """The P-cast study on one captured head, with its recommendation."""
+
+    step: int
+    layer: int
+    head: int
+    rows: int  # query rows (batch × T)
+    sink_gap: float  # mean over rows of (max score of the first k keys − mean non-sink score) / sd, in sd
+    sink_gap_se: float
+    sink_strength: float  # sink_gap − δ_k: the paper's Δ (sinks at Δ + N(0,1) have max Δ + δ_k)
+    sink_gap_logits: float  # the same gap in natural-log units (what the 2^-10/S threshold sees)
+    score_sd: float  # mean over rows of the non-sink score standard deviation (natural-log units)
+    settings: tuple[HeadSetting, ...]
+    needs_fix: bool
+    recommended_S: float
+    recommended_order: KVOrder
+    recommendation: str
+
+    def setting(self, S: float, order: "KVOrder | str") -> Optional[HeadSetting]:
+        return next((s for s in self.settings if s.S == S and s.order == order), None)
+
+
+@dataclass(frozen=True)
+class PcastDumpResult:
+    """Per-head P-cast metrics of a dump."""
+
+    path: str
+    n_sinks: int
+    block: int
+    delta_k: float
+    scales: tuple[float, ...]
+    orders: tuple[KVOrder, ...]
+    heads: tuple[HeadPcast, ...]
+    dp: tuple[DpPoint, ...] = ()  # dp(S) at the studied scales and the defaults
+    warnings: tuple[str, ...] = ()
+    replay_fidelity: Optional[dict] = None  # the study casts the dump's own scores: no recipe is replayed
+
+
+def sink_gap_stats(z: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[float, float, float, float]:
+    """Sink gap of a head from its scores: (gap in sd, its se over rows, gap in logits, mean sd).
+
+    z (R, T) scores; allowed (R, T) bool. Per row with ≥ MIN_NONSINK_KEYS non-sink keys:
+    gap = max over the first k keys − mean of the non-sink keys, and their sd.
+    """
+    nonsink = allowed.clone()
+    nonsink[:, :k] = False
+    sink = allowed.clone()
+    sink[:, k:] = False
+    n_ns = nonsink.sum(dim=-1)  # (R,)
+    ok = (n_ns >= MIN_NONSINK_KEYS) & sink.any(dim=-1)
+    if not bool(ok.any()):
+        nan = float("nan")
+        return nan, nan, nan, nan
+    z64 = z.double()
+    mu = torch.where(nonsink, z64, 0.0).sum(-1) / n_ns.clamp(min=1)
+    var = torch.where(nonsink, (z64 - mu[:, None]) ** 2, 0.0).sum(-1) / (n_ns - 1).clamp(min=1)
+    sd = var.sqrt()
+    top = torch.where(sink, z64, -math.inf).amax(dim=-1)
+    gap = (top - mu)[ok]
+    gap_sd = gap / sd[ok].clamp(min=1e-12)
+    g = mean_se(gap_sd.numpy())
+    return g.value, g.se, float(gap.mean()), float(sd[ok].mean())
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Whether a head needs another P-cast setting, which one, and why in one line."""
+
+    needs_fix: bool
+    S: float
+    order: KVOrder
+    reason: str
+
+
+def _recommend(settings: Sequence[HeadSetting]) -> Recommendation:
+    """The recommendation from a head's settings.
+
+    Among the settings within max(2 %, 2 se) of the best MSE, prefer S = 256 (bit-exact, smallest
+    dp), then any other power of two, then forward order (no kernel change), then the lower MSE.
+    """
+    best = min(settings, key=lambda s: s.mse)
+    tol = max(0.02 * best.mse, 2.0 * (best.mse_se if math.isfinite(best.mse_se) else 0.0))
+    good = [s for s in settings if s.mse <= best.mse + tol]
+    pick = min(good, key=lambda s: (s.S != 256.0, not math.log2(s.S).is_integer(), s.order is not KVOrder.FORWARD, s.mse))
+    base = next((s for s in settings if s.S == 1.0 and s.order is KVOrder.FORWARD), None)
+    if base is None:
+        base = max(settings, key=lambda s: s.frac_zeroed)
+    ratio = base.mse / best.mse if best.mse > 0 else float("inf")
+    needs = base.mass_zeroed > FIX_MASS_ZEROED or ratio > FIX_MSE_RATIO
+    label = f"{base.order.value} S={base.S:g}"
+    if needs:
+        rev = next((s for s in settings if s.S == base.S and s.order != base.order), None)
+        alt = f"; reverse order alone gives ×{rev.mse / best.mse:.2f}" if rev is not None and base.order is KVOrder.FORWARD else ""
+        reason = (f"{label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, {base.mass_zeroed:.2%} of the probability "
+                  f"mass (MSE ×{ratio:.2f} of the best): "
+                  f"use {pick.order.value} S={pick.S:g}{alt}")
+    else:
+        reason = (f"no harmful collapse ({label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, "
+                  f"{base.mass_zeroed:.2%} of the mass, MSE ×{ratio:.2f} of the best); " + (
+                      f"{pick.order.value} S={pick.S:g} has the lowest MSE" if pick is best else
+                      f"{pick.order.value} S={pick.S:g} is within {pick.mse / best.mse - 1:.1%} of the best "
+                      f"({best.order.value} S={best.S:g})"))
+    return Recommendation(needs_fix=needs, S=pick.S, order=pick.order, reason=reason)
+
+
+def analyze_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+                 n_sinks: int = 4, block: int = 64, scales: Sequence[float] = (1.0, 256.0, 448.0),
+                 orders: Sequence[KVOrder] = tuple(KVOrder), where: tuple[int, int, int] = (0, 0, 0)) -> HeadPcast:
+    """The P-cast study on one head: q, k, v (B, T, D) as captured (any float dtype; used in fp32).
+
+    Q, K, V stay in fp32 to isolate the P cast (§6.1). The scores are formed once as the engine
+    forms them (α·Q Kᵀ under the recipe's accumulation), so every setting's replay gives the bits
+    of a full replay of this head under `pcast_config(S, order, block)`.
+    """
+    q32, k32, v32 = (x.to(torch.float32)[:, None] for x in (q, k, v))  # (B, 1, T, D)
+    B, _, T, _ = q32.shape
+    z = scaled_scores(q32, k32, pcast_config(1.0, KVOrder.FORWARD, block), scale, causal, 0, 0)[:, 0]  # (B, T, T)
+    allowed = torch.ones(T, T, dtype=torch.bool)
+    if causal:
+        allowed = torch.tril(allowed)
+    counted = allowed.clone()
+    counted[:, :n_sinks] = False  # (T, T): non-sink keys the row can see
+    n_counted = int(counted.sum()) * B
+    v32 = v32[:, 0]
+    o_ref, _ = reference_attention(z, v32)  # (B, T, D) fp64
+    gap, gap_se, gap_logits, sd = sink_gap_stats(z.reshape(B * T, T), allowed.repeat(B, 1), n_sinks)
+    settings = []
+    for order in (kv_order(o) for o in orders):
+        for S in scales:
+            out = pcast_attention(z, v32, pcast_config(S, order, block), counted=counted)
+            row_mse = mean_se(((out.o.double() - o_ref) ** 2).mean(dim=-1).reshape(-1).numpy())  # over B·T rows
+            closed = None
+            if order is KVOrder.FORWARD and math.isfinite(gap_logits) and sd > 0:
+                closed = float(stats.norm.cdf((gap_logits - LN_UNDERFLOW - math.log(S)) / sd))
+            settings.append(HeadSetting(
+                S=float(S), order=order,
+                frac_zeroed=float(out.n_zeroed.sum()) / max(n_counted, 1),
+                mass_zeroed=float(out.mass_zeroed.double().mean()),
+                closed_form=closed, mse=row_mse.value, mse_se=row_mse.se,
+            ))
+    rec = _recommend(settings)
+    step, layer, head = where
+    return HeadPcast(step=step, layer=layer, head=head, rows=B * T, sink_gap=gap, sink_gap_se=gap_se,
+                     sink_strength=gap - expected_max_normal(n_sinks), sink_gap_logits=gap_logits, score_sd=sd,
+                     settings=tuple(settings), needs_fix=rec.needs_fix, recommended_S=rec.S,
+                     recommended_order=rec.order, recommendation=rec.reason)
+
+
+def run(dump, selections, *, n_sinks: int = 4, block: int = 64, scales: Sequence[float] = (1.0, 256.0, 448.0),
+        orders: Sequence[KVOrder] = tuple(KVOrder)) -> PcastDumpResult:
+    """`analyze_head` for every head of every `LayerSelection` (from `selection.select`)."""
+    if n_sinks < 1:
+        raise InvalidSetting("n_sinks", f"sink tokens must be ≥ 1, got {n_sinks}")
+    if block < 1:
+        raise InvalidSetting("block", f"block size must be ≥ 1, got {block} (e.g. 64)")
+    orders = tuple(kv_order(o) for o in orders)
+    heads, warnings = [], []
+    for sel in selections:
+        t = load(dump, sel)
+        warnings.extend(w for w in t.warnings if w not in warnings)
+        for j, h in enumerate(sel.heads):
+            q, k, v = (x[:, j] for x in (t.q, t.k, t.v))  # (B, T, D)
+            heads.append(analyze_head(q, k, v, scale=t.scale, causal=t.causal, n_sinks=n_sinks, block=block,
+                                      scales=scales, orders=orders, where=(sel.step, sel.layer, h)))
+    return PcastDumpResult(path=str(dump.path), n_sinks=n_sinks, block=block, delta_k=expected_max_normal(n_sinks),
+                           scales=tuple(float(s) for s in scales), orders=orders, heads=tuple(heads),
+                           dp=dp_curve(default_dp_scales(scales)), warnings=tuple(warnings))
+
+
+def verdict(res: PcastDumpResult) -> str:
+    """One sentence: how many heads need another S or KV order, and the first of them."""
+    need = [h for h in res.heads if h.needs_fix]
+    if not need:
+        return f"no head of {len(res.heads)} needs a P-cast fix at the default S = 1, forward order"
+    h = need[0]
+    return (f"{len(need)} of {len(res.heads)} heads need a P-cast fix; e.g. step {h.step} layer {h.layer} head {h.head}: "
+            f"{h.recommended_order.value} S={h.recommended_S:g}")
+
+
+def payload(res: PcastDumpResult) -> dict:
+    """The --json payload of the dump mode (keys documented in docs/json.md)."""
+    return {
+        "mode": "dump", "dump": res.path, "n_sinks": res.n_sinks, "block": res.block, "delta_k": res.delta_k,
+        "scales": list(res.scales), "orders": list(res.orders), "heads": list(res.heads),
+        "dp": [{"S": p.S, "dp": p.dp, "lsb": p.lsb, "bit_exact": p.bit_exact} for p in res.dp],
+        "warnings": list(res.warnings), "replay_fidelity": res.replay_fidelity, "verdict": verdict(res),
+    }

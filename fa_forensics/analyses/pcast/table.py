@@ -1,0 +1,91 @@
+"""Tables of the pcast study: per head of a dump (`tables`), and the simulation's (`sim_tables`)."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from fa_forensics.analyses.pcast.compute import PcastDumpResult
+from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
+from fa_forensics.analyses.stats import format_p
+
+
+def tables(res: PcastDumpResult) -> list:
+    """Per head: sink strength, zeroed share and MSE ratio per (order, S), the recommendation."""
+    t = Table(title=f"P-cast per head of {res.path} (k = {res.n_sinks} sink keys, B = {res.block}); "
+                    f"cells: non-sink P̄ zeroed, MSE / best MSE")
+    for c in ("step", "L", "H", "sink Δ̂"):
+        t.add_column(c, justify="right")
+    for order in res.orders:
+        for S in res.scales:
+            t.add_column(f"{'fwd' if order == 'forward' else 'rev'} {S:g}", justify="right")
+    t.add_column("needs")
+    for h in res.heads:
+        best = min(s.mse for s in h.settings)
+        cells = [f"{s.frac_zeroed:.0%} ×{s.mse / best:.2f}" for order in res.orders for S in res.scales
+                 for s in [h.setting(S, order)]]
+        t.add_row(str(h.step), str(h.layer), str(h.head), f"{h.sink_strength:.1f}±{h.sink_gap_se:.1f}", *cells,
+                  f"{h.recommended_order.value} S={h.recommended_S:g}" if h.needs_fix else "-")
+    return [t, *(f"  step {h.step} layer {h.layer} head {h.head}: {h.recommendation}" for h in res.heads)]
+
+
+def dp_table(points) -> Table:
+    """dp(S) at the listed scales."""
+    t = Table(title="dp(S): worst-case normalized E4M3 step of the P-cast (exhaustive enumeration)")
+    for c in ("S", "dp(S)", "dp / 2^-4", "bit-exact"):
+        t.add_column(c, justify="right")
+    for p in points:
+        t.add_row(f"{p.S:g}", f"{p.dp:.4f}", f"{p.dp / 2 ** -4:.3f}", "yes" if p.bit_exact else "no")
+    return t
+
+
+def sim_tables(res: PcastSimResult) -> list:
+    """The simulation's tables and lines: Table 1, Fig. 3's data, dp(S), the ratios, the t-tests, explanations, notes."""
+    out: list = []
+    n = res.n_main
+    t = Table(title=f"Table 1: P-collapse (N = {n}, k = {res.config.n_sinks}, B = {res.config.block}, "
+                    f"δ_k = {res.delta_k:.4f} integrated; {res.config.n_seeds} seeds)")
+    for c in ("Δ", "S", "order", "frac zeroed ± se", "closed form", "spread-avg", "non-sink mass", "info loss", "MSE ± se"):
+        t.add_column(c, justify="right")
+    for r in sorted((r for r in res.rows if r.seq == n), key=lambda r: (r.order, r.S, r.delta)):
+        t.add_row(f"{r.delta:g}", f"{r.S:g}", r.order.value, f"{r.frac_zeroed:.3f} ± {r.frac_zeroed_se:.3f}",
+                  f"{r.closed_form:.3f}", f"{r.closed_form_spread:.3f}", f"{r.nonsink_mass:.3f}", f"{r.info_loss:.3f}",
+                  f"{r.mse:.3e} ± {r.mse_se:.1e}")
+    out.append(t)
+    seqs = sorted({r.seq for r in res.rows if r.delta == DELTA_FIG3})
+    if len(seqs) > 1:
+        t = Table(title=f"Fig. 3 data: MSE vs N at Δ = {DELTA_FIG3:g}")
+        t.add_column("order, S")
+        for s in seqs:
+            t.add_column(f"N={s}", justify="right")
+        for order in res.config.orders:
+            for S in res.config.scales:
+                cells = [res.row(DELTA_FIG3, S, order, s) for s in seqs]
+                t.add_row(f"{order.value} S={S:g}", *[f"{c.mse:.2e}" if c else "-" for c in cells])
+        out.append(t)
+    out.append(dp_table(res.dp))
+    for ratio in (res.ratio, res.ratio_448):
+        if ratio is not None:
+            out.append(f"MSE {ratio.numerator} / {ratio.denominator} at Δ = {ratio.delta:g}, N = {ratio.seq}: "
+                          f"[bold]{ratio.value:.2f} ± {ratio.se:.2f}[/] (paired over {ratio.n} seeds)")
+    if res.ttest:
+        t = Table(title=f"Paired t-test: forward S=256 vs reverse S=256 (N = {n}, instances = seeds)")
+        for c in ("Δ", "n", "MSE fwd", "MSE rev", "mean diff ± se", "t", "p", "verdict"):
+            t.add_column(c, justify="right")
+        for x in res.ttest:
+            verdict = {"a better": "forward better", "b better": "reverse better"}.get(x.verdict, x.verdict)
+            t.add_row(f"{x.delta:g}", str(x.n), f"{x.mse_a:.3e}", f"{x.mse_b:.3e}", f"{x.mean_diff:+.2e} ± {x.se_diff:.1e}",
+                      f"{x.t:.2f}", format_p(x.p_value), verdict)
+        out.append(t)
+    explained = [r for r in res.rows if r.explanation and r.seq == n]
+    if explained:
+        out.append("[bold]Where measured and closed form differ by more than 0.02:[/]")
+        for r in explained:
+            out.append(f"  Δ={r.delta:g} S={r.S:g} {r.order.value}: measured {r.frac_zeroed:.3f} vs {r.closed_form:.3f}: {r.explanation}")
+    for note in res.notes:
+        out.append(f"[dim]note: {note}[/]")
+    return out
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    heads = d.get("heads") or []
+    return f"pcast: {len(heads)} head(s) analysed for FP8 P-cast collapse." if heads else "pcast: ran."

@@ -1,0 +1,70 @@
+"""Figure of `rank1-sim`: paper Fig. 4 (similar rank-1 matrices) plus the accumulation test across steps."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fa_forensics.analyses.wording import number
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+
+
+def plot_rank1(result, path: Path) -> Path:
+    """(a, b) two rank-1 matrices (PK)[T]ᵀX[T]; (c) their pairwise cosines; (d) column weights; (e) growth of ‖Σ E_s‖."""
+    fig, axes = new_figure(2, 3, width=12.0, height=6.5)
+    ax = axes.ravel()
+    for j in range(2):
+        a = ax[j]
+        if j < len(result.example_matrices):
+            m = np.asarray(result.example_matrices[j])
+            lim = float(np.abs(m).max()) or 1.0
+            im = a.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+            tk = result.tokens[j]
+            a.set_title(f"({'ab'[j]}) (PK)[T]ᵀX[T], step {tk.step} T={tk.token}")
+            fig.colorbar(im, ax=a, label="value")
+        a.set_xlabel("input feature (column of X)")
+        a.set_ylabel("head dim d")
+        a.grid(False)
+    cos = np.asarray(result.cosine)
+    im = ax[2].imshow(cos, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    ax[2].set_title(f"(c) pairwise cosine, off-diagonal mean {result.cosine_offdiag_mean:+.2f}")
+    ax[2].set_xlabel("chosen token #")
+    ax[2].set_ylabel("chosen token #")
+    ax[2].grid(False)
+    fig.colorbar(im, ax=ax[2], label="cosine similarity")
+    if result.top_columns:
+        feats = [c.feature for c in result.top_columns]
+        ax[3].bar([str(f) for f in feats], [c.weight for c in result.top_columns], color=COLORS["highlight"])
+    ax[3].set_title("(d) input features that stand out")
+    ax[3].set_xlabel("input feature (column of X)")
+    ax[3].set_ylabel("share of ‖(PK)ᵀX‖² (mean over tokens)")
+    c = np.asarray(result.cumulative_norms, dtype=np.float64)
+    if c.size and (c > 0).all():  # a log axis needs positive values
+        n = np.arange(1, len(c) + 1)
+        expo = number(result.accumulation_exponent, ".2f")
+        ax[4].loglog(n, c, "o-", color=COLORS["lowp"], label=f"‖Σ_(s≤n) E_s‖, exponent {expo}")
+        ax[4].loglog(n, c[0] * n, "--", color=COLORS["neutral"], label="slope 1 (compounds)")
+        ax[4].loglog(n, c[0] * np.sqrt(n), ":", color=COLORS["highp"], label="slope 0.5 (washes out)")
+        ax[4].legend()
+    elif c.size:
+        ax[4].text(0.5, 0.5, "no gradient error to accumulate\n(the replays agree at some step)", ha="center",
+                   va="center", transform=ax[4].transAxes, color=COLORS["neutral"])
+    ax[4].set_title("(e) accumulation of the W_Q gradient error")
+    ax[4].set_xlabel("number of steps n")
+    ax[4].set_ylabel("Frobenius norm")
+    sv = np.asarray(result.singular_values)
+    if sv.size:
+        ax[5].bar(np.arange(1, sv.size + 1), sv, color=COLORS["highp"])
+    ax[5].set_title(f"(f) singular values of Σ E; eff. rank {number(result.effective_rank, '.2f')}")
+    ax[5].set_xlabel("index")
+    ax[5].set_ylabel("singular value")
+    fig.suptitle(f"rank1-sim: layer {result.focus_layer} head {result.focus_head}")
+    return save_figure(fig, path, "Reproduces paper Fig. 4 (c, f): the rank-1 matrices (PK)[T]ᵀX[T] of different tokens "
+                                  "and steps are alike and dominated by a few input features (Eq. 2-3).")
+
+
+def draw(result, out: Path) -> list[Path]:
+    """The rank-1 figure into the folder `out` (none without X: there are no rank-1 matrices to draw)."""
+    if not result.has_x:
+        return []
+    return [plot_rank1(result, out / f"rank1_sim_l{result.focus_layer}_h{result.focus_head}.png")]

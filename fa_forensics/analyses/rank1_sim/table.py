@@ -1,0 +1,39 @@
+"""Table of a rank1-sim result."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from fa_forensics.analyses.rank1_sim.compute import Rank1Result, _fmt
+from fa_forensics.analyses.wording import number
+
+
+def tables(r: Rank1Result) -> list[Table]:
+    """The quantities of the focus head: cosines, stand-out features, spectrum, accumulation."""
+    table = Table(title=f"rank1-sim: layer {r.focus_layer} head {r.focus_head}, {len(r.tokens)} tokens over steps {r.steps} "
+                        f"(lp = preset {r.preset})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("mean pairwise cosine of (PK)[T]ᵀX[T]" if r.has_x else "mean pairwise cosine of (PK)[T] (no X)", f"{r.cosine_offdiag_mean:+.3f}")
+    if r.has_x:
+        table.add_row("  of which: PK rows / X rows", f"{r.pk_cosine_offdiag_mean:+.3f} / {r.x_cosine_offdiag_mean:+.3f}")
+        table.add_row("input features that stand out (share)", ", ".join(f"{c.feature} ({c.weight:.2f})" for c in r.top_columns[:5]))
+        table.add_row("singular values of the gradient error Σ E", ", ".join(f"{s:.3g}" for s in r.singular_values[:5]))
+        no_error = "n/a (no gradient error)"
+        has_error = any(x > 0 for x in r.cumulative_norms)
+        table.add_row("effective rank / top σ² share",
+                      f"{_fmt(r.effective_rank, 'n/a')} / {_fmt(r.top_sv_ratio, 'n/a')}" if has_error else no_error)
+        table.add_row("cross-step alignment of top singular vectors",
+                      _fmt(r.cross_step_alignment, "needs ≥ 2 steps") if has_error else no_error)
+        steps_short = "needs ≥ 3 steps" if len(r.cumulative_norms) < 3 else "n/a (zero error at some step)"
+        table.add_row("accumulation exponent (1 compounds, 0.5 washes out)",
+                      _fmt(r.accumulation_exponent, steps_short) if has_error else no_error)
+    return [table]
+
+
+def finding(d: dict) -> str:
+    """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
+    cols = [str(c.get("feature")) for c in (d.get("top_columns") or [])[:3] if isinstance(c, dict)]
+    return (f"rank1-sim: mean off-diagonal cosine {number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank "
+            f"{number(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
+            f"accumulation exponent {number(d.get('accumulation_exponent'), '.2f')} "
+            "(≈ 1 compounds, ≈ 0.5 washes out).")

@@ -1,1 +1,0 @@
-"""Figures: matplotlib, one function per figure, taking analysis results (never raw argv)."""

@@ -1,0 +1,78 @@
+"""The registry of analyses is the one place an analysis is declared: the CLI's commands and the report's
+sections are generated from it, and its --json keys are what the analyses really write."""
+import typer.main
+
+from fa_forensics.enums import Backend
+from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.analyses.registry import ANALYSES, BY_NAME, REPORTED
+from fa_forensics.layers.selection import select
+from fa_forensics.cli import app
+from fa_forensics.dump import open_dump
+from fa_forensics.report.run import SECTIONS, command_line
+
+SHARED_BEFORE = ["dump", "step", "layer", "head"]
+SHARED_AFTER = ["preset", "accumulation", "backend", "match_cache", "workers", "scheduler", "out", "json_path", "debug"]
+
+
+def _commands():
+    return typer.main.get_command(app).commands
+
+
+def test_every_registered_analysis_is_a_command_with_its_help_and_options_in_order():
+    commands = _commands()
+    for analysis in ANALYSES:
+        command = commands[analysis.name]
+        assert command.help == analysis.help
+        names = [p.name for p in command.params]
+        own = [o.name for o in analysis.options]
+        assert names == (SHARED_BEFORE + own + SHARED_AFTER if analysis.replays else own), analysis.name
+        flags = {p.name: p.opts for p in command.params}
+        for option in analysis.options:
+            if option.flag is not None and not option.shared:
+                assert flags[option.name] == [option.flag]
+
+
+def test_report_sections_are_the_registered_ones_in_order_with_generated_command_lines():
+    assert [s.name for s in SECTIONS] == [a.name for a in REPORTED]
+    assert "timeline" not in [s.name for s in SECTIONS]  # no section: its figures need a monitored run
+    recipe = Recipe("bf16")
+    assert command_line("bitdiff", "d.zarr", {"layer": 0}, recipe, Backend.EMULATE) == [
+        "bitdiff", "d.zarr", "--layer", "0", "--a", "bf16", "--b", "fp32", "--accumulation", "ieee", "--backend",
+        "emulate"]
+    assert command_line("pcast", "d.zarr", {"layer": 0}, recipe, Backend.EMULATE) == ["pcast", "d.zarr"]
+    assert command_line("rank1-sim", "d.zarr", {"step": 1}, recipe, Backend.TRITON)[:5] == [
+        "rank1-sim", "d.zarr", "--step", "1", "--preset"]
+
+
+def test_an_option_check_refuses_in_one_line_naming_the_flag():
+    beta = next(o for o in BY_NAME["fix-check"].options if o.name == "beta")
+    assert beta.problem(2.0) is None
+    assert beta.problem(0.5) == "--beta 0.5 must be > 1 (the paper uses 2 to 8)"
+
+
+def test_registered_json_keys_are_the_payload_keys_of_a_real_run(planted_dump):
+    dump = open_dump(planted_dump)
+    pcast = BY_NAME["pcast"]
+    sels = select(dump, dump.steps[-1], 0, 1)
+    result = pcast.report_run(dump, sels, Recipe("bf16"), Backend.EMULATE, None)
+    assert [*pcast.payload(result), "figures"] == list(pcast.json_keys)
+    delta_bias = BY_NAME["delta-bias"]
+    result = delta_bias.compute(dump, select(dump, 1, 0, 1), Recipe("bf16"), Backend.EMULATE, **delta_bias.defaults())
+    assert [*delta_bias.payload(result), "figures"] == list(delta_bias.json_keys)
+
+
+def test_registered_json_keys_of_the_other_modes_are_what_they_write(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    add = tmp_path / "add.json"
+    r = runner.invoke(app, ["bitdiff", "--add", "-2.4071154594421387", "-2.296875", "--json", str(add)])
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(add.read_text())) == list(BY_NAME["bitdiff"].other_json_keys["add"])
+    sim = tmp_path / "sim.json"
+    r = runner.invoke(app, ["pcast", "--seq", "256", "--sink-strength", "7", "--seeds", "2", "--queries", "2",
+                            "--head-dim", "16", "--json", str(sim)])
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(sim.read_text())) == list(BY_NAME["pcast"].other_json_keys["simulation"])
