@@ -25,7 +25,7 @@ the rule over a recorded timeline, `replay_rule`); `AlarmRule.with_settings` che
 Defaults (window 20, min_history 8, warmup 50, z 6, min_change ties +8 rows / W_Q +25 % /
 loss +25 %, persist 3 / 3 / 1) were chosen on the demo run (300 steps, 4 × 4 heads): they raise
 no alarm there, while a planted tie drift or loss spike alarms within `persist` steps
-(tests/integration/test_monitor_cli.py).
+(tests/cli/test_monitor_cli.py).
 """
 from __future__ import annotations
 

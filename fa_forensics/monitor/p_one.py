@@ -1,7 +1,7 @@
 """Exact thresholds for "P̄ == 1 after the cast to a 16-bit dtype", so the monitor can count those
 entries without a cast and a compare over every score.
 
-Two facts, both checked exhaustively over the fp32 values concerned in tests/unit/test_monitor_p_one.py:
+Two facts, both checked exhaustively over the fp32 values concerned in tests/unit/monitor/test_monitor_p_one.py:
 
 1. The cast (round to nearest, ties to even). Below 1 the bf16 grid has spacing 2⁻⁸, so the midpoint
    between 1 − 2⁻⁸ and 1 is 1 − 2⁻⁹. A tie goes to the even neighbour: that is 1.0 (mantissa 0), not

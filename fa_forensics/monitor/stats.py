@@ -66,7 +66,7 @@ def head_statistics(
     and the row sums. The ε comparison runs only on rows with two or more P̄ == 1 entries, when
     ε ≤ |EXP_ONE_MIN| (CPU only; on a GPU, deciding which rows those are would need a device sync).
     The results match the earlier direct version bit for bit (it is kept as the reference in
-    tests/unit/test_monitor_stats.py):
+    tests/unit/monitor/test_monitor_stats.py):
     - the matmul is called on the same shapes;
     - scale, mask and subtract are exact IEEE operations on the same values (a score of −0 may
       become +0, which is equal as a number);

@@ -1,9 +1,8 @@
-"""`fa-forensics match` on a dump whose O the paper's reference forward computed (tests/unit/
+"""`fa-forensics match` on a dump whose O the paper's reference forward computed (tests/helpers/
 paper_reference.py), standard and with its fix (STABLE=1) at T = 1024."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,7 @@ from fa_forensics.cli import app
 from fa_forensics.dump.writer import DumpWriter
 from fa_forensics.dump import open_dump
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from paper_reference import negative_max_inputs, paper_forward  # noqa: E402
+from paper_reference import negative_max_inputs, paper_forward
 
 T, D = 1024, 16
 

@@ -378,7 +378,7 @@ def test_a_safetensors_write_error_is_worded():
 @pytest.mark.parametrize("where", ["run.zarr.lock", "run.zarr"])
 def test_capture_never_writes_through_a_planted_link(tmp_path, where):
     """`fa-forensics capture` on a real training script: its store goes through the dump writer and its lock."""
-    from tests.integration.test_capture_cli import SCRIPT
+    from tests.cli.test_capture_cli import SCRIPT
 
     victim = _victim(tmp_path)
     victim_dir = tmp_path / "someone-elses-folder"

@@ -191,7 +191,7 @@ def align_emulator_exp(monkeypatch) -> None:
     """Make the emulator's exponential the kernels' one (`aligned_exp`) for one test. The compiled
     row stages (replay/emulate/fused.py) carry the emulator's own exp inside, so the emulator runs
     its torch path here, where the exp can be swapped (the two paths are bit-identical otherwise,
-    tests/unit/test_replay_fused.py)."""
+    tests/unit/replay/test_replay_fused.py)."""
     from fa_forensics.replay.emulate import backward, forward, fused
 
     for module in (forward, backward):

@@ -16,7 +16,7 @@ from fa_forensics.capture import InvalidCaptureSetting
 from fa_forensics.capture.entry_points import TargetSpec
 from fa_forensics.dump import open_dump
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 STANDINS = DATA / "attention_standins"
 CUSTOM = DATA / "custom_attention"
 _STANDIN_MODULES = ("flash_attn", "xformers", "_reference", "blocked_attention")

@@ -151,7 +151,7 @@ def test_verify_cli_exit_codes(make_dump, tmp_path):
 
 
 def test_sample_dumps_verify_whole():
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     for name in ("demo.zarr", "planted.zarr"):
         report = verify(repo / "sample_dumps" / name)
         assert report.ok, report.problems

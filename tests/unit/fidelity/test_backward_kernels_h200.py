@@ -18,7 +18,7 @@ from safetensors import safe_open
 from fa_forensics.replay import ReplayConfig
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 KERNELS = {"cudnn": "sdpa-cudnn", "efficient": "sdpa-efficient", "flash": "flash-attention-2"}
 PRESETS = {"cudnn": "sdpa-cudnn-sm90", "efficient": "sdpa-efficient", "flash": "sdpa-flash"}  # forward and backward
 

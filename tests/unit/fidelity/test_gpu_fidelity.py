@@ -26,7 +26,7 @@ from fa_forensics.replay.gpu_fidelity import (
     RecordedSet, agreement_rows, gpt2_like_inputs, kernel_preset, o_agreement, record_set,
 )
 
-BITS = Path(__file__).resolve().parents[1] / "data" / "h200_bits"
+BITS = Path(__file__).resolve().parents[2] / "data" / "h200_bits"
 # (batch, heads) of each recorded launch (the fixture keeps one batch row and head): they decide
 # FlashAttention-2's split count; from the fixture's README
 LAUNCH = {"gpt2": (1, 2), "ties": (1, 2), "d128": (1, 2), "fp16": (1, 2), "planted.s0l0": (2, 4), "demo.s296l1": (2, 4)}
@@ -117,7 +117,7 @@ def _training_dump(dst: Path) -> Path:
 def test_match_names_cudnn_and_its_tile_on_the_training_capture(tmp_path):
     dump = _training_dump(tmp_path / "gpu.zarr")
     out = tmp_path / "match.json"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     r = subprocess.run([sys.executable, "-m", "fa_forensics", "match", str(dump), "--json", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr

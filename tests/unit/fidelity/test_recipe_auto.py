@@ -19,7 +19,7 @@ from fa_forensics.dump import open_dump
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.replay.config import Accumulation, ReplayConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PLANTED, DEMO = ROOT / "sample_dumps" / "planted.zarr", ROOT / "sample_dumps" / "demo.zarr"
 runner = CliRunner()
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from fa_forensics.numerics import matmul
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "tensor_core_mma" / "published.safetensors"
+DATA = Path(__file__).resolve().parents[2] / "data" / "tensor_core_mma" / "published.safetensors"
 FORMATS = {"bf16": "bf16", "fp16": "fp16", "E4M3": "fp8_e4m3", "E5M2": "fp8_e5m2"}
 # (GPU, format) -> share of bit-identical outputs required
 FLOORS = {("A100", "bf16"): 1.0, ("A100", "fp16"): 1.0, ("H100", "bf16"): 1.0, ("H100", "fp16"): 1.0,

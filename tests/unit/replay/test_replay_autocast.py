@@ -1,5 +1,5 @@
 """The autocast presets against the explicit-cast transcription of the paper's reference code
-(tests/unit/paper_reference.py; CPU autocast's op lists differ from CUDA's, so it is not used),
+(tests/helpers/paper_reference.py; CPU autocast's op lists differ from CUDA's, so it is not used),
 and what each autocast knob does on its own."""
 import pytest
 import torch

@@ -12,7 +12,7 @@ import torch
 from fa_forensics.replay.api import replay
 from fa_forensics.replay.config import ReplayConfig
 
-CUSTOM = Path(__file__).resolve().parents[1] / "data" / "custom_attention"
+CUSTOM = Path(__file__).resolve().parents[2] / "data" / "custom_attention"
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The `bf16-autocast*` recipes against the explicit-cast transcription of the paper's reference
-code (tests/unit/paper_reference.py), bit for bit, forward and backward, at T > 512 (two query
+code (tests/helpers/paper_reference.py), bit for bit, forward and backward, at T > 512 (two query
 and key blocks, the second ragged) with rows whose maximum score is negative."""
 import pytest
 import torch
