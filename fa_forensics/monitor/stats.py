@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fa_forensics.monitor.p_one import count_p_one, near_set_within_p_one
+from fa_forensics.optional import require
 
 # Per-(layer, head) series the monitor appends to a dump's timeline/ group, one row per step.
 TIMELINE_METRICS = ("max_logit", "near_max_ties", "p_one_extra", "top1_prob", "wq_sigma")
@@ -141,6 +142,7 @@ def _fused_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _head_statistics_fused(q, k, alpha, causal, eps, p_dtype, score_dtype, to_cpu) -> HeadStats:
     """head_statistics from the fused kernel's per-row results (B, H, T), reduced per head on the device."""
+    require("triton", "the monitor's fused statistics kernel (CUDA tensors or backend='triton')")
     from fa_forensics.replay.triton.monitor_kernel import row_statistics
 
     B, H, T, _ = q.shape
