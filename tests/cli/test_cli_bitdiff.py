@@ -39,7 +39,7 @@ def test_bitdiff_bad_input_is_one_line_exit_2():
 
 
 def test_bitdiff_refuses_a_dump_with_add_and_bad_sides_before_any_work(planted_dump):
-    """DUMP and --add together used to run --add and silently ignore the dump."""
+    """DUMP and --add together: a one-line error, never --add run with the dump silently ignored."""
     r = runner.invoke(app, ["bitdiff", str(planted_dump), "--add", "1", "2"])
     assert r.exit_code == 2 and "not both" in r.output and "Traceback" not in r.output
     for extra, needle in ((["--a", "nope"], "'nope' is not 'dump' or a preset"),
