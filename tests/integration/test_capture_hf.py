@@ -3,7 +3,6 @@ dropout), Llama (grouped-query attention), eager and compiled, library and CLI."
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,17 +10,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from toolchain import NEEDS_CXX
 
 import fa_forensics
 from fa_forensics.dump import open_dump
 
-transformers = pytest.importorskip("transformers")
-
 T = 16
 
-# torch.compile on the CPU generates C++ and builds it with the system compiler
-NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                               reason="torch.compile on the CPU needs a C++ compiler (g++)")
 
 
 

@@ -21,8 +21,6 @@ from fa_forensics.commands.match import runner_up
 from fa_forensics.dump import open_dump
 from fa_forensics.report.verdict import report_verdict
 
-transformers = pytest.importorskip("transformers")
-
 T = 16
 DEMO = Path(__file__).resolve().parents[2] / "sample_dumps" / "demo.zarr"
 AUTO_ANALYSES = ("delta-bias", "isolate", "bitdiff", "fix-check", "pv-trace", "rank1-sim")

@@ -8,7 +8,7 @@ from fa_forensics.analyses.recipe import Recipe
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.replay.config import ReplayConfig
 
-dump_mod = pytest.importorskip("fa_forensics.dump")
+import fa_forensics.dump as dump_mod  # noqa: E402
 
 
 @pytest.fixture

@@ -1,11 +1,10 @@
 """Capture on a torch.compile'd nanoGPT-shaped model: the run computes the same bits with and without capture."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
+from toolchain import NEEDS_CXX
 
 import fa_forensics
 from fa_forensics.demo.model import GPT, GPTConfig
@@ -13,9 +12,6 @@ from fa_forensics.dump import open_dump
 
 TINY = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, attention="sdpa")
 
-# torch.compile on the CPU generates C++ and builds it with the system compiler
-NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                               reason="torch.compile on the CPU needs a C++ compiler (g++)")
 
 
 def _compiled_run(out=None, steps=(1, 2), n_steps=4):
