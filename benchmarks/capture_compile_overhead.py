@@ -94,10 +94,14 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"compiled demo GPT (4 layers, T 256, batch {args.batch_size}), {result['steps_per_case']} unselected steps per case")
-    print(f"  no capture          wall {result['median_ms']['none']:8.1f} ms   cpu {result['median_cpu_ms']['none']:8.1f} ms")
-    print(f"  capture, unselected wall {result['median_ms']['capture']:8.1f} ms   cpu {result['median_cpu_ms']['capture']:8.1f} ms")
-    print(f"  ratio capture / none: wall {result['ratio_capture_over_none']:.3f}, cpu {result['cpu_ratio_capture_over_none']:.3f}")
+    print(f"compiled demo GPT (4 layers, T 256, batch {args.batch_size}), {result['steps_per_case']} unselected steps "
+          "per case")
+    print(f"  no capture          wall {result['median_ms']['none']:8.1f} ms   cpu "
+          f"{result['median_cpu_ms']['none']:8.1f} ms")
+    print(f"  capture, unselected wall {result['median_ms']['capture']:8.1f} ms   cpu "
+          f"{result['median_cpu_ms']['capture']:8.1f} ms")
+    print(f"  ratio capture / none: wall {result['ratio_capture_over_none']:.3f}, cpu "
+          f"{result['cpu_ratio_capture_over_none']:.3f}")
     print(f"  dynamo: graph breaks {result['graph_breaks']}, unique graphs {result['unique_graphs']}, "
           f"compiled after warm-up {result['frames_compiled_after_warmup']}")
     if args.json:

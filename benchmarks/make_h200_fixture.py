@@ -109,7 +109,8 @@ def _trim_training(tar_path: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folder", type=Path, help="folder with the recorded sdpa_<set>.safetensors and gpu_h200_train.zarr.tar")
+    ap.add_argument("folder", type=Path,
+                    help="folder with the recorded sdpa_<set>.safetensors and gpu_h200_train.zarr.tar")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/data/h200_bits")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import math
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import pytest
 import torch
@@ -56,15 +56,18 @@ def build_dump(
     incomplete = set(incomplete)
     for s in sorted(set(steps) | incomplete):
         for l in layers:
-            q, k, v, do = (torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype) for _ in range(4))  # (B, H, T, D)
+            # (B, H, T, D)
+            q, k, v, do = (torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype) for _ in range(4))
             x = torch.randn(batch, seq, heads * head_dim, generator=g).to(dtype)  # (B, T, C)
             if dtype == torch.bfloat16:
                 o, _ = bf16_reference(q, k, v, causal=causal, scale=alpha)
             else:
-                o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=alpha).to(dtype)
+                o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                                                     scale=alpha).to(dtype)
             tensors = {"q": q, "k": k, "v": v, "o": o, "do": do, "x": x}
             for n in names:
-                writer.write_array(s, l, n, tensors[n], layer_attrs={"module": f"blocks.{l}.attn", "causal": causal, "scale": alpha})
+                writer.write_array(s, l, n, tensors[n], layer_attrs={"module": f"blocks.{l}.attn", "causal": causal,
+                                                                     "scale": alpha})
         if s not in incomplete:
             writer.complete_step(s, loss=1.0 + s)
     writer.close()

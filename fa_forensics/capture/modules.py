@@ -9,7 +9,8 @@ the same names under wrappers (DDP's `module.`, torch.compile's `_orig_mod.`).
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

@@ -43,7 +43,7 @@ class StoreLock:
         self.stale_holder = ""  # the holder line of a lock file found left behind by a dead writer
         self.cleaned: list[Path] = []  # its staging stores, removed at acquire()
 
-    def acquire(self) -> "StoreLock":
+    def acquire(self) -> StoreLock:
         if fcntl is None or self._fd is not None:
             return self
         try:
@@ -104,7 +104,7 @@ class StoreLock:
             pass
         os.close(fd)
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -47,7 +47,8 @@ def count_p_one(p: torch.Tensor, p_dtype: torch.dtype, *, overwrite: bool = Fals
     if p_dtype not in P_ONE_MIN:
         return (p.to(p_dtype) == 1).sum(dim=-1)
     u = 1.0 - P_ONE_MIN[p_dtype]  # 2⁻⁹ or 2⁻¹², exact in fp32
-    per_row = (p.add_(u) if overwrite else p + u).floor_().sum(dim=-1)  # a sum of 0/1 values in fp32: exact below 2²⁴ columns
+    # a sum of 0/1 values in fp32: exact below 2²⁴ columns
+    per_row = (p.add_(u) if overwrite else p + u).floor_().sum(dim=-1)
     return per_row.nan_to_num_(0.0).long()
 
 

@@ -95,7 +95,8 @@ def head_statistics(
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
         s = torch.matmul(q[:, :, start:stop].float(), kT)  # (B, H, c, Tk): the same call and shapes as ever (same bits)
-        w = min(Tk, _round_up(max(stop + Tk - T, 1), _VECTOR_COLUMNS)) if causal else Tk  # columns the chunk's rows may see
+        # columns the chunk's rows may see
+        w = min(Tk, _round_up(max(stop + Tk - T, 1), _VECTOR_COLUMNS)) if causal else Tk
         d = s[..., :w]  # (B, H, c, w) view; columns ≥ w are masked for every row of the chunk
         if rounded:  # the kernel's S: the dot rounded to score_dtype, times α, rounded again
             d.copy_(d.to(score_dtype))
@@ -110,7 +111,8 @@ def head_statistics(
         r_m = d.amax(dim=-1, keepdim=True)  # (B, H, c, 1)
         max_logit = torch.maximum(max_logit, r_m.amax(dim=(0, 2, 3)))
         d.sub_(r_m)  # S − m ≤ 0; fl(m − S) = −fl(S − m) (rounding is symmetric)
-        p_bar = torch.empty_like(s)  # (B, H, c, Tk) fp32; whole rows, so each row sum adds the same values in the same order
+        # (B, H, c, Tk) fp32; whole rows, so each row sum adds the same values in the same order
+        p_bar = torch.empty_like(s)
         _exp_into(p_bar, d, start, T, Tk, causal)
         top1_sum += (1.0 / p_bar.sum(dim=-1)).double().sum(dim=(0, 2))
         ones = count_p_one(p_bar, p_dtype, overwrite=True)  # (B, H, c) P̄ == 1 in p_dtype (p_bar is spent)

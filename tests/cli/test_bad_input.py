@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from fa_forensics.cli import app
 
-DUMP_COMMANDS = ["info", "export", "match", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast", "timeline", "report"]
+DUMP_COMMANDS = ["info", "export", "match", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check",
+                 "pcast", "timeline", "report"]
 EXTRA_ARGS = {"export": lambda tmp: ["--to", str(tmp / "out.safetensors")]}
 
 

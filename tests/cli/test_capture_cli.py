@@ -65,14 +65,16 @@ SCRIPT = textwrap.dedent('''
 
 
 def _run(args, **kw):
-    return subprocess.run([sys.executable, "-m", "fa_forensics.cli", *args], capture_output=True, text=True, timeout=240, **kw)
+    return subprocess.run([sys.executable, "-m", "fa_forensics.cli", *args], capture_output=True, text=True,
+                          timeout=240, **kw)
 
 
 def test_unmodified_script_under_capture_records_the_selected_steps(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out, seen, js = tmp_path / "run.zarr", tmp_path / "seen.pt", tmp_path / "summary.json"
-    result = _run(["capture", "--out", str(out), "--steps", "1:4:2", "--layers", "1", "--batch", "0:2", "--json", str(js),
+    result = _run(["capture", "--out", str(out), "--steps", "1:4:2", "--layers", "1", "--batch", "0:2", "--json",
+                   str(js),
                    "--", sys.executable, str(script), "4", str(seen)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     summary = json.loads(js.read_text())
@@ -104,10 +106,17 @@ def test_capture_cli_bad_input_is_one_line(tmp_path):
 
 def test_rewrite_command():
     # a bare python / python3 runs under this interpreter (not a PATH shim's); --path-python keeps the name
-    assert rewrite_command(["python", "-u", "train.py", "--lr", "1"]) == [sys.executable, "-u", "-m", "fa_forensics.capture.launch", "train.py", "--lr", "1"]
-    assert rewrite_command(["python3", "-m", "pkg.train", "a"], same_python=False) == ["python3", "-m", "fa_forensics.capture.launch", "--module", "pkg.train", "a"]
+    assert rewrite_command(["python", "-u", "train.py", "--lr", "1"]) == [sys.executable, "-u", "-m",
+                                                                          "fa_forensics.capture.launch", "train.py",
+                                                                          "--lr", "1"]
+    assert rewrite_command(["python3", "-m", "pkg.train", "a"], same_python=False) == ["python3", "-m",
+                                                                                       "fa_forensics.capture.launch",
+                                                                                       "--module", "pkg.train", "a"]
     assert rewrite_command(["/opt/py/bin/python", "t.py"])[0] == "/opt/py/bin/python"  # an explicit path is kept
-    assert rewrite_command(["torchrun", "--nproc_per_node", "2", "train.py", "x"]) == ["torchrun", "--nproc_per_node", "2", "-m", "fa_forensics.capture.launch", "train.py", "x"]
+    assert rewrite_command(["torchrun", "--nproc_per_node", "2", "train.py", "x"]) == ["torchrun", "--nproc_per_node",
+                                                                                       "2", "-m",
+                                                                                       "fa_forensics.capture.launch",
+                                                                                       "train.py", "x"]
     with pytest.raises(UserError):
         rewrite_command([])
 

@@ -10,7 +10,8 @@ runner = CliRunner()
 
 def test_bitdiff_add_worked_example_json(tmp_path):
     out = tmp_path / "add.json"
-    r = runner.invoke(app, ["bitdiff", "--add", "-2.4071154594421387", "11000000000100110000000000000000", "--into", "bf16", "--json", str(out)])
+    r = runner.invoke(app, ["bitdiff", "--add", "-2.4071154594421387", "11000000000100110000000000000000", "--into",
+                            "bf16", "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "-4.71875" in r.output and "round 1, sticky 1" in r.output
     d = json.loads(out.read_text())
@@ -27,7 +28,8 @@ def test_bitdiff_add_hex_operands_and_fp8(tmp_path):
     r = runner.invoke(app, ["bitdiff", "--add", "0xc01a0e2e", "0xc0130000", "--into", "fp8_e4m3", "--json", str(out)])
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
-    assert d["exact"] == -4.703990459442139 and d["rounded"] == -4.5 and d["direction"] == "down"  # e4m3 spacing 0.5 at 4
+    # e4m3 spacing 0.5 at 4
+    assert d["exact"] == -4.703990459442139 and d["rounded"] == -4.5 and d["direction"] == "down"
 
 
 def test_bitdiff_bad_input_is_one_line_exit_2():

@@ -14,7 +14,8 @@ runner = CliRunner()
 
 def test_delta_bias_finds_planted_bias_and_feature(planted_dump, tmp_path):
     truth = open_dump(planted_dump).ground_truth
-    res = runner.invoke(app, ["delta-bias", str(planted_dump), "--step", "0", "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])
+    res = runner.invoke(app, ["delta-bias", str(planted_dump), "--step", "0", "--json", str(tmp_path / "r.json"),
+                              "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
     planted = [p for p in r["per_step"] if p["head"] in truth["planted_heads"]]
@@ -42,11 +43,13 @@ def test_delta_bias_cumulative_across_steps_of_planted_head(planted_dump, tmp_pa
 def test_delta_bias_on_the_demo_dump_adds_up(tmp_path):
     d = open_dump(DEMO)
     assert d.steps, "sample_dumps/demo.zarr has no complete step"
-    res = runner.invoke(app, ["delta-bias", str(DEMO), "--step", str(d.steps[0]), "--layer", str(d.layers(d.steps[0])[0]), "--json", str(tmp_path / "r.json")])
+    res = runner.invoke(app, ["delta-bias", str(DEMO), "--step", str(d.steps[0]), "--layer",
+                              str(d.layers(d.steps[0])[0]), "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
     assert len(r["per_step"]) == d.layer_info(d.steps[0], d.layers(d.steps[0])[0]).n_heads  # one row per head
-    assert r["total"]["delta_err_sum"] == pytest.approx(sum(p["delta_err_sum"] for p in r["per_step"]), rel=1e-9, abs=1e-12)
+    assert r["total"]["delta_err_sum"] == pytest.approx(sum(p["delta_err_sum"] for p in r["per_step"]), rel=1e-9,
+                                                        abs=1e-12)
     assert r["total"]["n_tokens"] == sum(p["n_tokens"] for p in r["per_step"]) and r["total"]["se"] > 0
 
 
@@ -55,7 +58,8 @@ def test_delta_bias_under_the_papers_autocast_preset_finds_the_planted_bias(plan
     head = truth["planted_heads"][0]
     r = {}
     for preset in ("bf16-autocast", "bf16"):
-        res = runner.invoke(app, ["delta-bias", str(planted_dump), "--step", "0", "--head", str(head), "--preset", preset,
+        res = runner.invoke(app, ["delta-bias", str(planted_dump), "--step", "0", "--head", str(head), "--preset",
+                                  preset,
                                   "--json", str(tmp_path / f"{preset}.json")])
         assert res.exit_code == 0, res.output
         r[preset] = json.loads((tmp_path / f"{preset}.json").read_text())

@@ -65,7 +65,8 @@ def test_isolate_runs_on_demo_dump(tmp_path):
 
 def test_isolate_under_the_autocast_preset_keeps_its_tiles_and_reports_it(planted_dump, tmp_path):
     head = open_dump(planted_dump).ground_truth["planted_heads"][0]
-    res = runner.invoke(app, ["isolate", str(planted_dump), "--step", "1", "--head", str(head), "--preset", "bf16-autocast",
+    res = runner.invoke(app, ["isolate", str(planted_dump), "--step", "1", "--head", str(head), "--preset",
+                              "bf16-autocast",
                               "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())

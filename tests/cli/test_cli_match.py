@@ -71,7 +71,8 @@ def test_match_all_tries_every_recipe_the_recorded_precision_allows(tmp_path):
     assert layer["run_precision"] == "bf16"
     shares = {(c["preset"], c["accumulation"]): c["o_bits_equal"] for c in layer["candidates"]}
     assert shares[("bf16-autocast", "ieee")] == 1.0  # same forward as the training recipe
-    assert shares[("bf16", "ieee")] < 0.9 and shares[("fp32", "ieee")] < 0.9  # fp32 scores and statistics: another kernel
+    # fp32 scores and statistics: another kernel
+    assert shares[("bf16", "ieee")] < 0.9 and shares[("fp32", "ieee")] < 0.9
     assert all(0 <= s <= 1 for s in shares.values())
 
 
@@ -94,7 +95,8 @@ def test_match_reproduces_every_layer_of_the_demo_dump(tmp_path):
     assert res.exit_code == 0, res.output
     layers = json.loads(out.read_text())["layers"]
     assert len(layers) == 8  # steps 296-299, layers 1 and 3
-    assert all(lm["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee", "o_bits_equal": 1.0} for lm in layers)
+    assert all(lm["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee",
+                              "o_bits_equal": 1.0} for lm in layers)
 
 
 def test_every_analysis_json_carries_replay_fidelity_and_warns_below_99_percent(make_dump, tmp_path):

@@ -56,7 +56,8 @@ def test_demo_dump_runs(tmp_path):
     assert dump.steps, "sample_dumps/demo.zarr has no complete step"
     step, layer = dump.steps[0], dump.layers()[0]
     out = tmp_path / "d.json"
-    res = CliRunner().invoke(app, ["pv-trace", str(DEMO), "--step", str(step), "--layer", str(layer), "--head", "0", "--json", str(out)])
+    res = CliRunner().invoke(app, ["pv-trace", str(DEMO), "--step", str(step), "--layer", str(layer), "--head", "0",
+                                   "--json", str(out)])
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert {"row", "feature", "final_error", "p_one_positions", "jumps", "frac_error_from_p_one"} <= set(d)
@@ -84,7 +85,8 @@ def test_error_after_the_progress_bar_started_is_still_one_line():
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "fa_forensics.cli", "pv-trace", str(PLANTED), "--step", "0", "--head", "1",
+    res = subprocess.run([sys.executable, "-m", "fa_forensics.cli", "pv-trace", str(PLANTED), "--step", "0", "--head",
+                          "1",
                           "--row", "9999"], capture_output=True, text=True)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error:") and "--row 9999" in res.stderr

@@ -16,10 +16,12 @@ def test_rank1_finds_planted_standout_features(planted_dump, tmp_path):
     d = open_dump(planted_dump)
     truth = d.ground_truth
     head = truth["planted_heads"][0]
-    res = runner.invoke(app, ["rank1-sim", str(planted_dump), "--head", str(head), "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])
+    res = runner.invoke(app, ["rank1-sim", str(planted_dump), "--head", str(head), "--json", str(tmp_path / "r.json"),
+                              "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
-    for key in ("cosine_offdiag_mean", "top_columns", "effective_rank", "top_sv_ratio", "cross_step_alignment", "accumulation_exponent"):
+    for key in ("cosine_offdiag_mean", "top_columns", "effective_rank", "top_sv_ratio", "cross_step_alignment",
+                "accumulation_exponent"):
         assert key in r
     n = len(truth["standout_x_features"])
     assert {c["feature"] for c in r["top_columns"][:n]} == set(truth["standout_x_features"])
@@ -44,7 +46,8 @@ def test_rank1_without_x_says_so(make_dump, tmp_path):
 def test_rank1_on_the_demo_dump_is_consistent_with_its_own_numbers(tmp_path):
     d = open_dump(DEMO)
     assert d.steps, "sample_dumps/demo.zarr has no complete step"
-    res = runner.invoke(app, ["rank1-sim", str(DEMO), "--layer", str(d.layers()[0]), "--head", "0", "--json", str(tmp_path / "r.json")])
+    res = runner.invoke(app, ["rank1-sim", str(DEMO), "--layer", str(d.layers()[0]), "--head", "0", "--json",
+                              str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
     n = len(r["tokens"])
@@ -61,7 +64,8 @@ def test_rank1_preset_changes_the_error_and_is_reported(make_dump, tmp_path):
     path = make_dump(seq=32, head_dim=16)
     norms = {}
     for preset in ("bf16", "bf16-autocast"):
-        res = runner.invoke(app, ["rank1-sim", str(path), "--preset", preset, "--json", str(tmp_path / f"{preset}.json")])
+        res = runner.invoke(app, ["rank1-sim", str(path), "--preset", preset, "--json",
+                                  str(tmp_path / f"{preset}.json")])
         assert res.exit_code == 0, res.output
         r = json.loads((tmp_path / f"{preset}.json").read_text())
         assert r["preset"] == preset

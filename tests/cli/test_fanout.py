@@ -94,7 +94,8 @@ def test_every_analysis_on_two_workers_equals_in_process(planted_dump, monkeypat
         parallel = _payloads(dump, sels, Workers(n=2))
     for name in serial:
         assert serial[name] == parallel[name], name
-    assert '"found": true' in serial["isolate"] and '"found": true' in serial["fix-check"]  # real findings, not empty ones
+    # real findings, not empty ones
+    assert '"found": true' in serial["isolate"] and '"found": true' in serial["fix-check"]
 
 
 def _same_up_to_rounding(a, b, path=""):

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -317,7 +316,8 @@ def test_a_killed_import_leaves_debris_that_verify_lists_and_the_next_import_rem
         "sys.argv = ['fa-forensics'] + sys.argv[1:]\n"
         "runpy.run_module('fa_forensics', run_name='__main__')\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", stop_at_step_10, "import", str(big), "--to", str(dst), "--overwrite"],
+    proc = subprocess.Popen([sys.executable, "-c", stop_at_step_10, "import", str(big), "--to", str(dst),
+                             "--overwrite"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)
@@ -387,8 +387,10 @@ def test_capture_never_writes_through_a_planted_link(tmp_path, where):
     script.write_text(SCRIPT)
     (tmp_path / where).symlink_to(victim if where.endswith(".lock") else victim_dir)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    args = ["capture", "--out", tmp_path / "run.zarr", "--steps", "1", "--", sys.executable, script, "2", tmp_path / "seen.pt"]
-    run = subprocess.run([sys.executable, "-m", "fa_forensics", *map(str, args)], capture_output=True, text=True, timeout=240,
+    args = ["capture", "--out", tmp_path / "run.zarr", "--steps", "1", "--", sys.executable, script, "2",
+            tmp_path / "seen.pt"]
+    run = subprocess.run([sys.executable, "-m", "fa_forensics", *map(str, args)], capture_output=True, text=True,
+                         timeout=240,
                          env=env, cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "symbolic link" in run.stderr and "Traceback" not in run.stderr, run.stderr

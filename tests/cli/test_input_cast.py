@@ -39,7 +39,8 @@ def fp32_dump(tmp_path_factory):
 
 
 def test_bitdiff_reports_the_input_cast_apart_and_no_kernel_bias(fp32_dump, tmp_path):
-    res = runner.invoke(app, ["bitdiff", str(fp32_dump), "--a", "bf16", "--b", "fp32", "--json", str(tmp_path / "b.json")])
+    res = runner.invoke(app, ["bitdiff", str(fp32_dump), "--a", "bf16", "--b", "fp32", "--json",
+                              str(tmp_path / "b.json")])
     assert res.exit_code == 0, res.output
     d = json.loads((tmp_path / "b.json").read_text())
     assert not [c for c in d["biased_features"] if c["feature"] == FEATURE]  # no kernel bias in that feature
@@ -77,6 +78,7 @@ def test_isolate_keeps_the_input_cast_out_of_the_kernel_verdict(fp32_dump, tmp_p
     d = json.loads((tmp_path / "i.json").read_text())
     base = d["variants"][0]
     cast = d["input_cast"]
-    assert cast["name"] == "input-cast" and cast["o_bias"] < -5 * cast["o_bias_se"]  # feature 3 rounded down in every row
+    # feature 3 rounded down in every row
+    assert cast["name"] == "input-cast" and cast["o_bias"] < -5 * cast["o_bias_se"]
     assert abs(base["o_bias"]) < 3 * base["o_bias_se"]  # the kernel on identical inputs: no O bias
     assert d["n_biased_heads"] == 0 and d["culprits"] == [] and "input-cast" in res.output

@@ -132,9 +132,11 @@ def torch_equal(a, b) -> bool:
 def test_monitor_option_errors_are_one_line(tmp_path):
     script = tmp_path / "t.py"
     script.write_text("print('never runs')\n")
-    for options, text in ((["--alarm", "--steps", "1"], "--monitor-every"), (["--monitor-every", "1", "--ring", "3"], "--alarm"),
+    for options, text in ((["--alarm", "--steps", "1"], "--monitor-every"), (["--monitor-every", "1", "--ring", "3"],
+                                                                             "--alarm"),
                           ([], "--steps"), (["--monitor-every", "0"], "--monitor-every: must be a step interval >= 1")):
-        result = subprocess.run([sys.executable, "-m", "fa_forensics.cli", "capture", "--out", str(tmp_path / "x.zarr"), *options,
+        result = subprocess.run([sys.executable, "-m", "fa_forensics.cli", "capture", "--out", str(tmp_path / "x.zarr"),
+                                 *options,
                                  "--", sys.executable, str(script)], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and text in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and "never runs" not in result.stdout

@@ -8,7 +8,6 @@ import re
 import warnings
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from fa_forensics.cli import app

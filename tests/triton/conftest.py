@@ -27,7 +27,8 @@ def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     if any(str(item.fspath).startswith(here) for item in items):
         raise pytest.UsageError("triton was imported before tests/triton/conftest.py set TRITON_INTERPRET=1; "
-                                "set TRITON_INTERPRET=1 in the environment or run tests/triton in its own pytest process")
+                                "set TRITON_INTERPRET=1 in the environment or run tests/triton in its own pytest "
+                                "process")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -52,7 +52,8 @@ def test_layer_check_warnings_reach_the_result_and_its_json(planted_dump, odd_he
 
 
 def test_cli_prints_each_warning_as_one_line_and_writes_it(planted_dump, odd_head_check, tmp_path):
-    res = CliRunner().invoke(app, ["delta-bias", str(planted_dump), "--step", "1", "--head", "1", "--json", str(tmp_path / "d.json")])
+    res = CliRunner().invoke(app, ["delta-bias", str(planted_dump), "--step", "1", "--head", "1", "--json",
+                                   str(tmp_path / "d.json")])
     assert res.exit_code == 0, res.output
     lines = [ln for ln in res.output.splitlines() if ln.startswith("warning:")]
     assert lines == ["warning: step 1 layer 0: head 1 selected"]

@@ -38,7 +38,8 @@ def test_rank1_p_is_sdpa_under_the_mask(kind):
     mask = allowed if kind == "bool" else _additive(allowed, -math.inf)
     p = attention_probs(q, k, 0.3, False, mask)
     seen = allowed.expand(B, H, T, T).any(-1)  # (B, H, T)
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask if kind == "bool" else mask.double(), scale=0.3)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                         attn_mask=mask if kind == "bool" else mask.double(), scale=0.3)
     torch.testing.assert_close((p @ v.double())[seen], ref[seen])
     assert (p[~seen] == 0).all() and (p[1, :, :, 1] == 0).all()  # padding and a row with no key: P = 0
 

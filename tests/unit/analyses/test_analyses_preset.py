@@ -54,7 +54,8 @@ def test_isolate_repairs_are_single_changes_of_the_preset(preset):
     vs = {v.name: v for v in variants(1024, Recipe(preset).base_config(), preset)}
     base = vs["baseline"].config
     own = ReplayConfig.preset(preset)
-    assert (base.s_dtype, base.stats_dtype, base.p_dtype, base.input_dtype) == (own.s_dtype, own.stats_dtype, own.p_dtype, own.input_dtype)
+    assert (base.s_dtype, base.stats_dtype, base.p_dtype, base.input_dtype) == (own.s_dtype, own.stats_dtype,
+                                                                                own.p_dtype, own.input_dtype)
     assert base.block_n == (own.block_n or 512)  # the preset's tiles, else the paper reference code's
     for name, v in vs.items():
         if name != "no-tiling":
@@ -64,7 +65,8 @@ def test_isolate_repairs_are_single_changes_of_the_preset(preset):
     assert {vs["o-fp32"].config.pv_dtype, vs["o-fp32"].config.rescale_dtype, vs["o-fp32"].config.o_dtype} == {FP32}
     assert vs["stabilized"].config.softmax is Softmax.STABILIZED and vs["stabilized"].config.s_dtype is base.s_dtype
     same = {n for n, v in vs.items() if "(= baseline under this preset)" in v.description}
-    expected = {"bf16": set(), "bf16-autocast": set(), "bf16-hw": {"pv-fp32"}, "fp8-s256": {"pv-fp32", "o-fp32"}}[preset]
+    expected = {"bf16": set(), "bf16-autocast": set(), "bf16-hw": {"pv-fp32"}, "fp8-s256": {"pv-fp32",
+                                                                                            "o-fp32"}}[preset]
     assert same == expected
 
 
@@ -156,7 +158,8 @@ def test_autocast_scores_make_repeated_maxima_more_common_and_the_trace_follows_
 
 
 def test_report_passes_the_preset_to_every_replaying_command():
-    args = {name: command_line(name, "d.zarr", {"step": 1}, Recipe("bf16-autocast"), Backend.EMULATE) for name in ANALYSES}
+    args = {name: command_line(name, "d.zarr", {"step": 1}, Recipe("bf16-autocast"),
+                               Backend.EMULATE) for name in ANALYSES}
     assert args["bitdiff"][2:8] == ["--step", "1", "--a", "bf16-autocast", "--b", "fp32"]
     assert args["pcast"] == ["pcast", "d.zarr"]
     for name in ("isolate", "delta-bias", "rank1-sim", "pv-trace", "fix-check"):

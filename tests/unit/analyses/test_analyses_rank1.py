@@ -32,7 +32,8 @@ def test_attention_probs_match_torch_sdpa_weights():
     P = attention_probs(q, k, 0.5, causal=True)
     assert torch.all(P.triu(1) == 0)
     torch.testing.assert_close(P.sum(-1), torch.ones(1, 2, 6, dtype=torch.float64))
-    ref = torch.softmax((0.5 * q @ k.transpose(-1, -2)).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf), -1)
+    ref = torch.softmax((0.5 * q @ k.transpose(-1, -2)).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1),
+                                                                    -math.inf), -1)
     torch.testing.assert_close(P, ref.double())
 
 

@@ -13,7 +13,8 @@ def test_findings_and_page_name_what_was_found_where():
         _sec("pv-trace", {"step": 1, "layer": 0, "head": 1, "row": 250, "feature": 44, "final_error": -5.3e-3,
                           "frac_error_from_p_one": 1.39, "p_one_positions": [43, 63]}, ["pv-trace/a.png"]),
         _sec("fix-check", {"verdict": "FIX REMOVES THE BIAS at layer 0 head 1 feature 44", "bias_reduction": 12.0}),
-        _sec("bitdiff", {"mismatch_rate": 0.32, "biased_features": [{"layer": 0, "head": 1, "feature": 44, "mean": -1.9e-3, "se": 5e-5}]}),
+        _sec("bitdiff", {"mismatch_rate": 0.32, "biased_features": [{"layer": 0, "head": 1, "feature": 44,
+                                                                     "mean": -1.9e-3, "se": 5e-5}]}),
         _sec("pcast", None, note="'pcast' is not available yet"),
     ]
     f = findings(secs)
@@ -27,5 +28,6 @@ def test_findings_and_page_name_what_was_found_where():
 
 
 def test_missing_keys_never_raise():
-    f = findings([_sec(n, {}) for n in ("isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast")])
+    f = findings([_sec(n, {}) for n in ("isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check",
+                                        "pcast")])
     assert len(f) == 7 and all(isinstance(x, str) for x in f)

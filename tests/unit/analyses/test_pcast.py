@@ -231,7 +231,8 @@ def test_simulation_mse_forward_s1_is_worse_and_both_fixes_reach_the_same_floor(
 
 
 def test_simulation_is_reproducible_and_rejects_bad_configs():
-    cfg = sim.SimConfig(deltas=(7.0,), seqs=(256,), n_queries=4, head_dim=8, n_seeds=2, scales=(1.0,), orders=("forward",))
+    cfg = sim.SimConfig(deltas=(7.0,), seqs=(256,), n_queries=4, head_dim=8, n_seeds=2, scales=(1.0,),
+                        orders=("forward",))
     assert sim.simulate(cfg).rows == sim.simulate(cfg).rows
     from fa_forensics.errors import ConfigError
     with pytest.raises(ConfigError):

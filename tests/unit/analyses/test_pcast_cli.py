@@ -37,7 +37,8 @@ def sink_dump(tmp_path_factory):
     q = torch.stack([q0, q1])[None].to(torch.bfloat16)  # (1, 2, T, D): head 0 sinks, head 1 plain
     k = torch.stack([k0, k1])[None].to(torch.bfloat16)
     v = torch.randn(1, 2, T, D, generator=g).to(torch.bfloat16)
-    attrs = {"module": "test.attn", "n_heads": 2, "head_dim": D, "scale": 1 / math.sqrt(D), "causal": True, "dtype": "bfloat16"}
+    attrs = {"module": "test.attn", "n_heads": 2, "head_dim": D, "scale": 1 / math.sqrt(D), "causal": True,
+             "dtype": "bfloat16"}
     w = DumpWriter(path, {"model": {"name": "pcast-test"}})
     for name, t in (("q", q), ("k", k), ("v", v), ("o", v), ("do", v)):
         w.write_array(5, 0, name, t, layer_attrs=attrs)

@@ -357,5 +357,6 @@ def test_a_binding_made_during_an_earlier_session_reports_to_the_current_one(tmp
 
 
 def test_a_step_whose_calls_were_all_filtered_out_says_so(tmp_path):
-    with pytest.warns(fa_forensics.capture.events.CaptureWarning, match="step 1 ran 2 attention call.* none was selected"):
+    with pytest.warns(fa_forensics.capture.events.CaptureWarning,
+                      match="step 1 ran 2 attention call.* none was selected"):
         train(tmp_path, _recording("BHTD"), layers=[5])

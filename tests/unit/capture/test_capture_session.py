@@ -27,9 +27,10 @@ def _train(model, n_steps, cap=None, micro_batches=1, B=3, T=32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seen_x = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: seen_x.append(args[0].detach().clone())) for m in _attn_modules(model)]
+    hooks = [m.register_forward_pre_hook(lambda mod,
+                                         args: seen_x.append(args[0].detach().clone())) for m in _attn_modules(model)]
     history = []
-    for step in range(n_steps):
+    for _step in range(n_steps):
         per_micro = []
         for _ in range(micro_batches):
             seen_x.clear()
@@ -76,7 +77,9 @@ def test_sdpa_capture_matches_what_training_computed(tmp_path):
             assert torch.equal(o, o_train[:2])
             o_re = sdpa.original_sdpa()(q, k, v, is_causal=True)
             torch.testing.assert_close(o_re.float(), o.float(), atol=1e-2, rtol=1e-2)
-            o_ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / 4 + torch.full((32, 32), -math.inf).triu(1), -1) @ v.float()
+            o_ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / 4 + torch.full((32, 32),
+                                                                                             -math.inf).triu(1),
+                                  -1) @ v.float()
             torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
             # dO = autograd's dLoss/dO; X = the attention module's input
             assert torch.equal(do, do_train[:2])

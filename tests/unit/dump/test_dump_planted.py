@@ -118,7 +118,8 @@ def test_synth_is_reproducible_and_honours_v_skew(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"planted_heads": (4,)}, "not in 0..3"), ({"v_skew": 1.5}, r"\[0, 1\]"), ({"ties": 0}, "between 1 and 16"), ({"seq": 64, "ties": 8}, "ties: 8 ties need a sequence of at least")],
+    [({"planted_heads": (4,)}, "not in 0..3"), ({"v_skew": 1.5}, r"\[0, 1\]"), ({"ties": 0}, "between 1 and 16"),
+     ({"seq": 64, "ties": 8}, "ties: 8 ties need a sequence of at least")],
 )
 def test_spec_rejects_bad_values(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -146,7 +147,8 @@ def test_overwrite_that_fails_midway_keeps_the_old_dump(tmp_path, monkeypatch):
     from fa_forensics.errors import DiskFull
 
     with pytest.raises(DiskFull, match="no space left on the device .* it needs about"):
-        synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=2, planted_heads=(0,), seed=2), overwrite=True)
+        synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=2, planted_heads=(0,),
+                                             seed=2), overwrite=True)
     monkeypatch.setattr(DumpWriter, "write_array", real_write)
 
     d = open_dump(tmp_path / "d.zarr")
@@ -154,7 +156,8 @@ def test_overwrite_that_fails_midway_keeps_the_old_dump(tmp_path, monkeypatch):
     assert torch.equal(d.read(1, 0, "q").view(torch.int16), before.view(torch.int16))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.zarr"]  # no leftovers beside it
 
-    synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=1, planted_heads=(0,), seed=2), overwrite=True)
+    synth(tmp_path / "d.zarr", SynthSpec(seq=64, heads=2, head_dim=16, batch=1, steps=1, planted_heads=(0,), seed=2),
+          overwrite=True)
     d = open_dump(tmp_path / "d.zarr")
     assert d.steps == [0] and d.ground_truth["seed"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.zarr"]

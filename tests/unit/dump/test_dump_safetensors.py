@@ -12,7 +12,8 @@ from fa_forensics.errors import DumpError
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
 
 
 def _tensors(seed=0) -> dict[str, torch.Tensor]:
@@ -89,10 +90,14 @@ def test_export_selection_and_refusals(make_dump, tmp_path):
         ({"step1.layer0.q": torch.zeros(1, 1, 2, 2)}, {"scale": "big"}, "scale='big' is not a number"),
         ({"step1234567890.layer0.q": torch.ones(1, 1, 2, 2)}, None, r"beyond what a dump holds \(steps 0..999999999"),
         ({"step1.layer1000.q": torch.ones(1, 1, 2, 2)}, None, r"layers 0..999\)"),
-        ({"step1.layer0.q": torch.ones(1, 1, 2, 2), "step01.layer0.q": torch.ones(1, 1, 2, 2)}, None, "both name step 1 layer 0 q"),
-        ({"step1.layer0.q": torch.ones(1, 1, 16, 4), "step1.layer0.k": torch.ones(1, 1, 8, 4)}, None, r"layer0.k has shape \(1, 1, 8, 4\), but q has"),
-        ({"step1.layer0.q": torch.ones(1, 1, 16, 8), "step1.layer0.v": torch.ones(1, 1, 16, 4)}, None, r"layer0.v has shape"),
-        ({"step1.layer0.q": torch.ones(1, 1, 16, 8), "step1.layer0.x": torch.ones(2, 16, 8)}, None, "x is \\(B, T, C\\)"),
+        ({"step1.layer0.q": torch.ones(1, 1, 2, 2), "step01.layer0.q": torch.ones(1, 1, 2, 2)}, None,
+         "both name step 1 layer 0 q"),
+        ({"step1.layer0.q": torch.ones(1, 1, 16, 4), "step1.layer0.k": torch.ones(1, 1, 8, 4)}, None,
+         r"layer0.k has shape \(1, 1, 8, 4\), but q has"),
+        ({"step1.layer0.q": torch.ones(1, 1, 16, 8), "step1.layer0.v": torch.ones(1, 1, 16, 4)}, None,
+         r"layer0.v has shape"),
+        ({"step1.layer0.q": torch.ones(1, 1, 16, 8), "step1.layer0.x": torch.ones(2, 16, 8)}, None,
+         "x is \\(B, T, C\\)"),
         ({"step1.layer0.q": torch.ones(0, 1, 16, 8)}, None, "is empty"),
         ({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, {"layer0.heads": "1,1"}, "distinct head numbers"),
         ({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, {"layer0.heads": "-1,-2"}, "distinct head numbers >= 0"),

@@ -17,11 +17,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16,
+                                   torch.float32])
 def test_round_trip_is_bit_exact_and_keeps_dtype(tmp_path, dtype):
     g = torch.Generator().manual_seed(1)
     q = (torch.randn(2, 3, 8, 4, generator=g) * 100).to(dtype)  # (B, H, T, D), fp8 saturates/rounds
-    q.view(torch.uint8)[0, 0, 0, :2] = 0xFF if dtype.itemsize == 1 else q.view(torch.uint8)[0, 0, 0, :2]  # a NaN pattern where 1 byte
+    # a NaN pattern where 1 byte
+    q.view(torch.uint8)[0, 0, 0, :2] = 0xFF if dtype.itemsize == 1 else q.view(torch.uint8)[0, 0, 0, :2]
     x = torch.randn(2, 8, 12, generator=g).to(dtype)  # (B, T, C)
     w = DumpWriter(tmp_path / "d.zarr", {"model": {"n": 1}})
     w.write_array(3, 1, "q", q)
@@ -244,7 +246,8 @@ def test_summary_keys(make_dump):
     path = make_dump(steps=(0, 1), incomplete=(2,))
     with pytest.warns(IncompleteStepWarning):
         s = open_dump(path).summary()
-    assert {"steps", "incomplete_steps", "layers", "arrays", "heads", "format_version", "capture", "model", "ground_truth"} <= set(s)
+    assert {"steps", "incomplete_steps", "layers", "arrays", "heads", "format_version", "capture", "model",
+            "ground_truth"} <= set(s)
     assert s["steps"] == [0, 1] and s["incomplete_steps"] == [2] and s["layers"] == [0]
     assert s["arrays"]["0"]["q"] == {"shape": [1, 2, 16, 8], "dtype": "bfloat16", "chunks": [1, 1, 16, 8]}
     assert s["heads"] == {"0": [0, 1]} and s["ground_truth"] is None and s["step_attrs"]["1"]["loss"] == 2.0

@@ -41,7 +41,8 @@ def _quiet_open(path):
 def test_second_writer_is_refused_naming_the_holder_and_the_lock_goes_with_the_first(tmp_path):
     path = tmp_path / "run.zarr"
     first = DumpWriter(path, {})
-    with pytest.raises(DumpError, match=rf"run.zarr is being written by another process \(pid {os.getpid()} on .*command: "):
+    with pytest.raises(DumpError,
+                       match=rf"run.zarr is being written by another process \(pid {os.getpid()} on .*command: "):
         DumpWriter(path, {})
     first.write_array(0, 0, "q", torch.ones(1, 1, 4, 2))
     first.complete_step(0)
@@ -72,7 +73,8 @@ def test_a_store_keeps_to_one_model_unless_asked(tmp_path):
     with fa_forensics.capture(again, out=path, steps=[1]) as cap:
         _train(again, cap, 2)
     other = GPT(GPTConfig(**{**TINY, "n_embd": 32}))
-    with pytest.raises(OtherModel, match=rf"holds steps of GPT \(.*fingerprint {fingerprint}\), but this run's model is GPT ") as refused:
+    with pytest.raises(OtherModel,
+                       match=rf"holds steps of GPT \(.*fingerprint {fingerprint}\), but this run's model is GPT ") as refused:
         with fa_forensics.capture(other, out=path, steps=[3]) as cap:
             _train(other, cap, 4)
     assert cli_line(refused.value).endswith("pass --allow-other-model to add its steps anyway")  # the CLI's wording
@@ -87,7 +89,9 @@ def test_overwrite_keeps_the_old_dump_when_the_new_run_fails(tmp_path, make_dump
     old_q = open_dump(path).read(1, 0, "q")
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    with pytest.raises(RuntimeError, match="training died"), pytest.warns(RuntimeWarning, match="replaced is kept at .*run.zarr.replaced-0"):
+    with pytest.raises(RuntimeError, match="training died"), pytest.warns(RuntimeWarning,
+                                                                          match="replaced is kept at "
+                                                                                ".*run.zarr.replaced-0"):
         with fa_forensics.capture(model, out=path, steps=[0, 5], overwrite=True) as cap:
             _train(model, cap, 10, fail_at=3)
     kept = tmp_path / "run.zarr.replaced-0"

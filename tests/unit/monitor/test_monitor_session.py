@@ -120,7 +120,7 @@ def test_timeline_rows_are_buffered_k_at_a_time_and_flushed_at_exit_even_on_erro
         gen = torch.Generator().manual_seed(1)
         with pytest.raises(RuntimeError, match="boom"):
             with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, timeline_flush_rows=flush) as cap:
-                for n in range(6):
+                for _ in range(6):
                     idx = torch.randint(0, 256, (3, 32), generator=gen)
                     _, loss = model(idx, idx)
                     loss.backward()

@@ -217,7 +217,7 @@ def test_cancellation_to_zero_and_exact_ties_match_the_fraction_model():
 
 def test_fp8_inputs_with_neab_minus_10_match_the_fraction_model():
     g = torch.Generator().manual_seed(11)
-    for trial in range(6):
+    for _ in range(6):
         scale = torch.exp2(torch.randint(-12, 6, (64,), generator=g).double())
         p = round_to(torch.randn(64, generator=g, dtype=torch.float64) * scale, "fp8_e4m3")
         v = round_to(torch.randn(64, generator=g, dtype=torch.float64), "fp8_e4m3")

@@ -159,7 +159,8 @@ def test_a_band_keeps_the_full_products_sign_of_zero(model):
             assert torch.equal(_bits(got), _bits(whole)), (model, band, start is None)
             in_band_only = torch.cat([matmul(a[:, i:i + 1, ks], b[:, ks], model, engine="torch",
                                              acc=None if start is None else start[:, i:i + 1])
-                                      for i in range(M) for ks in [slice(max(0, i + (band.k_lo or -K)), i + (band.k_hi or K))]], dim=1)
+                                      for i in range(M) for ks in [slice(max(0, i + (band.k_lo or -K)),
+                                                                         i + (band.k_hi or K))]], dim=1)
             flipped = (in_band_only == 0) & torch.signbit(in_band_only) & ~torch.signbit(whole)
             if model == "ieee":  # (the tensor-core model's groups differ in a slice: no such reference)
                 assert bool(flipped.any()), "no −0 that the skipped terms turn into +0"

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import FORMATS, from_bits, round_to
 from fa_forensics.numerics import rounding
 from fa_forensics.numerics.exact import round_fraction
@@ -50,7 +51,8 @@ def test_fp8_exhaustive_codes_and_midpoints(fmt, mode):
     finite = torch.sort(torch.unique(codes[torch.isfinite(codes)])).values
     assert torch.equal(round_to(finite, spec, mode), finite)
     lo, hi = finite[:-1], finite[1:]
-    probes = torch.cat([(lo + hi) / 2, lo + (hi - lo) / 4, lo + 3 * (hi - lo) / 4, finite * 1.0001, torch.tensor([spec.max_value * 1.03, spec.max_value * 3])])
+    probes = torch.cat([(lo + hi) / 2, lo + (hi - lo) / 4, lo + 3 * (hi - lo) / 4, finite * 1.0001,
+                        torch.tensor([spec.max_value * 1.03, spec.max_value * 3])])
     got = round_to(probes, spec, mode)
     want = torch.tensor([float(round_fraction(Fraction(v), spec, mode)) for v in probes.tolist()], dtype=torch.float64)
     assert torch.equal(got, want)
@@ -59,7 +61,8 @@ def test_fp8_exhaustive_codes_and_midpoints(fmt, mode):
 def test_nearest_even_ties_and_subnormals_in_bf16():
     one = 1.0
     ulp = 2.0**-7
-    x = torch.tensor([one + ulp / 2, one + 3 * ulp / 2, -(one + ulp / 2), 2.0**-133 * 1.5, 2.0**-134, 2.0**-134 * 1.0000001], dtype=torch.float64)
+    x = torch.tensor([one + ulp / 2, one + 3 * ulp / 2, -(one + ulp / 2), 2.0**-133 * 1.5, 2.0**-134,
+                      2.0**-134 * 1.0000001], dtype=torch.float64)
     want = [one, one + 2 * ulp, -one, 2.0**-132, 0.0, 2.0**-133]
     assert round_to(x, "bf16").tolist() == want
 
@@ -99,5 +102,5 @@ def test_round_to_keeps_dtype_and_accepts_precision_enum():
     x = torch.randn(10, dtype=torch.float64)
     assert round_to(x, Precision.BF16).dtype == torch.float64
     assert round_to(x.float(), "fp16").dtype == torch.float32
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="unknown float format 'fp7'"):
         round_to(x, "fp7")

@@ -57,7 +57,8 @@ def test_bf16_scores_make_near_ties_exact_ties():
     k[..., 1::2, 0] = 2.0**-10  # the pair's scores differ by α·q_0·2^-10, far below a bf16 ulp of the max
     v = torch.randn(1, 2, T, D, generator=g).to(BF16)
     fp32_s = replay(q, k, v, ReplayConfig.preset("bf16"), causal=False).stats.repeated_max_rows.sum().item()
-    bf16_s = replay(q, k, v, ReplayConfig.preset("bf16").with_(s_dtype="bf16"), causal=False).stats.repeated_max_rows.sum().item()
+    bf16_s = replay(q, k, v, ReplayConfig.preset("bf16").with_(s_dtype="bf16"),
+                    causal=False).stats.repeated_max_rows.sum().item()
     assert fp32_s < 0.2 * 2 * T and bf16_s > 0.5 * 2 * T, (fp32_s, bf16_s)
 
 

@@ -41,7 +41,8 @@ def test_scalar_cast_is_round_to_nearest_even_for_every_format():
     edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 448.0, 464.0, 465.0, -480.0,
                           57344.0, 61440.0, 65504.0, 65520.0, -65519.0, 3.3895e38, 3.39e38, 1e-40, -1e-45, 2.0**-133])
     e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    ties = torch.cat([e4m3, e4m3 + e4m3 * 2.0**-4, torch.nextafter(e4m3, torch.tensor(1e30))])  # fp8 values, midpoints, neighbours
+    # fp8 values, midpoints, neighbours
+    ties = torch.cat([e4m3, e4m3 + e4m3 * 2.0**-4, torch.nextafter(e4m3, torch.tensor(1e30))])
     x = torch.cat([random_bits.view(torch.float32), wide, edges, ties, -ties])
     for fmt in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32"):
         got = np.empty(x.shape[0], np.float32)
@@ -115,7 +116,8 @@ _KNOBS = [
 ]
 
 
-@pytest.mark.parametrize("knob_index", range(len(_KNOBS)), ids=[",".join(f"{k}={v}" for k, v in kn.items()) for kn in _KNOBS])
+@pytest.mark.parametrize("knob_index", range(len(_KNOBS)), ids=[",".join(f"{k}={v}" for k,
+                                                                         v in kn.items()) for kn in _KNOBS])
 def test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties(knob_index):
     knobs = _KNOBS[knob_index]
     g = torch.Generator().manual_seed(7)

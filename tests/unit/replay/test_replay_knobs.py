@@ -46,7 +46,8 @@ def test_p_dtype_error_grows_with_fewer_bits(p_dtype, bound):
 
 def test_pv_and_o_dtype_set_the_output_dtype_and_rounding():
     q, k, v, _ = _inputs()
-    for o_dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32), ("fp8_e4m3", torch.float8_e4m3fn)):
+    for o_dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32),
+                                 ("fp8_e4m3", torch.float8_e4m3fn)):
         out = replay(q, k, v, FP32.with_(o_dtype=o_dtype))
         assert out.o.dtype == torch_dtype
     ref = replay(q, k, v, FP32)
@@ -73,7 +74,8 @@ def test_fp8_p_scale_reduces_underflow_and_error():
     assert _err(s256, ref) * 4 < _err(s1, ref)
     assert s1.o.dtype == torch.float32  # the preset keeps O in fp32 to isolate the P cast
     # the P̄ == 1 count is in unscaled terms (entries equal to S after the cast): the sink, per row
-    assert torch.equal(s1.stats.p_one_count, torch.full((1, 2), T)) and torch.equal(s256.stats.p_one_count, s1.stats.p_one_count)
+    assert torch.equal(s1.stats.p_one_count, torch.full((1, 2), T)) and torch.equal(s256.stats.p_one_count,
+                                                                                    s1.stats.p_one_count)
 
 
 def test_p_scale_modes_give_different_bits():

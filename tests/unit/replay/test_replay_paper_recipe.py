@@ -69,7 +69,8 @@ def test_backward_equals_the_reference_code(inputs, stable):
     assert not _bits_equal(fp32_grads.dq, dq) and not _bits_equal(fp32_grads.dk, dk)
 
 
-@pytest.mark.parametrize("knob,value", [("dp_dtype", "fp32"), ("delta_dtype", "fp32"), ("grad_dtype", "fp32"), ("ds_alpha", False)])
+@pytest.mark.parametrize("knob,value", [("dp_dtype", "fp32"), ("delta_dtype", "fp32"), ("grad_dtype", "fp32"),
+                                        ("ds_alpha", False)])
 def test_each_backward_knob_changes_the_gradients(knob, value):
     q, k, v, do = negative_max_inputs(256, 24, seed=8)  # α = 1/sqrt(24) is not a power of two
     cfg = ReplayConfig.preset("bf16-autocast-train").with_(block_m=64, block_n=64)

@@ -101,8 +101,10 @@ def test_fixed_offset_reintroduces_a_bias(inputs, reference):
 def test_delta_sources_agree_except_o_lowp(inputs):
     q, k, v, do = (x[:1] for x in inputs)  # one batch (16 heads) is plenty here
     cfg = ReplayConfig.preset("bf16")
-    delta = {src: replay(q, k, v, cfg.with_(delta=src), do=do).delta for src in ("o-lowp", "o-highp", "o-recomputed", "dp-p")}
-    spread_good = max((delta[a] - delta[b]).abs().max() for a, b in (("o-highp", "o-recomputed"), ("o-highp", "dp-p"), ("o-recomputed", "dp-p")))
+    delta = {src: replay(q, k, v, cfg.with_(delta=src), do=do).delta for src in ("o-lowp", "o-highp", "o-recomputed",
+                                                                                 "dp-p")}
+    spread_good = max((delta[a] - delta[b]).abs().max() for a, b in (("o-highp", "o-recomputed"), ("o-highp", "dp-p"),
+                                                                     ("o-recomputed", "dp-p")))
     gap_lowp = (delta["o-lowp"] - delta["o-highp"]).abs().max()
     assert spread_good * 10 < gap_lowp
     # paper §3.3.1: δ_lp - δ_hp is biased positive (negative O error times negative dO in the feature)

@@ -59,7 +59,8 @@ def test_stochastic_rounding_runs_as_one_pass_whatever_the_plan():
     q, k, v, do = _inputs(T=40)
     cfg = ReplayConfig.preset("stochastic")
     one_pass = emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=StreamPlan(heads=3, block_m=None))
-    _assert_same(emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=StreamPlan(heads=1, block_m=32)), one_pass)
+    _assert_same(emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=StreamPlan(heads=1, block_m=32)),
+                 one_pass)
 
 
 def test_plan_keeps_the_largest_temporary_within_the_budget():
