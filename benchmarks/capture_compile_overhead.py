@@ -12,7 +12,8 @@ Reported: median step time of each case (wall clock, and the process's CPU time,
 machine disturbs less with one torch thread), their ratios (capture / none), and dynamo's counters:
 graph breaks, unique graphs and frames compiled after warm-up (0 = no recompilation).
 
-    python benchmarks/capture_compile_overhead.py [--repeats 10] [--block 5] [--batch-size 4] [--threads 1] [--json FILE]
+    python benchmarks/capture_compile_overhead.py [--repeats 10] [--block 5] [--batch-size 4] [--threads 1] \
+        [--json FILE]
 """
 from __future__ import annotations
 

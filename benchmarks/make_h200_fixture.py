@@ -73,7 +73,8 @@ def _trim_set(src: Path, tag: str, batch: int, heads: list[int], t_keep, rows, k
             "tag": tag, "source": src.name, "batch": batch, "heads": heads, "T": t, "T_recorded": full_t,
             "o_rows": [row0, t], "dq_rows": [row0, t] if grads else None,
             "dkdv_keys": [0, HEAD_KEYS] if keep_dkdv else None, "kernels": kernels,
-            "causal": True, "scale": SCALES.get(tag, d ** -0.5), "dtype": str(out[f"{tag}.q"].dtype).replace("torch.", ""),
+            "causal": True, "scale": SCALES.get(tag, d ** -0.5),
+            "dtype": str(out[f"{tag}.q"].dtype).replace("torch.", ""),
         }
     return out, layout
 

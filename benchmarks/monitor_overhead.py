@@ -23,7 +23,8 @@ On top of the scores come about 6 elementwise passes (scale, mask, max, subtract
 over the 0.4 M entries per layer that the causal mask leaves within reach. W_Q takes 3 iterations
 of 2·(H·D·C) multiply-adds per layer, which is negligible.
 
-    python benchmarks/monitor_overhead.py [--repeats 9] [--block 16] [--batch-size 4] [--capture-batch 0:2] [--threads 1] [--json FILE]
+    python benchmarks/monitor_overhead.py [--repeats 9] [--block 16] [--batch-size 4] [--capture-batch 0:2] \
+        [--threads 1] [--json FILE]
 """
 from __future__ import annotations
 

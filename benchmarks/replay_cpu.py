@@ -1,7 +1,8 @@
 """Time the CPU emulator on one GPT-2-size attention layer: forward + backward, BF16 and FP32 presets.
 
 Shape B 1, H 12, T 1024, D 64, causal, untiled: the default BF16 config under both accumulation
-models, and the fp32 preset (the high-precision reference every analysis runs). Arithmetic per pass (untiled emulator, causal rows still computed in full):
+models, and the fp32 preset (the high-precision reference every analysis runs). Arithmetic per pass (untiled
+emulator, causal rows still computed in full):
   forward  S = QKᵀ and P̄V:            2 products x B·H·T·T·D   = 2 x 805M multiply-adds
   backward S, dP = dO Vᵀ, dQ, dK, dV:  5 products x B·H·T·T·D   = 5 x 805M multiply-adds
 Each multiply-add is emulated with explicit fp32 rounding (ieee) or the grouped truncating

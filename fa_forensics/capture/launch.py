@@ -35,7 +35,8 @@ def settings_from_env() -> dict:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); start training through `fa-forensics capture`") from None
+        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); "
+                           "start training through `fa-forensics capture`") from None
 
 
 def _auto_binder(session):

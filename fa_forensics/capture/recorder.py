@@ -49,7 +49,8 @@ class Recorder:
         self._on_backward = on_backward  # told when a dO arrived (micro-batch detection without a module tree)
 
     def record(self, call: AttentionCall) -> bool:
-        """Queue q, k, v, o, x and mask of `call` and arrange for its dO; False if the call cannot be stored (not 4-D)."""
+        """Queue q, k, v, o, x and mask of `call` and arrange for its dO; False if the call cannot be stored
+        (not 4-D)."""
         q, k, v, o = call.q, call.k, call.v, call.o
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or o.dim() != 4:
             return False

@@ -210,4 +210,5 @@ def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
     if int(ring) < 0:
         raise InvalidCaptureSetting("ring", f"must be >= 0 steps, got {ring}")
     if ring and not alarm:
-        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write", needs=("alarm", "monitor_every"))
+        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write",
+                                    needs=("alarm", "monitor_every"))

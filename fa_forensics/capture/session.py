@@ -200,7 +200,8 @@ class CaptureSession:
         self.stop(failed=exc_type is not None)
 
     def add_step_callback(self, fn: StepCallback) -> None:
-        """Call fn(session, step, loss) after every step boundary (selected or not): the place for per-step statistics."""
+        """Call fn(session, step, loss) after every step boundary (selected or not): the place for per-step
+        statistics."""
         self._callbacks.append(fn)
 
     def step(self, loss=None) -> None:

@@ -134,7 +134,8 @@ class BackgroundWriter:
         self._dump.set_model(model_attrs)
 
     def close(self, failed: bool = False) -> None:
-        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer failure.
+        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer
+        failure.
 
         failed: the run died; the dump an overwriting capture replaced is kept (see DumpWriter.close)."""
         if self._closed:

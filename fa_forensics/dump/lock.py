@@ -49,7 +49,8 @@ class StoreLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise DumpError(f"cannot create the folder of {self.store}: {exc.strerror or exc}; choose a writable path") from None
+            raise DumpError(f"cannot create the folder of {self.store}: {exc.strerror or exc}; "
+                            "choose a writable path") from None
         while True:
             fd = self._open()
             try:
@@ -70,7 +71,8 @@ class StoreLock:
         if self.stale_holder:
             self.cleaned = clean_staging(self.store)
         command = " ".join(sys.argv)[:200]
-        line = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}, command: {command}\n"
+        since = time.strftime('%Y-%m-%d %H:%M:%S')
+        line = f"pid {os.getpid()} on {socket.gethostname()}, since {since}, command: {command}\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, line.encode(), 0)
         self._fd = fd

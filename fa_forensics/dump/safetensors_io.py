@@ -72,7 +72,8 @@ def _parse_scale(text: str | None, src: Path) -> float | None:
     try:
         scale = float(text)
     except ValueError:
-        raise DumpError(f"{src}: metadata scale={text!r} is not a number; write it as a float in text, e.g. \"0.125\"") from None
+        raise DumpError(f"{src}: metadata scale={text!r} is not a number; "
+                        "write it as a float in text, e.g. \"0.125\"") from None
     if not math.isfinite(scale) or scale <= 0:
         raise DumpError(f"{src}: metadata scale={text!r} must be a positive finite float")
     return scale
@@ -180,7 +181,8 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
     return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale)
 
 
-def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None, heads_by_layer: dict[int, list[int]]) -> None:
+def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
+                 heads_by_layer: dict[int, list[int]]) -> None:
     for s in sorted(by_step):
         for l in sorted(by_step[s]):
             tensors = by_step[s][l]

@@ -189,7 +189,8 @@ class DumpWriter:
             self._check_model(self._root, model)
 
     def register_step(self, step: int) -> None:
-        """Create the step's group (complete: false) now: a run killed before the step is written lists it as incomplete."""
+        """Create the step's group (complete: false) now: a run killed before the step is written lists it as
+        incomplete."""
         with self._lock:
             self._check_open()
             self._wrote = True
@@ -208,7 +209,8 @@ class DumpWriter:
             self._steps[step] = g
         return self._steps[step]
 
-    def _layer_group(self, step: int, layer: int, tensor: torch.Tensor, name: str, layer_attrs: Mapping[str, Any] | None) -> zarr.Group:
+    def _layer_group(self, step: int, layer: int, tensor: torch.Tensor, name: str,
+                     layer_attrs: Mapping[str, Any] | None) -> zarr.Group:
         key = (step, layer)
         given = {k: v for k, v in dict(layer_attrs or {}).items() if v is not None}
         unknown = set(given) - set(_LAYER_ATTR_KEYS)
@@ -240,7 +242,8 @@ class DumpWriter:
         return g
 
     # -- public API -----------------------------------------------------------------------
-    def write_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: Mapping[str, Any] | None = None) -> None:
+    def write_array(self, step: int, layer: int, name: str, tensor: torch.Tensor,
+                    layer_attrs: Mapping[str, Any] | None = None) -> None:
         """Store one tensor (already on the CPU) bit-exactly as step/layer/name.
 
         q, k, v, o, do: (B, H, T, D), chunks (1, 1, T, D); x: (B, T, C), chunks (1, T, C).
@@ -275,7 +278,8 @@ class DumpWriter:
             lg.attrs["arrays"] = names
 
     def complete_step(self, step: int, loss: float | None = None, **attrs: Any) -> None:
-        """Mark a step whole: its other attrs (and `layers`, the layers written) first, then `complete: True` in a last write."""
+        """Mark a step whole: its other attrs (and `layers`, the layers written) first, then `complete: True` in a
+        last write."""
         with self._lock:
             self._check_open()
             if int(step) not in self._steps and step_key(step) not in self._tree:
@@ -299,7 +303,8 @@ class DumpWriter:
             self._check_open()
             meta = dict(self._root.attrs[ATTRS_KEY])
             for key, value in attrs.items():
-                meta[key] = {**meta.get(key, {}), **value} if isinstance(value, Mapping) and isinstance(meta.get(key), Mapping) else value
+                merge = isinstance(value, Mapping) and isinstance(meta.get(key), Mapping)
+                meta[key] = {**meta.get(key, {}), **value} if merge else value
             self._root.attrs[ATTRS_KEY] = meta
 
     def append_timeline(self, step: int, **series: Any) -> None:

@@ -139,7 +139,8 @@ def head_statistics(
 def _fused_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The fused kernel takes one input dtype of fp32/bf16/fp16 and a power-of-two head dim 16..256."""
     D = q.shape[-1]
-    return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and D in (16, 32, 64, 128, 256)
+    return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16,
+                                              torch.float16) and D in (16, 32, 64, 128, 256)
 
 
 def _head_statistics_fused(q, k, alpha, causal, eps, p_dtype, score_dtype, to_cpu) -> HeadStats:
@@ -188,7 +189,8 @@ def _exp_into(p_bar: torch.Tensor, d: torch.Tensor, start: int, T: int, Tk: int,
 
 
 def _scores_are_finite(q: torch.Tensor, k: torch.Tensor, alpha: float, D: int) -> bool:
-    """True when every α·q·k is finite in fp32: finite inputs and D·max|q|·max|k|·α < 10³⁸ (no partial sum can overflow)."""
+    """True when every α·q·k is finite in fp32: finite inputs and D·max|q|·max|k|·α < 10³⁸ (no partial sum can
+    overflow)."""
     def max_abs(t: torch.Tensor) -> float:  # one pass, no |t| copy; NaN propagates
         lo, hi = (float(v) for v in torch.aminmax(t))
         return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)

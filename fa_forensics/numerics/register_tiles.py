@@ -159,7 +159,8 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
                 exponent = builder.and_(builder.lshr(builder.bitcast(builder.load(tops[r]), vi), _const(52, vi)),
                                         _const(2047, vi))
                 exponent = builder.sub(exponent, _const(1023, vi))
-                exponent = builder.select(builder.icmp_signed(">", exponent, _const(-900, vi)), exponent, _const(-900, vi))
+                exponent = builder.select(builder.icmp_signed(">", exponent, _const(-900, vi)), exponent,
+                                          _const(-900, vi))
                 q = builder.sub(builder.sub(exponent, _const(23, vi)), _splat(builder, neab, vi))
                 builder.store(builder.bitcast(builder.shl(builder.sub(_const(1023, vi), q), _const(52, vi)), v64),
                               scales[r])
@@ -173,14 +174,17 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
                 scale = builder.load(scales[r])
                 inv_scale = builder.bitcast(builder.sub(_const(2046 << 52, vi), builder.bitcast(scale, vi)), v64)
                 acc = builder.load(accs[r])
-                x = builder.fmul(builder.fadd(builder.load(totals[r]), builder.call(vtrunc, [builder.fmul(acc, scale)])), inv_scale)
+                x = builder.fmul(builder.fadd(builder.load(totals[r]), builder.call(vtrunc,
+                                                                                    [builder.fmul(acc, scale)])),
+                                 inv_scale)
                 t = builder.bitcast(builder.and_(builder.bitcast(x, vi), _const(~((1 << 29) - 1), vi)), v64)
                 magnitude = builder.call(fabs, [t])
                 overflow = builder.fcmp_ordered(">", magnitude, _const(_FP32_MAX, v64))
                 subnormal = builder.and_(builder.fcmp_ordered("<", magnitude, _const(2.0**-126, v64)),
                                          builder.fcmp_ordered(">", magnitude, _const(0.0, v64)))
                 saturated = builder.call(copysign, [_const(_FP32_MAX, v64), t])
-                on_grid = builder.fmul(builder.call(vtrunc, [builder.fmul(x, _const(2.0**149, v64))]), _const(2.0**-149, v64))
+                on_grid = builder.fmul(builder.call(vtrunc, [builder.fmul(x, _const(2.0**149, v64))]),
+                                       _const(2.0**-149, v64))
                 builder.store(builder.select(overflow, saturated, builder.select(subnormal, on_grid, t)), accs[r])
         for home, acc in zip(homes, accs):
             builder.store(builder.fptrunc(builder.load(acc), v32), home, align=4)

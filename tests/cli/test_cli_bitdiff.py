@@ -33,7 +33,8 @@ def test_bitdiff_add_hex_operands_and_fp8(tmp_path):
 
 
 def test_bitdiff_bad_input_is_one_line_exit_2():
-    for args in (["bitdiff", "--add", "abc", "1"], ["bitdiff", "--add", "1", "2", "--into", "fp7"], ["bitdiff", "--add", "nan", "1"], ["bitdiff"]):
+    for args in (["bitdiff", "--add", "abc", "1"], ["bitdiff", "--add", "1", "2", "--into", "fp7"],
+                 ["bitdiff", "--add", "nan", "1"], ["bitdiff"]):
         r = runner.invoke(app, args)
         assert r.exit_code == 2, args
         assert "Traceback" not in r.output

@@ -46,7 +46,8 @@ def test_dump_vs_bf16_replay_and_cli_outputs(tmp_path):
     assert hist == {**dict.fromkeys(hist, 0), "0": 32768}
     assert d["largest"] == [] and not d["bias"]["found"] and d["bias"]["n_tests"] == 64
     assert d["replay_fidelity"]["o_bits_equal"] == 1.0 and d["warnings"] == []
-    assert d["verdict"] == "0.0% of elements differ in bf16 bits; 0 biased feature(s); no feature is significantly biased"
+    assert d["verdict"] == ("0.0% of elements differ in bf16 bits; 0 biased feature(s); "
+                            "no feature is significantly biased")
 
 
 def test_unknown_preset_is_a_one_line_error():

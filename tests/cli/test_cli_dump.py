@@ -40,8 +40,8 @@ def test_info_on_planted_shows_ground_truth(planted_dump, tmp_path):
 
 
 def test_import_export_round_trip_cli(tmp_path):
-    t = {"step3.layer1.q": torch.randn(1, 2, 4, 8).bfloat16(), "step3.layer1.x": torch.randn(1, 4,
-                                                                                             16).to(torch.float8_e4m3fn)}
+    t = {"step3.layer1.q": torch.randn(1, 2, 4, 8).bfloat16(),
+         "step3.layer1.x": torch.randn(1, 4, 16).to(torch.float8_e4m3fn)}
     save_file(t, tmp_path / "a.safetensors", metadata={"causal": "false"})
     r = runner.invoke(app, ["import", str(tmp_path / "a.safetensors"), "--to", str(tmp_path / "d.zarr"), "--json",
                             str(tmp_path / "imp.json")])

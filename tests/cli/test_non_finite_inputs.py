@@ -59,7 +59,8 @@ def test_overflowing_values_and_a_non_finite_x_are_named(tmp_path):
     path = _dump(tmp_path / "d.zarr", _huge_v_head_2)
     r = CliRunner().invoke(app, ["rank1-sim", str(path), "--json", str(tmp_path / "r.json")])
     warnings = json.loads((tmp_path / "r.json").read_text())["warnings"]
-    assert any(w.startswith("step 0 layer 0 head 2: v holds values up to 1e+30, which overflow fp32") for w in warnings), warnings
+    overflow = "step 0 layer 0 head 2: v holds values up to 1e+30, which overflow fp32"
+    assert any(w.startswith(overflow) for w in warnings), warnings
     assert r.exit_code == 0, r.output
     assert any("x holds 1 NaN of 768 values; x is left out" in w for w in warnings), warnings
 

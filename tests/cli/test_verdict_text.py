@@ -37,7 +37,8 @@ def test_pv_trace_without_an_o_bias_says_n_a_not_nan_percent(tmp_path, monkeypat
     import fa_forensics.figures.pv_trace as figure
 
     captions, save = [], figure.save_figure
-    monkeypatch.setattr(figure, "save_figure", lambda fig, path, caption=None: captions.append(caption) or save(fig, path))
+    monkeypatch.setattr(figure, "save_figure", lambda fig, path,
+                        caption=None: captions.append(caption) or save(fig, path))
     js = tmp_path / "pv.json"
     # fp32 against fp32: no O bias in any feature, so no share of it can be attributed
     r = runner.invoke(app, ["pv-trace", str(PLANTED), "--preset", "fp32", "--step", "0", "--head", "0",

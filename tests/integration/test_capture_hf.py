@@ -151,7 +151,8 @@ def test_cli_capture_of_gpt2_with_dropout_and_padding(tmp_path):
 
     from fa_forensics.cli import app
 
-    script, out, info_json, st = tmp_path / "train.py", tmp_path / "run.zarr", tmp_path / "info.json", tmp_path / "x.safetensors"
+    script, out = tmp_path / "train.py", tmp_path / "run.zarr"
+    info_json, st = tmp_path / "info.json", tmp_path / "x.safetensors"
     script.write_text(SCRIPT)
     # step 7 is never reached (the script makes 2 steps): step 1 is recorded, then a warning and exit code 1
     run = subprocess.run([sys.executable, "-m", "fa_forensics", "capture", "--out", str(out), "--steps", "1,7", "--",

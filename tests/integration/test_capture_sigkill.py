@@ -77,7 +77,8 @@ def test_sigkill_from_outside_while_writing(tmp_path):
         deadline = time.time() + 180
         while time.time() < deadline:
             time.sleep(0.2)
-            complete = [p for p in out.glob("step_*/zarr.json") if '"complete": true' in p.read_text()] if out.exists() else []
+            steps = out.glob("step_*/zarr.json") if out.exists() else []
+            complete = [p for p in steps if '"complete": true' in p.read_text()]
             if len(complete) >= 2 or proc.poll() is not None:
                 break
         assert proc.poll() is None, proc.stderr.read().decode()

@@ -45,8 +45,8 @@ def test_delta_repairs_of_a_kernel_preset_run_the_reference_backward():
 def test_measure_heads_uses_eq1_for_the_gradient_error():
     g = torch.Generator().manual_seed(0)
     o_var, o_hp = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g)
-    dd, pk, x = torch.randn(1, 2, 3, generator=g).double(), torch.randn(1, 2, 3, 4,
-                                                                        generator=g).double(), torch.randn(1, 3, 5, generator=g)
+    dd, pk = torch.randn(1, 2, 3, generator=g).double(), torch.randn(1, 2, 3, 4, generator=g).double()
+    x = torch.randn(1, 3, 5, generator=g)
     m = measure_heads(o_var, o_hp, dd, pk, x, 0.5)
     dq = -0.5 * dd[0, 1, :, None] * pk[0, 1]  # Eq. 1: dQ_var − dQ_hp = −α diag(δ_var − δ_hp) PK
     assert m[1].dq_err_sq == pytest.approx(float((dq**2).sum()))

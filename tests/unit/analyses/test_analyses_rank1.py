@@ -12,7 +12,8 @@ from test_analyses_delta_bias import planted_layer
 
 def test_gradient_error_equals_explicit_sum_of_rank1_matrices():
     g = torch.Generator().manual_seed(0)
-    dd, pk, x = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 5, 6, generator=g)
+    dd, pk = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, 4, generator=g)
+    x = torch.randn(2, 5, 6, generator=g)
     E = gradient_error(dd, pk, x, 0.5)
     ref = sum(0.5 * dd[b, 1, t] * torch.outer(pk[b, 1, t], x[b, t]) for b in range(2) for t in range(5))
     torch.testing.assert_close(E[1], ref.double())

@@ -62,11 +62,12 @@ def test_planted_feature_is_negative_and_carries(planted):
     f, h = planted.ground_truth["planted_feature"], planted.ground_truth["planted_heads"][0]
     v = planted.read(0, 0, "v", heads=h)[..., f].float()
     do = planted.read(0, 0, "do", heads=h)[..., f].float()
-    distractors = [t for b in range(v.shape[0]) for g in planted.ground_truth["ties_layout"][f"step0.layer0.b{b}.h{h}"]["distractors"] for t in g]
+    layout = planted.ground_truth["ties_layout"]
+    distractors = [t for b in range(v.shape[0]) for g in layout[f"step0.layer0.b{b}.h{h}"]["distractors"] for t in g]
     assert len(distractors) > 0
     for b in range(v.shape[0]):
         zero = torch.zeros(v.shape[-1], dtype=torch.bool)
-        zero[[t for g in planted.ground_truth["ties_layout"][f"step0.layer0.b{b}.h{h}"]["distractors"] for t in g]] = True
+        zero[[t for g in layout[f"step0.layer0.b{b}.h{h}"]["distractors"] for t in g]] = True
         assert (v[b, 0, zero] == 0).all()  # distractors add to ℓ, not to the planted sum
         vb = v[b, 0, ~zero]
         assert ((vb > -2) & (vb <= -1)).all()  # |v| in [1, 2): two of them carry

@@ -70,7 +70,8 @@ def test_defaults_are_causal_and_inverse_sqrt_d(tmp_path):
 def test_export_selection_and_refusals(make_dump, tmp_path):
     path = make_dump(steps=(0, 1), layers=(0, 1))
     res = export_safetensors(path, tmp_path / "one.safetensors", steps=1, layers=[0])
-    assert sorted(load_file(tmp_path / "one.safetensors")) == [f"step1.layer0.{n}" for n in sorted(("q", "k", "v", "o", "do", "x"))]
+    names = sorted(("q", "k", "v", "o", "do", "x"))
+    assert sorted(load_file(tmp_path / "one.safetensors")) == [f"step1.layer0.{n}" for n in names]
     assert res.n_tensors == 6
     with pytest.raises(DumpError, match="already exists; overwrite=True replaces it"):
         export_safetensors(path, tmp_path / "one.safetensors")

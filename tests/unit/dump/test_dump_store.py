@@ -105,7 +105,8 @@ def test_complete_flag_is_the_last_metadata_write(tmp_path, monkeypatch):
 
 
 def test_open_reads_metadata_only(make_dump):
-    """Garbage in every chunk file leaves open_dump, steps, layers, layer_info and summary working: none of them decodes a chunk."""
+    """Garbage in every chunk file leaves open_dump, steps, layers, layer_info and summary working: none of them
+    decodes a chunk."""
     path = make_dump(steps=(0, 1), layers=(0, 2))
     garbled = [p for p in path.rglob("c.*")]
     assert garbled
@@ -149,7 +150,8 @@ def test_missing_things_name_what_exists(make_dump):
 
 
 def test_damaged_dump_missing_array_is_reported(make_dump):
-    """A complete step that lacks a listed array is damaged: listed apart, named, skipped; the other step still reads."""
+    """A complete step that lacks a listed array is damaged: listed apart, named, skipped; the other step still
+    reads."""
     import shutil
 
     path = make_dump()
@@ -225,7 +227,8 @@ def test_timeline_appends_rows_and_backfills(tmp_path):
     tl = open_dump(tmp_path / "d.zarr").timeline
     assert tl["step"].tolist() == [10, 20, 30]
     assert tl["loss"].tolist() == [3.0, 2.0, 1.0]
-    assert tl["max_logit"].shape == (3, 2, 3) and math.isnan(tl["max_logit"][1, 0, 0]) and tl["max_logit"][2, 1, 2] == 5.0
+    assert tl["max_logit"].shape == (3, 2, 3) and math.isnan(tl["max_logit"][1, 0,
+                                                                             0]) and tl["max_logit"][2, 1, 2] == 5.0
     assert math.isnan(tl["ties"][0]) and tl["ties"][2] == 4
 
 

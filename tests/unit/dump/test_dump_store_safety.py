@@ -74,7 +74,8 @@ def test_a_store_keeps_to_one_model_unless_asked(tmp_path):
         _train(again, cap, 2)
     other = GPT(GPTConfig(**{**TINY, "n_embd": 32}))
     with pytest.raises(OtherModel,
-                       match=rf"holds steps of GPT \(.*fingerprint {fingerprint}\), but this run's model is GPT ") as refused:
+                       match=rf"holds steps of GPT \(.*fingerprint {fingerprint}\), "
+                             r"but this run's model is GPT ") as refused:
         with fa_forensics.capture(other, out=path, steps=[3]) as cap:
             _train(other, cap, 4)
     assert cli_line(refused.value).endswith("pass --allow-other-model to add its steps anyway")  # the CLI's wording

@@ -94,7 +94,8 @@ def test_round_toward_zero_at_normalization_where_ieee_rounds_up():
 
 
 def test_truncation_within_a_group_loses_part_of_each_small_product():
-    """Accumulator 2^20 (q = 2^-5): each 0.046875 = 1.5 q keeps one q; exact 2^20 + 0.75, model 2^20 + 0.5, ieee 2^20."""
+    """Accumulator 2^20 (q = 2^-5): each 0.046875 = 1.5 q keeps one q; exact 2^20 + 0.75, model 2^20 + 0.5,
+    ieee 2^20."""
     a = torch.full((1, 16), 0.046875)
     b = torch.ones(16, 1)
     acc = torch.full((1, 1), 2.0**20)
@@ -184,7 +185,8 @@ def _edge_inputs(kind, shape, fmt, g):
     return round_to(x, fmt).float()
 
 
-_GPU_FMT = [("h100", "bf16"), ("a100", "bf16"), ("h100", "fp16"), ("h100", "fp8_e4m3"), ("h100", "fp8_e5m2"), ("h100", "fp32")]
+_GPU_FMT = [("h100", "bf16"), ("a100", "bf16"), ("h100", "fp16"), ("h100", "fp8_e4m3"), ("h100", "fp8_e5m2"),
+            ("h100", "fp32")]
 
 
 @pytest.mark.parametrize("gpu,fmt", _GPU_FMT)

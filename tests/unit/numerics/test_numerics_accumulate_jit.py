@@ -117,7 +117,9 @@ def test_a_band_skips_zero_terms_and_zeroes_unwanted_outputs_without_changing_a_
     rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
     acc = _values("normal", (L, M, N), "fp32", g)
     for band in (accumulate.Band(k_hi=5), accumulate.Band(k_lo=-8), accumulate.Band(k_lo=-3, k_hi=4)):
-        inside = (cols >= rows + (-K if band.k_lo is None else band.k_lo)) & (cols < rows + (K if band.k_hi is None else band.k_hi))
+        lo = -K if band.k_lo is None else band.k_lo
+        hi = K if band.k_hi is None else band.k_hi
+        inside = (cols >= rows + lo) & (cols < rows + hi)
         a = torch.where(inside, _values("normal", (L, M, K), "bf16", g), torch.zeros(()))
         for strided in (False, True):
             a_in = a.transpose(-1, -2).contiguous().transpose(-1, -2) if strided else a
@@ -150,7 +152,9 @@ def test_a_band_keeps_the_full_products_sign_of_zero(model):
 
     rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
     for band in (accumulate.Band(k_hi=3), accumulate.Band(k_lo=-2, k_hi=2), accumulate.Band(k_lo=-1, k_hi=20)):
-        inside = (cols >= rows + (-K if band.k_lo is None else band.k_lo)) & (cols < rows + (K if band.k_hi is None else band.k_hi))
+        lo = -K if band.k_lo is None else band.k_lo
+        hi = K if band.k_hi is None else band.k_hi
+        inside = (cols >= rows + lo) & (cols < rows + hi)
         a = torch.where(inside, signed((L, M, K), (1.0, -1.0, 0.0)) * tiny, signed((L, M, K), (0.0, -0.0)))
         b = signed((L, K, N), (2.0**-80, -2.0**-80, 0.0, -0.0, 1.0, -1.0))  # tiny products underflow to ±0
         for start in (None, signed((L, M, N), (0.0, -0.0))):
@@ -195,7 +199,8 @@ from fa_forensics.numerics.accumulate import Band
 assert not register_tiles.AVX512 and register_tiles.IEEE_COLS == 16 and register_tiles.TC_ROWS == 2
 g = torch.Generator().manual_seed(5)
 for L, M, K, N in ((2, 7, 45, 37), (1, 16, 70, 33)):
-    a = round_to(torch.randn(L, M, K, generator=g) * torch.exp2(torch.randint(-60, 20, (L, M, K), generator=g).float()), "bf16")
+    scales = torch.exp2(torch.randint(-60, 20, (L, M, K), generator=g).float())
+    a = round_to(torch.randn(L, M, K, generator=g) * scales, "bf16")
     b = round_to(torch.randn(L, K, N, generator=g), "bf16")
     acc = torch.randn(L, M, N, generator=g)
     for model in ("ieee", "tensor-core"):

@@ -34,7 +34,8 @@ def test_bit_path_equals_torch_cast_rne(fmt):
 
 
 def test_torch_fp8_casts_overflow_behaviour_is_what_we_document():
-    """torch 2.13: float8_e4m3fn saturates (no inf in the format), float8_e5m2 overflows to inf; round_to saturates both."""
+    """torch 2.13: float8_e4m3fn saturates (no inf in the format), float8_e5m2 overflows to inf; round_to saturates
+    both."""
     big = torch.tensor([1000.0, float("inf")])
     assert torch.isinf(torch.tensor([1e6]).to(torch.float8_e5m2).float()).all()
     assert round_to(big, "fp8_e4m3").tolist() == [448.0, 448.0]

@@ -29,7 +29,8 @@ def test_result_types_shapes_and_dtypes():
         assert t.shape == (2, 3) and t.dtype == torch.int64
     assert int(fwd.stats.rows.sum()) == 2 * 3 * 8 == fwd.stats.total()["rows"]
     bwd = replay(q, k, v, CFG, do=do)
-    assert bwd.delta.shape == (2, 3, 8) and all(x.shape == q.shape and x.dtype == torch.float32 for x in (bwd.dq, bwd.dk, bwd.dv))
+    assert bwd.delta.shape == (2, 3, 8)
+    assert all(x.shape == q.shape and x.dtype == torch.float32 for x in (bwd.dq, bwd.dk, bwd.dv))
     assert torch.equal(bwd.o, fwd.o)  # the backward does not change the forward
     with pytest.raises(dataclasses.FrozenInstanceError):
         fwd.o = None

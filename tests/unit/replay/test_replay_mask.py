@@ -62,8 +62,10 @@ def test_streamed_replay_under_a_mask_has_the_bits_of_one_pass():
     keep = torch.rand(2, 64, generator=g) > 0.3  # random key padding
     mask = keep[:, None, None, :]  # (B, 1, 1, Tk)
     config = ReplayConfig.preset("bf16")
-    whole = emulate_replay(q, k, v, config, do, causal=True, scale=0.35, mask=mask, plan=StreamPlan(heads=2, block_m=None))
-    parts = emulate_replay(q, k, v, config, do, causal=True, scale=0.35, mask=mask, plan=StreamPlan(heads=1, block_m=32))
+    whole = emulate_replay(q, k, v, config, do, causal=True, scale=0.35, mask=mask,
+                           plan=StreamPlan(heads=2, block_m=None))
+    parts = emulate_replay(q, k, v, config, do, causal=True, scale=0.35, mask=mask,
+                           plan=StreamPlan(heads=1, block_m=32))
     for name in ("o", "lse", "dq", "dk", "dv"):
         assert torch.equal(getattr(whole, name), getattr(parts, name)), name
 

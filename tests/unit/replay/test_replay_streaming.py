@@ -68,7 +68,8 @@ def test_plan_keeps_the_largest_temporary_within_the_budget():
     plan = StreamPlan.for_shape(H=32, T=8192, n_keys=8192, budget=2**21)
     assert plan == StreamPlan(heads=1, block_m=256) and plan.block_m * 8192 <= 2**21
     assert StreamPlan.for_shape(H=4, T=100_000, n_keys=100_000, budget=2**21).block_m == 32  # never below one group
-    assert list(StreamPlan(heads=2, block_m=None).items(B=2, H=3)) == [(0, slice(0, 2)), (0, slice(2, 3)), (1, slice(0, 2)), (1, slice(2, 3))]
+    assert list(StreamPlan(heads=2, block_m=None).items(B=2, H=3)) == [(0, slice(0, 2)), (0, slice(2, 3)),
+                                                                       (1, slice(0, 2)), (1, slice(2, 3))]
 
 
 def test_backward_refuses_row_blocks_that_split_a_tensor_core_group():

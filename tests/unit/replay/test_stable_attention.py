@@ -21,8 +21,8 @@ def planted(B=2, H=4, T=64, D=16, gain=24.0, seed=0):
     k = (k_dir * math.sqrt(D)).repeat_interleave(2, dim=2)  # (B, H, T, D) keys 2j, 2j+1 identical
     n_visible = (torch.arange(T) + 1) // 2
     pick = (torch.rand(B, H, T, generator=g) * n_visible.clamp(min=1)).floor().long()
-    q = k_dir.gather(2, pick.unsqueeze(-1).expand(B, H, T, D)) * gain * (0.75 + 0.5 * torch.rand(B, H, T, 1,
-                                                                                                 generator=g))
+    jitter = 0.75 + 0.5 * torch.rand(B, H, T, 1, generator=g)
+    q = k_dir.gather(2, pick.unsqueeze(-1).expand(B, H, T, D)) * gain * jitter
     v = torch.randn(B, H, T, D, generator=g)
     v[..., FEATURE] = -(2 + 2 * torch.rand(B, H, T, generator=g))
     return tuple(x.to(torch.bfloat16) for x in (q, k, v))
