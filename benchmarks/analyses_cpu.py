@@ -31,7 +31,8 @@ def build_dump(path: Path, H: int = 12, T: int = 1024) -> Path:
     q, k, v, do = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
     x = torch.randn(B, T, C, generator=g).bfloat16()
     o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).bfloat16()
-    attrs = {"module": "transformer.h.0.attn", "n_heads": H, "head_dim": D, "scale": 1 / math.sqrt(D), "causal": True, "dtype": "bfloat16"}
+    attrs = {"module": "transformer.h.0.attn", "n_heads": H, "head_dim": D, "scale": 1 / math.sqrt(D), "causal": True,
+             "dtype": "bfloat16"}
     w = DumpWriter(path, {"model": {"name": "gpt2-size-random"}}, overwrite=True)
     for name, tensor in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("x", x)):
         w.write_array(0, 0, name, tensor, layer_attrs=attrs)

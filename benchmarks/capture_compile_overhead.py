@@ -12,7 +12,8 @@ Reported: median step time of each case (wall clock, and the process's CPU time,
 machine disturbs less with one torch thread), their ratios (capture / none), and dynamo's counters:
 graph breaks, unique graphs and frames compiled after warm-up (0 = no recompilation).
 
-    python benchmarks/capture_compile_overhead.py [--repeats 10] [--block 5] [--batch-size 4] [--threads 1] [--json FILE]
+    python benchmarks/capture_compile_overhead.py [--repeats 10] [--block 5] [--batch-size 4] [--threads 1] \
+        [--json FILE]
 """
 from __future__ import annotations
 
@@ -94,10 +95,14 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"compiled demo GPT (4 layers, T 256, batch {args.batch_size}), {result['steps_per_case']} unselected steps per case")
-    print(f"  no capture          wall {result['median_ms']['none']:8.1f} ms   cpu {result['median_cpu_ms']['none']:8.1f} ms")
-    print(f"  capture, unselected wall {result['median_ms']['capture']:8.1f} ms   cpu {result['median_cpu_ms']['capture']:8.1f} ms")
-    print(f"  ratio capture / none: wall {result['ratio_capture_over_none']:.3f}, cpu {result['cpu_ratio_capture_over_none']:.3f}")
+    print(f"compiled demo GPT (4 layers, T 256, batch {args.batch_size}), {result['steps_per_case']} unselected steps "
+          "per case")
+    print(f"  no capture          wall {result['median_ms']['none']:8.1f} ms   cpu "
+          f"{result['median_cpu_ms']['none']:8.1f} ms")
+    print(f"  capture, unselected wall {result['median_ms']['capture']:8.1f} ms   cpu "
+          f"{result['median_cpu_ms']['capture']:8.1f} ms")
+    print(f"  ratio capture / none: wall {result['ratio_capture_over_none']:.3f}, cpu "
+          f"{result['cpu_ratio_capture_over_none']:.3f}")
     print(f"  dynamo: graph breaks {result['graph_breaks']}, unique graphs {result['unique_graphs']}, "
           f"compiled after warm-up {result['frames_compiled_after_warmup']}")
     if args.json:

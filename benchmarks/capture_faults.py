@@ -58,7 +58,8 @@ def check(out: Path, side: Path, last: int) -> tuple[int, int, list[int]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dump = open_dump(out)
-    exact = [s for s in dump.steps if s <= last and torch.equal(dump.read(s, 0, "o").view(torch.int16), torch.load(side / f"o_{s}.pt").view(torch.int16))]
+    exact = [s for s in dump.steps if s <= last and torch.equal(dump.read(s, 0, "o").view(torch.int16),
+                                                                torch.load(side / f"o_{s}.pt").view(torch.int16))]
     listed = [s for s in dump.incomplete_steps if s <= last]
     bad = [s for s in range(last + 1) if s not in exact and s not in listed]
     return len(exact), len(listed), bad
@@ -78,18 +79,22 @@ def main() -> None:
             out, side = Path(tmp) / f"t{trial}.zarr", Path(tmp) / f"side{trial}"
             side.mkdir()
             k = rng.randint(2, 8)
-            proc = subprocess.run([sys.executable, str(script), str(out), str(side), str(k), "0.05"], capture_output=True, text=True, timeout=300)
+            proc = subprocess.run([sys.executable, str(script), str(out), str(side), str(k), "0.05"],
+                                  capture_output=True, text=True, timeout=300)
             assert proc.returncode == -signal.SIGKILL, proc.stderr
             exact, listed, bad = check(out, side, k)
             totals[0] += exact
             totals[1] += listed
             totals[2] += len(bad)
-            print(f"trial {trial:2d}: killed after step {k}: {exact} complete and bit-exact, {listed} listed incomplete, {len(bad)} lost {bad}")
-        print(f"SIGKILL: {args.trials} trials, {totals[0]} steps complete and bit-exact, {totals[1]} listed incomplete, {totals[2]} lost")
+            print(f"trial {trial:2d}: killed after step {k}: {exact} complete and bit-exact, {listed} listed "
+                  f"incomplete, {len(bad)} lost {bad}")
+        print(f"SIGKILL: {args.trials} trials, {totals[0]} steps complete and bit-exact, {totals[1]} listed "
+              f"incomplete, {totals[2]} lost")
 
         out, side = Path(tmp) / "shared.zarr", Path(tmp) / "side_shared"
         side.mkdir()
-        first = subprocess.Popen([sys.executable, str(script), str(out), str(side), "-1", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        first = subprocess.Popen([sys.executable, str(script), str(out), str(side), "-1", "0.2"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         while not (Path(tmp) / "shared.zarr.lock").exists() and first.poll() is None:
             time.sleep(0.05)
         side2 = Path(tmp) / "side_second"
@@ -98,14 +103,17 @@ def main() -> None:
         plain.write_text("import torch\nfrom fa_forensics.demo.model import GPT, GPTConfig\n"
                          "m = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16, attention='sdpa'))\n"
                          "idx = torch.randint(0, 256, (2, 16)); m(idx, idx)[1].backward()\n")
-        second = subprocess.run([sys.executable, "-m", "fa_forensics", "capture", "--out", str(out), "--steps", "0", "--", sys.executable, str(plain)],
+        second = subprocess.run([sys.executable, "-m", "fa_forensics", "capture", "--out", str(out), "--steps", "0",
+                                 "--", sys.executable, str(plain)],
                                 capture_output=True, text=True, timeout=300)
         first.wait(timeout=300)
         exact, listed, bad = check(out, side, 11)
         refusal = [line for line in second.stderr.splitlines() if "being written by another process" in line]
         lines = [line for line in second.stderr.splitlines() if line.strip()]
-        print(f"concurrent: second capture (CLI) exit {second.returncode}, {len(lines)} stderr line(s): {refusal[-1] if refusal else lines!r}")
-        print(f"concurrent: first capture exit {first.returncode}: {exact} of 12 steps complete and bit-exact, {listed} incomplete, {len(bad)} lost")
+        print(f"concurrent: second capture (CLI) exit {second.returncode}, {len(lines)} stderr line(s): "
+              f"{refusal[-1] if refusal else lines!r}")
+        print(f"concurrent: first capture exit {first.returncode}: {exact} of 12 steps complete and bit-exact, "
+              f"{listed} incomplete, {len(bad)} lost")
 
 
 if __name__ == "__main__":

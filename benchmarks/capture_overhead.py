@@ -61,9 +61,12 @@ def main() -> None:
     finally:
         bench.cleanup()
 
-    med = {name: statistics.median(v) for name, v in (("no_capture", base), ("unselected", idle), ("selected", selected), ("selected_flushed", flushed))}
+    med = {name: statistics.median(v) for name, v in (("no_capture", base), ("unselected", idle), ("selected",
+                                                                                                   selected),
+                                                      ("selected_flushed", flushed))}
     result = {
-        "model": {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "block_size": config.block_size, "attention": config.attention},
+        "model": {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+                  "block_size": config.block_size, "attention": config.attention},
         "device": bench.device_name(),
         "batch_size": args.batch_size,
         "capture_batch": args.capture_batch,
@@ -73,15 +76,18 @@ def main() -> None:
         "ratio_selected_over_no_capture": med["selected"] / med["no_capture"],
         "ratio_selected_flushed_over_no_capture": med["selected_flushed"] / med["no_capture"],
         "paired_ratio_unselected_quartiles": statistics.quantiles([i / b for i, b in zip(idle, base)], n=4),
-        "bytes_per_selected_step": bytes_per_selected_step(config, 2 if args.capture_batch == "0:2" else args.batch_size),
+        "bytes_per_selected_step": bytes_per_selected_step(config,
+                                                           2 if args.capture_batch == "0:2" else args.batch_size),
         "torch_threads": torch.get_num_threads(),
     }
     print(f"{'case':<34}{'median step (ms)':>18}{'ratio':>8}")
     for name, label in (("no_capture", "no capture"), ("unselected", "capture active, step not selected"),
-                        ("selected", "selected step (training thread)"), ("selected_flushed", "selected step, until written")):
+                        ("selected", "selected step (training thread)"), ("selected_flushed",
+                                                                          "selected step, until written")):
         print(f"{label:<34}{med[name] * 1000:>18.1f}{med[name] / med['no_capture']:>8.3f}")
     q1, q2, q3 = result["paired_ratio_unselected_quartiles"]
-    print(f"paired ratio unselected/no-capture per repeat: median {q2:.3f}, quartiles {q1:.3f}-{q3:.3f} (the noise floor)")
+    print(f"paired ratio unselected/no-capture per repeat: median {q2:.3f}, quartiles {q1:.3f}-{q3:.3f} (the noise "
+          "floor)")
     print(f"bytes per selected step (before zstd): {result['bytes_per_selected_step']:,}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -25,7 +25,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--capture-batch", default="0:2", help="batch slice that is captured / monitored")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda exercises the pinned-memory async copies)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady timings on a shared machine)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: steady timings on a shared machine)")
     parser.add_argument("--json", type=Path, default=None)
 
 
@@ -51,7 +52,8 @@ class DemoBench:
     def one_step(self, cap=None, read_loss: bool = False) -> float:
         """Seconds of one training step; with `cap`, report its loss to the session; `read_loss`
         reads the loss on the host (as demo-train does every step)."""
-        x, y = (t.to(self.device) for t in random_batch(self.tokens, self.args.batch_size, self.config.block_size, self.generator))
+        x, y = (t.to(self.device) for t in random_batch(self.tokens, self.args.batch_size, self.config.block_size,
+                                                        self.generator))
         self.sync()
         t0 = time.perf_counter()
         loss = train_step(self.model, self.optimizer, x, y, 1.0)

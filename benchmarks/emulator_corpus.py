@@ -49,7 +49,8 @@ def _masks(T: int, seed: int) -> dict:
 def _record(r, with_stats: bool = True) -> list:
     row = [_digest(getattr(r, f)) for f in _FIELDS]
     if with_stats:
-        row += [getattr(r.stats, f).tolist() for f in ("repeated_max_rows", "p_one_count", "stabilized_rows", "p_zeroed")]
+        row += [getattr(r.stats, f).tolist() for f in ("repeated_max_rows", "p_one_count", "stabilized_rows",
+                                                       "p_zeroed")]
     return row
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -88,9 +89,9 @@ def attention_rows(device, dtype, shapes, smoke: bool) -> list[dict]:
         outputs = {}
         for name, fn in impls.items():
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-            fwd = bench_ms(lambda: fn(q, k, v, causal), smoke)
+            fwd = bench_ms(functools.partial(fn, q, k, v, causal), smoke)
             o = fn(qg, kg, vg, causal)
-            bwd = bench_ms(lambda: o.backward(do, retain_graph=True), smoke)
+            bwd = bench_ms(functools.partial(o.backward, do, retain_graph=True), smoke)
             qg.grad = kg.grad = vg.grad = None
             o.backward(do, retain_graph=True)
             outputs[name] = (o.detach(), qg.grad, kg.grad, vg.grad)

@@ -36,7 +36,8 @@ KEY_ENCODING = {"name": "default", "separator": "."}
 
 def tensors() -> dict[str, np.ndarray]:
     g = torch.Generator().manual_seed(0)
-    out = {n: torch.randn(B, H, T, D, generator=g).to(torch.bfloat16).view(torch.int16).numpy().view("uint16") for n in ("q", "k", "v", "o", "do")}
+    out = {n: torch.randn(B, H, T, D, generator=g).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+           for n in ("q", "k", "v", "o", "do")}
     out["x"] = torch.randn(B, T, C, generator=g).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
     return out
 
@@ -58,7 +59,8 @@ def write(folder: Path, data: dict[str, np.ndarray], variant: str) -> None:
         if variant == "manifest":
             attrs["chunk_crc32"] = chunk_crcs(a)
         arr = group.create_array(
-            name, shape=a.shape, dtype=a.dtype, chunks=chunk_shape(a), chunk_key_encoding=KEY_ENCODING, attributes=attrs,
+            name, shape=a.shape, dtype=a.dtype, chunks=chunk_shape(a), chunk_key_encoding=KEY_ENCODING,
+            attributes=attrs,
             compressors=zarr.codecs.ZstdCodec(checksum=variant == "every"),
             config={"write_empty_chunks": variant == "every"},
         )
@@ -94,7 +96,8 @@ def main() -> None:
     args = parser.parse_args()
     data = tensors()
     mib = sum(a.nbytes for a in data.values()) / 2**20
-    times: dict[str, dict[str, list[float]]] = {v: {"write": [], "read": [], "check": []} for v in ("baseline", "every", "manifest")}
+    times: dict[str, dict[str, list[float]]] = {v: {"write": [], "read": [],
+                                                    "check": []} for v in ("baseline", "every", "manifest")}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeat):
             order = list(times)[r % 3:] + list(times)[:r % 3]  # interleaved and rotated: the three see the same load
@@ -107,9 +110,11 @@ def main() -> None:
     med = {v: {k: statistics.median(ts) for k, ts in d.items()} for v, d in times.items()}
     base_w, base_r = med["baseline"]["write"], med["baseline"]["read"]
     print(f"one layer-step, {mib:.1f} MiB of bf16 in 6 arrays ({5 * B * H + B} chunks); median of {args.repeat}")
-    print(f"{'variant':10s} {'write ms':>9s} {'× base':>7s} {'read ms':>8s} {'check ms':>9s} {'check / base read':>18s}")
+    print(f"{'variant':10s} {'write ms':>9s} {'× base':>7s} {'read ms':>8s} {'check ms':>9s} "
+          f"{'check / base read':>18s}")
     for v, m in med.items():
-        print(f"{v:10s} {m['write'] * 1e3:9.1f} {m['write'] / base_w:7.2f} {m['read'] * 1e3:8.1f} {m['check'] * 1e3:9.2f} {m['check'] / base_r:18.3f}")
+        print(f"{v:10s} {m['write'] * 1e3:9.1f} {m['write'] / base_w:7.2f} {m['read'] * 1e3:8.1f} "
+              f"{m['check'] * 1e3:9.2f} {m['check'] / base_r:18.3f}")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def _trim_set(src: Path, tag: str, batch: int, heads: list[int], t_keep, rows, k
             "tag": tag, "source": src.name, "batch": batch, "heads": heads, "T": t, "T_recorded": full_t,
             "o_rows": [row0, t], "dq_rows": [row0, t] if grads else None,
             "dkdv_keys": [0, HEAD_KEYS] if keep_dkdv else None, "kernels": kernels,
-            "causal": True, "scale": SCALES.get(tag, d ** -0.5), "dtype": str(out[f"{tag}.q"].dtype).replace("torch.", ""),
+            "causal": True, "scale": SCALES.get(tag, d ** -0.5),
+            "dtype": str(out[f"{tag}.q"].dtype).replace("torch.", ""),
         }
     return out, layout
 
@@ -109,7 +110,8 @@ def _trim_training(tar_path: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folder", type=Path, help="folder with the recorded sdpa_<set>.safetensors and gpu_h200_train.zarr.tar")
+    ap.add_argument("folder", type=Path,
+                    help="folder with the recorded sdpa_<set>.safetensors and gpu_h200_train.zarr.tar")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/data/h200_bits")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ On top of the scores come about 6 elementwise passes (scale, mask, max, subtract
 over the 0.4 M entries per layer that the causal mask leaves within reach. W_Q takes 3 iterations
 of 2·(H·D·C) multiply-adds per layer, which is negligible.
 
-    python benchmarks/monitor_overhead.py [--repeats 9] [--block 16] [--batch-size 4] [--capture-batch 0:2] [--threads 1] [--json FILE]
+    python benchmarks/monitor_overhead.py [--repeats 9] [--block 16] [--batch-size 4] [--capture-batch 0:2] \
+        [--threads 1] [--json FILE]
 """
 from __future__ import annotations
 
@@ -80,11 +81,14 @@ def main() -> None:
     finally:
         bench.cleanup()
 
-    med = {"no_capture": statistics.median(base), "monitor": statistics.median(mon), "monitor_alarm": statistics.median(mon_alarm)}
+    med = {"no_capture": statistics.median(base), "monitor": statistics.median(mon),
+           "monitor_alarm": statistics.median(mon_alarm)}
     result = {
-        "model": {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "block_size": config.block_size},
+        "model": {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+                  "block_size": config.block_size},
         "device": bench.device_name(),
-        "batch_size": args.batch_size, "capture_batch": args.capture_batch, "repeats": args.repeats, "block": args.block,
+        "batch_size": args.batch_size, "capture_batch": args.capture_batch, "repeats": args.repeats,
+        "block": args.block,
         "median_seconds": med,
         "ratio_monitor_over_no_capture": med["monitor"] / med["no_capture"],
         "ratio_monitor_alarm_over_no_capture": med["monitor_alarm"] / med["no_capture"],

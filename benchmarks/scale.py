@@ -61,7 +61,8 @@ def _measure_replay(kind: str, H: int, T: int, D: int, acc: str, repeats: int) -
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "threads": torch.get_num_threads()}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "threads": torch.get_num_threads()}
 
 
 def _child(args: list[str]) -> dict:
@@ -81,7 +82,8 @@ def _growth(points: list[tuple[int, float]]) -> float:
 def replay_table(Ts: list[int], Hs: list[int], D: int, acc: str, repeats: int) -> None:
     print(f"B 1, D {D}, causal, bf16 inputs, preset bf16 : {acc}; median of {repeats} runs; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'H':>3} {'T':>5} | {'SDPA wall':>9} {'cpu':>6} {'RSS MB':>7} | {'emulator wall':>13} {'cpu':>6} {'RSS MB':>7} | {'ratio wall':>10} {'cpu':>5}")
+    print(f"{'H':>3} {'T':>5} | {'SDPA wall':>9} {'cpu':>6} {'RSS MB':>7} | {'emulator wall':>13} {'cpu':>6} "
+          f"{'RSS MB':>7} | {'ratio wall':>10} {'cpu':>5}")
     for H in Hs:
         times = []
         for T in Ts:
@@ -127,7 +129,8 @@ def analysis_table(shapes: list[str], workers: list[int], preset: str = "auto") 
             for n in workers:
                 js = Path(tmp) / f"db_{H}_{T}_{n}.json"
                 extra = ["--workers", str(n)] if n != 1 else []
-                wall, rss, _ = _timed_cli([*cli, "delta-bias", str(dump), "--json", str(js), "--preset", preset, *extra])
+                wall, rss, _ = _timed_cli([*cli, "delta-bias", str(dump), "--json", str(js), "--preset", preset,
+                                           *extra])
                 cells = [c["delta_err_sum"] for c in json.loads(js.read_text())["per_step"]] if js.exists() else []
                 same = "—" if first is None else ("yes" if cells == first else "NO")
                 first = cells if first is None else first

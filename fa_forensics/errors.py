@@ -132,3 +132,13 @@ class LinkRefused(TargetUnwritable):
         self.target = target
         what = f"it is a symbolic link to {target}" if target is not None else "it is a file with other hard links"
         super().__init__(path, setting, f"{what}, which fa-forensics never writes through")
+
+
+class MissingExtra(UserError):
+    """An optional dependency is not installed: `.module`, `.extra` (the package extra that installs it),
+    `.needed_for` (what asked for it)."""
+
+    def __init__(self, module: str, extra: str, needed_for: str, reason: str) -> None:
+        self.module, self.extra, self.needed_for = module, extra, needed_for
+        super().__init__(f"{needed_for} needs {module}, which is not installed ({reason}); "
+                         f"install it with: pip install 'fa-forensics[{extra}]'")

@@ -8,8 +8,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import pytest
 import torch
@@ -22,6 +22,50 @@ def pytest_configure(config) -> None:
     CPU, and torch's OpenMP threads then slow down by an order of magnitude."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+
+
+# The fast loop (`python -m pytest -q -m "not slow"`, docs/developing.md) leaves out what runs real training
+# or Triton's interpreter, and the CLI files whose tests start training scripts or worker processes. CI runs all.
+SLOW_DIRECTORIES = ("integration", "triton")
+SLOW_FILES = (
+    "cli/test_alarm_options.py",
+    "cli/test_capture_cli.py",
+    "cli/test_capture_custom_cli.py",
+    "cli/test_fanout.py",
+    "cli/test_hostile.py",
+    "cli/test_monitor_cli.py",
+    "cli/test_optional_extras.py",
+    "cli/test_cli_isolate.py",  # its module fixture runs isolate on the planted dump (≈ 10 s of CPU)
+)
+# single tests of about 3 s of CPU or more (measured with --durations); a parametrized one by its full id
+SLOW_TESTS = (
+    "test_isolate_keeps_the_input_cast_out_of_the_kernel_verdict",
+    "test_replay_runs_the_kernel_backward_on_its_own_forward[flash-attention-2]",
+    "test_the_avx2_register_tiles_equal_the_torch_kernels",
+    "test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties[p_scale=256.0,p_scale_mode=multiply,"
+    "p_dtype=fp8_e4m3]",
+    "test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties[softmax=stabilized]",
+    "test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias",
+    "test_fp32_replay_under_a_mask_is_sdpa[bool]",
+    "test_error_after_the_progress_bar_started_is_still_one_line",
+    "test_real_flex_attention_block_mask_and_score_mod",
+    "test_simulation_mode_json_keys_and_figures",
+    "test_exp_one_threshold_is_exact_for_the_correctly_rounded_exp",
+    "test_match_names_cudnn_and_its_tile_on_the_training_capture",
+    "test_timeline_prints_table_writes_figures_and_json",
+    "test_rank1_figure_without_gradient_error_raises_no_log_scale_warning",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        where = Path(str(item.fspath)).resolve().relative_to(here)
+        if (where.parts[0] in SLOW_DIRECTORIES or where.as_posix() in SLOW_FILES
+                or item.name in SLOW_TESTS or item.originalname in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 PLANTED_DUMP = REPO / "sample_dumps" / "planted.zarr"
 
 
@@ -56,15 +100,18 @@ def build_dump(
     incomplete = set(incomplete)
     for s in sorted(set(steps) | incomplete):
         for l in layers:
-            q, k, v, do = (torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype) for _ in range(4))  # (B, H, T, D)
+            # (B, H, T, D)
+            q, k, v, do = (torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype) for _ in range(4))
             x = torch.randn(batch, seq, heads * head_dim, generator=g).to(dtype)  # (B, T, C)
             if dtype == torch.bfloat16:
                 o, _ = bf16_reference(q, k, v, causal=causal, scale=alpha)
             else:
-                o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=alpha).to(dtype)
+                o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                                                     scale=alpha).to(dtype)
             tensors = {"q": q, "k": k, "v": v, "o": o, "do": do, "x": x}
             for n in names:
-                writer.write_array(s, l, n, tensors[n], layer_attrs={"module": f"blocks.{l}.attn", "causal": causal, "scale": alpha})
+                writer.write_array(s, l, n, tensors[n], layer_attrs={"module": f"blocks.{l}.attn", "causal": causal,
+                                                                     "scale": alpha})
         if s not in incomplete:
             writer.complete_step(s, loss=1.0 + s)
     writer.close()

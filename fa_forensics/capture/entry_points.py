@@ -22,7 +22,8 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -82,7 +83,7 @@ class TargetSpec:
     scale: Optional[float] = None  # None: from the call's scale argument, else 1/sqrt(head_dim)
 
     @classmethod
-    def parse(cls, text: str) -> "TargetSpec":
+    def parse(cls, text: str) -> TargetSpec:
         head, *options = [p.strip() for p in str(text).split(",")]
         module, sep, qualname = head.partition(":")
         if not sep or not module or not qualname or not all(p.isidentifier() for p in qualname.split(".")):
@@ -175,7 +176,7 @@ def parameter_names(target) -> list[str]:
 
 # -- patching ------------------------------------------------------------------------------------
 Report = Callable[[EntryPoint, tuple, dict, Any], None]  # called on busy steps only
-_active: Optional["EntryPointPatcher"] = None  # where every wrapper reports (also one bound by an earlier session)
+_active: Optional[EntryPointPatcher] = None  # where every wrapper reports (also one bound by an earlier session)
 
 
 class EntryPointPatcher:

@@ -8,7 +8,8 @@ below (never prints): a library user sees them through Python's warnings, the la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import sys
 import warnings

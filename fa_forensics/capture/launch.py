@@ -30,11 +30,13 @@ def settings_from_env() -> dict:
 
     text = os.environ.get(ENV_VAR)
     if not text:
-        raise CaptureError(f"{ENV_VAR} is not set; start training through `fa-forensics capture --out ... --steps ... -- python train.py`")
+        raise CaptureError(f"{ENV_VAR} is not set; start training through `fa-forensics capture --out ... --steps ... "
+                           "-- python train.py`")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); start training through `fa-forensics capture`") from None
+        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); "
+                           "start training through `fa-forensics capture`") from None
 
 
 def _auto_binder(session):
@@ -91,7 +93,8 @@ def main(argv: list[str]) -> int:
     from fa_forensics.errors import UserError
 
     if not argv:
-        print("usage: python -m fa_forensics.capture.launch SCRIPT [ARGS...] | --module NAME [ARGS...]", file=sys.stderr)
+        print("usage: python -m fa_forensics.capture.launch SCRIPT [ARGS...] | --module NAME [ARGS...]",
+              file=sys.stderr)
         return 2
     module_mode = argv[0] in ("--module", "-m")
     if module_mode and len(argv) < 2:
@@ -109,16 +112,19 @@ def main(argv: list[str]) -> int:
         except (ImportError, ValueError):
             found = False
         if not found:
-            print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)", file=sys.stderr)
+            print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)",
+                  file=sys.stderr)
             return 2
     try:
         from fa_forensics.monitor.alarm import rule_from_settings
 
         cfg = settings_from_env()
         session = CaptureSession(
-            None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"), int(cfg.get("micro_batch", 0)),
+            None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"),
+            int(cfg.get("micro_batch", 0)),
             cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
-            overwrite=bool(cfg.get("overwrite", False)), allow_other_model=bool(cfg.get("allow_other_model", False)), keep_sdpa_patch=True,
+            overwrite=bool(cfg.get("overwrite", False)), allow_other_model=bool(cfg.get("allow_other_model", False)),
+            keep_sdpa_patch=True,
             monitor_every=cfg.get("monitor_every"), alarm=rule_from_settings(cfg.get("alarm")) or False,
             alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},

@@ -9,14 +9,16 @@ the same names under wrappers (DDP's `module.`, torch.compile's `_orig_mod.`).
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
 DEFAULT_ATTENTION_PATTERN = r"(^|\.)(h|layers|blocks|layer)\.\d+\.(attn|self_attn|attention|self_attention)$"
 
 
-def find_attention_modules(model: torch.nn.Module, pattern: str = DEFAULT_ATTENTION_PATTERN) -> list[tuple[str, torch.nn.Module]]:
+def find_attention_modules(model: torch.nn.Module,
+                           pattern: str = DEFAULT_ATTENTION_PATTERN) -> list[tuple[str, torch.nn.Module]]:
     """(qualified name, module) of every module of `model` whose name matches `pattern`, in module order."""
     regex = re.compile(pattern)
     return [(name, module) for name, module in model.named_modules() if name and regex.search(name)]
@@ -36,7 +38,8 @@ def module_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     return None
 
 
-def replace_module_input(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[tuple[tuple, dict]]:
+def replace_module_input(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor],
+                                                                 torch.Tensor]) -> Optional[tuple[tuple, dict]]:
     """(args, kwargs) with X (as found by `module_input`) replaced by fn(X); None when there is no X."""
     if args and isinstance(args[0], torch.Tensor):
         return (fn(args[0]), *args[1:]), kwargs

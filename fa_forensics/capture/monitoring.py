@@ -13,7 +13,8 @@ The session owns the hooks and the step boundaries and tells the monitor about t
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -127,7 +128,8 @@ class StepMonitor:
             series = {}
         alarms = []
         if self.rule is not None:
-            alarms = self.rule.observe(row.step, loss=loss, near_max_ties=series.get("near_max_ties"), wq_sigma=series.get("wq_sigma"))
+            alarms = self.rule.observe(row.step, loss=loss, near_max_ties=series.get("near_max_ties"),
+                                       wq_sigma=series.get("wq_sigma"))
         writer.put_timeline(row.step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series)
         self.monitored_steps.append(row.step)
         if alarms:

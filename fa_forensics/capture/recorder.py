@@ -9,7 +9,8 @@ arrives later, from the hook it leaves on O (or with the compiled graph's `tap_g
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -19,7 +20,8 @@ from fa_forensics.capture.selection import CaptureSelection, InvalidCaptureSetti
 Put = Callable[[int, int, str, torch.Tensor, dict], None]
 
 
-def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice], head_index: Optional[torch.Tensor]) -> torch.Tensor:
+def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice],
+                             head_index: Optional[torch.Tensor]) -> torch.Tensor:
     """SDPA's attn_mask as stored: 4-D (B' or 1, H' or 1, Tq, Tk), batch slice and heads applied to the
     dims that are not broadcast. Boolean masks stay boolean (True = may attend); an additive mask whose
     values are all 0 or -inf / the dtype's lowest value becomes boolean too; any other additive mask (a
@@ -47,18 +49,24 @@ class Recorder:
         self._on_backward = on_backward  # told when a dO arrived (micro-batch detection without a module tree)
 
     def record(self, call: AttentionCall) -> bool:
-        """Queue q, k, v, o, x and mask of `call` and arrange for its dO; False if the call cannot be stored (not 4-D)."""
+        """Queue q, k, v, o, x and mask of `call` and arrange for its dO; False if the call cannot be stored
+        (not 4-D)."""
         q, k, v, o = call.q, call.k, call.v, call.o
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or o.dim() != 4:
             return False
         B, H, T, D = q.shape
         heads = self.selection.heads
         if heads is not None and heads[-1] >= H:
-            raise InvalidCaptureSetting("heads", f"{list(heads)} asks for head {heads[-1]} but layer {call.layer} has {H} heads (0..{H - 1})")
+            raise InvalidCaptureSetting("heads",
+                                        f"{list(heads)} asks for head {heads[-1]} but layer {call.layer} has {H} heads "
+                                        f"(0..{H - 1})")
         batch = self.selection.batch
         if batch is not None and len(range(*batch.indices(B))) == 0:
-            raise InvalidCaptureSetting("batch", f"{batch.start}:{'' if batch.stop is None else batch.stop} selects no sample of layer "
-                                                 f"{call.layer}'s batch of {B} (0..{B - 1}); choose a slice within it, e.g. 0:{min(B, 2)}")
+            raise InvalidCaptureSetting("batch",
+                                        f"{batch.start}:{'' if batch.stop is None else batch.stop} selects no sample "
+                                        "of layer "
+                                        f"{call.layer}'s batch of {B} (0..{B - 1}); choose a slice within it, e.g. "
+                                        f"0:{min(B, 2)}")
         head_index = None if heads is None else torch.tensor(heads, device=q.device)
         dtype = call.kernel_dtype
         batch = self.selection.batch
@@ -98,7 +106,8 @@ class Recorder:
             mask = attention_mask_for_store(call.mask, batch, head_index)
             attrs["mask"] = "bool" if mask.dtype == torch.bool else "additive"
         step, layer = call.step, call.layer
-        for name, tensor in (("q", cast(select(q))), ("k", cast(select(k, kv=True))), ("v", cast(select(v, kv=True))), ("o", select(o))):
+        for name, tensor in (("q", cast(select(q))), ("k", cast(select(k, kv=True))), ("v", cast(select(v, kv=True))),
+                             ("o", select(o))):
             self._put(step, layer, name, tensor, attrs)
         if call.x is not None:
             self._put(step, layer, "x", select(call.x.tensor, per_head=False), attrs)

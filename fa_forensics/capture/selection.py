@@ -8,7 +8,8 @@ Text forms (CLI and the launcher's environment variable):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Optional, Union
 
 from fa_forensics.errors import InvalidSetting, UserError
 
@@ -48,7 +49,8 @@ def parse_steps(text: str) -> frozenset[int]:
                 steps.add(int(part))
         except ValueError:
             raise CaptureError(
-                f"bad step selection {part!r} in {text!r}; use numbers and ranges like 100,200 or 100:200:10 (stop exclusive)"
+                f"bad step selection {part!r} in {text!r}; use numbers and ranges like 100,200 or 100:200:10 (stop "
+                "exclusive)"
             ) from None
     if not steps or min(steps) < 0:
         raise CaptureError(f"step selection {text!r} selects no step (or a negative one); give steps >= 0 like 5,6,7")
@@ -82,7 +84,8 @@ def parse_batch(text: Optional[str]) -> Optional[slice]:
     except ValueError:
         raise CaptureError(f"bad batch selection {text!r}; give a slice like 0:2 or one index like 3") from None
     if batch.start < 0 or (batch.stop is not None and batch.stop <= batch.start):
-        raise CaptureError(f"batch selection {text!r} selects no sample; give start:stop with 0 <= start < stop, like 0:2, or one index like 3")
+        raise CaptureError(f"batch selection {text!r} selects no sample; give start:stop with 0 <= start < stop, like "
+                           "0:2, or one index like 3")
     return batch
 
 
@@ -128,7 +131,7 @@ class CaptureSelection:
 
     @classmethod
     def build(cls, steps, layers: Indices = None, heads: Indices = None, batch=None, micro_batch: int = 0,
-              allow_no_steps: bool = False) -> "CaptureSelection":
+              allow_no_steps: bool = False) -> CaptureSelection:
         """Normalize user values (text or Python) into a selection, with one-line errors.
 
         allow_no_steps: an empty step selection is fine (the monitor, an alarm or the ring decide what is written).
@@ -191,7 +194,8 @@ def check_attention_pattern(pattern: str) -> None:
     try:
         re.compile(pattern)
     except (re.error, TypeError) as exc:
-        raise InvalidCaptureSetting("attention_modules", f"{pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
+        raise InvalidCaptureSetting("attention_modules",
+                                    f"{pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
 
 
 def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
@@ -199,10 +203,12 @@ def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
     if monitor_every is not None and (not isinstance(monitor_every, int) or monitor_every < 1):
         raise InvalidCaptureSetting("monitor_every", f"must be a step interval >= 1, got {monitor_every!r}")
     if alarm and not monitor_every:
-        raise InvalidCaptureSetting("alarm", "the alarm watches the monitor's statistics (e.g. every step: 1)", needs=("monitor_every",))
+        raise InvalidCaptureSetting("alarm", "the alarm watches the monitor's statistics (e.g. every step: 1)",
+                                    needs=("monitor_every",))
     if int(alarm_steps) < 0:
         raise InvalidCaptureSetting("alarm_steps", f"must be >= 0, got {alarm_steps}")
     if int(ring) < 0:
         raise InvalidCaptureSetting("ring", f"must be >= 0 steps, got {ring}")
     if ring and not alarm:
-        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write", needs=("alarm", "monitor_every"))
+        raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write",
+                                    needs=("alarm", "monitor_every"))

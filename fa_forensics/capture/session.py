@@ -31,7 +31,8 @@ import bisect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from collections.abc import Callable
+from typing import Optional, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -123,8 +124,10 @@ class CaptureSession:
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
         check_monitor_options(monitor_every, alarm, alarm_steps, ring)
         if int(timeline_flush_rows) < 1:
-            raise CaptureError(f"timeline_flush_rows must be >= 1 (timeline rows appended at a time), got {timeline_flush_rows}")
-        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=bool(monitor_every))
+            raise CaptureError("timeline_flush_rows must be >= 1 (timeline rows appended at a time), got "
+                               f"{timeline_flush_rows}")
+        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
+                                                allow_no_steps=bool(monitor_every))
         check_attention_pattern(attention_modules)
         self.targets = [t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (attention or ())]
         self.softmax = SoftmaxVariant.parse(softmax)
@@ -163,7 +166,8 @@ class CaptureSession:
         self._modules_by_name: dict[str, torch.nn.Module] = {}
         self.timeline_flush_rows = int(timeline_flush_rows)
         self._monitor: Optional[StepMonitor] = (
-            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps, ring=ring) if monitor_every else None)
+            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps,
+                        ring=ring) if monitor_every else None)
         self._ring_hot = False  # the current step's selected layers go to the monitor's ring
         self._active = False  # the current step needs its attention calls (recorded or monitored)
 
@@ -188,7 +192,7 @@ class CaptureSession:
         return self._monitor is not None and self._monitor.row is not None
 
     # -- public API ----------------------------------------------------------------------
-    def __enter__(self) -> "CaptureSession":
+    def __enter__(self) -> CaptureSession:
         self.start()
         return self
 
@@ -196,7 +200,8 @@ class CaptureSession:
         self.stop(failed=exc_type is not None)
 
     def add_step_callback(self, fn: StepCallback) -> None:
-        """Call fn(session, step, loss) after every step boundary (selected or not): the place for per-step statistics."""
+        """Call fn(session, step, loss) after every step boundary (selected or not): the place for per-step
+        statistics."""
         self._callbacks.append(fn)
 
     def step(self, loss=None) -> None:
@@ -271,7 +276,8 @@ class CaptureSession:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         if sdpa.active_session() is not None:
-            raise CaptureError("another fa-forensics capture session is already active; leave it before starting a new one")
+            raise CaptureError("another fa-forensics capture session is already active; leave it before starting a new "
+                               "one")
         from fa_forensics.dump import DumpWriter  # lazy: keeps `import fa_forensics.capture` light
 
         self.rank, self.world_size = _rank_and_world_size()
@@ -281,10 +287,13 @@ class CaptureSession:
         if ordered and self.rank != 0:
             dist.barrier()  # rank 0 creates (or replaces) the store first; then every rank adds rank_{r}/
         try:
-            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank, world_size=self.world_size,
+            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank,
+                                     world_size=self.world_size,
                                      allow_other_model=self.allow_other_model)
         except OSError as exc:
-            raise InvalidCaptureSetting("out", f"cannot create capture store {self.out}: {exc.strerror or exc}; it must be a writable path") from exc
+            raise InvalidCaptureSetting("out",
+                                        f"cannot create capture store {self.out}: {exc.strerror or exc}; it must be a "
+                                        "writable path") from exc
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
@@ -328,7 +337,8 @@ class CaptureSession:
             except Exception as exc:
                 if not failed:
                     raise
-                warnings.warn(f"fa-forensics capture: closing the store after an error also failed: {exc}", RuntimeWarning)
+                warnings.warn(f"fa-forensics capture: closing the store after an error also failed: {exc}",
+                              RuntimeWarning, stacklevel=2)
 
     def _enter_entry_point(self, delta: int) -> None:
         self._entry_depth += delta
@@ -348,7 +358,8 @@ class CaptureSession:
     def bind(self, model: torch.nn.Module) -> int:
         """Hook `model`: its forward starts a micro-batch; its attention modules give X. Returns the count found."""
         self._root = model
-        if self.model is None and self._writer is not None:  # bound by the launcher: check the store's identity, describe the model
+        # bound by the launcher: check the store's identity, describe the model
+        if self.model is None and self._writer is not None:
             from fa_forensics.dump.identity import model_fingerprint
 
             described = describe_model(model)
@@ -406,7 +417,8 @@ class CaptureSession:
             return  # a second optimizer of the same run (e.g. Muon + AdamW): count steps once
         self._end_step(None)
 
-    def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float, source: str,
+    def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float,
+                     source: str,
                      grad_sink: Optional[Callable] = None, grad_enabled: Optional[bool] = None,
                      autocast_dtype: Union[torch.dtype, None, str] = "ambient", extra: Optional[dict] = None) -> None:
         """Called by the SDPA patch and `record` on busy steps; decides whether this call is recorded or monitored.
@@ -439,7 +451,8 @@ class CaptureSession:
             return
         extra = {"source": source, "softmax": self.softmax.variant_for(source),
                  "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
-        call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal, mask=attn_mask,
+        call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal,
+                             mask=attn_mask,
                              dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
                              grad_sink=grad_sink, extra=extra)
         if self._monitor_hot():
@@ -451,8 +464,9 @@ class CaptureSession:
             if self._recorder.record(call):
                 self._now.recorded = True
             else:
-                self._warn_once("dims", f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
-                                        "only (B, H, T, D) is recorded")
+                self._warn_once("dims",
+                                f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
+                                "only (B, H, T, D) is recorded")
 
     # -- recording -----------------------------------------------------------------------
     def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:

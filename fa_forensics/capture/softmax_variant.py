@@ -34,7 +34,7 @@ class SoftmaxVariant:
     env_value: Optional[str] = None
 
     @classmethod
-    def parse(cls, text: Optional[str]) -> "SoftmaxVariant":
+    def parse(cls, text: Optional[str]) -> SoftmaxVariant:
         if text is None or isinstance(text, SoftmaxVariant):
             return text or cls()
         text = str(text).strip()

@@ -92,7 +92,8 @@ class BackgroundWriter:
         self._thread.start()
 
     # -- training side -------------------------------------------------------------------
-    def put_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, ready=None, layer_attrs: Optional[dict] = None) -> None:
+    def put_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, ready=None,
+                  layer_attrs: Optional[dict] = None) -> None:
         self._put(_Array(step, layer, name, tensor, layer_attrs, ready))
 
     def put_complete(self, step: int, loss: Optional[float] = None, **attrs) -> None:
@@ -125,14 +126,16 @@ class BackgroundWriter:
         try:
             self._dump.register_step(step)
         except OSError as exc:
-            raise CaptureError(f"cannot write step {step} into {self._dump.path}: {exc.strerror or exc}; free space or capture into a writable store") from None
+            raise CaptureError(f"cannot write step {step} into {self._dump.path}: {exc.strerror or exc}; free space or "
+                               "capture into a writable store") from None
 
     def set_model(self, model_attrs: dict) -> None:
         """The model's identity, once known: refused (DumpError) if the store holds another model's steps."""
         self._dump.set_model(model_attrs)
 
     def close(self, failed: bool = False) -> None:
-        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer failure.
+        """Write everything queued (buffered timeline rows too), stop the thread, close the store; re-raise a writer
+        failure.
 
         failed: the run died; the dump an overwriting capture replaced is kept (see DumpWriter.close)."""
         if self._closed:
@@ -148,7 +151,8 @@ class BackgroundWriter:
             self._dump.close(failed=failed or self._error is not None)
             replaced = getattr(self._dump, "replaced", None)
             if replaced is not None:
-                warnings.warn(CaptureWarning(f"fa-forensics capture: the run failed; the dump this capture replaced is kept at {replaced}"), stacklevel=2)
+                warnings.warn(CaptureWarning("fa-forensics capture: the run failed; the dump this capture replaced is "
+                                             f"kept at {replaced}"), stacklevel=2)
         finally:
             self._raise_if_failed()
 
@@ -179,7 +183,8 @@ class BackgroundWriter:
             error, self._error = self._error, None
             if isinstance(error, CaptureError) or type(error).__name__ == "DumpError":
                 raise error
-            raise CaptureError(f"capture writer failed: {type(error).__name__}: {error}; the steps completed before it are intact") from error
+            raise CaptureError(f"capture writer failed: {type(error).__name__}: {error}; the steps completed before it "
+                               "are intact") from error
 
     def _run(self) -> None:
         while True:

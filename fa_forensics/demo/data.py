@@ -26,12 +26,14 @@ def stdlib_corpus(max_bytes: int = 2_000_000) -> torch.Tensor:
         if total >= max_bytes:
             break
     if total < 10_000:
-        raise UserError(f"found only {total} bytes of Python source under {root}; demo-train needs the standard library's .py files")
+        raise UserError(f"found only {total} bytes of Python source under {root}; demo-train needs the standard "
+                        "library's .py files")
     buffer = bytearray(b"".join(chunks)[:max_bytes])
     return torch.frombuffer(buffer, dtype=torch.uint8).to(torch.int64)
 
 
-def random_batch(tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(tokens: torch.Tensor, batch_size: int, block_size: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (B, T): random windows of the corpus and the same windows shifted by one byte."""
     starts = torch.randint(0, tokens.numel() - block_size - 1, (batch_size,), generator=generator)
     offsets = torch.arange(block_size)

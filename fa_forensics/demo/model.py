@@ -58,7 +58,8 @@ class _ReferenceAttention(torch.autograd.Function):
 
 def flash_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
                          block: int = 512) -> torch.Tensor:
-    """The paper's reference FA2 (preset bf16-autocast-train, blocks `block`): q, k, v (B, H, T, D) → O (B, H, T, D) bf16."""
+    """The paper's reference FA2 (preset bf16-autocast-train, blocks `block`): q, k, v (B, H, T, D) → O (B, H, T, D)
+    bf16."""
     return _ReferenceAttention.apply(q, k, v, float(scale), bool(causal), int(block))
 
 

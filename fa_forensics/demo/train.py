@@ -10,7 +10,8 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -84,7 +85,8 @@ def build(config: DemoConfig) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor,
     return model, optimizer, tokens, generator
 
 
-def train_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, grad_clip: float) -> torch.Tensor:
+def train_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               grad_clip: float) -> torch.Tensor:
     """One optimizer step under bf16 autocast; returns the loss (a 0-dim fp32 tensor)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         _, loss = model(x, y)

@@ -8,7 +8,8 @@ is refused unless asked (`allow_other_model`).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fa_forensics.errors import OtherModel
 
@@ -34,7 +35,8 @@ def describe(model_attrs: Mapping[str, Any]) -> str:
     return f"{parts[0]} ({', '.join(extra)})"
 
 
-def check_same_model(path, stored: Mapping[str, Any] | None, new: Mapping[str, Any] | None, allow_other_model: bool) -> bool:
+def check_same_model(path, stored: Mapping[str, Any] | None, new: Mapping[str, Any] | None,
+                     allow_other_model: bool) -> bool:
     """True if the store has no fingerprint yet and `new` brings one (the caller records it).
 
     Raises OtherModel (a DumpError) when both have fingerprints that differ, unless allow_other_model.

@@ -43,13 +43,14 @@ class StoreLock:
         self.stale_holder = ""  # the holder line of a lock file found left behind by a dead writer
         self.cleaned: list[Path] = []  # its staging stores, removed at acquire()
 
-    def acquire(self) -> "StoreLock":
+    def acquire(self) -> StoreLock:
         if fcntl is None or self._fd is not None:
             return self
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise DumpError(f"cannot create the folder of {self.store}: {exc.strerror or exc}; choose a writable path") from None
+            raise DumpError(f"cannot create the folder of {self.store}: {exc.strerror or exc}; "
+                            "choose a writable path") from None
         while True:
             fd = self._open()
             try:
@@ -70,7 +71,8 @@ class StoreLock:
         if self.stale_holder:
             self.cleaned = clean_staging(self.store)
         command = " ".join(sys.argv)[:200]
-        line = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}, command: {command}\n"
+        since = time.strftime('%Y-%m-%d %H:%M:%S')
+        line = f"pid {os.getpid()} on {socket.gethostname()}, since {since}, command: {command}\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, line.encode(), 0)
         self._fd = fd
@@ -104,7 +106,7 @@ class StoreLock:
             pass
         os.close(fd)
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -55,11 +55,14 @@ def _parse_heads(text: str, layer: int, head: torch.Tensor | None, src: Path) ->
     try:
         numbers = [int(h) for h in text.split(",")]
     except ValueError:
-        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must be comma-separated head numbers, e.g. \"1,3\"") from None
+        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must be comma-separated head numbers, e.g. "
+                        "\"1,3\"") from None
     if any(h < 0 for h in numbers) or len(set(numbers)) != len(numbers):
-        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must name distinct head numbers >= 0, e.g. \"1,3\"")
+        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} must name distinct head numbers >= 0, e.g. "
+                        "\"1,3\"")
     if head is not None and len(numbers) != head.shape[1]:
-        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} names {len(numbers)} heads but the tensors hold {head.shape[1]}")
+        raise DumpError(f"{src}: metadata layer{layer}.heads={text!r} names {len(numbers)} heads but the tensors hold "
+                        f"{head.shape[1]}")
     return numbers
 
 
@@ -69,7 +72,8 @@ def _parse_scale(text: str | None, src: Path) -> float | None:
     try:
         scale = float(text)
     except ValueError:
-        raise DumpError(f"{src}: metadata scale={text!r} is not a number; write it as a float in text, e.g. \"0.125\"") from None
+        raise DumpError(f"{src}: metadata scale={text!r} is not a number; "
+                        "write it as a float in text, e.g. \"0.125\"") from None
     if not math.isfinite(scale) or scale <= 0:
         raise DumpError(f"{src}: metadata scale={text!r} must be a positive finite float")
     return scale
@@ -123,7 +127,8 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
             names = list(f.keys())
             bad = [n for n in names if not NAME_RE.match(n)]
             if bad:
-                raise DumpError(f"{src}: tensor name {bad[0]!r} does not match {NAME_PATTERN} (e.g. step100.layer1.q); rename the tensors")
+                raise DumpError(f"{src}: tensor name {bad[0]!r} does not match {NAME_PATTERN} (e.g. step100.layer1.q); "
+                                "rename the tensors")
             if not names:
                 raise DumpError(f"{src} holds no tensors; expected names like {NAME_PATTERN}")
             causal = _parse_causal(metadata.get("causal"), src)
@@ -134,19 +139,23 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
                 s, l, t = NAME_RE.match(n).groups()
                 key = (int(s), int(l), t)
                 if key in first_name:
-                    raise DumpError(f"{src}: tensors {first_name[key]!r} and {n!r} both name step {key[0]} layer {key[1]} {t}; keep one of them")
+                    raise DumpError(f"{src}: tensors {first_name[key]!r} and {n!r} both name step {key[0]} layer "
+                                    f"{key[1]} {t}; keep one of them")
                 first_name[key] = n
                 if key[0] > MAX_STEP or key[1] > MAX_LAYER:
-                    raise DumpError(f"{src}: {n} is beyond what a dump holds (steps 0..{MAX_STEP}, layers 0..{MAX_LAYER}); renumber the tensors")
+                    raise DumpError(f"{src}: {n} is beyond what a dump holds (steps 0..{MAX_STEP}, layers "
+                                    f"0..{MAX_LAYER}); renumber the tensors")
                 tensor = f.get_tensor(n)
                 want = 4 if t in HEAD_TENSORS or t == MASK else 3
                 if tensor.dim() != want:
                     layout = "B, T, C" if want == 3 else ("B or 1, H or 1, Tq, Tk" if t == MASK else "B, H, T, D")
                     raise DumpError(f"{src}: {n} has shape {tuple(tensor.shape)}, expected {want} dims ({layout})")
                 if (tensor.dtype == torch.bool) != (t == MASK) and not (t == MASK and tensor.is_floating_point()):
-                    raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; only a mask may be bool, and a mask is bool or float")
+                    raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; only a mask may be bool, and a mask is bool "
+                                    "or float")
                 if dtype_name(tensor.dtype) not in supported_dtype_names():
-                    raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; supported: {', '.join(supported_dtype_names())}")
+                    raise DumpError(f"{src}: {n} has dtype {tensor.dtype}; supported: "
+                                    f"{', '.join(supported_dtype_names())}")
                 if 0 in tensor.shape:
                     raise DumpError(f"{src}: {n} is empty (shape {tuple(tensor.shape)}); drop it or export it again")
                 by_step[int(s)][int(l)][t] = tensor
@@ -172,7 +181,8 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
     return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale)
 
 
-def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None, heads_by_layer: dict[int, list[int]]) -> None:
+def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
+                 heads_by_layer: dict[int, list[int]]) -> None:
     for s in sorted(by_step):
         for l in sorted(by_step[s]):
             tensors = by_step[s][l]
@@ -216,11 +226,13 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
             tensors[f"step{s}.layer{l}.{t}"] = dump.read(s, l, t).contiguous()
     causal = {c for c, _, _ in settings}
     if len(causal) > 1:
-        raise DumpError(f"layers of {dump.path} disagree on causal, but a safetensors file has one; export the layers one at a time")
+        raise DumpError(f"layers of {dump.path} disagree on causal, but a safetensors file has one; export the layers "
+                        "one at a time")
     default_scale = all(math.isclose(sc, 1.0 / math.sqrt(d), rel_tol=1e-7) for _, sc, d in settings if d)
     scales = {sc for _, sc, _ in settings}
     if not default_scale and len(scales) > 1:
-        raise DumpError(f"layers of {dump.path} disagree on scale, but a safetensors file has one; export the layers one at a time")
+        raise DumpError(f"layers of {dump.path} disagree on scale, but a safetensors file has one; export the layers "
+                        "one at a time")
     causal_value = causal.pop() if causal else True
     metadata = {"causal": "true" if causal_value else "false"}
     scale = None if default_scale else scales.pop()
@@ -234,5 +246,7 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
         raise DumpError(f"the selection of {dump.path} is too large to export in memory; export fewer steps or layers "
                         f"(--step, --layer)") from None
     atomic_write(dst, data, "to")
-    return ConvertResult(str(dump.path), str(dst), sorted({s for s, _, _ in triples}), sorted({l for _, l, _ in triples}), len(tensors), causal_value, scale)
+    return ConvertResult(str(dump.path), str(dst), sorted({s for s, _, _ in triples}), sorted({l for _, l,
+                                                                                               _ in triples}),
+                         len(tensors), causal_value, scale)
 

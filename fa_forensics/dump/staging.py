@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.safe_files import make_staging_dir, move_into_place, refuse_link, remove_tree, unwritable

@@ -14,7 +14,8 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,7 +121,8 @@ class DumpWriter:
     thread per rank; a lock makes concurrent calls from several threads safe, not fast.
     """
 
-    def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0, world_size: int = 1,
+    def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0,
+                 world_size: int = 1,
                  allow_other_model: bool = False):
         self.path = Path(path)
         self.rank = int(rank)
@@ -155,11 +157,13 @@ class DumpWriter:
         if p.exists() and not is_empty_dir:
             version = _existing_format(p)
             if version is None:
-                raise DumpError(f"{p} exists and is not an fa-forensics dump; refusing to write into it, choose another path")
+                raise DumpError(f"{p} exists and is not an fa-forensics dump; refusing to write into it, choose "
+                                "another path")
             if overwrite and self.rank == 0:
                 self._replaced = _move_aside(p)
             elif version != FORMAT_VERSION:
-                raise DumpError(f"{p} is a dump of format_version {version}, this tool writes {FORMAT_VERSION}; pass overwrite to replace it")
+                raise DumpError(f"{p} is a dump of format_version {version}, this tool writes {FORMAT_VERSION}; pass "
+                                "overwrite to replace it")
             else:
                 _refuse_inner_links(p, self.rank)
                 root = zarr.open_group(str(p), mode="r+")
@@ -185,7 +189,8 @@ class DumpWriter:
             self._check_model(self._root, model)
 
     def register_step(self, step: int) -> None:
-        """Create the step's group (complete: false) now: a run killed before the step is written lists it as incomplete."""
+        """Create the step's group (complete: false) now: a run killed before the step is written lists it as
+        incomplete."""
         with self._lock:
             self._check_open()
             self._wrote = True
@@ -197,13 +202,15 @@ class DumpWriter:
             if key in self._tree:
                 g = self._tree[key]
                 if g.attrs.get("complete") is True:
-                    raise DumpError(f"step {step} is already complete in {self.path}; write to a new store or pass overwrite")
+                    raise DumpError(f"step {step} is already complete in {self.path}; write to a new store or pass "
+                                    "overwrite")
             else:
                 g = self._tree.create_group(key, attributes={"step": int(step), "complete": False})
             self._steps[step] = g
         return self._steps[step]
 
-    def _layer_group(self, step: int, layer: int, tensor: torch.Tensor, name: str, layer_attrs: Mapping[str, Any] | None) -> zarr.Group:
+    def _layer_group(self, step: int, layer: int, tensor: torch.Tensor, name: str,
+                     layer_attrs: Mapping[str, Any] | None) -> zarr.Group:
         key = (step, layer)
         given = {k: v for k, v in dict(layer_attrs or {}).items() if v is not None}
         unknown = set(given) - set(_LAYER_ATTR_KEYS)
@@ -219,7 +226,8 @@ class DumpWriter:
                 attrs = {"module": None, "causal": True, "arrays": []}
                 if name in HEAD_TENSORS:
                     B, H, T, D = tensor.shape
-                    attrs.update(n_heads=int(H), head_dim=int(D), scale=1.0 / math.sqrt(D), dtype=dtype_name(tensor.dtype))
+                    attrs.update(n_heads=int(H), head_dim=int(D), scale=1.0 / math.sqrt(D),
+                                 dtype=dtype_name(tensor.dtype))
                 attrs.update(given)
                 self._layers[key] = sg.create_group(lk, attributes=attrs)
                 return self._layers[key]
@@ -227,13 +235,15 @@ class DumpWriter:
         update = dict(given)
         if name in HEAD_TENSORS and "n_heads" not in g.attrs:  # x came first: fill in from this tensor
             B, H, T, D = tensor.shape
-            update = {"n_heads": int(H), "head_dim": int(D), "scale": 1.0 / math.sqrt(D), "dtype": dtype_name(tensor.dtype), **update}
+            update = {"n_heads": int(H), "head_dim": int(D), "scale": 1.0 / math.sqrt(D),
+                      "dtype": dtype_name(tensor.dtype), **update}
         if update:
             g.attrs.update(update)
         return g
 
     # -- public API -----------------------------------------------------------------------
-    def write_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: Mapping[str, Any] | None = None) -> None:
+    def write_array(self, step: int, layer: int, name: str, tensor: torch.Tensor,
+                    layer_attrs: Mapping[str, Any] | None = None) -> None:
         """Store one tensor (already on the CPU) bit-exactly as step/layer/name.
 
         q, k, v, o, do: (B, H, T, D), chunks (1, 1, T, D); x: (B, T, C), chunks (1, T, C).
@@ -268,7 +278,8 @@ class DumpWriter:
             lg.attrs["arrays"] = names
 
     def complete_step(self, step: int, loss: float | None = None, **attrs: Any) -> None:
-        """Mark a step whole: its other attrs (and `layers`, the layers written) first, then `complete: True` in a last write."""
+        """Mark a step whole: its other attrs (and `layers`, the layers written) first, then `complete: True` in a
+        last write."""
         with self._lock:
             self._check_open()
             if int(step) not in self._steps and step_key(step) not in self._tree:
@@ -292,7 +303,8 @@ class DumpWriter:
             self._check_open()
             meta = dict(self._root.attrs[ATTRS_KEY])
             for key, value in attrs.items():
-                meta[key] = {**meta.get(key, {}), **value} if isinstance(value, Mapping) and isinstance(meta.get(key), Mapping) else value
+                merge = isinstance(value, Mapping) and isinstance(meta.get(key), Mapping)
+                meta[key] = {**meta.get(key, {}), **value} if merge else value
             self._root.attrs[ATTRS_KEY] = meta
 
     def append_timeline(self, step: int, **series: Any) -> None:
@@ -321,11 +333,13 @@ class DumpWriter:
             n_rows = arrays["step"].shape[0] if "step" in arrays else 0
             for key, arr in arrays.items():
                 if key not in batch:  # a series this batch lacks: NaN (an integer series: -1)
-                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan if arr.dtype.kind == "f" else -1, dtype=arr.dtype)
+                    batch[key] = np.full((n_new, *arr.shape[1:]), np.nan if arr.dtype.kind == "f" else -1,
+                                         dtype=arr.dtype)
             for key, block in batch.items():
                 if key not in arrays:
                     arr = self._timeline_group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
-                                                            chunks=(256, *block.shape[1:]), compressors=zarr.codecs.ZstdCodec())
+                                                            chunks=(256, *block.shape[1:]),
+                                                            compressors=zarr.codecs.ZstdCodec())
                     if n_rows:
                         fill = np.nan if block.dtype.kind == "f" else -1
                         arr.append(np.full((n_rows, *block.shape[1:]), fill, dtype=block.dtype), axis=0)
@@ -366,7 +380,7 @@ class DumpWriter:
         if self._closed:
             raise RuntimeError("DumpWriter is closed")
 
-    def __enter__(self) -> "DumpWriter":
+    def __enter__(self) -> DumpWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

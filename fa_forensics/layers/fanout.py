@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import ClusterUnreachable, InvalidSetting
 from fa_forensics.layers.selection import load
+from fa_forensics.optional import require
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -102,7 +103,7 @@ def map_in_order(fn: Callable[[Item], Result], items: Sequence[Item], workers: W
             if progress:
                 progress(label(item))
         return out
-    from dask.distributed import as_completed
+    as_completed = require("dask.distributed", "--workers N and --scheduler").as_completed
 
     with connected(workers) as client:
         futures = [client.submit(fn, item, pure=False) for item in items]
@@ -127,7 +128,8 @@ def connected(workers: Workers):
     if workers in _SHARED:
         yield _SHARED[workers]
         return
-    from dask.distributed import Client, LocalCluster
+    distributed = require("dask.distributed", "--workers N and --scheduler")
+    Client, LocalCluster = distributed.Client, distributed.LocalCluster
 
     cluster = None
     try:

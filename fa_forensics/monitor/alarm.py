@@ -25,7 +25,7 @@ the rule over a recorded timeline, `replay_rule`); `AlarmRule.with_settings` che
 Defaults (window 20, min_history 8, warmup 50, z 6, min_change ties +8 rows / W_Q +25 % /
 loss +25 %, persist 3 / 3 / 1) were chosen on the demo run (300 steps, 4 × 4 heads): they raise
 no alarm there, while a planted tie drift or loss spike alarms within `persist` steps
-(tests/integration/test_monitor_cli.py).
+(tests/cli/test_monitor_cli.py).
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class AlarmRule:
 
     @classmethod
     def with_settings(cls, warmup: Optional[int] = None, window: Optional[int] = None,
-                      z_threshold: Optional[float] = None) -> "AlarmRule":
+                      z_threshold: Optional[float] = None) -> AlarmRule:
         """The rule with the given settings (None: the default), checked: InvalidSetting (setting
         "alarm_warmup", "alarm_window" or "alarm_z") for a value that cannot work. The history a
         value needs is min(8, window), so a short window can alarm too."""
@@ -120,7 +120,8 @@ class AlarmRule:
             z = (value - med) / (1.4826 * mad + floor)
             change = (value - med) / abs(med) if _RELATIVE[metric] and med != 0 else value - med
             if z > self.z_threshold and change > self.min_change[metric]:
-                alarm = Alarm(step=step, metric=metric, value=float(value), baseline=med, z=float(z), layer=layer, head=head)
+                alarm = Alarm(step=step, metric=metric, value=float(value), baseline=med, z=float(z), layer=layer,
+                              head=head)
         if np.isfinite(value):
             hist.append(float(value))
         return alarm

@@ -27,7 +27,8 @@ is found the value is NaN and `warn(key, message)` is called once per module.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 import torch
@@ -85,7 +86,8 @@ class StepCollector:
                  background: bool = False, score_dtype: Optional[torch.dtype] = None):
         self.eps = eps
         self.score_dtype = score_dtype  # None: the P̄ dtype of each call (the kernel's 16-bit dtype)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fa-forensics-monitor") if background else None
+        self._pool = ThreadPoolExecutor(max_workers=1,
+                                        thread_name_prefix="fa-forensics-monitor") if background else None
         if self._pool is not None:
             self._pool.submit(lambda: None)  # start the thread now, not in the first monitored step (≈ 5 ms there)
         self.chunk = chunk

@@ -1,7 +1,7 @@
 """Exact thresholds for "P̄ == 1 after the cast to a 16-bit dtype", so the monitor can count those
 entries without a cast and a compare over every score.
 
-Two facts, both checked exhaustively over the fp32 values concerned in tests/unit/test_monitor_p_one.py:
+Two facts, both checked exhaustively over the fp32 values concerned in tests/unit/monitor/test_monitor_p_one.py:
 
 1. The cast (round to nearest, ties to even). Below 1 the bf16 grid has spacing 2⁻⁸, so the midpoint
    between 1 − 2⁻⁸ and 1 is 1 − 2⁻⁹. A tie goes to the even neighbour: that is 1.0 (mantissa 0), not
@@ -47,7 +47,8 @@ def count_p_one(p: torch.Tensor, p_dtype: torch.dtype, *, overwrite: bool = Fals
     if p_dtype not in P_ONE_MIN:
         return (p.to(p_dtype) == 1).sum(dim=-1)
     u = 1.0 - P_ONE_MIN[p_dtype]  # 2⁻⁹ or 2⁻¹², exact in fp32
-    per_row = (p.add_(u) if overwrite else p + u).floor_().sum(dim=-1)  # a sum of 0/1 values in fp32: exact below 2²⁴ columns
+    # a sum of 0/1 values in fp32: exact below 2²⁴ columns
+    per_row = (p.add_(u) if overwrite else p + u).floor_().sum(dim=-1)
     return per_row.nan_to_num_(0.0).long()
 
 

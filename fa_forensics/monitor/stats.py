@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fa_forensics.monitor.p_one import count_p_one, near_set_within_p_one
+from fa_forensics.optional import require
 
 # Per-(layer, head) series the monitor appends to a dump's timeline/ group, one row per step.
 TIMELINE_METRICS = ("max_logit", "near_max_ties", "p_one_extra", "top1_prob", "wq_sigma")
@@ -66,7 +67,7 @@ def head_statistics(
     and the row sums. The ε comparison runs only on rows with two or more P̄ == 1 entries, when
     ε ≤ |EXP_ONE_MIN| (CPU only; on a GPU, deciding which rows those are would need a device sync).
     The results match the earlier direct version bit for bit (it is kept as the reference in
-    tests/unit/test_monitor_stats.py):
+    tests/unit/monitor/test_monitor_stats.py):
     - the matmul is called on the same shapes;
     - scale, mask and subtract are exact IEEE operations on the same values (a score of −0 may
       become +0, which is equal as a number);
@@ -94,7 +95,8 @@ def head_statistics(
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
         s = torch.matmul(q[:, :, start:stop].float(), kT)  # (B, H, c, Tk): the same call and shapes as ever (same bits)
-        w = min(Tk, _round_up(max(stop + Tk - T, 1), _VECTOR_COLUMNS)) if causal else Tk  # columns the chunk's rows may see
+        # columns the chunk's rows may see
+        w = min(Tk, _round_up(max(stop + Tk - T, 1), _VECTOR_COLUMNS)) if causal else Tk
         d = s[..., :w]  # (B, H, c, w) view; columns ≥ w are masked for every row of the chunk
         if rounded:  # the kernel's S: the dot rounded to score_dtype, times α, rounded again
             d.copy_(d.to(score_dtype))
@@ -109,7 +111,8 @@ def head_statistics(
         r_m = d.amax(dim=-1, keepdim=True)  # (B, H, c, 1)
         max_logit = torch.maximum(max_logit, r_m.amax(dim=(0, 2, 3)))
         d.sub_(r_m)  # S − m ≤ 0; fl(m − S) = −fl(S − m) (rounding is symmetric)
-        p_bar = torch.empty_like(s)  # (B, H, c, Tk) fp32; whole rows, so each row sum adds the same values in the same order
+        # (B, H, c, Tk) fp32; whole rows, so each row sum adds the same values in the same order
+        p_bar = torch.empty_like(s)
         _exp_into(p_bar, d, start, T, Tk, causal)
         top1_sum += (1.0 / p_bar.sum(dim=-1)).double().sum(dim=(0, 2))
         ones = count_p_one(p_bar, p_dtype, overwrite=True)  # (B, H, c) P̄ == 1 in p_dtype (p_bar is spent)
@@ -136,11 +139,13 @@ def head_statistics(
 def _fused_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The fused kernel takes one input dtype of fp32/bf16/fp16 and a power-of-two head dim 16..256."""
     D = q.shape[-1]
-    return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and D in (16, 32, 64, 128, 256)
+    return q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16,
+                                              torch.float16) and D in (16, 32, 64, 128, 256)
 
 
 def _head_statistics_fused(q, k, alpha, causal, eps, p_dtype, score_dtype, to_cpu) -> HeadStats:
     """head_statistics from the fused kernel's per-row results (B, H, T), reduced per head on the device."""
+    require("triton", "the monitor's fused statistics kernel (CUDA tensors or backend='triton')")
     from fa_forensics.replay.triton.monitor_kernel import row_statistics
 
     B, H, T, _ = q.shape
@@ -184,7 +189,8 @@ def _exp_into(p_bar: torch.Tensor, d: torch.Tensor, start: int, T: int, Tk: int,
 
 
 def _scores_are_finite(q: torch.Tensor, k: torch.Tensor, alpha: float, D: int) -> bool:
-    """True when every α·q·k is finite in fp32: finite inputs and D·max|q|·max|k|·α < 10³⁸ (no partial sum can overflow)."""
+    """True when every α·q·k is finite in fp32: finite inputs and D·max|q|·max|k|·α < 10³⁸ (no partial sum can
+    overflow)."""
     def max_abs(t: torch.Tensor) -> float:  # one pass, no |t| copy; NaN propagates
         lo, hi = (float(v) for v in torch.aminmax(t))
         return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)

@@ -369,7 +369,8 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
     if not _compiled_available():
         return None
     accumulate_jit = _jit()
-    a, b = _as_fp32_array(a3, strided=True, assume_finite=assume_finite), _as_fp32_array(b3, assume_finite=assume_finite)
+    a, b = _as_fp32_array(a3, strided=True, assume_finite=assume_finite), _as_fp32_array(b3,
+                                                                                         assume_finite=assume_finite)
     if a is None or b is None:
         return None
     zero = acc3 is None
@@ -440,7 +441,8 @@ def _ieee(a3: torch.Tensor, b3: torch.Tensor, acc3: torch.Tensor) -> torch.Tenso
             bw = b3[ls].to(torch.float32).contiguous()  # (Lt, K, N): row k of b is contiguous
             out[ls, rows] = ieee_tile_fp32(at.to(torch.float32), bw, acc3[ls, rows])
             continue
-        for ls2, rows2 in _sub_tiles(range(L)[ls], range(M)[rows], N * 8, _EXACT64_TILE_BYTES if exact64 else _CHUNK_BYTES):
+        for ls2, rows2 in _sub_tiles(range(L)[ls], range(M)[rows], N * 8,
+                                     _EXACT64_TILE_BYTES if exact64 else _CHUNK_BYTES):
             at = a3[ls2, rows2].transpose(-1, -2)  # (Lt, K, m) a view
             if exact64:
                 out[ls2, rows2] = ieee_tile_fp64_exact(at, b3[ls2], acc3[ls2, rows2], tiny_check=any(tiny[ls2]))
@@ -498,7 +500,8 @@ def _tensor_core(a3: torch.Tensor, b3: torch.Tensor, acc3: torch.Tensor, params:
     return out
 
 
-def _tensor_core_tile_fp64(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, params: TensorCoreParams) -> torch.Tensor:
+def _tensor_core_tile_fp64(at: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
+                           params: TensorCoreParams) -> torch.Tensor:
     """tensor-core model on one tile with the fp64 reference step: at (Lt, K, m), b (Lt, K, N), acc (Lt, m, N)."""
     at, b = at.to(torch.float64), b.to(torch.float64)
     out = acc.to(torch.float64)

@@ -59,7 +59,8 @@ def ulp(x: torch.Tensor, fmt: FormatLike) -> torch.Tensor:
 
 
 def ordered_bits(x: torch.Tensor, fmt: FormatLike) -> torch.Tensor:
-    """Bit patterns mapped to a signed integer line on which adjacent values of fmt differ by 1 (+0 and −0 are both 0)."""
+    """Bit patterns mapped to a signed integer line on which adjacent values of fmt differ by 1 (+0 and −0 are
+    both 0)."""
     spec = get_format(fmt)
     b = bits_of(x, spec)
     sign = b >> (spec.bits - 1)

@@ -78,7 +78,8 @@ def explain_add(a: float, b: float, into: FormatLike = "bf16", acc: FormatLike =
     source = acc_sum if into_spec.precision < acc_spec.precision else exact
     rounded = round_fraction(Fraction(source) if not isinstance(source, float) else source, into_spec)
     if isinstance(acc_sum, float) or isinstance(rounded, float):
-        raise UserError(f"explain_add: the sum overflows {acc_spec.name if isinstance(acc_sum, float) else into_spec.name}; give smaller operands")
+        raise UserError("explain_add: the sum overflows "
+                        f"{acc_spec.name if isinstance(acc_sum, float) else into_spec.name}; give smaller operands")
 
     guard, _, _ = _rounding_bits(exact, acc_spec)
     round_bit, sticky, _ = _rounding_bits(source, into_spec)
@@ -128,14 +129,16 @@ def _layout(fa, fb, exact, source, rounded, acc_spec, into_spec) -> dict:
     if not nonzero:
         zero = "0." + "0" * acc_spec.man_bits
         return dict(exponent=None, a_aligned=zero, b_aligned=zero, sum_aligned=zero, shift=0, sum_exponent=None,
-                    normalized=zero, kept="0." + "0" * into_spec.man_bits, round_and_rest="", rounded_significand="0." + "0" * into_spec.man_bits)
+                    normalized=zero, kept="0." + "0" * into_spec.man_bits, round_and_rest="",
+                    rounded_significand="0." + "0" * into_spec.man_bits)
     E = max(floor_log2(v) for v in nonzero)  # exponent of the larger operand
     width = max(acc_spec.man_bits, max(exact_fraction_bits(v, E) for v in (fa, fb, exact)))
     a_aligned = _signed(fa, binary_digits(fa, E, width))
     b_aligned = _signed(fb, binary_digits(fb, E, width))
     sum_aligned = _signed(exact, binary_digits(exact, E, width))
     if source == 0:
-        return dict(exponent=E, a_aligned=a_aligned, b_aligned=b_aligned, sum_aligned=sum_aligned, shift=0, sum_exponent=None,
+        return dict(exponent=E, a_aligned=a_aligned, b_aligned=b_aligned, sum_aligned=sum_aligned, shift=0,
+                    sum_exponent=None,
                     normalized="0." + "0" * acc_spec.man_bits, kept="0." + "0" * into_spec.man_bits, round_and_rest="",
                     rounded_significand="0." + "0" * into_spec.man_bits)
     Es = floor_log2(abs(source))

@@ -70,7 +70,8 @@ _ALIASES = {
     "float32": "fp32", "f32": "fp32", "float": "fp32",
     "bfloat16": "bf16",
     "float16": "fp16", "half": "fp16", "f16": "fp16",
-    "e4m3": "fp8_e4m3", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "fp8-e4m3": "fp8_e4m3",
+    "e4m3": "fp8_e4m3", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "fp8-e4m3": "fp8_e4m3",
     "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "fp8-e5m2": "fp8_e5m2",
 }
 

@@ -75,12 +75,14 @@ def ieee_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, n_k):
         a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, n_k = args
         f32 = ir.FloatType()
         vec = ir.VectorType(f32, FP32_LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{FP32_LANES}f32")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3),
+                                             f"llvm.fma.v{FP32_LANES}f32")
         a, b, c = (builder.inttoptr(x, f32.as_pointer()) for x in (a_addr, b_addr, c_addr))
         slots, homes = [], []
         for r in range(IEEE_ROWS):
             for v in range(IEEE_VECTORS):
-                home = _vector_at(builder, c, builder.add(_offset(builder, c_row, r), ir.Constant(_I64, v * FP32_LANES)), vec)
+                home = _vector_at(builder, c, builder.add(_offset(builder, c_row, r), ir.Constant(_I64,
+                                                                                                  v * FP32_LANES)), vec)
                 slot = cgutils.alloca_once(builder, vec)
                 builder.store(builder.load(home, align=4), slot)
                 slots.append(slot)
@@ -154,11 +156,14 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
                     product = builder.fmul(lead(a_splat(r, k)), b_k_lead)
                     builder.store(builder.call(vmax, [builder.load(tops[r]), builder.call(fabs, [product])]), tops[r])
             for r in range(TC_ROWS):  # 2^-q, q = e_max − 23 − neab (e_max clamped at −900 for zeros)
-                exponent = builder.and_(builder.lshr(builder.bitcast(builder.load(tops[r]), vi), _const(52, vi)), _const(2047, vi))
+                exponent = builder.and_(builder.lshr(builder.bitcast(builder.load(tops[r]), vi), _const(52, vi)),
+                                        _const(2047, vi))
                 exponent = builder.sub(exponent, _const(1023, vi))
-                exponent = builder.select(builder.icmp_signed(">", exponent, _const(-900, vi)), exponent, _const(-900, vi))
+                exponent = builder.select(builder.icmp_signed(">", exponent, _const(-900, vi)), exponent,
+                                          _const(-900, vi))
                 q = builder.sub(builder.sub(exponent, _const(23, vi)), _splat(builder, neab, vi))
-                builder.store(builder.bitcast(builder.shl(builder.sub(_const(1023, vi), q), _const(52, vi)), v64), scales[r])
+                builder.store(builder.bitcast(builder.shl(builder.sub(_const(1023, vi), q), _const(52, vi)), v64),
+                              scales[r])
             with cgutils.for_range(builder, n) as term:  # the truncated, scaled terms, summed exactly
                 k = builder.add(k0, term.index)
                 b_k_vector = b_vector(k)
@@ -169,14 +174,17 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
                 scale = builder.load(scales[r])
                 inv_scale = builder.bitcast(builder.sub(_const(2046 << 52, vi), builder.bitcast(scale, vi)), v64)
                 acc = builder.load(accs[r])
-                x = builder.fmul(builder.fadd(builder.load(totals[r]), builder.call(vtrunc, [builder.fmul(acc, scale)])), inv_scale)
+                x = builder.fmul(builder.fadd(builder.load(totals[r]), builder.call(vtrunc,
+                                                                                    [builder.fmul(acc, scale)])),
+                                 inv_scale)
                 t = builder.bitcast(builder.and_(builder.bitcast(x, vi), _const(~((1 << 29) - 1), vi)), v64)
                 magnitude = builder.call(fabs, [t])
                 overflow = builder.fcmp_ordered(">", magnitude, _const(_FP32_MAX, v64))
                 subnormal = builder.and_(builder.fcmp_ordered("<", magnitude, _const(2.0**-126, v64)),
                                          builder.fcmp_ordered(">", magnitude, _const(0.0, v64)))
                 saturated = builder.call(copysign, [_const(_FP32_MAX, v64), t])
-                on_grid = builder.fmul(builder.call(vtrunc, [builder.fmul(x, _const(2.0**149, v64))]), _const(2.0**-149, v64))
+                on_grid = builder.fmul(builder.call(vtrunc, [builder.fmul(x, _const(2.0**149, v64))]),
+                                       _const(2.0**-149, v64))
                 builder.store(builder.select(overflow, saturated, builder.select(subnormal, on_grid, t)), accs[r])
         for home, acc in zip(homes, accs):
             builder.store(builder.fptrunc(builder.load(acc), v32), home, align=4)

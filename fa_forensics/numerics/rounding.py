@@ -29,7 +29,8 @@ from fa_forensics.errors import ConfigError
 from fa_forensics.numerics.formats import FloatFormat, FormatLike, get_format
 
 ROUNDING_MODES = ("nearest-even", "toward-zero", "stochastic")
-_MODE_ALIASES = {"rne": "nearest-even", "nearest": "nearest-even", "rn": "nearest-even", "rz": "toward-zero", "trunc": "toward-zero", "sr": "stochastic"}
+_MODE_ALIASES = {"rne": "nearest-even", "nearest": "nearest-even", "rn": "nearest-even", "rz": "toward-zero",
+                 "trunc": "toward-zero", "sr": "stochastic"}
 
 # working float dtype -> (its bit-pattern int dtype, fraction bits P, exponent bias)
 _WORK = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
@@ -83,7 +84,8 @@ def torch_cast_round(x: torch.Tensor, spec: FloatFormat) -> torch.Tensor:
     return x.to(spec.torch_dtype).to(x.dtype)
 
 
-def round_bits(x: torch.Tensor, spec: FloatFormat, mode: str, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def round_bits(x: torch.Tensor, spec: FloatFormat, mode: str,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """The bit path of `round_to` (see the module docstring), for fp32 / fp64 `x`."""
     out_dtype = x.dtype
     amax = x.abs().max() if x.numel() else torch.tensor(0.0)

@@ -12,6 +12,7 @@ import torch
 
 from fa_forensics.enums import BACKENDS
 from fa_forensics.errors import BackendUnsupported, ConfigError
+from fa_forensics.optional import require
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.out import ReplayOut
 
@@ -82,6 +83,7 @@ def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConf
         return emulate_replay(q, k, v, config, do, causal=causal, scale=scale, mask=mask)
     if mask is not None:
         raise BackendUnavailable("triton", "does not apply attention masks (this layer has one)")
+    require("triton", "the replay backend triton")
     try:
         from fa_forensics.replay.triton.backend import replay_triton
     except ImportError as exc:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import ConfigError
+from fa_forensics.optional import require
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -29,7 +30,10 @@ _BACKENDS = ("auto", "triton", "torch")
 
 
 def _use_triton(q: torch.Tensor, backend: str) -> bool:
-    return backend == "triton" or (backend == "auto" and q.is_cuda)
+    use = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if use:
+        require("triton", "stable_attention's Triton kernels (CUDA tensors or backend='triton')")
+    return use
 
 
 class _StableAttention(torch.autograd.Function):

@@ -25,7 +25,8 @@ def _worker(rank: int, world_size: int, port: int, out: str, save_dir: str) -> N
     from fa_forensics.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16, attention="sdpa")))
+    model = torch.nn.parallel.DistributedDataParallel(GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16,
+                                                                    attention="sdpa")))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     seen = {}
@@ -35,7 +36,8 @@ def _worker(rank: int, world_size: int, port: int, out: str, save_dir: str) -> N
             _, loss = model(idx, idx)
             loss.backward()
             seen[step] = model.module.transformer.h[1].attn.last_o.detach().clone()
-            opt.step(); opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
             cap.step(loss)
     torch.save(seen, os.path.join(save_dir, f"seen{rank}.pt"))
     dist.destroy_process_group()

@@ -3,7 +3,6 @@ dropout), Llama (grouped-query attention), eager and compiled, library and CLI."
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,17 +10,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from toolchain import NEEDS_CXX
 
 import fa_forensics
 from fa_forensics.dump import open_dump
 
-transformers = pytest.importorskip("transformers")
-
 T = 16
 
-# torch.compile on the CPU generates C++ and builds it with the system compiler
-NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                               reason="torch.compile on the CPU needs a C++ compiler (g++)")
 
 
 
@@ -29,7 +24,8 @@ def _gpt2(attn_pdrop=0.0, n_layer=2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=n_layer, n_head=2, attn_pdrop=attn_pdrop, resid_pdrop=0.0,
+    cfg = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=n_layer, n_head=2, attn_pdrop=attn_pdrop,
+                     resid_pdrop=0.0,
                      embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "sdpa"
     return GPT2LMHeadModel(cfg)
@@ -155,10 +151,12 @@ def test_cli_capture_of_gpt2_with_dropout_and_padding(tmp_path):
 
     from fa_forensics.cli import app
 
-    script, out, info_json, st = tmp_path / "train.py", tmp_path / "run.zarr", tmp_path / "info.json", tmp_path / "x.safetensors"
+    script, out = tmp_path / "train.py", tmp_path / "run.zarr"
+    info_json, st = tmp_path / "info.json", tmp_path / "x.safetensors"
     script.write_text(SCRIPT)
     # step 7 is never reached (the script makes 2 steps): step 1 is recorded, then a warning and exit code 1
-    run = subprocess.run([sys.executable, "-m", "fa_forensics", "capture", "--out", str(out), "--steps", "1,7", "--", "python", str(script)],
+    run = subprocess.run([sys.executable, "-m", "fa_forensics", "capture", "--out", str(out), "--steps", "1,7", "--",
+                          "python", str(script)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "step(s) 7 were never reached" in run.stderr, run.stderr
     runner = CliRunner()
@@ -191,7 +189,8 @@ def test_analyses_apply_the_recorded_mask_and_warn_about_dropout(tmp_path):
     # the replay applies the recorded mask: fp32 replay of the stored inputs = SDPA under the mask
     ref = F.scaled_dot_product_attention(t.q.float(), t.k.float(), t.v.float(), attn_mask=t.mask, scale=t.scale)
     torch.testing.assert_close(replay_layer(t, hp_config(), backward=False).o.float(), ref, atol=1e-5, rtol=1e-5)
-    result = CliRunner().invoke(app, ["delta-bias", str(out), "--step", "0", "--json", str(report), "--out", str(tmp_path)])
+    result = CliRunner().invoke(app, ["delta-bias", str(out), "--step", "0", "--json", str(report), "--out",
+                                      str(tmp_path)])
     assert result.exit_code == 0, result.output
     warnings = json.loads(report.read_text())["warnings"]
     assert any("stored O includes dropout" in w for w in warnings) and any("attention mask" in w for w in warnings)

@@ -71,12 +71,14 @@ def test_sigkill_mid_step_leaves_finished_steps_and_an_incomplete_cut_step(tmp_p
 def test_sigkill_from_outside_while_writing(tmp_path):
     script, out = tmp_path / "train.py", tmp_path / "run.zarr"
     script.write_text(TRAIN)
-    proc = subprocess.Popen([sys.executable, str(script), str(out), "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, str(script), str(out), "-1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
             time.sleep(0.2)
-            complete = [p for p in out.glob("step_*/zarr.json") if '"complete": true' in p.read_text()] if out.exists() else []
+            steps = out.glob("step_*/zarr.json") if out.exists() else []
+            complete = [p for p in steps if '"complete": true' in p.read_text()]
             if len(complete) >= 2 or proc.poll() is not None:
                 break
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -125,7 +127,8 @@ def test_sigkill_with_steps_still_queued_lists_every_selected_step(tmp_path):
     script, out, side = tmp_path / "train.py", tmp_path / "run.zarr", tmp_path / "side"
     side.mkdir()
     script.write_text(SLOW_WRITER_TRAIN)
-    proc = subprocess.run([sys.executable, str(script), str(out), str(side), "5"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(script), str(out), str(side), "5"], capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -133,4 +136,5 @@ def test_sigkill_with_steps_still_queued_lists_every_selected_step(tmp_path):
     assert sorted(dump.steps + dump.incomplete_steps) == list(range(6))  # steps 0..5 all accounted for
     assert dump.incomplete_steps, "the slow writer cannot have written every step"
     for step in dump.steps:
-        assert torch.equal(dump.read(step, 0, "o").view(torch.int16), torch.load(side / f"o_{step}.pt").view(torch.int16))
+        assert torch.equal(dump.read(step, 0, "o").view(torch.int16),
+                           torch.load(side / f"o_{step}.pt").view(torch.int16))

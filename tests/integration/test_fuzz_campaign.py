@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from fa_forensics.cli import app
 
 LAYER = Path("step_000000000") / "layer_000"
-DUMP_COMMANDS = ["info", "verify", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast", "timeline", "report"]
+DUMP_COMMANDS = ["info", "verify", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check",
+                 "pcast", "timeline", "report"]
 EXTRA = {"export": ["--to", "{tmp}/out.safetensors"], "report": ["--out", "{tmp}/report"]}
 
 
@@ -82,7 +83,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "bad-step-json": lambda p: (p / "step_000000000" / "zarr.json").write_text("{"),
     "bad-layer-json": lambda p: (p / LAYER / "zarr.json").write_text("[1, 2"),
     "bad-array-json": lambda p: (p / LAYER / "q" / "zarr.json").write_text("null"),
-    "dtype-float32-on-bf16-bits": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m["attributes"].update(dtype="float32")),
+    "dtype-float32-on-bf16-bits": lambda p: _edit(p / LAYER / "q" / "zarr.json",
+                                                  lambda m: m["attributes"].update(dtype="float32")),
     "dtype-unknown": lambda p: _edit(p / LAYER / "k" / "zarr.json", lambda m: m["attributes"].update(dtype="bf17")),
     "scale-is-a-string": lambda p: _edit(p / LAYER / "zarr.json", lambda m: m["attributes"].update(scale="abc")),
     "n-heads-is-a-string": lambda p: _edit(p / LAYER / "zarr.json", lambda m: m["attributes"].update(n_heads="2")),
@@ -102,12 +104,16 @@ BAD_SAFETENSORS: dict[str, Callable[[Path], None]] = {
     "zero-bytes": lambda f: f.write_bytes(b""),
     "random-bytes": lambda f: f.write_bytes(os.urandom(300)),
     "huge-header-length": lambda f: f.write_bytes((10**12).to_bytes(8, "little") + b"{}"),
-    "truncated": lambda f: (save_file({"step1.layer0.q": torch.ones(1, 2, 8, 4)}, f), f.write_bytes(f.read_bytes()[:-20])),
+    "truncated": lambda f: (save_file({"step1.layer0.q": torch.ones(1, 2, 8, 4)}, f),
+                            f.write_bytes(f.read_bytes()[:-20])),
     "bad-name": lambda f: save_file({"step1.layer0.w": torch.ones(1, 1, 2, 2)}, f),
-    "duplicate-after-parse": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 2, 2), "step001.layer0.q": torch.ones(1, 1, 2, 2)}, f),
+    "duplicate-after-parse": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 2, 2),
+                                                  "step001.layer0.q": torch.ones(1, 1, 2, 2)}, f),
     "step-too-large": lambda f: save_file({"step1234567890.layer0.q": torch.ones(1, 1, 2, 2)}, f),
-    "shape-mismatch": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 16, 4), "step1.layer0.k": torch.ones(1, 1, 8, 4)}, f),
-    "heads-repeated": lambda f: save_file({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, f, metadata={"layer0.heads": "1,1"}),
+    "shape-mismatch": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 16, 4),
+                                           "step1.layer0.k": torch.ones(1, 1, 8, 4)}, f),
+    "heads-repeated": lambda f: save_file({"step1.layer0.q": torch.ones(1, 2, 2, 2)}, f,
+                                          metadata={"layer0.heads": "1,1"}),
     "int-tensor": lambda f: save_file({"step1.layer0.q": torch.ones(1, 1, 2, 2, dtype=torch.int32)}, f),
 }
 
@@ -198,7 +204,8 @@ def test_import_refuses_every_bad_file_in_one_line(corpus, tmp_path):
 @pytest.mark.parametrize("case", list(BAD_ARGS))
 def test_bad_arguments_are_one_line_for_every_command_that_takes_them(case, tmp_path, make_dump):
     dump = make_dump("ok.zarr", steps=(0,))
-    for command in ["info", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast"]:
+    for command in ["info", "export", "isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check",
+                    "pcast"]:
         _expect_refusal([command, str(dump), *BAD_ARGS[case], *EXTRA.get(command, [])], tmp_path)
 
 

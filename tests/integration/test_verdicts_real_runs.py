@@ -21,8 +21,6 @@ from fa_forensics.commands.match import runner_up
 from fa_forensics.dump import open_dump
 from fa_forensics.report.verdict import report_verdict
 
-transformers = pytest.importorskip("transformers")
-
 T = 16
 DEMO = Path(__file__).resolve().parents[2] / "sample_dumps" / "demo.zarr"
 AUTO_ANALYSES = ("delta-bias", "isolate", "bitdiff", "fix-check", "pv-trace", "rank1-sim")
@@ -127,7 +125,8 @@ def test_an_fp32_run_is_called_an_fp32_run(runs, tmp_path):
     assert verdict.startswith("VERDICT: trained in fp32: no low-precision rounding to analyse; the findings show what "
                               "bf16 would do on these inputs. No significant bias")
     d, _ = _json(["delta-bias", str(runs.fp32), "--preset", "fp32"], tmp_path, "named.json")
-    assert "trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides" in d["warnings"]
+    assert ("trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides"
+            in d["warnings"])
     m, _ = _json(["match", str(runs.fp32)], tmp_path, "m.json")
     assert m["verdict"].startswith("trained in fp32: no low-precision rounding to analyse")
     assert {c["preset"] for layer in m["layers"] for c in layer["candidates"]} == {"fp32"}

@@ -16,7 +16,8 @@ _TRITON_TOO_EARLY = "triton" in sys.modules
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip this directory (with the reason) if triton was imported before TRITON_INTERPRET=1 took effect."""
+    """Stop the run, saying why, if triton was imported before TRITON_INTERPRET=1 took effect: the kernels
+    would then need a GPU, and skipping this directory would hide every kernel test."""
     if not _TRITON_TOO_EARLY:
         return
     import triton
@@ -24,9 +25,10 @@ def pytest_collection_modifyitems(config, items):
     if triton.knobs.runtime.interpret:
         return
     here = os.path.dirname(__file__)
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.skip(reason="triton was imported before tests/triton/conftest.py set TRITON_INTERPRET=1; run tests/triton in its own pytest process"))
+    if any(str(item.fspath).startswith(here) for item in items):
+        raise pytest.UsageError("triton was imported before tests/triton/conftest.py set TRITON_INTERPRET=1; "
+                                "set TRITON_INTERPRET=1 in the environment or run tests/triton in its own pytest "
+                                "process")
 
 
 @pytest.fixture(scope="session", autouse=True)

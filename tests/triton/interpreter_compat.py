@@ -1,6 +1,6 @@
 """A documented compatibility layer for Triton 3.9's CPU interpreter (TRITON_INTERPRET=1).
 
-The interpreter runs kernels with numpy and has known numeric bugs (issue 4 of this project):
+The interpreter runs kernels with numpy and has known numeric bugs:
 - bf16 tl.dot multiplies the raw uint16 bit patterns (triton-lang/triton#11584);
 - fp32 → bf16 casts truncate instead of rounding to nearest-even;
 - fp32 → fp8 casts round ties away, lose the carry and do not saturate (#8322);
@@ -191,7 +191,7 @@ def align_emulator_exp(monkeypatch) -> None:
     """Make the emulator's exponential the kernels' one (`aligned_exp`) for one test. The compiled
     row stages (replay/emulate/fused.py) carry the emulator's own exp inside, so the emulator runs
     its torch path here, where the exp can be swapped (the two paths are bit-identical otherwise,
-    tests/unit/test_replay_fused.py)."""
+    tests/unit/replay/test_replay_fused.py)."""
     from fa_forensics.replay.emulate import backward, forward, fused
 
     for module in (forward, backward):

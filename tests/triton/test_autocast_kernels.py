@@ -67,7 +67,8 @@ def _assert_bit_exact(tri, emu, name):
 # no key of the diagonal KV block (they must keep m, ℓ and the accumulator unrounded).
 CASES = [
     ("bf16-autocast", "bf16-autocast", {}),
-    ("bf16-autocast-algorithm3", "bf16-autocast", {"softmax": "stabilized"}),  # not the fix as run (the loop stops at the diagonal)
+    # not the fix as run (the loop stops at the diagonal)
+    ("bf16-autocast-algorithm3", "bf16-autocast", {"softmax": "stabilized"}),
     ("bf16-autocast-algorithm3-beta4-eps", "bf16-autocast", {"softmax": "stabilized", "beta": 4.0, "eps": 0.05}),
     ("bf16-autocast-block-m-32", "bf16-autocast", {"block_m": 32}),
     ("bf16-autocast-algorithm3-block-m-32", "bf16-autocast", {"softmax": "stabilized", "block_m": 32}),

@@ -22,6 +22,8 @@ def test_every_kernel_compiles_for_sm90():
         assert any(line.startswith(kernel) for line in lines), kernel
     # the autocast cast points x.to(bf16).to(fp32) survive compilation: more fp32 → bf16 roundings
     # than the same kernel without them (the paper setting differs from autocast only in S, m, ℓ, rescale)
-    roundings = {" ".join(line.split(":")[0].split()): int(re.search(r"(\d+) bf16 roundings", line).group(1)) for line in lines}
-    assert roundings["attn_fwd bf16-autocast (S, m, ℓ, rescale bf16)"] > roundings["attn_fwd bf16 paper (pv bf16, exact ℓ)"]
+    roundings = {" ".join(line.split(":")[0].split()): int(re.search(r"(\d+) bf16 roundings",
+                                                                     line).group(1)) for line in lines}
+    assert roundings["attn_fwd bf16-autocast (S, m, ℓ, rescale bf16)"] > roundings["attn_fwd bf16 paper (pv bf16, "
+                                                                                   "exact ℓ)"]
     assert roundings["attn_bwd_dq fp32 dS (ieee dot), bf16 S"] > roundings["attn_bwd_dq fp32 dS (ieee dot), fp32 S"]

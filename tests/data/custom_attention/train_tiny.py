@@ -51,7 +51,7 @@ torch.set_num_threads(1)
 model = GPT()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 losses = []
-for it in range(steps):
+for _ in range(steps):
     idx = torch.randint(0, 64, (2, 20))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(idx)

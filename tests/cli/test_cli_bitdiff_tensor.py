@@ -1,0 +1,58 @@
+"""bitdiff tensor mode on the planted sample dump: the planted feature tops the bias map."""
+import json
+from pathlib import Path
+
+import pytest
+
+from fa_forensics.analyses.bitdiff import compute as bitdiff
+from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.layers.selection import select
+from fa_forensics.commands.bitdiff_tensor import run_tensor_mode
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANTED = ROOT / "sample_dumps" / "planted.zarr"
+DEMO = ROOT / "sample_dumps" / "demo.zarr"
+
+
+def test_planted_feature_is_the_most_biased(tmp_path):
+    from fa_forensics.dump import open_dump
+
+    dump = open_dump(PLANTED)
+    truth = dump.ground_truth
+    head = truth["planted_heads"][0]
+    r = bitdiff.run(dump, select(dump, step=1, head=head), Recipe("bf16"), Recipe("fp32"))
+    (top,) = r.biased_features  # the planted feature and no other
+    assert (top.layer, top.head, top.feature, top.n) == (0, head, truth["planted_feature"], 512)
+    assert top.mean == pytest.approx(-0.0014754251460544765, rel=1e-9)
+    assert top.se == pytest.approx(0.0001255747044057494, rel=1e-9)
+    assert top.p_value == pytest.approx(3.38639012196738e-20, rel=1e-6)
+    assert top.frac_positive == pytest.approx(0.2980392156862745)
+    assert r.n_elements == 32768 and r.mismatch_rate == 10450 / 32768
+    assert r.ulp_hist["counts"] == [78, 11, 16, 34, 53, 89, 215, 4693, 22318, 4760, 235, 85, 40, 29, 14, 12, 86]
+    d = bitdiff.payload(r)
+    assert {"mismatch_rate", "ulp_hist", "mean_signed_error", "biased_features"} <= set(d)
+
+
+def test_dump_vs_bf16_replay_and_cli_outputs(tmp_path):
+    out = tmp_path / "bd.json"
+    run_tensor_mode(PLANTED, "dump", "bf16", 1, None, 0, "ieee", "emulate", tmp_path, out, False)
+    d = json.loads(out.read_text())
+    assert (d["a"], d["b"], d["format"], d["steps"]) == ("dump", "bf16", "bf16", [1])
+    assert sorted(p.name for p in tmp_path.glob("bitdiff_*.png")) == ["bitdiff_biasmap_dump_vs_bf16.png",
+                                                                      "bitdiff_ulp_dump_vs_bf16.png"]
+    # the stored O was produced by the same BF16 recipe the emulator replays: every bit equal
+    assert d["n_elements"] == 32768 and d["mismatch_rate"] == 0.0
+    hist = dict(zip(d["ulp_hist"]["bins"], d["ulp_hist"]["counts"]))
+    assert hist == {**dict.fromkeys(hist, 0), "0": 32768}
+    assert d["largest"] == [] and not d["bias"]["found"] and d["bias"]["n_tests"] == 64
+    assert d["replay_fidelity"]["o_bits_equal"] == 1.0 and d["warnings"] == []
+    assert d["verdict"] == ("0.0% of elements differ in bf16 bits; 0 biased feature(s); "
+                            "no feature is significantly biased")
+
+
+def test_unknown_preset_is_a_one_line_error():
+    import typer
+
+    with pytest.raises(typer.Exit) as exc:
+        run_tensor_mode(PLANTED, "nope", "fp32", 1, None, 0, "ieee", "emulate", None, None, False)
+    assert exc.value.exit_code == 2
