@@ -82,6 +82,15 @@ def test_every_doc_named_in_the_project_exists():
     assert not missing, f"docs named but absent: {missing}"
 
 
+def test_every_test_file_named_in_the_docs_exists():
+    """The pages and the README name test files by path (what checks a claim): each must be where they say."""
+    named = set()
+    for page in [*DOCS.glob("*.md"), ROOT / "README.md"]:
+        named |= {(m, page.name) for m in re.findall(r"tests/[A-Za-z0-9_/.-]+\.(?:py|md)", page.read_text())}
+    missing = sorted(f"{path} (named in {page})" for path, page in named if not (ROOT / path).exists())
+    assert not missing, f"test files named but absent: {missing}"
+
+
 def test_readme_links_resolve():
     text = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
