@@ -21,13 +21,13 @@ ROOT = Path(fa_forensics.__file__).resolve().parent
 # the lazy entry points).
 LAYERS: list[tuple[str, ...]] = [
     ("fa_forensics", "fa_forensics.errors", "fa_forensics.enums"),
+    ("fa_forensics.optional",),
     ("fa_forensics.numerics", "fa_forensics.dump"),
     ("fa_forensics.replay",),
     ("fa_forensics.monitor", "fa_forensics.planted"),
     ("fa_forensics.capture", "fa_forensics.layers"),
     ("fa_forensics.fidelity", "fa_forensics.demo"),
     ("fa_forensics.analyses",),
-    ("fa_forensics.tables", "fa_forensics.figures"),
     ("fa_forensics.report",),
     ("fa_forensics.commands",),
     ("fa_forensics.cli",),
