@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.match import fidelity

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 from rich.panel import Panel
 from rich.table import Table
@@ -80,7 +80,7 @@ def render_add(ex) -> Panel:
     return Panel(t, title=f"{ex.a!r} + {ex.b!r} in {acc.name}, stored as {into.name}", expand=False)
 
 
-def run(dump: Optional[Path], add: Optional[Tuple[str, str]], into: str, acc: str, a: str, b: str, step, layer, head,
+def run(dump: Optional[Path], add: Optional[tuple[str, str]], into: str, acc: str, a: str, b: str, step, layer, head,
         accumulation: str, backend: str, workers: int, scheduler: Optional[str], out: Optional[Path],
         json_path: Optional[Path], debug: bool) -> None:
     """The `bitdiff` command (options: the registry's): --add mode, or tensor mode with a DUMP."""

@@ -12,10 +12,11 @@ import inspect
 import json
 import sys
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console

@@ -18,9 +18,10 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, LAYER_RE, MASK
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
     return [int(s) for s in sel]
 
 
-def open_dump(path, rank: int | None = None) -> "Dump":
+def open_dump(path, rank: int | None = None) -> Dump:
     """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0)."""
     p = Path(path)
     hint = "give the path of a .zarr dump made by `fa-forensics capture`, `synth` or `import`"

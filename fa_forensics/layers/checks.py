@@ -9,8 +9,8 @@ each Result's `warnings`, its JSON and the CLI's stderr (one yellow line each).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Callable, Iterable
 
 import torch
 

@@ -78,7 +78,7 @@ def _problems(tensors: dict[str, Optional[torch.Tensor]], scale: float) -> dict[
 
 # dump -> {"left_out": warnings of what `screen` left out (attached to every layer of that dump by
 # the layer check), "screened": (step, layer, heads) -> (heads kept, warnings)}
-_STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def screen(dump, selections: list) -> list:

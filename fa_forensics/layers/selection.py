@@ -10,8 +10,9 @@ is fidelity's (`fidelity.pair.lp_hp_pair`); this layer only takes configs.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 

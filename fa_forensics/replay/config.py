@@ -190,12 +190,12 @@ class ReplayConfig:
                               f"model hardware kernels and do not combine with {', '.join(bad)}; drop one or the other")
 
     # ---- derived configs -------------------------------------------------------------------
-    def with_(self, **changes) -> "ReplayConfig":
+    def with_(self, **changes) -> ReplayConfig:
         """A copy with some fields changed (alias of dataclasses.replace)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def preset(cls, name: str) -> "ReplayConfig":
+    def preset(cls, name: str) -> ReplayConfig:
         """A named recipe; see PRESETS for the list. A kernel's tile may follow the name after '@'
         (`sdpa-cudnn-sm90@block_n=128`, `flash-attn-2@block_m=64,block_n=256,kv_splits=4`): the
         preset with those tiling fields (block_m, block_n, kv_splits, kv_order) replaced."""

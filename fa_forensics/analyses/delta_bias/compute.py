@@ -14,8 +14,9 @@ says which one reproduces a dump's stored O); "hp" is always the fp32 preset on 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 

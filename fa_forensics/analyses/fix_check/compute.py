@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -111,7 +112,7 @@ class VariantLayerStep:
 
 def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Tensor], stats, *, step: int, layer: int,
                     heads: list[int], max_p_bar_repeated: float = math.nan, repeated_rows: int = 0,
-                    collapse: Optional["RowCollapse"] = None) -> VariantLayerStep:
+                    collapse: Optional[RowCollapse] = None) -> VariantLayerStep:
     """Compare one variant's O (B, h, T, D) with the fp32 replay's; δ error from dO when given;
     `collapse`: the rows where the row-sum floor takes over, whose |O_v| / |O_fp32| is measured here."""
     v64, h64 = o_v.to(torch.float64), o_hp.to(torch.float64)

@@ -33,8 +33,9 @@ Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the head
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 

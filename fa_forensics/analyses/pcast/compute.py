@@ -12,8 +12,9 @@ closed forms are `pcast.theory`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from scipy import stats
@@ -64,7 +65,7 @@ class HeadPcast:
     recommended_order: KVOrder
     recommendation: str
 
-    def setting(self, S: float, order: "KVOrder | str") -> Optional[HeadSetting]:
+    def setting(self, S: float, order: KVOrder | str) -> Optional[HeadSetting]:
         return next((s for s in self.settings if s.S == S and s.order == order), None)
 
 

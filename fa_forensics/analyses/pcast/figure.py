@@ -5,8 +5,8 @@ Each function takes a result of fa_forensics.analyses.pcast.compute and writes o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from scipy import stats

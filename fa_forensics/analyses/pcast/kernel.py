@@ -22,7 +22,7 @@ from fa_forensics.replay.emulate.forward import BlockCast, forward
 BASE_PRESET = "fp8-s1"  # the engine's fp8 recipe the study varies (S, order, block)
 
 
-def kv_order(order: "KVOrder | str") -> KVOrder:
+def kv_order(order: KVOrder | str) -> KVOrder:
     """A KV order from its enum or its name; InvalidSetting('orders') for any other name."""
     try:
         return KVOrder(order)
@@ -31,7 +31,7 @@ def kv_order(order: "KVOrder | str") -> KVOrder:
         raise InvalidSetting("orders", f"unknown KV order '{order}' ({names})") from None
 
 
-def pcast_config(S: float, order: "KVOrder | str" = KVOrder.FORWARD, block: int = 64) -> ReplayConfig:
+def pcast_config(S: float, order: KVOrder | str = KVOrder.FORWARD, block: int = 64) -> ReplayConfig:
     """The replay recipe of one study setting: preset fp8-s1 with P̄ multiplied by S, `order`, `block`."""
     if not (math.isfinite(S) and S > 0):
         raise InvalidSetting("scales", f"P scale S must be positive, got {S} (e.g. 1,256,448)")

@@ -102,7 +102,7 @@ class PcastSimResult:
     ttest: tuple[PairedTTest, ...]  # forward+S=256 vs reverse+S=256 at every Δ, N = n_main
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def row(self, delta: float, S: float, order: "KVOrder | str", seq: Optional[int] = None) -> Optional[PcastRow]:
+    def row(self, delta: float, S: float, order: KVOrder | str, seq: Optional[int] = None) -> Optional[PcastRow]:
         """The row for (Δ, S, order, N) (N defaults to n_main), or None."""
         seq = self.n_main if seq is None else seq
         for r in self.rows:

@@ -40,8 +40,9 @@ as nearest-even. A P scale S ≠ 1 (fp8-s256, fp8-s448) is refused with a one-li
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

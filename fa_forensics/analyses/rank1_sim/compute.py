@@ -16,8 +16,9 @@ reproduces the stored O) against fp32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 

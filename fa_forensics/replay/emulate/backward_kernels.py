@@ -48,8 +48,9 @@ SDPA's attn_mask is not modelled.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

@@ -11,8 +11,9 @@ it runs as one pass (its memory grows with B·H·T·block_n).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -36,7 +37,7 @@ class StreamPlan:
     block_m: Optional[int]
 
     @classmethod
-    def for_shape(cls, H: int, T: int, n_keys: int, budget: Optional[int] = None) -> "StreamPlan":
+    def for_shape(cls, H: int, T: int, n_keys: int, budget: Optional[int] = None) -> StreamPlan:
         """The largest work items whose (heads, rows, keys) temporaries stay within `budget`
         elements (default BLOCK_ELEMENTS): whole heads while one fits, else one head in blocks of rows."""
         budget = BLOCK_ELEMENTS if budget is None else budget
