@@ -107,7 +107,7 @@ def warn_if_warmup_covers_run(rule, monitored_steps: int) -> str | None:
         line = (f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "
                 f"steps, so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup "
                 f"{max(monitored_steps // 4, 1)}")
-        warnings.warn(line)
+        warnings.warn(line, stacklevel=1)
         return line
     return None
 
@@ -249,7 +249,7 @@ def register(app: typer.Typer) -> None:
                 try:
                     code = subprocess.call(argv, env=env)
                 except OSError as exc:
-                    raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
+                    raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command") from exc
                 report = _launcher_report(settings["report"])
             summary = _store_summary(out)
             missing = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))

@@ -132,10 +132,10 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         from fa_forensics.commands.errors import cli_line
 
         err_console.print(f"[bold red]error:[/] {escape(cli_line(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2)
+        raise typer.Exit(code=2) from None
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
-        raise typer.Exit(code=130)
+        raise typer.Exit(code=130) from None
     except Exception as exc:  # the machine refused (memory, disk), or a bug
         if debug:
             raise
@@ -144,7 +144,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc} "
                                          f"(run again with --debug for the traceback)")
         err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2)
+        raise typer.Exit(code=2) from None
     finally:
         _DIAGNOSTICS.reset(token)
         use_match_cache(None)  # --match-cache holds for one command only
@@ -184,7 +184,7 @@ def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create output directory {out}: {exc.strerror or exc}; choose a writable --out")
+        raise UserError(f"cannot create output directory {out}: {exc.strerror or exc}; choose a writable --out") from exc
     return Path(out)
 
 

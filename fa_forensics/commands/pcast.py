@@ -36,7 +36,7 @@ def _numbers(text: str, option: str, cast=float) -> tuple:
     try:
         values = tuple(cast(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise ConfigError(f"{option} expects a comma-separated list of numbers, got '{text}'; e.g. {option} {example}")
+        raise ConfigError(f"{option} expects a comma-separated list of numbers, got '{text}'; e.g. {option} {example}") from None
     if not values:
         raise ConfigError(f"{option} is empty; give at least one value")
     if not all(math.isfinite(v) for v in values):  # nan / inf would fill the tables with nan and exit 0

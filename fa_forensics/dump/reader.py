@@ -176,7 +176,7 @@ class Dump:
     @property
     def damage(self) -> dict[int, list[Damage]]:
         """Damaged steps (complete flag set, but something is missing or malformed) -> what is wrong."""
-        self._step_status
+        self._step_status  # noqa: B018 - the property fills _damage
         return self._damage
 
     @property

@@ -427,7 +427,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     variants: list[FixVariant] = []
     parts: dict[str, list[VariantLayerStep]] = {}
     warnings: list[str] = []
-    for warns, variants, measured in items:
+    for warns, variants, measured in items:  # noqa: B007 - the variants of the last item are used below
         warnings.extend(w for w in warns if w not in warnings)
         for name, m in measured:
             parts.setdefault(name, []).append(m)

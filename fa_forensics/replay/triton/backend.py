@@ -136,6 +136,9 @@ def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Rep
         dq, dk, dv = launch.backward(qi, ki, vi, doi, lse, delta, config, plan, causal=causal, scale=scale)
     low_dots = config.input_dtype is not _FP32 or config.p_dtype is not _FP32 or config.ds_dtype is not _FP32
     accumulation = "tensor-core" if (device.type == "cuda" and low_dots) else "ieee"
-    cpu = (lambda t: None if t is None else t.cpu())
+
+    def cpu(t):
+        return None if t is None else t.cpu()
+
     return ReplayOut(o=o.cpu(), lse=lse.cpu(), stats=_stats(stats), delta=cpu(delta), dq=cpu(dq), dk=cpu(dk), dv=cpu(dv),
                      config=config, backend="triton", accumulation=accumulation)
