@@ -71,7 +71,8 @@ def render_add(ex) -> Panel:
     t.add_row("normalize", f"  {ex.normalized}  " + dim(note))
     fits = "exact" if ex.exact_fits_acc else f"rounded, guard bit {ex.guard}"
     t.add_row(f"{acc.name} sum", f"{_fields(ex.acc_sum_bits, acc.exp_bits)}  {ex.acc_sum!r} " + dim(fits))
-    t.add_row(f"into {into.name}", f"  {ex.kept} | [bold]{ex.round_and_rest[:1] or '-'}[/] | {ex.round_and_rest[1:] or '-'}  "
+    t.add_row(f"into {into.name}",
+              f"  {ex.kept} | [bold]{ex.round_and_rest[:1] or '-'}[/] | {ex.round_and_rest[1:] or '-'}  "
               + dim("kept | round | sticky bits"))
     verdict = {"up": "up (away from 0)", "down": "down (toward 0)", "exact": "exact"}[ex.direction]
     t.add_row("", f"round {ex.round}, sticky {ex.sticky}, guard {ex.guard} → nearest-even rounds {verdict}")

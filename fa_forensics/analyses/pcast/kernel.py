@@ -70,7 +70,8 @@ class _ZeroedTally:
         alpha = b.alpha.squeeze(-1).double()
         rows = slice(b.r0, None)
         self.ell[..., rows] = alpha * self.ell[..., rows] + b.p_scaled.double().sum(dim=-1)
-        self.ell_zeroed[..., rows] = alpha * self.ell_zeroed[..., rows] + torch.where(zeroed, b.p_scaled.double(), 0.0).sum(dim=-1)
+        self.ell_zeroed[..., rows] = (alpha * self.ell_zeroed[..., rows]
+                                      + torch.where(zeroed, b.p_scaled.double(), 0.0).sum(dim=-1))
         self.n_zeroed[..., rows] += zeroed.sum(dim=-1)
 
 
@@ -83,7 +84,8 @@ def pcast_attention(z: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
     d = v.shape[-1]
     shape4 = tuple(lead) if len(lead) == 2 else (-1, 1)  # the engine's (B, H) of (B, H, T, N)
     z4 = z.to(torch.float32).reshape(*shape4, q, n)
-    v4 = torch.broadcast_to(v.to(torch.float32), (*lead, n, d)).reshape(*z4.shape[:2], n, d)  # a view where v broadcasts
+    # a view where v broadcasts
+    v4 = torch.broadcast_to(v.to(torch.float32), (*lead, n, d)).reshape(*z4.shape[:2], n, d)
     counted = torch.ones((), dtype=torch.bool) if counted is None else counted.to(torch.bool)
     tally = _ZeroedTally(torch.broadcast_to(counted, z.shape).reshape(z4.shape))
     out = forward(None, None, v4, config, causal=False, scale=1.0, generator=None, scores=z4, observe=tally)

@@ -147,7 +147,8 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
                 o_for_delta = fwd.o  # a kernel's backward reads the O it stored
             elif config.delta is DeltaSource.O_HIGHP:
                 twin = high_precision_twin(config)
-                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None, mask=mask).o
+                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None,
+                                               mask=mask).o
             grads = streamed_backward(q32, k32, v32, do32, fwd.lse, config, plan, causal=causal, scale=scale,
                                       o_for_delta=o_for_delta, mask=mask)
             delta, dq, dk, dv = grads.delta, grads.dq, grads.dk, grads.dv
