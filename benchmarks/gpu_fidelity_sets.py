@@ -50,7 +50,8 @@ def measure_set(tag: str, layout: dict, t: dict) -> list[dict]:
     B, H, T, D = q16.shape
     scale = float(layout.get("scale", SAMPLE_SCALES.get(tag, D ** -0.5)))
     q, k, v = (g(n).float() for n in ("q", "k", "v"))
-    kernels = sorted({key[len(tag) + 1:].split(".")[0] for key in t if key.startswith(tag + ".") and key.endswith(".o")})
+    kernels = sorted({key[len(tag) + 1:].split(".")[0] for key in t
+                      if key.startswith(tag + ".") and key.endswith(".o")})
     rows = []
     for kernel in kernels:
         if kernel not in KERNEL_PRESETS or kernel.startswith("paper"):

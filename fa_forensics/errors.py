@@ -39,7 +39,8 @@ class OutOfRange(ConfigError):
 
 
 class BackendUnsupported(ConfigError):
-    """A replay backend cannot run what was asked here: `.backend`, `.reason`, and `.alternative`, a backend that can."""
+    """A replay backend cannot run what was asked here: `.backend`, `.reason`, and `.alternative`, a backend that
+    can."""
 
     def __init__(self, backend: str, reason: str, alternative: str = "emulate") -> None:
         self.backend, self.reason, self.alternative = backend, reason, alternative

@@ -62,7 +62,8 @@ class SynthSpec:
             if not ok:
                 raise InvalidSetting(setting, reason)
 
-        need(self.seq >= 16, "seq", f"{self.seq} is too short; use at least {max(16, 2 * (self.ties + N_DISTRACTORS) * N_GROUPS)}")
+        need(self.seq >= 16, "seq",
+             f"{self.seq} is too short; use at least {max(16, 2 * (self.ties + N_DISTRACTORS) * N_GROUPS)}")
         for name in ("heads", "batch", "steps", "layers"):
             need(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         need(self.head_dim >= 2 * N_GROUPS, "head_dim", f"{self.head_dim} is too small; use at least {2 * N_GROUPS}")
@@ -73,13 +74,15 @@ class SynthSpec:
         need(len(self.planted_heads) > 0, "planted_heads", "must name at least one head")
         bad = [h for h in self.planted_heads if not 0 <= h < self.heads]
         need(not bad, "planted_heads", f"{bad} not in 0..{self.heads - 1}; pick heads below the number of heads")
-        need(self.sink_strength is None or math.isfinite(self.sink_strength), "sink_strength", "must be a finite number")
+        need(self.sink_strength is None or math.isfinite(self.sink_strength), "sink_strength",
+             "must be a finite number")
 
 
 # --------------------------------------------------------------------------------------------
 # The BF16 reference forward (the emulator's default config), used for the stored O and checks
 # --------------------------------------------------------------------------------------------
-def bf16_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def bf16_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O_lp bf16, O_hp fp32), each (B, H, T, D), from bf16-valued q, k, v: the emulator's replays
     under the presets "bf16" and "fp32" (ieee accumulation), so the stored O is reproducible bit for
     bit on any machine and by `match`.
@@ -134,7 +137,8 @@ def _planted_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
     return q, k, layout
 
 
-def _planted_vdo(spec: SynthSpec, feature: int, g: torch.Generator, zero_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _planted_vdo(spec: SynthSpec, feature: int, g: torch.Generator,
+                 zero_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """v, dO (T, D) of one planted head: the planted feature has magnitudes in [1, 2) (v) and [2, 4) (dO)."""
     T, D = spec.seq, spec.head_dim
     v = torch.randn(T, D, generator=g)
@@ -163,7 +167,8 @@ def _sink_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.T
 def _standout(spec: SynthSpec, C: int, g: torch.Generator) -> dict[int, float]:
     """feature -> signed mean of the stand-out input features of X (same for every step)."""
     feats = torch.randperm(C, generator=g)[:N_STANDOUT].tolist()
-    means = (15.0 + 10.0 * torch.rand(N_STANDOUT, generator=g)) * torch.where(torch.rand(N_STANDOUT, generator=g) < 0.5, -1.0, 1.0)
+    means = ((15.0 + 10.0 * torch.rand(N_STANDOUT, generator=g))
+             * torch.where(torch.rand(N_STANDOUT, generator=g) < 0.5, -1.0, 1.0))
     return {int(f): float(m) for f, m in zip(feats, means)}
 
 
@@ -223,7 +228,8 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
         "standout_x_features": sorted(standout),
         "standout_x_means": {str(f): m for f, m in sorted(standout.items())},
         "sink_strength": spec.sink_strength,
-        "sink_heads": [h for h in range(spec.heads) if h not in spec.planted_heads] if spec.sink_strength is not None else [],
+        "sink_heads": ([h for h in range(spec.heads) if h not in spec.planted_heads]
+                       if spec.sink_strength is not None else []),
         "sink_tokens": list(range(SINK_TOKENS)) if spec.sink_strength is not None else [],
         "score_gap_range": list(GAP_RANGE),
         "seed": spec.seed,
@@ -233,8 +239,10 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
     run_attrs = {
         "device": "cpu",
         "amp_dtype": "bfloat16",
-        "model": {"name": "synth", "n_layer": spec.layers, "n_head": spec.heads, "head_dim": spec.head_dim, "d_model": spec.heads * spec.head_dim, "seq_len": spec.seq},
-        "capture": {"source": "synth", "steps": list(range(spec.steps)), "layers": list(range(spec.layers)), "heads": None, "batch": f"0:{spec.batch}"},
+        "model": {"name": "synth", "n_layer": spec.layers, "n_head": spec.heads, "head_dim": spec.head_dim,
+                  "d_model": spec.heads * spec.head_dim, "seq_len": spec.seq},
+        "capture": {"source": "synth", "steps": list(range(spec.steps)), "layers": list(range(spec.layers)),
+                    "heads": None, "batch": f"0:{spec.batch}"},
     }
     steps: list[PlantedStep] = []
     for s in range(spec.steps):

@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.match import fidelity
@@ -50,7 +51,8 @@ class BiasClaim:
     feature: Optional[int] = None
 
 
-def claim(quantity: str, p_value: float, n_tests: int, value: float, *, layer=None, head=None, step=None, feature=None) -> BiasClaim:
+def claim(quantity: str, p_value: float, n_tests: int, value: float, *, layer=None, head=None, step=None,
+          feature=None) -> BiasClaim:
     """A BiasClaim decided by Bonferroni at ALPHA over `n_tests` items."""
     found = bool(math.isfinite(p_value) and p_value < ALPHA / max(n_tests, 1))
     sign = 0 if not value or not math.isfinite(value) else (1 if value > 0 else -1)
@@ -97,7 +99,8 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
         return []
     out = [line for line in (precision_line(fid),) if line]
     fp32_run = fid.get("run_precision") == "fp32"  # said once, by precision_line
-    reasons = [u["reason"] for u in fid.get("unverifiable") or [] if not (fp32_run and u["reason"].startswith("trained in fp32"))]
+    reasons = [u["reason"] for u in fid.get("unverifiable") or []
+               if not (fp32_run and u["reason"].startswith("trained in fp32"))]
     for reason in dict.fromkeys(reasons):
         items = [u for u in fid["unverifiable"] if u["reason"] == reason]
         why = "the recipe the recorded settings imply" if fid.get("requested") == "auto" else "as asked"

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional
 
 # The formats bitdiff --add can store a sum into.
 INTO_CHOICES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32")
@@ -68,7 +69,7 @@ class Section:
     and takes neither the report's selection nor its recipe."""
 
     title: str
-    recipe_flags: Tuple[Tuple[str, str], ...] = (("--preset", "PRESET"),)
+    recipe_flags: tuple[tuple[str, str], ...] = (("--preset", "PRESET"),)
     whole_dump: bool = False
 
 
@@ -87,8 +88,8 @@ class Analysis:
     name: str
     room: str
     help: str
-    json_keys: Tuple[str, ...]
-    options: Tuple[Option, ...] = ()
+    json_keys: tuple[str, ...]
+    options: tuple[Option, ...] = ()
     replays: bool = True
     progress: str = ""
     per_layer_step: bool = False
@@ -205,7 +206,7 @@ BITDIFF = Analysis(
     replays=False,
     options=(
         Option("dump", type=Optional[Path], argument=True, help="Dump store (tensor mode); not needed with --add."),
-        Option("add", "--add", Optional[Tuple[str, str]], None, metavar="A B",
+        Option("add", "--add", Optional[tuple[str, str]], None, metavar="A B",
                help="Explain A + B: decimal, 32-char fp32 bits, or 0x hex."),
         Option("into", "--into", str, "bf16", help="Format the sum is stored into: " + " | ".join(INTO_CHOICES) + "."),
         Option("acc", "--acc", str, "fp32", help="Accumulator format the addition happens in."),
@@ -300,6 +301,6 @@ TIMELINE = Analysis(
 )
 
 # In the order of the CLI's --help; the report's sections follow it too.
-ANALYSES: Tuple[Analysis, ...] = (ISOLATE, DELTA_BIAS, RANK1_SIM, PV_TRACE, BITDIFF, FIX_CHECK, PCAST, TIMELINE)
+ANALYSES: tuple[Analysis, ...] = (ISOLATE, DELTA_BIAS, RANK1_SIM, PV_TRACE, BITDIFF, FIX_CHECK, PCAST, TIMELINE)
 BY_NAME = {a.name: a for a in ANALYSES}
-REPORTED: Tuple[Analysis, ...] = tuple(a for a in ANALYSES if a.section is not None)
+REPORTED: tuple[Analysis, ...] = tuple(a for a in ANALYSES if a.section is not None)

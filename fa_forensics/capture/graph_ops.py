@@ -16,7 +16,8 @@ compiled once, at the first busy step).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

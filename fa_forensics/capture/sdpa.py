@@ -51,7 +51,8 @@ def _tap_in_graph(args: tuple, kwargs: dict, out):
 def _report(session, args: tuple, kwargs: dict, out) -> None:
     """Hand one SDPA call to the session (eager, outside any compiled graph)."""
     bound = _bind(args, kwargs)
-    session.on_attention(bound["query"], bound["key"], bound["value"], out, scale=bound["scale"], causal=bool(bound["is_causal"]),
+    session.on_attention(bound["query"], bound["key"], bound["value"], out, scale=bound["scale"],
+                         causal=bool(bound["is_causal"]),
                          attn_mask=bound["attn_mask"], dropout_p=float(bound["dropout_p"] or 0.0), source="sdpa")
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 from rich.panel import Panel
 from rich.table import Table
@@ -71,7 +71,8 @@ def render_add(ex) -> Panel:
     t.add_row("normalize", f"  {ex.normalized}  " + dim(note))
     fits = "exact" if ex.exact_fits_acc else f"rounded, guard bit {ex.guard}"
     t.add_row(f"{acc.name} sum", f"{_fields(ex.acc_sum_bits, acc.exp_bits)}  {ex.acc_sum!r} " + dim(fits))
-    t.add_row(f"into {into.name}", f"  {ex.kept} | [bold]{ex.round_and_rest[:1] or '-'}[/] | {ex.round_and_rest[1:] or '-'}  "
+    t.add_row(f"into {into.name}",
+              f"  {ex.kept} | [bold]{ex.round_and_rest[:1] or '-'}[/] | {ex.round_and_rest[1:] or '-'}  "
               + dim("kept | round | sticky bits"))
     verdict = {"up": "up (away from 0)", "down": "down (toward 0)", "exact": "exact"}[ex.direction]
     t.add_row("", f"round {ex.round}, sticky {ex.sticky}, guard {ex.guard} → nearest-even rounds {verdict}")
@@ -80,7 +81,7 @@ def render_add(ex) -> Panel:
     return Panel(t, title=f"{ex.a!r} + {ex.b!r} in {acc.name}, stored as {into.name}", expand=False)
 
 
-def run(dump: Optional[Path], add: Optional[Tuple[str, str]], into: str, acc: str, a: str, b: str, step, layer, head,
+def run(dump: Optional[Path], add: Optional[tuple[str, str]], into: str, acc: str, a: str, b: str, step, layer, head,
         accumulation: str, backend: str, workers: int, scheduler: Optional[str], out: Optional[Path],
         json_path: Optional[Path], debug: bool) -> None:
     """The `bitdiff` command (options: the registry's): --add mode, or tensor mode with a DUMP."""

@@ -22,7 +22,8 @@ def side(name: str, accumulation: Accumulation):
     try:
         return Recipe(name, accumulation)
     except UnknownPreset:
-        raise UserError(f"--a/--b {name!r} is not 'dump' or a preset; choose one of: dump, auto, {', '.join(PRESETS)}") from None
+        raise UserError(f"--a/--b {name!r} is not 'dump' or a preset; choose one of: dump, auto, "
+                        f"{', '.join(PRESETS)}") from None
 
 
 def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler):
@@ -32,7 +33,8 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
     from fa_forensics.analyses.bitdiff.table import tables
 
     if not a or not b:
-        raise UserError("bitdiff tensor mode needs both --a and --b (each 'dump' or a preset such as bf16, fp32, stabilized)")
+        raise UserError("bitdiff tensor mode needs both --a and --b (each 'dump' or a preset such as bf16, fp32, "
+                        "stabilized)")
     if a == b:
         raise UserError(f"--a and --b are both {a!r}; choose two different sides")
     acc = build_accumulation(accumulation)
@@ -45,6 +47,8 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
     show_result(args, r, bitdiff.payload(r), tables(r), draw)
 
 
-def run_tensor_mode(dump, a, b, step, layer, head, accumulation, backend, out, json_path, debug, workers=1, scheduler=None):
+def run_tensor_mode(dump, a, b, step, layer, head, accumulation, backend, out, json_path, debug, workers=1,
+                    scheduler=None):
     """Entry point called by the `bitdiff` command when --add is not given."""
-    return run_cli(debug, lambda: _run(dump, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler))
+    return run_cli(debug, lambda: _run(dump, a, b, step, layer, head, accumulation, backend, out, json_path, workers,
+                                       scheduler))

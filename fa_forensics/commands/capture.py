@@ -19,12 +19,25 @@ from fa_forensics.errors import InvalidSetting, UserError
 
 LAUNCHER = "fa_forensics.capture.launch"
 
-StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Steps to record: 100,200 or ranges 100:200:10 (stop exclusive). Step k precedes the (k+1)-th optimizer.step(). Optional with --monitor-every.")]
-LayersOpt = Annotated[Optional[str], typer.Option("--layers", help="Attention layers to record, e.g. 1 or 0,3 (default: every layer).")]
+StepsOpt = Annotated[Optional[str],
+                     typer.Option("--steps",
+                                  help="Steps to record: 100,200 or ranges 100:200:10 (stop exclusive). Step k "
+                                       "precedes the (k+1)-th optimizer.step(). Optional with --monitor-every.")]
+LayersOpt = Annotated[Optional[str],
+                      typer.Option("--layers",
+                                   help="Attention layers to record, e.g. 1 or 0,3 (default: every layer).")]
 HeadsOpt = Annotated[Optional[str], typer.Option("--heads", help="Heads to record, e.g. 0,3 (default: every head).")]
-MonitorEveryOpt = Annotated[Optional[int], typer.Option("--monitor-every", help="Append a timeline row (loss, per-head max logit, repeated maxima, extra P̄=1, top-1 probability, W_Q spectral norm) every N steps.", metavar="N")]
-AlarmOpt = Annotated[bool, typer.Option("--alarm", help="Watch the timeline with the robust z-score rule; on an alarm print one line and record the next --alarm-steps steps in full.")]
-AlarmStepsOpt = Annotated[int, typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
+MonitorEveryOpt = Annotated[Optional[int],
+                            typer.Option("--monitor-every",
+                                         help="Append a timeline row (loss, per-head max logit, repeated maxima, extra "
+                                              "P̄=1, top-1 probability, W_Q spectral norm) every N steps.",
+                                         metavar="N")]
+AlarmOpt = Annotated[bool,
+                     typer.Option("--alarm",
+                                  help="Watch the timeline with the robust z-score rule; on an alarm print one line "
+                                       "and record the next --alarm-steps steps in full.")]
+AlarmStepsOpt = Annotated[int,
+                          typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
 AlarmWarmupOpt = Annotated[Optional[int], typer.Option(
     "--alarm-warmup", metavar="N",
     help="Monitored steps the alarm watches before it may fire (default 50): a run with no more monitored steps "
@@ -35,7 +48,9 @@ AlarmWindowOpt = Annotated[Optional[int], typer.Option(
 AlarmZOpt = Annotated[Optional[float], typer.Option(
     "--alarm-z", metavar="Z",
     help="Robust z-score above the trailing median a value must exceed to be out (default 6).")]
-RingOpt = Annotated[int, typer.Option("--ring", help="Keep the last K monitored steps' tensors (selected layers, batch slice) in host memory; an alarm writes them too.", metavar="K")]
+RingOpt = Annotated[int, typer.Option("--ring",
+                                      help="Keep the last K monitored steps' tensors (selected layers, batch slice) in "
+                                           "host memory; an alarm writes them too.", metavar="K")]
 AttentionOpt = Annotated[Optional[list[str]], typer.Option(
     "--attention", metavar="MODULE:QUALNAME[,OPTS]",
     help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
@@ -44,7 +59,9 @@ SoftmaxOpt = Annotated[Optional[str], typer.Option(
     "--softmax", metavar="RULE",
     help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
          "variable has that value at the call, e.g. STABLE=1). Default: recorded as unknown.")]
-BatchOpt = Annotated[Optional[str], typer.Option("--batch", help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
+BatchOpt = Annotated[Optional[str],
+                     typer.Option("--batch",
+                                  help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
 
 
 def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
@@ -55,7 +72,8 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
     shim (pyenv, conda) resolves `python` to.
     """
     if not command:
-        raise UserError("no training command given; put it after --, e.g. fa-forensics capture --out run.zarr --steps 100 -- python train.py")
+        raise UserError("no training command given; put it after --, e.g. fa-forensics capture --out run.zarr --steps "
+                        "100 -- python train.py")
     exe = os.path.basename(command[0])
     if same_python and command[0] in ("python", "python3"):
         command = [sys.executable, *command[1:]]
@@ -77,7 +95,8 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
         raise UserError("could not find the training script (a .py file) in the torchrun command")
     if command[0].endswith(".py"):
         return [sys.executable, "-m", LAUNCHER, *command]
-    raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
+    raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m "
+                    "MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
 
 
 OPTION_OF = {"attention": "--attention", "softmax": "--softmax", "layout": "--attention ...,layout",
@@ -107,7 +126,7 @@ def warn_if_warmup_covers_run(rule, monitored_steps: int) -> str | None:
         line = (f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "
                 f"steps, so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup "
                 f"{max(monitored_steps // 4, 1)}")
-        warnings.warn(line)
+        warnings.warn(line, stacklevel=1)
         return line
     return None
 
@@ -167,9 +186,11 @@ def _store_summary(out: Path) -> dict:
             dump = open_dump(out)
             timeline = dump.timeline or {}
             alarms = timeline.get("alarms")
-            return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps, "layers": dump.layers() if dump.steps else [],
+            return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps,
+                    "layers": dump.layers() if dump.steps else [],
                     "monitored_steps": int(len(timeline.get("step", []))),
-                    "alarm_steps": [] if alarms is None else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0]}
+                    "alarm_steps": [] if alarms is None
+                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0]}
     except UserError:
         return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": []}
 
@@ -197,11 +218,22 @@ def register(app: typer.Typer) -> None:
         layers: LayersOpt = None,
         heads: HeadsOpt = None,
         batch: BatchOpt = None,
-        micro_batch: Annotated[int, typer.Option("--micro-batch", help="Forward pass of a step to record under gradient accumulation.")] = 0,
-        attention_modules: Annotated[Optional[str], typer.Option("--attention-modules", help="Regex over module names that marks attention modules (their input is X).")] = None,
+        micro_batch: Annotated[int,
+                               typer.Option("--micro-batch",
+                                            help="Forward pass of a step to record under gradient accumulation.")] = 0,
+        attention_modules: Annotated[Optional[str],
+                                     typer.Option("--attention-modules",
+                                                  help="Regex over module names that marks attention modules (their "
+                                                       "input is X).")] = None,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --out.")] = False,
-        same_python: Annotated[bool, typer.Option("--same-python/--path-python", help="Run a bare `python`/`python3` command as the interpreter fa-forensics runs in (default), or as PATH resolves it.")] = True,
-        allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="Add steps to a dump at --out that holds another model's steps.")] = False,
+        same_python: Annotated[bool,
+                               typer.Option("--same-python/--path-python",
+                                            help="Run a bare `python`/`python3` command as the interpreter "
+                                                 "fa-forensics runs in (default), or as PATH resolves it.")] = True,
+        allow_other_model: Annotated[bool,
+                                     typer.Option("--allow-other-model",
+                                                  help="Add steps to a dump at --out that holds another "
+                                                       "model's steps.")] = False,
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
         alarm_steps: AlarmStepsOpt = 3,
@@ -233,13 +265,15 @@ def register(app: typer.Typer) -> None:
                     check_attention_pattern(attention_modules)
                 targets = [TargetSpec.parse(t).to_text() for t in attention or ()]
                 softmax_rule = SoftmaxVariant.parse(softmax).to_text()
-            selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch, allow_no_steps=monitor_every is not None)
+            selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
+                                               allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
             _check_script(argv)
             from fa_forensics.dump.safe_files import refuse_link
 
             refuse_link(out, "out")  # resolving --out would follow a planted link; the writer refuses one too
-            settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite, "allow_other_model": allow_other_model,
+            settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite,
+                        "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
                         "monitor_every": monitor_every, "alarm": rule.settings() if rule else False,
                         "alarm_steps": alarm_steps, "ring": ring, "attention": targets, "softmax": softmax_rule}
@@ -249,7 +283,8 @@ def register(app: typer.Typer) -> None:
                 try:
                     code = subprocess.call(argv, env=env)
                 except OSError as exc:
-                    raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; check the training command")
+                    raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
+                                    "check the training command") from exc
                 report = _launcher_report(settings["report"])
             summary = _store_summary(out)
             missing = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
@@ -289,17 +324,26 @@ def register(app: typer.Typer) -> None:
 
         run_cli(debug, body)
 
-    @app.command("demo-train", help="Train the project's small GPT (bf16 autocast, pure-PyTorch FlashAttention-2) on stdlib bytes; optionally capture steps.")
+    @app.command("demo-train",
+                 help="Train the project's small GPT (bf16 autocast, pure-PyTorch FlashAttention-2) on stdlib bytes; "
+                      "optionally capture steps.")
     def demo_train_cmd(
         steps: Annotated[int, typer.Option("--steps", help="Number of optimizer steps.")] = 300,
         seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and the batch order.")] = 0,
         device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
         batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step (context 256 bytes).")] = 4,
-        lr: Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (linear warmup over 20 steps).")] = 2e-3,
-        capture_out: Annotated[Optional[Path], typer.Option("--capture", help="Dump store to record the --capture-steps into.", metavar="DUMP")] = None,
-        capture_steps: Annotated[Optional[str], typer.Option("--capture-steps", help="Steps to record, e.g. 5,6,7 or 250:254.")] = None,
-        capture_layers: Annotated[Optional[str], typer.Option("--capture-layers", help="Layers to record (default: all).")] = None,
-        capture_heads: Annotated[Optional[str], typer.Option("--capture-heads", help="Heads to record (default: all).")] = None,
+        lr: Annotated[float, typer.Option("--lr",
+                                          help="Peak AdamW learning rate (linear warmup over 20 steps).")] = 2e-3,
+        capture_out: Annotated[Optional[Path],
+                               typer.Option("--capture", help="Dump store to record the --capture-steps into.",
+                                            metavar="DUMP")] = None,
+        capture_steps: Annotated[Optional[str],
+                                 typer.Option("--capture-steps",
+                                              help="Steps to record, e.g. 5,6,7 or 250:254.")] = None,
+        capture_layers: Annotated[Optional[str],
+                                  typer.Option("--capture-layers", help="Layers to record (default: all).")] = None,
+        capture_heads: Annotated[Optional[str],
+                                 typer.Option("--capture-heads", help="Heads to record (default: all).")] = None,
         capture_batch: Annotated[str, typer.Option("--capture-batch", help="Batch slice to record.")] = "0:2",
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --capture.")] = False,
         monitor_every: MonitorEveryOpt = None,
@@ -310,7 +354,9 @@ def register(app: typer.Typer) -> None:
         alarm_z: AlarmZOpt = None,
         ring: RingOpt = 0,
         log_every: Annotated[int, typer.Option("--log-every", help="Print the loss every N steps.")] = 1,
-        threads: Annotated[int, typer.Option("--threads", help="CPU threads for torch (the model is tiny: 1 avoids oversubscription on shared machines).")] = 1,
+        threads: Annotated[int, typer.Option("--threads",
+                                             help="CPU threads for torch (the model is tiny: 1 avoids oversubscription "
+                                                  "on shared machines).")] = 1,
         json_out: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
@@ -333,28 +379,35 @@ def register(app: typer.Typer) -> None:
             if log_every < 1:
                 raise UserError(f"--log-every must be >= 1, got {log_every}")
             if capture_out is None and (capture_steps is not None or monitor_every is not None):
-                raise UserError("--capture-steps and --monitor-every write into a store; add --capture DUMP (e.g. --capture run.zarr)")
+                raise UserError("--capture-steps and --monitor-every write into a store; add --capture DUMP (e.g. "
+                                "--capture run.zarr)")
             if capture_out is not None and capture_steps is None and monitor_every is None:
                 raise UserError("--capture DUMP needs --capture-steps (e.g. 5,6,7) or --monitor-every N")
             with worded_settings(DEMO_OPTION_OF):
                 rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z)
-            config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr, capture_out=capture_out,
-                                capture_steps=capture_steps or "", capture_layers=capture_layers, capture_heads=capture_heads,
+            config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr,
+                                capture_out=capture_out,
+                                capture_steps=capture_steps or "", capture_layers=capture_layers,
+                                capture_heads=capture_heads,
                                 capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every,
                                 alarm=rule or False, alarm_steps=alarm_steps, ring=ring)
 
             def log(info, model):
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:
-                    console.print(f"step {info.step:5d}  loss {info.loss:.4f}  lr {info.lr:.2e}  {info.seconds * 1000:.0f} ms")
+                    console.print(f"step {info.step:5d}  loss {info.loss:.4f}  lr {info.lr:.2e}  "
+                                  f"{info.seconds * 1000:.0f} ms")
 
             with worded_settings(DEMO_OPTION_OF):
                 result = train(config, on_step=log)
             warn_if_warmup_covers_run(rule, result.monitored_steps)
-            write_json(json_out, {"losses": list(result.losses), "final_loss": result.losses[-1], "captured_steps": list(result.captured_steps),
-                                  "capture": None if capture_out is None else str(capture_out), "seconds": result.seconds, "seed": seed, "steps": steps,
+            write_json(json_out, {"losses": list(result.losses), "final_loss": result.losses[-1],
+                                  "captured_steps": list(result.captured_steps),
+                                  "capture": None if capture_out is None else str(capture_out),
+                                  "seconds": result.seconds, "seed": seed, "steps": steps,
                                   "monitored_steps": result.monitored_steps, "alarm_steps": list(result.alarm_steps)})
             if capture_out is not None:
                 console.print(f"captured steps {list(result.captured_steps)} into {capture_out}"
-                              + (f"; {result.monitored_steps} monitored steps in its timeline" if result.monitored_steps else ""))
+                              + (f"; {result.monitored_steps} monitored steps in its timeline"
+                                 if result.monitored_steps else ""))
 
         run_cli(debug, body)

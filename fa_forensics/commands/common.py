@@ -12,10 +12,11 @@ import inspect
 import json
 import sys
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -47,14 +48,24 @@ err_console = _console(stderr=True)
 
 # Shared option types (huggingface_hub style): one definition, used by every command.
 DumpArg = Annotated[Path, typer.Argument(help="Path of a dump store (a .zarr directory).", show_default=False)]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md).", metavar="FILE")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Directory for figures (PNG) and other files.", metavar="DIR")]
+JsonOpt = Annotated[Optional[Path],
+                    typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md).",
+                                 metavar="FILE")]
+OutOpt = Annotated[Optional[Path],
+                   typer.Option("--out", help="Directory for figures (PNG) and other files.", metavar="DIR")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
-StepOpt = Annotated[Optional[int], typer.Option("--step", help="Training step to analyse (default: every complete step).")]
+StepOpt = Annotated[Optional[int],
+                    typer.Option("--step", help="Training step to analyse (default: every complete step).")]
 LayerOpt = Annotated[Optional[int], typer.Option("--layer", help="Layer to analyse (default: every layer).")]
 HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse (default: every head).")]
-WorkersOpt = Annotated[int, typer.Option("--workers", help="Worker processes (a local dask.distributed cluster); 1 = in-process. The output does not depend on it.")]
-SchedulerOpt = Annotated[Optional[str], typer.Option("--scheduler", help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; the dump must be on storage its workers see.", metavar="ADDRESS")]
+WorkersOpt = Annotated[int,
+                       typer.Option("--workers",
+                                    help="Worker processes (a local dask.distributed cluster); 1 = in-process. The "
+                                         "output does not depend on it.")]
+SchedulerOpt = Annotated[Optional[str],
+                         typer.Option("--scheduler",
+                                      help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
+                                           "the dump must be on storage its workers see.", metavar="ADDRESS")]
 AccumulationOpt = Annotated[str, typer.Option(
     "--accumulation",
     help=f"Accumulation model of every matrix product: {' | '.join(ACCUMULATIONS)} | {AUTO} (default: the one "
@@ -63,7 +74,9 @@ MatchCacheOpt = Annotated[Optional[str], typer.Option(
     "--match-cache", metavar="DIR|off",
     help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
          "else $XDG_CACHE_HOME/fa-forensics, else ~/.cache/fa-forensics).")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
+BackendOpt = Annotated[str,
+                       typer.Option("--backend",
+                                    help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
     help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces "
@@ -131,10 +144,10 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         from fa_forensics.commands.errors import cli_line
 
         err_console.print(f"[bold red]error:[/] {escape(cli_line(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2)
+        raise typer.Exit(code=2) from None
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")
-        raise typer.Exit(code=130)
+        raise typer.Exit(code=130) from None
     except Exception as exc:  # the machine refused (memory, disk), or a bug
         if debug:
             raise
@@ -143,7 +156,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc} "
                                          f"(run again with --debug for the traceback)")
         err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2)
+        raise typer.Exit(code=2) from None
     finally:
         _DIAGNOSTICS.reset(token)
         use_match_cache(None)  # --match-cache holds for one command only
@@ -183,7 +196,8 @@ def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create output directory {out}: {exc.strerror or exc}; choose a writable --out")
+        raise UserError(f"cannot create output directory {out}: {exc.strerror or exc}; "
+                        "choose a writable --out") from exc
     return Path(out)
 
 
@@ -251,7 +265,8 @@ def build_accumulation(accumulation: str) -> Optional[Accumulation]:
     try:
         return Accumulation(accumulation)
     except ValueError:
-        raise UserError(f"--accumulation {accumulation!r} is not one of: {', '.join([AUTO, *(a.value for a in Accumulation)])}") from None
+        raise UserError(f"--accumulation {accumulation!r} is not one of: "
+                        f"{', '.join([AUTO, *(a.value for a in Accumulation)])}") from None
 
 
 def build_recipe(preset: str, accumulation: str) -> Recipe:
@@ -317,10 +332,11 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
         def body():
             use_match_cache(kwargs.pop("match_cache"))
             args = AnalysisArgs(
-                dump_path=kwargs.pop("dump"), step=kwargs.pop("step"), layer=kwargs.pop("layer"), head=kwargs.pop("head"),
-                recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
+                dump_path=kwargs.pop("dump"), step=kwargs.pop("step"), layer=kwargs.pop("layer"),
+                head=kwargs.pop("head"), recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
                 backend=build_backend(kwargs.pop("backend")), out=ensure_out_dir(kwargs.pop("out")),
-                json_path=kwargs.pop("json_path"), workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler")),
+                json_path=kwargs.pop("json_path"),
+                workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler")),
             )
             return run(args, **kwargs)
 
@@ -331,7 +347,8 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
     options = [*_SHARED_OPTIONS, *extra, *_RECIPE_OPTIONS]
     options = [(n, out_opt if n == "out" else t, d) for n, t, d in options]
     command.__signature__ = inspect.Signature([
-        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY if d is not inspect.Parameter.empty else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY
+                          if d is not inspect.Parameter.empty else inspect.Parameter.POSITIONAL_OR_KEYWORD,
                           default=d, annotation=t)
         for n, t, d in options
     ])

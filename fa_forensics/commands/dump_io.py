@@ -14,14 +14,15 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the des
 def _report(verb: str, result) -> None:
     console.print(
         f"{verb} {result.n_tensors} tensors ({len(result.steps)} steps, layers {result.layers}) "
-        f"{result.source} -> {result.destination} (causal={result.causal}, scale={'1/sqrt(D)' if result.scale is None else result.scale})",
-        highlight=False,
+        f"{result.source} -> {result.destination} (causal={result.causal}, "
+        f"scale={'1/sqrt(D)' if result.scale is None else result.scale})", highlight=False,
         soft_wrap=True,
     )
 
 
 def import_cmd(
-    file: Annotated[Path, typer.Argument(help="safetensors file with tensors named step{S}.layer{L}.{q,k,v,o,do,x}.", show_default=False)],
+    file: Annotated[Path, typer.Argument(help="safetensors file with tensors named step{S}.layer{L}.{q,k,v,o,do,x}.",
+                                         show_default=False)],
     to: Annotated[Path, typer.Option("--to", help="Dump store (.zarr) to create.", show_default=False)],
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = None,

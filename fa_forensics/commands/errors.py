@@ -31,7 +31,8 @@ def cli_line(exc: UserError) -> str:
         return f"replay: backend {exc.backend} {exc.reason}; use --backend {exc.alternative}"
     if isinstance(exc, TargetExists):
         if exc.foreign:
-            return f"{exc.path} exists and is not an fa-forensics dump; refusing to overwrite it, choose another {option(exc.setting)}"
+            return (f"{exc.path} exists and is not an fa-forensics dump; refusing to overwrite it, choose another "
+                    f"{option(exc.setting)}")
         return f"{exc.path} already exists; pass --overwrite to replace it or choose another {option(exc.setting)}"
     if isinstance(exc, DiskFull):
         return f"{exc}; free space there or choose another {option(exc.setting)}"
@@ -40,8 +41,10 @@ def cli_line(exc: UserError) -> str:
     if isinstance(exc, TargetUnwritable):
         return f"{exc}; choose a writable {option(exc.setting)} with free space"
     if isinstance(exc, NothingSelected):
-        asked = " ".join(f"--{k} {v}" for k, v in (("step", exc.step), ("layer", exc.layer), ("head", exc.head)) if v is not None)
-        return f"{exc.path}: nothing matches {asked or 'the selection'}; run `fa-forensics info {exc.path}` to list what exists"
+        asked = " ".join(f"--{k} {v}" for k, v in (("step", exc.step), ("layer", exc.layer), ("head", exc.head))
+                         if v is not None)
+        return (f"{exc.path}: nothing matches {asked or 'the selection'}; run `fa-forensics info {exc.path}` to list "
+                "what exists")
     if isinstance(exc, NoTimeline):
         return f"{str(exc).split(';')[0]}; record one with `fa-forensics capture --monitor-every N ...`"
     if isinstance(exc, InvalidSetting):

@@ -56,10 +56,12 @@ def render(summary: dict[str, Any]) -> None:
     run.add_row("capture", _kv(summary.get("capture") or {}))
     run.add_row("steps", f"{_ranges(summary['steps'])} ({len(summary['steps'])} complete)")
     if summary["incomplete_steps"]:
-        run.add_row("incomplete steps", f"[yellow]{_ranges(summary['incomplete_steps'])} (cut off while writing; skipped)[/]")
+        run.add_row("incomplete steps",
+                    f"[yellow]{_ranges(summary['incomplete_steps'])} (cut off while writing; skipped)[/]")
     losses = {s: a.get("loss") for s, a in summary.get("step_attrs", {}).items() if a.get("loss") is not None}
     if losses:
-        run.add_row("loss", ", ".join(f"{s}: {v:.4g}" for s, v in list(losses.items())[:8]) + (" ..." if len(losses) > 8 else ""))
+        run.add_row("loss", ", ".join(f"{s}: {v:.4g}" for s, v in list(losses.items())[:8])
+                    + (" ..." if len(losses) > 8 else ""))
     if summary.get("timeline"):
         run.add_row("timeline", _kv({k: tuple(v) for k, v in summary["timeline"].items()}))
     console.print(run)
@@ -72,12 +74,13 @@ def render(summary: dict[str, Any]) -> None:
         arrays.add_column(col)
     for l in summary["layers"]:
         info = summary["layer_info"][str(l)]
-        layers.add_row(str(l), escape(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]), str(info["head_dim"]),
-                       f"{info['scale']:.6g}", str(info["causal"]), escape(_stored_dtype(info)),
+        layers.add_row(str(l), escape(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]),
+                       str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]), escape(_stored_dtype(info)),
                        escape(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
                        escape(str(info.get("mask") or "-")))
         for n, a in summary["arrays"][str(l)].items():
-            arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]), "×".join(str(x) for x in a["chunks"]))
+            arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]),
+                           "×".join(str(x) for x in a["chunks"]))
     console.print(layers)
     console.print(arrays)
 
@@ -86,13 +89,17 @@ def render(summary: dict[str, Any]) -> None:
         gt = Table(title="ground truth (planted by synth)", show_header=False, title_justify="left")
         gt.add_column("field", style="bold")
         gt.add_column("value")
-        for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength", "sink_heads", "seed"):
+        for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength",
+                    "sink_heads", "seed"):
             gt.add_row(key, escape(str(truth.get(key))))
-        gt.add_row("tied rows", f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in {len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")
+        gt.add_row("tied rows",
+                   f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in "
+                   f"{len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")
         console.print(gt)
 
 
-def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None, debug: DebugOpt = False) -> None:
+def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None,
+         debug: DebugOpt = False) -> None:
     """Describe a dump: steps (incomplete ones apart), layers, heads, shapes, dtypes, capture settings."""
 
     def body() -> None:

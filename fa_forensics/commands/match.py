@@ -7,8 +7,8 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt, console,
-    print_warnings, progress_bar, run_cli, use_match_cache, write_json,
+    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt,
+    console, print_warnings, progress_bar, run_cli, use_match_cache, write_json,
 )
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
@@ -34,7 +34,8 @@ def verdict_line(layer, why=None) -> str:
     if why:
         return (f"step {layer.step} layer {layer.layer}: fidelity unverifiable ({why}); best by chance "
                 f"{b.preset} / {b.accumulation}")
-    return f"step {layer.step} layer {layer.layer}: stored O reproduced {_pct(b.o_bits_equal)} by {b.preset} / {b.accumulation}"
+    return (f"step {layer.step} layer {layer.layer}: stored O reproduced {_pct(b.o_bits_equal)} by {b.preset} / "
+            f"{b.accumulation}")
 
 
 def runner_up(lm):
@@ -68,21 +69,23 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
         warnings.append(parts[-1])
     if seen and lead:
         worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
-        parts.append(f"the fp32 replay reproduces {_pct(worst.best.o_bits_equal)} of the stored O at worst (step {worst.step} "
-                     f"layer {worst.layer}; an fp32 kernel that sums in another order differs in the last bits)")
+        parts.append(f"the fp32 replay reproduces {_pct(worst.best.o_bits_equal)} of the stored O at worst (step "
+                     f"{worst.step} layer {worst.layer}; an fp32 kernel that sums in another order differs in the last "
+                     "bits)")
     elif seen:
         worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
         named = ", ".join(f"{p} / {a}" for p, a in sorted({(lm.best.preset, lm.best.accumulation) for lm in seen}))
         if worst.best.o_bits_equal == 1.0:
             parts.append(f"stored O reproduced 100 % in every selected layer-step ({len(seen)}) by {named}")
         elif worst.best.o_bits_equal >= KERNEL_MODEL_REPRODUCES:
-            parts.append(f"stored O reproduced to at least {_pct(worst.best.o_bits_equal)} in every selected layer-step "
-                         f"({len(seen)}) by {named} (worst: step {worst.step} layer {worst.layer}; the remaining bits are "
-                         f"what the kernel's model does not capture, docs/gpu-fidelity.md)")
+            parts.append(f"stored O reproduced to at least {_pct(worst.best.o_bits_equal)} in every selected "
+                         f"layer-step ({len(seen)}) by {named} (worst: step {worst.step} layer {worst.layer}; the "
+                         "remaining bits are what the kernel's model does not capture, docs/gpu-fidelity.md)")
         else:
             parts.append(f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} "
-                         f"(step {worst.step} layer {worst.layer}, best {worst.best.preset} / {worst.best.accumulation}); "
-                         f"analyses describe the recipe they replay, not the kernel that trained")
+                         f"(step {worst.step} layer {worst.layer}, best {worst.best.preset} / "
+                         f"{worst.best.accumulation}); analyses describe the recipe they replay, not the kernel "
+                         "that trained")
         if MISMATCH_TEST_ABOVE <= worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
             warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: every "
                             f"analysis tests whether the mismatches are biased (replay_fidelity.mismatch)")
@@ -120,7 +123,8 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
     for lm in r.layers:
         second = runner_up(lm)
         runner = f"{second.preset} / {second.accumulation} {_pct(second.o_bits_equal)}" if second else "—"
-        table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}", _pct(lm.best.o_bits_equal),
+        table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}",
+                      _pct(lm.best.o_bits_equal),
                       f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {n_candidates(lm)}", runner)
     console.print(table)
 
@@ -130,7 +134,8 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
     verdict, warnings = _verdict(r, facts)
     payload = {
         "layers": [{"step": lm.step, "layer": lm.layer, "heads": lm.heads,
-                    "best": {"preset": lm.best.preset, "accumulation": lm.best.accumulation, "o_bits_equal": lm.best.o_bits_equal},
+                    "best": {"preset": lm.best.preset, "accumulation": lm.best.accumulation,
+                             "o_bits_equal": lm.best.o_bits_equal},
                     "run_precision": facts[(lm.step, lm.layer)].precision, "unverifiable": why[(lm.step, lm.layer)],
                     "candidates": [{"preset": c.preset, "accumulation": c.accumulation, "o_bits_equal": c.o_bits_equal,
                                     "max_abs_err": c.max_abs_err} for c in lm.candidates]}
@@ -145,7 +150,8 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("match", help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under every "
+    @app.command("match",
+                 help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under every "
                                "preset (its own tiling; the GPU kernels' recipes with each of their tiles) and "
                                "accumulation model; the share of O elements reproduced, per layer-step.")
     def command(

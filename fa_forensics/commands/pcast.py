@@ -18,8 +18,9 @@ from fa_forensics.replay.config import KVOrder
 from fa_forensics.commands.common import console, ensure_out_dir, print_warnings, run_cli, write_json
 from fa_forensics.errors import ConfigError, InvalidSetting, UserError
 
-OPTION_OF = {"n_sinks": "--sinks", "deltas": "--sink-strength", "seqs": "--seq", "block": "--block", "n_queries": "--queries",
-             "head_dim": "--head-dim", "n_seeds": "--seeds", "scales": "--scales", "orders": "--order"}
+OPTION_OF = {"n_sinks": "--sinks", "deltas": "--sink-strength", "seqs": "--seq", "block": "--block",
+             "n_queries": "--queries", "head_dim": "--head-dim", "n_seeds": "--seeds", "scales": "--scales",
+             "orders": "--order"}
 
 
 def _worded(body) -> None:
@@ -36,7 +37,8 @@ def _numbers(text: str, option: str, cast=float) -> tuple:
     try:
         values = tuple(cast(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise ConfigError(f"{option} expects a comma-separated list of numbers, got '{text}'; e.g. {option} {example}")
+        raise ConfigError(f"{option} expects a comma-separated list of numbers, got '{text}'; "
+                          f"e.g. {option} {example}") from None
     if not values:
         raise ConfigError(f"{option} is empty; give at least one value")
     if not all(math.isfinite(v) for v in values):  # nan / inf would fill the tables with nan and exit 0

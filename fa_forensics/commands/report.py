@@ -16,11 +16,12 @@ from fa_forensics.commands.common import (
 from fa_forensics.errors import UserError
 
 ReportOutOpt = Annotated[Optional[Path], typer.Option(
-    "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.", metavar="DIR")]
+    "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.",
+    metavar="DIR")]
 
 
-def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: str, backend: str, json_path,
-        workers: int = 1, scheduler: Optional[str] = None) -> None:
+def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: str, backend: str,
+        json_path, workers: int = 1, scheduler: Optional[str] = None) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
@@ -59,7 +60,8 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
     console.print(table)
     verdict = report_verdict(sections)
-    warnings = list(dict.fromkeys(w for s in sections for w in ((s.data or {}).get("warnings") or [])))  # every section's, once
+    # every section's, once
+    warnings = list(dict.fromkeys(w for s in sections for w in ((s.data or {}).get("warnings") or [])))
     write_json(json_path, {
         "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict, "findings": findings(sections),
         "warnings": warnings,
@@ -76,7 +78,8 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("report", help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
+    @app.command("report",
+                 help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
     def report(
         dump: DumpArg,
         out: ReportOutOpt = None,

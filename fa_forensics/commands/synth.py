@@ -26,10 +26,17 @@ def synth(
     batch: Annotated[int, typer.Option("--batch", help="Batch size B.")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Number of steps (0..S-1).")] = 4,
     layers: Annotated[int, typer.Option("--layers", help="Number of layers.")] = 1,
-    ties: Annotated[int, typer.Option("--ties", help="K: how many times the row maximum is attained in planted rows.")] = 2,
-    sink_strength: Annotated[Optional[float], typer.Option("--sink-strength", help="Δ: plant sinks (first 4 keys score Δ above N(0,1) noise) in the other heads.")] = None,
-    v_skew: Annotated[float, typer.Option("--v-skew", help="Fraction of tokens whose planted V feature is negative.")] = 1.0,
-    planted_heads: Annotated[str, typer.Option("--planted-heads", help="Comma-separated heads that get the planted mechanism.")] = "1",
+    ties: Annotated[int, typer.Option("--ties",
+                                      help="K: how many times the row maximum is attained in planted rows.")] = 2,
+    sink_strength: Annotated[Optional[float],
+                             typer.Option("--sink-strength",
+                                          help="Δ: plant sinks (first 4 keys score Δ above N(0,1) noise) in the other "
+                                               "heads.")] = None,
+    v_skew: Annotated[float, typer.Option("--v-skew",
+                                          help="Fraction of tokens whose planted V feature is negative.")] = 1.0,
+    planted_heads: Annotated[str,
+                             typer.Option("--planted-heads",
+                                          help="Comma-separated heads that get the planted mechanism.")] = "1",
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it is an existing dump.")] = False,
     json_out: JsonOpt = None,
@@ -51,10 +58,16 @@ def synth(
         table = Table(title=f"planted dump {out}", show_header=False, title_justify="left")
         table.add_column("field", style="bold")
         table.add_column("value")
-        for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength", "seed"):
+        for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength",
+                    "seed"):
             table.add_row(key, str(truth[key]))
-        table.add_row("O_lp - O_hp, planted feature", f"{check.o_bias_mean:+.3e} ± {check.o_bias_se:.1e} (negative in {check.o_bias_negative_fraction:.0%} of {check.rows} rows, sign test p = {check.o_bias_sign_p:.1e})")
-        table.add_row("Σ (δ_lp - δ_hp)", f"{check.delta_sum:+.3e} ± {check.delta_se_of_sum:.1e} (positive in {check.delta_positive_fraction:.0%} of rows, sign test p = {check.delta_sign_p:.1e})")
+        table.add_row("O_lp - O_hp, planted feature",
+                      f"{check.o_bias_mean:+.3e} ± {check.o_bias_se:.1e} (negative in "
+                      f"{check.o_bias_negative_fraction:.0%} of {check.rows} rows, sign test p = "
+                      f"{check.o_bias_sign_p:.1e})")
+        table.add_row("Σ (δ_lp - δ_hp)",
+                      f"{check.delta_sum:+.3e} ± {check.delta_se_of_sum:.1e} (positive in "
+                      f"{check.delta_positive_fraction:.0%} of rows, sign test p = {check.delta_sign_p:.1e})")
         table.add_row("planted feature's rank by Σ dO·(O_lp - O_hp)", str(check.feature_rank))
         console.print(table)
         write_json(json_out, {"out": str(out), "ground_truth": truth, "check": check})

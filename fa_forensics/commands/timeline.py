@@ -42,9 +42,11 @@ def run(dump: Path, out: Optional[Path], json_path: Optional[Path], alarm_warmup
         for table in tables(result, str(dump)):
             console.print(table)
         if result.ties_loss_spearman is not None:
-            console.print(f"repeated maxima vs loss: Spearman ρ = {result.ties_loss_spearman:+.3f} (p = {result.ties_loss_p_value:.3g})")
+            console.print(f"repeated maxima vs loss: Spearman ρ = {result.ties_loss_spearman:+.3f} (p = "
+                          f"{result.ties_loss_p_value:.3g})")
         if result.top_wq_head is not None:
-            console.print(f"largest W_Q spectral norm at the last step: layer {result.top_wq_head[0]} head {result.top_wq_head[1]}")
+            console.print(f"largest W_Q spectral norm at the last step: layer {result.top_wq_head[0]} head "
+                          f"{result.top_wq_head[1]}")
         if result.alarm_steps:
             console.print(f"the capture's alarm fired at steps {list(result.alarm_steps)}")
         out_dir = ensure_out_dir(out)

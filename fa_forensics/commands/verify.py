@@ -7,7 +7,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json
+from fa_forensics.commands.common import (
+    DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json,
+)
 
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to check (default 0).")]
 

@@ -18,9 +18,10 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, LAYER_RE, MASK
 
@@ -165,7 +166,8 @@ def _check_layer_attrs(attrs: dict[str, Any], step: int, layer: int) -> list[Dam
     if causal is not None and not isinstance(causal, bool):
         out.append(Damage(step, layer, None, f"layer attribute causal={causal!r} is not true/false"))
     heads = attrs.get("heads")
-    if heads is not None and (not isinstance(heads, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads)
+    if heads is not None and (not isinstance(heads, list)
+                              or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads)
                               or len(set(heads)) != len(heads)):
         out.append(Damage(step, layer, None, f"layer attribute heads={heads!r} is not a list of distinct head numbers"))
     arrays = attrs.get("arrays")

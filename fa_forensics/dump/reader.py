@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
     return [int(s) for s in sel]
 
 
-def open_dump(path, rank: int | None = None) -> "Dump":
+def open_dump(path, rank: int | None = None) -> Dump:
     """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0)."""
     p = Path(path)
     hint = "give the path of a .zarr dump made by `fa-forensics capture`, `synth` or `import`"
@@ -92,7 +93,8 @@ def open_dump(path, rank: int | None = None) -> "Dump":
         raise DumpError(f"{p} is a zarr store but not an fa-forensics dump (no '{ATTRS_KEY}' attributes); {hint}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
-        raise DumpError(f"{p} has dump format_version {version!r}, this fa-forensics reads format {FORMAT_VERSION}; use a matching fa-forensics version or re-capture the dump")
+        raise DumpError(f"{p} has dump format_version {version!r}, this fa-forensics reads format {FORMAT_VERSION}; "
+                        "use a matching fa-forensics version or re-capture the dump")
     return Dump(p, root, meta, rank)
 
 
@@ -122,7 +124,8 @@ class Dump:
             n = sum(len(v) for v in self.damage.values())
             warnings.warn(
                 f"{self.path}: step(s) {_fmt(list(self.damage))} are damaged and are skipped ({first}"
-                + (f"; {n - 1} more problem(s)" if n > 1 else "") + f"); run `fa-forensics verify {self.path}` for the list",
+                + (f"; {n - 1} more problem(s)" if n > 1 else "")
+                + f"); run `fa-forensics verify {self.path}` for the list",
                 IncompleteStepWarning,
                 stacklevel=3,
             )
@@ -138,7 +141,8 @@ class Dump:
         try:
             return self._root[rank_key(rank)]
         except Exception as exc:
-            raise DumpError(f"rank {rank} of {self.path} cannot be opened ({describe_error(exc)}); the dump is damaged, re-capture it") from None
+            raise DumpError(f"rank {rank} of {self.path} cannot be opened ({describe_error(exc)}); the dump is "
+                            "damaged, re-capture it") from None
 
     @property
     def _tree_path(self) -> Path:
@@ -175,7 +179,7 @@ class Dump:
     @property
     def damage(self) -> dict[int, list[Damage]]:
         """Damaged steps (complete flag set, but something is missing or malformed) -> what is wrong."""
-        self._step_status
+        self._step_status  # noqa: B018 - the property fills _damage
         return self._damage
 
     @property
@@ -193,10 +197,11 @@ class Dump:
         if step in self._step_groups:
             return self._step_groups[step]
         if step in self.damage:
-            raise DumpError(f"step {step} in {self.path} is damaged ({self.damage[step][0]}); complete steps: {_fmt(self.steps)}; "
-                            f"run `fa-forensics verify {self.path}` for the list")
+            raise DumpError(f"step {step} in {self.path} is damaged ({self.damage[step][0]}); complete steps: "
+                            f"{_fmt(self.steps)}; run `fa-forensics verify {self.path}` for the list")
         if step in self.incomplete_steps:
-            raise DumpError(f"step {step} in {self.path} is incomplete (cut off while writing); complete steps: {_fmt(self.steps)}")
+            raise DumpError(f"step {step} in {self.path} is incomplete (cut off while writing); complete steps: "
+                            f"{_fmt(self.steps)}")
         raise DumpError(f"step {step} is not in {self.path}; complete steps: {_fmt(self.steps)}")
 
     def step_attrs(self, step: int) -> dict[str, Any]:
@@ -221,7 +226,8 @@ class Dump:
             sg = self._step(step)
             lk = layer_key(layer)
             if lk not in sg:
-                raise DumpError(f"layer {layer} is not in step {step} of {self.path}; layers: {_fmt(self.layers(step))}")
+                raise DumpError(f"layer {layer} is not in step {step} of {self.path}; layers: "
+                                f"{_fmt(self.layers(step))}")
             self._layer_groups[key] = sg[lk]
         return self._layer_groups[key]
 
@@ -234,8 +240,8 @@ class Dump:
             missing = [n for n in listed if n not in present]
             if missing:
                 raise DumpError(
-                    f"step {step} layer {layer} of {self.path} lists array(s) {_fmt(missing)} that are missing from the store "
-                    f"(damaged dump; present: {_fmt(present)}); re-capture or re-import it"
+                    f"step {step} layer {layer} of {self.path} lists array(s) {_fmt(missing)} that are missing from "
+                    f"the store (damaged dump; present: {_fmt(present)}); re-capture or re-import it"
                 )
             self._checked.add((int(step), int(layer)))
         return present
@@ -252,7 +258,8 @@ class Dump:
             raise DumpError(f"unknown array name {name!r}; dump arrays are {', '.join(ARRAY_NAMES)}")
         names = self._array_names(step, layer)
         if name not in names:
-            raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: {_fmt(names)}")
+            raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: "
+                            f"{_fmt(names)}")
         return self._layer(step, layer)[name]
 
     def layer_info(self, step: int, layer: int) -> LayerInfo:
@@ -326,7 +333,8 @@ class Dump:
             sel = (b_sel, self._head_positions(step, layer, heads, where))
         dname = arr.attrs.get("dtype", str(arr.dtype))
         if dname not in supported_dtype_names():
-            raise DumpError(f"{where} has unknown dtype attribute {dname!r}; supported: {', '.join(supported_dtype_names())}")
+            raise DumpError(f"{where} has unknown dtype attribute {dname!r}; supported: "
+                            f"{', '.join(supported_dtype_names())}")
         try:
             data = arr.oindex[sel] if any(isinstance(s, list) for s in sel) else arr[sel]
         except Exception as exc:  # a chunk that does not decode: name it
@@ -342,7 +350,8 @@ class Dump:
             return slice(None)
         if isinstance(sel, slice):
             if len(range(*sel.indices(size))) == 0:
-                raise DumpError(f"{what} selection {sel.start}:{sel.stop} is empty for {where} ({size} {what}s: 0..{size - 1})")
+                raise DumpError(f"{what} selection {sel.start}:{sel.stop} is empty for {where} ({size} {what}s: "
+                                f"0..{size - 1})")
             return sel
         idx = _as_list(sel)
         bad = [i for i in idx if not 0 <= i < size]
@@ -373,7 +382,8 @@ class Dump:
                     head_list = have
                 bad = [h for h in head_list if h not in have]
                 if bad:
-                    raise DumpError(f"head {_fmt(bad)} not in step {s} layer {l} of {self.path}; heads stored: {_fmt(have)}")
+                    raise DumpError(f"head {_fmt(bad)} not in step {s} layer {l} of {self.path}; heads stored: "
+                                    f"{_fmt(have)}")
                 out.append((s, l, head_list))
         return out
 
@@ -401,8 +411,9 @@ class Dump:
             return None
         for k, a in arrays.items():
             if any(d > MAX_DIM for d in a.shape):
-                raise DumpError(f"timeline array '{k}' of {self.path} claims shape {tuple(a.shape)}, absurd (a dimension "
-                                f"above {MAX_DIM}); the metadata is hostile or corrupt, re-capture the timeline")
+                raise DumpError(f"timeline array '{k}' of {self.path} claims shape {tuple(a.shape)}, absurd (a "
+                                f"dimension above {MAX_DIM}); the metadata is hostile or corrupt, re-capture the "
+                                "timeline")
         # Rows are appended array by array: a run killed mid-append leaves one array a row
         # longer. Keep only the rows every array holds, never a half-written row.
         n = min(a.shape[0] for a in arrays.values())
@@ -425,10 +436,12 @@ class Dump:
         for l in layers:
             s = int(step) if step is not None else next(s for s in self.steps if l in self.layers(s))
             info = self.layer_info(s, l)
-            heads[str(l)] = self.heads(s, l)  # the model's head numbers (layer attr `heads` when a capture kept only some)
+            # the model's head numbers (layer attr `heads` when a capture kept only some)
+            heads[str(l)] = self.heads(s, l)
             layer_infos[str(l)] = {k: v for k, v in info.to_dict().items() if k != "arrays"}
             arrays[str(l)] = {
-                n: {"shape": list(shape), "dtype": self._layer(s, l)[n].attrs.get("dtype"), "chunks": list(self._layer(s, l)[n].chunks)}
+                n: {"shape": list(shape), "dtype": self._layer(s, l)[n].attrs.get("dtype"),
+                    "chunks": list(self._layer(s, l)[n].chunks)}
                 for n, shape in info.arrays.items()
             }
         # every complete step is checked for damage, not only the first of each layer
@@ -450,7 +463,8 @@ class Dump:
             "steps": self.steps,
             "incomplete_steps": self.incomplete_steps,
             "damage": {str(s): [str(d) for d in ds] for s, ds in self.damage.items()},
-            "step_attrs": {str(s): {k: v for k, v in self.step_attrs(s).items() if k not in ("step", "complete")} for s in self.steps},
+            "step_attrs": {str(s): {k: v for k, v in self.step_attrs(s).items() if k not in ("step", "complete")}
+                           for s in self.steps},
             "layers": layers,
             "heads": heads,
             "layer_info": layer_infos,

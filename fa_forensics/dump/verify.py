@@ -74,7 +74,7 @@ def verify(path, rank: int | None = None) -> VerifyReport:
 
 def _timeline_problems(dump) -> list[Damage]:
     try:
-        dump.timeline
+        dump.timeline  # noqa: B018 - read only to see whether it can be read
     except Exception as exc:
         return [Damage(None, None, "timeline", f"cannot be read ({describe_error(exc)})")]
     return []

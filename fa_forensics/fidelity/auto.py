@@ -12,8 +12,8 @@ analysis's warnings.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from fa_forensics.enums import Accumulation
 from fa_forensics.fidelity.match import best_recipe

@@ -13,7 +13,8 @@ Recipes and candidates are any objects with `preset` and `accumulation` (a value
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Optional, TypeVar
 
 from fa_forensics.fidelity.run_facts import RunFacts
 from fa_forensics.enums import Accumulation, Precision, Softmax

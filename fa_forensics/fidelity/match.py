@@ -25,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -186,7 +187,7 @@ CACHE_ATTR = match_cache.IN_DUMP_ATTR  # the layer attribute a dump may carry it
 CACHE_VERSION = 3  # part of the fingerprint: raise it when a recipe's arithmetic changes
 
 # Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
-_BEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_BEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fingerprint(t: LayerTensors, recipes: Sequence[CandidateRecipe]) -> str:
@@ -250,7 +251,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
 
 # Per opened Dump: (step, layer, heads, config, backend) -> (compare_o of the replayed O, its MismatchTally),
 # or None: no stored O.
-_O_SHARES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_O_SHARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def unverifiable_reason(facts: RunFacts) -> Optional[str]:

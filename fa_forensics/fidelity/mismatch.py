@@ -11,8 +11,9 @@ features pooled (a skew spread thinly over every feature).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

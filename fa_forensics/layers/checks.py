@@ -9,8 +9,8 @@ each Result's `warnings`, its JSON and the CLI's stderr (one yellow line each).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Callable, Iterable
 
 import torch
 
@@ -45,9 +45,9 @@ def attention_dropout(t, dump, info):
     """A layer captured with attention dropout: stored O is not attention of the stored Q, K, V."""
     p = float(getattr(info, "dropout_p", 0.0) or 0.0)
     if p > 0:
-        yield (f"{t.where}: captured with attention dropout p={p:g}; stored O includes dropout, so it is not attention of "
-               f"the stored Q, K, V and any comparison with it (replay fidelity, bitdiff against stored O) measures dropout, "
-               f"not rounding; the replays of Q, K, V are unaffected")
+        yield (f"{t.where}: captured with attention dropout p={p:g}; stored O includes dropout, so it is not attention "
+               "of the stored Q, K, V and any comparison with it (replay fidelity, bitdiff against stored O) measures "
+               "dropout, not rounding; the replays of Q, K, V are unaffected")
 
 
 @layer_check

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Optional, TypeVar
 
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import ClusterUnreachable, InvalidSetting

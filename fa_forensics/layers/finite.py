@@ -69,7 +69,8 @@ def _problems(tensors: dict[str, Optional[torch.Tensor]], scale: float) -> dict[
             continue
         for pos in torch.nonzero(top > LARGE).flatten().tolist():
             if pos not in bad:
-                bad[pos] = [f"{name} holds values up to {float(top[pos]):.3g}, which overflow fp32 in the replay's sums and statistics"]
+                bad[pos] = [f"{name} holds values up to {float(top[pos]):.3g}, which overflow fp32 in the replay's "
+                            "sums and statistics"]
     for pos in torch.nonzero(logit_bound > OVERFLOW).flatten().tolist():
         if pos not in bad:
             bad[pos] = [f"q·k logits up to {float(logit_bound[pos]):.3g} overflow fp32"]
@@ -78,7 +79,7 @@ def _problems(tensors: dict[str, Optional[torch.Tensor]], scale: float) -> dict[
 
 # dump -> {"left_out": warnings of what `screen` left out (attached to every layer of that dump by
 # the layer check), "screened": (step, layer, heads) -> (heads kept, warnings)}
-_STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def screen(dump, selections: list) -> list:
@@ -92,11 +93,13 @@ def screen(dump, selections: list) -> list:
         key = (sel.step, sel.layer, tuple(sel.heads))
         if key not in screened:
             info = dump.layer_info(sel.step, sel.layer)
-            tensors = {n: dump.read(sel.step, sel.layer, n, heads=sel.heads) if dump.has(sel.step, sel.layer, n) else None
+            tensors = {n: dump.read(sel.step, sel.layer, n, heads=sel.heads)
+                       if dump.has(sel.step, sel.layer, n) else None
                        for n in ("q", "k", "v", "o", "do")}
             bad = _problems(tensors, info.scale if info.scale and info.scale > 0 else 1.0)
             keep = [h for i, h in enumerate(sel.heads) if i not in bad]
-            found = [f"step {sel.step} layer {sel.layer} head {sel.heads[pos]}: {'; '.join(why)}; head left out of the analysis"
+            found = [f"step {sel.step} layer {sel.layer} head {sel.heads[pos]}: {'; '.join(why)}; head left out of the "
+                     "analysis"
                      for pos, why in sorted(bad.items())]
             screened[key] = (keep, found)
         keep, found = screened[key]
@@ -122,4 +125,5 @@ def finite_x(t, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], list
     if x is None or torch.isfinite(x.float()).all():
         return x, []
     nan, inf = _count(x)
-    return None, [f"{t.where}: x holds {_describe(nan, inf, x.numel())}; x is left out (analyses that need X skip this layer)"]
+    return None, [f"{t.where}: x holds {_describe(nan, inf, x.numel())}; x is left out (analyses that need X skip this "
+                  "layer)"]

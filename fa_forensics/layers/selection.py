@@ -10,8 +10,9 @@ is fidelity's (`fidelity.pair.lp_hp_pair`); this layer only takes configs.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
@@ -64,7 +65,8 @@ class LayerTensors:
         return f"step {self.step} layer {self.layer}"
 
 
-def select(dump, step: Optional[int] = None, layer: Optional[int] = None, head: Optional[int] = None) -> list[LayerSelection]:
+def select(dump, step: Optional[int] = None, layer: Optional[int] = None,
+           head: Optional[int] = None) -> list[LayerSelection]:
     """Validated selections, sorted by (step, layer); None means every complete step / layer / head.
 
     Raises DumpError (one line naming what exists) for a step, layer or head the dump lacks.
@@ -90,7 +92,8 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
     info = dump.layer_info(sel.step, sel.layer)
     for name in ("q", "k", "v"):
         if not dump.has(sel.step, sel.layer, name):
-            raise DumpError(f"{dump.path}: step {sel.step} layer {sel.layer} has no '{name}' array; a replay needs q, k and v")
+            raise DumpError(f"{dump.path}: step {sel.step} layer {sel.layer} has no '{name}' array; a replay needs q, "
+                            "k and v")
 
     def read(name: str, heads=sel.heads) -> Optional[torch.Tensor]:
         if not dump.has(sel.step, sel.layer, name):
@@ -128,9 +131,10 @@ def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backe
     from fa_forensics.replay import replay  # lazy: the replay engine imports torch-heavy modules
 
     if backward and t.do is None:
-        raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture with dO")
-    return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal, scale=t.scale,
-                  mask=t.mask)
+        raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture "
+                        "with dO")
+    return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal,
+                  scale=t.scale, mask=t.mask)
 
 
 def as_seen_by(t: LayerTensors, lp: ReplayConfig) -> LayerTensors:
@@ -154,8 +158,10 @@ def as_seen_by(t: LayerTensors, lp: ReplayConfig) -> LayerTensors:
     if all(a is b or torch.equal(a.to(torch.float32), b) for a, b in ((t.q, q), (t.k, k), (t.v, v))):
         return t
     message = (f"{t.where}: the stored q, k, v ({str(t.q.dtype).removeprefix('torch.')}) are finer than the recipe's "
-               f"{fmt} inputs; both sides replay them rounded to {fmt}, and the input cast's own error is reported apart")
-    return replace(t, q=q, k=k, v=v, do=do, warnings=(*t.warnings, message) if message not in t.warnings else t.warnings)
+               f"{fmt} inputs; both sides replay them rounded to {fmt}, and the input cast's own error is reported "
+               "apart")
+    return replace(t, q=q, k=k, v=v, do=do,
+                   warnings=(*t.warnings, message) if message not in t.warnings else t.warnings)
 
 
 def mask_of(mask: Optional[torch.Tensor], batch: int, head: int) -> Optional[torch.Tensor]:

@@ -26,13 +26,16 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: Optiona
     for name, x in named.items():
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
             what = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ConfigError(f"replay: {name} must be a floating (B, H, T, D) tensor, got {what}; pass q, k, v, do as (batch, heads, tokens, head_dim)")
+            raise ConfigError(f"replay: {name} must be a floating (B, H, T, D) tensor, got {what}; pass q, k, v, do as "
+                              "(batch, heads, tokens, head_dim)")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ConfigError(f"replay: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; k and v must equal and share B, H, D with q")
+        raise ConfigError(f"replay: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; k "
+                          "and v must equal and share B, H, D with q")
     if do is not None and do.shape != q.shape:
         raise ConfigError(f"replay: do {tuple(do.shape)} must have the shape of q {tuple(q.shape)}")
     if causal and q.shape[-2] != k.shape[-2]:
-        raise ConfigError(f"replay: causal attention needs as many queries as keys (q has {q.shape[-2]}, k has {k.shape[-2]}); pass causal=False")
+        raise ConfigError(f"replay: causal attention needs as many queries as keys (q has {q.shape[-2]}, k has "
+                          f"{k.shape[-2]}); pass causal=False")
 
 
 def _check_mask(mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> None:
@@ -50,7 +53,8 @@ def _check_mask(mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) 
         raise ConfigError(f"replay: mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, Tk) = {target}")
 
 
-def resolve_causal_scale(config: ReplayConfig, head_dim: int, causal: Optional[bool], scale: Optional[float]) -> tuple[bool, float]:
+def resolve_causal_scale(config: ReplayConfig, head_dim: int, causal: Optional[bool],
+                         scale: Optional[float]) -> tuple[bool, float]:
     """Explicit arguments override the config; defaults: causal, α = 1/sqrt(D)."""
     causal = causal if causal is not None else (config.causal if config.causal is not None else True)
     scale = scale if scale is not None else (config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim))
@@ -71,7 +75,8 @@ def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConf
     stats, δ/dQ/dK/dV with dO).
     """
     if not isinstance(config, ReplayConfig):
-        raise ConfigError(f"replay: config must be a ReplayConfig, got {type(config).__name__}; use ReplayConfig.preset(name)")
+        raise ConfigError(f"replay: config must be a ReplayConfig, got {type(config).__name__}; use "
+                          "ReplayConfig.preset(name)")
     if backend not in BACKENDS:
         raise ConfigError(f"replay: unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     causal, scale = resolve_causal_scale(config, q.shape[-1], causal, scale)

@@ -142,7 +142,8 @@ class ReplayConfig:
             if b is not None and (not isinstance(b, int) or b < 1):
                 raise ConfigError(f"ReplayConfig.{name}={b!r} must be a positive integer or None (no tiling)")
         if self.softmax is Softmax.STABILIZED and not self.beta > 1:
-            raise ConfigError(f"ReplayConfig.beta={self.beta!r} must be > 1 for the stabilized softmax (the paper uses 2 to 8)")
+            raise ConfigError(f"ReplayConfig.beta={self.beta!r} must be > 1 for the stabilized softmax (the paper uses "
+                              "2 to 8)")
         if not (math.isfinite(self.row_sum_floor) and self.row_sum_floor >= 0):
             raise ConfigError(f"ReplayConfig.row_sum_floor={self.row_sum_floor!r} must be a finite number >= 0")
         if not self.eps >= 0:
@@ -185,17 +186,17 @@ class ReplayConfig:
         if self.exp_unit is not ExpUnit.CORRECTLY_ROUNDED and self.exp_form is ExpForm.EXP:
             bad.append(f"exp_unit={self.exp_unit.value} with exp_form=exp (the unit models the base-2 forms)")
         if bad:
-            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, exp_unit, row_sum, normalize, kv_splits, "
-                              "mma_k) "
-                              f"model hardware kernels and do not combine with {', '.join(bad)}; drop one or the other")
+            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, exp_unit, row_sum, normalize, "
+                              f"kv_splits, mma_k) model hardware kernels and do not combine with {', '.join(bad)}; "
+                              "drop one or the other")
 
     # ---- derived configs -------------------------------------------------------------------
-    def with_(self, **changes) -> "ReplayConfig":
+    def with_(self, **changes) -> ReplayConfig:
         """A copy with some fields changed (alias of dataclasses.replace)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def preset(cls, name: str) -> "ReplayConfig":
+    def preset(cls, name: str) -> ReplayConfig:
         """A named recipe; see PRESETS for the list. A kernel's tile may follow the name after '@'
         (`sdpa-cudnn-sm90@block_n=128`, `flash-attn-2@block_m=64,block_n=256,kv_splits=4`): the
         preset with those tiling fields (block_m, block_n, kv_splits, kv_order) replaced."""
@@ -217,7 +218,8 @@ class ReplayConfig:
     @property
     def has_reference_backward(self) -> bool:
         """True when any backward knob of the autocast reference code differs from the kernels'."""
-        return (self.ds_alpha or any(d is not Precision.FP32 for d in (self.dp_dtype, self.delta_dtype, self.grad_dtype)))
+        return (self.ds_alpha
+                or any(d is not Precision.FP32 for d in (self.dp_dtype, self.delta_dtype, self.grad_dtype)))
 
     def describe(self) -> str:
         """One line naming the fields that differ from the defaults."""

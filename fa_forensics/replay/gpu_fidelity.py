@@ -40,7 +40,7 @@ class RecordedSet:
     tensors: dict
 
     @classmethod
-    def load(cls, path) -> "RecordedSet":
+    def load(cls, path) -> RecordedSet:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:

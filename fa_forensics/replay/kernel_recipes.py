@@ -9,8 +9,8 @@ tries them in. docs/gpu-fidelity.md has each model, its sources and its measured
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fa_forensics.replay.emulate.split_kv import split_ranges
 

@@ -7,9 +7,9 @@ one folder per analysis); a symbolic link at --out or at one of those names is r
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from fa_forensics.dump.safe_files import (
     disk_full, free_bytes, is_no_space, make_staging_dir, move_into_place, refuse_link, remove_tree, unwritable,

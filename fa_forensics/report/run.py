@@ -18,9 +18,10 @@ import contextlib
 import io
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from rich.console import Console
 

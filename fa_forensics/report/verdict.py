@@ -119,7 +119,8 @@ def _report_verdict(sections) -> str:
     feature = next((c["feature"] for c in by_name.values() if c.get("feature") is not None), None)
     o_sign = next((c["sign"] for c in by_name.values() if c["quantity"] == "O"), 0)
     d_sign = next((c["sign"] for c in by_name.values() if c["quantity"] == "delta"), 0)
-    where = f"layer {layer} head {head}" + (f", step {steps[0]}" if len(steps) == 1 else f", steps {steps}" if steps else "")
+    where = f"layer {layer} head {head}" + (f", step {steps[0]}" if len(steps) == 1
+                                            else f", steps {steps}" if steps else "")
     where += f", feature {feature}" if feature is not None else ""
     signs = ", ".join(x for x in (f"O {'+' if o_sign > 0 else '−'}" if o_sign else "",
                                    f"Σδ {'+' if d_sign > 0 else '−'}" if d_sign else "") if x)

@@ -126,7 +126,8 @@ class BitdiffResult:
     steps: list[int] = field(default_factory=list)
     accumulation: str = "ieee"
     backend: str = "emulate"
-    input_cast: Optional[dict] = None  # the recipe's input cast alone (fp32 O of rounded vs stored inputs), None if no-op
+    # the recipe's input cast alone (fp32 O of rounded vs stored inputs), None if no-op
+    input_cast: Optional[dict] = None
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
@@ -150,7 +151,8 @@ def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: in
 
     raw = a64 - b64  # (B, h, T, D)
     finite = torch.isfinite(raw)
-    d = torch.where(finite, raw, torch.zeros_like(raw))  # non-finite errors are left out of the bias map, not counted as 0
+    # non-finite errors are left out of the bias map, not counted as 0
+    d = torch.where(finite, raw, torch.zeros_like(raw))
     B, h, T, D = d.shape
     n_finite = finite.sum(dim=(0, 2))  # (h, D)
     s1 = d.sum(dim=(0, 2))  # (h, D)
@@ -256,8 +258,8 @@ def run(dump, selections, a, b, backend="emulate", *, progress=None, workers: Wo
     cast_parts = [cast for _, _, cast in items if cast is not None]
     recipe = a if a is not None else b
     return replace(summarize(parts, side_name(a), side_name(b)),
-                   accumulation=recipe.accumulation_name if recipe is not None else "ieee", backend=Backend(backend).value,
-                   input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
+                   accumulation=recipe.accumulation_name if recipe is not None else "ieee",
+                   backend=Backend(backend).value, input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
                    replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
 
 
@@ -297,11 +299,12 @@ def _input_cast_summary(parts: list[LayerStepDiff]) -> Optional[dict]:
 def verdict(r: BitdiffResult) -> str:
     """One sentence: the share of differing elements, the most biased feature, and the input cast apart."""
     top = r.biased_features[0] if r.biased_features else None
-    tail = (f"; most biased: layer {top.layer} head {top.head} feature {top.feature} mean {top.mean:+.3e} ± {top.se:.1e} (p={top.p_value:.2g})"
+    tail = (f"; most biased: layer {top.layer} head {top.head} feature {top.feature} mean {top.mean:+.3e} ± "
+            f"{top.se:.1e} (p={top.p_value:.2g})"
             if top else "; no feature is significantly biased")
     if r.input_cast is not None:
-        tail += (f"; apart from that, the recipe's input cast alone biases {r.input_cast['n_biased_features']} feature(s) "
-                 f"of the fp32 O ({r.input_cast['mismatch_rate']:.1%} of elements change)")
+        tail += (f"; apart from that, the recipe's input cast alone biases {r.input_cast['n_biased_features']} "
+                 f"feature(s) of the fp32 O ({r.input_cast['mismatch_rate']:.1%} of elements change)")
     return f"{r.mismatch_rate:.1%} of elements differ in {r.fmt} bits; {len(r.biased_features)} biased feature(s){tail}"
 
 

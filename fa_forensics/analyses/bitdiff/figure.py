@@ -37,7 +37,8 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-lim or -1, vmax=lim or 1, interpolation="nearest")
     sig = pval.numpy() < result.alpha / max(result.n_cells, 1)
     ys, xs = np.nonzero(sig)
-    ax.scatter(xs, ys, marker="s", s=18, facecolors="none", edgecolors="black", linewidths=0.8, label="significant (Bonferroni)")
+    ax.scatter(xs, ys, marker="s", s=18, facecolors="none", edgecolors="black", linewidths=0.8,
+               label="significant (Bonferroni)")
     ax.set_yticks(np.arange(len(rows)), [f"L{l} H{h}" for l, h in rows])
     ax.set_xlabel("feature i (head dimension)")
     ax.set_ylabel("layer, head")
@@ -47,7 +48,8 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     if len(xs):
         ax.legend(loc="upper right", fontsize=7)
     paths.append(save_figure(fig, out / f"bitdiff_biasmap_{name}.png",
-                             "Signed O error per feature (paper Fig. 5(c) over all tokens): features with a significant sign bias are outlined."))
+                             "Signed O error per feature (paper Fig. 5(c) over all tokens): features with a "
+                             "significant sign bias are outlined."))
     return paths
 
 

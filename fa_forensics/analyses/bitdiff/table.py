@@ -21,14 +21,16 @@ def tables(r: BitdiffResult) -> list[Table]:
         for c in ("layer", "head", "feature", "mean a − b ± se", "frac > 0", "p"):
             bt.add_column(c, justify="right")
         for c in r.biased_features[:12]:
-            bt.add_row(str(c.layer), str(c.head), str(c.feature), f"{c.mean:+.3e} ± {c.se:.1e}", f"{c.frac_positive:.2f}", f"{c.p_value:.2g}")
+            bt.add_row(str(c.layer), str(c.head), str(c.feature), f"{c.mean:+.3e} ± {c.se:.1e}",
+                       f"{c.frac_positive:.2f}", f"{c.p_value:.2g}")
         out.append(bt)
     if r.largest:
         lt = Table(title="largest differences")
         for c in ("step/layer/head", "b,row,feat", "a", "b", "ULP", "a bits", "b bits"):
             lt.add_column(c)
         for d in r.largest[:5]:
-            lt.add_row(f"{d.step}/{d.layer}/{d.head}", f"{d.batch},{d.row},{d.feature}", f"{d.a:.7g}", f"{d.b:.7g}", str(d.ulp), d.a_bits, d.b_bits)
+            lt.add_row(f"{d.step}/{d.layer}/{d.head}", f"{d.batch},{d.row},{d.feature}", f"{d.a:.7g}", f"{d.b:.7g}",
+                       str(d.ulp), d.a_bits, d.b_bits)
         out.append(lt)
     if r.input_cast is not None:
         ic = r.input_cast

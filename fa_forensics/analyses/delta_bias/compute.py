@@ -14,8 +14,9 @@ says which one reproduces a dump's stored O); "hp" is always the fp32 preset on 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -228,7 +229,8 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
             dd_h = part.dd[:, j]  # (B, T)
             s, st = sum_se(dd_h), sign_test(dd_h)
             per_step.append(StepHeadDelta(sel.step, sel.layer, h, s.value, s.se, s.n, st.frac_positive, st.p_value))
-            acc = by_head.setdefault((sel.layer, h), {"sum": 0.0, "contribution": 0, "agree": 0, "both": 0, "tokens": []})
+            acc = by_head.setdefault((sel.layer, h),
+                                     {"sum": 0.0, "contribution": 0, "agree": 0, "both": 0, "tokens": []})
             acc["sum"] += s.value
             acc["contribution"] = acc["contribution"] + part.contribution[j]
             acc["agree"] = acc["agree"] + part.agree[j]
@@ -247,7 +249,8 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
     agree_frac = acc["agree"].double() / acc["both"].clamp(min=1).double()
     order = torch.argsort(contribution.abs(), descending=True)[:top_k]
     top_features = [
-        FeatureContribution(int(i), float(contribution[i]), float(agree_frac[i]), float(contribution[i]) / denom if denom else float("nan"))
+        FeatureContribution(int(i), float(contribution[i]), float(agree_frac[i]),
+                            float(contribution[i]) / denom if denom else float("nan"))
         for i in order
     ]
     first_step, dd0, _, _ = acc["tokens"][0]
@@ -289,12 +292,14 @@ def verdict(r: DeltaBiasResult) -> str:
 
 
 def bias_claim(r: DeltaBiasResult) -> BiasClaim:
-    """The most significant (step, layer, head) Σδ error (t-test or sign test, Bonferroni over both tests of every item)."""
+    """The most significant (step, layer, head) Σδ error (t-test or sign test, Bonferroni over both tests of
+    every item)."""
     def p(item):
         return min(item.p_value, MeanSE(item.delta_err_sum, item.delta_err_se, item.n_tokens).p_value)
 
     best = min(r.per_step, key=p)
-    return claim("delta", p(best), 2 * len(r.per_step), best.delta_err_sum, layer=best.layer, head=best.head, step=best.step)
+    return claim("delta", p(best), 2 * len(r.per_step), best.delta_err_sum, layer=best.layer, head=best.head,
+                 step=best.step)
 
 
 def payload(r: DeltaBiasResult) -> dict:
@@ -302,8 +307,8 @@ def payload(r: DeltaBiasResult) -> dict:
     return {
         "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,
         "top_features": r.top_features, "focus": {"layer": r.focus_layer, "head": r.focus_head},
-        "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": r.total_t_p_value, "p_value": r.total_p_value,
-                  "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
+        "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": r.total_t_p_value,
+                  "p_value": r.total_p_value, "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
         "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens, "bias": bias_claim(r),
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

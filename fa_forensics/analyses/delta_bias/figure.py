@@ -50,7 +50,8 @@ def plot_top_token(result, path: Path) -> Path:
     colors = [COLORS["highlight"] if i in top else COLORS["highp"] for i in range(D)]
     ax1.bar(range(D), tok.do, color=colors)
     ax1.set_ylabel("dO[T, i]")
-    ax1.set_title(f"(b) dO at token T={tok.token} (step {tok.step}, batch {tok.batch}, layer {result.focus_layer} head {result.focus_head})")
+    ax1.set_title(f"(b) dO at token T={tok.token} (step {tok.step}, batch {tok.batch}, layer {result.focus_layer} head "
+                  f"{result.focus_head})")
     ax2.bar(range(D), tok.o_err, color=colors)
     ax2.set_ylabel("(O_lp − O_hp)[T, i]")
     ax2.set_xlabel("feature i")

@@ -17,7 +17,8 @@ def tables(r: DeltaBiasResult) -> list[Table]:
         table.add_column(c, justify="right")
     rows = sorted(r.per_step, key=lambda p: -abs(p.delta_err_sum))
     for p in rows[:20]:
-        table.add_row(str(p.step), str(p.layer), str(p.head), format_pm(p.delta_err_sum, p.delta_err_se), f"{p.frac_positive:.2f}", format_p(p.p_value))
+        table.add_row(str(p.step), str(p.layer), str(p.head), format_pm(p.delta_err_sum, p.delta_err_se),
+                      f"{p.frac_positive:.2f}", format_p(p.p_value))
     if len(rows) > 20:
         table.caption = f"{len(rows) - 20} more rows in --json"
     if r.no_difference:

@@ -2,9 +2,9 @@
 alternatives (App. C's fixed offset, stochastic rounding, P̄V in fp32)?
 
 Every variant is the recipe's low-precision config (default preset "auto": per layer-step the one that
-reproduces the stored O; e.g.
-"bf16-autocast", the paper's reference code, or "bf16-hw", hardware kernels) with one change, derived by dataclasses.replace and keeping the preset's tiling, replayed forward
-only and compared with the fp32 replay of the same stored inputs:
+reproduces the stored O; e.g. "bf16-autocast", the paper's reference code, or "bf16-hw", hardware kernels) with
+one change, derived by dataclasses.replace and keeping the preset's tiling, replayed forward only and compared
+with the fp32 replay of the same stored inputs:
   - baseline:      the preset unchanged;
   - stabilized:    softmax = stabilized (β, ε): m = β·r_m (r_m > 0) or 0 (r_m < 0) in rows whose
                    maximum is repeated (within ε), so max P̄ < 1 there;
@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -74,8 +75,8 @@ class FixVariant:
     what: str  # one line for tables
 
 
-def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRESET, *, beta: float = 2.0, eps: float = 1e-3,
-                 offset: float = 1.0) -> list[FixVariant]:
+def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRESET, *, beta: float = 2.0,
+                 eps: float = 1e-3, offset: float = 1.0) -> list[FixVariant]:
     """Baseline (`base`, the low-precision config named `preset`), the stabilized fix and the
     alternatives, in that order."""
     fp32 = Precision.FP32
@@ -85,8 +86,10 @@ def fix_variants(base: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRE
                 f"stabilized softmax β={beta:g}, ε={eps:g}"),
         FixVariant("fixed-offset", "alternative", base.with_(softmax=Softmax.FIXED_OFFSET, offset=offset),
                 f"m = rowmax + {offset:g} (App. C)"),
-        FixVariant("stochastic", "alternative", base.with_(rounding=Rounding.STOCHASTIC), "stochastic rounding of P̄ and O casts"),
-        FixVariant("fp32-pv", "alternative", base.with_(pv_dtype=fp32, rescale_dtype=fp32), "P̄V product and accumulator in fp32"),
+        FixVariant("stochastic", "alternative", base.with_(rounding=Rounding.STOCHASTIC),
+                   "stochastic rounding of P̄ and O casts"),
+        FixVariant("fp32-pv", "alternative", base.with_(pv_dtype=fp32, rescale_dtype=fp32),
+                   "P̄V product and accumulator in fp32"),
     ]
 
 
@@ -111,7 +114,7 @@ class VariantLayerStep:
 
 def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Tensor], stats, *, step: int, layer: int,
                     heads: list[int], max_p_bar_repeated: float = math.nan, repeated_rows: int = 0,
-                    collapse: Optional["RowCollapse"] = None) -> VariantLayerStep:
+                    collapse: Optional[RowCollapse] = None) -> VariantLayerStep:
     """Compare one variant's O (B, h, T, D) with the fp32 replay's; δ error from dO when given;
     `collapse`: the rows where the row-sum floor takes over, whose |O_v| / |O_fp32| is measured here."""
     v64, h64 = o_v.to(torch.float64), o_hp.to(torch.float64)
@@ -366,7 +369,8 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"
     if fixed.nan_count:
-        removed, verdict = False, f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at {where}"
+        removed, verdict = False, (f"FIX FAILS: the stabilized replay produced {fixed.nan_count} NaN (β too large?) at "
+                                   f"{where}")
     elif collapse["rows"] and collapse["applies"]:
         removed, verdict = False, f"FIX FAILS: it collapses O in {collapse_text(collapse)}"
     elif baseline.o_bias_p >= ALPHA:
@@ -426,7 +430,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     variants: list[FixVariant] = []
     parts: dict[str, list[VariantLayerStep]] = {}
     warnings: list[str] = []
-    for warns, variants, measured in items:
+    for warns, variants, measured in items:  # noqa: B007 - the variants of the last item are used below
         warnings.extend(w for w in warns if w not in warnings)
         for name, m in measured:
             parts.setdefault(name, []).append(m)
@@ -442,7 +446,8 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
 def bias_claim(r: FixCheckResult) -> BiasClaim:
     """The baseline's bias in the target cell (sign test, Bonferroni over the cells it was picked from)."""
     tg = r.target
-    return claim("O", r.baseline.o_bias_p, r.n_cells, r.baseline.o_bias, layer=tg["layer"], head=tg["head"], feature=tg["feature"])
+    return claim("O", r.baseline.o_bias_p, r.n_cells, r.baseline.o_bias, layer=tg["layer"], head=tg["head"],
+                 feature=tg["feature"])
 
 
 def payload(r: FixCheckResult) -> dict:

@@ -36,8 +36,9 @@ def plot_fix_check(result, path: Path) -> Path:
     ax_d.set_ylabel("Σ_T (δ − δ_hp) (value)")
     ax_d.legend()
     fig.suptitle(suptitle(result))
-    return save_figure(fig, path, "Paper §4 / App. C: the stabilized softmax (Algorithm 3) against the baseline "
-                                  "and the alternatives (fixed offset, stochastic rounding, fp32 P̄V); cf. Fig. 5(a) for Σδ.")
+    return save_figure(fig, path, "Paper §4 / App. C: the stabilized softmax (Algorithm 3) against the baseline and "
+                                  "the alternatives (fixed offset, stochastic rounding, fp32 P̄V); cf. Fig. 5(a) for "
+                                  "Σδ.")
 
 
 def suptitle(result) -> str:

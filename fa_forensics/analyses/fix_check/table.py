@@ -22,13 +22,16 @@ def _fmt(v, se=None, p=None) -> str:
 def tables(r: FixCheckResult) -> list:
     """Every variant in the target cell, then one line on max P̄ and the rows where the fix fired."""
     tg = r.target
-    table = Table(title=f"fix-check of preset {r.preset} at layer {tg['layer']} head {tg['head']} feature {tg['feature']} (vs fp32 replay)")
-    for c in ("variant", "what", "O bias ± se (sign p)", "Σδ error ± se (sign p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN", "still biased"):
+    table = Table(title=f"fix-check of preset {r.preset} at layer {tg['layer']} head {tg['head']} feature "
+                        f"{tg['feature']} (vs fp32 replay)")
+    for c in ("variant", "what", "O bias ± se (sign p)", "Σδ error ± se (sign p)", "max |O − O_fp32|", "P̄=1",
+              "fired rows", "underflow", "NaN", "still biased"):
         table.add_column(c, justify="right" if c not in ("variant", "what") else "left")
     for v in (r.baseline, r.fixed, *r.alternatives):
-        table.add_row(v.name, v.what, _fmt(v.o_bias, v.o_bias_se, v.o_bias_p), _fmt(v.delta_err_sum, v.delta_err_se, v.delta_p),
-                      f"{v.max_abs_err:.2e}", str(v.p_one_count), str(v.triggered_rows), str(v.underflow), str(v.nan_count),
-                      "yes" if v.still_biased else "no")
+        table.add_row(v.name, v.what, _fmt(v.o_bias, v.o_bias_se, v.o_bias_p),
+                      _fmt(v.delta_err_sum, v.delta_err_se, v.delta_p),
+                      f"{v.max_abs_err:.2e}", str(v.p_one_count), str(v.triggered_rows), str(v.underflow),
+                      str(v.nan_count), "yes" if v.still_biased else "no")
     return [table, p_bar_line(r), *collapse_lines(r)]
 
 

@@ -33,8 +33,9 @@ Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the head
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -103,11 +104,13 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
     tiles = f"{base.block_m or T}x{base.block_n or T} tiles"
     repairs = [
         ("no-tiling", "block = sequence length", base.with_(block_m=None, block_n=None), False),
-        ("o-fp32", "O path in fp32 (P̄V product, accumulator and stored O)", base.with_(pv_dtype=fp32, rescale_dtype=fp32, o_dtype=fp32), False),
+        ("o-fp32", "O path in fp32 (P̄V product, accumulator and stored O)",
+         base.with_(pv_dtype=fp32, rescale_dtype=fp32, o_dtype=fp32), False),
         ("delta-o-recomputed", "δ from O recomputed as P̄V/ℓ in fp32 in the backward" + delta_note,
          delta_base.with_(delta=DeltaSource.O_RECOMPUTED), True),
         ("delta-dp-p", "δ = rowsum(dP ∘ P)" + delta_note, delta_base.with_(delta=DeltaSource.DP_P), True),
-        ("pv-fp32", f"P̄V product and accumulator in fp32 (O still stored {o_dt})", base.with_(pv_dtype=fp32, rescale_dtype=fp32), False),
+        ("pv-fp32", f"P̄V product and accumulator in fp32 (O still stored {o_dt})",
+         base.with_(pv_dtype=fp32, rescale_dtype=fp32), False),
         *([("stats-fp32", "row max m and row sum ℓ kept in fp32", base.with_(stats_dtype=fp32), False)]
           if base.stats_dtype is not fp32 else []),
         *([("scores-fp32", "scores S = α·q·kᵀ kept in fp32", base.with_(s_dtype=fp32), False)]
@@ -118,7 +121,8 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
          plain.with_(rounding=Rounding.STOCHASTIC), False),
     ]
     own_tiles = lp.block_n is not None
-    out = [Repair("baseline", f"preset {preset}, {tiles}" + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
+    out = [Repair("baseline", f"preset {preset}, {tiles}"
+                  + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
     for name, what, cfg, backward in repairs:
         same = cfg == base and not backward
         out.append(Repair(name, what + (" (= baseline under this preset)" if same else ""), cfg, backward))
@@ -338,15 +342,17 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
     input_cast = None
     if cast_measures:
         what = Repair("input-cast", f"the recipe's rounding of the stored inputs to {vs[0].config.input_dtype.value} "
-                                     "(fp32 replays of stored vs rounded inputs; not a kernel error)", hp_config(), False)
+                                     "(fp32 replays of stored vs rounded inputs; not a kernel error)",
+                      hp_config(), False)
         input_cast = _combine(what, cast_measures, torch.cat(cast_signs), [0.0] * len(cast_measures), 0.0)
     culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
     heads.sort(key=lambda h: -abs(h.delta_err_sum))
-    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), recipe, Backend(backend),
-                         tuple(int(b) for b in tiles), input_cast, tuple(warnings))
+    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), recipe,
+                         Backend(backend), tuple(int(b) for b in tiles), input_cast, tuple(warnings))
 
 
-def _combine(v: Repair, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float], base_bias: float) -> RepairResult:
+def _combine(v: Repair, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float],
+             base_bias: float) -> RepairResult:
     n = sum(m.n_o for m in hm)
     s = sum(m.o_err_sum for m in hm)
     ss = sum(m.o_err_sumsq for m in hm)
@@ -356,8 +362,8 @@ def _combine(v: Repair, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: 
     dwq = None if any(m.dwq_err_sq is None for m in hm) else sum(m.dwq_err_sq for m in hm) ** 0.5
     return RepairResult(
         name=v.name, description=v.description, o_bias=mean, o_bias_se=(var / n) ** 0.5,
-        o_rmse=(ss / n) ** 0.5, delta_err_sum=sum(m.delta_err_sum for m in hm), delta_err_se=sum_se(dd_all).se, delta_err_residual=residual,
-        reduction=1.0 - residual / base_bias if base_bias > 0 else float("nan"),
+        o_rmse=(ss / n) ** 0.5, delta_err_sum=sum(m.delta_err_sum for m in hm), delta_err_se=sum_se(dd_all).se,
+        delta_err_residual=residual, reduction=1.0 - residual / base_bias if base_bias > 0 else float("nan"),
         delta_p_value=sign_test(dd_all).p_value, dq_err=sum(m.dq_err_sq for m in hm) ** 0.5, dwq_err=dwq,
     )
 
@@ -376,23 +382,26 @@ def verdict(r: IsolateResult) -> str:
     base = r.variants[0]
     top = r.heads[0]
     if r.n_biased_heads == 0:
-        return (f"no significant Σδ bias in any selected head (largest: step {top.step} layer {top.layer} head {top.head}, "
-                f"{top.delta_err_sum:+.3g} ± {top.delta_err_se:.2g}); nothing to isolate")
+        return (f"no significant Σδ bias in any selected head (largest: step {top.step} layer {top.layer} head "
+                f"{top.head}, {top.delta_err_sum:+.3g} ± {top.delta_err_se:.2g}); nothing to isolate")
     names = ", ".join(r.culprits) if r.culprits else "none"
-    return (f"baseline Σ(δ_lp − δ_hp) = {base.delta_err_sum:+.3g} ± {base.delta_err_se:.2g} in {r.n_biased_heads} biased head(s), "
-            f"largest at step {top.step} layer {top.layer} head {top.head}; repairs removing ≥ 90%: {names}")
+    return (f"baseline Σ(δ_lp − δ_hp) = {base.delta_err_sum:+.3g} ± {base.delta_err_se:.2g} in {r.n_biased_heads} "
+            f"biased head(s), largest at step {top.step} layer {top.layer} head {top.head}; repairs removing ≥ 90%: "
+            f"{names}")
 
 
 def bias_claim(r: IsolateResult) -> BiasClaim:
     """The most significant head's Σδ error (t-test or sign test, Bonferroni over both tests of every head)."""
     h = min(r.heads, key=lambda h: min(h.t_p_value, h.p_value))
-    return claim("delta", min(h.t_p_value, h.p_value), 2 * len(r.heads), h.delta_err_sum, layer=h.layer, head=h.head, step=h.step)
+    return claim("delta", min(h.t_p_value, h.p_value), 2 * len(r.heads), h.delta_err_sum, layer=h.layer, head=h.head,
+                 step=h.step)
 
 
 def payload(r: IsolateResult) -> dict:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
-        "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles), "n_biased_heads": r.n_biased_heads,
-        "input_cast": r.input_cast, "bias": bias_claim(r), **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
+        "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles),
+        "n_biased_heads": r.n_biased_heads, "input_cast": r.input_cast, "bias": bias_claim(r),
+        **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

@@ -13,14 +13,17 @@ def plot_variants(result, path: Path) -> Path:
     names = [v.name for v in result.variants]
     y = np.arange(len(names))
     fig, (ax1, ax2) = new_figure(1, 2, width=9.0, height=3.8, sharey=True)
-    colors = [COLORS["lowp"] if n == "baseline" else (COLORS["fix"] if n in result.culprits else COLORS["alt"]) for n in names]
-    ax1.barh(y, [v.delta_err_sum for v in result.variants], xerr=[v.delta_err_se for v in result.variants], color=colors, capsize=3)
+    colors = [COLORS["lowp"] if n == "baseline" else (COLORS["fix"] if n in result.culprits else COLORS["alt"])
+              for n in names]
+    ax1.barh(y, [v.delta_err_sum for v in result.variants], xerr=[v.delta_err_se for v in result.variants],
+             color=colors, capsize=3)
     ax1.set_yticks(y, names)
     ax1.invert_yaxis()
     ax1.axvline(0, color=COLORS["neutral"], lw=0.8)
     ax1.set_xlabel("Σ_T (δ_var − δ_hp)  (gradient units, summed over tokens)")
     ax1.set_title("δ error per variant (± 1 se)")
-    ax2.barh(y, [v.o_bias for v in result.variants], xerr=[v.o_bias_se for v in result.variants], color=colors, capsize=3)
+    ax2.barh(y, [v.o_bias for v in result.variants], xerr=[v.o_bias_se for v in result.variants], color=colors,
+             capsize=3)
     ax2.axvline(0, color=COLORS["neutral"], lw=0.8)
     ax2.set_xlabel("mean (O_var − O_hp)  (output units)")
     ax2.set_title("O bias per variant (± 1 se)")
@@ -31,7 +34,8 @@ def plot_variants(result, path: Path) -> Path:
                         Patch(color=COLORS["fix"], label="culprit: removes ≥ 90% of the bias"),
                         Patch(color=COLORS["alt"], label="other repair")], loc="center right")
     fig.suptitle(f"isolate: single repairs vs the fp32 replay ({result.accumulation} accumulation)")
-    return save_figure(fig, path, "Reproduces the isolation experiments of paper §3.2 (Claim 1) as measurements on stored "
+    return save_figure(fig, path,
+                       "Reproduces the isolation experiments of paper §3.2 (Claim 1) as measurements on stored "
                                   "inputs: which single repair removes the positive Σ(δ_lp − δ_hp).")
 
 

@@ -12,8 +12,9 @@ closed forms are `pcast.theory`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from scipy import stats
@@ -64,7 +65,7 @@ class HeadPcast:
     recommended_order: KVOrder
     recommendation: str
 
-    def setting(self, S: float, order: "KVOrder | str") -> Optional[HeadSetting]:
+    def setting(self, S: float, order: KVOrder | str) -> Optional[HeadSetting]:
         return next((s for s in self.settings if s.S == S and s.order == order), None)
 
 
@@ -129,7 +130,8 @@ def _recommend(settings: Sequence[HeadSetting]) -> Recommendation:
     best = min(settings, key=lambda s: s.mse)
     tol = max(0.02 * best.mse, 2.0 * (best.mse_se if math.isfinite(best.mse_se) else 0.0))
     good = [s for s in settings if s.mse <= best.mse + tol]
-    pick = min(good, key=lambda s: (s.S != 256.0, not math.log2(s.S).is_integer(), s.order is not KVOrder.FORWARD, s.mse))
+    pick = min(good, key=lambda s: (s.S != 256.0, not math.log2(s.S).is_integer(), s.order is not KVOrder.FORWARD,
+                                    s.mse))
     base = next((s for s in settings if s.S == 1.0 and s.order is KVOrder.FORWARD), None)
     if base is None:
         base = max(settings, key=lambda s: s.frac_zeroed)
@@ -138,7 +140,8 @@ def _recommend(settings: Sequence[HeadSetting]) -> Recommendation:
     label = f"{base.order.value} S={base.S:g}"
     if needs:
         rev = next((s for s in settings if s.S == base.S and s.order != base.order), None)
-        alt = f"; reverse order alone gives ×{rev.mse / best.mse:.2f}" if rev is not None and base.order is KVOrder.FORWARD else ""
+        alt = (f"; reverse order alone gives ×{rev.mse / best.mse:.2f}"
+               if rev is not None and base.order is KVOrder.FORWARD else "")
         reason = (f"{label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, {base.mass_zeroed:.2%} of the probability "
                   f"mass (MSE ×{ratio:.2f} of the best): "
                   f"use {pick.order.value} S={pick.S:g}{alt}")
@@ -221,8 +224,8 @@ def verdict(res: PcastDumpResult) -> str:
     if not need:
         return f"no head of {len(res.heads)} needs a P-cast fix at the default S = 1, forward order"
     h = need[0]
-    return (f"{len(need)} of {len(res.heads)} heads need a P-cast fix; e.g. step {h.step} layer {h.layer} head {h.head}: "
-            f"{h.recommended_order.value} S={h.recommended_S:g}")
+    return (f"{len(need)} of {len(res.heads)} heads need a P-cast fix; e.g. step {h.step} layer {h.layer} head "
+            f"{h.head}: {h.recommended_order.value} S={h.recommended_S:g}")
 
 
 def payload(res: PcastDumpResult) -> dict:

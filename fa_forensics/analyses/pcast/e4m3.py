@@ -7,8 +7,9 @@ Found by exhaustive enumeration of the 256 bit patterns, not by formula.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch

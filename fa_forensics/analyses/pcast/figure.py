@@ -5,8 +5,8 @@ Each function takes a result of fa_forensics.analyses.pcast.compute and writes o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from scipy import stats
@@ -34,13 +34,16 @@ def fig_dp_sawtooth(curve: Sequence[DpPoint], path: Path) -> Path:
     dp = np.array([p.dp for p in curve])
     ax.plot(S, dp, color=COLORS["neutral"], lw=1.0, label="dp(S), exhaustive E4M3 enumeration")
     pow2 = [p for p in curve if p.bit_exact and p.S <= 256]
-    ax.scatter([p.S for p in pow2], [p.dp for p in pow2], color=COLORS["highp"], zorder=3, s=18, label="S = 2^k (bit-exact)")
+    ax.scatter([p.S for p in pow2], [p.dp for p in pow2], color=COLORS["highp"], zorder=3, s=18,
+               label="S = 2^k (bit-exact)")
     ax.axhline(2.0 ** -4, color=COLORS["highp"], ls=":", lw=0.8, label="lower envelope 2^-4")
     for p in curve:
         if p.S == 256.0:
-            ax.scatter([p.S], [p.dp], marker="*", s=160, color=COLORS["fix"], zorder=4, label=f"S = 256: dp = {p.dp:.4f}")
+            ax.scatter([p.S], [p.dp], marker="*", s=160, color=COLORS["fix"], zorder=4,
+                       label=f"S = 256: dp = {p.dp:.4f}")
         if p.S == 448.0:
-            ax.scatter([p.S], [p.dp], marker="o", s=50, color=COLORS["lowp"], zorder=4, label=f"S = 448: dp = {p.dp:.4f}")
+            ax.scatter([p.S], [p.dp], marker="o", s=50, color=COLORS["lowp"], zorder=4,
+                       label=f"S = 448: dp = {p.dp:.4f}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0.05, 0.3)
     ax.set_xlabel("static P scale S (log2 axis)")
@@ -78,21 +81,23 @@ def fig_mse_vs_delta(res: PcastSimResult, path: Path) -> Path:
     ref = base or fix
     if ref:
         d = np.array([r.delta for r in ref])
-        bx.bar(d - 0.2, [r.nonsink_mass for r in ref], width=0.4, color=COLORS["highp"], alpha=0.6, label="non-sink probability mass")
+        bx.bar(d - 0.2, [r.nonsink_mass for r in ref], width=0.4, color=COLORS["highp"], alpha=0.6,
+               label="non-sink probability mass")
         if base:
             bx.bar(d + 0.2, [r.frac_zeroed for r in base], width=0.4, color=COLORS["lowp"], alpha=0.8,
                    label="fraction of non-sink P zeroed, forward S=1")
             bx.plot(d, [r.closed_form for r in base], color="black", ls="--", lw=1, label="closed form Φ(Δ+δ_k−10ln2)")
         if fix:
-            bx.plot(d, [r.frac_zeroed for r in fix], color=COLORS["fix"], marker="s", ms=3, label="fraction zeroed, forward S=256")
+            bx.plot(d, [r.frac_zeroed for r in fix], color=COLORS["fix"], marker="s", ms=3,
+                    label="fraction zeroed, forward S=256")
             bx.plot(d, [r.closed_form for r in fix], color=COLORS["fix"], ls=":", lw=1, label="closed form, S=256")
     bx.set_ylim(0, 1.05)
     bx.set_xlabel("sink strength Δ (standard deviations of the non-sink scores)")
     bx.set_ylabel("fraction")
     bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
-    return save_figure(fig, path, f"Reproduces paper 002 Fig. 2: forward S=1 peaks in the transition region (Δ ≈ 6-8); "
-                                  f"S=256 or reverse order stay at the quantization floor. δ_k = {res.delta_k:.3f} (integrated), "
-                                  f"{res.config.n_seeds} seeds × {res.config.n_queries} queries.")
+    return save_figure(fig, path, "Reproduces paper 002 Fig. 2: forward S=1 peaks in the transition region (Δ ≈ 6-8); "
+                                  f"S=256 or reverse order stay at the quantization floor. δ_k = {res.delta_k:.3f} "
+                                  f"(integrated), {res.config.n_seeds} seeds × {res.config.n_queries} queries.")
 
 
 def fig_mse_vs_seq(res: PcastSimResult, path: Path) -> Path:
@@ -106,14 +111,16 @@ def fig_mse_vs_seq(res: PcastSimResult, path: Path) -> Path:
     base = {r.seq: r.mse for r in _curve(res, "forward", 1.0, delta=DELTA_FIG3)}
     fix = {r.seq: r.mse for r in _curve(res, "forward", 256.0, delta=DELTA_FIG3)}
     for n in sorted(set(base) & set(fix)):
-        ax.annotate(f"×{base[n] / fix[n]:.1f}", (n, base[n]), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        ax.annotate(f"×{base[n] / fix[n]:.1f}", (n, base[n]), textcoords="offset points", xytext=(0, 6), ha="center",
+                    fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N (keys)")
     ax.set_ylabel("output MSE vs fp64 (mean ± se over seeds)")
     ax.set_title(f"FP8 P-cast: MSE vs sequence length at Δ = {DELTA_FIG3:g}")
     ax.legend(ncol=2)
-    return save_figure(fig, path, "Reproduces paper 002 Fig. 3: the gain of forward S=256 over forward S=1 (labels: ratio) "
+    return save_figure(fig, path,
+                       "Reproduces paper 002 Fig. 3: the gain of forward S=256 over forward S=1 (labels: ratio) "
                                   "grows with N as the non-sink mass at risk grows.")
 
 
@@ -137,7 +144,8 @@ def fig_dump_heads(res: PcastDumpResult, path: Path) -> Path:
     ax.set_title(f"FP8 P-cast on captured heads ({len(res.heads)} heads)")
     ax.legend(loc="center right")
     return save_figure(fig, path, "Per-head version of paper 002 Table 1 / Eq. 7 on real scores: points are measured "
-                                  "by the kernel-faithful cast of each head's scores; lines are the Gaussian closed form.")
+                                  "by the kernel-faithful cast of each head's scores; lines are the Gaussian closed "
+                                  "form.")
 
 
 def draw(res: PcastDumpResult, out: Path) -> list[Path]:

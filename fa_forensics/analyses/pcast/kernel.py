@@ -22,7 +22,7 @@ from fa_forensics.replay.emulate.forward import BlockCast, forward
 BASE_PRESET = "fp8-s1"  # the engine's fp8 recipe the study varies (S, order, block)
 
 
-def kv_order(order: "KVOrder | str") -> KVOrder:
+def kv_order(order: KVOrder | str) -> KVOrder:
     """A KV order from its enum or its name; InvalidSetting('orders') for any other name."""
     try:
         return KVOrder(order)
@@ -31,7 +31,7 @@ def kv_order(order: "KVOrder | str") -> KVOrder:
         raise InvalidSetting("orders", f"unknown KV order '{order}' ({names})") from None
 
 
-def pcast_config(S: float, order: "KVOrder | str" = KVOrder.FORWARD, block: int = 64) -> ReplayConfig:
+def pcast_config(S: float, order: KVOrder | str = KVOrder.FORWARD, block: int = 64) -> ReplayConfig:
     """The replay recipe of one study setting: preset fp8-s1 with P̄ multiplied by S, `order`, `block`."""
     if not (math.isfinite(S) and S > 0):
         raise InvalidSetting("scales", f"P scale S must be positive, got {S} (e.g. 1,256,448)")
@@ -70,7 +70,8 @@ class _ZeroedTally:
         alpha = b.alpha.squeeze(-1).double()
         rows = slice(b.r0, None)
         self.ell[..., rows] = alpha * self.ell[..., rows] + b.p_scaled.double().sum(dim=-1)
-        self.ell_zeroed[..., rows] = alpha * self.ell_zeroed[..., rows] + torch.where(zeroed, b.p_scaled.double(), 0.0).sum(dim=-1)
+        self.ell_zeroed[..., rows] = (alpha * self.ell_zeroed[..., rows]
+                                      + torch.where(zeroed, b.p_scaled.double(), 0.0).sum(dim=-1))
         self.n_zeroed[..., rows] += zeroed.sum(dim=-1)
 
 
@@ -83,7 +84,8 @@ def pcast_attention(z: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
     d = v.shape[-1]
     shape4 = tuple(lead) if len(lead) == 2 else (-1, 1)  # the engine's (B, H) of (B, H, T, N)
     z4 = z.to(torch.float32).reshape(*shape4, q, n)
-    v4 = torch.broadcast_to(v.to(torch.float32), (*lead, n, d)).reshape(*z4.shape[:2], n, d)  # a view where v broadcasts
+    # a view where v broadcasts
+    v4 = torch.broadcast_to(v.to(torch.float32), (*lead, n, d)).reshape(*z4.shape[:2], n, d)
     counted = torch.ones((), dtype=torch.bool) if counted is None else counted.to(torch.bool)
     tally = _ZeroedTally(torch.broadcast_to(counted, z.shape).reshape(z4.shape))
     out = forward(None, None, v4, config, causal=False, scale=1.0, generator=None, scores=z4, observe=tally)

@@ -49,11 +49,15 @@ class SimConfig:
         if not self.seqs or min(self.seqs) < 1:
             raise InvalidSetting("seqs", f"sequence lengths must be ≥ 1, got {list(self.seqs)} (e.g. 4096)")
         if min(self.seqs) <= self.n_sinks:
-            raise InvalidSetting("seqs", f"every sequence length must exceed the {self.n_sinks} sink tokens, got {min(self.seqs)}")
+            raise InvalidSetting("seqs",
+                                 f"every sequence length must exceed the {self.n_sinks} sink tokens, got "
+                                 f"{min(self.seqs)}")
         if self.n_sinks < 1:
             raise InvalidSetting("n_sinks", f"must be ≥ 1, got {self.n_sinks}")
         if self.block < 1 or self.n_queries < 1 or self.head_dim < 1:
-            raise InvalidSetting("block", f"block, queries and head dimension must be ≥ 1, got {self.block}, {self.n_queries}, {self.head_dim}")
+            raise InvalidSetting("block",
+                                 f"block, queries and head dimension must be ≥ 1, got {self.block}, {self.n_queries}, "
+                                 f"{self.head_dim}")
         if self.n_seeds < 1:
             raise InvalidSetting("n_seeds", f"must be ≥ 1, got {self.n_seeds}")
         if not self.scales or min(self.scales) <= 0:
@@ -102,7 +106,7 @@ class PcastSimResult:
     ttest: tuple[PairedTTest, ...]  # forward+S=256 vs reverse+S=256 at every Δ, N = n_main
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def row(self, delta: float, S: float, order: "KVOrder | str", seq: Optional[int] = None) -> Optional[PcastRow]:
+    def row(self, delta: float, S: float, order: KVOrder | str, seq: Optional[int] = None) -> Optional[PcastRow]:
         """The row for (Δ, S, order, N) (N defaults to n_main), or None."""
         seq = self.n_main if seq is None else seq
         for r in self.rows:
@@ -205,8 +209,10 @@ def _with_comparisons(res: PcastSimResult) -> PcastSimResult:
 
     n = res.n_main
     a1, a256, a448 = (per_seed(DELTA_FIG3, S, KVOrder.FORWARD) for S in (1.0, 256.0, 448.0))
-    ratio = paired_ratio(a1, a256, "forward S=1", "forward S=256", DELTA_FIG3, n) if a1 is not None and a256 is not None else None
-    ratio_448 = paired_ratio(a448, a256, "forward S=448", "forward S=256", DELTA_FIG3, n) if a448 is not None and a256 is not None else None
+    ratio = (paired_ratio(a1, a256, "forward S=1", "forward S=256", DELTA_FIG3, n)
+             if a1 is not None and a256 is not None else None)
+    ratio_448 = (paired_ratio(a448, a256, "forward S=448", "forward S=256", DELTA_FIG3, n)
+                 if a448 is not None and a256 is not None else None)
     tests = []
     deltas = sorted({r.delta for r in res.rows if r.seq == n})
     for delta in deltas:
@@ -219,7 +225,8 @@ def _with_comparisons(res: PcastSimResult) -> PcastSimResult:
     if not tests:
         notes.append("the paired t-test needs S = 256 among the scales and both KV orders")
     if res.config.n_seeds < 20:
-        notes.append(f"{res.config.n_seeds} seeds: the paper used 20 (sweeps) and 100 (t-tests); more seeds give tighter errors")
+        notes.append(f"{res.config.n_seeds} seeds: the paper used 20 (sweeps) and 100 (t-tests); more seeds give "
+                     "tighter errors")
     return PcastSimResult(config=res.config, delta_k=res.delta_k, sigma_k=res.sigma_k, n_main=n, rows=res.rows,
                           dp=res.dp, ratio=ratio, ratio_448=ratio_448, ttest=tuple(tests), notes=tuple(notes))
 

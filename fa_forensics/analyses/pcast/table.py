@@ -38,12 +38,14 @@ def dp_table(points) -> Table:
 
 
 def sim_tables(res: PcastSimResult) -> list:
-    """The simulation's tables and lines: Table 1, Fig. 3's data, dp(S), the ratios, the t-tests, explanations, notes."""
+    """The simulation's tables and lines: Table 1, Fig. 3's data, dp(S), the ratios, the t-tests, explanations,
+    notes."""
     out: list = []
     n = res.n_main
     t = Table(title=f"Table 1: P-collapse (N = {n}, k = {res.config.n_sinks}, B = {res.config.block}, "
                     f"δ_k = {res.delta_k:.4f} integrated; {res.config.n_seeds} seeds)")
-    for c in ("Δ", "S", "order", "frac zeroed ± se", "closed form", "spread-avg", "non-sink mass", "info loss", "MSE ± se"):
+    for c in ("Δ", "S", "order", "frac zeroed ± se", "closed form", "spread-avg", "non-sink mass", "info loss",
+              "MSE ± se"):
         t.add_column(c, justify="right")
     for r in sorted((r for r in res.rows if r.seq == n), key=lambda r: (r.order, r.S, r.delta)):
         t.add_row(f"{r.delta:g}", f"{r.S:g}", r.order.value, f"{r.frac_zeroed:.3f} ± {r.frac_zeroed_se:.3f}",
@@ -72,14 +74,15 @@ def sim_tables(res: PcastSimResult) -> list:
             t.add_column(c, justify="right")
         for x in res.ttest:
             verdict = {"a better": "forward better", "b better": "reverse better"}.get(x.verdict, x.verdict)
-            t.add_row(f"{x.delta:g}", str(x.n), f"{x.mse_a:.3e}", f"{x.mse_b:.3e}", f"{x.mean_diff:+.2e} ± {x.se_diff:.1e}",
-                      f"{x.t:.2f}", format_p(x.p_value), verdict)
+            t.add_row(f"{x.delta:g}", str(x.n), f"{x.mse_a:.3e}", f"{x.mse_b:.3e}",
+                      f"{x.mean_diff:+.2e} ± {x.se_diff:.1e}", f"{x.t:.2f}", format_p(x.p_value), verdict)
         out.append(t)
     explained = [r for r in res.rows if r.explanation and r.seq == n]
     if explained:
         out.append("[bold]Where measured and closed form differ by more than 0.02:[/]")
         for r in explained:
-            out.append(f"  Δ={r.delta:g} S={r.S:g} {r.order.value}: measured {r.frac_zeroed:.3f} vs {r.closed_form:.3f}: {r.explanation}")
+            out.append(f"  Δ={r.delta:g} S={r.S:g} {r.order.value}: measured {r.frac_zeroed:.3f} vs "
+                       f"{r.closed_form:.3f}: {r.explanation}")
     for note in res.notes:
         out.append(f"[dim]note: {note}[/]")
     return out

@@ -22,7 +22,7 @@ def _max_normal_density(x: float, k: int) -> float:
     return k * stats.norm.pdf(x) * stats.norm.cdf(x) ** (k - 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def expected_max_normal(k: int) -> float:
     """δ_k = E[max of k standard normals], by numerical integration (δ_4 ≈ 1.0294)."""
     if k < 1:
@@ -33,7 +33,7 @@ def expected_max_normal(k: int) -> float:
     return float(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def std_max_normal(k: int) -> float:
     """Standard deviation of the maximum of k standard normals (the per-row spread of m)."""
     if k == 1:

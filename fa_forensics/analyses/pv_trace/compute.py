@@ -40,8 +40,9 @@ as nearest-even. A P scale S ≠ 1 (fp8-s256, fp8-s448) is refused with a one-li
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -211,11 +212,12 @@ def p_bar_rows(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, 
     (nearest-even; the P̄ cast of preset bf16). With `config` (a ReplayConfig, the low-precision
     recipe): its scores (s_dtype: S and α·S rounded), its shift (the replay's own rule,
     `replay.emulate.softmax.block_shift`: standard / stabilized Algorithm 3 / fixed offset; s − m
-    rounded to s_dtype), exp (`numerics.exp_fp32`, the emulator's) in fp32, cast to its p_dtype. Under a non-standard shift
-    P̄_hp = exp(S − m) at that same m. Returns two (R, K) fp32.
+    rounded to s_dtype), exp (`numerics.exp_fp32`, the emulator's) in fp32, cast to its p_dtype. Under a
+    non-standard shift P̄_hp = exp(S − m) at that same m. Returns two (R, K) fp32.
     """
     R, K = q.shape[0], k.shape[0]
-    qk = matmul(q.to(torch.float32), k.to(torch.float32).T.contiguous(), accumulation, gpu=gpu, in_format="bf16")  # (R, K)
+    # (R, K)
+    qk = matmul(q.to(torch.float32), k.to(torch.float32).T.contiguous(), accumulation, gpu=gpu, in_format="bf16")
     qk = qk.to(torch.float32)
     masked = torch.ones(R, K, dtype=torch.bool).triu(K - R + 1) if causal else torch.zeros(R, K, dtype=torch.bool)
     if mask is not None and mask.dtype == torch.bool:
@@ -392,14 +394,15 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     n_keys = T_row + 1 if t.causal else t.q.shape[2]
     accumulation = cfg.accumulation.value
     mask = mask_of(t.mask, b, hi)
-    p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation, cfg.gpu.value,
-                           config=cfg, mask_row=None if mask is None else mask[T_row])
+    p_lp, p_hp = p_bar_row(t.q[b, hi, T_row], t.k[b, hi], t.scale, n_keys, cfg.p_dtype.value, accumulation,
+                           cfg.gpu.value, config=cfg, mask_row=None if mask is None else mask[T_row])
     trace = trace_pv(p_lp, p_hp, t.v[b, hi, :n_keys, f], row=T_row, feature=f, accumulation=accumulation,
                      gpu=cfg.gpu.value, in_format=cfg.p_dtype.value, pv_format=cfg.pv_dtype.value)
     shares, n_rows, cf = head_class_shares(dump, best.sels, hi, f, cfg)
     return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
-                         row_choice=best.row_choice, bias_split=best.bias_split, class_shares=shares, rows_attributed=n_rows, counterfactual=cf,
+                         row_choice=best.row_choice, bias_split=best.bias_split, class_shares=shares,
+                         rows_attributed=n_rows, counterfactual=cf,
                          n_cells=sum(len(heads) * d for (_, heads), d in n_features.items()),
                          recipe=recipe, backend=Backend(backend),
                          warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, recipe))
@@ -451,8 +454,9 @@ def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, fea
     for sel in sels:
         t = as_seen_by(load(dump, sel), config)
         for b in range(t.q.shape[0]):
+            # (T, K)
             p_lp, p_hp = p_bar_rows(t.q[b, head_index], t.k[b, head_index], t.scale, causal=t.causal, p_format=p_fmt,
-                                    accumulation=acc, gpu=gpu, config=config, mask=mask_of(t.mask, b, head_index))  # (T, K)
+                                    accumulation=acc, gpu=gpu, config=config, mask=mask_of(t.mask, b, head_index))
             seen = p_hp.sum(-1) > 0  # rows that see a key (a row under a mask that removes every key has O = 0)
             p_lp, p_hp = p_lp[seen], p_hp[seen]
             v = t.v[b, head_index, :, feature].to(torch.float32)  # (K,)
@@ -521,7 +525,8 @@ def payload(r: PVTraceReport) -> dict:
         "jumps": [{"t": j.t, "p_bar": j.p_bar, "v": j.v, "error_step": j.error_step, "direction": j.direction,
                    "cast": j.cast, "acc": j.acc, "round": j.round} for j in tr.jumps],
         "frac_error_from_p_one": tr.frac_error_from_p_one,
-        "attribution": {"class": tr.split.cls, "A": tr.split.a, "r": tr.split.r, "rounding_error": tr.split.rounding_error,
+        "attribution": {"class": tr.split.cls, "A": tr.split.a, "r": tr.split.r,
+                        "rounding_error": tr.split.rounding_error,
                         "other_error": tr.split.other_error, "nudged_error": tr.nudged_error},
         "class_shares": {c.cls: {"share": c.share, "se": c.se, "rows": c.rows} for c in r.class_shares},
         "rows_attributed": r.rows_attributed, "counterfactual": r.counterfactual, "bias": bias_claim(r),

@@ -37,7 +37,8 @@ def plot_pv_trace(report, path: Path) -> Path:
     sp = tr.split
     shares = ", ".join(f"{c.cls} {share_with_se(c.share, c.se)}" for c in report.class_shares
                        if c.rows and finite(c.share))
-    ax_b.text(0.02, 0.02, f"final rounding: {sp.cls} (A = {sp.a:.8g}, r = {sp.r:+.2e})" + (f"\nO bias of the head by class: {shares}" if shares else ""),
+    ax_b.text(0.02, 0.02, f"final rounding: {sp.cls} (A = {sp.a:.8g}, r = {sp.r:+.2e})"
+              + (f"\nO bias of the head by class: {shares}" if shares else ""),
               transform=ax_b.transAxes, fontsize=7, va="bottom")
 
     j = tr.largest_jump
@@ -66,4 +67,5 @@ def plot_pv_trace(report, path: Path) -> Path:
 def draw(report, out: Path) -> list[Path]:
     """The Eq. 5 trace figure into the folder `out`."""
     tr = report.trace
-    return [plot_pv_trace(report, out / f"pv_trace_s{report.step}_l{report.layer}_h{report.head}_r{tr.row}_f{tr.feature}.png")]
+    return [plot_pv_trace(report,
+                          out / f"pv_trace_s{report.step}_l{report.layer}_h{report.head}_r{tr.row}_f{tr.feature}.png")]

@@ -91,7 +91,8 @@ class RowSplit:
         return self.from_p_one / self.error + 0.0 if self.error != 0 else math.nan
 
 
-def split_rows(p_lp: torch.Tensor, v: torch.Tensor, lp_sum: torch.Tensor, hp_sum: torch.Tensor, fmt: str) -> list[RowSplit]:
+def split_rows(p_lp: torch.Tensor, v: torch.Tensor, lp_sum: torch.Tensor, hp_sum: torch.Tensor,
+               fmt: str) -> list[RowSplit]:
     """RowSplit of each row: p_lp (N, K) P̄ after its cast, v (K,) or (N, K), lp_sum (N,) = round_pv(acc_lp),
     hp_sum (N,) = acc_hp (fp32 P̄V), all as values; fmt: the P̄V format."""
     p = p_lp.to(torch.float64)
@@ -102,7 +103,8 @@ def split_rows(p_lp: torch.Tensor, v: torch.Tensor, lp_sum: torch.Tensor, hp_sum
     unit_max = (vv.abs() * unit).amax(-1)
     classes = classify(a, r, unit_max, unit.sum(-1), fmt)
     y, hp = lp_sum.to(torch.float64), hp_sum.to(torch.float64)
-    return [RowSplit(c, float(a[i]), float(r[i]), float(y[i] - hp[i]), float(y[i] - (a[i] + r[i])), float(a[i] + r[i] - hp[i]))
+    return [RowSplit(c, float(a[i]), float(r[i]), float(y[i] - hp[i]), float(y[i] - (a[i] + r[i])),
+                     float(a[i] + r[i] - hp[i]))
             for i, c in enumerate(classes)]
 
 
@@ -125,7 +127,8 @@ def class_shares(splits: list[RowSplit], weights: torch.Tensor) -> list[ClassSha
     w = weights.to(torch.float64)
     y = torch.tensor([s.error for s in splits], dtype=torch.float64) * w  # (N,)
     n = y.numel()
-    parts = {c: torch.tensor([s.from_p_one if s.cls == c else 0.0 for s in splits], dtype=torch.float64) * w for c in P_ONE_CLASSES}
+    parts = {c: torch.tensor([s.from_p_one if s.cls == c else 0.0 for s in splits],
+                             dtype=torch.float64) * w for c in P_ONE_CLASSES}
     parts["other"] = y - sum(parts.values())
     out = []
     for c, x in parts.items():
@@ -167,4 +170,5 @@ def counterfactual(splits: list[RowSplit], nudged_errors: torch.Tensor, weights:
 def nudge(p_lp: torch.Tensor, p_hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(P̄_lp, P̄_hp) with every entry where P̄_lp = 1 set to NUDGED_P on both sides."""
     unit = p_lp == 1.0
-    return (torch.where(unit, torch.full_like(p_lp, NUDGED_P), p_lp), torch.where(unit, torch.full_like(p_hp, NUDGED_P), p_hp))
+    return (torch.where(unit, torch.full_like(p_lp, NUDGED_P), p_lp),
+            torch.where(unit, torch.full_like(p_hp, NUDGED_P), p_hp))

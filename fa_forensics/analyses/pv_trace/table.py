@@ -14,18 +14,23 @@ def tables(r: PVTraceReport) -> list:
                         f"row {tr.row} feature {tr.feature}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    table.add_row("O bias in this feature (mean ± se, sign p)", f"{r.cell.mean:+.3e} ± {r.cell.se:.1e} (p={r.cell.p_value:.2g})")
+    table.add_row("O bias in this feature (mean ± se, sign p)",
+                  f"{r.cell.mean:+.3e} ± {r.cell.se:.1e} (p={r.cell.p_value:.2g})")
     for kind, label in (("repeated_max", "rows with a repeated maximum"), ("other", "other rows")):
         m = r.bias_split[kind]
         if m["n"]:
-            table.add_row(f"  O bias in {label} (n={m['n']})", f"{m['mean']:+.3e} ± {m['se']:.1e} (p={m['p_value']:.2g})")
+            table.add_row(f"  O bias in {label} (n={m['n']})",
+                          f"{m['mean']:+.3e} ± {m['se']:.1e} (p={m['p_value']:.2g})")
     table.add_row(f"O error of this row (replay; row chosen: {r.row_choice})", f"{r.o_error_replay:+.3e}")
     table.add_row("Ō error of the dot product (Eq. 4)", f"{tr.final_error:+.3e}")
-    table.add_row("keys, P̄ = 1 positions", f"{tr.error.numel()}, {tr.p_one_positions[:12]}{' …' if len(tr.p_one_positions) > 12 else ''}")
+    table.add_row("keys, P̄ = 1 positions",
+                  f"{tr.error.numel()}, {tr.p_one_positions[:12]}{' …' if len(tr.p_one_positions) > 12 else ''}")
     table.add_row("jumps (terms with error_step ≠ 0)", str(len(tr.jumps)))
     share = tr.frac_error_from_p_one
-    table.add_row("final rounding (A = Σ V at P̄ = 1, r = the rest)", f"{tr.split.cls}: A = {tr.split.a:.8g}, r = {tr.split.r:+.3e}")
-    table.add_row("share of the error the P̄ = 1 mechanism carries", f"{share:.1%}" if share == share else "— (no error)")
+    table.add_row("final rounding (A = Σ V at P̄ = 1, r = the rest)",
+                  f"{tr.split.cls}: A = {tr.split.a:.8g}, r = {tr.split.r:+.3e}")
+    table.add_row("share of the error the P̄ = 1 mechanism carries",
+                  f"{share:.1%}" if share == share else "— (no error)")
     if tr.nudged_error is not None:
         table.add_row("Ō error with the P̄ = 1 terms nudged to 1 − 2⁻⁸", f"{tr.nudged_error:+.3e}")
     for c in r.class_shares:
@@ -44,15 +49,17 @@ def tables(r: PVTraceReport) -> list:
         for c in ("t", "P̄", "V", "error step", "cast part", "round part", "rounding"):
             jt.add_column(c, justify="right")
         for j in big:
-            jt.add_row(str(j.t), f"{j.p_bar:.6g}", f"{j.v:.6g}", f"{j.error_step:+.3e}", f"{j.cast + 0.0:+.2e}", f"{j.round + 0.0:+.2e}", j.direction)
+            jt.add_row(str(j.t), f"{j.p_bar:.6g}", f"{j.v:.6g}", f"{j.error_step:+.3e}", f"{j.cast + 0.0:+.2e}",
+                       f"{j.round + 0.0:+.2e}", j.direction)
         out.append(jt)
     ex = tr.explanation
     if ex is not None:
         out.append(f"[bold]largest jump at t={tr.largest_jump.t}[/]: accumulator {ex.a!r} + term {ex.b!r}")
-        exact = ex.exact_bits if ex.exact_bits is not None else f"{ex.acc_sum_bits} (fp32-rounded; the exact sum needs more bits)"
+        exact = (ex.exact_bits if ex.exact_bits is not None
+                 else f"{ex.acc_sum_bits} (fp32-rounded; the exact sum needs more bits)")
         out.append(f"  exact   {exact}  ({float(ex.exact)!r})")
-        out.append(f"  rounded {ex.rounded_bits}  ({float(ex.rounded)!r}) to {tr.pv_format}: guard {ex.guard} round {ex.round} "
-                   f"sticky {ex.sticky} → rounded {ex.direction}, error {float(ex.error):+.6g}")
+        out.append(f"  rounded {ex.rounded_bits}  ({float(ex.rounded)!r}) to {tr.pv_format}: guard {ex.guard} round "
+                   f"{ex.round} sticky {ex.sticky} → rounded {ex.direction}, error {float(ex.error):+.6g}")
     return out
 
 

@@ -16,8 +16,9 @@ reproduces the stored O) against fp32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -51,7 +52,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool
     return p.nan_to_num(0.0) if mask is not None else p
 
 
-def pk_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pk_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+            mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PK, one batch element at a time to bound memory.  (B, h, T, D) -> (B, h, T, D) float64"""
     def mask_b(b: int) -> Optional[torch.Tensor]:
         return None if mask is None else mask[b : b + 1] if mask.shape[0] > 1 else mask
@@ -227,7 +229,8 @@ def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, tokens_per_ste
     return Rank1Part(t.warnings, t.step, t.layer, list(t.heads), t.x is not None, dsums, E, chosen)
 
 
-def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, *, tokens_per_step: int = 4) -> Rank1Result:
+def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, *,
+                  tokens_per_step: int = 4) -> Rank1Result:
     """The result of the parts of every selected layer-step, reduced in their order."""
     warnings: list[str] = []
     per_head: dict[tuple[int, int], dict] = {}
@@ -294,7 +297,8 @@ def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, 
     return Rank1Result(
         has_x=has_x, focus_layer=focus_layer, focus_head=focus_head, tokens=toks,
         cosine=cos.tolist(), cosine_offdiag_mean=cos_mean,
-        pk_cosine_offdiag_mean=pk_cos_mean, x_cosine_offdiag_mean=x_cos_mean, top_columns=top_columns, n_columns=n_columns,
+        pk_cosine_offdiag_mean=pk_cos_mean, x_cosine_offdiag_mean=x_cos_mean, top_columns=top_columns,
+        n_columns=n_columns,
         singular_values=sv_list, effective_rank=eff, top_sv_ratio=ratio, cross_step_alignment=align,
         steps=list(acc["steps"]), step_norms=step_norms, cumulative_norms=cum_norms,
         accumulation_exponent=expo, example_matrices=examples, recipe=recipe, backend=Backend(backend),
@@ -329,8 +333,9 @@ def _fmt(x: float, missing: str) -> str:
 def verdict(r: Rank1Result) -> str:
     """One sentence: how alike the rank-1 matrices are, which features dominate, whether the error compounds."""
     if not r.has_x:
-        return ("the dump stores no X (attention input), so the rank-1 matrices (PK)[T]ᵀX[T] and the W_Q gradient error "
-                f"cannot be formed; PK rows alone have mean cosine {r.cosine_offdiag_mean:+.2f}. Capture with X to run this analysis")
+        return ("the dump stores no X (attention input), so the rank-1 matrices (PK)[T]ᵀX[T] and the W_Q gradient "
+                f"error cannot be formed; PK rows alone have mean cosine {r.cosine_offdiag_mean:+.2f}. Capture with X "
+                "to run this analysis")
     expo = r.accumulation_exponent
     head = (f"rank-1 matrices have mean cosine {r.cosine_offdiag_mean:+.2f}, dominated by input features "
             f"{[c.feature for c in r.top_columns[:3]]}")

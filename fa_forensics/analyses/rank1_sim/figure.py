@@ -10,7 +10,8 @@ from fa_forensics.analyses.style import COLORS, new_figure, save_figure
 
 
 def plot_rank1(result, path: Path) -> Path:
-    """(a, b) two rank-1 matrices (PK)[T]ᵀX[T]; (c) their pairwise cosines; (d) column weights; (e) growth of ‖Σ E_s‖."""
+    """(a, b) two rank-1 matrices (PK)[T]ᵀX[T]; (c) their pairwise cosines; (d) column weights; (e) growth of
+    ‖Σ E_s‖."""
     fig, axes = new_figure(2, 3, width=12.0, height=6.5)
     ax = axes.ravel()
     for j in range(2):
@@ -59,7 +60,8 @@ def plot_rank1(result, path: Path) -> Path:
     ax[5].set_xlabel("index")
     ax[5].set_ylabel("singular value")
     fig.suptitle(f"rank1-sim: layer {result.focus_layer} head {result.focus_head}")
-    return save_figure(fig, path, "Reproduces paper Fig. 4 (c, f): the rank-1 matrices (PK)[T]ᵀX[T] of different tokens "
+    return save_figure(fig, path,
+                       "Reproduces paper Fig. 4 (c, f): the rank-1 matrices (PK)[T]ᵀX[T] of different tokens "
                                   "and steps are alike and dominated by a few input features (Eq. 2-3).")
 
 

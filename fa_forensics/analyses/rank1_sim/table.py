@@ -9,14 +9,17 @@ from fa_forensics.analyses.wording import number
 
 def tables(r: Rank1Result) -> list[Table]:
     """The quantities of the focus head: cosines, stand-out features, spectrum, accumulation."""
-    table = Table(title=f"rank1-sim: layer {r.focus_layer} head {r.focus_head}, {len(r.tokens)} tokens over steps {r.steps} "
-                        f"(lp = preset {r.preset})")
+    table = Table(title=f"rank1-sim: layer {r.focus_layer} head {r.focus_head}, {len(r.tokens)} tokens over steps "
+                        f"{r.steps} (lp = preset {r.preset})")
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    table.add_row("mean pairwise cosine of (PK)[T]ᵀX[T]" if r.has_x else "mean pairwise cosine of (PK)[T] (no X)", f"{r.cosine_offdiag_mean:+.3f}")
+    table.add_row("mean pairwise cosine of (PK)[T]ᵀX[T]" if r.has_x else "mean pairwise cosine of (PK)[T] (no X)",
+                  f"{r.cosine_offdiag_mean:+.3f}")
     if r.has_x:
-        table.add_row("  of which: PK rows / X rows", f"{r.pk_cosine_offdiag_mean:+.3f} / {r.x_cosine_offdiag_mean:+.3f}")
-        table.add_row("input features that stand out (share)", ", ".join(f"{c.feature} ({c.weight:.2f})" for c in r.top_columns[:5]))
+        table.add_row("  of which: PK rows / X rows",
+                      f"{r.pk_cosine_offdiag_mean:+.3f} / {r.x_cosine_offdiag_mean:+.3f}")
+        table.add_row("input features that stand out (share)",
+                      ", ".join(f"{c.feature} ({c.weight:.2f})" for c in r.top_columns[:5]))
         table.add_row("singular values of the gradient error Σ E", ", ".join(f"{s:.3g}" for s in r.singular_values[:5]))
         no_error = "n/a (no gradient error)"
         has_error = any(x > 0 for x in r.cumulative_norms)

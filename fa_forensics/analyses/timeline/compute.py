@@ -6,8 +6,9 @@ loss (Fig. 13's leading-indicator claim) with a permutation-free Spearman test.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Optional
 
 import numpy as np
 from scipy import stats as sps

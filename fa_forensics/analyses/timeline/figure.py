@@ -28,7 +28,8 @@ def spectral_heatmap(r: TimelineResult, path: Path) -> Path:
     ax.set(title="Spectral norm of W_Q per layer (max over heads)", xlabel="step", ylabel="layer")
     ax.grid(False)
     fig.colorbar(im, ax=ax, label="‖W_Q‖₂")
-    return save_figure(fig, path, "Reproduces paper Fig. 11 (spectral norms of attention weights per layer over steps).")
+    return save_figure(fig, path,
+                       "Reproduces paper Fig. 11 (spectral norms of attention weights per layer over steps).")
 
 
 def spectral_per_head(r: TimelineResult, path: Path) -> Path:
@@ -80,7 +81,8 @@ def all_timeline_figures(r: TimelineResult, out: Path) -> list[Path]:
     """Every figure the series allow; returns the paths written."""
     paths = [loss_curve(r, out / "timeline_loss.png")]
     if "wq_sigma" in r.series and np.isfinite(r.series["wq_sigma"]).any():
-        paths += [spectral_heatmap(r, out / "timeline_wq_heatmap.png"), spectral_per_head(r, out / "timeline_wq_heads.png")]
+        paths += [spectral_heatmap(r, out / "timeline_wq_heatmap.png"),
+                  spectral_per_head(r, out / "timeline_wq_heads.png")]
     if "near_max_ties" in r.series:
         paths.append(ties_vs_loss(r, out / "timeline_ties_vs_loss.png"))
     if "max_logit" in r.series:

@@ -19,7 +19,7 @@ def tables(result: TimelineResult, where: str) -> list[Table]:
     for layer in range(result.n_layers):
         for head in range(result.n_heads):
             def last(m):
-                return f"{s[m][-1, layer, head]:.4g}" if m in s and np.isfinite(s[m][-1, layer, head]) else "–"
+                return f"{s[m][-1, layer, head]:.4g}" if m in s and np.isfinite(s[m][-1, layer, head]) else "–"  # noqa: B023 - called in this iteration
             wq = s.get("wq_sigma")
             wq_txt = (f"{wq[0, layer, head]:.3f} → {wq[-1, layer, head]:.3f}"
                       if wq is not None and np.isfinite(wq[-1, layer, head]) else "–")

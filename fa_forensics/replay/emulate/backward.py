@@ -135,7 +135,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
                                                    causal=causal, qk_fmt=qk_fmt, pv_fmt=pv_fmt)
         else:  # with the compiled stages: dS and P̄ are 0 for the keys a row cannot see, those terms skipped
             row_band = Band(k_hi=sees) if use_fused else None  # dQ row i: keys k < i + sees
-            key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None  # dK, dV row j: rows ≥ j − i0
+            # dK, dV row j: rows ≥ j − i0
+            key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None
             ds_finite = use_fused and config.ds_dtype in _FP32_RANGE  # |dS| ≤ |dP − δ| < 2^101 (`fused.eligible`)
             dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band, finite_operands=ds_finite,
                                   mma_k=config.mma_k)

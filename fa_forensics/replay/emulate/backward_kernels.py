@@ -43,13 +43,15 @@ sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below i
   dQ: per (query block, key block of 128) tile from zero, added in fp32 in ascending key order.
 
 2^x is the config's exp_unit (the kernel presets: the special function unit's ex2.approx, numerics/sfu.py, as
-exp2f compiles to); exp (the memory-efficient kernel's) is rounded once, as CUDA's accurate expf nearly always is. A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal;
-SDPA's attn_mask is not modelled.
+exp2f compiles to); exp (the memory-efficient kernel's) is rounded once, as CUDA's accurate expf nearly always is.
+A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal; SDPA's attn_mask is not
+modelled.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

@@ -50,8 +50,9 @@ Steps 1-7 run as one compiled pass per row (`fused.ForwardBlock`) where `fused.e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

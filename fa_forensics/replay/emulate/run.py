@@ -11,8 +11,9 @@ it runs as one pass (its memory grows with B·H·T·block_n).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -36,7 +37,7 @@ class StreamPlan:
     block_m: Optional[int]
 
     @classmethod
-    def for_shape(cls, H: int, T: int, n_keys: int, budget: Optional[int] = None) -> "StreamPlan":
+    def for_shape(cls, H: int, T: int, n_keys: int, budget: Optional[int] = None) -> StreamPlan:
         """The largest work items whose (heads, rows, keys) temporaries stay within `budget`
         elements (default BLOCK_ELEMENTS): whole heads while one fits, else one head in blocks of rows."""
         budget = BLOCK_ELEMENTS if budget is None else budget
@@ -146,7 +147,8 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
                 o_for_delta = fwd.o  # a kernel's backward reads the O it stored
             elif config.delta is DeltaSource.O_HIGHP:
                 twin = high_precision_twin(config)
-                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None, mask=mask).o
+                o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None,
+                                               mask=mask).o
             grads = streamed_backward(q32, k32, v32, do32, fwd.lse, config, plan, causal=causal, scale=scale,
                                       o_for_delta=o_for_delta, mask=mask)
             delta, dq, dk, dv = grads.delta, grads.dq, grads.dk, grads.dv

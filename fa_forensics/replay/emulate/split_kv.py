@@ -12,7 +12,7 @@ expf and logf, numerics.libdevice, as a build without fast math calls them).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

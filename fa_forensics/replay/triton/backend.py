@@ -106,11 +106,13 @@ def _check_supported(config: ReplayConfig, backward: bool) -> None:
         raise TritonBackendError(f"runs its own backward, not backward_kernel={config.backward_kernel.value}")
     if backward and config.has_reference_backward:
         raise TritonBackendError(
-            "runs the FA2 kernels' fp32 backward, not the reference code's bf16 one (dp_dtype, delta_dtype, grad_dtype, ds_alpha)")
+            "runs the FA2 kernels' fp32 backward, not the reference code's bf16 one (dp_dtype, delta_dtype, "
+            "grad_dtype, ds_alpha)")
 
 
 def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
-                  do: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None) -> ReplayOut:
+                  do: Optional[torch.Tensor] = None, *, causal: bool = True,
+                  scale: Optional[float] = None) -> ReplayOut:
     """The Triton twin of the emulator: same arguments, same ReplayOut (tensors on the CPU)."""
     _check_supported(config, backward=do is not None)
     device = _device_for(q)  # before triton is imported: without a GPU or the interpreter, refuse first
@@ -136,6 +138,9 @@ def replay_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Rep
         dq, dk, dv = launch.backward(qi, ki, vi, doi, lse, delta, config, plan, causal=causal, scale=scale)
     low_dots = config.input_dtype is not _FP32 or config.p_dtype is not _FP32 or config.ds_dtype is not _FP32
     accumulation = "tensor-core" if (device.type == "cuda" and low_dots) else "ieee"
-    cpu = (lambda t: None if t is None else t.cpu())
-    return ReplayOut(o=o.cpu(), lse=lse.cpu(), stats=_stats(stats), delta=cpu(delta), dq=cpu(dq), dk=cpu(dk), dv=cpu(dv),
-                     config=config, backend="triton", accumulation=accumulation)
+
+    def cpu(t):
+        return None if t is None else t.cpu()
+
+    return ReplayOut(o=o.cpu(), lse=lse.cpu(), stats=_stats(stats), delta=cpu(delta), dq=cpu(dq), dk=cpu(dk),
+                     dv=cpu(dv), config=config, backend="triton", accumulation=accumulation)

@@ -44,7 +44,8 @@ def compile_all(arch: int = 90) -> list[str]:
         ck = triton.compile(src, target=target, options={"num_warps": 4, "enable_fp_fusion": False})
         assert "cubin" in ck.asm and len(ck.asm["cubin"]) > 0
         ptx = ck.asm["ptx"]
-        done.append(f"{fn.__name__:14s} {label}: sm_{arch} ok ({len(ptx)} chars of PTX, {bf16_roundings(ptx)} bf16 roundings)")
+        done.append(f"{fn.__name__:14s} {label}: sm_{arch} ok ({len(ptx)} chars of PTX, {bf16_roundings(ptx)} bf16 "
+                    "roundings)")
 
     fwd_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "STATS": "*i32",
                "T": "i32", "H": "i32", "scale": "fp32", "beta": "fp32", "eps": "fp32", "offset": "fp32",
@@ -54,7 +55,8 @@ def compile_all(arch: int = 90) -> list[str]:
                 P_DTYPE=tl.bfloat16, DOT_PV_DTYPE=tl.bfloat16, PV_FP32=True, PV_DTYPE=tl.float32, O_DTYPE=tl.bfloat16,
                 P_SCALED=False, P_SCALE_MODE="exponent-offset", L_SUM_DTYPE=tl.float32) | no_autocast
     build(kernels.attn_fwd, fwd_sig, base, "bf16 hardware")
-    build(kernels.attn_fwd, fwd_sig, base | dict(PV_FP32=False, PV_DTYPE=tl.bfloat16, L_SUM_DTYPE=tl.float64), "bf16 paper (pv bf16, exact ℓ)")
+    build(kernels.attn_fwd, fwd_sig, base | dict(PV_FP32=False, PV_DTYPE=tl.bfloat16, L_SUM_DTYPE=tl.float64),
+          "bf16 paper (pv bf16, exact ℓ)")
     build(kernels.attn_fwd, fwd_sig, base | dict(SOFTMAX="stabilized", REVERSE=True), "stabilized, reverse KV")
     autocast = base | dict(PV_FP32=False, PV_DTYPE=tl.bfloat16, L_SUM_DTYPE=tl.float64, S_DTYPE=tl.bfloat16,
                            STATS_DTYPE=tl.bfloat16, SUB_DTYPE=tl.bfloat16, RESCALE_DTYPE=tl.bfloat16)
@@ -66,12 +68,14 @@ def compile_all(arch: int = 90) -> list[str]:
     for mode in ("exponent-offset", "multiply"):
         build(kernels.attn_fwd, fp8_sig, base | dict(P_DTYPE=tl.float8e4nv, DOT_PV_DTYPE=tl.float32, O_DTYPE=tl.float32,
                                                      P_SCALED=True, P_SCALE_MODE=mode), f"fp8 P, S via {mode}")
-    delta_sig = {"O": "*bf16", "DO": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
-                 "T": "i32", "scale": "fp32"}
+    delta_sig = {"O": "*bf16", "DO": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "LSE": "*fp32",
+                 "DELTA": "*fp32", "T": "i32", "scale": "fp32"}
     for source in ("o", "dp-p", "o-recomputed"):
-        build(kernels.attn_delta, delta_sig, dict(D=64, BLOCK_D=64, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, DELTA_SOURCE=source,
+        build(kernels.attn_delta, delta_sig,
+              dict(D=64, BLOCK_D=64, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, DELTA_SOURCE=source,
                                                   S_DTYPE=tl.float32), f"δ from {source}")
-    build(kernels.attn_delta, delta_sig, dict(D=64, BLOCK_D=64, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, DELTA_SOURCE="dp-p",
+    build(kernels.attn_delta, delta_sig,
+          dict(D=64, BLOCK_D=64, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, DELTA_SOURCE="dp-p",
                                               S_DTYPE=tl.bfloat16), "δ from dp-p, bf16 S")
     bwd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}
     dkdv_sig = bwd | {"DK": "*fp32", "DV": "*fp32", "T": "i32", "scale": "fp32", "p_scale": "fp32"}

@@ -85,7 +85,8 @@ def plan_for(config: ReplayConfig, T: int, D: int, *, exact_l: bool = True, fp_f
     if config.block_n and block_n != config.block_n:
         from fa_forensics.errors import ConfigError
 
-        raise ConfigError(f"backend triton: block_n={config.block_n} must be a power of two; use 16, 32, 64, 128 or None")
+        raise ConfigError(f"backend triton: block_n={config.block_n} must be a power of two; use 16, 32, 64, 128 or "
+                          "None")
     block_m = _pow2(config.block_m) if config.block_m else 16
     block_m, block_n = max(16, min(block_m, 128)), max(16, block_n)
     return KernelPlan(block_m=block_m, block_n=block_n, block_d=max(16, _pow2(D)),

@@ -69,5 +69,6 @@ def test_lg2_and_fast_log_special_values():
     x = torch.tensor([1.0, 2.0, 0.0, -1.0, float("inf"), float("nan"), 1e-40])
     got = sfu.lg2_approx(x)
     assert got[:3].tolist() == [0.0, 1.0, float("-inf")]
-    assert torch.isnan(got[3]) and torch.isinf(got[4]) and got[4] > 0 and torch.isnan(got[5]) and got[6] == float("-inf")
+    assert (torch.isnan(got[3]) and torch.isinf(got[4]) and got[4] > 0 and torch.isnan(got[5])
+            and got[6] == float("-inf"))
     assert torch.equal(sfu.logf_fast(x[:2]), sfu.lg2_approx(x[:2]) * torch.tensor(0.69314718246459960938))
