@@ -65,7 +65,7 @@ class MaskedBlocks(str, enum.Enum):
 
 class ExpForm(str, enum.Enum):
     """How a kernel forms P̄ and the rescale factor from the raw scores S = q kᵀ (each a single fp32 rounding
-    per named operation; exp and exp2 rounded once to fp32)."""
+    per named operation; exp and exp2 as ExpUnit says)."""
 
     EXP = "exp"  # s = fp32(S·α), P̄ = exp(fp32(s − m)), rescale exp(fp32(m_prev − m)), m the max of s
     # FlashAttention-2 as published: m the max of raw S, c = fp32(α·log2 e) (host, in double), P̄ =
@@ -79,7 +79,8 @@ class ExpForm(str, enum.Enum):
 
 
 class ExpUnit(str, enum.Enum):
-    """Which 2^x the base-2 kernel models (exp_form exp2-*) evaluate."""
+    """Which exponentials and logs the base-2 kernel models (exp_form exp2-*) evaluate: their 2^x, the log of their
+    lse, the exp and log of FlashAttention-2's split-KV combine and the exp of the kernels' backward."""
 
     CORRECTLY_ROUNDED = "correctly-rounded"  # 2^x rounded once to fp32 (numerics.exp2_fp32)
     # the GPU's special function unit as sm_90 computes ex2.approx.ftz / exp2f (numerics.sfu, tabulated on an H200)

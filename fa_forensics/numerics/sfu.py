@@ -34,6 +34,12 @@ _LN2_F32 = 0.69314718246459960938  # fp32(ln 2), the constant __logf multiplies 
 
 
 @functools.lru_cache(maxsize=1)
+def _joined_table() -> torch.Tensor:
+    """T- then T+ in one tensor (2²⁴ entries): one gather per input."""
+    return torch.cat(load_tables())
+
+
+@functools.lru_cache(maxsize=1)
 def load_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """(T-, T+) as fp32 tensors of 2²³ entries: ex2.approx.ftz at -i·2⁻²³ and +i·2⁻²³."""
     grid = torch.arange(1 << _FRACTION_BITS, dtype=torch.float64) * 2.0 ** -_FRACTION_BITS
@@ -46,18 +52,18 @@ def load_tables() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ex2_approx(x: torch.Tensor) -> torch.Tensor:
-    """2^x for fp32 x as sm_90's ex2.approx.ftz.f32 returns it (fp32 tensor of x's shape)."""
-    neg_table, pos_table = load_tables()
+    """2^x for fp32 x as sm_90's ex2.approx.ftz.f32 returns it (fp32 tensor of x's shape). In fp32 and int32
+    throughout: |x|·2²³ is exact in fp32 (a power-of-two scaling) and, clamped at 200, fits an int32."""
+    table = _joined_table()
     x = x.float()
-    magnitude = x.abs().double() * float(1 << _FRACTION_BITS)
-    X = torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude))
-    X = X.clamp(max=float(200 << _FRACTION_BITS)).to(torch.int64)  # beyond |x| = 200 the result is 0 or inf
+    magnitude = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=200.0)  # beyond |x| = 200 the result is 0 or inf
+    X = (magnitude * float(1 << _FRACTION_BITS)).to(torch.int32)  # truncation toward zero, as the unit's
     n = X >> _FRACTION_BITS
-    f = X & ((1 << _FRACTION_BITS) - 1)
     negative = x < 0
-    mantissa = torch.where(negative, neg_table[f], pos_table[f]).double()
-    y = torch.ldexp(mantissa, torch.where(negative, -n, n).double())
-    y = torch.where(y < _FLT_MIN, torch.zeros_like(y), y).float()
+    f = (X & ((1 << _FRACTION_BITS) - 1)) + torch.where(negative, 0, 1 << _FRACTION_BITS)
+    mantissa = table[f.long()]
+    y = mantissa * torch.exp2(torch.where(negative, -n, n).float())  # exact, or 0 / inf beyond fp32's range
+    y = torch.where(y < _FLT_MIN, torch.zeros_like(y), y)  # ftz
     y = torch.where(torch.isnan(x), x, y)
     y = torch.where(torch.isinf(x) & (x > 0), torch.full_like(y, float("inf")), y)
     return torch.where(torch.isinf(x) & (x < 0), torch.zeros_like(y), y)
@@ -81,8 +87,9 @@ def lg2_approx(x: torch.Tensor) -> torch.Tensor:
     exact = e.double() + table[(bits & ((1 << _FRACTION_BITS) - 1)).long()].double()
     y = exact.float()
     y = torch.where(y.double().abs() > exact.abs(), torch.nextafter(y, torch.zeros_like(y)), y)  # toward zero
-    y = torch.where((e == -127) | (x == 0), torch.full_like(y, float("-inf")), y)  # zero and flushed subnormals
-    y = torch.where(x < 0, torch.full_like(y, float("nan")), y)
+    flushed = e == -127  # ±0 and subnormals (flushed to ±0 by ftz)
+    y = torch.where(flushed, torch.full_like(y, float("-inf")), y)
+    y = torch.where((x < 0) & ~flushed, torch.full_like(y, float("nan")), y)
     return torch.where(torch.isnan(x) | (torch.isinf(x) & (x > 0)), x, y)
 
 

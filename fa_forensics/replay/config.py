@@ -105,7 +105,7 @@ class ReplayConfig:
     # ceil(n_blocks / kv_splits) blocks, each run's O (fp32, normalized) and lse are combined as its
     # combine kernel does (emulate/split_kv.py)
     exp_form: ExpForm = ExpForm.EXP
-    exp_unit: ExpUnit = ExpUnit.CORRECTLY_ROUNDED
+    exp_unit: ExpUnit = ExpUnit.CORRECTLY_ROUNDED  # the GPU kernel presets: sfu-sm90 (numerics/sfu.py, libdevice.py)
     row_sum: RowSum = RowSum.EXACT
     normalize: Normalize = Normalize.DIVIDE
     kv_splits: int = 1

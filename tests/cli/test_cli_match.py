@@ -112,3 +112,13 @@ def test_every_analysis_json_carries_replay_fidelity_and_warns_below_99_percent(
         lines = [w for w in d["warnings"] if w.startswith("replay fidelity:")]
         assert len(lines) == int(expect_warning)
         assert ("warning: replay fidelity: preset bf16-autocast" in res.output) is expect_warning
+
+
+def test_shares_near_every_bit_never_overstate():
+    """A share below 100 % never reads "100.00 %", and the lower bound the verdict states is cut, not rounded."""
+    from fa_forensics.commands.match import _is_kernel_model, _pct
+
+    assert _pct(1.0) == "100 %" and _pct(0.5) == "50.00 %"
+    assert _pct(0.999985) == "99.999 %" and _pct(0.999985, floor=True) == "99.998 %"
+    assert _pct(1 - 1e-12) != "100.000000 %" and not _pct(1 - 1e-12).startswith("100")
+    assert _is_kernel_model("sdpa-cudnn-sm90@block_m=128,block_n=128") and not _is_kernel_model("bf16-autocast")

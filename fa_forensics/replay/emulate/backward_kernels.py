@@ -42,8 +42,9 @@ sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below i
   dK, dV: accumulators continued over the query blocks in ascending order.
   dQ: per (query block, key block of 128) tile from zero, added in fp32 in ascending key order.
 
-2^x is the config's exp_unit (the kernel presets: the special function unit's ex2.approx, numerics/sfu.py, as
-exp2f compiles to); exp (the memory-efficient kernel's) is rounded once, as CUDA's accurate expf nearly always is.
+2^x and e^x follow the config's exp_unit: for the kernel presets, 2^x is the special function unit's ex2.approx
+(numerics/sfu.py, what exp2f compiles to) and e^x CUDA's accurate expf (numerics/libdevice.py: the
+memory-efficient kernel's P, which it forms with expf; with a correctly rounded exp its gradients lose up to 0.03 %).
 A causal mask is top-left aligned (key j > query i is masked), as SDPA's is_causal; SDPA's attn_mask is not
 modelled.
 """
@@ -124,20 +125,20 @@ def row_delta(do: torch.Tensor, o: torch.Tensor, threads: int, descending: bool)
     return parts[0]
 
 
-def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str, exp2=exp2_fp32) -> torch.Tensor:
-    """P (B, H, R, N) fp32 from the raw scores S and the lse (B, H, R) of these rows; 2^x by `exp2`."""
+def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str, exp2=exp2_fp32, exp=exp_fp32) -> torch.Tensor:
+    """P (B, H, R, N) fp32 from the raw scores S and the lse (B, H, R) of these rows; 2^x by `exp2`, e^x by `exp`."""
     alpha = torch.tensor(scale, dtype=torch.float32)
+    c = kernel_ops.scale_log2(scale)  # fp32(fp32(α)·log2 e), formed as the forward's (scale_softmax_log2)
     if form == "exp2-folded":  # exp2(fma(S, α·log2 e, −lse·log2 e)): S·c is exact in fp64, one rounding after
-        c = torch.tensor(scale * LOG2E, dtype=torch.float32).double()
+        c = c.double()
         shift = (lse * _LOG2E).double().unsqueeze(-1)
         return exp2((S.double() * c - shift).float())
     if form == "exp2-folded-mul":  # the same without the FMA: exp2(fp32(fp32(S·c) − fp32(lse·log2 e)))
-        c = torch.tensor(scale * LOG2E, dtype=torch.float32)
         return exp2(S * c - (lse * _LOG2E).unsqueeze(-1))
     x = S * alpha - lse.unsqueeze(-1)  # fp32(fp32(S·α) − lse)
     if form == "exp2-natural":
         return exp2(x * _LOG2E)
-    return exp_fp32(x)
+    return exp(x)
 
 
 def _blocks(start: int, stop: int, size: int, descending: bool) -> list[tuple[int, int]]:
@@ -177,7 +178,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         i0, i1 = a0 - row0, a1 - row0
         rows = slice(i0, i1)
         S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
-        P = _probs(S, lse[..., rows], scale, exp_form, kernel_ops.exp2_function(config.exp_unit))
+        P = _probs(S, lse[..., rows], scale, exp_form, kernel_ops.exp2_function(config.exp_unit),
+                   kernel_ops.accurate_exp_log(config.exp_unit)[0])
         if causal:
             hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
             P = P.masked_fill(hidden, 0.0)
