@@ -3,7 +3,8 @@
 A kernel built without fast math (PyTorch's FlashAttention-2 split-KV combine, the memory-efficient kernel's
 backward) calls these for exp and log. They are not correctly rounded: `logf` differs from the correctly rounded
 log in about 4.6 % of inputs in [1, 8192), `expf` in about 9 % of inputs in [-104, 0] (counted on an H200), so a
-replay that rounds exp and log once cannot reproduce the kernel's bits. Both are short sequences of fp32 operations, transcribed here from libdevice.10.bc of CUDA 13.0:
+replay that rounds exp and log once cannot reproduce the kernel's bits. Both are short sequences of fp32
+operations, transcribed here from libdevice.10.bc of CUDA 13.0:
 `expf` reduces x to f = x·log2 e − j with two FMAs and returns ex2.approx(f)·2^j (the special function unit,
 numerics.sfu); `logf` splits x = 2^e·m with m in [2/3, 4/3) and evaluates a degree-10 polynomial in m − 1 by FMAs.
 Checked against the H200's per-binade census of both functions (benchmarks/gpu_special_functions.cu, part
