@@ -73,21 +73,13 @@ def run_kernel(kernel: str, q, k, v, do, causal: bool, scale: float) -> tuple[di
 
 
 def save_set(out: Path, tag: str, inputs: dict, per_kernel: dict, causal: bool, scale: float) -> Path:
-    from safetensors.torch import save_file
+    """One set in replay/gpu_fidelity.record_set's layout, noting the GPU, versions and date."""
+    from fa_forensics.replay.gpu_fidelity import record_set
 
-    q = inputs["q"]
-    B, H, T, _ = q.shape
-    tensors = {f"{tag}.{n}": t for n, t in inputs.items()}
-    tensors |= {f"{tag}.{kern}.{n}": t for kern, ts in per_kernel.items() for n, t in ts.items()}
-    layout = {"tag": tag, "batch": None, "heads": list(range(H)), "T": T, "T_recorded": T, "o_rows": [0, T],
-              "dq_rows": [0, T], "dkdv_keys": [0, T], "kernels": list(per_kernel), "causal": causal, "scale": scale,
-              "dtype": str(q.dtype).replace("torch.", ""), "launch_batch": B, "launch_heads": H,
-              "note": f"{_device_name()}, torch {torch.__version__}, cuDNN "
-                      f"{torch.backends.cudnn.version()}, {datetime.date.today().isoformat()}"}
-    path = out / f"{tag}.safetensors"
-    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path),
-              metadata={"layout": json.dumps(layout)})
-    return path
+    note = (f"{_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+            f"{datetime.date.today().isoformat()}")
+    return record_set(out / f"{tag}.safetensors", tag, inputs["q"], inputs["k"], inputs["v"], per_kernel,
+                      scale=scale, causal=causal, note=note, do=inputs.get("do"))
 
 
 def compiled_set(out: Path, facts: dict) -> Path:

@@ -77,8 +77,8 @@ def room_graph(root: Path):
     return {room: (eager[room], lazy[room] - eager[room]) for room in eager}
 
 
-def _components(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components (Tarjan), each sorted."""
+def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components (Tarjan), each sorted (tests/unit/test_import_graph.py uses it too)."""
     index, low, stack, on, out = {}, {}, [], set(), []
 
     def visit(v):
@@ -111,7 +111,7 @@ def layers(root: Path):
     """[(layer, rooms of one component, module-level imports, lazy-only imports)] in import order."""
     graph = room_graph(root)
     eager = {room: deps for room, (deps, _) in graph.items()}
-    comps = _components(eager)
+    comps = strongly_connected_components(eager)
     comp_of = {room: i for i, comp in enumerate(comps) for room in comp}
     level: dict[int, int] = {}
     for i, comp in enumerate(comps):  # Tarjan emits a component after everything it imports
@@ -145,7 +145,7 @@ def module_cycles(root: Path) -> list[list[str]]:
             if target and target != module and not module.startswith(target + "."):  # a module's own packages run
                 deps.add(target)                                                        # before it: not a cycle
         graph[module] = deps
-    return [comp for comp in _components(graph) if len(comp) > 1]
+    return [comp for comp in strongly_connected_components(graph) if len(comp) > 1]
 
 
 def _room_label(room: str, root: Path) -> str:

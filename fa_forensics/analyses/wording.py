@@ -30,12 +30,14 @@ def number(x, fmt: str = "+.3e", missing: str = "n/a") -> str:
 
 
 
-def bit_share(fraction) -> str:
-    """A share of bit-identical elements as "99.97 %": one decimal, more where one decimal would round a share
-    below 1 up to "100.0 %" (never claims every bit when some differ); "n/a" when not measured."""
+def bit_share(fraction, digits: int = 1, *, floor: bool = False, max_digits: int = 6) -> str:
+    """A share of bit-identical elements as "99.97 %": `digits` decimals, more (up to `max_digits`) where they would
+    round a share below 1 up to "100.0 %" (never claims every bit when some differ); floor: the digits are cut, not
+    rounded (a lower bound never overstates); "n/a" when not measured."""
     if not finite(fraction):
         return "n/a"
-    digits = 1
-    while fraction < 1.0 and round(100 * fraction, digits) >= 100.0 and digits < 6:
+    while fraction < 1.0 and round(100 * fraction, digits) >= 100.0 and digits < max_digits:
         digits += 1
+    if floor:
+        return f"{math.floor(100 * fraction * 10 ** digits) / 10 ** digits:.{digits}f} %"
     return f"{100 * fraction:.{digits}f} %"

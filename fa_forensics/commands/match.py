@@ -1,7 +1,6 @@
 """`fa-forensics match`: which recipe reproduces the stored O bit for bit (replay fidelity)."""
 from __future__ import annotations
 
-import math
 from typing import Annotated
 
 import typer
@@ -16,16 +15,10 @@ AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also afte
 
 
 def _pct(x: float, *, floor: bool = False) -> str:
-    """"100 %" only for every bit; otherwise two decimals, more where two would read "100.00 %". floor: cut the
-    digits instead of rounding them (a lower bound never overstates)."""
-    if x == 1.0:
-        return "100 %"
-    digits = 2
-    while round(100 * x, digits) >= 100.0 and digits < 12:
-        digits += 1
-    if floor:
-        return f"{math.floor(100 * x * 10 ** digits) / 10 ** digits:.{digits}f} %"
-    return f"{100 * x:.{digits}f} %"
+    """"100 %" only for every bit; otherwise `wording.bit_share` with two decimals (floor: a lower bound, cut)."""
+    from fa_forensics.analyses.wording import bit_share
+
+    return "100 %" if x == 1.0 else bit_share(x, 2, floor=floor, max_digits=12)
 
 
 KERNEL_MODEL_REPRODUCES = 0.9999  # from this share on, a GPU kernel's model is called that, not "no known recipe"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -122,15 +123,19 @@ def gpt2_like_inputs(batch: int, heads: int, seqlen: int, head_dim: int, dtype: 
 
 
 def record_set(path, tag: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outputs: dict, *, scale: float,
-               causal: bool, note: str = "") -> Path:
-    """Write a recorded set (all rows kept) whose launch shape is q's: `outputs` maps kernel -> its O (B, H, T, D)."""
+               causal: bool, note: str = "", do: Optional[torch.Tensor] = None) -> Path:
+    """Write a recorded set (all rows kept) whose launch shape is q's: `outputs` maps kernel -> its O (B, H, T, D),
+    or -> {tensor name: tensor} (o, and dq, dk, dv, lse where recorded); `do` the gradient the backward ran with."""
     from safetensors.torch import save_file
 
     B, H, T, _ = q.shape
-    tensors = {f"{tag}.q": q, f"{tag}.k": k, f"{tag}.v": v}
-    tensors |= {f"{tag}.{kernel}.o": o for kernel, o in outputs.items()}
+    per_kernel = {kernel: out if isinstance(out, dict) else {"o": out} for kernel, out in outputs.items()}
+    tensors = {f"{tag}.q": q, f"{tag}.k": k, f"{tag}.v": v} | ({} if do is None else {f"{tag}.do": do})
+    tensors |= {f"{tag}.{kernel}.{name}": t for kernel, ts in per_kernel.items() for name, t in ts.items()}
+    grads = any("dq" in ts for ts in per_kernel.values())
     layout = {"tag": tag, "batch": None, "heads": list(range(H)), "T": T, "T_recorded": T, "o_rows": [0, T],
-              "dq_rows": None, "dkdv_keys": None, "kernels": list(outputs), "causal": causal, "scale": scale,
+              "dq_rows": [0, T] if grads else None, "dkdv_keys": [0, T] if grads else None,
+              "kernels": list(per_kernel), "causal": causal, "scale": scale,
               "dtype": str(q.dtype).replace("torch.", ""), "launch_batch": B, "launch_heads": H, "note": note}
     path = Path(path)
     save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path),

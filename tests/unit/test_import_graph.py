@@ -10,6 +10,7 @@ root's lazy entry points are the only ones.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import fa_forensics
@@ -80,38 +81,13 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
 
 
 def components(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of several modules (each sorted): the modules caught in circles."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-
-    def visit(v: str) -> None:  # Tarjan; the package is small enough for recursion
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                components.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return components
+    """The strongly connected components of several modules (each sorted): the modules caught in circles. Tarjan's
+    algorithm as the docs' layer table computes it (docs/_hooks/import_layers.py, one implementation)."""
+    hook_path = ROOT.parent / "docs" / "_hooks" / "import_layers.py"
+    spec = importlib.util.spec_from_file_location("import_layers_hook", hook_path)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return [comp for comp in hook.strongly_connected_components(graph) if len(comp) > 1]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

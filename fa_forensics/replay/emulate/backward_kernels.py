@@ -164,6 +164,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
                           f"fp16 inputs, not input_dtype={config.input_dtype.value}")
     model = MODELS[config.backward_kernel]
     exp_form = model.exp_form
+    unit = kernel_ops.unit_functions(config.exp_unit)
     if exp_form == "exp2-folded" and config.exp_form is ExpForm.EXP2_MUL:
         exp_form = "exp2-folded-mul"  # a build with the FMA unfused (PyTorch's) unfuses it here too
     fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
@@ -178,8 +179,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         i0, i1 = a0 - row0, a1 - row0
         rows = slice(i0, i1)
         S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
-        P = _probs(S, lse[..., rows], scale, exp_form, kernel_ops.exp2_function(config.exp_unit),
-                   kernel_ops.accurate_exp_log(config.exp_unit)[0])
+        P = _probs(S, lse[..., rows], scale, exp_form, unit.exp2, unit.exp)
         if causal:
             hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
             P = P.masked_fill(hidden, 0.0)

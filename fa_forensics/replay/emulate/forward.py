@@ -337,8 +337,9 @@ def _forward_split_kv(q, k, v, config: ReplayConfig, *, causal: bool, scale: flo
                        scores=scores, observe=observe, keys=keys, split_part=True)
         return part.o, part.lse, part.stats
 
-    exp, log = kernel_ops.accurate_exp_log(config.exp_unit)
-    o32, lse, stats = split_kv.forward_splits(run, n_keys, config.block_n, config.kv_splits, v.shape[-1], exp, log)
+    unit = kernel_ops.unit_functions(config.exp_unit)
+    o32, lse, stats = split_kv.forward_splits(run, n_keys, config.block_n, config.kv_splits, v.shape[-1], unit.exp,
+                                              unit.log)
     total = PBarStats(
         repeated_max_rows=torch.stack([s.repeated_max_rows for s in stats]).amax(dim=0),
         p_one_count=sum(s.p_one_count for s in stats),

@@ -12,6 +12,8 @@ All values are fp32 tensors; every named operation rounds once to fp32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -28,19 +30,27 @@ def scale_log2(scale: float) -> torch.Tensor:
     return torch.tensor(alpha * math.log2(math.e), dtype=torch.float64).float()
 
 
-def exp2_function(unit: ExpUnit):
-    """The 2^x of fp32 tensors that `unit` names: correctly rounded, or the GPU's special function unit."""
-    return sfu.ex2_approx if unit is ExpUnit.SFU_SM90 else exp2_fp32
+@dataclass(frozen=True)
+class UnitFunctions:
+    """The exponentials and logs a kernel model evaluates (fp32 tensors in and out): `exp2` (exp2f, ex2.approx),
+    `fast_log` (the __logf of an lse), and `exp`, `log` (expf, logf of code built without fast math)."""
+
+    exp2: Callable[[torch.Tensor], torch.Tensor]
+    fast_log: Callable[[torch.Tensor], torch.Tensor]
+    exp: Callable[[torch.Tensor], torch.Tensor]
+    log: Callable[[torch.Tensor], torch.Tensor]
 
 
-def fast_log_function(unit: ExpUnit):
-    """The log a kernel takes of ℓ for its lse with the fast intrinsic (__logf): the unit's, or correctly rounded."""
-    return sfu.logf_fast if unit is ExpUnit.SFU_SM90 else log_fp32
+_UNIT_FUNCTIONS = {
+    ExpUnit.CORRECTLY_ROUNDED: UnitFunctions(exp2_fp32, log_fp32, exp_fp32, log_fp32),
+    # the GPU: its special function unit and CUDA's accurate expf / logf (numerics/sfu.py, libdevice.py)
+    ExpUnit.SFU_SM90: UnitFunctions(sfu.ex2_approx, sfu.logf_fast, libdevice.expf, libdevice.logf),
+}
 
 
-def accurate_exp_log(unit: ExpUnit):
-    """(exp, log) of a kernel built without fast math: CUDA's expf and logf on the GPU, else correctly rounded."""
-    return (libdevice.expf, libdevice.logf) if unit is ExpUnit.SFU_SM90 else (exp_fp32, log_fp32)
+def unit_functions(unit: ExpUnit) -> UnitFunctions:
+    """The functions `unit` names: each rounded once, or as the sm_90 GPU computes them."""
+    return _UNIT_FUNCTIONS[unit]
 
 
 def kernel_lse(m: torch.Tensor, l: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: ExpForm,
@@ -50,8 +60,8 @@ def kernel_lse(m: torch.Tensor, l: torch.Tensor, scale: torch.Tensor, c: torch.T
     fp32(fp32(fp32(m·c) / fp32(log2 e)) + logf(ℓ)) (the memory-efficient kernel's epilogue)."""
     if form is ExpForm.EXP2_SCALED:
         log2e = torch.tensor(math.log2(math.e), dtype=torch.float32)
-        return (m * c) / log2e + accurate_exp_log(unit)[1](l)
-    return fma_fp32(m, scale, fast_log_function(unit)(l))
+        return (m * c) / log2e + unit_functions(unit).log(l)
+    return fma_fp32(m, scale, unit_functions(unit).fast_log(l))
 
 
 def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor,
@@ -61,7 +71,7 @@ def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: to
     (exp2-scaled: exp2(fp32(fp32(m_prev·c) − fp32(m_use·c)))); P̄ = exp2(fma(S, c, −fp32(m_use·c))) (exp2-fma)
     or exp2(fp32(fp32(S·c) − fp32(m_use·c))) (exp2-mul, exp2-scaled: the max of fp32(S·c) is fp32(m·c)).
     2^x as `unit` computes it."""
-    exp2 = exp2_function(unit)
+    exp2 = unit_functions(unit).exp2
     max_scaled = (m_use * c).unsqueeze(-1)  # fp32 product
     if form is ExpForm.EXP2_FMA:
         x = fma_fp32(S, c, -max_scaled)
