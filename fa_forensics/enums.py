@@ -143,3 +143,8 @@ class Backend(str, enum.Enum):
 
 BACKENDS = tuple(b.value for b in Backend)
 ACCUMULATIONS = tuple(a.value for a in Accumulation)
+
+# The values of --accumulation: a model, or `auto` (the model of the preset `match` found), derived from
+# Accumulation so that the CLI's choices cannot drift from the models.
+AccumulationOrAuto = enum.Enum("AccumulationOrAuto", [(a.name, a.value) for a in Accumulation] + [("AUTO", AUTO)],
+                               type=str)

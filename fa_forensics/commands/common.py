@@ -29,7 +29,7 @@ except ImportError:
     from click import exceptions as click_exceptions
 
 from fa_forensics.analyses.contract import to_jsonable
-from fa_forensics.enums import ACCUMULATIONS, AUTO, Accumulation, Backend
+from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
 from fa_forensics.replay.config import PRESETS
@@ -66,17 +66,16 @@ SchedulerOpt = Annotated[Optional[str],
                          typer.Option("--scheduler",
                                       help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
                                            "the dump must be on storage its workers see.", metavar="ADDRESS")]
-AccumulationOpt = Annotated[str, typer.Option(
+AccumulationOpt = Annotated[AccumulationOrAuto, typer.Option(
     "--accumulation",
-    help=f"Accumulation model of every matrix product: {' | '.join(ACCUMULATIONS)} | {AUTO} (default: the one "
-         "--preset auto matched, ieee for a named preset).")]
+    help="Accumulation model of every matrix product (default: the one --preset auto matched, ieee for a named "
+         "preset).")]
 MatchCacheOpt = Annotated[Optional[str], typer.Option(
     "--match-cache", metavar="DIR|off",
     help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
          "else $XDG_CACHE_HOME/fa-forensics, else ~/.cache/fa-forensics).")]
-BackendOpt = Annotated[str,
-                       typer.Option("--backend",
-                                    help="Replay backend: emulate (CPU reference) | triton (GPU kernels).")]
+BackendOpt = Annotated[Backend, typer.Option("--backend", help="Replay backend: emulate is the CPU reference, "
+                                                                "triton runs the GPU kernels.")]
 PresetOpt = Annotated[str, typer.Option(
     "--preset", metavar="NAME",
     help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces "
@@ -258,18 +257,20 @@ def resolve_recipe(dump, selections, recipe: Recipe) -> Recipe:
     return recipe
 
 
-def build_accumulation(accumulation: str) -> Optional[Accumulation]:
-    """The Accumulation of --accumulation (None for auto); a bad value is one line naming the option."""
-    if accumulation == AUTO:
+def build_accumulation(accumulation: AccumulationOrAuto | str) -> Optional[Accumulation]:
+    """The Accumulation of --accumulation (None for auto). The CLI's parser has checked the value; a caller's
+    bad string is one line naming the option."""
+    value = getattr(accumulation, "value", accumulation)
+    if value == AUTO:
         return None
     try:
-        return Accumulation(accumulation)
+        return Accumulation(value)
     except ValueError:
-        raise UserError(f"--accumulation {accumulation!r} is not one of: "
-                        f"{', '.join([AUTO, *(a.value for a in Accumulation)])}") from None
+        raise UserError(f"--accumulation {value!r} is not one of: "
+                        f"{', '.join(a.value for a in AccumulationOrAuto)}") from None
 
 
-def build_recipe(preset: str, accumulation: str) -> Recipe:
+def build_recipe(preset: str, accumulation: AccumulationOrAuto | str) -> Recipe:
     """The recipe of --preset and --accumulation; a bad value is one line naming the option."""
     acc = build_accumulation(accumulation)
     try:
@@ -292,12 +293,13 @@ def build_workers(workers: int, scheduler: Optional[str]):
     return Workers(n=workers, scheduler=scheduler)
 
 
-def build_backend(backend: str) -> Backend:
-    """The Backend of --backend; a bad value is one line naming the option."""
+def build_backend(backend: Backend | str) -> Backend:
+    """The Backend of --backend. The CLI's parser has checked the value; a caller's bad string is one line
+    naming the option."""
     try:
-        return Backend(backend)
+        return Backend(getattr(backend, "value", backend))
     except ValueError:
-        raise UserError(f"--backend {backend!r} is not one of: {', '.join(b.value for b in Backend)}") from None
+        raise UserError(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}") from None
 
 
 _SHARED_OPTIONS = (
@@ -308,8 +310,8 @@ _SHARED_OPTIONS = (
 )
 _RECIPE_OPTIONS = (
     ("preset", PresetOpt, AUTO),
-    ("accumulation", AccumulationOpt, AUTO),
-    ("backend", BackendOpt, "emulate"),
+    ("accumulation", AccumulationOpt, AccumulationOrAuto.AUTO),
+    ("backend", BackendOpt, Backend.EMULATE),
     ("match_cache", MatchCacheOpt, None),
     ("workers", WorkersOpt, 1),
     ("scheduler", SchedulerOpt, None),
@@ -400,7 +402,7 @@ class OneLineErrorsGroup(TyperGroup):
             sys.exit(0)
         except click_exceptions.ClickException as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) is not None else ""
-            message = " ".join(exc.format_message().split())
+            message = " ".join(exc.format_message().split()).replace(": Value error, ", ": ")  # the parser's prefix
             err_console.print(f"[bold red]error:[/] {message}{where}", highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)

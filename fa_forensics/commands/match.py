@@ -10,6 +10,7 @@ from fa_forensics.commands.common import (
     BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt,
     console, print_warnings, progress_bar, run_cli, use_match_cache, write_json,
 )
+from fa_forensics.enums import Backend
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
 
@@ -167,7 +168,7 @@ def register(app: typer.Typer) -> None:
         layer: LayerOpt = None,
         head: HeadOpt = None,
         try_all: AllOpt = False,
-        backend: BackendOpt = "emulate",
+        backend: BackendOpt = Backend.EMULATE,
         match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,

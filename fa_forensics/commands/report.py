@@ -13,6 +13,7 @@ from fa_forensics.commands.common import (
     SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
     use_match_cache, write_json,
 )
+from fa_forensics.enums import AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 
 ReportOutOpt = Annotated[Optional[Path], typer.Option(
@@ -20,7 +21,8 @@ ReportOutOpt = Annotated[Optional[Path], typer.Option(
     metavar="DIR")]
 
 
-def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: str, backend: str,
+def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
+        backend: Backend | str,
         json_path, workers: int = 1, scheduler: Optional[str] = None) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
@@ -31,6 +33,7 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     if out is None:
         raise UserError("report needs --out DIR (where index.html and its figures go)")
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
+    accumulation = getattr(accumulation, "value", accumulation)
     fan_out = build_workers(workers, scheduler)
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
     from fa_forensics.layers.selection import select
@@ -49,7 +52,7 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
                            on_start=on_start, workers=fan_out, published_as=Path(out))
         seconds = time.perf_counter() - t0
         info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation,
-                "backend": backend}
+                "backend": backend_.value}
         write_report(staged, str(dump_path), sections, info=info, seconds=seconds)
     index = Path(out) / "index.html"
 
@@ -87,8 +90,8 @@ def register(app: typer.Typer) -> None:
         layer: LayerOpt = None,
         head: HeadOpt = None,
         preset: PresetOpt = "auto",
-        accumulation: AccumulationOpt = "auto",
-        backend: BackendOpt = "emulate",
+        accumulation: AccumulationOpt = AccumulationOrAuto.AUTO,
+        backend: BackendOpt = Backend.EMULATE,
         match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,

@@ -91,3 +91,33 @@ def test_bad_input_gives_one_line_and_exit_2(command, case, tmp_path, make_dump)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, f"{command} {case}: expected one line on stderr, got:\n{result.stderr}"
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_backend_and_accumulation_are_typed_by_the_enums_in_every_command(planted_dump):
+    """--backend and --accumulation take exactly the enums' values (the parser checks them, --help lists them),
+    and a bad value is one line naming the option and its choices."""
+    import enum
+
+    import typer.main
+
+    from fa_forensics.enums import ACCUMULATIONS, AUTO, BACKENDS
+
+    expected = {"--backend": list(BACKENDS), "--accumulation": [*ACCUMULATIONS, AUTO]}
+    group = typer.main.get_command(app)
+    seen = set()
+    for name, command in group.commands.items():
+        for param in command.params:
+            flag = next((o for o in param.opts if o in expected), None)
+            if flag is None:
+                continue
+            seen.add((name, flag))
+            typed = param.type_descriptor.annotation
+            assert isinstance(typed, type) and issubclass(typed, enum.Enum), (name, flag, typed)
+            assert [m.value for m in typed] == expected[flag], (name, flag)
+    assert {("report", "--backend"), ("match", "--backend"), ("isolate", "--accumulation")} <= seen
+    assert len(seen) >= 15  # every replaying analysis (both options), match and report
+    for flag in expected:
+        r = CliRunner().invoke(app, ["isolate", str(planted_dump), flag, "nope"])
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert f"'{flag}': 'nope' is not one of " + ", ".join(f"'{v}'" for v in expected[flag]) in r.output
+        assert "Value error" not in r.output and "Traceback" not in r.output

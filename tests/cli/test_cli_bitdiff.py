@@ -46,8 +46,9 @@ def test_bitdiff_refuses_a_dump_with_add_and_bad_sides_before_any_work(planted_d
     r = runner.invoke(app, ["bitdiff", str(planted_dump), "--add", "1", "2"])
     assert r.exit_code == 2 and "not both" in r.output and "Traceback" not in r.output
     for extra, needle in ((["--a", "nope"], "'nope' is not 'dump' or a preset"),
-                          (["--accumulation", "foo"], "--accumulation 'foo'"),
-                          (["--backend", "foo"], "--backend 'foo'")):
+                          (["--accumulation", "foo"],
+                           "'--accumulation': 'foo' is not one of 'ieee', 'tensor-core', 'auto'"),
+                          (["--backend", "foo"], "'--backend': 'foo' is not one of 'emulate', 'triton'")):
         r = runner.invoke(app, ["bitdiff", str(planted_dump), *extra])
         assert r.exit_code == 2 and needle in r.output, (extra, r.output)
         assert r.output.strip().count("\n") == 0, r.output  # one line, no progress bar residue before it
