@@ -14,7 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from fa_forensics.replay.gpu_fidelity import write_tensors
 
 ROWS = (768, 896)  # O and lse rows added (the fixture has 896..1024)
 KEYS = (768, 832)  # dK, dV keys kept
@@ -34,9 +36,7 @@ def build(recorded: Path, out: Path) -> Path:
     layout = {"tag": "gpt2", "source": "sdpa_gpt2.safetensors", "batch": 0, "heads": [0], "o_rows": list(ROWS),
               "dkdv_keys": list(KEYS), "kernels": list(KERNELS), "causal": True, "scale": 0.125}
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "gpt2_keys768.safetensors"
-    save_file(keep, str(path), metadata={"layout": json.dumps(layout)})
-    return path
+    return write_tensors(out / "gpt2_keys768.safetensors.xz", keep, {"layout": json.dumps(layout)})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from fa_forensics.replay.gpu_fidelity import write_tensors
 
 KERNELS = ("cudnn", "efficient", "flash", "paper", "paper_stable")
 TAIL = 128  # rows of O / dQ kept: the last ones
@@ -118,14 +118,12 @@ def main() -> None:
     for name, (tag, batch, heads, t_keep, rows, keep_dkdv, grads) in SETS.items():
         src = args.folder / f"sdpa_{name.split('.')[0]}.safetensors"
         tensors, layout = _trim_set(src, tag, batch, heads, t_keep, rows, keep_dkdv, grads)
-        dst = args.out / f"{tag}.safetensors"
-        save_file(tensors, str(dst), metadata={"layout": json.dumps(layout)})
+        dst = write_tensors(args.out / f"{tag}.safetensors.xz", tensors, {"layout": json.dumps(layout)})
         print(f"{dst.name}: {dst.stat().st_size / 1e3:.0f} kB")
     tensors, metadata = _trim_training(args.folder / "gpu_h200_train.zarr.tar")
-    dst = args.out / "train_capture.safetensors"
-    save_file(tensors, str(dst), metadata=metadata)
+    dst = write_tensors(args.out / "train_capture.safetensors.xz", tensors, metadata)
     print(f"{dst.name}: {dst.stat().st_size / 1e3:.0f} kB")
-    total = sum(p.stat().st_size for p in args.out.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in args.out.glob("*.safetensors.xz"))
     print(f"total {total / 1e6:.2f} MB")
 
 

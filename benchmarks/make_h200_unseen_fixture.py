@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from safetensors import safe_open
-from safetensors.torch import save_file
+from fa_forensics.replay.gpu_fidelity import write_tensors
 
 KEEP = {  # set -> (T kept, first kept output row)
     "d64_bfloat16_full": (1024, 960),
@@ -48,8 +48,7 @@ def main(argv=None) -> int:
                 out[f"{tag}.{kernel}.lse"] = lse[:1, :1, r0:t_keep]
         kept = dict(layout, batch=0, heads=[0], T=t_keep, o_rows=[r0, t_keep], dq_rows=[r0, t_keep], dkdv_keys=None,
                     q_rows=[r0, t_keep], source=f"{tag}.safetensors")
-        save_file({k: v.contiguous() for k, v in out.items()}, str(dst / f"{tag}.safetensors"),
-                  metadata={"layout": json.dumps(kept)})
+        write_tensors(dst / f"{tag}.safetensors.xz", out, {"layout": json.dumps(kept)})
         print(tag, sum(v.numel() * v.element_size() for v in out.values()), "bytes")
     return 0
 

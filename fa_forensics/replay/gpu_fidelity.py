@@ -5,11 +5,13 @@ A recorded set is a safetensors file with `<tag>.q`, `<tag>.k`, `<tag>.v` (B, H,
 `<tag>.<kernel>.o`, and a JSON metadata entry `layout` saying which rows of O are kept (`o_rows`, half-open),
 the scale, the causal flag, the stored dtype, and the launch shape the kernel ran with (`batch`, `heads`,
 `T_recorded`, which decide FlashAttention-2's split count). tests/data/h200_bits/ holds such sets (its README
-says how they were made); benchmarks/gpu_validate.py records new ones on a GPU.
+says how they were made); benchmarks/gpu_validate.py records new ones on a GPU. A set may be stored compressed with
+xz (`.safetensors.xz`, as the fixtures are: GPU bits compress to about 55 %); `read_tensors` reads either.
 """
 from __future__ import annotations
 
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -42,11 +44,8 @@ class RecordedSet:
 
     @classmethod
     def load(cls, path) -> RecordedSet:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            layout = json.loads((f.metadata() or {})["layout"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors, metadata = read_tensors(path)
+        layout = json.loads(metadata["layout"])
         return cls(layout["tag"], layout, tensors)
 
     @property
@@ -96,20 +95,38 @@ def o_agreement(rec: RecordedSet, kernel: str, config: ReplayConfig) -> float:
 
 
 def recorded_sets(folder) -> list[RecordedSet]:
-    """Every recorded set (*.safetensors with a `layout`) in a folder, by name."""
-    out = []
-    for p in sorted(Path(folder).glob("*.safetensors")):
-        rec = RecordedSet.load(p) if "layout" in _metadata(p) else None
-        if rec is not None:
-            out.append(rec)
-    return out
+    """Every recorded set (*.safetensors or *.safetensors.xz with a `layout`) in a folder, by name."""
+    paths = sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.xz")])
+    return [RecordedSet.load(p) for p in paths if "layout" in read_tensors(p, metadata_only=True)[1]]
 
 
-def _metadata(path: Path) -> dict:
+def read_tensors(path, metadata_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, or of one compressed with xz (a name ending in .xz).
+    metadata_only: the tensors are not read ({})."""
     from safetensors import safe_open
+    from safetensors.torch import load
 
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
+    path = Path(path)
+    if path.suffix != ".xz":
+        with safe_open(str(path), framework="pt") as f:
+            return ({} if metadata_only else {k: f.get_tensor(k) for k in f.keys()}), (f.metadata() or {})
+    data = lzma.decompress(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")  # the format: a u64 header length, the JSON header, the data
+    metadata = json.loads(data[8:8 + header]).get("__metadata__") or {}
+    return ({} if metadata_only else load(data)), metadata
+
+
+def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Write tensors and metadata as safetensors, compressed with xz when the name ends in .xz."""
+    from safetensors.torch import save, save_file
+
+    path = Path(path)
+    tensors = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+    if path.suffix == ".xz":
+        path.write_bytes(lzma.compress(save(tensors, metadata=metadata), preset=9 | lzma.PRESET_EXTREME))
+    else:
+        save_file(tensors, str(path), metadata=metadata)
+    return path
 
 
 def gpt2_like_inputs(batch: int, heads: int, seqlen: int, head_dim: int, dtype: torch.dtype, seed: int = 0,
@@ -126,8 +143,6 @@ def record_set(path, tag: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                causal: bool, note: str = "", do: Optional[torch.Tensor] = None) -> Path:
     """Write a recorded set (all rows kept) whose launch shape is q's: `outputs` maps kernel -> its O (B, H, T, D),
     or -> {tensor name: tensor} (o, and dq, dk, dv, lse where recorded); `do` the gradient the backward ran with."""
-    from safetensors.torch import save_file
-
     B, H, T, _ = q.shape
     per_kernel = {kernel: out if isinstance(out, dict) else {"o": out} for kernel, out in outputs.items()}
     tensors = {f"{tag}.q": q, f"{tag}.k": k, f"{tag}.v": v} | ({} if do is None else {f"{tag}.do": do})
@@ -137,10 +152,7 @@ def record_set(path, tag: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               "dq_rows": [0, T] if grads else None, "dkdv_keys": [0, T] if grads else None,
               "kernels": list(per_kernel), "causal": causal, "scale": scale,
               "dtype": str(q.dtype).replace("torch.", ""), "launch_batch": B, "launch_heads": H, "note": note}
-    path = Path(path)
-    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path),
-              metadata={"layout": json.dumps(layout)})
-    return path
+    return write_tensors(path, tensors, {"layout": json.dumps(layout)})
 
 
 def agreement_rows(rec: RecordedSet, sm_count: int = H200_SMS) -> list[dict]:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from fa_forensics.replay import ReplayConfig
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
+from fa_forensics.replay.gpu_fidelity import read_tensors
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 KERNELS = {"cudnn": "sdpa-cudnn", "efficient": "sdpa-efficient", "flash": "flash-attention-2"}
@@ -24,8 +24,8 @@ PRESETS = {"cudnn": "sdpa-cudnn-sm90", "efficient": "sdpa-efficient", "flash": "
 
 
 def _load(path: Path) -> tuple[dict, dict]:
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["layout"])
+    tensors, metadata = read_tensors(path)
+    return tensors, json.loads(metadata["layout"])
 
 
 def _config(kernel: str, dtype: torch.dtype) -> ReplayConfig:
@@ -40,7 +40,7 @@ def _share(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _dq_share(tag: str, kernel: str, model: str | None = None, **changes) -> float:
-    t, layout = _load(DATA / "h200_bits" / f"{tag}.safetensors")
+    t, layout = _load(DATA / "h200_bits" / f"{tag}.safetensors.xz")
     r0, r1 = layout["dq_rows"]
     assert layout["o_rows"] == [r0, r1]
     g = lambda name: t[f"{tag}.{name}"].float()  # noqa: E731
@@ -90,8 +90,8 @@ def test_the_efficient_kernel_needs_its_k8_instruction(monkeypatch):
 
 
 def _dkdv(kernel: str):
-    t, layout = _load(DATA / "h200_bits" / "gpt2.safetensors")
-    extra, extra_layout = _load(DATA / "h200_bwd" / "gpt2_keys768.safetensors")
+    t, layout = _load(DATA / "h200_bits" / "gpt2.safetensors.xz")
+    extra, extra_layout = _load(DATA / "h200_bwd" / "gpt2_keys768.safetensors.xz")
     (r0, r_mid), (k0, k1) = extra_layout["o_rows"], extra_layout["dkdv_keys"]
     assert r_mid == layout["o_rows"][0] and layout["o_rows"][1] == layout["T"]  # rows r0 .. T-1 are all there
     g = lambda name: t[f"gpt2.{name}"].float()  # noqa: E731

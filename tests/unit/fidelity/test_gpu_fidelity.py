@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from fa_forensics.dump.writer import DumpWriter
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.split_kv import butterfly_sum, flash_num_splits, split_ranges
 from fa_forensics.replay.emulate.forward import forward
 from fa_forensics.replay.gpu_fidelity import (
-    RecordedSet, agreement_rows, gpt2_like_inputs, kernel_preset, o_agreement, record_set,
+    RecordedSet, agreement_rows, gpt2_like_inputs, kernel_preset, o_agreement, read_tensors, record_set,
+    recorded_sets,
 )
 
 BITS = Path(__file__).resolve().parents[2] / "data" / "h200_bits"
@@ -37,7 +37,7 @@ CASES = [(tag, kernel) for tag in LAUNCH for kernel in KERNELS if not (tag == "f
 
 
 def _recorded(tag: str) -> RecordedSet:
-    return RecordedSet.load(BITS / f"{tag}.safetensors")
+    return RecordedSet.load(BITS / f"{tag}.safetensors.xz")
 
 
 def _config_for(rec: RecordedSet, kernel: str) -> tuple[str, ReplayConfig]:
@@ -92,9 +92,7 @@ def test_split_kv_helpers():
 
 def _training_dump(dst: Path) -> Path:
     """The trimmed training capture as a dump, with the run's recorded attributes (device cuda:0, bf16 autocast)."""
-    with safe_open(str(BITS / "train_capture.safetensors"), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, meta = read_tensors(BITS / "train_capture.safetensors.xz")
     layers = json.loads(meta["layer_attrs"])
     keep = ("module", "scale", "causal", "dtype", "heads", "dropout_p", "autocast", "input_dtype", "head_dim")
     with DumpWriter(dst, json.loads(meta["run_attrs"])) as w:
@@ -140,8 +138,12 @@ def test_recorded_launch_round_trip(tmp_path):
     assert rows["cudnn"]["preset"] == "sdpa-cudnn-sm90" and rows["cudnn"]["o_bits_equal"] == 1.0
     assert rows["flash"]["preset"] == "sdpa-flash@block_m=64,block_n=256,kv_splits=2"  # split: one row block on 132 SMs
     assert rows["flash"]["o_bits_equal"] == 1.0
-    swapped = record_set(tmp_path / "swap.safetensors", "swap", q, k, v, {"cudnn": outputs["flash"]}, scale=0.125,
-                         causal=False)
+    swapped = record_set(tmp_path / "swap.safetensors.xz", "swap", q, k, v, {"cudnn": outputs["flash"]},
+                         scale=0.125, causal=False)  # compressed, as the fixtures are
+    assert swapped.read_bytes()[:6] == b"\xfd7zXZ\x00"
+    assert [r.tag for r in recorded_sets(tmp_path)] == ["d64", "swap"]
+    assert torch.equal(RecordedSet.load(swapped).tensors["swap.cudnn.o"].view(torch.int16),
+                       outputs["flash"].view(torch.int16))
     assert agreement_rows(RecordedSet.load(swapped))[0]["o_bits_equal"] < 1.0
 
 

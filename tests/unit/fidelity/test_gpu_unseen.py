@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
 from fa_forensics.replay.emulate.forward import forward
-from fa_forensics.replay.gpu_fidelity import kernel_preset
+from fa_forensics.replay.gpu_fidelity import kernel_preset, read_tensors
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200_unseen"
 # (set, kernel) -> (O share, dQ share) floors; None: not recorded
@@ -31,8 +30,8 @@ FLOORS = {
 
 
 def _load(tag: str):
-    with safe_open(str(DATA / f"{tag}.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["layout"])
+    tensors, metadata = read_tensors(DATA / f"{tag}.safetensors.xz")
+    return tensors, json.loads(metadata["layout"])
 
 
 def _share(a: torch.Tensor, b: torch.Tensor) -> float:
