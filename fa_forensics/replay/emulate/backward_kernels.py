@@ -37,7 +37,9 @@ sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_a
     H200: descending key blocks reproduce the recorded bits (ascending: about 0.1 % fewer).
 sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below is the one that reproduces
   the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-fidelity.md):
-  δ: as flash-attention-2's. P = exp2(fp32(fp32(fp32(S · α) − lse) · log2 e)).
+  δ: as flash-attention-2's. P = exp2(fp32(fma(S, α, −lse) · log2 e)): the scale and the lse in one fused
+    multiply-add (measured: with fp32(fp32(S · α) − lse) instead, head dim 128, where α is not a power of two,
+    loses 0.01-0.13 % of dV).
   dS = cast(fp32(fp32(P · fp32(dP − δ)) · α)): the scale folded into dS, as in sdpa-efficient.
   dK, dV: accumulators continued over the query blocks in ascending order.
   dQ: per (query block, key block of 128) tile from zero, added in fp32 in ascending key order.
@@ -58,7 +60,7 @@ import torch
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp2_fp32, exp_fp32
-from fa_forensics.numerics.elementary import LOG2E
+from fa_forensics.numerics.elementary import LOG2E, fma_fp32
 from fa_forensics.replay.config import BackwardKernel, ExpForm, Precision, ReplayConfig
 from fa_forensics.replay.emulate import kernel_ops
 from fa_forensics.replay.emulate.ops import cast, mm
@@ -73,7 +75,7 @@ class KernelModel:
     tiles: Callable[[int], tuple[int, int]]  # head dim -> (query rows, keys) per tile
     delta_threads: Callable[[int], int]  # head dim -> threads sharing one row of δ (8 columns per load)
     butterfly_descending: bool  # xor offsets n/2 .. 1 (True) or 1 .. n/2
-    exp_form: str  # "exp2-folded" | "exp2-natural" | "exp"
+    exp_form: str  # "exp2-folded" | "exp2-natural" | "exp2-natural-fma" | "exp"
     scale_in_ds: bool  # α multiplies dS before its cast (dQ, dK then unscaled)
     ds_reads_p_bar: bool  # dS is formed from the input-dtype P̄ rather than the fp32 P
     query_blocks_descending: bool  # the dK / dV accumulators walk the query blocks last to first
@@ -97,7 +99,7 @@ MODELS = {
         query_blocks_descending=False, dq_chained=True, dq_keys_descending=True, mma_k=8),
     BackwardKernel.SDPA_CUDNN: KernelModel(
         tiles=lambda d: (128, 128), delta_threads=lambda d: 8 if d % 64 == 0 else 4, butterfly_descending=True,
-        exp_form="exp2-natural", scale_in_ds=True, ds_reads_p_bar=False, query_blocks_descending=False,
+        exp_form="exp2-natural-fma", scale_in_ds=True, ds_reads_p_bar=False, query_blocks_descending=False,
         dq_chained=False, dq_keys_descending=False),
 }
 
@@ -135,6 +137,8 @@ def _probs(S: torch.Tensor, lse: torch.Tensor, scale: float, form: str, exp2=exp
         return exp2((S.double() * c - shift).float())
     if form == "exp2-folded-mul":  # the same without the FMA: exp2(fp32(fp32(S·c) − fp32(lse·log2 e)))
         return exp2(S * c - (lse * _LOG2E).unsqueeze(-1))
+    if form == "exp2-natural-fma":  # exp2(fp32(fma(S, α, −lse)·log2 e))
+        return exp2(fma_fp32(S, alpha, -lse.unsqueeze(-1)) * _LOG2E)
     x = S * alpha - lse.unsqueeze(-1)  # fp32(fp32(S·α) − lse)
     if form == "exp2-natural":
         return exp2(x * _LOG2E)

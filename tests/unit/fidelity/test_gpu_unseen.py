@@ -63,3 +63,24 @@ def test_the_compiled_run_chose_cudnn():
     """SDPA under torch.compile on the H200 picked cuDNN for bf16 causal inputs, as it does eagerly."""
     _, layout = _load("compiled")
     assert layout["kernels"] == ["cudnn"]
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient", "flash"])
+def test_dk_dv_of_a_key_block_at_head_dim_128_in_fp16(kernel):
+    """dK and dV of keys 832..895 of the causal head-dim-128 fp16 launch, from the kernel's own O and lse, bit for
+    bit. Only rows 832.. see those keys, and P of a row needs only these keys' scores and the row's lse, so the keys
+    before 832 are zeros here (they change dQ, which is not compared). cuDNN's P needs its fused multiply-add
+    fma(S, α, −lse): with fp32(S·α) − lse, 18 elements of this block's dV differ (α = 128^-1/2 is not a power
+    of two)."""
+    tag = "d128_float16_causal"
+    tensors, metadata = read_tensors(DATA / f"{tag}_keys832.safetensors.xz")
+    layout = json.loads(metadata["layout"])
+    g = lambda name: tensors[f"{tag}.{name}"]  # noqa: E731
+    j0, j1 = layout["dkdv_keys"]
+    assert layout["q_rows"] == [j0, layout["T"]] and layout["causal"]
+    k, v = (torch.nn.functional.pad(g(n).float(), (0, 0, j0, 0)) for n in ("k", "v"))  # keys 0..j0-1 as zeros
+    config = ReplayConfig.preset(kernel_preset(kernel, 128, "float16", 1, 1, layout["T"]))
+    _, _, dk, dv = kernel_backward(g("q").float(), k, v, g("do").float(), g(f"{kernel}.o").float(),
+                                   g(f"{kernel}.lse").float(), config, causal=True, scale=layout["scale"], row0=j0)
+    assert torch.equal(dk[..., j0:j1, :].to(torch.float16), g(f"{kernel}.dk"))
+    assert torch.equal(dv[..., j0:j1, :].to(torch.float16), g(f"{kernel}.dv"))
