@@ -15,13 +15,14 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
   running accumulator are aligned to the largest exponent e_max among them, keeping 24 + neab
   significand bits, i.e. bits of weight ≥ 2^(e_max − 23 − neab); bits shifted out are truncated
   (toward zero, no sticky bit); the aligned integers are summed exactly; the sum is normalized
-  and rounded toward zero to fp32, which becomes the accumulator of the next group. The exponent
+  and rounded toward zero to fp32 (to 24 + neab significant bits where neab < 0: the H100's fp8 MMA keeps 14),
+  which becomes the accumulator of the next group. The exponent
   of a product a·b is the sum of its factors' exponents, floor(log2|a|) + floor(log2|b|), as the
   hardware forms it before normalizing (the significand product in [1, 4) is not renormalized:
   the authors' models, `denorm_prd`), which is one less than floor(log2|a·b|) when the
   significands multiply to 2 or more; the accumulator's is floor(log2|acc|). With that rule the
   model reproduces every published instruction-level output of bf16 and fp16 MMAs on the A100,
-  H100 and H200 (docs/gpu-fidelity.md). fp32 inputs fall back to `ieee`.
+  H100 and H200 and of fp8 (E4M3, E5M2) MMAs on the H100 (docs/gpu-fidelity.md). fp32 inputs fall back to `ieee`.
 
 Engines: where every operand and the starting accumulator are finite fp32 numbers (what the
 emulator always passes) the compiled kernels of `accumulate_jit` run (numba: one hardware fma
@@ -57,6 +58,7 @@ from fa_forensics.numerics.accumulate_tiles import (
     ieee_tile_fp64_exact,
     min_nonzero_abs,
     no_tiny_terms,
+    rz_mask,
     sum_round_to_odd,
     tensor_core_tile_fp32,
 )
@@ -184,16 +186,14 @@ def tensor_core_group(acc: torch.Tensor, prods: torch.Tensor, neab: int, leads: 
     else:
         total = prods.mul_(scale).to(torch.int64).sum(dim=0).to(torch.float64)
     total = total + torch.trunc(acc * scale)  # the accumulator, aligned the same way; exact in fp64
-    return _rz_fp32(total * (1.0 / scale))
+    return _rz_fp32(total * (1.0 / scale), rz_mask(neab))
 
 
-_RZ_MASK = ~((1 << 29) - 1)  # fp64 keeps 52 fraction bits, fp32 23: clear the low 29
-
-
-def _rz_fp32(x: torch.Tensor) -> torch.Tensor:
-    """Round fp64 values toward zero to fp32 (fp64 result): clear the low 29 fraction bits;
-    values outside fp32's normal range take the general path."""
-    y = (x.view(torch.int64) & _RZ_MASK).view(torch.float64)
+def _rz_fp32(x: torch.Tensor, mask: int) -> torch.Tensor:
+    """Round fp64 values toward zero to fp32 (fp64 result) keeping the significant bits `mask` keeps
+    (accumulate_tiles.rz_mask: fp32's 24, fewer for fp8); values outside fp32's normal range take the general
+    path."""
+    y = (x.view(torch.int64) & mask).view(torch.float64)
     ay = y.abs()
     if bool(((ay > _FP32_MAX) | ((ay < 2.0**-126) & (ay > 0))).any()):
         return round_to(x, "fp32", "toward-zero")

@@ -48,7 +48,6 @@ from fa_forensics.numerics.register_tiles import IEEE_COLS, IEEE_ROWS, TC_COLS, 
 
 _FP32_MAX = float(np.finfo(np.float32).max)
 _FP32_TINY = 2.0**-126  # smallest normal fp32
-_RZ_MASK = ~((1 << 29) - 1)  # fp64 keeps 52 fraction bits, fp32 23: clearing the low 29 truncates to fp32
 _EXP_MASK = 2047
 _JIT = dict(nogil=True, cache=True)
 
@@ -181,6 +180,7 @@ def _tensor_core_row(a_row, b, row, F, neab, g0, g1, c0, c1):
     top_bits = top.view(np.int64)
     scale_bits = scale.view(np.int64)
     inv_bits = inv_scale.view(np.int64)
+    mask = ~((1 << (29 + max(0, -neab))) - 1)  # accumulate_tiles.rz_mask(neab)
     for j in range(width):
         acc[j] = row[c0 + j]
     for k0 in range(g0, g1, F):
@@ -207,8 +207,8 @@ def _tensor_core_row(a_row, b, row, F, neab, g0, g1, c0, c1):
             x = (total[j] + np.trunc(acc[j] * scale[j])) * inv_scale[j]
             acc[j] = x
             total[j] = x
-        for j in range(width):  # round toward zero to fp32: clear the low 29 fraction bits
-            total_bits[j] &= _RZ_MASK
+        for j in range(width):  # round toward zero to fp32 (24 bits, fewer for fp8: accumulate_tiles.rz_mask)
+            total_bits[j] &= mask
         for j in range(width):  # outside fp32's normal range: ±max on overflow, the subnormal grid 2^-149
             t = total[j]
             at = abs(t)

@@ -142,6 +142,10 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
             a_rk = builder.load(builder.gep(a, [builder.add(_offset(builder, a_row, r), builder.mul(a_k, k))]))
             return _splat(builder, builder.fpext(a_rk, f64), v64)
 
+        # accumulate_tiles.rz_mask(neab): −2^(29 + max(0, −neab)) clears the bits below the kept significand
+        cleared = builder.select(builder.icmp_signed("<", neab, ir.Constant(_I64, 0)),
+                                 builder.sub(ir.Constant(_I64, 29), neab), ir.Constant(_I64, 29))
+        rz_mask = _splat(builder, builder.neg(builder.shl(ir.Constant(_I64, 1), cleared)), vi)
         with cgutils.for_range(builder, n_groups) as group:
             k0 = builder.add(k_start, builder.mul(group.index, F))
             left = builder.sub(k_end, k0)
@@ -177,7 +181,7 @@ def tensor_core_tile(typingctx, a_addr, a_row, a_k, b_addr, b_k, c_addr, c_row, 
                 x = builder.fmul(builder.fadd(builder.load(totals[r]), builder.call(vtrunc,
                                                                                     [builder.fmul(acc, scale)])),
                                  inv_scale)
-                t = builder.bitcast(builder.and_(builder.bitcast(x, vi), _const(~((1 << 29) - 1), vi)), v64)
+                t = builder.bitcast(builder.and_(builder.bitcast(x, vi), rz_mask), v64)
                 magnitude = builder.call(fabs, [t])
                 overflow = builder.fcmp_ordered(">", magnitude, _const(_FP32_MAX, v64))
                 subnormal = builder.and_(builder.fcmp_ordered("<", magnitude, _const(2.0**-126, v64)),

@@ -45,6 +45,9 @@ def _tensor_core_reference(p, v, F, neab):
         q = Fraction(2) ** (max(exponents) - 23 - neab)
         total = sum(math.trunc(t / q) for t in terms) * q
         acc = round_fraction(total, "fp32", "toward-zero")
+        if neab < 0 and acc != 0:  # the sum keeps 24 + neab significant bits (the H100's fp8 MMA: 14)
+            unit = Fraction(2) ** (floor_log2(abs(acc)) - 23 - neab)
+            acc = math.trunc(acc / unit) * unit
     return float(acc)
 
 
