@@ -76,6 +76,9 @@ class ExpForm(str, enum.Enum):
     # the memory-efficient kernel (iterative_softmax): scores scaled once, s = fp32(S·c), m = max s,
     # P̄ = exp2(fp32(s − m)) and the rescale exp2(fp32(m_prev − m)), both in the scaled domain
     EXP2_SCALED = "exp2-scaled"
+    # the memory-efficient kernel as PyTorch builds it (kSupportsBias): S·α first, then × fp32(log2 e), two
+    # roundings, s = fp32(fp32(S·α)·fp32(log2 e)); m, P̄ and the rescale as exp2-scaled
+    EXP2_SCALED_TWICE = "exp2-scaled-twice"
 
 
 class ExpUnit(str, enum.Enum):
@@ -95,6 +98,10 @@ class RowSum(str, enum.Enum):
     # of each 8-column MMA tile and adds them in column order into its own fp32 partial, rescaled with
     # the row and carried across KV blocks; one all-reduce at the end: (ℓ₀ + ℓ₂) + (ℓ₁ + ℓ₃)
     MMA_LANES = "mma-lanes"
+    # the memory-efficient (CUTLASS) kernel: per block, each 32-key warp tile's P̄ summed per thread (keys
+    # 8t + 2q + {0, 1} in order), the quad reduced as (s₀ + s₁) + (s₂ + s₃), the warp tiles then added to fp32(α·ℓ)
+    # one by one in key order
+    CUTLASS_WARPS = "cutlass-warps"
 
 
 class Normalize(str, enum.Enum):

@@ -343,12 +343,13 @@ def _sdpa_cudnn_sm90() -> ReplayConfig:
 
 
 def _sdpa_efficient() -> ReplayConfig:
-    # the memory-efficient (xformers / CUTLASS) kernel behind SDPA's EFFICIENT_ATTENTION: 64 x 64 tiles
-    # for head dim <= 64 (64 x 128 up to 128), forward order, scores scaled by α·log2 e once and exp2f of
-    # them less their max (iterative_softmax), output times 1/s_prime; every product an mma.sync m16n8k8
-    # (gemm_kernel_utils.h DefaultGemmType for 16-bit inputs on sm75+): 8-term groups
-    return _hw_kernel(block_m=64, block_n=64, exp_form=ExpForm.EXP2_SCALED, normalize=Normalize.RECIPROCAL, mma_k=8,
-                      backward_kernel=BackwardKernel.SDPA_EFFICIENT)
+    # the memory-efficient (xformers / CUTLASS) kernel behind SDPA's EFFICIENT_ATTENTION (kernel_forward.h):
+    # 64 x 64 tiles for head dim <= 64 (64 x 128 up to 128), forward order; the scores times α, then (in
+    # iterative_softmax) times log2 e, exp2f of them less their max; ℓ summed per thread, quad and warp tile
+    # (s_prime); output times 1/s_prime; every product an mma.sync m16n8k8 (gemm_kernel_utils.h DefaultGemmType
+    # for 16-bit inputs on sm75+): 8-term groups
+    return _hw_kernel(block_m=64, block_n=64, exp_form=ExpForm.EXP2_SCALED_TWICE, row_sum=RowSum.CUTLASS_WARPS,
+                      normalize=Normalize.RECIPROCAL, mma_k=8, backward_kernel=BackwardKernel.SDPA_EFFICIENT)
 
 
 def _flash_attn_2(exp_form: ExpForm) -> ReplayConfig:

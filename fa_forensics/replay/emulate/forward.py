@@ -39,8 +39,11 @@ accumulator's included) and the O cast; the S, m and ℓ casts round to nearest-
 
 Kernel models (config.exp_form, row_sum, normalize, kv_splits; emulate/kernel_ops.py, split_kv.py):
 exp_form exp2-*: the running max m is that of the raw scores S = q kᵀ, P̄ and the rescale are base-2
-exponentials of S·c (c = fp32(α·log2 e)) as kernel_ops.exp2_block says, and lse = fp32(m·α) + log ℓ;
+exponentials of S·c (c = fp32(α·log2 e)) as kernel_ops.exp2_block says (exp2-scaled-twice: of fp32(fp32(S·α)·
+log2 e)), and the lse as kernel_ops.kernel_lse forms it;
 row_sum mma-lanes: ℓ is four per-thread partials carried across blocks and reduced in the epilogue;
+row_sum cutlass-warps: each block's P̄ is summed per thread, per quad and per 32-key warp tile, and the tiles'
+sums are added to fp32(α·ℓ) in key order (kernel_ops.warp_row_sums);
 normalize reciprocal: O = fp32(acc · fp32(1/ℓ)); kv_splits > 1: FlashAttention-2's split-KV forward
 and combine (split_kv.py). These run on the torch path only.
 
@@ -192,6 +195,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     l = torch.zeros((B, H, T, kernel_ops.LANES) if lanes else (B, H, T))  # running ℓ_i (per-thread partials)
     base2 = config.exp_form is not ExpForm.EXP
     c_log2 = kernel_ops.scale_log2(scale)
+    scale_f = torch.tensor(scale, dtype=torch.float32)
     acc = torch.zeros((B, H, T, D))  # running unnormalized O (pv_dtype values)
     tracker = _RowMaxTracker(m.shape)
     p_one = torch.zeros((B, H), dtype=torch.int64)
@@ -225,7 +229,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             m_prev = m[..., r0:]
             m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
             m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-            alpha, p = kernel_ops.exp2_block(S_raw, m_prev, m_use, c_log2, config.exp_form, config.exp_unit)
+            alpha, p = kernel_ops.exp2_block(S_raw, m_prev, m_use, c_log2, scale_f, config.exp_form,
+                                             config.exp_unit)
             _add_row_sum(l, r0, alpha, p, config)
             p_bar = cast(p, config.p_dtype, config.rounding, generator)
             p_one += ((p_bar == 1.0) & visible).sum(dim=(-1, -2))
@@ -252,7 +257,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
             if low_exp:
                 alpha, p = cast(alpha, config.exp_dtype), cast(p, config.exp_dtype)
-            if lanes:
+            if config.row_sum is not RowSum.EXACT:
                 _add_row_sum(l, r0, alpha, p, config)
             else:
                 row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
@@ -300,7 +305,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     if mask is not None or split_part:
         o32 = torch.where((l == 0).unsqueeze(-1), torch.zeros_like(o32), o32)  # rows with no allowed key
     if base2:
-        scale_f = torch.tensor(scale, dtype=torch.float32)
         lse = kernel_ops.kernel_lse(m_use, l, scale_f, c_log2, config.exp_form, config.exp_unit)
     else:
         lse = m_use + torch.log(l)
@@ -318,9 +322,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
 
 
 def _add_row_sum(l: torch.Tensor, r0: int, alpha: torch.Tensor, p: torch.Tensor, config: ReplayConfig) -> None:
-    """ℓ of rows r0.. after one block (in place): exact (fp32(fp32(α·ℓ) + ΣP̄)) or per-thread partials (mma-lanes)."""
+    """ℓ of rows r0.. after one block (in place): exact (fp32(fp32(α·ℓ) + ΣP̄)), per-thread partials (mma-lanes) or
+    the memory-efficient kernel's threads, quads and warp tiles (cutlass-warps)."""
     if config.row_sum is RowSum.MMA_LANES:
         l[..., r0:, :] = kernel_ops.lane_row_sums(p, l[..., r0:, :] * alpha)
+    elif config.row_sum is RowSum.CUTLASS_WARPS:
+        l[..., r0:] = kernel_ops.warp_row_sums(p, alpha.squeeze(-1) * l[..., r0:])
     else:
         l[..., r0:] = alpha.squeeze(-1) * l[..., r0:] + p.double().sum(dim=-1).float()
 

@@ -2,9 +2,12 @@
 
 - `exp2_block`: P̄ and the rescale factor from raw scores S = q kᵀ in the base-2 forms of ReplayConfig.exp_form
   (FlashAttention-2's softmax.h: the row max is taken on raw S, c = α·log2 e folds the softmax scale into the
-  exponent's argument);
+  exponent's argument; the memory-efficient kernel scales the scores once or, as PyTorch builds it, twice:
+  `log2_scaled`);
 - `lane_row_sums` / `reduce_lanes`: FlashAttention-2's row sum ℓ, kept as four per-thread fp32 partials in the
   MMA accumulator's register layout and all-reduced once in the epilogue;
+- `warp_row_sums`: the memory-efficient (CUTLASS) kernel's row sum ℓ, each block's P̄ summed per thread, per quad
+  and per warp column, then added warp by warp to the rescaled ℓ;
 - `reciprocal`: the epilogue's 1/ℓ (1 where ℓ is 0 or NaN, as the kernels guard it).
 
 All values are fp32 tensors; every named operation rounds once to fp32.
@@ -53,34 +56,49 @@ def unit_functions(unit: ExpUnit) -> UnitFunctions:
     return _UNIT_FUNCTIONS[unit]
 
 
+_LOG2E = torch.tensor(math.log2(math.e), dtype=torch.float32)  # fp32(log2 e), the kernels' kLog2e
+_SCALED_FORMS = (ExpForm.EXP2_SCALED, ExpForm.EXP2_SCALED_TWICE)
+
+
+def log2_scaled(x: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: ExpForm) -> torch.Tensor:
+    """Raw scores (or their max) in the scaled base-2 domain of the exp2-scaled forms: fp32(x·c) (exp2-scaled) or
+    fp32(fp32(x·α)·fp32(log2 e)) (exp2-scaled-twice). Both roundings are monotone, so the max of the scaled
+    scores is the scaled max."""
+    if form is ExpForm.EXP2_SCALED_TWICE:
+        return (x * scale) * _LOG2E
+    return x * c
+
+
 def kernel_lse(m: torch.Tensor, l: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: ExpForm,
                unit: ExpUnit) -> torch.Tensor:
     """The lse (natural log) a base-2 kernel writes from its raw row max m and row sum ℓ: FlashAttention-2's
-    fma(m, α, __logf(ℓ)) (softmax.h; the compiler contracts the multiply-add), or for exp2-scaled
-    fp32(fp32(fp32(m·c) / fp32(log2 e)) + logf(ℓ)) (the memory-efficient kernel's epilogue)."""
-    if form is ExpForm.EXP2_SCALED:
-        log2e = torch.tensor(math.log2(math.e), dtype=torch.float32)
-        return (m * c) / log2e + unit_functions(unit).log(l)
+    fma(m, α, __logf(ℓ)) (softmax.h; the compiler contracts the multiply-add), or for the exp2-scaled forms
+    fp32(fp32(m_s / fp32(log2 e)) + logf(ℓ)) with m_s the scaled max (the memory-efficient kernel's epilogue:
+    accum_t(mi / kLog2e) + cutlass::fast_log(s_prime), fast_log being logf)."""
+    if form in _SCALED_FORMS:
+        return log2_scaled(m, scale, c, form) / _LOG2E + unit_functions(unit).log(l)
     return fma_fp32(m, scale, unit_functions(unit).fast_log(l))
 
 
-def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor,
+def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor, scale: torch.Tensor,
                form: ExpForm, unit: ExpUnit = ExpUnit.CORRECTLY_ROUNDED) -> tuple[torch.Tensor, torch.Tensor]:
     """(rescale (B, H, R, 1), P̄ (B, H, R, N)) for raw scores S (−inf = masked), the previous and new running
-    maxima of raw S (m_use: 0 where nothing is visible yet). rescale = exp2(fp32(fp32(m_prev − m_use)·c))
-    (exp2-scaled: exp2(fp32(fp32(m_prev·c) − fp32(m_use·c)))); P̄ = exp2(fma(S, c, −fp32(m_use·c))) (exp2-fma)
-    or exp2(fp32(fp32(S·c) − fp32(m_use·c))) (exp2-mul, exp2-scaled: the max of fp32(S·c) is fp32(m·c)).
+    maxima of raw S (m_use: 0 where nothing is visible yet). rescale = exp2(fp32(fp32(m_prev − m_use)·c));
+    P̄ = exp2(fma(S, c, −fp32(m_use·c))) (exp2-fma) or exp2(fp32(fp32(S·c) − fp32(m_use·c))) (exp2-mul).
+    The exp2-scaled forms work in the scaled domain (`log2_scaled`, which exp2-scaled-twice forms with the
+    fp32 softmax scale α, `scale`): rescale exp2(fp32(s(m_prev) − s(m_use))), P̄ = exp2(fp32(s(S) − s(m_use))).
     2^x as `unit` computes it."""
     exp2 = unit_functions(unit).exp2
+    if form in _SCALED_FORMS:
+        m_s = log2_scaled(m_use, scale, c, form)
+        alpha = exp2(log2_scaled(m_prev, scale, c, form) - m_s).unsqueeze(-1)
+        return alpha, exp2(log2_scaled(S, scale, c, form) - m_s.unsqueeze(-1))
     max_scaled = (m_use * c).unsqueeze(-1)  # fp32 product
     if form is ExpForm.EXP2_FMA:
         x = fma_fp32(S, c, -max_scaled)
     else:
         x = (S * c) - max_scaled  # two fp32 roundings
-    if form is ExpForm.EXP2_SCALED:
-        alpha = exp2(m_prev * c - m_use * c).unsqueeze(-1)
-    else:
-        alpha = exp2((m_prev - m_use) * c).unsqueeze(-1)
+    alpha = exp2((m_prev - m_use) * c).unsqueeze(-1)
     return alpha, exp2(x)
 
 
@@ -95,6 +113,33 @@ def lane_row_sums(p: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
     out = partials.clone()
     for i in range(tiles.shape[-1]):
         out = out + tiles[..., i]
+    return out
+
+
+WARP_KEYS = 32  # keys of one warp tile of the memory-efficient kernel's Q Kᵀ (WarpShape 32 x 32)
+_MMA_N = 8  # keys of one m16n8 MMA tile
+
+
+def warp_row_sums(p: torch.Tensor, l_scaled: torch.Tensor) -> torch.Tensor:
+    """ℓ (B, H, R) after one block of the memory-efficient kernel (iterative_softmax), from its P̄ (B, H, R, N) and
+    the rescaled running ℓ: the block's keys are cut into warp tiles of 32; in each, thread q of the row's quad
+    adds keys 8t + 2q and 8t + 2q + 1 for t = 0..3 in that order into a partial from 0; the quad reduces
+    (shuffle-xor 1, then 2) to (s₀ + s₁) + (s₂ + s₃); ℓ then adds the warp tiles' sums one by one, in key order.
+    Keys past N add 0, as the kernel's columns past the last key do."""
+    *lead, n = p.shape
+    pad = (-n) % WARP_KEYS
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    # (..., warp, mma tile t, lane q, column) -> (..., warp, q, t·2 + column): each thread's values in its order
+    per_thread = p.reshape(*lead, -1, WARP_KEYS // _MMA_N, LANES, _PAIR).movedim(-2, -3).reshape(*lead, -1, LANES,
+                                                                                                  WARP_KEYS // LANES)
+    partial = per_thread[..., 0]
+    for i in range(1, per_thread.shape[-1]):
+        partial = partial + per_thread[..., i]
+    quad = (partial[..., 0] + partial[..., 1]) + (partial[..., 2] + partial[..., 3])  # (..., warp)
+    out = l_scaled
+    for w in range(quad.shape[-1]):
+        out = out + quad[..., w]
     return out
 
 

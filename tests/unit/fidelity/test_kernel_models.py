@@ -7,7 +7,7 @@ import torch
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.errors import ConfigError
 from fa_forensics.replay.config import ReplayConfig
-from fa_forensics.replay.emulate.kernel_ops import lane_row_sums, reduce_lanes
+from fa_forensics.replay.emulate.kernel_ops import lane_row_sums, reduce_lanes, warp_row_sums
 from fa_forensics.replay.emulate.forward import forward
 from fa_forensics.replay.kernel_recipes import kernel_presets
 
@@ -39,6 +39,24 @@ def test_lane_row_sums_follow_the_mma_register_layout():
     assert reduce_lanes(partials).item() == 1.0 + 2.0 ** -23
     carried = lane_row_sums(p, partials * 0.5)  # the partials rescaled and carried into the next block
     assert carried.flatten().tolist() == [1.5, 1.5 * 2.0 ** -24, 0.0, 1.5 * 2.0 ** -24]
+
+
+def test_warp_row_sums_follow_the_cutlass_kernels_order():
+    """The memory-efficient kernel: thread q of a quad adds keys 8t + 2q, 8t + 2q + 1 (t = 0..3) of its 32-key warp
+    tile in order, the quad reduces (s0 + s1) + (s2 + s3), and ℓ adds the warp tiles one by one."""
+    tiny = 2.0 ** -24
+    zero = torch.zeros(1)
+    p = torch.zeros(1, 32)
+    p[0, 0], p[0, 4], p[0, 6] = 1.0, tiny, tiny  # threads 0, 2, 3: (1 + 0) + (2^-24 + 2^-24) = 1 + 2^-23
+    assert warp_row_sums(p, zero).item() == 1.0 + 2.0 ** -23
+    assert reduce_lanes(lane_row_sums(p[None], torch.zeros(1, 1, 4))).item() == 1.0  # FlashAttention-2's pairing
+    p = torch.zeros(1, 32)
+    p[0, 0], p[0, 1], p[0, 8] = 1.0, tiny, tiny  # one thread, in order: each 2^-24 is lost to ties-to-even
+    assert warp_row_sums(p, zero).item() == 1.0
+    p = torch.zeros(1, 40)  # two warp tiles (the second one padded with zeros), added to the rescaled ℓ in turn
+    p[0, 0], p[0, 32] = 1.0, tiny
+    assert warp_row_sums(p, torch.tensor([tiny])).item() == 1.0  # (2^-24 + 1) + 2^-24
+    assert (p.double().sum() + tiny) == 1.0 + 2.0 ** -23
 
 
 def test_flash_walks_keys_backwards_and_splits_change_the_bits():
