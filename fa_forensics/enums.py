@@ -143,3 +143,14 @@ class Backend(str, enum.Enum):
 
 BACKENDS = tuple(b.value for b in Backend)
 ACCUMULATIONS = tuple(a.value for a in Accumulation)
+
+
+class Engine(str, enum.Enum):
+    """Which implementation runs the CPU emulator's arithmetic; every engine gives the spec's bits
+    (what each covers and when it falls back: numerics/engines.py)."""
+
+    SPEC = "spec"  # the torch code: the readable specification, runs every input
+    COMPILED = "compiled"  # numba kernels where their domain holds, the spec elsewhere (the default)
+
+
+ENGINES = tuple(e.value for e in Engine)
