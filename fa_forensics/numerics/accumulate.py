@@ -49,7 +49,7 @@ import torch
 
 from fa_forensics.errors import ConfigError
 from fa_forensics.enums import Engine
-from fa_forensics.numerics.engines import EngineLike, resolve_engine, runs_compiled
+from fa_forensics.numerics.engines import EngineLike, available, resolve_engine
 from fa_forensics.numerics.formats import FormatLike, get_format
 from fa_forensics.numerics.rounding import round_to
 from fa_forensics.numerics.accumulate_tiles import (
@@ -355,7 +355,7 @@ def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
     """The model on the compiled kernels: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), or from
     zeros when acc3 is None -> fp32 (L, M, N); None when an operand is outside their domain
     (not a finite fp32 number). band: the zero terms and unwanted outputs both kernels skip."""
-    if not runs_compiled(Engine.COMPILED):  # numba missing: the torch kernels give the same bits, slower
+    if not available(Engine.COMPILED):  # numba missing: the torch kernels give the same bits, slower
         return None
     accumulate_jit = _jit()
     a, b = _as_fp32_array(a3, strided=True, assume_finite=assume_finite), _as_fp32_array(b3,
