@@ -6,72 +6,66 @@ Run it under each checkout (PYTHONPATH=CHECKOUT picks the package), then compare
     python benchmarks/emulator_corpus.py --out new.json
     python benchmarks/emulator_corpus.py --compare old.json new.json
 
-The corpus: every preset × both accumulation models × causal or not × no mask, a bool mask and an
-additive mask (with rows that see no key) × two shapes (B 1, H 2, T 80, D 16 with tied scores;
-B 2, H 3, T 130, D 32), forward and backward; and GPT-2-size rows (B 1, H 2, T 1024, D 64, causal)
-for three presets × both models, in one pass and in row blocks of 96. Per replay: a sha256 prefix of
-O, lse, δ, dQ, dK, dV and the P̄ statistics. Digests are comparable on one machine (the bits of a
-replay may depend on the host's float64 sum order, see docs/replay.md, "Numerics contract of the emulator").
+The corpus is the golden corpus of fa_forensics/replay/corpus.py (`full_cases`), read from this script's
+checkout whatever package PYTHONPATH picks, so both runs replay the same cases: every preset × both
+accumulation models × causal or not × no mask, a bool mask and an additive mask (with rows that see no
+key) × two inputs (B 1, H 2, T 80, D 16 with tied scores; B 2, H 3, T 130, D 32), forward and backward;
+and GPT-2-size rows (B 1, H 2, T 1024, D 64, causal) for three presets × both models, in one pass and in row
+blocks of 96. Per replay: a sha256 prefix of O, lse, δ, dQ, dK, dV and the P̄ statistics. Digests are
+comparable on one machine (the bits of a replay may depend on the host's float64 sum order, see
+docs/replay.md, "Numerics contract of the emulator"). The engines of one version are compared with each
+other by tests/unit/replay/test_engines_golden.py on the small corpus.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import itertools
 import json
 import sys
+from pathlib import Path
 
-import torch
-
+CORPUS_FILE = Path(__file__).resolve().parent.parent / "fa_forensics" / "replay" / "corpus.py"
 _FIELDS = ("o", "lse", "delta", "dq", "dk", "dv")
+_STATS = ("repeated_max_rows", "p_one_count", "stabilized_rows", "p_zeroed")
+
+
+def _corpus():
+    """This checkout's corpus definition, importing whichever fa_forensics is on the path."""
+    spec = importlib.util.spec_from_file_location("emulator_golden_corpus", CORPUS_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def _digest(x) -> str | None:
     return None if x is None else hashlib.sha256(x.detach().contiguous().float().numpy().tobytes()).hexdigest()[:16]
 
 
-def _inputs(seed: int, B: int, H: int, T: int, D: int, ties: bool):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(B, H, T, D, generator=g) * s for s in (3.0, 3.0, 1.0, 1.0))
-    if ties:
-        q, k = torch.round(q * 2) / 2, torch.round(k * 2) / 2
-    return q, k, v, do
-
-
-def _masks(T: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(1, 1, T, T, generator=g) > 0.3
-    allowed[..., :2, :] = False
-    return {"none": None, "bool": allowed,
-            "add": torch.where(allowed, torch.randn(1, 1, T, T, generator=g), torch.tensor(float("-inf")))}
-
-
 def _record(r, with_stats: bool = True) -> list:
     row = [_digest(getattr(r, f)) for f in _FIELDS]
     if with_stats:
-        row += [getattr(r.stats, f).tolist() for f in ("repeated_max_rows", "p_one_count", "stabilized_rows",
-                                                       "p_zeroed")]
+        row += [getattr(r.stats, f).tolist() for f in _STATS]
     return row
 
 
 def run_corpus() -> dict:
     from fa_forensics.errors import ConfigError
     from fa_forensics.replay import ReplayConfig, replay
-    from fa_forensics.replay.config import PRESETS
     from fa_forensics.replay.emulate.run import StreamPlan, emulate_replay
 
+    corpus = _corpus()
     out = {}
-    for si, (B, H, T, D, ties) in enumerate([(1, 2, 80, 16, True), (2, 3, 130, 32, False)]):
-        q, k, v, do = _inputs(si, B, H, T, D, ties)
-        masks = _masks(T, si)
-        for name, acc, causal, mk in itertools.product(PRESETS, ("ieee", "tensor-core"), (True, False), masks):
-            cfg = ReplayConfig.preset(name).with_(accumulation=acc)
-            try:
-                out[f"{si}/{name}/{acc}/{causal}/{mk}"] = _record(replay(q, k, v, cfg, do=do, causal=causal,
-                                                                         mask=masks[mk]))
-            except ConfigError as exc:  # a GPU kernel's backward model refuses what that kernel does not do
-                out[f"{si}/{name}/{acc}/{causal}/{mk}"] = f"refused: {exc}"
-    q, k, v, do = _inputs(7, 1, 2, 1024, 64, False)
+    for case in corpus.full_cases():
+        q, k, v, do = case.inputs.tensors()
+        try:
+            out[case.key] = _record(replay(q, k, v, case.config(), do=do, causal=case.causal,
+                                           mask=case.inputs.mask(case.mask)))
+        except ConfigError as exc:  # a GPU kernel's model refuses what that kernel does not do
+            out[case.key] = f"refused: {exc}"
+    q, k, v, do = corpus.Inputs(7, 1, 2, 1024, 64, False).tensors()
     for name, acc in itertools.product(("bf16", "bf16-autocast-train", "fp8-s448"), ("ieee", "tensor-core")):
         cfg = ReplayConfig.preset(name).with_(accumulation=acc)
         out[f"gpt2/{name}/{acc}"] = _record(replay(q, k, v, cfg, do=do, causal=True))

@@ -155,3 +155,14 @@ ACCUMULATIONS = tuple(a.value for a in Accumulation)
 # Accumulation so that the CLI's choices cannot drift from the models.
 AccumulationOrAuto = enum.Enum("AccumulationOrAuto", [(a.name, a.value) for a in Accumulation] + [("AUTO", AUTO)],
                                type=str)
+
+
+class Engine(str, enum.Enum):
+    """Which implementation runs the CPU emulator's arithmetic; every engine gives the spec's bits
+    (what each covers and when it falls back: numerics/engines.py)."""
+
+    SPEC = "spec"  # the torch code: the readable specification, runs every input
+    COMPILED = "compiled"  # numba kernels where their domain holds, the spec elsewhere (the default)
+
+
+ENGINES = tuple(e.value for e in Engine)

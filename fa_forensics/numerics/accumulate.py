@@ -24,11 +24,11 @@ return fp32. Products are exact (a 24-bit × 24-bit product fits in fp64's 53 bi
   model reproduces every published instruction-level output of bf16 and fp16 MMAs on the A100,
   H100 and H200 and of fp8 (E4M3, E5M2) MMAs on the H100 (docs/gpu-fidelity.md). fp32 inputs fall back to `ieee`.
 
-Engines: where every operand and the starting accumulator are finite fp32 numbers (what the
-emulator always passes) the compiled kernels of `accumulate_jit` run (numba: one hardware fma
-per term for ieee, the group alignment in fp64 for tensor-core); anything else (NaN, inf, fp64
-values that are not fp32 numbers) and `engine="torch"` run the torch kernels below, which are
-also the reference the compiled ones are tested against bit for bit.
+Engines (numerics/engines.py): under `Engine.COMPILED` (the default), where every operand and the
+starting accumulator are finite fp32 numbers (what the emulator always passes), the compiled kernels of
+`accumulate_jit` run (numba: one hardware fma per term for ieee, the group alignment in fp64 for
+tensor-core); anything else (NaN, inf, fp64 values that are not fp32 numbers) and `Engine.SPEC` run the
+torch kernels below, the specification the compiled ones are tested against bit for bit.
 
 Speed of the torch kernels (accumulate_tiles): the output is cut into tiles of rows whose temporaries are about
 `_CHUNK_BYTES` (cache-sized); Python loops run over tiles and K (ieee) or groups of K
@@ -49,6 +49,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import ConfigError
+from fa_forensics.enums import Engine
+from fa_forensics.numerics.engines import EngineLike, available, resolve_engine
 from fa_forensics.numerics.formats import FormatLike, get_format
 from fa_forensics.numerics.rounding import round_to
 from fa_forensics.numerics.accumulate_tiles import (
@@ -83,8 +85,6 @@ class Band:
     n_hi: Optional[int] = None
 
 
-ENGINES = ("auto", "torch")
-DEFAULT_ENGINE = "auto"  # the engine of matmul(engine=None); tests set "torch" to replay on the reference kernels
 _CHUNK_BYTES = 8 * 2**20  # target size of the largest temporary of one tile (measured best at 4-16 MiB)
 _IEEE_TILE_FACTOR = 1  # the ieee kernel's temporary is one fp32 (m, N) accumulator
 _EXACT64_TILE_BYTES = 512 * 2**10  # fp64 (m, N) sum of the fp32-operand ieee kernel: ~5 passes per k, keep it in L2
@@ -274,7 +274,7 @@ def matmul(
     gpu="h100",
     in_format: FormatLike = "bf16",
     acc: Optional[torch.Tensor] = None,
-    engine: Optional[str] = None,
+    engine: EngineLike = None,
     band: Optional[Band] = None,
     assume_finite: bool = False,
     mma_k: Optional[int] = None,
@@ -283,18 +283,16 @@ def matmul(
 
     a and b hold exact values of `in_format` inputs (any float dtype). `acc` (..., M, N) is an
     optional starting fp32 accumulator (the running O of flash attention, say).
-    engine: "auto" runs the compiled kernels (accumulate_jit) where every operand is a finite
-    fp32 number and the torch kernels elsewhere; "torch" always runs the torch kernels (the
-    reference the compiled ones are tested against); None: DEFAULT_ENGINE. Both give the same bits.
+    engine: `Engine.COMPILED` (or "auto") runs the compiled kernels (accumulate_jit) where every operand is
+    a finite fp32 number and the torch kernels elsewhere; `Engine.SPEC` (or "torch") always runs the torch
+    kernels (the specification); None: the current engine (`numerics.engines.use_engine`). Same bits.
     band: the product's causal structure (`Band`): zero terms skipped, unwanted outputs 0.
     assume_finite: the caller vouches that a and b are finite fp32 numbers, so the compiled
     kernels skip their check (which routes other values to the torch kernels); acc is checked.
     mma_k: the kernel's MMA instruction K where smaller than the tensor core's group (`tensor_core_params`).
     """
     model = normalize_accumulation(accumulation)
-    engine = DEFAULT_ENGINE if engine is None else engine
-    if engine not in ENGINES:
-        raise ConfigError(f"matmul: unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    engine = resolve_engine(engine)
     if a.shape[-1] != b.shape[-2]:
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -306,7 +304,7 @@ def matmul(
     a3 = a.expand(*lead, M, K).reshape(L, M, K)  # (L, M, K)
     b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
     acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)  # (L, M, N)
-    if engine == "auto":
+    if engine is Engine.COMPILED:
         out = _compiled(a3, b3, acc3, params, band, assume_finite)
         if out is not None:
             return out.reshape(*lead, M, N)
@@ -351,22 +349,13 @@ def _jit():
     return accumulate_jit
 
 
-def _compiled_available() -> bool:
-    """numba imports here (a declared dependency; without it the torch kernels give the same bits, slower)."""
-    try:
-        _jit()
-    except ImportError:
-        return False
-    return True
-
-
 def _compiled(a3: torch.Tensor, b3: torch.Tensor, acc3: Optional[torch.Tensor],
               params: Optional[TensorCoreParams], band: Optional[Band] = None,
               assume_finite: bool = False) -> Optional[torch.Tensor]:
     """The model on the compiled kernels: a3 (L, M, K) @ b3 (L, K, N) from acc3 (L, M, N), or from
     zeros when acc3 is None -> fp32 (L, M, N); None when an operand is outside their domain
     (not a finite fp32 number). band: the zero terms and unwanted outputs both kernels skip."""
-    if not _compiled_available():
+    if not available(Engine.COMPILED):  # numba missing: the torch kernels give the same bits, slower
         return None
     accumulate_jit = _jit()
     a, b = _as_fp32_array(a3, strided=True, assume_finite=assume_finite), _as_fp32_array(b3,

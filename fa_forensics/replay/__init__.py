@@ -2,10 +2,13 @@
 
     from fa_forensics.replay import replay, ReplayConfig
     out = replay(q, k, v, ReplayConfig.preset("bf16"), do=do)   # out.o, out.lse, out.stats, out.dq ...
+    with use_engine(Engine.SPEC):                               # the torch specification: the same bits, slower
+        ...
 """
 from fa_forensics.enums import (  # noqa: F401
     Accumulation,
     DeltaSource,
+    Engine,
     GPUModel,
     KVOrder,
     Precision,
@@ -13,6 +16,7 @@ from fa_forensics.enums import (  # noqa: F401
     Rounding,
     Softmax,
 )
+from fa_forensics.numerics.engines import use_engine  # noqa: F401
 from fa_forensics.replay.config import PRESETS, ReplayConfig  # noqa: F401
 from fa_forensics.replay.out import PBarStats, ReplayOut  # noqa: F401
 from fa_forensics.replay.api import BackendUnavailable, replay  # noqa: F401

@@ -1,7 +1,8 @@
 """The one replay entry point: validate the arguments, resolve causal/scale, pick the backend.
 
-backend "emulate" is the CPU reference (fa_forensics.replay.emulate); backend "triton" is
-imported lazily from fa_forensics.replay.triton.backend so that this module never needs Triton.
+backend "emulate" is the CPU reference (fa_forensics.replay.emulate), computed by the engine chosen
+(numerics/engines.py: the torch specification or the compiled kernels, the same bits); backend "triton"
+is imported lazily from fa_forensics.replay.triton.backend so that this module never needs Triton.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.enums import BACKENDS
-from fa_forensics.errors import BackendUnsupported, ConfigError
+from fa_forensics.errors import BackendUnsupported, ConfigError, InvalidSetting
+from fa_forensics.numerics.engines import EngineLike, resolve_engine
 from fa_forensics.optional import require
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.out import ReplayOut
@@ -65,14 +67,15 @@ def resolve_causal_scale(config: ReplayConfig, head_dim: int, causal: Optional[b
 
 def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, do: Optional[torch.Tensor] = None,
            *, backend: str = "emulate", causal: Optional[bool] = None, scale: Optional[float] = None,
-           mask: Optional[torch.Tensor] = None) -> ReplayOut:
+           mask: Optional[torch.Tensor] = None, engine: EngineLike = None) -> ReplayOut:
     """Replay attention forward (and, with dO, backward) under `config` on `backend`.
 
     q, k, v, do: (B, H, T, D) in any float dtype; their values are first rounded to
     config.input_dtype. mask: SDPA's attn_mask as captured (bool, True = may attend, or an additive
     float bias), broadcastable to (B, H, T, Tk); applied on top of `causal`. A row with no allowed
     key gives O = 0 and zero gradients, as SDPA does. Returns ReplayOut (O in o_dtype, lse, P̄
-    stats, δ/dQ/dK/dV with dO).
+    stats, δ/dQ/dK/dV with dO). engine: which implementation the emulator computes with (`Engine.SPEC`,
+    `Engine.COMPILED`; None: the current one, `numerics.engines.use_engine`); it never changes a bit.
     """
     if not isinstance(config, ReplayConfig):
         raise ConfigError(f"replay: config must be a ReplayConfig, got {type(config).__name__}; use "
@@ -85,7 +88,11 @@ def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConf
     if backend == "emulate":
         from fa_forensics.replay.emulate import emulate_replay
 
-        return emulate_replay(q, k, v, config, do, causal=causal, scale=scale, mask=mask)
+        engine = resolve_engine(engine)
+        return emulate_replay(q, k, v, config, do, causal=causal, scale=scale, mask=mask, engine=engine)
+    if engine is not None:
+        raise InvalidSetting("engine", "chooses how the emulator computes; backend triton runs its own kernels "
+                                       "(leave engine unset)")
     if mask is not None:
         raise BackendUnavailable("triton", "does not apply attention masks (this layer has one)")
     require("triton", "the replay backend triton")

@@ -21,13 +21,16 @@ The interpreter runs kernels with numpy and has known numeric bugs:
 - tl.exp2 is `numerics.exp2_fp32` (fp64 2ˣ rounded once to fp32: the same bits at any position in
   any tile) and tl.log is torch.log.
 The emulator evaluates exp(x) with numerics.exp_fp32 (correctly rounded), the kernels as
-exp2(x·log2 e); `align_emulator_exp(monkeypatch)` makes the emulator use exp(x) := exp2_fp32(fp32(x·log2 e)),
+exp2(x·log2 e); `with align_emulator_exp(monkeypatch):` makes the emulator use exp(x) := exp2_fp32(fp32(x·log2 e)),
 so that a test can demand bit-exact agreement of everything downstream of the exponential.
 With it an interpreter run computes what the kernel's source says, in the emulator's order, so
 interpreter-vs-emulator tests check the kernels' logic bit for bit. It changes nothing outside
 the interpreter; `uninstall()` restores the originals.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -187,13 +190,17 @@ def aligned_exp(x: torch.Tensor) -> torch.Tensor:
     return exp2_fp32(x * torch.tensor(LOG2E, dtype=x.dtype))
 
 
-def align_emulator_exp(monkeypatch) -> None:
-    """Make the emulator's exponential the kernels' one (`aligned_exp`) for one test. The compiled
-    row stages (replay/emulate/fused.py) carry the emulator's own exp inside, so the emulator runs
-    its torch path here, where the exp can be swapped (the two paths are bit-identical otherwise,
-    tests/unit/replay/test_replay_fused.py)."""
-    from fa_forensics.replay.emulate import backward, forward, fused
+@contextlib.contextmanager
+def align_emulator_exp(monkeypatch) -> Iterator[None]:
+    """Make the emulator's exponential the kernels' one (`aligned_exp`) inside the block (a fixture's
+    body). The compiled engine's row stages (replay/emulate/fused.py) carry the emulator's own exp inside,
+    so the emulator runs the spec engine here, whose exp can be swapped (the engines are bit-identical
+    otherwise, tests/unit/replay/test_engines_golden.py)."""
+    from fa_forensics.enums import Engine
+    from fa_forensics.numerics.engines import use_engine
+    from fa_forensics.replay.emulate import backward, forward
 
     for module in (forward, backward):
         monkeypatch.setattr(module, "exp_fp32", aligned_exp)
-    monkeypatch.setattr(fused, "ENABLED", False)
+    with use_engine(Engine.SPEC):
+        yield

@@ -22,7 +22,8 @@ B, H, T, D = 1, 2, 50, 32
 
 @pytest.fixture
 def aligned(monkeypatch):
-    interpreter_compat.align_emulator_exp(monkeypatch)
+    with interpreter_compat.align_emulator_exp(monkeypatch):
+        yield
 
 
 def _inputs(seed=0, planted=False):

@@ -19,7 +19,8 @@ FIELDS = ("o", "lse", "delta", "dq", "dk", "dv")
 
 @pytest.fixture
 def aligned(monkeypatch):
-    interpreter_compat.align_emulator_exp(monkeypatch)
+    with interpreter_compat.align_emulator_exp(monkeypatch):
+        yield
 
 
 def _inputs(seed=0, planted=False):

@@ -9,9 +9,9 @@ float64-then-fp32) operation on the same operands, casts go through `numerics.sc
 path's. What stays in torch: the matrix products, ℓ's row sum of P̄ (torch's float64 sum, whose
 order a kernel cannot reproduce), and the small per-row (B, H, T) and (B, H, T, D) updates.
 
-The torch path remains the reference and runs instead (`eligible` says when) for stochastic
-rounding, given scores, a per-block observer, non-finite inputs, or inputs so large that a
-score could overflow; `ENABLED = False` forces it (tests compare both).
+These stages are half of `Engine.COMPILED` (numerics/engines.py). The torch path is the specification
+and runs instead (`eligible` says when) under `Engine.SPEC`, for stochastic rounding, given scores, a
+per-block observer, non-finite inputs, or inputs so large that a score could overflow.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import torch
 from numba import prange
 
 from fa_forensics.numerics.accumulate_jit import _fma32 as _fma  # one fma: the ieee model's step
+from fa_forensics.numerics.engines import runs_compiled
 from fa_forensics.numerics.scalar_jit import exp32, format_code, round_ne
 from fa_forensics.replay.config import PScaleMode, Precision, ReplayConfig, Rounding, Softmax
 
-ENABLED = True  # False: the emulator runs its torch path only (the reference)
 _JIT = dict(nogil=True, cache=True, parallel=True)
 _SAFE = 2.0**100  # bound on |scores| (and dP) below which no intermediate can overflow fp32
 _STANDARD, _STABILIZED, _FIXED = 0, 1, 2
@@ -35,11 +35,11 @@ _SOFTMAX_CODE = {Softmax.STANDARD: _STANDARD, Softmax.STABILIZED: _STABILIZED, S
 
 
 def eligible(config: ReplayConfig, *tensors: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None) -> bool:
-    """True when the compiled stages apply: nearest-even rounding, finite inputs whose products
-    (q kᵀ · α, dO Vᵀ) stay far inside fp32's range, and no NaN or +inf in an additive mask (where
-    the torch path's −inf + inf gives NaN, the compiled stages skip a causally masked key).
-    tensors: q, k (and v, dO), fp32."""
-    if not ENABLED or config.rounding is not Rounding.NEAREST_EVEN:
+    """True when the compiled stages apply: the current engine is `Engine.COMPILED`, nearest-even rounding,
+    finite inputs whose products (q kᵀ · α, dO Vᵀ) stay far inside fp32's range, and no NaN or +inf in an
+    additive mask (where the torch path's −inf + inf gives NaN, the compiled stages skip a causally masked
+    key). tensors: q, k (and v, dO), fp32."""
+    if not runs_compiled() or config.rounding is not Rounding.NEAREST_EVEN:
         return False
     if mask is not None and mask.is_floating_point() and bool((torch.isnan(mask) | (mask == math.inf)).any()):
         return False

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.numerics import accumulate_jit
+from fa_forensics.numerics.engines import EngineLike, use_engine
 from fa_forensics.replay.config import BackwardKernel, DeltaSource, Precision, ReplayConfig, Rounding
 from fa_forensics.replay.emulate.backward import Backward, backward, query_blocks
 from fa_forensics.replay.emulate.forward import Forward, forward
@@ -127,14 +128,16 @@ def emulator_threads():
 
 def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig,
                    do: Optional[torch.Tensor] = None, *, causal: bool, scale: float,
-                   plan: Optional[StreamPlan] = None, mask: Optional[torch.Tensor] = None) -> ReplayOut:
+                   plan: Optional[StreamPlan] = None, mask: Optional[torch.Tensor] = None,
+                   engine: EngineLike = None) -> ReplayOut:
     """Replay attention on the CPU emulator; shapes and arguments already validated by api.replay.
 
     plan: how to cut the work (default: `StreamPlan.for_shape`, blocks of about BLOCK_ELEMENTS).
-    mask: SDPA's attn_mask broadcastable to (B, H, T, Tk) (bool or additive), or None."""
+    mask: SDPA's attn_mask broadcastable to (B, H, T, Tk) (bool or additive), or None.
+    engine: which implementation computes (numerics/engines.py; None: the current one); the same bits."""
     B, H, T, _ = q.shape
     plan = plan or StreamPlan.for_shape(H, T, k.shape[-2])
-    with torch.no_grad(), emulator_threads():
+    with torch.no_grad(), emulator_threads(), use_engine(engine):
         q32, k32, v32 = (to_input_dtype(x, config) for x in (q, k, v))  # (B, H, T, D)
         generator = torch.Generator().manual_seed(config.seed)
         mask = None if mask is None else mask.detach().cpu()

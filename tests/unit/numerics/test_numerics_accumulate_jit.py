@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
+from fa_forensics.enums import Engine
 from fa_forensics.numerics import matmul, round_to, tensor_core_params
+from fa_forensics.numerics.engines import current_engine
 from fa_forensics.numerics import accumulate, register_tiles
 
 
@@ -40,7 +42,7 @@ def test_compiled_kernels_equal_the_torch_kernels(gpu, fmt, kind):
         acc = _values(kind, (L, M, N), "fp32", g) if with_acc else None
         for model in ("ieee", "tensor-core"):
             got = matmul(a, b, model, gpu=gpu, in_format=fmt, acc=acc)
-            want = matmul(a, b, model, gpu=gpu, in_format=fmt, acc=acc, engine="torch")
+            want = matmul(a, b, model, gpu=gpu, in_format=fmt, acc=acc, engine=Engine.SPEC)
             assert torch.equal(_bits(got), _bits(want)), (model, L, M, K, N)
 
 
@@ -52,7 +54,7 @@ def test_compiled_kernels_take_strided_operands_and_leave_the_accumulator_alone(
     before = acc.clone()
     for model in ("ieee", "tensor-core"):
         got = matmul(a, b, model, acc=acc)
-        assert torch.equal(_bits(got), _bits(matmul(a, b, model, acc=acc, engine="torch")))
+        assert torch.equal(_bits(got), _bits(matmul(a, b, model, acc=acc, engine=Engine.SPEC)))
     assert torch.equal(acc, before)
 
 
@@ -80,7 +82,7 @@ def test_non_finite_and_non_fp32_operands_take_the_torch_kernels(monkeypatch):
         a = torch.randn(4, 6, generator=g, dtype=torch.float64).float().double()
         a[1, 2] = bad
         got = matmul(a, b, "ieee", in_format="fp32")
-        want = matmul(a, b, "ieee", in_format="fp32", engine="torch")
+        want = matmul(a, b, "ieee", in_format="fp32", engine=Engine.SPEC)
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     assert not calls
@@ -104,7 +106,7 @@ def test_tensor_core_groups_cross_k_chunks_like_one_pass():
     whole = matmul(a, b, "tensor-core")
     part = matmul(a[:, : 2 * F], b[: 2 * F], "tensor-core")
     assert torch.equal(_bits(matmul(a[:, 2 * F :], b[2 * F :], "tensor-core", acc=part)), _bits(whole))
-    assert accumulate.DEFAULT_ENGINE == "auto"
+    assert current_engine() is Engine.COMPILED
 
 
 @pytest.mark.parametrize("model", ["ieee", "tensor-core"])
@@ -125,15 +127,15 @@ def test_a_band_skips_zero_terms_and_zeroes_unwanted_outputs_without_changing_a_
             a_in = a.transpose(-1, -2).contiguous().transpose(-1, -2) if strided else a
             b = _values("normal", (L, K, N), "bf16", g)
             for start in (None, acc):
-                whole = matmul(a_in, b, model, acc=start, engine="torch")
-                for engine in ("auto", "torch"):
+                whole = matmul(a_in, b, model, acc=start, engine=Engine.SPEC)
+                for engine in Engine:
                     got = matmul(a_in, b, model, acc=start, engine=engine, band=band)
                     assert torch.equal(_bits(got), _bits(whole)), (band, strided, engine)
     b = _values("normal", (L, 8, N), "bf16", g)
     a = _values("normal", (L, M, 8), "bf16", g)
-    whole = matmul(a, b, model, engine="torch")
+    whole = matmul(a, b, model, engine=Engine.SPEC)
     wanted = torch.arange(N).unsqueeze(0) < rows + 3  # (M, N)
-    for engine in ("auto", "torch"):
+    for engine in Engine:
         got = matmul(a, b, model, engine=engine, band=accumulate.Band(n_hi=3), assume_finite=True)
         assert torch.equal(_bits(got), _bits(torch.where(wanted, whole, torch.zeros(())))), engine
 
@@ -158,10 +160,10 @@ def test_a_band_keeps_the_full_products_sign_of_zero(model):
         a = torch.where(inside, signed((L, M, K), (1.0, -1.0, 0.0)) * tiny, signed((L, M, K), (0.0, -0.0)))
         b = signed((L, K, N), (2.0**-80, -2.0**-80, 0.0, -0.0, 1.0, -1.0))  # tiny products underflow to ±0
         for start in (None, signed((L, M, N), (0.0, -0.0))):
-            whole = matmul(a, b, model, acc=start, engine="torch")
+            whole = matmul(a, b, model, acc=start, engine=Engine.SPEC)
             got = matmul(a, b, model, acc=start, band=band)
             assert torch.equal(_bits(got), _bits(whole)), (model, band, start is None)
-            in_band_only = torch.cat([matmul(a[:, i:i + 1, ks], b[:, ks], model, engine="torch",
+            in_band_only = torch.cat([matmul(a[:, i:i + 1, ks], b[:, ks], model, engine=Engine.SPEC,
                                              acc=None if start is None else start[:, i:i + 1])
                                       for i in range(M) for ks in [slice(max(0, i + (band.k_lo or -K)),
                                                                          i + (band.k_hi or K))]], dim=1)
@@ -180,7 +182,7 @@ def test_a_band_turns_a_negative_zero_start_into_plus_zero_as_skipped_leading_te
     rows, cols = torch.arange(M).unsqueeze(-1), torch.arange(K).unsqueeze(0)
     for k_lo in (20, K):  # the band's terms are −0 products, or there are none
         a = torch.where(cols >= rows + k_lo, -0.0, 0.0).expand(L, M, K).contiguous()
-        whole = matmul(a, b, model, acc=start, engine="torch")
+        whole = matmul(a, b, model, acc=start, engine=Engine.SPEC)
         assert not bool(torch.signbit(whole).any())
         got = matmul(a, b, model, acc=start, band=accumulate.Band(k_lo=k_lo))
         assert torch.equal(_bits(got), _bits(whole)), (model, k_lo)
@@ -194,6 +196,7 @@ def test_the_avx2_register_tiles_equal_the_torch_kernels(tmp_path):
 
     script = """
 import torch
+from fa_forensics.enums import Engine
 from fa_forensics.numerics import matmul, round_to, register_tiles
 from fa_forensics.numerics.accumulate import Band
 assert not register_tiles.AVX512 and register_tiles.IEEE_COLS == 16 and register_tiles.TC_ROWS == 2
@@ -206,10 +209,11 @@ for L, M, K, N in ((2, 7, 45, 37), (1, 16, 70, 33)):
     for model in ("ieee", "tensor-core"):
         for start, band in ((None, None), (acc, None), (acc, Band(n_hi=5))):
             got = matmul(a, b, model, acc=start, band=band)
-            want = matmul(a, b, model, acc=start, band=band, engine="torch")
+            want = matmul(a, b, model, acc=start, band=band, engine=Engine.SPEC)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (model, L, M, K, N, band)
         t = a.transpose(-1, -2).contiguous().transpose(-1, -2)  # a strided view
-        assert torch.equal(matmul(t, b, model).view(torch.int32), matmul(t, b, model, engine="torch").view(torch.int32))
+        want = matmul(t, b, model, engine=Engine.SPEC)
+        assert torch.equal(matmul(t, b, model).view(torch.int32), want.view(torch.int32))
 print("ok")
 """
     env = {**os.environ, "FA_FORENSICS_AVX2_TILES": "1", "NUMBA_CACHE_DIR": str(tmp_path)}

@@ -1,5 +1,6 @@
-"""The compiled elementwise stages of the emulator (replay/emulate/fused.py) against its torch path,
-bit for bit: every preset, both accumulation models, causal or not, masks, ties, every knob."""
+"""The compiled elementwise stages of the emulator (replay/emulate/fused.py) against its torch path, bit for bit
+(a replay under Engine.COMPILED against one under Engine.SPEC): every preset, both accumulation models, causal or
+not, masks, ties, every knob."""
 import zlib
 
 import numba
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from fa_forensics.enums import Engine
 from fa_forensics.numerics import exp_fp32, round_to
+from fa_forensics.numerics.engines import use_engine
 from fa_forensics.numerics.scalar_jit import exp32, format_code, round_ne
 from fa_forensics.replay import ReplayConfig, replay
 from fa_forensics.replay.config import PRESETS
@@ -66,12 +69,8 @@ def test_scalar_exp_is_exp_fp32():
 def _replay_both(cfg, q, k, v, do, causal, mask=None):
     """(compiled stages, torch path) replays of one configuration."""
     assert fused.eligible(cfg, q, k, v, do, scale=q.shape[-1] ** -0.5)
-    fast = replay(q, k, v, cfg, do=do, causal=causal, mask=mask)
-    fused.ENABLED = False
-    try:
-        ref = replay(q, k, v, cfg, do=do, causal=causal, mask=mask)
-    finally:
-        fused.ENABLED = True
+    fast = replay(q, k, v, cfg, do=do, causal=causal, mask=mask, engine=Engine.COMPILED)
+    ref = replay(q, k, v, cfg, do=do, causal=causal, mask=mask, engine=Engine.SPEC)
     return fast, ref
 
 
@@ -149,13 +148,8 @@ def test_fused_stages_skip_unseen_keys_in_one_kv_block_and_in_row_blocks(acc):
     for name, delta, mask in cases:
         cfg = ReplayConfig.preset(name).with_(accumulation=acc, delta=delta)
         for plan in (StreamPlan(heads=3, block_m=None), StreamPlan(heads=2, block_m=32)):
-            runs = []
-            for enabled in (True, False):
-                fused.ENABLED = enabled
-                try:
-                    runs.append(emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=plan, mask=mask))
-                finally:
-                    fused.ENABLED = True
+            runs = [emulate_replay(q, k, v, cfg, do, causal=True, scale=0.25, plan=plan, mask=mask, engine=engine)
+                    for engine in (Engine.COMPILED, Engine.SPEC)]
             _assert_identical(*runs, (name, delta, plan))
 
 
@@ -174,6 +168,8 @@ def test_a_shift_below_the_row_maximum_that_overflows_p_bar_gives_the_torch_path
 def test_the_torch_path_runs_where_the_compiled_stages_do_not_apply():
     q, k, v, do = _inputs(5)
     scale = q.shape[-1] ** -0.5
+    with use_engine(Engine.SPEC):
+        assert not fused.eligible(ReplayConfig(), q, k, v, do, scale=scale)
     for bad in (float("inf"), float("nan")):  # where the torch path's −inf + inf is NaN
         mask = torch.zeros(1, 1, q.shape[2], q.shape[2])
         mask[..., 0, 5] = bad

@@ -1,9 +1,9 @@
 """The emulator streams heads and query-row blocks: the bits do not depend on how the work is cut,
-nor on which matmul engine (compiled or torch) runs the products."""
+nor on which engine (compiled or the torch specification) computes."""
 import pytest
 import torch
 
-from fa_forensics.numerics import accumulate
+from fa_forensics.enums import Engine
 from fa_forensics.replay import ReplayConfig
 from fa_forensics.replay.emulate.backward import backward
 from fa_forensics.replay.emulate.run import StreamPlan, emulate_replay
@@ -47,12 +47,11 @@ def test_streamed_replay_equals_one_pass_bit_for_bit(preset, acc, delta, causal)
 
 
 @pytest.mark.parametrize("preset,acc,delta,causal", _CASES[:4])
-def test_compiled_engine_equals_the_torch_engine_in_a_whole_replay(monkeypatch, preset, acc, delta, causal):
+def test_compiled_engine_equals_the_spec_in_a_whole_replay(preset, acc, delta, causal):
     q, k, v, do = _inputs(B=1, H=2, T=48, seed=1)
     cfg = ReplayConfig.preset(preset).with_(accumulation=acc, delta=delta)
-    compiled = emulate_replay(q, k, v, cfg, do, causal=causal, scale=0.25)
-    monkeypatch.setattr(accumulate, "DEFAULT_ENGINE", "torch")
-    _assert_same(emulate_replay(q, k, v, cfg, do, causal=causal, scale=0.25), compiled)
+    compiled = emulate_replay(q, k, v, cfg, do, causal=causal, scale=0.25, engine=Engine.COMPILED)
+    _assert_same(emulate_replay(q, k, v, cfg, do, causal=causal, scale=0.25, engine=Engine.SPEC), compiled)
 
 
 def test_stochastic_rounding_runs_as_one_pass_whatever_the_plan():
