@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from fa_forensics.enums import Engine
 from fa_forensics.numerics import matmul
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "tensor_core_mma" / "published.safetensors"
@@ -40,7 +41,7 @@ def _model(a, b, c, gpu: str, fmt: str, **kw) -> torch.Tensor:
 @pytest.mark.parametrize("gpu,fmt", CASES, ids=[f"{g}-{f}" for g, f in CASES])
 def test_the_model_reproduces_the_published_outputs(gpu, fmt):
     a, b, c, d = _case(gpu, fmt)
-    for engine in ("auto", "torch"):
+    for engine in (Engine.COMPILED, Engine.SPEC):
         got = _model(a, b, c, gpu, fmt, engine=engine)
         assert torch.equal(got.view(torch.int32), d.view(torch.int32)), (engine, (got != d).sum())
 
@@ -66,7 +67,8 @@ def test_fp8_sums_keep_14_significant_bits(fmt):
 @pytest.mark.parametrize("gpu,fmt", [("A100", "fp16"), ("H100", "bf16")])
 def test_torch_and_compiled_engines_agree_on_the_published_inputs(gpu, fmt):
     a, b, c, _ = _case(gpu, fmt)
-    compiled, reference = _model(a, b, c, gpu, fmt, engine="auto"), _model(a, b, c, gpu, fmt, engine="torch")
+    compiled = _model(a, b, c, gpu, fmt, engine=Engine.COMPILED)
+    reference = _model(a, b, c, gpu, fmt, engine=Engine.SPEC)
     assert torch.equal(compiled.view(torch.int32), reference.view(torch.int32))
 
 
@@ -77,7 +79,7 @@ def test_a_product_is_aligned_by_its_factors_exponents():
     tiny = 2.0**-25
     a = torch.tensor([[1.5] + [tiny] * 8 + [0.0] * 7])
     b = torch.tensor([[1.5]] + [[1.0]] * 15)
-    for engine in ("auto", "torch"):
+    for engine in (Engine.COMPILED, Engine.SPEC):
         out = matmul(a, b, accumulation="tensor-core", gpu="h100", in_format="bf16", engine=engine)
         assert out.item() == 2.25 + 2.0**-22, engine
 
@@ -92,5 +94,5 @@ def test_an_instruction_k_shorter_than_the_group_cuts_the_groups():
     a, b, c, _ = _case("H100", "bf16")
     k16 = _model(a, b, c, "H100", "bf16")
     k8 = _model(a, b, c, "H100", "bf16", mma_k=8)
-    k8_torch = _model(a, b, c, "H100", "bf16", mma_k=8, engine="torch")
+    k8_torch = _model(a, b, c, "H100", "bf16", mma_k=8, engine=Engine.SPEC)
     assert torch.equal(k8.view(torch.int32), k8_torch.view(torch.int32)) and not torch.equal(k8, k16)
