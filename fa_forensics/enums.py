@@ -104,6 +104,14 @@ class RowSum(str, enum.Enum):
     CUTLASS_WARPS = "cutlass-warps"
 
 
+class LseForm(str, enum.Enum):
+    """How a base-2 kernel writes its lse (natural log) from its raw row max m (m_s once scaled) and row sum ℓ."""
+
+    FMA_NATURAL = "fma-natural"  # fma(m, α, __logf ℓ): FlashAttention-2 (softmax.h)
+    SCALED_DIV = "scaled-div"  # fp32(m_s / log2 e) + logf ℓ: the memory-efficient kernel's epilogue
+    SCALED_FMA = "scaled-fma"  # fma(m_s, ln 2, __logf ℓ): cuDNN (closed source: the form its bits fit best)
+
+
 class Normalize(str, enum.Enum):
     """How the epilogue applies 1/ℓ to the accumulator."""
 

@@ -27,6 +27,7 @@ from fa_forensics.enums import (
     ExpUnit,
     GPUModel,
     KVOrder,
+    LseForm,
     MaskedBlocks,
     Normalize,
     Precision,
@@ -106,6 +107,7 @@ class ReplayConfig:
     # combine kernel does (emulate/split_kv.py)
     exp_form: ExpForm = ExpForm.EXP
     exp_unit: ExpUnit = ExpUnit.CORRECTLY_ROUNDED  # the GPU kernel presets: sfu-sm90 (numerics/sfu.py, libdevice.py)
+    lse_form: LseForm = LseForm.FMA_NATURAL  # how a base-2 kernel writes its lse (emulate/kernel_ops.kernel_lse)
     row_sum: RowSum = RowSum.EXACT
     normalize: Normalize = Normalize.DIVIDE
     kv_splits: int = 1
@@ -285,6 +287,7 @@ _ENUM_FIELDS = {
     "gpu": GPUModel,
     "exp_form": ExpForm,
     "exp_unit": ExpUnit,
+    "lse_form": LseForm,
     "row_sum": RowSum,
     "normalize": Normalize,
     "backward_kernel": BackwardKernel,
@@ -338,8 +341,8 @@ def _sdpa_cudnn_sm90() -> ReplayConfig:
     # cuDNN's fused flash attention on sm_90 (SDPA's CUDNN_ATTENTION; closed source): 128-key tiles in
     # forward order, 2^x of the once-scaled scores less their max, exact row sums, O times 1/ℓ; modelled
     # from measurement (docs/gpu-fidelity.md); its backward: backward_kernels.py
-    return _hw_kernel(block_m=128, block_n=128, exp_form=ExpForm.EXP2_SCALED, normalize=Normalize.RECIPROCAL,
-                      backward_kernel=BackwardKernel.SDPA_CUDNN)
+    return _hw_kernel(block_m=128, block_n=128, exp_form=ExpForm.EXP2_SCALED, lse_form=LseForm.SCALED_FMA,
+                      normalize=Normalize.RECIPROCAL, backward_kernel=BackwardKernel.SDPA_CUDNN)
 
 
 def _sdpa_efficient() -> ReplayConfig:
@@ -348,8 +351,9 @@ def _sdpa_efficient() -> ReplayConfig:
     # iterative_softmax) times log2 e, exp2f of them less their max; ℓ summed per thread, quad and warp tile
     # (s_prime); output times 1/s_prime; every product an mma.sync m16n8k8 (gemm_kernel_utils.h DefaultGemmType
     # for 16-bit inputs on sm75+): 8-term groups
-    return _hw_kernel(block_m=64, block_n=64, exp_form=ExpForm.EXP2_SCALED_TWICE, row_sum=RowSum.CUTLASS_WARPS,
-                      normalize=Normalize.RECIPROCAL, mma_k=8, backward_kernel=BackwardKernel.SDPA_EFFICIENT)
+    return _hw_kernel(block_m=64, block_n=64, exp_form=ExpForm.EXP2_SCALED_TWICE, lse_form=LseForm.SCALED_DIV,
+                      row_sum=RowSum.CUTLASS_WARPS, normalize=Normalize.RECIPROCAL, mma_k=8,
+                      backward_kernel=BackwardKernel.SDPA_EFFICIENT)
 
 
 def _flash_attn_2(exp_form: ExpForm) -> ReplayConfig:

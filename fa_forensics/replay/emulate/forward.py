@@ -305,7 +305,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     if mask is not None or split_part:
         o32 = torch.where((l == 0).unsqueeze(-1), torch.zeros_like(o32), o32)  # rows with no allowed key
     if base2:
-        lse = kernel_ops.kernel_lse(m_use, l, scale_f, c_log2, config.exp_form, config.exp_unit)
+        lse = kernel_ops.kernel_lse(m_use, l, scale_f, c_log2, config.exp_form, config.lse_form,
+                                    config.exp_unit)
     else:
         lse = m_use + torch.log(l)
     if split_part:

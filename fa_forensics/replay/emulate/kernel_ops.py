@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from fa_forensics.numerics import exp2_fp32, exp_fp32, fma_fp32, libdevice, log_fp32, sfu
-from fa_forensics.enums import ExpForm, ExpUnit
+from fa_forensics.enums import ExpForm, ExpUnit, LseForm
 
 LANES = 4  # threads of an MMA quad that share one accumulator row
 _PAIR = 2  # adjacent columns a thread holds in each 8-column MMA tile
@@ -58,6 +58,7 @@ def unit_functions(unit: ExpUnit) -> UnitFunctions:
 
 _LOG2E = torch.tensor(math.log2(math.e), dtype=torch.float32)  # fp32(log2 e), the kernels' kLog2e
 _SCALED_FORMS = (ExpForm.EXP2_SCALED, ExpForm.EXP2_SCALED_TWICE)
+_LN2 = torch.tensor(math.log(2.0), dtype=torch.float32)  # fp32(ln 2)
 
 
 def log2_scaled(x: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: ExpForm) -> torch.Tensor:
@@ -70,14 +71,20 @@ def log2_scaled(x: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: Exp
 
 
 def kernel_lse(m: torch.Tensor, l: torch.Tensor, scale: torch.Tensor, c: torch.Tensor, form: ExpForm,
-               unit: ExpUnit) -> torch.Tensor:
-    """The lse (natural log) a base-2 kernel writes from its raw row max m and row sum ℓ: FlashAttention-2's
-    fma(m, α, __logf(ℓ)) (softmax.h; the compiler contracts the multiply-add), or for the exp2-scaled forms
-    fp32(fp32(m_s / fp32(log2 e)) + logf(ℓ)) with m_s the scaled max (the memory-efficient kernel's epilogue:
-    accum_t(mi / kLog2e) + cutlass::fast_log(s_prime), fast_log being logf)."""
-    if form in _SCALED_FORMS:
-        return log2_scaled(m, scale, c, form) / _LOG2E + unit_functions(unit).log(l)
-    return fma_fp32(m, scale, unit_functions(unit).fast_log(l))
+               lse_form: LseForm, unit: ExpUnit) -> torch.Tensor:
+    """The lse (natural log) a base-2 kernel writes from its raw row max m and row sum ℓ, m_s = `log2_scaled(m)`
+    the max as its exp form scales it:
+    - fma-natural: FlashAttention-2's fma(m, α, __logf(ℓ)) (softmax.h; the compiler contracts the multiply-add);
+    - scaled-div: the memory-efficient kernel's epilogue fp32(fp32(m_s / fp32(log2 e)) + logf(ℓ))
+      (accum_t(mi / kLog2e) + cutlass::fast_log(s_prime), fast_log being logf);
+    - scaled-fma: cuDNN's fma(m_s, fp32(ln 2), __logf(ℓ)) (closed source: the form that reproduces most of its
+      recorded lse, 91-95 % of rows; the others differ by an ulp of ℓ, whose summation order is not known)."""
+    functions = unit_functions(unit)
+    if lse_form is LseForm.SCALED_DIV:
+        return log2_scaled(m, scale, c, form) / _LOG2E + functions.log(l)
+    if lse_form is LseForm.SCALED_FMA:
+        return fma_fp32(log2_scaled(m, scale, c, form), _LN2, functions.fast_log(l))
+    return fma_fp32(m, scale, functions.fast_log(l))
 
 
 def exp2_block(S: torch.Tensor, m_prev: torch.Tensor, m_use: torch.Tensor, c: torch.Tensor, scale: torch.Tensor,
