@@ -2,6 +2,8 @@
 (tests/data/h200_unseen, see its README): a non-causal head-dim-64 bf16 launch, a causal head-dim-128 fp16 one,
 and SDPA inside torch.compile choosing its own backend. O, lse and dQ of the kept rows are replayed from the
 recorded inputs (dQ from the kernel's recorded O and lse); the shares asserted are the measured ones rounded down.
+The memory-efficient kernel's backward without a mask is checked on every row of the non-causal launch's head
+(tests/data/h200_bwd/d64_bfloat16_full_rows adds rows 0..959), where its key splits set the order of every sum.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from safetensors import safe_open
 
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
+from fa_forensics.replay.emulate.efficient_schedule import backward_tile, key_splits
 from fa_forensics.replay.emulate.forward import forward
 from fa_forensics.replay.gpu_fidelity import kernel_preset
 
@@ -30,8 +33,8 @@ FLOORS = {
 }
 
 
-def _load(tag: str):
-    with safe_open(str(DATA / f"{tag}.safetensors"), "pt") as f:
+def _load(tag: str, data: Path = DATA):
+    with safe_open(str(data / f"{tag}.safetensors"), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["layout"])
 
 
@@ -64,3 +67,37 @@ def test_the_compiled_run_chose_cudnn():
     """SDPA under torch.compile on the H200 picked cuDNN for bf16 causal inputs, as it does eagerly."""
     _, layout = _load("compiled")
     assert layout["kernels"] == ["cudnn"]
+
+
+def _efficient_nomask_backward(**changes):
+    """The memory-efficient backward model on every row of head 0 of the non-causal d64 bf16 launch, from the
+    kernel's recorded O and lse, with the launch's key splits (or `changes`); returns (dq, dk, dv, recorded)."""
+    tag = "d64_bfloat16_full"
+    last, layout = _load(tag)
+    first, kept = _load(f"{tag}_rows", DATA.parent / "h200_bwd")
+    assert kept["q_rows"][1] == layout["q_rows"][0] and layout["q_rows"][1] == layout["T_recorded"]
+    rows = lambda name: torch.cat([first[f"{tag}.{name}"], last[f"{tag}.{name}"]], dim=2).float()  # noqa: E731
+    q, do, o = rows("q"), rows("do"), rows("efficient.o")
+    lse = torch.cat([first[f"{tag}.efficient.lse"], last[f"{tag}.efficient.lse"]], dim=-1).float()
+    k, v = last[f"{tag}.k"].float(), last[f"{tag}.v"].float()
+    splits = key_splits(layout["launch_batch"], layout["launch_heads"], k.shape[2], backward_tile(k.shape[3]))
+    config = ReplayConfig.preset("sdpa-efficient").with_(**{"bwd_key_splits": splits, **changes})
+    _, dq, dk, dv = kernel_backward(q, k, v, do, o, lse, config, causal=False, scale=layout["scale"])
+    keys = [j for a, b in kept["dkdv_keys"] for j in range(a, b)]
+    (r0, r1), (l0, l1) = kept["dq_rows"], layout["dq_rows"]
+    got = {"dq": dq[:, :, r0:r1], "dq_last": dq[:, :, l0:l1], "dk": dk[:, :, keys], "dv": dv[:, :, keys]}
+    want = {"dq": first[f"{tag}.efficient.dq"], "dq_last": last[f"{tag}.efficient.dq"],
+            "dk": first[f"{tag}.efficient.dk"], "dv": first[f"{tag}.efficient.dv"]}
+    return {name: _share(got[name], want[name]) for name in got}, splits
+
+
+def test_the_efficient_backward_without_a_mask_follows_the_key_splits():
+    """Without a mask the memory-efficient backward splits the keys over 16 CTAs per head (one 64-key block
+    each); CTA s walks the query blocks from block s, wrapping around, and a query block's dQ is summed in the
+    order the CTAs reach it. Key blocks 5 and 10 (dK, dV) and query block 5 (dQ) are reproduced bit for bit;
+    one CTA per head (deterministic mode's schedule: every walk ascending) misses some of each."""
+    shares, splits = _efficient_nomask_backward()
+    assert splits == 16
+    assert shares == {"dq": 1.0, "dq_last": 1.0, "dk": 1.0, "dv": 1.0}
+    one_cta, _ = _efficient_nomask_backward(bwd_key_splits=1)
+    assert max(one_cta.values()) < 0.9995, one_cta
