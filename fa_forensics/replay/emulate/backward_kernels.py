@@ -26,15 +26,20 @@ sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_a
   gemm_kernel_utils.h, the xformers kernel):
   MMA: `DefaultGemmType` for 16-bit inputs on sm75+ issues mma.sync m16n8k8, so each instruction sums 8 products
     into the accumulator: the tensor-core model's groups are 8 long (mma_k = 8) with the GPU's alignment width.
-  tiles (kBlockSizeI × kBlockSizeJ) 64 × 64 for head dim ≤ 64, 64 × 128 above (kNumThreads = I·J/32).
+  tiles (kBlockSizeI × kBlockSizeJ): the backward dispatch's, 64 × 64 for head dim ≤ 64, 128 × 128 up to 128
+    (kNumThreads = I·J/32; efficient_schedule.backward_tile).
   δ (computeDelta): kNumThreads / kBlockSizeI threads per row (2, or 4 above head dim 64), thread t holding
     columns [8t + 8n·c, +8); each sums in order, then an xor butterfly with offsets 1, 2, ...
   P = exp(fp32(fp32(S · α) − lse)) (the scale multiplies the accumulator, the epilogue subtracts the lse
     and exponentiates), stored to shared memory in the input dtype: P̄ = cast(P) is what dS reads.
   dS = cast(fp32(fp32(fp32(dP − δ) · P̄) · α)): the scale is folded into dS, so dQ and dK are not scaled.
-  dK, dV: accumulators continued over the query blocks in ascending order.
-  dQ: one fp32 accumulator per query block continued over the key blocks (kBlockSizeJ); measured on the
-    H200: descending key blocks reproduce the recorded bits (ascending: about 0.1 % fewer).
+  schedule (efficient_schedule.py): the keys are split over num_splits_key CTAs per head (PyTorch's heuristic
+    from batch, heads and keys, or config.bwd_key_splits); CTA s takes key blocks s, s + splits, .. and walks
+    the query blocks of each from the first it sees, shifted by s blocks and wrapped around without a mask.
+  dK, dV: each key block's accumulators continued over its CTA's walk.
+  dQ: one fp32 accumulator per query block in a workspace, continued by each CTA under a lock: over the key
+    blocks in the order the CTAs reach the query block (all of a head's CTAs in lockstep; under a causal mask
+    that is descending, without one from the query block's own index down, wrapping around).
 sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below is the one that reproduces
   the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-fidelity.md):
   δ: as flash-attention-2's. P = exp2(fp32(fp32(fp32(S · α) − lse) · log2 e)).
@@ -81,11 +86,18 @@ class KernelModel:
     dq_chained: bool  # dQ: one accumulator continued over the key blocks (else per-tile partials added in fp32)
     dq_keys_descending: bool  # the key-block order of the dQ sum
     mma_k: Optional[int] = None  # the MMA instruction's K where smaller than the tensor core's group
-    cta_schedule: bool = False  # tiles run in the memory-efficient kernel's CTA order (efficient_schedule.py)
+    # the tiles run in the memory-efficient kernel's CTA order (efficient_schedule.py), which then sets the
+    # order of the dK, dV and dQ sums in place of the three order fields above
+    cta_schedule: bool = False
 
 
 def _fa2_tiles(d: int) -> tuple[int, int]:
     return (128, 128) if d <= 64 else (64, 128) if d <= 128 else (64, 64)
+
+
+def _efficient_tiles(d: int) -> tuple[int, int]:
+    tile = efficient_schedule.backward_tile(d)
+    return tile.queries, tile.keys
 
 
 MODELS = {
@@ -94,7 +106,7 @@ MODELS = {
         exp_form="exp2-folded", scale_in_ds=False, ds_reads_p_bar=False, query_blocks_descending=True,
         dq_chained=False, dq_keys_descending=False),
     BackwardKernel.SDPA_EFFICIENT: KernelModel(
-        tiles=lambda d: (64, 64) if d <= 64 else (64, 128), delta_threads=lambda d: 2 if d <= 64 else 4,
+        tiles=_efficient_tiles, delta_threads=lambda d: 2 if d <= 64 else 4,
         butterfly_descending=False, exp_form="exp", scale_in_ds=True, ds_reads_p_bar=True,
         query_blocks_descending=False, dq_chained=True, dq_keys_descending=True, mma_k=8, cta_schedule=True),
     BackwardKernel.SDPA_CUDNN: KernelModel(
