@@ -85,19 +85,26 @@ def _efficient_nomask_backward(**changes):
     _, dq, dk, dv = kernel_backward(q, k, v, do, o, lse, config, causal=False, scale=layout["scale"])
     keys = [j for a, b in kept["dkdv_keys"] for j in range(a, b)]
     (r0, r1), (l0, l1) = kept["dq_rows"], layout["dq_rows"]
-    got = {"dq": dq[:, :, r0:r1], "dq_last": dq[:, :, l0:l1], "dk": dk[:, :, keys], "dv": dv[:, :, keys]}
+    # the dQ of rows r0..r1 alone: those rows placed in the launch's T queries, which set the CTAs' walks
+    _, dq_rows, _, _ = kernel_backward(q[:, :, r0:r1], k, v, do[:, :, r0:r1], o[:, :, r0:r1], lse[:, :, r0:r1],
+                                       config, causal=False, scale=layout["scale"], row0=r0,
+                                       num_queries=layout["T_recorded"])
+    got = {"dq": dq[:, :, r0:r1], "dq_last": dq[:, :, l0:l1], "dk": dk[:, :, keys], "dv": dv[:, :, keys],
+           "dq_of_the_rows_alone": dq_rows}
     want = {"dq": first[f"{tag}.efficient.dq"], "dq_last": last[f"{tag}.efficient.dq"],
-            "dk": first[f"{tag}.efficient.dk"], "dv": first[f"{tag}.efficient.dv"]}
+            "dk": first[f"{tag}.efficient.dk"], "dv": first[f"{tag}.efficient.dv"],
+            "dq_of_the_rows_alone": first[f"{tag}.efficient.dq"]}
     return {name: _share(got[name], want[name]) for name in got}, splits
 
 
 def test_the_efficient_backward_without_a_mask_follows_the_key_splits():
     """Without a mask the memory-efficient backward splits the keys over 16 CTAs per head (one 64-key block
     each); CTA s walks the query blocks from block s, wrapping around, and a query block's dQ is summed in the
-    order the CTAs reach it. Key blocks 5 and 10 (dK, dV) and query block 5 (dQ) are reproduced bit for bit;
-    one CTA per head (deterministic mode's schedule: every walk ascending) misses some of each."""
+    order the CTAs reach it. Key blocks 5 and 10 (dK, dV) and query block 5 (dQ) are reproduced bit for bit, the
+    latter also from its 64 rows alone placed in the launch's 1024 queries (num_queries); one CTA per head
+    (deterministic mode's schedule: every walk ascending) misses some of each."""
     shares, splits = _efficient_nomask_backward()
     assert splits == 16
-    assert shares == {"dq": 1.0, "dq_last": 1.0, "dk": 1.0, "dv": 1.0}
+    assert shares == {"dq": 1.0, "dq_last": 1.0, "dk": 1.0, "dv": 1.0, "dq_of_the_rows_alone": 1.0}
     one_cta, _ = _efficient_nomask_backward(bwd_key_splits=1)
     assert max(one_cta.values()) < 0.9995, one_cta
