@@ -159,6 +159,10 @@ class ReplayConfig:
         if self.bwd_key_splits is not None and (not isinstance(self.bwd_key_splits, int) or self.bwd_key_splits < 1):
             raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits!r} must be a positive integer or None "
                               "(PyTorch's heuristic)")
+        if self.bwd_key_splits is not None and self.backward_kernel is not BackwardKernel.SDPA_EFFICIENT:
+            raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits} splits the memory-efficient kernel's "
+                              f"backward; it needs backward_kernel=sdpa-efficient, not {self.backward_kernel.value} "
+                              "(on the command line: a preset sdpa-efficient or sdpa-efficient-fp16)")
         if self.mma_k is not None and (not isinstance(self.mma_k, int) or not 1 <= self.mma_k <= 64):
             raise ConfigError(f"ReplayConfig.mma_k={self.mma_k!r} must be an MMA instruction's K (1 to 64) or None")
         if self.is_kernel_model:

@@ -88,3 +88,5 @@ def test_the_split_count_is_a_config_knob():
     assert ReplayConfig.preset("sdpa-efficient").bwd_key_splits is None  # PyTorch's heuristic
     with pytest.raises(ConfigError, match="bwd_key_splits=0 must be a positive integer"):
         ReplayConfig.preset("sdpa-efficient").with_(bwd_key_splits=0)
+    with pytest.raises(ConfigError, match="needs backward_kernel=sdpa-efficient, not flash-attention-2"):
+        ReplayConfig.preset("sdpa-flash@bwd_key_splits=2")
