@@ -124,6 +124,10 @@ class ReplayConfig:
     # delta_dtype, grad_dtype and ds_alpha do not apply to it (the kernel fixes them), and it writes dQ,
     # dK, dV in input_dtype as the kernel does.
     backward_kernel: BackwardKernel = BackwardKernel.REFERENCE
+    # bwd_key_splits: the memory-efficient backward's num_splits_key, the CTAs that share one head's key blocks
+    # (emulate/efficient_schedule.py: it sets the order of the dQ sum and, without a mask, of the dK, dV sums);
+    # None = PyTorch's heuristic from the launch (the tensors' batch, heads and keys); 1 = deterministic mode
+    bwd_key_splits: Optional[int] = None
     # ---- end of the backward kernel models -------------------------------------------------------
 
     def __post_init__(self) -> None:
@@ -154,6 +158,13 @@ class ReplayConfig:
             raise ConfigError(f"ReplayConfig.scale={self.scale!r} must be a positive finite number or None")
         if not isinstance(self.kv_splits, int) or not 1 <= self.kv_splits <= 128:
             raise ConfigError(f"ReplayConfig.kv_splits={self.kv_splits!r} must be an integer from 1 to 128")
+        if self.bwd_key_splits is not None and (not isinstance(self.bwd_key_splits, int) or self.bwd_key_splits < 1):
+            raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits!r} must be a positive integer or None "
+                              "(PyTorch's heuristic)")
+        if self.bwd_key_splits is not None and self.backward_kernel is not BackwardKernel.SDPA_EFFICIENT:
+            raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits} splits the memory-efficient kernel's "
+                              f"backward; it needs backward_kernel=sdpa-efficient, not {self.backward_kernel.value} "
+                              "(on the command line: a preset sdpa-efficient or sdpa-efficient-fp16)")
         if self.mma_k is not None and (not isinstance(self.mma_k, int) or not 1 <= self.mma_k <= 64):
             raise ConfigError(f"ReplayConfig.mma_k={self.mma_k!r} must be an MMA instruction's K (1 to 64) or None")
         if self.is_kernel_model:
@@ -234,7 +245,7 @@ class ReplayConfig:
         return ", ".join(diffs) or "preset bf16 (the defaults)"
 
 
-_TILE_FIELDS = {"block_m": int, "block_n": int, "kv_splits": int, "kv_order": str}
+_TILE_FIELDS = {"block_m": int, "block_n": int, "kv_splits": int, "kv_order": str, "bwd_key_splits": int}
 
 
 def parse_tile(text: str, name: str) -> dict:

@@ -26,15 +26,20 @@ sdpa-efficient (pytorch/pytorch aten/src/ATen/native/transformers/cuda/mem_eff_a
   gemm_kernel_utils.h, the xformers kernel):
   MMA: `DefaultGemmType` for 16-bit inputs on sm75+ issues mma.sync m16n8k8, so each instruction sums 8 products
     into the accumulator: the tensor-core model's groups are 8 long (mma_k = 8) with the GPU's alignment width.
-  tiles (kBlockSizeI × kBlockSizeJ) 64 × 64 for head dim ≤ 64, 64 × 128 above (kNumThreads = I·J/32).
+  tiles (kBlockSizeI × kBlockSizeJ): the backward dispatch's, 64 × 64 for head dim ≤ 64, 128 × 128 up to 128
+    (kNumThreads = I·J/32; efficient_schedule.backward_tile).
   δ (computeDelta): kNumThreads / kBlockSizeI threads per row (2, or 4 above head dim 64), thread t holding
     columns [8t + 8n·c, +8); each sums in order, then an xor butterfly with offsets 1, 2, ...
   P = exp(fp32(fp32(S · α) − lse)) (the scale multiplies the accumulator, the epilogue subtracts the lse
     and exponentiates), stored to shared memory in the input dtype: P̄ = cast(P) is what dS reads.
   dS = cast(fp32(fp32(fp32(dP − δ) · P̄) · α)): the scale is folded into dS, so dQ and dK are not scaled.
-  dK, dV: accumulators continued over the query blocks in ascending order.
-  dQ: one fp32 accumulator per query block continued over the key blocks (kBlockSizeJ); measured on the
-    H200: descending key blocks reproduce the recorded bits (ascending: about 0.1 % fewer).
+  schedule (efficient_schedule.py): the keys are split over num_splits_key CTAs per head (PyTorch's heuristic
+    from batch, heads and keys, or config.bwd_key_splits); CTA s takes key blocks s, s + splits, .. and walks
+    the query blocks of each from the first it sees, shifted by s blocks and wrapped around without a mask.
+  dK, dV: each key block's accumulators continued over its CTA's walk.
+  dQ: one fp32 accumulator per query block in a workspace, continued by each CTA under a lock: over the key
+    blocks in the order the CTAs reach the query block (all of a head's CTAs in lockstep; under a causal mask
+    that is descending, without one from the query block's own index down, wrapping around).
 sdpa-cudnn (cuDNN 9 fused flash attention on sm_90; no source: the order below is the one that reproduces
   the recorded bits, among the FlashAttention-family alternatives tried, documented in docs/gpu-fidelity.md):
   δ: as flash-attention-2's. P = exp2(fp32(fma(S, α, −lse) · log2 e)): the scale and the lse in one fused
@@ -52,6 +57,7 @@ modelled.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -62,7 +68,7 @@ from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp2_fp32, exp_fp32
 from fa_forensics.numerics.elementary import LOG2E, fma_fp32
 from fa_forensics.replay.config import BackwardKernel, ExpForm, Precision, ReplayConfig
-from fa_forensics.replay.emulate import kernel_ops
+from fa_forensics.replay.emulate import efficient_schedule, kernel_ops
 from fa_forensics.replay.emulate.ops import cast, mm
 
 _LOG2E = torch.tensor(LOG2E, dtype=torch.float32)  # M_LOG2E as an fp32 constant
@@ -82,10 +88,18 @@ class KernelModel:
     dq_chained: bool  # dQ: one accumulator continued over the key blocks (else per-tile partials added in fp32)
     dq_keys_descending: bool  # the key-block order of the dQ sum
     mma_k: Optional[int] = None  # the MMA instruction's K where smaller than the tensor core's group
+    # the tiles run in the memory-efficient kernel's CTA order (efficient_schedule.py), which then sets the
+    # order of the dK, dV and dQ sums in place of the three order fields above
+    cta_schedule: bool = False
 
 
 def _fa2_tiles(d: int) -> tuple[int, int]:
     return (128, 128) if d <= 64 else (64, 128) if d <= 128 else (64, 64)
+
+
+def _efficient_tiles(d: int) -> tuple[int, int]:
+    tile = efficient_schedule.backward_tile(d)
+    return tile.queries, tile.keys
 
 
 MODELS = {
@@ -94,9 +108,9 @@ MODELS = {
         exp_form="exp2-folded", scale_in_ds=False, ds_reads_p_bar=False, query_blocks_descending=True,
         dq_chained=False, dq_keys_descending=False),
     BackwardKernel.SDPA_EFFICIENT: KernelModel(
-        tiles=lambda d: (64, 64) if d <= 64 else (64, 128), delta_threads=lambda d: 2 if d <= 64 else 4,
+        tiles=_efficient_tiles, delta_threads=lambda d: 2 if d <= 64 else 4,
         butterfly_descending=False, exp_form="exp", scale_in_ds=True, ds_reads_p_bar=True,
-        query_blocks_descending=False, dq_chained=True, dq_keys_descending=True, mma_k=8),
+        query_blocks_descending=False, dq_chained=True, dq_keys_descending=True, mma_k=8, cta_schedule=True),
     BackwardKernel.SDPA_CUDNN: KernelModel(
         tiles=lambda d: (128, 128), delta_threads=lambda d: 8 if d % 64 == 0 else 4, butterfly_descending=True,
         exp_form="exp2-natural-fma", scale_in_ds=True, ds_reads_p_bar=False, query_blocks_descending=False,
@@ -153,12 +167,14 @@ def _blocks(start: int, stop: int, size: int, descending: bool) -> list[tuple[in
 
 def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, config: ReplayConfig, *, causal: bool, scale: float,
-                    mask: Optional[torch.Tensor] = None, row0: int = 0):
+                    mask: Optional[torch.Tensor] = None, row0: int = 0, num_queries: Optional[int] = None):
     """The backward of config.backward_kernel; q, k, v, do, o (B, H, T|N, D) fp32 holding input-dtype values,
     o the forward's stored O, lse (B, H, T) its lse. Returns (δ, dQ, dK, dV), the gradients as fp32 tensors
     holding input-dtype values (what the kernel writes).
     row0: the query rows are rows row0 .. row0 + T − 1 of the attention (the causal mask and the tiles are
-    placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows."""
+    placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows.
+    num_queries: the query rows of the launch (default row0 + T), which place the memory-efficient kernel's
+    walk over the query blocks."""
     if mask is not None:
         raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
                           "attn_mask; use backward_kernel=reference (on the command line: a --preset without a "
@@ -177,6 +193,11 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     bm, bn = model.tiles(D)
     alpha = torch.tensor(scale, dtype=torch.float32)
     delta = row_delta(do, o, model.delta_threads(D), model.butterfly_descending)  # (B, H, T)
+    if model.cta_schedule:
+        launch = row0 + T if num_queries is None else num_queries
+        dq, dk, dv = _scheduled_gradients(q, k, v, do, lse, delta, config, model, exp_form, mma_k, causal=causal,
+                                          scale=scale, row0=row0, num_queries=launch)
+        return delta, cast(dq, fmt), cast(dk, fmt), cast(dv, fmt)
     dq = torch.zeros(q.shape)
     dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)  # (B, H, N, D) fp32 accumulators
     for a0, a1 in _blocks(row0, row0 + T, bm, model.query_blocks_descending):  # absolute rows of one tile
@@ -207,3 +228,73 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     if not model.scale_in_ds:
         dq, dk = dq * alpha, dk * alpha
     return delta, cast(dq, fmt), cast(dk, fmt), cast(dv, fmt)
+
+
+def _blocked(x: torch.Tensor, row0: int, rows: int, size: int) -> torch.Tensor:
+    """x (B, H, T, ...) placed at rows row0.. of `rows` zero rows, viewed as (B, H, rows // size, size, ...)."""
+    out = x.new_zeros(x.shape[:2] + (rows,) + x.shape[3:])
+    out[:, :, row0:row0 + x.shape[2]] = x
+    return out.reshape(x.shape[:2] + (rows // size, size) + x.shape[3:])
+
+
+def _waves(order: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`order` cut into runs with no query block and no key block twice: each run is one batched step."""
+    waves, rows, cols = [], set(), set()
+    for i, j in order:
+        if not waves or i in rows or j in cols:
+            waves.append([])
+            rows, cols = set(), set()
+        waves[-1].append((i, j))
+        rows.add(i)
+        cols.add(j)
+    return waves
+
+
+def _scheduled_gradients(q, k, v, do, lse, delta, config: ReplayConfig, model: KernelModel, exp_form: str,
+                         mma_k: Optional[int], *, causal: bool, scale: float, row0: int, num_queries: int):
+    """dQ, dK, dV (fp32 accumulators) with the tiles run in the kernel's CTA order (efficient_schedule): each key
+    block's dK, dV continued over its CTA's walk, each query block's dQ continued over the key blocks in the
+    order the CTAs reach it. Rows outside row0 .. row0 + T − 1 and keys past N are absent: P̄ = dS = 0 there."""
+    fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
+    unit = kernel_ops.unit_functions(config.exp_unit)
+    (B, H, T, D), N = q.shape, k.shape[-2]
+    tile = efficient_schedule.backward_tile(D)
+    bi, bj = tile.queries, tile.keys
+    splits = config.bwd_key_splits or efficient_schedule.key_splits(B, H, N, tile)
+    n_i, n_j = math.ceil(num_queries / bi), math.ceil(N / bj)
+    rows, keys = n_i * bi, n_j * bj
+    qb, dob = _blocked(q, row0, rows, bi), _blocked(do, row0, rows, bi)  # (B, H, n_i, bi, D)
+    lseb = _blocked(lse, row0, rows, bi)
+    deltab = _blocked(delta, row0, rows, bi)
+    present = _blocked(torch.ones(1, 1, T, dtype=torch.bool), row0, rows, bi)[0, 0]  # (n_i, bi)
+    kb, vb = _blocked(k, 0, keys, bj), _blocked(v, 0, keys, bj)  # (B, H, n_j, bj, D)
+    dqb, dkb, dvb = torch.zeros(qb.shape), torch.zeros(kb.shape), torch.zeros(vb.shape)
+    alpha = torch.tensor(scale, dtype=torch.float32)
+    order = [(i, j) for i, j in efficient_schedule.tile_order(num_queries, N, tile, splits, causal)
+             if present[i].any()]
+    for wave in _waves(order):
+        ii, jj = torch.tensor([i for i, _ in wave]), torch.tensor([j for _, j in wave])
+        qt, dot, kt, vt = qb[:, :, ii], dob[:, :, ii], kb[:, :, jj], vb[:, :, jj]  # (B, H, W, bi|bj, D)
+        row_idx = (ii * bi).unsqueeze(-1) + torch.arange(bi)  # (W, bi) absolute rows
+        key_idx = (jj * bj).unsqueeze(-1) + torch.arange(bj)  # (W, bj)
+        seen = present[ii].unsqueeze(-1) & (key_idx < N).unsqueeze(-2)  # (W, bi, bj)
+        if causal:
+            seen = seen & (key_idx.unsqueeze(-2) <= row_idx.unsqueeze(-1))
+        S = mm(qt, kt.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, W, bi, bj)
+        lse_t = lseb[:, :, ii]
+        P = _probs(S, lse_t, scale, exp_form, unit.exp2, unit.exp)
+        P = torch.where(seen & ~torch.isneginf(lse_t).unsqueeze(-1), P, torch.zeros_like(P))
+        dP = mm(dot, vt.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)
+        p_bar = cast(P, fmt)
+        diff = dP - deltab[:, :, ii].unsqueeze(-1)
+        ds = diff * p_bar if model.ds_reads_p_bar else P * diff
+        dS = cast(ds * alpha if model.scale_in_ds else ds, fmt)
+        dS = torch.where(seen, dS, torch.zeros_like(dS))
+        dvb[:, :, jj] = mm(p_bar.transpose(-1, -2), dot, acc_model, gpu, fmt, acc=dvb[:, :, jj], mma_k=mma_k)
+        dkb[:, :, jj] = mm(dS.transpose(-1, -2), qt, acc_model, gpu, fmt, acc=dkb[:, :, jj], mma_k=mma_k)
+        dqb[:, :, ii] = mm(dS, kt, acc_model, gpu, fmt, acc=dqb[:, :, ii], mma_k=mma_k)
+    dq = dqb.reshape(B, H, rows, D)[:, :, row0:row0 + T]
+    dk, dv = dkb.reshape(B, H, keys, D)[:, :, :N], dvb.reshape(B, H, keys, D)[:, :, :N]
+    if not model.scale_in_ds:
+        dq, dk = dq * alpha, dk * alpha
+    return dq, dk, dv

@@ -2,6 +2,8 @@
 (tests/data/h200_unseen, see its README): a non-causal head-dim-64 bf16 launch, a causal head-dim-128 fp16 one,
 and SDPA inside torch.compile choosing its own backend. O, lse and dQ of the kept rows are replayed from the
 recorded inputs (dQ from the kernel's recorded O and lse); the shares asserted are the measured ones rounded down.
+The memory-efficient kernel's backward without a mask is checked on every row of the non-causal launch's head
+(tests/data/h200_bwd/d64_bfloat16_full_rows adds rows 0..959), where its key splits set the order of every sum.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
+from fa_forensics.replay.emulate.efficient_schedule import backward_tile, key_splits
 from fa_forensics.replay.emulate.forward import forward
 from fa_forensics.replay.gpu_fidelity import kernel_preset, read_tensors
 
@@ -29,8 +32,8 @@ FLOORS = {
 }
 
 
-def _load(tag: str):
-    tensors, metadata = read_tensors(DATA / f"{tag}.safetensors.xz")
+def _load(tag: str, data: Path = DATA):
+    tensors, metadata = read_tensors(data / f"{tag}.safetensors.xz")
     return tensors, json.loads(metadata["layout"])
 
 
@@ -85,3 +88,44 @@ def test_dk_dv_of_a_key_block_at_head_dim_128_in_fp16(kernel):
                                    g(f"{kernel}.lse").float(), config, causal=True, scale=layout["scale"], row0=j0)
     assert torch.equal(dk[..., j0:j1, :].to(torch.float16), g(f"{kernel}.dk"))
     assert torch.equal(dv[..., j0:j1, :].to(torch.float16), g(f"{kernel}.dv"))
+
+
+def _efficient_nomask_backward(**changes):
+    """The memory-efficient backward model on every row of head 0 of the non-causal d64 bf16 launch, from the
+    kernel's recorded O and lse, with the launch's key splits (or `changes`); returns (dq, dk, dv, recorded)."""
+    tag = "d64_bfloat16_full"
+    last, layout = _load(tag)
+    first, kept = _load(f"{tag}_rows", DATA.parent / "h200_bwd")
+    assert kept["q_rows"][1] == layout["q_rows"][0] and layout["q_rows"][1] == layout["T_recorded"]
+    rows = lambda name: torch.cat([first[f"{tag}.{name}"], last[f"{tag}.{name}"]], dim=2).float()  # noqa: E731
+    q, do, o = rows("q"), rows("do"), rows("efficient.o")
+    lse = torch.cat([first[f"{tag}.efficient.lse"], last[f"{tag}.efficient.lse"]], dim=-1).float()
+    k, v = last[f"{tag}.k"].float(), last[f"{tag}.v"].float()
+    splits = key_splits(layout["launch_batch"], layout["launch_heads"], k.shape[2], backward_tile(k.shape[3]))
+    config = ReplayConfig.preset("sdpa-efficient").with_(**{"bwd_key_splits": splits, **changes})
+    _, dq, dk, dv = kernel_backward(q, k, v, do, o, lse, config, causal=False, scale=layout["scale"])
+    keys = [j for a, b in kept["dkdv_keys"] for j in range(a, b)]
+    (r0, r1), (l0, l1) = kept["dq_rows"], layout["dq_rows"]
+    # the dQ of rows r0..r1 alone: those rows placed in the launch's T queries, which set the CTAs' walks
+    _, dq_rows, _, _ = kernel_backward(q[:, :, r0:r1], k, v, do[:, :, r0:r1], o[:, :, r0:r1], lse[:, :, r0:r1],
+                                       config, causal=False, scale=layout["scale"], row0=r0,
+                                       num_queries=layout["T_recorded"])
+    got = {"dq": dq[:, :, r0:r1], "dq_last": dq[:, :, l0:l1], "dk": dk[:, :, keys], "dv": dv[:, :, keys],
+           "dq_of_the_rows_alone": dq_rows}
+    want = {"dq": first[f"{tag}.efficient.dq"], "dq_last": last[f"{tag}.efficient.dq"],
+            "dk": first[f"{tag}.efficient.dk"], "dv": first[f"{tag}.efficient.dv"],
+            "dq_of_the_rows_alone": first[f"{tag}.efficient.dq"]}
+    return {name: _share(got[name], want[name]) for name in got}, splits
+
+
+def test_the_efficient_backward_without_a_mask_follows_the_key_splits():
+    """Without a mask the memory-efficient backward splits the keys over 16 CTAs per head (one 64-key block
+    each); CTA s walks the query blocks from block s, wrapping around, and a query block's dQ is summed in the
+    order the CTAs reach it. Key blocks 5 and 10 (dK, dV) and query block 5 (dQ) are reproduced bit for bit, the
+    latter also from its 64 rows alone placed in the launch's 1024 queries (num_queries); one CTA per head
+    (deterministic mode's schedule: every walk ascending) misses some of each."""
+    shares, splits = _efficient_nomask_backward()
+    assert splits == 16
+    assert shares == {"dq": 1.0, "dq_last": 1.0, "dk": 1.0, "dv": 1.0, "dq_of_the_rows_alone": 1.0}
+    one_cta, _ = _efficient_nomask_backward(bwd_key_splits=1)
+    assert max(one_cta.values()) < 0.9995, one_cta
