@@ -11,6 +11,8 @@
 //   ex2_neg<E>.i8            ex2.approx.ftz(x) for every fp32 x in [-2^E, -2^(E-1)), bit difference likewise
 //   lg2_mant.i16             lg2.approx.ftz(x) - log2(x) for x = 1 + i * 2^-23, in units of 2^-30 (int16)
 //   lg2_e10.i8               lg2.approx.ftz(x) for x in [2^10, 2^11), bit difference to the correctly rounded
+//   rcp_mant.i8              rcp.approx.ftz(x) for x = 1 + i * 2^-23, bit difference to the correctly rounded 1/x
+//                            (part `rcp`: with the law rcp(2^e m) == 2^-e rcp(m), and __fdividef against a * rcp(b))
 // The scaling hypotheses: ex2(x) == 2^n * ex2(f) with x * 2^F converted to an integer (floor, nearest, toward
 // zero) and split into n and an F-bit fraction f, counted over every fp32 x in [-128, 0].
 #include <cfloat>
@@ -43,6 +45,11 @@ __device__ __forceinline__ float ex2_full(float x) {
 __device__ __forceinline__ float lg2_ftz(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -239,6 +246,33 @@ __global__ void accurate_fn_census(int op, uint32_t start, uint32_t n, unsigned 
   if ((threadIdx.x & 31) == 0) atomicAdd(&sum[binade], term);
 }
 
+// rcp.approx.ftz on [1, 2): its bits as a difference to the correctly rounded reciprocal (saturated int8)
+__global__ void rcp_mant(int8_t* d) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (1u << 23)) return;
+  float x = __uint_as_float(0x3f800000u + i);
+  d[i] = (int8_t)sat((int)__float_as_int(rcp_ftz(x)) - (int)__float_as_int(__frcp_rn(x)), 127);
+}
+
+// the law rcp(2^e m) == 2^-e rcp(m) for every mantissa m of [1, 2), e in [-125, 125] (normal results)
+__global__ void rcp_law(int e, unsigned long long* mism) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  float m = __uint_as_float(0x3f800000u + i);
+  float x = ldexpf(m, e);
+  count_block(i < (1u << 23) && __float_as_uint(rcp_ftz(x)) != __float_as_uint(ldexpf(rcp_ftz(m), -e)), mism);
+}
+
+// __fdividef(a, b) against a * rcp.approx(b) and against the correctly rounded a / b, on pairs from a hash
+__global__ void fdividef_check(uint32_t n, unsigned long long* mism_rcp, unsigned long long* mism_rn) {
+  uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t h = i * 2654435761u;
+  float a = __uint_as_float(0x3c000000u + (h & 0x03ffffffu));                 // about [2^-7, 2^1)
+  float b = __uint_as_float(0x3f800000u + ((h * 2246822519u) & 0x067fffffu));  // about [1, 2^13): row sums
+  float q = __fdividef(a, b);
+  count_block(i < n && __float_as_uint(q) != __float_as_uint(__fmul_rn(a, rcp_ftz(b))), mism_rcp);
+  count_block(i < n && __float_as_uint(q) != __float_as_uint(__fdiv_rn(a, b)), mism_rn);
+}
+
 static void write_file(const std::string& path, const void* host, size_t bytes) {
   FILE* f = fopen(path.c_str(), "wb");
   if (!f || fwrite(host, 1, bytes, f) != bytes) {
@@ -252,12 +286,13 @@ static unsigned blocks(uint64_t n) { return (unsigned)((n + 255) / 256); }
 
 int main(int argc, char** argv) {
   if (argc < 2 || argc > 3) {
-    fprintf(stderr, "usage: %s OUT_DIR [all|tables|laws]\n", argv[0]);
+    fprintf(stderr, "usage: %s OUT_DIR [all|tables|laws|rcp]\n", argv[0]);
     return 2;
   }
   std::string out = argv[1];
   std::string part = argc == 3 ? argv[2] : "all";
-  bool tables = part != "laws", laws = part != "tables";
+  bool tables = part == "all" || part == "tables", laws = part == "all" || part == "laws";
+  bool rcp = part == "all" || part == "rcp";
   FILE* summary = fopen((out + "/summary.txt").c_str(), "w");
   if (!summary) {
     fprintf(stderr, "cannot write %s/summary.txt\n", out.c_str());
@@ -429,6 +464,32 @@ int main(int argc, char** argv) {
     }
     fflush(summary);
   }  // laws
+
+  if (rcp) {
+    // 7. the reciprocal a kernel's epilogue may take of the row sum (rcp.approx, MUFU.RCP): its table on [1, 2),
+    //    the law that scales it, and __fdividef
+    rcp_mant<<<blocks(1u << 23), 256>>>(d8);
+    CHECK(cudaGetLastError());
+    CHECK(cudaMemcpy(h_d8.data(), d8, 1u << 23, cudaMemcpyDeviceToHost));
+    write_file(out + "/rcp_mant.i8", h_d8.data(), 1u << 23);
+    unsigned long long rcp_total = 0;
+    fprintf(summary, "rcp law 2^-e rcp(m) per_e =");
+    for (int e = -125; e <= 125; ++e) {
+      CHECK(cudaMemset(mism, 0, sizeof(unsigned long long)));
+      rcp_law<<<blocks(1u << 23), 256>>>(e, mism);
+      CHECK(cudaMemcpy(h_m.data(), mism, sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+      rcp_total += h_m[0];
+      if (h_m[0]) fprintf(summary, " %d:%llu", e, h_m[0]);
+    }
+    fprintf(summary, "\nrcp law e=-125..125 mismatches = %llu of %llu\n", rcp_total, 251ull << 23);
+    const uint32_t pairs = 1u << 26;
+    CHECK(cudaMemset(mism, 0, 2 * sizeof(unsigned long long)));
+    fdividef_check<<<blocks(pairs), 256>>>(pairs, mism, mism + 1);
+    CHECK(cudaMemcpy(h_m.data(), mism, 2 * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    fprintf(summary, "__fdividef == a * rcp.approx(b) mismatches = %llu of %u\n", h_m[0], pairs);
+    fprintf(summary, "__fdividef == correctly rounded a / b mismatches = %llu of %u\n", h_m[1], pairs);
+    fflush(summary);
+  }  // rcp
   CHECK(cudaDeviceSynchronize());
   fprintf(summary, "done = 1\n");
   fclose(summary);

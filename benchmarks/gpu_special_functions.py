@@ -1,11 +1,12 @@
-"""Tabulate the GPU's approximate exp2 / log2 (needs nvcc and a CUDA GPU): builds and runs
+"""Tabulate the GPU's approximate exp2 / log2 / reciprocal (needs nvcc and a CUDA GPU): builds and runs
 benchmarks/gpu_special_functions.cu, then packs its output into two compressed .npz files.
 
-    python benchmarks/gpu_special_functions.py OUT_DIR [all|tables|laws]
+    python benchmarks/gpu_special_functions.py OUT_DIR [all|tables|laws|rcp]
 
-OUT_DIR gets `sf_tables.npz` (summary text, ex2 fraction tables for 23 and 24 fraction bits, the lg2 tables,
-the SASS that exp2f, ex2.approx, __logf and logf compile to) and `sf_binades.npz` (ex2.approx.ftz on whole
-binades of negative inputs). Everything is a difference to the correctly rounded value (see the .cu file).
+OUT_DIR gets `sf_tables.npz` (summary text, ex2 fraction tables for 23 and 24 fraction bits, the lg2 tables, the
+rcp.approx table on [1, 2), the SASS that exp2f, ex2.approx, __logf, logf, 1/x and __fdividef compile to) and
+`sf_binades.npz` (ex2.approx.ftz on whole binades of negative inputs). Everything is a difference to the correctly
+rounded value (see the .cu file).
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ PROBE = r"""
 __global__ void probe(const float* x, float* y) {
   int i = threadIdx.x;
   float a; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(a) : "f"(x[i]));
-  y[4 * i] = a;
-  y[4 * i + 1] = exp2f(x[i] * 1.5f);
-  y[4 * i + 2] = __logf(x[i] + 3.f);
-  y[4 * i + 3] = logf(x[i] + 5.f);
+  y[6 * i] = a;
+  y[6 * i + 1] = exp2f(x[i] * 1.5f);
+  y[6 * i + 2] = __logf(x[i] + 3.f);
+  y[6 * i + 3] = logf(x[i] + 5.f);
+  y[6 * i + 4] = 1.f / (x[i] + 7.f);
+  y[6 * i + 5] = __fdividef(x[i], x[i] + 9.f);
 }
 """
 
