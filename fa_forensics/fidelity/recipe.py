@@ -151,7 +151,7 @@ def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
         choice = resolved_choice(dump, step, layer, recipe)
         config = ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
     if config.backward_kernel is not BackwardKernel.REFERENCE and dump is not None and _has_mask(dump, step, layer):
-        config = config.with_(backward_kernel=BackwardKernel.REFERENCE)
+        config = config.with_reference_backward()
     return config
 
 

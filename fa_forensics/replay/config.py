@@ -158,9 +158,10 @@ class ReplayConfig:
             raise ConfigError(f"ReplayConfig.scale={self.scale!r} must be a positive finite number or None")
         if not isinstance(self.kv_splits, int) or not 1 <= self.kv_splits <= 128:
             raise ConfigError(f"ReplayConfig.kv_splits={self.kv_splits!r} must be an integer from 1 to 128")
-        if self.bwd_key_splits is not None and (not isinstance(self.bwd_key_splits, int) or self.bwd_key_splits < 1):
-            raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits!r} must be a positive integer or None "
-                              "(PyTorch's heuristic)")
+        if self.bwd_key_splits is not None and (type(self.bwd_key_splits) is not int
+                                                or not 1 <= self.bwd_key_splits <= 1024):
+            raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits!r} must be an integer from 1 to 1024 "
+                              "or None (PyTorch's heuristic)")
         if self.bwd_key_splits is not None and self.backward_kernel is not BackwardKernel.SDPA_EFFICIENT:
             raise ConfigError(f"ReplayConfig.bwd_key_splits={self.bwd_key_splits} splits the memory-efficient kernel's "
                               f"backward; it needs backward_kernel=sdpa-efficient, not {self.backward_kernel.value} "
@@ -172,11 +173,22 @@ class ReplayConfig:
 
     @property
     def is_kernel_model(self) -> bool:
-        """True when a kernel-model knob (exp_form, exp_unit, row_sum, normalize, kv_splits, mma_k) differs from the
-        default."""
+        """True when a kernel-model knob (exp_form, exp_unit, lse_form, row_sum, normalize, kv_splits, mma_k) differs
+        from the default."""
         return (self.exp_form is not ExpForm.EXP or self.exp_unit is not ExpUnit.CORRECTLY_ROUNDED
-                or self.row_sum is not RowSum.EXACT
+                or self.lse_form is not LseForm.FMA_NATURAL or self.row_sum is not RowSum.EXACT
                 or self.normalize is not Normalize.DIVIDE or self.kv_splits != 1 or self.mma_k is not None)
+
+    def without_kernel_model(self) -> ReplayConfig:
+        """This config on the same tiles with every forward kernel-model knob at its default (the emulator's exp,
+        exact row sums, O / ℓ, one pass over the keys, the tensor core's own groups)."""
+        return self.with_(exp_form=ExpForm.EXP, exp_unit=ExpUnit.CORRECTLY_ROUNDED, lse_form=LseForm.FMA_NATURAL,
+                          row_sum=RowSum.EXACT, normalize=Normalize.DIVIDE, kv_splits=1, mma_k=None)
+
+    def with_reference_backward(self) -> ReplayConfig:
+        """This config with the emulator's reference backward in place of a kernel's (and without that kernel's
+        backward knobs)."""
+        return self.with_(backward_kernel=BackwardKernel.REFERENCE, bwd_key_splits=None)
 
     def _check_kernel_model(self) -> None:
         """The kernel models describe hardware kernels: fp32 scores and statistics, the standard softmax,
@@ -198,6 +210,8 @@ class ReplayConfig:
             bad.append("kv_splits without block_n")
         if self.exp_unit is not ExpUnit.CORRECTLY_ROUNDED and self.exp_form is ExpForm.EXP:
             bad.append(f"exp_unit={self.exp_unit.value} with exp_form=exp (the unit models the base-2 forms)")
+        if self.lse_form is not LseForm.FMA_NATURAL and self.exp_form is ExpForm.EXP:
+            bad.append(f"lse_form={self.lse_form.value} with exp_form=exp (the lse forms are the base-2 kernels')")
         if bad:
             raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, exp_unit, row_sum, normalize, "
                               f"kv_splits, mma_k) model hardware kernels and do not combine with {', '.join(bad)}; "
@@ -212,7 +226,7 @@ class ReplayConfig:
     def preset(cls, name: str) -> ReplayConfig:
         """A named recipe; see PRESETS for the list. A kernel's tile may follow the name after '@'
         (`sdpa-cudnn-sm90@block_n=128`, `flash-attn-2@block_m=64,block_n=256,kv_splits=4`): the
-        preset with those tiling fields (block_m, block_n, kv_splits, kv_order) replaced."""
+        preset with those tiling fields (block_m, block_n, kv_splits, kv_order, bwd_key_splits) replaced."""
         base, _, tile = name.partition("@")
         try:
             factory = PRESETS[base]

@@ -51,7 +51,7 @@ from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.analyses.stats import sign_test, sum_se
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.enums import (
-    BackwardKernel, DeltaSource, ExpForm, ExpUnit, Normalize, Precision, Rounding, RowSum, Softmax,
+    BackwardKernel, DeltaSource, Precision, Rounding, Softmax,
 )
 from fa_forensics.replay.config import ReplayConfig
 
@@ -91,14 +91,13 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
     fp32 = Precision.FP32
     delta_base, delta_note = base, ""
     if base.backward_kernel is not BackwardKernel.REFERENCE:  # a kernel's backward fixes δ: the knob needs ours
-        delta_base = base.with_(backward_kernel=BackwardKernel.REFERENCE)
+        delta_base = base.with_reference_backward()
         delta_note = f" (the emulator's reference backward: {base.backward_kernel.value}'s own fixes δ)"
     # The kernel models (exp form, row sum, 1/ℓ, split-KV, MMA groups) describe the hardware kernel's standard
     # softmax with nearest-even casts: the stabilized and stochastic repairs run on the same tiles without them.
     plain, plain_note = base, ""
     if base.is_kernel_model:
-        plain = base.with_(exp_form=ExpForm.EXP, exp_unit=ExpUnit.CORRECTLY_ROUNDED, row_sum=RowSum.EXACT,
-                           normalize=Normalize.DIVIDE, kv_splits=1, mma_k=None)
+        plain = base.without_kernel_model()
         plain_note = " (on the kernel's tiles, without its exp, row-sum and 1/ℓ model)"
     o_dt = base.o_dtype.value
     tiles = f"{base.block_m or T}x{base.block_n or T} tiles"

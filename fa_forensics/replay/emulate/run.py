@@ -21,6 +21,7 @@ from fa_forensics.numerics import accumulate_jit
 from fa_forensics.numerics.engines import EngineLike, use_engine
 from fa_forensics.replay.config import BackwardKernel, DeltaSource, Precision, ReplayConfig, Rounding
 from fa_forensics.replay.emulate.backward import Backward, backward, query_blocks
+from fa_forensics.replay.emulate.efficient_schedule import backward_tile, key_splits
 from fa_forensics.replay.emulate.forward import Forward, forward
 from fa_forensics.replay.emulate.ops import cast, torch_dtype
 from fa_forensics.replay.out import PBarStats, ReplayOut
@@ -112,6 +113,16 @@ def streamed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: tor
     return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
 
 
+def launch_config(config: ReplayConfig, q_shape: torch.Size, n_keys: int) -> ReplayConfig:
+    """The config with what the whole launch decides fixed before the replay is cut into work items: the
+    memory-efficient backward's key splits (PyTorch's heuristic reads the launch's batch and heads, which a work
+    item of one batch row and a few heads does not have)."""
+    if config.backward_kernel is not BackwardKernel.SDPA_EFFICIENT or config.bwd_key_splits is not None:
+        return config
+    B, H, _, D = q_shape
+    return config.with_(bwd_key_splits=key_splits(B, H, n_keys, backward_tile(D)))
+
+
 @contextlib.contextmanager
 def emulator_threads():
     """Torch's elementwise ops on one thread and the compiled kernels on torch's thread count:
@@ -152,8 +163,8 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
                 twin = high_precision_twin(config)
                 o_for_delta = streamed_forward(q32, k32, v32, twin, plan, causal=causal, scale=scale, generator=None,
                                                mask=mask).o
-            grads = streamed_backward(q32, k32, v32, do32, fwd.lse, config, plan, causal=causal, scale=scale,
-                                      o_for_delta=o_for_delta, mask=mask)
+            grads = streamed_backward(q32, k32, v32, do32, fwd.lse, launch_config(config, q.shape, k.shape[-2]), plan,
+                                      causal=causal, scale=scale, o_for_delta=o_for_delta, mask=mask)
             delta, dq, dk, dv = grads.delta, grads.dq, grads.dk, grads.dv
         return ReplayOut(
             o=fwd.o.to(torch_dtype(config.o_dtype)),

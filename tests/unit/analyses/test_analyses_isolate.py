@@ -66,3 +66,15 @@ def test_isolate_names_the_o_and_delta_repairs_and_not_tiling():
     assert "no-tiling" not in r.culprits  # tiling is not the source (paper §3.2)
     assert by["baseline"].dwq_err is not None and by["baseline"].dwq_err > 0
     assert r.layers[0].layer == 0 and r.baseline_block == 64
+
+
+@pytest.mark.parametrize("preset", ["sdpa-efficient@bwd_key_splits=2", "sdpa-cudnn-sm90", "sdpa-flash"])
+def test_every_kernel_preset_builds_its_repairs(preset):
+    """The repairs of a kernel preset drop what only the kernel's model means: the δ repairs its backward's knobs
+    (the key splits), the stabilized and stochastic ones the forward's exp, lse, row-sum and 1/ℓ forms."""
+    from fa_forensics.replay.config import ReplayConfig
+
+    vs = {v.name: v for v in variants(256, ReplayConfig.preset(preset), preset)}
+    assert vs["delta-dp-p"].config.bwd_key_splits is None
+    plain = [v.config for v in vs.values() if v.config.softmax.value != "standard"]
+    assert plain and all(not c.is_kernel_model for c in plain)

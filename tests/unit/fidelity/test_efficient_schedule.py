@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.replay import ReplayConfig
+from fa_forensics.replay import ReplayConfig, replay
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
 from fa_forensics.replay.emulate.efficient_schedule import (
     BackwardTile,
@@ -86,7 +86,24 @@ def test_the_split_count_changes_the_bits_not_the_gradients():
 def test_the_split_count_is_a_config_knob():
     assert ReplayConfig.preset("sdpa-efficient@bwd_key_splits=1").bwd_key_splits == 1
     assert ReplayConfig.preset("sdpa-efficient").bwd_key_splits is None  # PyTorch's heuristic
-    with pytest.raises(ConfigError, match="bwd_key_splits=0 must be a positive integer"):
-        ReplayConfig.preset("sdpa-efficient").with_(bwd_key_splits=0)
+    for bad in (0, 1025, True, 2.0):
+        with pytest.raises(ConfigError, match="must be an integer from 1 to 1024"):
+            ReplayConfig.preset("sdpa-efficient").with_(bwd_key_splits=bad)
     with pytest.raises(ConfigError, match="needs backward_kernel=sdpa-efficient, not flash-attention-2"):
         ReplayConfig.preset("sdpa-flash@bwd_key_splits=2")
+    reference = ReplayConfig.preset("sdpa-efficient@bwd_key_splits=2").with_reference_backward()
+    assert reference.backward_kernel.value == "reference" and reference.bwd_key_splits is None
+
+
+def test_the_replay_takes_the_split_count_from_the_whole_launch():
+    """PyTorch's heuristic reads the launch's batch and heads: 16 x 16 heads of 128 keys (two key tiles) run one
+    CTA per head, although the replay cuts the launch into work items of one batch row."""
+    assert key_splits(16, 16, 128, backward_tile(32)) == 1 and key_splits(1, 16, 128, backward_tile(32)) == 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(16, 16, 128, 32, generator=g).to(torch.bfloat16) for _ in range(4))
+    config = ReplayConfig.preset("sdpa-efficient")
+    default = replay(q, k, v, config, do, causal=False)
+    one, two = (replay(q, k, v, config.with_(bwd_key_splits=n), do, causal=False) for n in (1, 2))
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(getattr(default, name), getattr(one, name)), name
+    assert not torch.equal(default.dq, two.dq)

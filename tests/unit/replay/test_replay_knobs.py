@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import round_to
 from fa_forensics.replay import Precision, ReplayConfig, replay
 
@@ -222,3 +223,11 @@ def test_every_precision_is_a_dtype_knob_with_its_own_resolution():
         assert err[p] <= 8 * 2.0 ** -bits[p] * float(ref.abs().max()), p  # a few ulps of |O|max
     ordered = sorted(Precision, key=lambda p: -bits[p])
     assert err[Precision.FP32] == 0 and all(err[a] < err[b] for a, b in zip(ordered, ordered[1:])), err
+
+
+def test_an_lse_form_needs_a_base2_exp_form():
+    """lse_form names how a base-2 kernel writes its lse; with the emulator's exp it would do nothing: refused."""
+    with pytest.raises(ConfigError, match="lse_form=scaled-div with exp_form=exp"):
+        ReplayConfig.preset("bf16").with_(lse_form="scaled-div")
+    plain = ReplayConfig.preset("sdpa-cudnn-sm90").without_kernel_model()
+    assert not plain.is_kernel_model and (plain.block_m, plain.block_n) == (128, 128)
