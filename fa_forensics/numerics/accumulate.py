@@ -60,6 +60,7 @@ from fa_forensics.numerics.accumulate_tiles import (
     ieee_tile_fp64_exact,
     min_nonzero_abs,
     no_tiny_terms,
+    result_bits,
     rz_mask,
     sum_round_to_odd,
     tensor_core_tile_fp32,
@@ -78,7 +79,8 @@ class Band:
     of the ieee fma chain and of a tensor-core group, but for the sign of a zero accumulator,
     which the compiled kernels settle as the full product does), so every engine gives the same
     result; the compiled kernels skip them, the torch kernels compute the whole product and zero
-    the outputs."""
+    the outputs. Under a tensor-core model that keeps fewer than 24 bits (fp8 on the H100: 14) a group
+    of zeros still cuts a starting accumulator to those bits, so with one given nothing is skipped."""
 
     k_lo: Optional[int] = None
     k_hi: Optional[int] = None
@@ -304,6 +306,8 @@ def matmul(
     a3 = a.expand(*lead, M, K).reshape(L, M, K)  # (L, M, K)
     b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
     acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)  # (L, M, N)
+    if band is not None and params is not None and result_bits(params.neab) < 24 and acc3 is not None:
+        band = Band(n_hi=band.n_hi)  # a group of zero terms still cuts the starting accumulator: run every group
     if engine is Engine.COMPILED:
         out = _compiled(a3, b3, acc3, params, band, assume_finite)
         if out is not None:

@@ -233,9 +233,10 @@ def tensor_core_matmul(a, b, out, F, neab, zero, k_lo, k_hi, n_hi):
     (`register_tiles.tensor_core_tile`), the rest by `_tensor_core_row`; both do the same
     operations per element. Band as in `ieee_matmul`: a tile runs the groups that meet its rows'
     [i + k_lo, i + k_hi) (groups stay aligned to multiples of F), and outputs j ≥ i + n_hi are set
-    to 0. A group of zero products leaves a nonzero accumulator as it is (aligned to its own
-    exponent, truncated, summed and rounded, an fp32 value comes back unchanged) and turns ±0 into
-    +0, which is what the skipped groups do here."""
+    to 0. A group of zero products leaves a nonzero accumulator as it is where the sum keeps fp32's
+    24 bits (aligned to its own exponent, truncated, summed and rounded, an fp32 value comes back
+    unchanged; fp8's 14-bit sums are not given a band with an accumulator: `accumulate.Band`) and
+    turns ±0 into +0, which is what the skipped groups do here."""
     L, M, K = a.shape
     N = b.shape[2]
     a_l, a_row, a_k = a.strides[0] // 4, a.strides[1] // 4, a.strides[2] // 4

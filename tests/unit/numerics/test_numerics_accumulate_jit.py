@@ -219,3 +219,18 @@ print("ok")
     env = {**os.environ, "FA_FORENSICS_AVX2_TILES": "1", "NUMBA_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "bf16"])
+def test_a_band_changes_no_bit_even_where_a_row_has_no_term(fmt):
+    """Rows whose band holds no term keep the starting accumulator under fp32's 24-bit sums, but the H100's fp8
+    MMA cuts it to 14 bits even in a group of zeros: the compiled kernels, which skip zero groups, must still give
+    the spec's bits."""
+    g = torch.Generator().manual_seed(1)
+    M = K = 96
+    a = torch.tril(round_to(torch.randn(1, M, K, generator=g, dtype=torch.float64), fmt).float(), diagonal=-90)
+    b = round_to(torch.randn(1, K, 8, generator=g, dtype=torch.float64), fmt).float()
+    acc = torch.randn(1, M, 8, generator=g) * 3  # full 24-bit significands
+    kw = dict(accumulation="tensor-core", gpu="h100", in_format=fmt, acc=acc)
+    banded = matmul(a, b, band=accumulate.Band(k_hi=-89), engine="compiled", **kw)
+    assert torch.equal(_bits(banded), _bits(matmul(a, b, engine="spec", **kw)))
