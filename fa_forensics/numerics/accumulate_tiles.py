@@ -13,8 +13,8 @@ Per group of F products it works in fp32/int32 only:
   (2^(e_a + e_b), the factors' fraction bits cleared: the operands are normal fp32 numbers here)
   and of |acc|; scale 2^-q, q = e_max − 23 − neab, and 2^q built from bit patterns; products ×
   scale, converted to int32 (truncation toward zero; |aligned| < 2^(25+neab)); exact int64 sum
-  (int64); RZ to 24 bits by clearing
-  the low 29 fraction bits of the (exact) fp64 sum; × 2^q (exact, normal range).
+  (int64); RZ to `result_bits(neab)` (24; 14 for the H100's fp8) by clearing the low 29 (39) fraction bits
+  of the (exact) fp64 sum; × 2^q (exact, normal range).
 Why the 2^-100 floor is enough: then e_max ≥ −100, so q ≥ −125 − neab ≥ −126 (2^±q are normal
 fp32 numbers, results are normal) and a product whose exact value is below 2^-126 (inexact in
 fp32) is below 2^q, so it truncates to 0 whatever fp32 did to it.

@@ -61,12 +61,13 @@ class CompiledEngine:
       no NaN or +inf in an additive mask; the forward also needs an fp32 exponential, no given scores or
       per-block observer and not a GPU kernel model. Otherwise that forward or backward runs the spec's stages
       (its matrix products still compiled).
-    Available where numba and llvmlite import (declared dependencies: wheels for the common platforms)."""
+    Available where numba and llvmlite import (declared dependencies: wheels for the common platforms) and the
+    kernels compile with them (importing `accumulate_jit` compiles or loads them)."""
 
     engine = Engine.COMPILED
 
     def available(self) -> bool:
-        return _imports("numba", "llvmlite")
+        return _imports("numba", "llvmlite", "fa_forensics.numerics.accumulate_jit")
 
 
 @functools.cache

@@ -96,24 +96,28 @@ def o_agreement(rec: RecordedSet, kernel: str, config: ReplayConfig) -> float:
 
 def recorded_sets(folder) -> list[RecordedSet]:
     """Every recorded set (*.safetensors or *.safetensors.xz with a `layout`) in a folder, by name."""
-    paths = sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.xz")])
-    return [RecordedSet.load(p) for p in paths if "layout" in read_tensors(p, metadata_only=True)[1]]
+    sets = []
+    for path in sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.xz")]):
+        tensors, metadata = read_tensors(path)
+        if "layout" in metadata:
+            layout = json.loads(metadata["layout"])
+            sets.append(RecordedSet(layout["tag"], layout, tensors))
+    return sets
 
 
-def read_tensors(path, metadata_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file, or of one compressed with xz (a name ending in .xz).
-    metadata_only: the tensors are not read ({})."""
+def read_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, or of one compressed with xz (a name ending in .xz)."""
     from safetensors import safe_open
     from safetensors.torch import load
 
     path = Path(path)
     if path.suffix != ".xz":
         with safe_open(str(path), framework="pt") as f:
-            return ({} if metadata_only else {k: f.get_tensor(k) for k in f.keys()}), (f.metadata() or {})
+            return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
     data = lzma.decompress(path.read_bytes())
     header = int.from_bytes(data[:8], "little")  # the format: a u64 header length, the JSON header, the data
     metadata = json.loads(data[8:8 + header]).get("__metadata__") or {}
-    return ({} if metadata_only else load(data)), metadata
+    return load(data), metadata
 
 
 def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:

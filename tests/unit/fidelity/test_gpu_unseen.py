@@ -92,7 +92,8 @@ def test_dk_dv_of_a_key_block_at_head_dim_128_in_fp16(kernel):
 
 def _efficient_nomask_backward(**changes):
     """The memory-efficient backward model on every row of head 0 of the non-causal d64 bf16 launch, from the
-    kernel's recorded O and lse, with the launch's key splits (or `changes`); returns (dq, dk, dv, recorded)."""
+    kernel's recorded O and lse, with the launch's key splits (or `changes`); returns ({gradient: share of
+    recorded bits reproduced}, the split count)."""
     tag = "d64_bfloat16_full"
     last, layout = _load(tag)
     first, kept = _load(f"{tag}_rows", DATA.parent / "h200_bwd")
