@@ -98,6 +98,10 @@ class RowSum(str, enum.Enum):
     # of each 8-column MMA tile and adds them in column order into its own fp32 partial, rescaled with
     # the row and carried across KV blocks; one all-reduce at the end: (ℓ₀ + ℓ₂) + (ℓ₁ + ℓ₃)
     MMA_LANES = "mma-lanes"
+    # cuDNN on sm_90 (closed source; the order that reproduces its recorded lse and O): the same four threads, each
+    # summing its block's columns 8t + 2q + {0, 1} in column order from 0 and folding the sum into its carried
+    # partial with one fused multiply-add, fma(α, ℓ_q, s_q); the epilogue reduces (ℓ₀ + ℓ₁) + (ℓ₂ + ℓ₃)
+    LANES_FMA = "lanes-fma"
     # the memory-efficient (CUTLASS) kernel: per block, each 32-key warp tile's P̄ summed per thread (keys
     # 8t + 2q + {0, 1} in order), the quad reduced as (s₀ + s₁) + (s₂ + s₃), the warp tiles then added to fp32(α·ℓ)
     # one by one in key order

@@ -184,7 +184,7 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: 
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------
 CACHE_ATTR = match_cache.IN_DUMP_ATTR  # the layer attribute a dump may carry its match in (read, never written)
-CACHE_VERSION = 4  # part of the fingerprint: raise it when a recipe's arithmetic changes
+CACHE_VERSION = 5  # part of the fingerprint: raise it when a recipe's arithmetic changes
 
 # Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
 _BEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -364,10 +364,11 @@ def _hw_kernel(**tile) -> ReplayConfig:
 
 def _sdpa_cudnn_sm90() -> ReplayConfig:
     # cuDNN's fused flash attention on sm_90 (SDPA's CUDNN_ATTENTION; closed source): 128-key tiles in
-    # forward order, 2^x of the once-scaled scores less their max, exact row sums, O times 1/ℓ; modelled
-    # from measurement (docs/gpu-fidelity.md); its backward: backward_kernels.py
+    # forward order, 2^x of the once-scaled scores less their max, per-thread row sums fused into the rescale
+    # (lanes-fma), O times 1/ℓ; modelled from measurement (docs/gpu-fidelity.md); its backward: backward_kernels.py
     return _hw_kernel(block_m=128, block_n=128, exp_form=ExpForm.EXP2_SCALED, lse_form=LseForm.SCALED_FMA,
-                      normalize=Normalize.RECIPROCAL, backward_kernel=BackwardKernel.SDPA_CUDNN)
+                      row_sum=RowSum.LANES_FMA, normalize=Normalize.RECIPROCAL,
+                      backward_kernel=BackwardKernel.SDPA_CUDNN)
 
 
 def _sdpa_efficient() -> ReplayConfig:

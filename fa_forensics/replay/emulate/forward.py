@@ -42,6 +42,8 @@ exp_form exp2-*: the running max m is that of the raw scores S = q kᵀ, P̄ and
 exponentials of S·c (c = fp32(α·log2 e)) as kernel_ops.exp2_block says (exp2-scaled-twice: of fp32(fp32(S·α)·
 log2 e)), and the lse as kernel_ops.kernel_lse forms it;
 row_sum mma-lanes: ℓ is four per-thread partials carried across blocks and reduced in the epilogue;
+row_sum lanes-fma: the same partials, each block's per-thread sum fused into the rescale, fma(α, ℓ_q, s_q), and
+reduced in neighbouring pairs (kernel_ops.fold_lane_sums, reduce_lane_pairs);
 row_sum cutlass-warps: each block's P̄ is summed per thread, per quad and per 32-key warp tile, and the tiles'
 sums are added to fp32(α·ℓ) in key order (kernel_ops.warp_row_sums);
 normalize reciprocal: O = fp32(acc · fp32(1/ℓ)); kv_splits > 1: FlashAttention-2's split-KV forward
@@ -191,7 +193,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     mask_value = -finfo_max(config.s_dtype) if visit else _NEG_INF  # masked scores and the initial m
     row_sum_floor = torch.tensor(config.row_sum_floor, dtype=torch.float32)
     m = torch.full((B, H, T), mask_value)  # running shift m_i
-    lanes = config.row_sum is RowSum.MMA_LANES
+    lanes = config.row_sum in (RowSum.MMA_LANES, RowSum.LANES_FMA)
     l = torch.zeros((B, H, T, kernel_ops.LANES) if lanes else (B, H, T))  # running ℓ_i (per-thread partials)
     base2 = config.exp_form is not ExpForm.EXP
     c_log2 = kernel_ops.scale_log2(scale)
@@ -296,7 +298,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             m[..., r0:] = m_new
 
     m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    if lanes:
+    if config.row_sum is RowSum.LANES_FMA:
+        l = kernel_ops.reduce_lane_pairs(l)
+    elif lanes:
         l = kernel_ops.reduce_lanes(l)
     if config.normalize is Normalize.RECIPROCAL:
         o32 = acc * kernel_ops.reciprocal(l).unsqueeze(-1)
@@ -323,10 +327,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
 
 
 def _add_row_sum(l: torch.Tensor, r0: int, alpha: torch.Tensor, p: torch.Tensor, config: ReplayConfig) -> None:
-    """ℓ of rows r0.. after one block (in place): exact (fp32(fp32(α·ℓ) + ΣP̄)), per-thread partials (mma-lanes) or
-    the memory-efficient kernel's threads, quads and warp tiles (cutlass-warps)."""
+    """ℓ of rows r0.. after one block (in place): exact (fp32(fp32(α·ℓ) + ΣP̄)), per-thread partials (mma-lanes;
+    lanes-fma: the block's per-thread sums fused into the rescale) or the memory-efficient kernel's threads, quads
+    and warp tiles (cutlass-warps)."""
     if config.row_sum is RowSum.MMA_LANES:
         l[..., r0:, :] = kernel_ops.lane_row_sums(p, l[..., r0:, :] * alpha)
+    elif config.row_sum is RowSum.LANES_FMA:
+        l[..., r0:, :] = kernel_ops.fold_lane_sums(l[..., r0:, :], alpha, kernel_ops.lane_block_sums(p))
     elif config.row_sum is RowSum.CUTLASS_WARPS:
         l[..., r0:] = kernel_ops.warp_row_sums(p, alpha.squeeze(-1) * l[..., r0:])
     else:

@@ -6,6 +6,8 @@
   `log2_scaled`);
 - `lane_row_sums` / `reduce_lanes`: FlashAttention-2's row sum ℓ, kept as four per-thread fp32 partials in the
   MMA accumulator's register layout and all-reduced once in the epilogue;
+- `lane_block_sums` / `fold_lane_sums` / `reduce_lane_pairs`: cuDNN's row sum ℓ on sm_90, per-thread block sums
+  fused into the rescaled per-thread partials, the partials reduced in pairs;
 - `warp_row_sums`: the memory-efficient (CUTLASS) kernel's row sum ℓ, each block's P̄ summed per thread, per quad
   and per warp column, then added warp by warp to the rescaled ℓ;
 - `reciprocal`: the epilogue's 1/ℓ (1 where ℓ is 0 or NaN, as the kernels guard it).
@@ -121,6 +123,23 @@ def lane_row_sums(p: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
     for i in range(tiles.shape[-1]):
         out = out + tiles[..., i]
     return out
+
+
+def lane_block_sums(p: torch.Tensor) -> torch.Tensor:
+    """One block's P̄ (B, H, R, N) summed per thread (B, H, R, 4): thread q adds the block's columns 8t + 2q and
+    8t + 2q + 1 for t = 0, 1, ... in that order into a partial from 0, one fp32 addition each."""
+    return lane_row_sums(p, torch.zeros((*p.shape[:-1], LANES)))
+
+
+def fold_lane_sums(partials: torch.Tensor, alpha: torch.Tensor, block_sums: torch.Tensor) -> torch.Tensor:
+    """The per-thread partials (B, H, R, 4) after one block: fma(α, ℓ_q, s_q), the rescale and the block's sum in
+    one rounding (alpha (B, H, R, 1), block_sums from `lane_block_sums`)."""
+    return fma_fp32(alpha.expand_as(partials), partials, block_sums)
+
+
+def reduce_lane_pairs(partials: torch.Tensor) -> torch.Tensor:
+    """The quad reduction of the partials (..., 4) in neighbouring pairs: (ℓ₀ + ℓ₁) + (ℓ₂ + ℓ₃)."""
+    return (partials[..., 0] + partials[..., 1]) + (partials[..., 2] + partials[..., 3])
 
 
 WARP_KEYS = 32  # keys of one warp tile of the memory-efficient kernel's Q Kᵀ (WarpShape 32 x 32)

@@ -7,7 +7,9 @@ import torch
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.errors import ConfigError
 from fa_forensics.replay.config import ReplayConfig
-from fa_forensics.replay.emulate.kernel_ops import lane_row_sums, reduce_lanes, warp_row_sums
+from fa_forensics.replay.emulate.kernel_ops import (
+    fold_lane_sums, lane_block_sums, lane_row_sums, reduce_lane_pairs, reduce_lanes, warp_row_sums,
+)
 from fa_forensics.replay.emulate.forward import forward
 from fa_forensics.replay.kernel_recipes import kernel_presets
 
@@ -39,6 +41,24 @@ def test_lane_row_sums_follow_the_mma_register_layout():
     assert reduce_lanes(partials).item() == 1.0 + 2.0 ** -23
     carried = lane_row_sums(p, partials * 0.5)  # the partials rescaled and carried into the next block
     assert carried.flatten().tolist() == [1.5, 1.5 * 2.0 ** -24, 0.0, 1.5 * 2.0 ** -24]
+
+
+def test_lanes_fma_fuses_the_rescale_and_reduces_in_pairs():
+    """cuDNN's row sum: each thread's block sum from 0, fused into its partial as fma(α, ℓ_q, s_q) (one rounding where
+    fp32(α·ℓ_q) + s_q rounds twice), the partials reduced as (ℓ₀ + ℓ₁) + (ℓ₂ + ℓ₃)."""
+    p = torch.zeros(1, 1, 1, 16)
+    p[..., 0], p[..., 2], p[..., 8] = 2.0 ** -30, 1.0, 2.0 ** -24  # threads 0, 1 and 0
+    assert lane_block_sums(p).flatten().tolist() == [2.0 ** -30 + 2.0 ** -24, 1.0, 0.0, 0.0]
+    partials = torch.full((1, 1, 1, 4), 1.0 + 2.0 ** -12)
+    alpha = torch.full((1, 1, 1, 1), 1.0 + 2.0 ** -12)  # α·ℓ_q = 1 + 2^-11 + 2^-24, half an ulp over 1 + 2^-11
+    s = torch.tensor([[[[2.0 ** -30, 0.0, 0.0, 0.0]]]])
+    folded = fold_lane_sums(partials, alpha, s).flatten().tolist()
+    assert folded[0] == 1.0 + 2.0 ** -11 + 2.0 ** -23  # the exact sum is over the half: rounded up
+    assert (alpha * partials + s).flatten()[0].item() == 1.0 + 2.0 ** -11  # the tie of the product went to even
+    tiny = 2.0 ** -24
+    partials = torch.tensor([1.0, 0.0, tiny, tiny])
+    assert reduce_lane_pairs(partials).item() == 1.0 + 2.0 ** -23  # (1 + 0) + (2^-24 + 2^-24)
+    assert reduce_lanes(partials).item() == 1.0  # (1 + 2^-24) + (0 + 2^-24): both lost to ties-to-even
 
 
 def test_warp_row_sums_follow_the_cutlass_kernels_order():
