@@ -79,8 +79,8 @@ def kernel_lse(m: torch.Tensor, l: torch.Tensor, scale: torch.Tensor, c: torch.T
     - fma-natural: FlashAttention-2's fma(m, α, __logf(ℓ)) (softmax.h; the compiler contracts the multiply-add);
     - scaled-div: the memory-efficient kernel's epilogue fp32(fp32(m_s / fp32(log2 e)) + logf(ℓ))
       (accum_t(mi / kLog2e) + cutlass::fast_log(s_prime), fast_log being logf);
-    - scaled-fma: cuDNN's fma(m_s, fp32(ln 2), __logf(ℓ)) (closed source: the form that reproduces most of its
-      recorded lse, 91-95 % of rows; the others differ by an ulp of ℓ, whose summation order is not known)."""
+    - scaled-fma: cuDNN's fma(m_s, fp32(ln 2), __logf(ℓ)) (closed source: the form that reproduces its recorded
+      lse, every row with ℓ summed as row_sum lanes-fma)."""
     functions = unit_functions(unit)
     if lse_form is LseForm.SCALED_DIV:
         return log2_scaled(m, scale, c, form) / _LOG2E + functions.log(l)
