@@ -30,8 +30,6 @@ BITS = Path(__file__).resolve().parents[2] / "data" / "h200_bits"
 # (batch, heads) of each recorded launch (the fixture keeps one batch row and head): they decide
 # FlashAttention-2's split count; from the fixture's README
 LAUNCH = {"gpt2": (1, 2), "ties": (1, 2), "d128": (1, 2), "fp16": (1, 2), "planted.s0l0": (2, 4), "demo.s296l1": (2, 4)}
-# (set, kernel) -> most elements of the kept O rows allowed to differ (measured; absent: 0)
-ALLOWED: dict[tuple[str, str], int] = {}
 KERNELS = ("cudnn", "efficient", "flash", "paper", "paper_stable")
 CASES = [(tag, kernel) for tag in LAUNCH for kernel in KERNELS if not (tag == "fp16" and "paper" in kernel)]
 
@@ -54,7 +52,7 @@ def test_recorded_o_reproduced(tag, kernel):
     name, config = _config_for(rec, kernel)
     n = rec.tensors[f"{tag}.{kernel}.o"].numel()
     differ = round((1 - o_agreement(rec, kernel, config)) * n)
-    assert differ <= ALLOWED.get((tag, kernel), 0), f"{tag} {kernel} under {name}: {differ} of {n} elements differ"
+    assert differ == 0, f"{tag} {kernel} under {name}: {differ} of {n} elements differ"
 
 
 def _lse_share(tag: str, kernel: str, **changes) -> float:
