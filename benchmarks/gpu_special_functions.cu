@@ -291,6 +291,10 @@ int main(int argc, char** argv) {
   }
   std::string out = argv[1];
   std::string part = argc == 3 ? argv[2] : "all";
+  if (part != "all" && part != "tables" && part != "laws" && part != "rcp") {
+    fprintf(stderr, "usage: %s OUT_DIR [all|tables|laws|rcp] (not %s)\n", argv[0], part.c_str());
+    return 2;
+  }
   bool tables = part == "all" || part == "tables", laws = part == "all" || part == "laws";
   bool rcp = part == "all" || part == "rcp";
   FILE* summary = fopen((out + "/summary.txt").c_str(), "w");

@@ -55,6 +55,9 @@ def main(argv=None) -> int:
         return 2
     out = Path(argv[0])
     part = argv[1] if len(argv) == 2 else "all"
+    if part not in ("all", "tables", "laws", "rcp"):
+        print(f"part {part!r} is not one of all, tables, laws, rcp", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

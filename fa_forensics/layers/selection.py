@@ -58,6 +58,9 @@ class LayerTensors:
     warnings: tuple[str, ...] = ()  # one line each, from the registered layer checks
     source: object = None  # the Dump it was read from (None when built in memory)
     mask: Optional[torch.Tensor] = None  # (B or 1, h or 1, T, Tk)
+    # (batch, heads) of the layer as stored, whatever was selected: what a kernel's launch heuristics read
+    # (the memory-efficient backward's key splits); None: the tensors' own
+    launch: Optional[tuple[int, int]] = None
 
     @property
     def where(self) -> str:
@@ -109,6 +112,7 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
         step=sel.step, layer=sel.layer, heads=list(sel.heads),
         q=q, k=read("k"), v=read("v"), o=read("o"), do=read("do"), x=None,
         scale=float(scale), causal=True if causal is None else bool(causal), source=dump, mask=read("mask"),
+        launch=(int((info.arrays.get("q") or q.shape)[0]), int(info.n_heads)),
     )
     x, x_warnings = finite_x(t, read("x", heads=None))  # non-finite x: None, with a warning
     t = replace(t, x=x, warnings=tuple(x_warnings))
@@ -126,13 +130,18 @@ def collect_warnings(layers: Iterable[LayerTensors]) -> tuple[str, ...]:
 def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backend: Backend = Backend.EMULATE):
     """Replay one layer-step (all selected heads at once) under `config`; the backward only if asked.
 
-    The dump's scale, causal flag and recorded mask override the config's (they describe what training did).
+    The dump's scale, causal flag and recorded mask override the config's (they describe what training did);
+    what a kernel's launch decides is read from the layer as stored, not from the selected heads (`t.launch`).
     """
     from fa_forensics.replay import replay  # lazy: the replay engine imports torch-heavy modules
+    from fa_forensics.replay.emulate.run import launch_config
 
     if backward and t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture "
                         "with dO")
+    if t.launch is not None:
+        B, H = t.launch
+        config = launch_config(config, torch.Size((B, H, *t.q.shape[2:])), t.k.shape[-2])
     return replay(t.q, t.k, t.v, config, t.do if backward else None, backend=Backend(backend).value, causal=t.causal,
                   scale=t.scale, mask=t.mask)
 

@@ -126,7 +126,8 @@ class ReplayConfig:
     backward_kernel: BackwardKernel = BackwardKernel.REFERENCE
     # bwd_key_splits: the memory-efficient backward's num_splits_key, the CTAs that share one head's key blocks
     # (emulate/efficient_schedule.py: it sets the order of the dQ sum and, without a mask, of the dK, dV sums);
-    # None = PyTorch's heuristic from the launch (the tensors' batch, heads and keys); 1 = deterministic mode
+    # None = PyTorch's heuristic from the launch: the batch, heads and keys of the tensors replayed, or of the layer
+    # as stored when an analysis replays some of its heads (layers/selection.replay_layer); 1 = deterministic mode
     bwd_key_splits: Optional[int] = None
     # ---- end of the backward kernel models -------------------------------------------------------
 
@@ -213,9 +214,9 @@ class ReplayConfig:
         if self.lse_form is not LseForm.FMA_NATURAL and self.exp_form is ExpForm.EXP:
             bad.append(f"lse_form={self.lse_form.value} with exp_form=exp (the lse forms are the base-2 kernels')")
         if bad:
-            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, exp_unit, row_sum, normalize, "
-                              f"kv_splits, mma_k) model hardware kernels and do not combine with {', '.join(bad)}; "
-                              "drop one or the other")
+            raise ConfigError("ReplayConfig: the kernel-model knobs (exp_form, exp_unit, lse_form, row_sum, "
+                              f"normalize, kv_splits, mma_k) model hardware kernels and do not combine with "
+                              f"{', '.join(bad)}; drop one or the other")
 
     # ---- derived configs -------------------------------------------------------------------
     def with_(self, **changes) -> ReplayConfig:

@@ -92,8 +92,8 @@ def _check_supported(config: ReplayConfig, backward: bool) -> None:
     if config.rounding is Rounding.STOCHASTIC:
         raise TritonBackendError("implements nearest-even casts only, not rounding=stochastic")
     if config.is_kernel_model:
-        raise TritonBackendError("does not implement the kernel models (exp_form, exp_unit, row_sum, normalize, "
-                                 "kv_splits, mma_k): replay them with the emulator")
+        raise TritonBackendError("does not implement the kernel models (exp_form, exp_unit, lse_form, row_sum, "
+                                 "normalize, kv_splits, mma_k): replay them with the emulator")
     reference_loop = config.masked_blocks is MaskedBlocks.VISIT or config.row_sum_floor > 0
     if reference_loop and config.softmax is not Softmax.STANDARD:
         raise TritonBackendError(

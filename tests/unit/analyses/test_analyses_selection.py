@@ -61,3 +61,25 @@ def test_bad_accumulation_is_a_user_error(small_dump):
     t = load(small_dump, LayerSelection(5, 0, [0]))
     with pytest.raises(UserError):
         lp_hp_pair(t, Recipe("bf16", "nope"), backward=False)
+
+
+def test_a_layer_replays_its_kernel_launch_whatever_heads_are_selected(tmp_path):
+    """The memory-efficient backward's key splits follow PyTorch's heuristic on the layer as stored (16 x 16 heads
+    of two key tiles: one CTA per head), not on the heads an analysis selected (two heads would get two CTAs):
+    a selected head's gradients are the whole layer's."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 16, 16, 128, 32
+    w = dump_mod.DumpWriter(tmp_path / "d.zarr", {"model": {"name": "test"}, "capture": {}})
+    attrs = {"module": "attn", "n_heads": H, "head_dim": D, "scale": D ** -0.5, "causal": False, "dtype": "bfloat16"}
+    for name in ("q", "k", "v", "o", "do"):
+        w.write_array(1, 0, name, torch.randn(B, H, T, D, generator=g).bfloat16(), layer_attrs=attrs)
+    w.complete_step(1, loss=1.0)
+    w.close()
+    dump = dump_mod.open_dump(tmp_path / "d.zarr")
+    config = ReplayConfig.preset("sdpa-efficient")
+    some = load(dump, LayerSelection(1, 0, [3, 4]))
+    assert some.launch == (16, 16)
+    whole = replay_layer(load(dump, LayerSelection(1, 0, list(range(H)))), config, backward=True)
+    part = replay_layer(some, config, backward=True)
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(getattr(part, name), getattr(whole, name)[:, 3:5]), name
