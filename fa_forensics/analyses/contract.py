@@ -17,13 +17,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from fa_forensics.enums import Backend
+from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.match import fidelity
+from fa_forensics.layers.fanout import map_layers
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.analyses.wording import bit_share
 
@@ -121,6 +123,29 @@ def fidelity_warnings(fid: Optional[dict]) -> list[str]:
         return out + [f"{head}; {mismatch['verdict']}"]
     return out + [f"{head}: the findings describe that recipe, not the kernel that trained; `fa-forensics match` names "
                   f"the recipe that does"]
+
+
+class RecipeResult:
+    """The names of the recipe a Result replayed (`self.recipe`), for its tables and sentences."""
+
+    @property
+    def preset(self) -> str:
+        return self.recipe.label
+
+    @property
+    def accumulation(self) -> str:
+        return self.recipe.accumulation_name
+
+
+def run_over_items(part: Callable, combine: Callable, dump, selections: Sequence, recipe: Recipe, backend: Backend,
+                   *, workers, progress, args: tuple = ()):
+    """The `run` of an analysis made of per-item parts: the recipe resolved once for every selected layer-step,
+    `part(t, recipe, backend, *args)` on each work item (step, layer, head group) on `workers`, in item order (the
+    same result for any number of workers), `combine(parts, recipe)` into the Result, and the stored O's
+    `replay_fidelity` attached."""
+    recipe = resolve(dump, selections, recipe)
+    parts = map_layers(part, dump, selections, workers, progress, args=(recipe, backend, *args))
+    return dataclasses.replace(combine(parts, recipe), replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
 def recipe_keys(recipe: Recipe, backend: Backend) -> dict:

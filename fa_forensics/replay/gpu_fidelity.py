@@ -44,7 +44,17 @@ class RecordedSet:
 
     @classmethod
     def load(cls, path) -> RecordedSet:
+        found = cls._read(path)
+        if found is None:
+            raise ValueError(f"{path}: no `layout` metadata; not a recorded set")
+        return found
+
+    @classmethod
+    def _read(cls, path) -> Optional[RecordedSet]:
+        """The set in a file, or None when the file has no `layout` (not a recorded set)."""
         tensors, metadata = read_tensors(path)
+        if "layout" not in metadata:
+            return None
         layout = json.loads(metadata["layout"])
         return cls(layout["tag"], layout, tensors)
 
@@ -96,13 +106,8 @@ def o_agreement(rec: RecordedSet, kernel: str, config: ReplayConfig) -> float:
 
 def recorded_sets(folder) -> list[RecordedSet]:
     """Every recorded set (*.safetensors or *.safetensors.xz with a `layout`) in a folder, by name."""
-    sets = []
-    for path in sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.xz")]):
-        tensors, metadata = read_tensors(path)
-        if "layout" in metadata:
-            layout = json.loads(metadata["layout"])
-            sets.append(RecordedSet(layout["tag"], layout, tensors))
-    return sets
+    paths = sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.xz")])
+    return [rec for rec in map(RecordedSet._read, paths) if rec is not None]
 
 
 def read_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

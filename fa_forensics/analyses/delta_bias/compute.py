@@ -15,15 +15,14 @@ says which one reproduces a dump's stored O); "hp" is always the fp32 preset on 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
-from fa_forensics.layers.fanout import Workers, layer_parts, map_layers
+from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, run_over_items
+from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
@@ -99,7 +98,7 @@ class TopToken:
 
 
 @dataclass(frozen=True)
-class DeltaBiasResult:
+class DeltaBiasResult(RecipeResult):
     per_step: list[StepHeadDelta]
     steps: list[int]
     step_sums: list[float]  # Σ over the selected layers and heads of Σ_T(δ_lp − δ_hp), per step
@@ -118,10 +117,6 @@ class DeltaBiasResult:
     backend: Backend
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
-
-    @property
-    def preset(self) -> str:
-        return self.recipe.label
 
     @property
     def no_difference(self) -> bool:
@@ -174,10 +169,8 @@ def run(
     Work items are (step, layer, group of heads) (`fanout.work_items`), each replayed and reduced
     to its part on one thread, in-process or on `workers`; parts are combined in item order, so the
     result is the same for any number of workers. `progress` is called once per work item."""
-    recipe = resolve(dump, selections, recipe)
-    parts = map_layers(_seen_part, dump, selections, workers, progress, args=(recipe, backend))
-    r = _combine(_join_head_groups(parts), recipe, backend, top_k=top_k)
-    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
+    return run_over_items(_seen_part, lambda parts, r: _combine(_join_head_groups(parts), r, backend, top_k=top_k),
+                          dump, selections, recipe, backend, workers=workers, progress=progress)
 
 
 def delta_bias_layers(

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.bitdiff.compute import BiasCell, LayerStepDiff, compare_layer_step, summarize
-from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -261,7 +261,7 @@ class VariantResult:
 
 
 @dataclass(frozen=True)
-class FixCheckResult:
+class FixCheckResult(RecipeResult):
     """The fix check's answer."""
 
     target: dict  # {layer, head, feature}
@@ -284,10 +284,6 @@ class FixCheckResult:
     # rows where the fix's row sum is below the row-sum floor: {rows, max_score, threshold, floor,
     # applies (the preset's own floor: O collapses), min_ratio (|O|/|O_fp32|, measured)}
     collapse: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def preset(self) -> str:
-        return self.recipe.label
 
 
 def pick_target(cells: list[BiasCell], alpha: float = ALPHA) -> BiasCell:

@@ -34,18 +34,17 @@ Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the head
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, run_over_items
 from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of
-from fa_forensics.layers.fanout import Workers, layer_parts, map_layers
+from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.analyses.rank1_sim.compute import pk_rows
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.auto import resolve
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.analyses.stats import sign_test, sum_se
@@ -209,7 +208,7 @@ class LayerDelta:
 
 
 @dataclass(frozen=True)
-class IsolateResult:
+class IsolateResult(RecipeResult):
     variants: list[RepairResult]
     heads: list[HeadDelta]  # largest |delta_err_sum| first
     layers: list[LayerDelta]  # largest delta_err_abs first
@@ -222,14 +221,6 @@ class IsolateResult:
     input_cast: Optional[RepairResult] = None  # the recipe's input cast alone (None when it changes nothing)
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
-
-    @property
-    def preset(self) -> str:
-        return self.recipe.label
-
-    @property
-    def accumulation(self) -> str:
-        return self.recipe.accumulation_name
 
 
 def run(
@@ -245,10 +236,8 @@ def run(
     heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it. Work items
     are (step, layer, head group), on `workers`, reduced in item order (the same result for any N);
     `progress` is called once per item."""
-    recipe = resolve(dump, selections, recipe)
-    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend))
-    r = combine_parts(parts, recipe, backend)
-    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
+    return run_over_items(layer_part, lambda parts, r: combine_parts(parts, r, backend), dump, selections, recipe,
+                          backend, workers=workers, progress=progress)
 
 
 def isolate_layers(

@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.analyses.fix_check.compute import scores_fp32
 from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
@@ -317,7 +317,7 @@ def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[
 
 
 @dataclass(frozen=True)
-class PVTraceReport:
+class PVTraceReport(RecipeResult):
     """pv-trace on a dump: where the traced element is and what its trace shows."""
 
     step: int
@@ -338,10 +338,6 @@ class PVTraceReport:
     backend: Backend = Backend.EMULATE
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
-
-    @property
-    def preset(self) -> str:
-        return self.recipe.label
 
 
 def _cell_rank(cell: TracedCell) -> tuple:

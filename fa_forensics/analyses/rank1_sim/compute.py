@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
 from fa_forensics.analyses.delta_bias.compute import delta_error
-from fa_forensics.layers.fanout import Workers, layer_parts, map_layers
+from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
-from fa_forensics.fidelity.auto import resolve
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
@@ -122,7 +121,7 @@ class ChosenToken:
 
 
 @dataclass(frozen=True)
-class Rank1Result:
+class Rank1Result(RecipeResult):
     has_x: bool
     focus_layer: int
     focus_head: int
@@ -146,10 +145,6 @@ class Rank1Result:
     backend: Backend
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
-
-    @property
-    def preset(self) -> str:
-        return self.recipe.label
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
@@ -187,10 +182,11 @@ def run(
     """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
     (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X).
     Work items are (step, layer, head group) on `workers`, reduced in item order."""
-    recipe = resolve(dump, selections, recipe)
-    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, tokens_per_step))
-    r = combine_parts(parts, recipe, backend, tokens_per_step=tokens_per_step)
-    return replace(r, replay_fidelity=replay_fidelity(dump, selections, recipe))
+    def combine(parts, resolved):
+        return combine_parts(parts, resolved, backend, tokens_per_step=tokens_per_step)
+
+    return run_over_items(layer_part, combine, dump, selections, recipe, backend, workers=workers, progress=progress,
+                          args=(tokens_per_step,))
 
 
 def rank1_sim_layers(

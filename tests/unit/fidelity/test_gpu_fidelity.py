@@ -6,6 +6,7 @@ recipe and its tile for the training capture.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -32,7 +33,9 @@ KERNELS = ("cudnn", "efficient", "flash", "paper", "paper_stable")
 CASES = [(tag, kernel) for tag in LAUNCH for kernel in KERNELS if not (tag == "fp16" and "paper" in kernel)]
 
 
+@functools.cache
 def _recorded(tag: str) -> RecordedSet:
+    """A recorded set, decompressed once per test run (the tests only read it)."""
     return RecordedSet.load(BITS / f"{tag}.safetensors.xz")
 
 
