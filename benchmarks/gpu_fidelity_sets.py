@@ -15,12 +15,11 @@ import json
 import sys
 
 import torch
-from safetensors import safe_open
 
 from fa_forensics.replay import ReplayConfig
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
 from fa_forensics.replay.emulate.forward import forward
-from fa_forensics.replay.gpu_fidelity import H200_SMS, KERNEL_PRESETS, kernel_preset
+from fa_forensics.replay.gpu_fidelity import H200_SMS, KERNEL_PRESETS, kernel_preset, read_tensors
 
 
 def _share(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,9 +27,7 @@ def _share(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def load(path: str) -> tuple[dict, dict]:
-    with safe_open(path, "pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, meta = read_tensors(path)
     return (json.loads(meta["layout"]) if "layout" in meta else {}), tensors
 
 
