@@ -34,6 +34,7 @@ SLOW_FILES = (
     "cli/test_fanout.py",
     "cli/test_hostile.py",
     "cli/test_monitor_cli.py",
+    "cli/test_monitor_failures.py",
     "cli/test_optional_extras.py",
     "cli/test_cli_isolate.py",  # its module fixture runs isolate on the planted dump (≈ 10 s of CPU)
 )
