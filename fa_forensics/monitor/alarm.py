@@ -39,7 +39,6 @@ first.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -170,6 +169,30 @@ def from_trend_scale(metric: str, y: np.ndarray) -> np.ndarray:
         return np.sinh(y)
 
 
+def _finite_median(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(median over axis 0 of each cell's finite values (NaN where there is none), their count). One sort:
+    NaN sorts last, so the middle of the first `count` entries is the median."""
+    ordered = np.sort(values, axis=0)
+    count = np.isfinite(values).sum(axis=0)
+    lo, hi = np.maximum((count - 1) // 2, 0), count // 2
+    a = np.take_along_axis(ordered, np.expand_dims(lo, 0), axis=0)[0]
+    b = np.take_along_axis(ordered, np.expand_dims(np.minimum(hi, len(values) - 1), 0), axis=0)[0]
+    return np.where(count > 0, (a + b) / 2, np.nan), count
+
+
+def _slopes_where(candidates: np.ndarray, steps: np.ndarray, y: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Theil–Sen slopes of the recent window (y[w:]) and of the one before (y[:w]), per cell, computed only where
+    `candidates` holds (NaN elsewhere): a median of pairwise slopes is the rule's dearest step."""
+    shape = candidates.shape
+    flat = np.asarray(candidates).reshape(-1)
+    slope, before = np.full(flat.shape, np.nan), np.full(flat.shape, np.nan)
+    if flat.any():
+        cells = y.reshape(len(y), -1)[:, flat]  # (2w, K)
+        slope[flat] = theil_sen_slope(steps[w:], cells[w:])
+        before[flat] = theil_sen_slope(steps[:w], cells[:w])
+    return slope.reshape(shape), before.reshape(shape)
+
+
 class _Series:
     """The rule's state for one watched metric, over all its cells ((L, H), or () for the loss)."""
 
@@ -186,16 +209,14 @@ class _Series:
         self.alarmed = np.zeros(shape, dtype=bool)  # in an excursion that has alarmed
 
     def observe(self, step: int, x: np.ndarray, s: AlarmSettings, active: bool) -> list[tuple]:
-        """Feed one value per cell; return [(rule, index, baseline, z, slope)] for the cells that alarm."""
+        """Feed one value per cell; return [(rule, index, baseline, z, (slope, slope before))] for the cells that
+        alarm."""
         m = self.metric
         finite = np.isfinite(x)
         non_finite = ~finite & (np.isinf(x) | self.seen_finite)
         self.seen_finite |= finite
-        with warnings.catch_warnings():  # all-NaN windows (cells never measured) give NaN, said by the result
-            warnings.simplefilter("ignore", RuntimeWarning)
-            med = np.nanmedian(self.values, axis=0)
-            mad = np.nanmedian(np.abs(self.values - med), axis=0)
-        count = np.isfinite(self.values).sum(axis=0)
+        med, count = _finite_median(self.values)
+        mad, _ = _finite_median(np.abs(self.values - med))
         if RELATIVE[m]:
             floor = np.maximum(np.abs(med) * 1e-3, 1e-6)
             change = np.where(med != 0, (x - med) / np.where(med != 0, np.abs(med), 1.0), x - med)
@@ -217,7 +238,7 @@ class _Series:
             y, steps = self.trend[order], self.trend_steps[order]
             w = self.trend.shape[0] // 2
             mk = mann_kendall_z(y[w:])
-            slope, before = theil_sen_slope(steps[w:], y[w:]), theil_sen_slope(steps[:w], y[:w])
+            slope, before = _slopes_where(mk > s.trend_z, steps, y, w)  # only where the rise is significant
             with np.errstate(invalid="ignore"):
                 trend = (mk > s.trend_z) & (slope - np.maximum(before, 0.0) > s.min_slope[m])
         self.jump_streak = np.where(jump & active, self.jump_streak + 1, 0)
