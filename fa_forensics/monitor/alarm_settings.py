@@ -48,7 +48,7 @@ class AlarmSettings:
     persist: dict = field(default_factory=lambda: _per_metric(
         loss=1, max_logit=3, top1_prob=3, near_max_ties=3, wq_sigma=3))
     min_slope: dict = field(default_factory=lambda: _per_metric(
-        loss=0.03, max_logit=0.5, top1_prob=0.03, near_max_ties=0.1, wq_sigma=0.03))
+        loss=0.03, max_logit=0.5, top1_prob=0.03, near_max_ties=0.25, wq_sigma=0.03))
 
     def __post_init__(self) -> None:
         for f in fields(self):
