@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_forensics.analyses.stats import format_p
-from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, integer_ticks, legend_outside, new_figure, save_figure, styled
 
 ALPHA = 0.01  # the level the title's "biased" claim needs (the sign test of the total)
 
@@ -20,13 +20,17 @@ def total_title(result) -> str:
     return f"No significant δ bias ({tested})"
 
 
+@styled
 def plot_cumulative(result, path: Path) -> Path:
     """Fig. 5a: cumulative Σ_T(δ_lp − δ_hp) across steps (or across tokens when the dump has one step)."""
-    fig, ax = new_figure(width=6.4, height=3.6)
+    fig, ax = new_figure(width=8.4, height=3.6)
     if len(result.steps) > 1:
-        ax.bar(result.steps, result.step_sums, color=COLORS["highp"], alpha=0.5, label="per step Σ_T (δ_lp − δ_hp)")
+        width = 0.8 * float(np.diff(np.sort(result.steps)).min())  # steps far apart keep visible bars
+        ax.bar(result.steps, result.step_sums, width=width, color=COLORS["highp"], alpha=0.5,
+               label="per step Σ_T (δ_lp − δ_hp)")
         ax.plot(result.steps, result.cumulative, "o-", color=COLORS["lowp"], label="cumulative over steps")
         ax.set_xlabel("training step")
+        integer_ticks(ax.xaxis)
         where = "selected layers and heads"
     else:
         ax.plot(np.arange(len(result.cumulative_tokens)), result.cumulative_tokens, color=COLORS["lowp"],
@@ -36,15 +40,16 @@ def plot_cumulative(result, path: Path) -> Path:
     ax.axhline(0, color=COLORS["neutral"], lw=0.8)
     ax.set_ylabel("cumulative Σ (δ_lp − δ_hp)")
     ax.set_title(f"{total_title(result)}\n{result.preset} vs fp32, {where}")
-    ax.legend()
+    legend_outside(ax)
     return save_figure(fig, path, "Paper Fig. 5(a)'s view: the cumulative sum of Σ_T(δ_lp − δ_hp)[T]; under a biased "
                                   "rounding it stays one-signed, without one it wanders around 0.")
 
 
+@styled
 def plot_top_token(result, path: Path) -> Path:
     """Fig. 5b/c: dO[T, :] and (O_lp − O_hp)[T, :] per feature at the token with the largest δ error."""
     tok = result.top_token
-    fig, (ax1, ax2) = new_figure(2, 1, width=7.0, height=5.0, sharex=True)
+    fig, (ax1, ax2) = new_figure(2, 1, width=8.4, height=5.0, sharex=True)
     D = len(tok.do)
     top = {f.feature for f in result.top_features[:3]}
     colors = [COLORS["highlight"] if i in top else COLORS["highp"] for i in range(D)]
@@ -58,8 +63,8 @@ def plot_top_token(result, path: Path) -> Path:
     ax2.set_title(f"(c) O error at the same token; (δ_lp − δ_hp)[T] = {tok.delta_err:+.3g}")
     from matplotlib.patches import Patch
 
-    ax1.legend(handles=[Patch(color=COLORS["highlight"], label=f"top features {sorted(top)}"),
-                        Patch(color=COLORS["highp"], label="other features")])
+    legend_outside(ax1, handles=[Patch(color=COLORS["highlight"], label=f"top features\n{sorted(top)}"),
+                                 Patch(color=COLORS["highp"], label="other features")])
     for ax in (ax1, ax2):
         ax.axhline(0, color=COLORS["neutral"], lw=0.8)
     return save_figure(fig, path, "Reproduces paper Fig. 5(b)/(c): dO and the O error share their sign in the dominant "
