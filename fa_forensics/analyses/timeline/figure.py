@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_forensics.analyses.timeline.compute import TimelineResult
-from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, legend_outside, new_figure, save_figure, styled
 
 
 def loss_curve(r: TimelineResult, path: Path) -> Path:
@@ -42,7 +42,7 @@ def spectral_per_head(r: TimelineResult, path: Path) -> Path:
         ax.set(title=f"layer {layer}", xlabel="step")
     axes[0, 0].set_ylabel("‖W_Q‖₂ of the head")
     fig.suptitle("Spectral norm of each head's W_Q over training")
-    axes[0, -1].legend(loc="best", ncols=2)
+    legend_outside(axes[0, -1])
     return save_figure(fig, path, "Reproduces paper Fig. 3 (W_Q spectral norm per head; outlier heads stand out).")
 
 
@@ -61,7 +61,7 @@ def ties_vs_loss(r: TimelineResult, path: Path) -> Path:
         ax.axvline(step, color=COLORS["highlight"], lw=0.8, ls=":", label="alarm" if i == 0 else None)
     lines = ax.get_lines() + ax2.get_lines()
     lines = [ln for ln in lines if not ln.get_label().startswith("_")]
-    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right")
+    fig.legend(lines, [ln.get_label() for ln in lines], loc="outside right upper")  # beside both y axes
     return save_figure(fig, path, "Reproduces paper Fig. 13 (multiple maxima as a leading indicator of failure).")
 
 
@@ -73,10 +73,11 @@ def max_logit_per_layer(r: TimelineResult, path: Path) -> Path:
     for layer in range(r.n_layers):
         ax.plot(r.steps, ml[:, layer], lw=1.1, label=f"layer {layer}")
     ax.set(title="Max attention logit per layer", xlabel="step", ylabel="max α·q·k (logit units)")
-    ax.legend(loc="best")
+    legend_outside(ax)
     return save_figure(fig, path, "Max scaled attention score per layer (growing logits precede ties and failure).")
 
 
+@styled
 def all_timeline_figures(r: TimelineResult, out: Path) -> list[Path]:
     """Every figure the series allow; returns the paths written."""
     paths = [loss_curve(r, out / "timeline_loss.png")]
