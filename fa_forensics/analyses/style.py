@@ -102,16 +102,14 @@ class _FittingIndexLocator(Locator):
     def __call__(self):
         n = len(self.labels)
         lo, hi = sorted(self.axis.get_view_interval())
-        ticks = self.axis.get_major_ticks(1)
-        size = ticks[0].label1.get_fontsize() if ticks else 9.0
+        label = self.axis.get_major_ticks(1)[0].label1
+        size = label.get_fontsize()
         box = self.axis.axes.bbox
-        side_by_side = self.axis.axis_name == "x" and abs(ticks[0].label1.get_rotation() % 180) < 45 if ticks else True
-        if self.axis.axis_name == "x":
-            length = box.width
-            label = (0.6 * max((len(s) for s in self.labels), default=1) + 1.0) * size if side_by_side else 1.4 * size
+        if self.axis.axis_name == "x" and abs(label.get_rotation() % 180) < 45:  # level labels side by side
+            length, along = box.width, (0.6 * max((len(s) for s in self.labels), default=1) + 1.0) * size
         else:
-            length, label = box.height, 1.4 * size
-        room = length * 72 / self.axis.axes.figure.dpi / label
+            length, along = (box.width if self.axis.axis_name == "x" else box.height), 1.4 * size
+        room = length * 72 / self.axis.axes.figure.dpi / along
         step = max(1, math.ceil(n / max(room, 1)))
         return [i for i in range(0, n, step) if lo - 0.5 <= i <= hi + 0.5]
 
