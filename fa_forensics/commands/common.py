@@ -1,9 +1,10 @@
 """Shared pieces of the CLI: option types, error handling, JSON output, console.
 
 Every command wraps its body in `run_cli(debug, fn)`: a `UserError` becomes one red line on
-stderr and exit code 2 (a traceback only with --debug); an unexpected exception also exits 2
-with one line naming it and asking for --debug, because a user should never see a traceback
-they did not ask for.
+stderr and exit code 2; an unexpected exception also exits 2 with one line naming it and asking
+for --debug, because a user should never see a traceback they did not ask for. --debug prints
+the traceback above that line and changes nothing else: the exit code is the same, so a script
+that tells bad input (2) from a finding (1) keeps working when it is debugged.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextvars
 import inspect
 import json
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -139,7 +141,7 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         raise
     except UserError as exc:
         if debug:
-            raise
+            traceback.print_exc(file=sys.stderr)
         from fa_forensics.commands.errors import cli_line
 
         err_console.print(f"[bold red]error:[/] {escape(cli_line(exc))}", highlight=False, soft_wrap=True)
@@ -148,12 +150,12 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         err_console.print("[bold red]interrupted[/]")
         raise typer.Exit(code=130) from None
     except Exception as exc:  # the machine refused (memory, disk), or a bug
-        if debug:
-            raise
         from fa_forensics.commands.errors import environment_line
 
-        line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc} "
-                                         f"(run again with --debug for the traceback)")
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc}"
+                                         + ("" if debug else " (run again with --debug for the traceback)"))
         err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     finally:
