@@ -68,10 +68,20 @@ SchedulerOpt = Annotated[Optional[str],
                          typer.Option("--scheduler",
                                       help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
                                            "the dump must be on storage its workers see.", metavar="ADDRESS")]
-AccumulationOpt = Annotated[AccumulationOrAuto, typer.Option(
-    "--accumulation",
-    help="Accumulation model of every matrix product (default: the one --preset auto matched, ieee for a named "
-         "preset).")]
+
+
+def accumulation_option(preset_flags: Sequence[str] = ("--preset",)) -> Any:
+    """--accumulation, its help naming the command's own options that take a preset (`--preset`, or bitdiff's
+    `--a` and `--b`): the default follows what each of them resolved to."""
+    if len(preset_flags) == 1:
+        default = f"the one {preset_flags[0]} auto matched, ieee for a named preset"
+    else:
+        default = f"for each of {' and '.join(preset_flags)}, the one it matched when auto, ieee for a named preset"
+    return Annotated[AccumulationOrAuto, typer.Option(
+        "--accumulation", help=f"Accumulation model of every matrix product (default: {default}).")]
+
+
+AccumulationOpt = accumulation_option()
 MatchCacheOpt = Annotated[Optional[str], typer.Option(
     "--match-cache", metavar="DIR|off",
     help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "

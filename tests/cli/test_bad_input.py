@@ -128,6 +128,26 @@ def test_backend_and_accumulation_are_typed_by_the_enums_in_every_command(plante
         assert "Value error" not in r.output and "Traceback" not in r.output
 
 
+def test_every_accumulation_help_names_only_options_of_its_own_command():
+    """The shared --accumulation says where its default comes from in the words of each command: --preset where
+    the command has one, bitdiff's --a and --b (which take its presets) there."""
+    import re
+
+    import typer.main
+
+    group = typer.main.get_command(app)
+    helps = {}
+    for name, command in group.commands.items():
+        own = {o for p in command.params for o in getattr(p, "opts", [])}
+        for param in command.params:
+            if "--accumulation" in getattr(param, "opts", []):
+                named = set(re.findall(r"--[a-z][a-z-]*", param.help)) - {"--accumulation"}
+                assert named and named <= own, (name, named - own, param.help)
+                helps[name] = param.help
+    assert "--a and --b" in helps["bitdiff"] and "--preset" not in helps["bitdiff"]
+    assert "--preset auto" in helps["isolate"] and "--preset auto" in helps["report"]
+
+
 @pytest.mark.parametrize("debug", [False, True])
 def test_debug_adds_the_traceback_and_keeps_exit_2(debug, tmp_path):
     res = CliRunner().invoke(app, ["info", str(tmp_path / "no_such.zarr"), *(["--debug"] if debug else [])])
