@@ -400,6 +400,19 @@ def exit_code(code: int) -> None:
     raise typer.Exit(code=code)
 
 
+def missing_line(exc: Exception) -> Optional[str]:
+    """A required argument or option left out, worded with its own help ("missing option --out DIR: Directory
+    for ..."); None for any other usage error."""
+    param = getattr(exc, "param", None)
+    if not isinstance(exc, click_exceptions.MissingParameter) or param is None or not getattr(param, "help", None):
+        return None
+    if param.param_type_name == "option":
+        name = " ".join(filter(None, [param.opts[0], param.metavar]))
+    else:
+        name = (param.name or "").upper()
+    return f"missing {param.param_type_name} {name}: {' '.join(param.help.split()).rstrip('.')}"
+
+
 class OneLineErrorsGroup(TyperGroup):
     """The app's command group: a usage error (unknown option, `--step abc`) is one line on stderr
     and exit code 2, like every other error, instead of click's usage text and box."""
@@ -414,7 +427,7 @@ class OneLineErrorsGroup(TyperGroup):
             sys.exit(0)
         except click_exceptions.ClickException as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) is not None else ""
-            message = " ".join(exc.format_message().split()).replace(": Value error, ", ": ")  # the parser's prefix
+            message = missing_line(exc) or " ".join(exc.format_message().split()).replace(": Value error, ", ": ")
             err_console.print(f"[bold red]error:[/] {message}{where}", highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)

@@ -16,12 +16,12 @@ from fa_forensics.commands.common import (
 from fa_forensics.enums import AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 
-ReportOutOpt = Annotated[Optional[Path], typer.Option(
+ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help says so
     "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.",
-    metavar="DIR")]
+    metavar="DIR", show_default=False)]
 
 
-def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
+def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
         backend: Backend | str,
         json_path, workers: int = 1, scheduler: Optional[str] = None) -> None:
     from fa_forensics.dump import open_dump
@@ -30,8 +30,6 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
     from fa_forensics.report.run import ANALYSES, run_all
     from fa_forensics.report.verdict import report_verdict
 
-    if out is None:
-        raise UserError("report needs --out DIR (where index.html and its figures go)")
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
     accumulation = getattr(accumulation, "value", accumulation)
     fan_out = build_workers(workers, scheduler)
@@ -85,7 +83,7 @@ def register(app: typer.Typer) -> None:
                  help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
     def report(
         dump: DumpArg,
-        out: ReportOutOpt = None,
+        out: ReportOutOpt,
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,
