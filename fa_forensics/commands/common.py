@@ -31,6 +31,7 @@ except ImportError:
     from click import exceptions as click_exceptions
 
 from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
@@ -214,13 +215,15 @@ def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:
 
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
-    """A rich progress bar on stderr; yields `advance(msg="")`, which moves it on by one.
+    """Progress on stderr; yields `advance(msg="")`, which moves it on by one work item.
 
-    Drawn only when stderr is a terminal: piped or captured output gets no bar and no stray lines,
-    so an error raised mid-way is still exactly one line.
+    A terminal gets a rich progress bar; a log or a pipe gets a plain line every few seconds while the
+    work runs (commands/progress.py), none for work that ends sooner, so an error found early is still
+    exactly one line.
     """
     if not err_console.is_terminal:
-        yield lambda msg="": None
+        with ProgressLines(description, total, interval=progress_interval()) as lines:
+            yield lines.advance
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -228,6 +231,18 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
                   console=err_console, transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}".rstrip())
+
+
+@contextmanager
+def phase(description: str) -> Iterator[None]:
+    """A step of uncounted work (a simulation, one analysis of the report): a spinner on a terminal, a plain
+    line every few seconds in a log while it runs."""
+    if err_console.is_terminal:
+        with err_console.status(description):
+            yield
+        return
+    with ProgressLines(description, interval=progress_interval()):
+        yield
 
 
 @dataclass(frozen=True)

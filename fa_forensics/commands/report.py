@@ -1,6 +1,7 @@
 """`fa-forensics report DUMP --out DIR`: every analysis with its defaults, assembled into DIR/index.html."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -8,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt, StepOpt,
     SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
@@ -39,15 +41,20 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
     select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     t0 = time.perf_counter()
     done = []
+    log = ProgressLines("report", len(ANALYSES), interval=progress_interval())
 
     def on_start(name: str) -> None:
+        if done:
+            log.advance(done[-1])
         done.append(name)
-        if err_console.is_terminal:  # progress for a person; piped stderr keeps to errors and warnings
+        log.now(name)
+        if err_console.is_terminal:  # a line per analysis for a person; a log gets `log`'s lines every few seconds
             err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
     with staged_report(out, ANALYSES) as staged:  # built aside, moved into --out only when complete
-        sections = run_all(dump, dump_path, staged, step=step, layer=layer, head=head, recipe=recipe, backend=backend_,
-                           on_start=on_start, workers=fan_out, published_as=Path(out))
+        with log if not err_console.is_terminal else contextlib.nullcontext():
+            sections = run_all(dump, dump_path, staged, step=step, layer=layer, head=head, recipe=recipe,
+                               backend=backend_, on_start=on_start, workers=fan_out, published_as=Path(out))
         seconds = time.perf_counter() - t0
         info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation,
                 "backend": backend_.value}
