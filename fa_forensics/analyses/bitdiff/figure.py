@@ -38,7 +38,9 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     im = ax.imshow(m, aspect="auto", cmap="RdBu_r", norm=diverging_norm(m), interpolation="nearest")
     sig = pval.numpy() < result.alpha / max(result.n_cells, 1)
     ys, xs = np.nonzero(sig)
-    ax.scatter(xs, ys, marker="s", s=18, facecolors="none", edgecolors="black", linewidths=0.8,
+    # a black outline on a white one: visible on a dark cell of either sign and on a pale one
+    ax.scatter(xs, ys, marker="s", s=40, facecolors="none", edgecolors="white", linewidths=2.6)
+    ax.scatter(xs, ys, marker="s", s=40, facecolors="none", edgecolors="black", linewidths=1.1,
                label="significant (Bonferroni)")
     index_ticks(ax.yaxis, [f"L{l} H{h}" for l, h in rows])
     integer_ticks(ax.xaxis)

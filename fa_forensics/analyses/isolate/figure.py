@@ -50,7 +50,7 @@ def plot_heads(result, path: Path) -> Path:
     grid = np.zeros((len(layers), len(heads)))
     for h in result.heads:
         grid[layers.index(h.layer), heads.index(h.head)] += h.delta_err_sum
-    fig, ax = new_figure(width=max(4.0, 0.45 * len(heads) + 2.5), height=max(2.5, 0.4 * len(layers) + 1.8))
+    fig, ax = new_figure(width=max(4.0, 0.45 * len(heads) + 2.5), height=min(max(2.5, 0.4 * len(layers) + 1.8), 9.0))
     im = ax.imshow(grid, cmap="RdBu_r", norm=diverging_norm(grid), aspect="auto")
     index_ticks(ax.xaxis, heads)
     index_ticks(ax.yaxis, layers)
