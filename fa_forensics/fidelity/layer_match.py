@@ -37,7 +37,7 @@ class Candidate:
     n_elements: int  # elements compared: every element, or the row sample's when `sampled`
     sampled: bool = False  # measured on the row sample only
     sample_equal: Optional[int] = None  # elements of the row sample reproduced (None: not measured on it)
-    max_ulp: Optional[int] = None  # max |stored − replayed| in ulps of the stored dtype over the compared elements
+    max_ulp: Optional[int] = None  # max |stored − replayed| in ulps of its row's largest |stored| (sample.row_ulps)
 
     @property
     def name(self) -> tuple[str, str]:

@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.fidelity.mismatch import ulp_difference
 from fa_forensics.layers.selection import LayerTensors, replay_layer
 from fa_forensics.replay.config import ReplayConfig
 
@@ -53,7 +52,7 @@ def row_sample(n_rows: int) -> RowSample:
     spread evenly, the last one last; every row when that would be half of them or more."""
     n_blocks = math.ceil(n_rows / SAMPLE_BLOCK)
     want = math.ceil(n_blocks / SAMPLE_SHARE)
-    if 2 * want > n_blocks:
+    if 2 * want >= n_blocks:
         return RowSample(n_rows, ((0, n_rows),))
     picks = sorted({(k + 1) * n_blocks // want - 1 for k in range(want)})
     return RowSample(n_rows, tuple((b * SAMPLE_BLOCK, min((b + 1) * SAMPLE_BLOCK, n_rows)) for b in picks))
@@ -109,7 +108,7 @@ class Comparison:
     n: int
     equal_per_row: torch.Tensor  # (B·h·R,) int64: equal elements of every compared row
     max_abs_err: float  # max |O_replay − O_stored| over finite elements (in fp64); nan when none is finite
-    max_ulp: Optional[int]  # max |stored − replayed| in ulps of the stored dtype over finite elements
+    max_ulp: Optional[int]  # max |stored − replayed| in ulps of its row's largest |stored| (`row_ulps`)
 
     @property
     def share(self) -> float:
@@ -120,12 +119,24 @@ def compare(replayed: torch.Tensor, stored: torch.Tensor) -> Comparison:
     """Bits of `replayed` (rounded to stored's dtype, nearest-even, as a kernel's epilogue would) against `stored`,
     both (B, h, R, D)."""
     equal = equal_bits(replayed, stored)
-    diff = (replayed.double() - stored.double()).abs()
+    diff = (replayed.to(stored.dtype).double() - stored.double()).abs()
     finite = torch.isfinite(diff)
-    max_err = float(diff[finite].max()) if finite.any() else math.nan
-    ulps = ulp_difference(stored, replayed).abs()
-    max_ulp = int(ulps[finite].max()) if finite.any() else None
+    max_err = float((replayed.double() - stored.double()).abs()[finite].max()) if finite.any() else math.nan
+    ulps = row_ulps(diff, stored)
+    max_ulp = math.ceil(float(ulps[finite].max())) if finite.any() else None
     return Comparison(int(equal.sum()), stored.numel(), equal.reshape(-1, stored.shape[-1]).sum(-1), max_err, max_ulp)
+
+
+def row_ulps(diff: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """|differences| (fp64) in ulps of the largest finite |stored| of their row (the last dimension): the unit a
+    row's sums are rounded at, so that a kernel that sums in another order differs by a few of them, also in
+    elements far below the row's largest (where the element's own ulp is tiny)."""
+    info = torch.finfo(stored.dtype)
+    magnitude = torch.where(torch.isfinite(stored), stored.double().abs(), torch.zeros((), dtype=torch.float64))
+    scale = magnitude.amax(dim=-1, keepdim=True).clamp(min=info.tiny)
+    _, exponent = torch.frexp(scale)  # scale = m · 2^e, m in [0.5, 1)
+    ulp = torch.ldexp(torch.full_like(scale, info.eps), exponent - 1)
+    return diff / ulp
 
 
 def compare_o(replayed: torch.Tensor, stored: torch.Tensor) -> tuple[float, float, int]:
