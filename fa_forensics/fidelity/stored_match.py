@@ -2,7 +2,8 @@
 stored bits before it is used.
 
 `answer` turns a kept entry into the LayerMatch a fresh search would give (every field checked; the best is
-named again from the candidates, never read), `recheck` replays the named best on the row sample and compares
+named again from the candidates, never read), `recheck` replays the named best on the layer's row sample (the
+one the search screens on, a function of its shape: an entry cannot name another) and compares
 what it reproduces with what the entry says (the exact count of the sample's equal elements where the entry
 kept it, the share it claims otherwise; every candidate where the best is short of 100 %, so that an entry
 cannot hide a better recipe). `check_stored_match` runs both on every `replay_match` a dump carries: what
@@ -22,7 +23,7 @@ from fa_forensics.fidelity.layer_match import (
     Candidate, CandidateRecipe, LayerMatch, MalformedEntry, candidates_from, extras_from,
 )
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
-from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled
+from fa_forensics.fidelity.sample import compare, replay_rows, row_sample, sampled
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, load
 
 CLAIM_Z = 6.0  # a share claimed for every element may differ from the sample's by this many standard errors
@@ -55,14 +56,6 @@ def answer(entry, step: int, layer: int, recipes: Sequence[CandidateRecipe], fac
     return lm, missing
 
 
-def _sample_of(lm: LayerMatch, n_rows: int) -> RowSample:
-    """The row sample the entry was measured on, where it names one that fits the layer; else the layer's."""
-    blocks = tuple(tuple(b) for b in lm.sample_rows)
-    if blocks and all(0 <= i0 < i1 <= n_rows for i0, i1 in blocks):
-        return RowSample(n_rows, blocks)
-    return row_sample(n_rows)
-
-
 def _agrees(c: Candidate, got, n_all: int) -> bool:
     """What the sample replay `got` gives agrees with what candidate `c` claims: the sample's count where the
     entry kept it, the element count, and the claimed share (exactly where it was measured on the sample or
@@ -83,7 +76,9 @@ def _agrees(c: Candidate, got, n_all: int) -> bool:
 
 def recheck(t: LayerTensors, lm: LayerMatch, backend: str = "emulate") -> Optional[str]:
     """None when the kept match agrees with the stored bits of `t`; else what it claims that they contradict."""
-    sample = _sample_of(lm, t.q.shape[2])
+    sample = row_sample(t.q.shape[2])
+    if lm.sample_rows and lm.sample_rows != sample.to_list():
+        return f"it names the row sample {lm.sample_rows}, not the layer's {sample.to_list()}"
     stored = sampled(t.o, sample)
     checks = [lm.best] + ([c for c in lm.candidates if c.name != lm.best.name] if lm.best.o_bits_equal < 1.0 else [])
     for c in checks:

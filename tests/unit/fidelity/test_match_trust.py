@@ -86,6 +86,8 @@ def _one_less_in_the_sample(entry: dict) -> None:
                  id="a recipe the search does not try"),
     pytest.param(_swap_claims, "contradicted by the stored bits", id="edited shares"),
     pytest.param(_one_less_in_the_sample, "contradicted by the stored bits", id="an edited sample count"),
+    pytest.param(lambda e: e.update(sample_rows=[[0, 32]]), r"names the row sample \[\[0, 32\]\], not the layer's",
+                 id="rows every recipe reproduces named as the sample"),
 ])
 def test_a_tampered_cache_entry_is_a_warning_and_the_stored_bits_decide(make_dump, cache, counted, edit, said):
     path = make_dump(steps=(0,), seq=96, head_dim=16)  # its O is the bf16 reading's
