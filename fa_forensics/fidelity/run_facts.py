@@ -9,6 +9,7 @@ not say. A layer-step's facts are read once per opened dump (`facts_at`) into on
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -161,6 +162,7 @@ def read_facts(dump, step: int, layer: int) -> RunFacts:
         dropout = float(layer_attrs.get("dropout_p") or 0.0)
     except (TypeError, ValueError):
         dropout = 0.0
+    dropout = dropout if math.isfinite(dropout) else 0.0  # not a probability: not recorded
     softmax = next((_text(a.get(k)) for a in (layer_attrs, run_attrs) for k in _SOFTMAX_KEYS if _text(a.get(k))), None)
     if softmax is not None and softmax.startswith("stabil"):
         softmax = "stabilized"
@@ -168,7 +170,7 @@ def read_facts(dump, step: int, layer: int) -> RunFacts:
     capture = run_attrs.get("capture") if isinstance(run_attrs.get("capture"), dict) else {}
     score_mod = layer_attrs.get("score_mod")
     return RunFacts(_precision(dtype, autocast, autocast_dtype), autocast, _device(layer_attrs, run_attrs),
-                    dropout if dropout == dropout else 0.0, softmax, kernel,
+                    dropout, softmax, kernel,
                     not_replayed=_texts(layer_attrs.get("not_replayed")),
                     score_mod=score_mod if isinstance(score_mod, str) else None,
                     assumed=_texts(capture.get("assumed")))
