@@ -22,6 +22,7 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
         from fa_forensics.dump.verify import verify as verify_store
 
         report = verify_store(dump, rank=rank)
+        report = _with_stored_match(report)
         write_json(json_out, report.to_dict())
         if report.problems:
             table = Table(title=f"damage in {escape(report.path)}", title_justify="left")
@@ -58,6 +59,17 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
     code = run_cli(debug, body)
     if code:
         exit_code(code)
+
+
+def _with_stored_match(report):
+    """The report with every `replay_match` attribute the stored bits contradict (or that is malformed) as a problem."""
+    import dataclasses
+
+    from fa_forensics.dump import open_dump
+    from fa_forensics.fidelity.stored_match import check_stored_match
+
+    found = check_stored_match(open_dump(report.path, rank=report.rank), report.steps) if report.steps else []
+    return dataclasses.replace(report, problems=[*report.problems, *found]) if found else report
 
 
 def _empty_code(report) -> int:
