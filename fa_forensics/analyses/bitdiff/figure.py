@@ -30,15 +30,15 @@ def plot_bitdiff(result, out: Path) -> list[Path]:
     paths.append(save_figure(fig, out / f"bitdiff_ulp_{name}.png",
                              "ULP-distance histogram of O, the bit-level view behind paper Fig. 5(c) / Fig. 6."))
 
-    rows, mean, pval = bias_map(result)
+    rows, mean, significant = bias_map(result)
     m = mean.numpy()
     lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
     fig, ax = new_figure(width=8.0, height=1.2 + 0.28 * len(rows))
     im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-lim or -1, vmax=lim or 1, interpolation="nearest")
-    sig = pval.numpy() < result.alpha / max(result.n_cells, 1)
+    sig = significant.numpy()
     ys, xs = np.nonzero(sig)
     ax.scatter(xs, ys, marker="s", s=18, facecolors="none", edgecolors="black", linewidths=0.8,
-               label="significant (Bonferroni)")
+               label="significant (Holm, effect floor)")
     ax.set_yticks(np.arange(len(rows)), [f"L{l} H{h}" for l, h in rows])
     ax.set_xlabel("feature i (head dimension)")
     ax.set_ylabel("layer, head")

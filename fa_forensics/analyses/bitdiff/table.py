@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.bitdiff.compute import BitdiffResult
+from fa_forensics.analyses.significance import EFFECT_FLOOR
 from fa_forensics.analyses.wording import number, percent
 
 
@@ -17,12 +18,14 @@ def tables(r: BitdiffResult) -> list[Table]:
             table.add_row(label, str(count))
     out = [table]
     if r.biased_features:
-        bt = Table(title=f"biased features (sign test p < {r.alpha:g}/{r.n_cells}, Bonferroni)")
-        for c in ("layer", "head", "feature", "mean a − b ± se", "frac > 0", "p"):
+        bt = Table(title=f"significantly biased features ({r.family.describe()} at α = {r.alpha:g}; at least "
+                         f"{EFFECT_FLOOR:.0%} of a rounding unit)")
+        for c in ("layer", "head", "feature", "mean a − b ± se", "rounding units", "frac > 0", "sign-test p",
+                  "Holm p"):
             bt.add_column(c, justify="right")
         for c in r.biased_features[:12]:
             bt.add_row(str(c.layer), str(c.head), str(c.feature), f"{c.mean:+.3e} ± {c.se:.1e}",
-                       f"{c.frac_positive:.2f}", f"{c.p_value:.2g}")
+                       number(c.effect, ".3f"), f"{c.frac_positive:.2f}", f"{c.p_value:.2g}", f"{c.adjusted_p:.2g}")
         out.append(bt)
     if r.largest:
         lt = Table(title="largest differences")
@@ -47,4 +50,4 @@ def finding(d: dict) -> str:
             f"({number(top.get('mean'))} ± {number(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
     return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
             f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; "
-            f"{len(feats)} feature(s) significantly biased{tail}.")
+            f"{len(feats)} significantly biased feature{'s' if len(feats) != 1 else ''}{tail}.")

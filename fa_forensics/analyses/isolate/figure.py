@@ -30,7 +30,7 @@ def plot_variants(result, path: Path) -> Path:
     from matplotlib.patches import Patch
 
     ax2.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    ax1.legend(handles=[Patch(color=COLORS["lowp"], label=f"baseline ({result.preset}, tiled)"),
+    ax1.legend(handles=[Patch(color=COLORS["lowp"], label=f"baseline ({result.preset})"),
                         Patch(color=COLORS["fix"], label="culprit: removes ≥ 90% of the bias"),
                         Patch(color=COLORS["alt"], label="other repair")], loc="center right")
     fig.suptitle(f"isolate: single repairs vs the fp32 replay ({result.accumulation} accumulation)")

@@ -36,7 +36,12 @@ def tables(r: Rank1Result) -> list[Table]:
 def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
     cols = [str(c.get("feature")) for c in (d.get("top_columns") or [])[:3] if isinstance(c, dict)]
-    return (f"rank1-sim: mean off-diagonal cosine {number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank "
-            f"{number(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
-            f"accumulation exponent {number(d.get('accumulation_exponent'), '.2f')} "
+    focus = d.get("focus") or {}
+    claim = d.get("claim") if isinstance(d.get("claim"), dict) else {}
+    why = ("the head with the significant Σδ bias" if claim.get("found") else
+           "the most significant head, though not significantly biased: the exponent is not interpreted")
+    return (f"rank1-sim: layer {focus.get('layer')} head {focus.get('head')} ({why}): mean off-diagonal cosine "
+            f"{number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank {number(d.get('effective_rank'), '.2f')}, "
+            f"stand-out input features {', '.join(cols) or 'n/a'}, accumulation exponent "
+            f"{number(d.get('accumulation_exponent'), '.2f')} over {len(d.get('steps') or [])} steps "
             "(≈ 1 compounds, ≈ 0.5 washes out).")
