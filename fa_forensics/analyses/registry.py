@@ -119,6 +119,11 @@ class Analysis:
         """The report's one sentence of this analysis, from its --json payload."""
         return self.module("table").finding(payload)
 
+    def key_numbers(self, payload: dict) -> list[tuple[str, str]]:
+        """The report's labelled numbers of this analysis (label with its unit, value as text), from its payload."""
+        table = self.module("table")
+        return table.key_numbers(payload) if hasattr(table, "key_numbers") else []
+
     def defaults(self) -> dict:
         """The compute's keywords of the analysis's own options, at their defaults (what the report runs)."""
         return {o.compute_keyword: o.default for o in self.options if not o.shared and not o.argument}

@@ -58,6 +58,24 @@ class SectionResult:
     meta: dict = field(default_factory=dict)
 
 
+def exit_meaning(section) -> str:
+    """What a section's exit code means, in words (the command's own exit code: 0, 1 only for fix-check, 2 no result).
+    """
+    data = section.data or {}
+    if section.exit_code == 2 or not section.ok:
+        return "could not run (see its note)"
+    if section.name == "fix-check":
+        if section.exit_code == 1:
+            return "the fix fails" if str(data.get("verdict", "")).startswith("FIX FAILS") else \
+                "the fix does not remove the bias"
+        return "the fix removes the bias" if data.get("has_bias") else "no bias to remove"
+    return "ran"
+
+
+EXIT_CODES = ("exit codes are each command's own: 0 it ran (its finding is in its section); 1 only fix-check's: the "
+              "fix does not remove the bias; 2 it could not run on this dump (its note says why)")
+
+
 def command_line(name: str, dump: Path, selection: dict, recipe: Recipe, backend: Backend) -> list[str]:
     """The `fa-forensics` arguments that give the same section on their own, from the analysis's registered
     section: its selection, the flags that carry the report's recipe, the accumulation and the backend."""

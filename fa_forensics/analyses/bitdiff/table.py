@@ -5,7 +5,7 @@ from rich.table import Table
 
 from fa_forensics.analyses.bitdiff.compute import BitdiffResult
 from fa_forensics.analyses.significance import EFFECT_FLOOR
-from fa_forensics.analyses.wording import number, percent
+from fa_forensics.analyses.wording import number, p_value, percent, place, pm, text
 
 
 def tables(r: BitdiffResult) -> list[Table]:
@@ -51,3 +51,20 @@ def finding(d: dict) -> str:
     return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
             f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; "
             f"{len(feats)} significantly biased feature{'s' if len(feats) != 1 else ''}{tail}.")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (units in the labels; keys read defensively)."""
+    feats = [f for f in (d.get("biased_features") or []) if isinstance(f, dict)]
+    bias = d.get("bias") if isinstance(d.get("bias"), dict) else {}
+    family = d.get("family") if isinstance(d.get("family"), dict) else {}
+    return [
+        ("compared", f"{text(d.get('a'))} vs {text(d.get('b'))}, bits in {text(d.get('format'))}"),
+        ("elements that differ", f"{percent(d.get('mismatch_rate'), 1)} of {text(d.get('n_elements'))}"),
+        ("significantly biased features", f"{len(feats)} of {text(d.get('n_cells'))} (layer, head, feature) cells"),
+        ("most significant cell", place(bias, "layer", "head", "feature")),
+        ("its mean a − b ± se (output units)", pm(bias.get("value"), bias.get("se"), "+.3e", ".1e")),
+        ("its size (rounding units)", number(bias.get("effect"), ".3f")),
+        ("its p / Holm p", f"{p_value(bias.get('p_value'))} / {p_value(bias.get('adjusted_p'))}"),
+        ("tests corrected over", str(family.get("text") or "n/a")),
+    ]

@@ -8,7 +8,7 @@ from rich.table import Table
 from fa_forensics.analyses.delta_bias.compute import DeltaBiasResult
 from fa_forensics.analyses.quantities import count_text
 from fa_forensics.analyses.stats import format_p, format_pm
-from fa_forensics.analyses.wording import number
+from fa_forensics.analyses.wording import number, p_value, place, pm, text
 
 
 def tables(r: DeltaBiasResult) -> list[Table]:
@@ -51,10 +51,13 @@ def finding(d: dict) -> str:
     family = (d.get("family") or {}).get("text", "the policy's correction")
     where = (f" (layer {focus.get('layer')} head {focus.get('head')}: {number(focus.get('delta_err_sum'), '+.3g')} ± "
              f"{number(focus.get('se'), '.2g')} over its {focus.get('steps')} step(s))" if focus else "")
+    if not sig:
+        return (f"delta-bias: no (step, layer, head) item has a significant Σ(δ_lp − δ_hp) (0 of {len(rows)}; "
+                f"{family}); features carrying the most significant head's Σδ: {', '.join(feats) or 'n/a'}.")
     counted = count_text(_Item(r) for r in sig)
     return (f"delta-bias: Σ(δ_lp − δ_hp) is significant in {counted} ({len(sig)} of {len(rows)} (step, layer, head) "
-            f"items; {family}), {len(pos)} of them positive{where if sig else ''}; features carrying the focus "
-            f"head's Σδ: {', '.join(feats) or 'n/a'}.")
+            f"items; {family}), {len(pos)} of them positive{where}; features carrying the focus head's Σδ: "
+            f"{', '.join(feats) or 'n/a'}.")
 
 
 class _Item:
@@ -62,3 +65,25 @@ class _Item:
 
     def __init__(self, d: dict):
         self.step, self.layer, self.head = d.get("step"), d.get("layer"), d.get("head")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (units in the labels; keys read defensively)."""
+    rows = [r for r in (d.get("per_step") or []) if isinstance(r, dict)]
+    sig = [r for r in rows if r.get("significant")]
+    bias = d.get("bias") if isinstance(d.get("bias"), dict) else {}
+    focus = d.get("focus") if isinstance(d.get("focus"), dict) else {}
+    total = d.get("total") if isinstance(d.get("total"), dict) else {}
+    feats = [str(f.get("feature")) for f in (d.get("top_features") or [])[:3] if isinstance(f, dict)]
+    return [
+        ("(step, layer, head) items with a significant Σδ",
+         f"{len(sig)} of {len(rows)} ({count_text(_Item(r) for r in sig)})"),
+        ("most significant item", place(bias, "step", "layer", "head")),
+        ("its Σ(δ_lp − δ_hp) ± se (gradient units)", pm(bias.get("value"), bias.get("se"))),
+        ("its size (rounding units)", number(bias.get("effect"), ".3f")),
+        ("its p / Holm p", f"{p_value(bias.get('p_value'))} / {p_value(bias.get('adjusted_p'))}"),
+        (f"{place(focus, 'layer', 'head')} over its {text(focus.get('steps'))} step(s) ± se",
+         pm(focus.get("delta_err_sum"), focus.get("se"))),
+        ("features carrying it", ", ".join(feats) or "n/a"),
+        ("every selected head together ± se", pm(total.get("delta_err_sum"), total.get("se"))),
+    ]

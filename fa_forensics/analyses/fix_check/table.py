@@ -6,7 +6,7 @@ import math
 from rich.table import Table
 
 from fa_forensics.analyses.fix_check.compute import FixCheckResult, collapse_text
-from fa_forensics.analyses.wording import number
+from fa_forensics.analyses.wording import number, p_value, percent, place, pm, text, yes_no
 
 
 def _fmt(v, se=None, p=None) -> str:
@@ -70,3 +70,25 @@ def collapse_lines(r: FixCheckResult) -> list[str]:
 def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
     return f"fix-check: {d.get('verdict', 'n/a')}"
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (units in the labels; keys read defensively)."""
+    tg = d.get("target") if isinstance(d.get("target"), dict) else {}
+    b = d.get("baseline") if isinstance(d.get("baseline"), dict) else {}
+    f = d.get("fixed") if isinstance(d.get("fixed"), dict) else {}
+    dep = d.get("deployment") if isinstance(d.get("deployment"), dict) else {}
+    removed = percent(f.get("removed_share")) if d.get("has_bias") else "n/a (no bias to remove)"
+    return [
+        ("cell checked", place(tg, "layer", "head", "feature")),
+        ("baseline O bias ± se (output units)", pm(b.get("o_bias"), b.get("o_bias_se"), "+.3e", ".1e")),
+        ("baseline p / Holm p", f"{p_value(b.get('o_bias_p'))} / {p_value(b.get('o_bias_adjusted_p'))}"),
+        ("a bias to remove", yes_no(d.get("has_bias"))),
+        (f"O bias under the fix ({text(f.get('name'))}) ± se", pm(f.get("o_bias"), f.get("o_bias_se"), "+.3e", ".1e")),
+        ("share of the bias the fix removes", removed),
+        ("stable_attention as deployed removes", percent(dep.get("removed_share")) if dep and d.get("has_bias")
+         else "n/a"),
+        ("its kernels without the fix remove", percent(dep.get("control_removed_share")) if dep and d.get("has_bias")
+         else "n/a"),
+        ("β, ε of the fix", f"{number(d.get('beta'), 'g')}, {number(d.get('eps'), 'g')}"),
+    ]

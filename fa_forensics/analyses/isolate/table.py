@@ -5,7 +5,7 @@ from rich.table import Table
 
 from fa_forensics.analyses.isolate.compute import IsolateResult
 from fa_forensics.analyses.stats import format_p, format_pm
-from fa_forensics.analyses.wording import number
+from fa_forensics.analyses.wording import number, p_value, place, pm
 
 
 def tables(r: IsolateResult) -> list[Table]:
@@ -55,3 +55,24 @@ def finding(d: dict) -> str:
                f"step{'s' if len(steps) != 1 else ''}")
     return (f"isolate: the baseline's Σδ bias ({counted}) is removed by: "
             f"{', '.join(map(str, culprits)) or 'no single repair'}{where}.")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (units in the labels; keys read defensively)."""
+    heads = [h for h in (d.get("heads") or []) if isinstance(h, dict)]
+    biased = [h for h in heads if h.get("significant")]
+    top = heads[0] if heads else {}
+    base = next((v for v in d.get("variants") or [] if isinstance(v, dict) and v.get("name") == "baseline"), {})
+    tiles = d.get("baseline_tiles") or []
+    return [
+        ("(step, layer, head) items with a significant Σδ", f"{len(biased)} of {len(heads)}"),
+        ("most significant item", place(top, "step", "layer", "head")
+         if top else "n/a"),
+        ("its Σ(δ_lp − δ_hp) ± se (gradient units)", pm(top.get("delta_err_sum"), top.get("delta_err_se"))),
+        ("its size (rounding units)", number(top.get("effect"), ".3f")),
+        ("its p (t or sign test) / Holm p", f"{p_value(min(top.get('t_p_value') or 1, top.get('p_value') or 1))} / "
+                                            f"{p_value(top.get('adjusted_p'))}" if top else "n/a"),
+        ("baseline Σδ over every selected head ± se", pm(base.get("delta_err_sum"), base.get("delta_err_se"))),
+        ("repairs that remove it", ", ".join(map(str, d.get("culprits") or [])) or "none"),
+        ("baseline tiles (block_m × block_n)", " × ".join(map(str, tiles)) or "n/a"),
+    ]

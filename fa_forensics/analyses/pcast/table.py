@@ -6,6 +6,7 @@ from rich.table import Table
 from fa_forensics.analyses.pcast.compute import PcastDumpResult
 from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
 from fa_forensics.analyses.stats import format_p
+from fa_forensics.analyses.wording import percent, text
 
 
 def tables(res: PcastDumpResult) -> list:
@@ -105,3 +106,20 @@ def finding(d: dict) -> str:
                   if isinstance(h.get("recommended_S"), (int, float))})
     return (f"pcast: {len(need)} of {len(heads)} heads need a P-cast fix (P-collapse: the default FP8 P cast drops "
             f"probability mass): {where}{more}; use {'; '.join(use) or 'another S'}.")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (keys read defensively)."""
+    heads = [h for h in (d.get("heads") or []) if isinstance(h, dict)]
+    need = [h for h in heads if h.get("needs_fix")]
+    use = sorted({f"{text(h.get('recommended_order'))} S={h.get('recommended_S'):g}" for h in need
+                  if isinstance(h.get("recommended_S"), (int, float))})
+    lost = [s.get("mass_zeroed") for h in need for s in h.get("settings") or []
+            if isinstance(s, dict) and s.get("S") == 1.0 and s.get("order") == "forward"]
+    return [
+        ("heads studied (last complete step)", str(len(heads))),
+        ("heads that need a P-cast fix (P-collapse)", str(len(need))),
+        ("largest probability mass the default cast drops", percent(max(lost), 2) if lost else "n/a"),
+        ("setting that fixes them", "; ".join(use) or "n/a"),
+        ("sink tokens assumed / KV block", f"{text(d.get('n_sinks'))} / {text(d.get('block'))}"),
+    ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.pv_trace.compute import PVTraceReport
-from fa_forensics.analyses.wording import number, percent, share_with_se
+from fa_forensics.analyses.wording import number, p_value, percent, place, pm, share_with_se, text, yes_no
 
 
 def tables(r: PVTraceReport) -> list:
@@ -83,3 +83,24 @@ def finding(d: dict) -> str:
                 f"to P̄ = 1 terms{caveat}.")
     return (f"{where} the P̄V error is {number(d.get('final_error'))}; {share} of it entered at the {n_ones} terms "
             f"where P̄ = 1{caveat}.")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (units in the labels; keys read defensively)."""
+    ob = d.get("o_bias") if isinstance(d.get("o_bias"), dict) else {}
+    shares = d.get("class_shares") if isinstance(d.get("class_shares"), dict) else {}
+    p_one = [v for k, v in shares.items()
+             if k in ("tie", "near-tie", "carry") and isinstance(v, dict) and v.get("rows")]
+    total = sum(v.get("share") or 0.0 for v in p_one) if p_one else None
+    se = sum((v.get("se") or 0.0) ** 2 for v in p_one) ** 0.5 if p_one else None
+    return [
+        ("traced cell", place(d, "step", "layer", "head", "feature", "row")),
+        ("O bias in that feature ± se (output units)", pm(ob.get("mean"), ob.get("se"), "+.3e", ".1e")),
+        ("its p / Holm p", f"{p_value(ob.get('p_value'))} / {p_value(ob.get('adjusted_p'))}"),
+        ("significant", yes_no(ob.get("significant"))),
+        ("Ō error of the traced dot product", number(d.get("final_error"))),
+        ("terms with P̄ = 1 in that row", str(len(d.get("p_one_positions") or []))),
+        ("share of that error from the P̄ = 1 terms", percent(d.get("frac_error_from_p_one"))),
+        (f"signed contribution of P̄ = 1 to the O bias over {text(d.get('rows_attributed'))} rows",
+         share_with_se(total, se, signed=True) if ob.get("significant") else "n/a (no significant bias to split)"),
+    ]
