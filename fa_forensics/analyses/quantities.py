@@ -6,8 +6,8 @@
   quote these; a head's number over several steps is `head_total`, the selection's is `total_of` (sums of the
   items, standard errors in quadrature), so the same (step, layer, head) reads the same in every command.
 - O cells (`BiasCell`, `cell_sums`, `o_cells`): per (layer, head, feature), the mean of O_lp − O_hp over every
-  row of every selected step and batch entry, ± se, with a sign test and its rounding unit (the mean ulp of
-  the low-precision O format at |O_hp|). bitdiff, fix-check and pv-trace quote these.
+  row of every selected step and batch entry, ± se, with a t-test and a sign test over the rows and its rounding
+  unit (the mean ulp of the low-precision O format at |O_hp|). bitdiff, fix-check and pv-trace quote these.
 - The family (`selection_family`, `layers_family`) and the decision (`decide_deltas`, `o_cells`), by the
   policy of `analyses.significance`; the claim (`BiasClaim`: `delta_claim`, `o_claim`) is the most significant
   item or cell, found or not, so that every command names the same place.
@@ -150,9 +150,15 @@ class BiasCell:
     frac_positive: float
     n: int
     unit: float = math.nan  # mean rounding unit (ulp of the compared format at the reference value)
+    t_p_value: float = math.nan  # one-sample t-test of the rows' errors
     effect: float = math.nan  # |mean| / unit
-    adjusted_p: float = math.nan  # Holm over the selection's family
+    adjusted_p: float = math.nan  # the smaller test's p, Holm over the selection's family
     significant: bool = False
+
+    @property
+    def tested_p(self) -> float:
+        """The smaller of the two tests' p-values (the family counts both tests)."""
+        return min(self.p_value, self.t_p_value) if math.isfinite(self.t_p_value) else self.p_value
 
 
 @dataclass(frozen=True)
@@ -202,16 +208,17 @@ def o_cells(parts: Iterable[CellSums], family: Optional[Family] = None) -> list[
         for f in range(mean.numel()):
             k, m = int(npos[f]), int(npos[f] + nneg[f])
             p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
+            t_p = MeanSE(float(mean[f]), float(se[f]), int(n[f])).p_value
             cells.append(BiasCell(layer, head, f, float(mean[f]), float(se[f]), p, k / m if m else math.nan,
-                                  int(n[f]), float(unit[f]), effect(float(mean[f]), float(unit[f]))))
+                                  int(n[f]), float(unit[f]), t_p, effect(float(mean[f]), float(unit[f]))))
     family = family if family is not None else Family(o_cells=len(cells))
-    adjusted = holm([c.p_value for c in cells], family.n_tests)
+    adjusted = holm([c.tested_p for c in cells], family.n_tests)
     return [replace(c, adjusted_p=a, significant=significant(a, c.effect)) for c, a in zip(cells, adjusted)]
 
 
 def most_significant(cells: Sequence[BiasCell]) -> BiasCell:
     """The O claim's cell: the smallest adjusted p, then the largest effect."""
-    return min(cells, key=lambda c: (c.adjusted_p if math.isfinite(c.adjusted_p) else 2.0, c.p_value,
+    return min(cells, key=lambda c: (c.adjusted_p if math.isfinite(c.adjusted_p) else 2.0, c.tested_p,
                                      -(c.effect if math.isfinite(c.effect) else abs(c.mean))))
 
 
@@ -286,6 +293,6 @@ def delta_claim(items: Sequence[DeltaItem], family: Family) -> BiasClaim:
 def o_claim(cells: Sequence[BiasCell], family: Family) -> BiasClaim:
     """The O claim: the most significant of decided `cells`."""
     c = most_significant(cells)
-    return BiasClaim(c.significant, "O", c.layer, c.head, _sign(c.mean), c.p_value, family.n_tests,
+    return BiasClaim(c.significant, "O", c.layer, c.head, _sign(c.mean), c.tested_p, family.n_tests,
                      feature=c.feature, adjusted_p=c.adjusted_p, effect=c.effect, value=c.mean, se=c.se,
                      family=family.describe())

@@ -237,7 +237,8 @@ BITDIFF = Analysis(
 FIX_CHECK = Analysis(
     "fix-check", "fix_check",
     "Check that the stabilized softmax removes the bias and the alternatives do not (paper §4, App. C). "
-    "Exit code 0: removed; 1: not removed; 2: bad input.",
+    "Exit code 0: removed, nothing to remove, or too few rows to tell; 1: a significant bias remains (or the fix "
+    "fails); 2: bad input.",
     options=(
         Option("beta", "--beta", float, 2.0, check=_greater_than_one,
                help="β of the stabilized softmax (m = β·r_m for a repeated positive maximum; paper: 2 to 8)."),
@@ -247,7 +248,8 @@ FIX_CHECK = Analysis(
                help="Offset of App. C's fixed-offset alternative: m = rowmax + offset."),
     ),
     json_keys=("target", "baseline", "fixed", "alternatives", "bias_reduction", "max_p_bar", "triggered_rows",
-               "nan_count", "removed", "verdict", "exit_code", "collapse", "bias", "has_bias", "deployment", "family",
+               "nan_count", "removed", "verdict", "exit_code", "collapse", "bias", "has_bias", "outcome", "deployment",
+               "family",
                "beta", "eps", "offset",
                *RECIPE_KEYS, "figures"),
     progress="replaying variants",

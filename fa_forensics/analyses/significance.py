@@ -5,9 +5,10 @@ the report's headline) means the same thing everywhere because it is decided her
 
 - `ALPHA` = 0.01: the chance that a verdict makes any false claim at all (family-wise error rate).
 - The family: every hypothesis the selection is tested on, counted from its shape before looking at the
-  data (`Family`): one Σδ item per (step, layer, head) with a dO array, tested twice (t-test and sign test),
-  and one O cell per (layer, head, feature), tested once (sign test). Every command and the report count the
-  same family for the same selection, so an item found by one is found by all.
+  data (`Family`): one Σδ item per (step, layer, head) with a dO array and one O cell per (layer, head,
+  feature), each tested twice (a one-sample t-test, which sees a bias carried by rare large errors, and a sign
+  test, which sees a consistent sign; the smaller p counts, and the family counts both tests). Every command
+  and the report count the same family for the same selection, so an item found by one is found by all.
 - Holm's step-down over that family (`holm`): the k-th smallest p-value of the items a command tests is
   multiplied by (family size − k + 1) and the running maximum taken; an item is significant when its
   adjusted p is below α. A command that tests only part of the family ranks its own items (the adjusted p
@@ -30,11 +31,12 @@ ALPHA = 0.01  # family-wise error rate of every verdict
 EFFECT_FLOOR = 0.01  # a bias below 1 % of its rounding unit is not a finding, however significant
 METHOD = "Holm"
 DELTA_TESTS_PER_ITEM = 2  # Σδ items: one-sample t-test and sign test; the smaller p counts, twice in the family
+O_TESTS_PER_CELL = 2  # O cells: the same two tests
 
 
 @dataclass(frozen=True)
 class Family:
-    """The hypotheses one verdict is corrected over: Σδ items (two tests each) and O cells (one test each)."""
+    """The hypotheses one verdict is corrected over: Σδ items and O cells (two tests each)."""
 
     delta_items: int = 0
     o_cells: int = 0
@@ -42,20 +44,21 @@ class Family:
 
     @property
     def n_tests(self) -> int:
-        return DELTA_TESTS_PER_ITEM * self.delta_items + self.o_cells + self.extra
+        return DELTA_TESTS_PER_ITEM * self.delta_items + O_TESTS_PER_CELL * self.o_cells + self.extra
 
     def describe(self) -> str:
-        """'Holm over 280 tests (12 Σδ (step, layer, head) items × 2 tests, 256 O (layer, head, feature) cells)'."""
+        """'Holm over 536 tests (12 Σδ (step, layer, head) items and 256 O (layer, head, feature) cells, 2 tests
+        each)'."""
         parts = []
         if self.delta_items:
-            parts.append(f"{self.delta_items} Σδ (step, layer, head) item{'s' if self.delta_items != 1 else ''} × "
-                         f"{DELTA_TESTS_PER_ITEM} tests")
+            parts.append(f"{self.delta_items} Σδ (step, layer, head) item{'s' if self.delta_items != 1 else ''}")
         if self.o_cells:
             parts.append(f"{self.o_cells} O (layer, head, feature) cell{'s' if self.o_cells != 1 else ''}")
+        what = " and ".join(parts) + (", 2 tests each" if parts else "")
         if self.extra:
-            parts.append(f"{self.extra} variant test{'s' if self.extra != 1 else ''}")
+            what += (", " if what else "") + f"{self.extra} variant test{'s' if self.extra != 1 else ''}"
         n = self.n_tests
-        return f"{METHOD} over {n} test{'s' if n != 1 else ''}" + (f" ({', '.join(parts)})" if parts else "")
+        return f"{METHOD} over {n} test{'s' if n != 1 else ''}" + (f" ({what})" if what else "")
 
     def as_dict(self) -> dict:
         return {"method": METHOD, "alpha": ALPHA, "effect_floor": EFFECT_FLOOR, "n_tests": self.n_tests,
@@ -118,3 +121,11 @@ def removes(share_removed: float, residual_significant: bool) -> bool:
     if not (isinstance(share_removed, (int, float)) and math.isfinite(share_removed)):
         return False
     return share_removed >= REMOVED_SHARE or (share_removed >= PARTIAL_SHARE and not residual_significant)
+
+
+def outcome(share_removed: float, residual_significant: bool) -> str:
+    """What a fix did to a bias: "removed" (`removes`), "remains" (a significant bias is left, less than 90 % of it
+    gone: the claim behind fix-check's exit code 1), or "inconclusive" (neither shown: too few rows to tell)."""
+    if removes(share_removed, residual_significant):
+        return "removed"
+    return "remains" if residual_significant else "inconclusive"

@@ -65,15 +65,15 @@ def exit_meaning(section) -> str:
     if section.exit_code == 2 or not section.ok:
         return "could not run (see its note)"
     if section.name == "fix-check":
-        if section.exit_code == 1:
-            return "the fix fails" if str(data.get("verdict", "")).startswith("FIX FAILS") else \
-                "the fix does not remove the bias"
-        return "the fix removes the bias" if data.get("has_bias") else "no bias to remove"
+        return {"fails": "the fix fails", "remains": "a significant bias remains under the fix",
+                "removed": "the fix removes the bias", "no-bias": "no bias to remove",
+                "inconclusive": "too few rows to tell whether the fix removes it"}.get(data.get("outcome"), "ran")
     return "ran"
 
 
-EXIT_CODES = ("exit codes are each command's own: 0 it ran (its finding is in its section); 1 only fix-check's: the "
-              "fix does not remove the bias; 2 it could not run on this dump (its note says why)")
+EXIT_CODES = ("exit codes are each command's own: 0 it ran (its finding is in its section); 1 only fix-check's: a "
+              "significant bias remains under the fix, or the fix fails; 2 it could not run on this dump (its note "
+              "says why)")
 
 
 def command_line(name: str, dump: Path, selection: dict, recipe: Recipe, backend: Backend) -> list[str]:

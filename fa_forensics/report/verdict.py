@@ -66,6 +66,7 @@ class Evidence:
     effect: float  # in rounding units
     analyses: tuple[str, ...]  # the analyses that make this claim
     steps: tuple[int, ...] = ()  # Σδ: the steps of the place's significant items
+    others: tuple[tuple[int, int], ...] = ()  # the other (layer, head) with a significant item or cell
 
     @property
     def place(self) -> Optional[tuple[int, int]]:
@@ -140,11 +141,16 @@ def _evidence(by_name: dict[str, dict], data: dict[str, dict], quantity: str) ->
         steps: tuple[int, ...] = ()
         if quantity == "delta":
             items = (data.get("delta-bias") or {}).get("per_step") or (data.get("isolate") or {}).get("heads") or []
-            steps = tuple(sorted({i["step"] for i in items if isinstance(i, dict) and i.get("significant")
-                                  and (i.get("layer"), i.get("head")) == (layer, head)}))
+        else:
+            items = (data.get("bitdiff") or {}).get("biased_features") or []
+        items = [i for i in items if isinstance(i, dict) and i.get("significant", True)]
+        if quantity == "delta":
+            steps = tuple(sorted({i["step"] for i in items if (i.get("layer"), i.get("head")) == (layer, head)}))
+        others = tuple(sorted({(i.get("layer"), i.get("head")) for i in items} - {(layer, head)}))
         out.append(Evidence(quantity, found, layer, head, step, feature, sign, _float(c.get("value")),
                             _float(c.get("se")), _float(c.get("p_value")), _float(c.get("adjusted_p")),
-                            _int(c.get("n_tests")) or 0, _float(c.get("effect")), tuple(names), steps))
+                            _int(c.get("n_tests")) or 0, _float(c.get("effect")), tuple(names), steps,
+                            others if found else ()))
     return sorted(out, key=lambda e: (not e.found, len(e.analyses) * -1))
 
 
@@ -242,9 +248,11 @@ def _fp8_text(heads: list[dict], pcast: dict) -> str:
     where = ", ".join(f"layer {h['layer']} head {h['head']}" for h in heads[:4]) + (
         f" and {len(heads) - 4} more" if len(heads) > 4 else "")
     lost = [h["mass_zeroed"] for h in heads if finite(h.get("mass_zeroed"))]
-    mass = f" (up to {max(lost):.2%} of the probability mass)" if lost else ""
+    zeroed = [h["frac_zeroed"] for h in heads if finite(h.get("frac_zeroed"))]
+    mass = (f" (up to {max(zeroed):.0%} of the non-sink probabilities, {max(lost):.2%} of the probability mass)"
+            if lost and zeroed else "")
     return (f"FP8: {len(heads)} of {n} heads need a P-cast fix: an FP8 kernel's default P cast (E4M3, S = 1, "
-            f"forward KV order) silently zeroes most small probabilities there{mass}: {where}")
+            f"forward KV order) silently zeroes small probabilities there{mass}: {where}")
 
 
 def _fp8_settings(heads: list[dict]) -> str:
@@ -270,6 +278,9 @@ def _where(delta: Optional[Evidence], o: Optional[Evidence]) -> str:
         text += f", step {steps[0]}" if len(steps) == 1 else f", steps {', '.join(map(str, steps))}"
     if o is not None and o.found and o.place == main.place and o.feature is not None:
         text += f", feature {o.feature}"
+    others = sorted(set(main.others) | (set(o.others) if o is not None and o.found else set()) - {main.place})
+    if others:
+        text += f" (also {'; '.join(f'layer {l} head {h}' for l, h in others)})"
     return text
 
 
@@ -309,8 +320,10 @@ def _disagreements(evidence: list[Evidence], delta: Optional[Evidence], o: Optio
                    "into the gradient here, so it is a bias of the output, not (yet) of training")
     elif delta is not None and o is not None and delta.found and not o.found:
         out.append(f"Σδ is significant at layer {delta.layer} head {delta.head} ({', '.join(delta.analyses)}) though "
-                   f"no single O feature is ({', '.join(o.analyses)}: {o.stats()}): the bias is spread over features "
-                   "that dO weighs the same way")
+                   f"no single O feature is (most significant: layer {o.layer} head {o.head} feature {o.feature}, "
+                   f"{o.stats()}; {', '.join(o.analyses)}): Σδ sums every feature's O error of every token, weighted "
+                   "by dO, so it reaches significance before a single feature does, or when the bias is spread over "
+                   "features")
     return out
 
 
@@ -346,10 +359,15 @@ def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[d
                 effect += ("; its kernels without the fix (plain_attention) remove it too: the fp32 P̄V accumulator "
                            "is what helps here")
             out.append(Action(f"Replace the attention by fa_forensics.stable_attention(q, k, v, {settings})", effect))
-        elif fc.get("removed"):
+        elif fc.get("outcome") == "removed":
             out.append(Action(f"Use the stabilized softmax (Algorithm 3, {settings}) in this kernel",
                               f"fix-check: it removes {share_with_se(fixed.get('removed_share'), None)} of the "
                               f"bias ({change(fixed)})"))
+        elif fc.get("outcome") == "inconclusive":
+            removed = share_with_se(fixed.get("removed_share"), None)
+            out.append(Action("Capture more steps or batch rows before choosing a fix",
+                              f"fix-check cannot tell yet: the fix removes {removed} of the bias ({change(fixed)}) "
+                              "and what is left is not significant either"))
         else:
             out.append(Action("The stabilized softmax is not enough here (fix-check exits 1)",
                               f"it removes {share_with_se(fixed.get('removed_share'), None)} of the bias "
@@ -481,8 +499,9 @@ def _fix(data: dict, collapse: str) -> str:
         return collapse
     if not fc.get("has_bias", True):
         return ""
-    text = ("; the stabilized softmax removes it" if fc.get("removed")
-            else "; the stabilized softmax does NOT remove it")
+    text = {"removed": "; the stabilized softmax removes it",
+            "inconclusive": "; too few rows to tell whether the stabilized softmax removes it"}.get(
+        fc.get("outcome"), "; the stabilized softmax does NOT remove it")
     fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
     text += (f" (fix-check, {fixed.get('name', 'the fix')}: {share_with_se(fixed.get('removed_share'), None)} removed, "
              f"reduction {number(fc.get('bias_reduction'), '.1f')}x)")

@@ -7,7 +7,7 @@ because that is what a store in the coarser format would hold. Signed errors (a 
 the unrounded values in fp64.
 
 The bias map is the mean signed error per (layer, head, feature) over every batch row and token
-of every selected step, with its standard error, a two-sided sign test and its rounding unit (the
+of every selected step, with its standard error, a t-test and a sign test and its rounding unit (the
 ulp of the comparison format at |b|): the O cells of `analyses.quantities`. A feature is "biased"
 when the statistics policy says so (`analyses.significance`: Holm over the selection's family at
 α = 0.01, and at least 1 % of a rounding unit), so that a map of hundreds of cells does not report
@@ -260,7 +260,7 @@ def verdict(r: BitdiffResult) -> str:
     n = len(r.biased_features)
     tail = (f"; most biased: layer {top.layer} head {top.head} feature {top.feature} mean {top.mean:+.3e} ± "
             f"{top.se:.1e} ({top.effect:.2g} of a rounding unit; "
-            f"{p_text(top.p_value, top.adjusted_p, r.family.n_tests)})"
+            f"{p_text(top.tested_p, top.adjusted_p, r.family.n_tests)})"
             if top else f"; no feature is significantly biased ({r.family.describe()})")
     if r.input_cast is not None:
         tail += (f"; apart from that, the recipe's input cast alone biases {r.input_cast['n_biased_features']} "

@@ -20,12 +20,13 @@ def tables(r: BitdiffResult) -> list[Table]:
     if r.biased_features:
         bt = Table(title=f"significantly biased features ({r.family.describe()} at α = {r.alpha:g}; at least "
                          f"{EFFECT_FLOOR:.0%} of a rounding unit)")
-        for c in ("layer", "head", "feature", "mean a − b ± se", "rounding units", "frac > 0", "sign-test p",
-                  "Holm p"):
+        for c in ("layer", "head", "feature", "mean a − b ± se", "rounding units", "frac > 0", "t-test p",
+                  "sign-test p", "Holm p"):
             bt.add_column(c, justify="right")
         for c in r.biased_features[:12]:
             bt.add_row(str(c.layer), str(c.head), str(c.feature), f"{c.mean:+.3e} ± {c.se:.1e}",
-                       number(c.effect, ".3f"), f"{c.frac_positive:.2f}", f"{c.p_value:.2g}", f"{c.adjusted_p:.2g}")
+                       number(c.effect, ".3f"), f"{c.frac_positive:.2f}", p_value(c.t_p_value), p_value(c.p_value),
+                       p_value(c.adjusted_p))
         out.append(bt)
     if r.largest:
         lt = Table(title="largest differences")
@@ -46,7 +47,7 @@ def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
     feats = d.get("biased_features") or []
     top = feats[0] if feats else None
-    tail = (f"; most biased: layer {top.get('layer')} head {top.get('head')} feature {top.get('feature')} "
+    tail = (f"; most biased: {place(top, 'layer', 'head', 'feature')} "
             f"({number(top.get('mean'))} ± {number(top.get('se'), '.1e')})") if isinstance(top, dict) else ""
     return (f"bitdiff: {percent(d.get('mismatch_rate'), 1, missing='an unknown share')} "
             f"of O elements differ between the {d.get('a', 'bf16')} and {d.get('b', 'fp32')} replays; "

@@ -49,8 +49,8 @@ def finding(d: dict) -> str:
     feats = [str(f.get("feature")) for f in (d.get("top_features") or [])[:3] if isinstance(f, dict)]
     focus = d.get("focus") or {}
     family = (d.get("family") or {}).get("text", "the policy's correction")
-    where = (f" (layer {focus.get('layer')} head {focus.get('head')}: {number(focus.get('delta_err_sum'), '+.3g')} ± "
-             f"{number(focus.get('se'), '.2g')} over its {focus.get('steps')} step(s))" if focus else "")
+    where = (f" ({place(focus, 'layer', 'head')}: {number(focus.get('delta_err_sum'), '+.3g')} ± "
+             f"{number(focus.get('se'), '.2g')} over its {text(focus.get('steps'))} step(s))" if focus else "")
     if not sig:
         return (f"delta-bias: no (step, layer, head) item has a significant Σ(δ_lp − δ_hp) (0 of {len(rows)}; "
                 f"{family}); features carrying the most significant head's Σδ: {', '.join(feats) or 'n/a'}.")

@@ -37,16 +37,19 @@ floor they are reported as a warning (the reference code would collapse there).
 
 The bias is measured where the baseline is most biased: the O claim's cell (`analyses.quantities`: the
 (layer, head, feature) cell with the smallest Holm-adjusted p over the selection's family, the same cell
-bitdiff and pv-trace name). Each variant reports, in that cell, the mean O error ± se, its sign-test
-p-value and its Holm-adjusted p over the variants tested there, and in that head Σ_T(δ_v − δ_hp) over its
-steps (`quantities.head_total`) with δ = rowsum(dO ∘ O) (exactly the backward's δ for O_lp; no backward
-pass is run).
+bitdiff and pv-trace name). Each variant reports, in that cell, the mean O error ± se, its p-value (the
+smaller of a t-test and a sign test over the rows) and its Holm-adjusted p over the variants tested there,
+and in that head Σ_T(δ_v − δ_hp) over its steps (`quantities.head_total`) with δ = rowsum(dO ∘ O) (exactly
+the backward's δ for O_lp; no backward pass is run).
 
 Verdict rule (exit code of the command), by the statistics policy (`analyses.significance`):
   - no significant baseline bias (the O claim is not found): nothing to remove (exit 0);
   - the fixed replay has NaN, or its row sum collapses under the preset's own floor: the fix fails (1);
-  - the fix removes the bias (`significance.removes`: ≥ 90 % of it gone, i.e. a reduction ≥ 10x, or
-    ≥ 50 % gone with no significant residual): exit 0; otherwise 1.
+  - the fix removes the bias (`significance.outcome`: ≥ 90 % of it gone, i.e. a reduction ≥ 10x, or
+    ≥ 50 % gone with no significant residual): exit 0;
+  - a significant bias remains (Holm over the variants) with less than 90 % of it gone: exit 1;
+  - neither shown (less than half gone, the rest not significant: too few rows to tell): INCONCLUSIVE, exit 0,
+    since exit 1 claims a remaining bias and a claim needs significance.
 An alternative is "still biased" when its bias in the target cell is significant (Holm over the variants).
 """
 from __future__ import annotations
@@ -63,7 +66,7 @@ from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_key
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, delta_items,
                                               head_total, most_significant, o_cells, o_claim, o_units,
                                               selection_family)
-from fa_forensics.analyses.significance import Family, holm, p_text, removes, significant
+from fa_forensics.analyses.significance import O_TESTS_PER_CELL, Family, holm, outcome, p_text, significant
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -296,7 +299,7 @@ class VariantResult:
     what: str
     o_bias: float  # mean (O_v − O_hp) in the target cell
     o_bias_se: float
-    o_bias_p: float  # sign test
+    o_bias_p: float  # the smaller of the cell's t-test and sign-test p
     delta_err_sum: Optional[float]  # Σ_T (δ_v − δ_hp) in the target head over its steps (`quantities.head_total`)
     delta_err_se: Optional[float]
     delta_p: Optional[float]  # t-test p of that sum
@@ -315,7 +318,11 @@ class VariantResult:
     o_bias_adjusted_p: float = math.nan  # the baseline: Holm over the selection's family; a variant: over the variants
     effect: float = math.nan  # |O bias| in rounding units of the baseline's O format
     removed_share: float = math.nan  # 1 − |O bias| / |baseline's O bias| (the baseline: nan)
-    removes: Optional[bool] = None  # `significance.removes` for this variant (None for the baseline)
+    outcome: Optional[str] = None  # `significance.outcome`: removed | remains | inconclusive (None for the baseline)
+
+    @property
+    def removes(self) -> Optional[bool]:
+        return None if self.outcome is None else self.outcome == "removed"
 
 
 @dataclass(frozen=True)
@@ -330,7 +337,7 @@ class FixCheckResult(RecipeResult):
     max_p_bar: float
     triggered_rows: Optional[int]
     nan_count: int
-    removed: bool
+    removed: bool  # the fix removes the bias, or there is none to remove
     verdict: str
     exit_code: int
     n_cells: int = 0  # (layer, head, feature) cells the target was picked from
@@ -345,6 +352,7 @@ class FixCheckResult(RecipeResult):
     claim: Optional[BiasClaim] = None  # the baseline's O claim (found or not)
     family: Family = Family()
     has_bias: bool = False  # the baseline's O claim is found: there is a bias to remove
+    outcome: str = "no-bias"  # no-bias | fails | removed | inconclusive | remains (exit code 1: fails, remains)
 
     def variant(self, name: str) -> Optional[VariantResult]:
         return next((v for v in (self.baseline, self.fixed, *self.alternatives) if v.name == name), None)
@@ -371,7 +379,7 @@ def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCe
         return None if any(x is None for x in values) else sum(values)
 
     return VariantResult(
-        name=v.name, role=v.role, what=v.what, o_bias=cell.mean, o_bias_se=cell.se, o_bias_p=cell.p_value,
+        name=v.name, role=v.role, what=v.what, o_bias=cell.mean, o_bias_se=cell.se, o_bias_p=cell.tested_p,
         delta_err_sum=dsum, delta_err_se=dse, delta_p=dp,
         max_abs_err=max(p.max_abs_err for p in parts), nan_count=sum(p.nan_count for p in parts),
         underflow=count("p_zeroed"), p_one_count=count("p_one_count"), triggered_rows=count("stabilized_rows"),
@@ -437,41 +445,42 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     results = {v.name: _variant_result(v, parts[v.name], target) for v in measured}
     baseline = dataclasses.replace(results[base.name], o_bias_adjusted_p=target.adjusted_p)
     tested = [v.name for v in measured if v.role != "baseline"]
-    adjusted = dict(zip(tested, holm([results[n].o_bias_p for n in tested], len(tested))))
+    adjusted = dict(zip(tested, holm([results[n].o_bias_p for n in tested], O_TESTS_PER_CELL * len(tested))))
     for n in tested:
         r = results[n]
         share = 1.0 - abs(r.o_bias) / abs(baseline.o_bias) if baseline.o_bias else math.nan
         left = significant(adjusted[n], r.effect)
         results[n] = dataclasses.replace(r, o_bias_adjusted_p=adjusted[n], still_biased=left, removed_share=share,
-                                         removes=removes(share, left))
+                                         outcome=outcome(share, left))
     fixed = results[fixed_v.name]
     alternatives = [results[n] for n in tested if n != fixed_v.name]
     reduction = abs(baseline.o_bias) / abs(fixed.o_bias) if fixed.o_bias != 0 else math.inf
     collapse = _collapse_summary(fixed, fixed_v.config if fixed_v.deployed is None else
                                  fixed_v.config.with_(row_sum_floor=0.0))
-    removed, verdict = _decide(baseline, fixed, alternatives, claim, family, target, collapse, reduction)
+    result, verdict = _decide(baseline, fixed, alternatives, claim, family, target, collapse, reduction)
     return FixCheckResult(
         target={"layer": target.layer, "head": target.head, "feature": target.feature},
         baseline=baseline, fixed=fixed, alternatives=alternatives, bias_reduction=reduction,
         max_p_bar=fixed.max_p_bar, triggered_rows=fixed.triggered_rows, nan_count=fixed.nan_count,
-        removed=removed, verdict=verdict, exit_code=0 if removed else 1, n_cells=len(cells), collapse=collapse,
-        claim=claim, family=family, has_bias=claim.found,
+        removed=result in ("removed", "no-bias"), verdict=verdict, exit_code=1 if result in ("fails", "remains") else 0,
+        n_cells=len(cells), collapse=collapse, claim=claim, family=family, has_bias=claim.found, outcome=result,
     )
 
 
 def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[VariantResult], claim: BiasClaim,
-            family: Family, target: BiasCell, collapse: dict, reduction: float) -> tuple[bool, str]:
-    """(removed, the verdict sentence) by the rule of the module docstring."""
+            family: Family, target: BiasCell, collapse: dict, reduction: float) -> tuple[str, str]:
+    """(the outcome: no-bias | fails | removed | inconclusive | remains, the verdict sentence) by the rule of the
+    module docstring."""
     where = f"layer {target.layer} head {target.head} feature {target.feature}"
     base_numbers = (f"O bias {baseline.o_bias:+.3e} ± {baseline.o_bias_se:.1e}, {baseline.effect:.2g} of a rounding "
                     f"unit ({p_text(baseline.o_bias_p, baseline.o_bias_adjusted_p, family.n_tests)})")
     if fixed.nan_count:
-        return False, f"FIX FAILS: {fixed.name} produced {fixed.nan_count} NaN (β too large?) at {where}"
+        return "fails", f"FIX FAILS: {fixed.name} produced {fixed.nan_count} NaN (β too large?) at {where}"
     if collapse["rows"] and collapse["applies"]:
-        return False, f"FIX FAILS: it collapses O in {collapse_text(collapse)}"
+        return "fails", f"FIX FAILS: it collapses O in {collapse_text(collapse)}"
     if not claim.found:
-        return True, (f"NO BIAS TO REMOVE: the baseline shows no significant O bias in any cell (most significant: "
-                      f"{where}, {base_numbers})")
+        return "no-bias", (f"NO BIAS TO REMOVE: the baseline shows no significant O bias in any cell (most "
+                           f"significant: {where}, {base_numbers})")
     numbers = (f"{base_numbers} → {fixed.name} {fixed.o_bias:+.3e} ± {fixed.o_bias_se:.1e} (p = "
                f"{fixed.o_bias_p:.2g}), {_share(fixed.removed_share)} of it removed (reduction {reduction:.1f}x)")
     still = [a.name for a in alternatives if a.still_biased]
@@ -480,9 +489,12 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"
     tail += _control_clause(fixed, alternatives)
-    if fixed.removes:
-        return True, f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
-    return False, f"FIX DOES NOT REMOVE THE BIAS at {where}: {numbers}{tail}"
+    if fixed.outcome == "removed":
+        return "removed", f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
+    if fixed.outcome == "inconclusive":
+        return "inconclusive", (f"INCONCLUSIVE at {where}: {numbers}; what is left is not significant either: too "
+                                f"few rows to tell whether the fix removes it (capture more steps or batch rows){tail}")
+    return "remains", f"FIX DOES NOT REMOVE THE BIAS at {where}: {numbers}{tail}"
 
 
 def _share(x: float) -> str:
@@ -583,8 +595,8 @@ def deployment(r: FixCheckResult) -> Optional[dict]:
     deployed, control = r.variant("stable_attention"), r.variant("plain_attention")
     if deployed is None:
         return None
-    return {"removes": deployed.removes, "removed_share": deployed.removed_share, "still_biased": deployed.still_biased,
-            "control_removes": None if control is None else control.removes,
+    return {"removes": deployed.removes, "outcome": deployed.outcome, "removed_share": deployed.removed_share,
+            "still_biased": deployed.still_biased, "control_removes": None if control is None else control.removes,
             "control_removed_share": None if control is None else control.removed_share}
 
 
@@ -594,7 +606,8 @@ def payload(r: FixCheckResult) -> dict:
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,
         "bias_reduction": r.bias_reduction, "max_p_bar": r.max_p_bar, "triggered_rows": r.triggered_rows,
         "nan_count": r.nan_count, "removed": r.removed, "verdict": r.verdict, "exit_code": r.exit_code,
-        "collapse": r.collapse, "bias": bias_claim(r), "has_bias": r.has_bias, "deployment": deployment(r),
+        "collapse": r.collapse, "bias": bias_claim(r), "has_bias": r.has_bias, "outcome": r.outcome,
+        "deployment": deployment(r),
         "family": r.family.as_dict(), **r.settings, **recipe_keys(r.recipe, r.backend),
         **common_keys(r),
     }

@@ -30,8 +30,9 @@ def tables(r: FixCheckResult) -> list:
     table = Table(title=f"fix-check of preset {r.preset} at layer {tg['layer']} head {tg['head']} feature "
                         f"{tg['feature']} (vs fp32 replay; Holm p over the {1 + len(r.alternatives)} variants tested "
                         f"there, the baseline's over the selection: {r.family.describe()})")
-    for c in ("variant", "what", "O bias ± se (sign p)", "Holm p", "bias removed", f"Σδ error, head {tg['head']} ± se "
-              "(t p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN", "still biased"):
+    for c in ("variant", "what", "O bias ± se (t or sign p)", "Holm p", "bias removed",
+              f"Σδ error, head {tg['head']} ± se (t p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN",
+              "still biased"):
         table.add_column(c, justify="right" if c not in ("variant", "what") else "left")
     for v in (r.baseline, r.fixed, *r.alternatives):
         removed = "—" if v.role == "baseline" else (f"{v.removed_share:.0%}" if math.isfinite(v.removed_share)

@@ -44,7 +44,7 @@ def finding(d: dict) -> str:
     heads = [h for h in (d.get("heads") or []) if isinstance(h, dict)]
     biased = [h for h in heads if h.get("significant")]
     top = heads[0] if heads else None
-    where = (f"; the most significant item is step {top.get('step')}, layer {top.get('layer')}, head {top.get('head')} "
+    where = (f"; the most significant item is {place(top, 'step', 'layer', 'head')} "
              f"({number(top.get('delta_err_sum'), '+.3g')} ± {number(top.get('delta_err_se'), '.2g')})"
              if top else "")
     if not biased:

@@ -6,7 +6,7 @@ from rich.table import Table
 from fa_forensics.analyses.pcast.compute import PcastDumpResult
 from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
 from fa_forensics.analyses.stats import format_p
-from fa_forensics.analyses.wording import percent, text
+from fa_forensics.analyses.wording import percent, place, text
 
 
 def tables(res: PcastDumpResult) -> list:
@@ -100,9 +100,9 @@ def finding(d: dict) -> str:
     if not need:
         return (f"pcast: none of the {len(heads)} heads studied loses probability mass to the default FP8 P cast "
                 "(no P-cast fix needed).")
-    where = ", ".join(f"layer {h.get('layer')} head {h.get('head')}" for h in need[:4])
+    where = ", ".join(f"{place(h, 'layer', 'head')}" for h in need[:4])
     more = f" and {len(need) - 4} more" if len(need) > 4 else ""
-    use = sorted({f"{h.get('recommended_order')} S={h.get('recommended_S'):g}" for h in need
+    use = sorted({f"{text(h.get('recommended_order'))} S={h.get('recommended_S'):g}" for h in need
                   if isinstance(h.get("recommended_S"), (int, float))})
     return (f"pcast: {len(need)} of {len(heads)} heads need a P-cast fix (P-collapse: the default FP8 P cast drops "
             f"probability mass): {where}{more}; use {'; '.join(use) or 'another S'}.")

@@ -277,7 +277,7 @@ class TracedCell:
     row: int
     mean: float  # mean over rows of (O_lp − O_hp)[b, h, :, feature]
     se: float
-    p_value: float  # sign test over rows
+    p_value: float  # over rows: the smaller of the t-test and the sign test (a dump's cell), the sign test (pick_cell)
     row_error: float  # (O_lp − O_hp)[b, h, row, feature]
     adjusted_p: float = math.nan  # Holm over the cells (a dump: over the selection's family)
     significant: bool = False
@@ -395,7 +395,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     sel, b, r = where[cell.row]
     col, rep = errs[hi, :, target.feature], reps[hi]
     best = _Pick(
-        cell=TracedCell(b, hi, target.feature, r, target.mean, target.se, target.p_value, cell.row_error,
+        cell=TracedCell(b, hi, target.feature, r, target.mean, target.se, target.tested_p, cell.row_error,
                         target.adjusted_p, target.significant),
         sel=sel, config=items[0][2], sels=[it[0] for it in items],
         row_choice="given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error"),

@@ -70,8 +70,8 @@ def tables(r: PVTraceReport) -> list:
 
 def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
-    where = (f"pv-trace: at step {d.get('step')}, layer {d.get('layer')}, head {d.get('head')}, "
-             f"row {d.get('row')}, feature {d.get('feature')}")
+    where = (f"pv-trace: at step {text(d.get('step'))}, layer {text(d.get('layer'))}, head {text(d.get('head'))}, "
+             f"row {text(d.get('row'))}, feature {text(d.get('feature'))}")
     n_ones = len(d.get("p_one_positions") or [])
     share = percent(d.get("frac_error_from_p_one"), missing="")
     significant = bool((d.get("o_bias") or {}).get("significant"))

@@ -40,7 +40,7 @@ def finding(d: dict) -> str:
     claim = d.get("claim") if isinstance(d.get("claim"), dict) else {}
     why = ("the head with the significant Σδ bias" if claim.get("found") else
            "the most significant head, though not significantly biased: the exponent is not interpreted")
-    return (f"rank1-sim: layer {focus.get('layer')} head {focus.get('head')} ({why}): mean off-diagonal cosine "
+    return (f"rank1-sim: {place(focus, 'layer', 'head')} ({why}): mean off-diagonal cosine "
             f"{number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank {number(d.get('effective_rank'), '.2f')}, "
             f"stand-out input features {', '.join(cols) or 'n/a'}, accumulation exponent "
             f"{number(d.get('accumulation_exponent'), '.2f')} over {len(d.get('steps') or [])} steps "
