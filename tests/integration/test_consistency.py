@@ -51,9 +51,11 @@ def assert_agrees_with_itself(secs, verdict):
             assert (r1["focus"]["layer"], r1["focus"]["head"]) == (r1["claim"]["layer"], r1["claim"]["head"])
     fp8 = [(h["layer"], h["head"]) for h in (data.get("pcast") or {}).get("heads", []) if h["needs_fix"]]
     assert [(h["layer"], h["head"]) for h in verdict.fp8_heads] == fp8
-    anything = found["delta"] or found["O"] or fp8
+    alarms = bool((data.get("timeline") or {}).get("alarms") or (data.get("timeline") or {}).get("alarm_steps"))
+    anything = found["delta"] or found["O"] or fp8 or alarms
     assert ("nothing to fix" in verdict.line()) == (not anything), verdict.line()
-    assert verdict.status == ("affected" if found["delta"] or found["O"] else "fp8-only" if fp8 else "not affected")
+    assert verdict.status == ("affected" if found["delta"] or found["O"] else "fp8-only" if fp8 else
+                              "alarms-only" if alarms else "not affected")
 
 
 PLANTED = [
@@ -102,6 +104,6 @@ def test_the_demo_dump_page_agrees_with_itself(tmp_path):
     page = (out / "index.html").read_text()
     card = page[page.index("<section class='card"):page.index("</section>")]
     assert v.answer in card and "How sure" in card and "What to do" in card
-    for s in d["sections"]:  # every section's sentence on the page is its own, none contradicts the card
-        if v.status == "not affected":
+    for s in d["sections"]:  # no section's sentence contradicts a card that found no bias
+        if v.status in ("not affected", "alarms-only"):
             assert "DOES NOT REMOVE" not in (s["json"] or {}).get("verdict", "")

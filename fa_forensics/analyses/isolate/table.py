@@ -26,6 +26,9 @@ def tables(r: IsolateResult) -> list[Table]:
                       "—" if v.name == "baseline" or v.reduction != v.reduction else f"{v.reduction:.0%}",
                       "—" if v.name == "baseline" else number(v.residual_p, ".2g", missing="—"),
                       f"{v.dq_err:.2e}", "no X" if v.dwq_err is None else f"{v.dwq_err:.2e}")
+    table.caption = ("Σ(δ_var − δ_hp) sums every selected head, biased or not; bias removed and the residual's Holm p "
+                     "concern the significant items only (a repair removes the bias when ≥ 90 % of it is gone, or ≥ "
+                     "50 % with no significant residual)")
     ht = Table(title=f"(step, layer, head) items of the baseline, most significant first; significant: "
                      f"{r.family.describe()}")
     for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "rounding units", "t-test p", "sign-test p", "Holm p",
