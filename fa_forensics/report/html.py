@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from fa_forensics.analyses.registry import BY_NAME
+from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR
 from fa_forensics.report.run import EXIT_CODES, exit_meaning
 from fa_forensics.report.verdict import Verdict, build_verdict
 
@@ -63,10 +64,11 @@ GLOSSARY: tuple[tuple[str, str, str], ...] = (
      "Σ(δ_lp − δ_hp) > 0."),
     ("do", "dO", "the gradient of the loss with respect to O, recorded by the capture."),
     ("rounding-unit", "rounding unit", "the spacing of the low-precision format at |O_hp| (one ulp); for Σδ the same "
-     "units carried through dO. A bias's size is given in these units; below 1 % of one it is not a finding."),
-    ("significant", "significant, Holm, α", "a p-value below α = 0.01 after Holm's correction over every test the "
-     "selection makes (Σδ items and O cells), and a bias of at least 1 % of a rounding unit: the chance that the "
-     "page makes any false claim is at most 1 %."),
+     f"units carried through dO. A bias's size is given in these units; below {EFFECT_FLOOR:.0%} of one it is not a "
+     "finding."),
+    ("significant", "significant, Holm, α", f"a p-value below α = {ALPHA:g} after Holm's correction over every test "
+     f"the selection makes (Σδ items and O cells), and a bias of at least {EFFECT_FLOOR:.0%} of a rounding unit: the "
+     f"chance that the page makes any false claim is at most {ALPHA:.0%}."),
     ("fidelity", "replay fidelity", "the share of the stored O bits the replayed recipe reproduces exactly; below "
      "100 % a sign test of the mismatches says whether they could bias the findings."),
     ("beta-eps", "β, ε", "the stabilized softmax (Algorithm 3): in a row whose maximum r_m repeats within ε, shift by "

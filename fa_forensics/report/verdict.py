@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD
+from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, rule_text
 from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se, text
 
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
@@ -401,8 +401,7 @@ def build_verdict(sections) -> Verdict:
     fidelity = _fidelity(sections)
     precision = _precision(sections)
     disagreements = _disagreements(evidence, delta, o)
-    rule = (f"significant = p below {ALPHA:g} after {METHOD}'s correction over every test of the selection, and a bias "
-            f"of at least {EFFECT_FLOOR:.0%} of a rounding unit")
+    rule = rule_text()
     where = _where(delta, o)
     findings = []
     if alarms:
