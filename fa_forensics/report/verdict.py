@@ -16,7 +16,7 @@ An fp32 run's verdict leads with that: there is no low-precision rounding in it 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, rule_text
@@ -105,7 +105,6 @@ class Verdict:
     alarms: tuple[dict, ...] = ()  # the timeline's alarms
     fidelity: str = ""
     precision: str = ""  # what the run's precision means ('' for a low-precision run)
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     def line(self) -> str:
         """The one-line verdict of the CLI and the page's technical sentence."""
