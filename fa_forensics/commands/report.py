@@ -29,8 +29,9 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
-    from fa_forensics.report.run import ANALYSES, run_all
-    from fa_forensics.report.verdict import report_verdict
+    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all
+    from fa_forensics.report.verdict import build_verdict
 
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
     accumulation = getattr(accumulation, "value", accumulation)
@@ -62,16 +63,20 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
     index = Path(out) / "index.html"
 
     table = Table(title=f"report: {dump_path}")
-    for c in ("analysis", "exit", "seconds", "figures", "result"):
+    for c in ("analysis", "exit code: meaning", "seconds", "figures", "note"):
         table.add_column(c)
     for s in sections:
-        table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
+        table.add_row(s.name, f"{s.exit_code}: {exit_meaning(s)}", f"{s.seconds:.1f}", str(len(s.figures)),
+                      "" if s.ok else s.note[:80])
+    table.caption = EXIT_CODES
     console.print(table)
-    verdict = report_verdict(sections)
+    summary = build_verdict(sections)
+    verdict = summary.line()
     # every section's, once
     warnings = list(dict.fromkeys(w for s in sections for w in ((s.data or {}).get("warnings") or [])))
     write_json(json_path, {
-        "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict, "findings": findings(sections),
+        "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict,
+        "summary": to_jsonable(summary), "findings": findings(sections),
         "warnings": warnings,
         "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
                       "seconds": s.seconds, "json": s.data} for s in sections],

@@ -8,15 +8,13 @@ import numpy as np
 from fa_forensics.analyses.stats import format_p
 from fa_forensics.analyses.style import COLORS, integer_ticks, legend_outside, new_figure, save_figure, styled
 
-ALPHA = 0.01  # the level the title's "biased" claim needs (the sign test of the total)
-
-
 def total_title(result) -> str:
-    """What the figure may claim: a one-signed δ error only when the total's sign test says so."""
-    p = result.total_p_value
-    tested = f"{result.total:+.3g} ± {result.total_se:.2g}, sign-test p {format_p(p)}"
-    if p < ALPHA and result.total != 0:
-        return f"{'Positively' if result.total > 0 else 'Negatively'}-biased δ error ({tested})"
+    """What the figure may claim: a one-signed δ error only where the statistics policy finds one."""
+    c = result.claim
+    tested = f"total {result.total:+.3g} ± {result.total_se:.2g}, sign-test p {format_p(result.total_p_value)}"
+    if c.found:
+        return (f"{'Positively' if c.sign > 0 else 'Negatively'}-biased δ error at layer {c.layer} head {c.head} "
+                f"({tested})")
     return f"No significant δ bias ({tested})"
 
 

@@ -33,8 +33,8 @@ def plot_variants(result, path: Path) -> Path:
     from matplotlib.patches import Patch
 
     ax2.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    legend_outside(ax2, handles=[Patch(color=COLORS["lowp"], label=f"baseline\n({result.preset}, tiled)"),
-                                 Patch(color=COLORS["fix"], label="culprit: removes\n≥ 90% of the bias"),
+    legend_outside(ax2, handles=[Patch(color=COLORS["lowp"], label=f"baseline\n({result.preset})"),
+                                 Patch(color=COLORS["fix"], label="culprit: removes\nthe bias"),
                                  Patch(color=COLORS["alt"], label="other repair")])
     fig.suptitle(f"isolate: single repairs vs the fp32 replay ({result.accumulation} accumulation)")
     return save_figure(fig, path,

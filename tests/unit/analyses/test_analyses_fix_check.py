@@ -39,6 +39,8 @@ def run_fix_check(**planted_kw):
     variants = fix_variants(beta=2.0, eps=1e-3, offset=1.0)
     parts = {}
     for var in variants:
+        if var.deployed is not None:  # stable_attention's own kernels: measured on dumps (tests/cli)
+            continue
         out = replay(q, k, v, var.config, causal=True, scale=scale)
         parts[var.name] = [measure_variant(out.o, hp.o, do, out.stats, step=0, layer=0, heads=[0, 1],
                                            max_p_bar_repeated=max_p_bar_in_repeated_rows(s, var.config))]
@@ -47,7 +49,7 @@ def run_fix_check(**planted_kw):
 
 @pytest.fixture(scope="module")
 def result():
-    return run_fix_check()
+    return run_fix_check(B=2)  # 256 rows per head: enough for the bias to pass Holm over the 64 cells
 
 
 def test_stabilized_softmax_removes_the_planted_bias(result):
@@ -55,7 +57,8 @@ def test_stabilized_softmax_removes_the_planted_bias(result):
     b, f = result.baseline, result.fixed
     assert b.o_bias < 0 and b.o_bias_p < 0.01  # rounded up in magnitude: O more negative
     assert b.delta_err_sum > 0 and b.delta_p < 0.01  # δ_lp − δ_hp > 0 (dO < 0 there)
-    # at 128 rows per head the fixed bias is below its noise: not significant, several times smaller
+    assert result.has_bias and result.claim.found and result.claim.adjusted_p < 0.01
+    # the fixed bias is below its noise: not significant, several times smaller
     assert result.removed and result.exit_code == 0 and f.o_bias_p >= 0.01 and result.bias_reduction > 2
     assert result.triggered_rows == b.repeated_max_rows > 0
     assert b.max_p_bar == 1.0 and result.max_p_bar < 1.0 and f.nan_count == 0
@@ -74,7 +77,7 @@ def test_unremoved_bias_gives_exit_code_1(result):
     # the baseline compared with itself as the "fix": nothing removed → exit code 1
     variants = fix_variants()
     variants[1] = variants[1].__class__("stabilized", "fixed", variants[0].config, "baseline again")
-    q, k, v, do = planted()
+    q, k, v, do = planted(B=2)
     scale = 1 / math.sqrt(q.shape[-1])
     hp = replay(q, k, v, ReplayConfig.preset("fp32"), causal=True, scale=scale)
     out = replay(q, k, v, variants[0].config, causal=True, scale=scale)

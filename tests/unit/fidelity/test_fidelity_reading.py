@@ -10,7 +10,7 @@ import torch
 from fa_forensics.fidelity.candidates import (
     CLEAR_MARGIN, admissible, admit, exclusions, implied, pick_best, traits, why_not_named,
 )
-from fa_forensics.analyses.contract import ALPHA
+from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.fidelity.match import candidate_recipes, fidelity
 from fa_forensics.fidelity.mismatch import sign_test, tally, ulp_difference
 from fa_forensics.fidelity.recipe import Choice, Recipe
