@@ -508,14 +508,17 @@ def _control_clause(fixed: VariantResult, alternatives: list[VariantResult]) -> 
         (a for a in alternatives if a.name == "stable_attention"), None)
     if control is None or deployed is None:
         return ""
-    text = (f"; as deployed, stable_attention {'removes' if deployed.removes else 'does not remove'} it "
-            f"({_share(deployed.removed_share)})")
+    plain = f"plain_attention, its kernels without the fix ({_share(control.removed_share)})"
+    if deployed.removes and control.removes:
+        return (f"; as deployed, stable_attention removes it ({_share(deployed.removed_share)}) and so does {plain}: "
+                "their fp32 P̄V accumulator alone is enough here")
+    if deployed.removes:
+        return (f"; as deployed, stable_attention removes it ({_share(deployed.removed_share)}); {plain} does not: "
+                "the stabilized softmax is what removes it")
     if control.removes:
-        return text + (f" and so does plain_attention, its kernels without the fix ({_share(control.removed_share)}): "
-                       "their fp32 P̄V accumulator alone is enough here")
-    return text + (f"; plain_attention, its kernels without the fix, leaves {1 - control.removed_share:.0%} of it: the "
-                   "stabilized softmax is what removes it" if math.isfinite(control.removed_share)
-                   else "; plain_attention, its kernels without the fix, does not remove it")
+        return (f"; as deployed, stable_attention does not remove it ({_share(deployed.removed_share)}), though "
+                f"{plain} does: the fix's shift, the only difference between them, brings part of it back")
+    return (f"; as deployed, stable_attention does not remove it ({_share(deployed.removed_share)}), nor does {plain}")
 
 
 def _collapse_summary(fixed: VariantResult, config: ReplayConfig) -> dict:

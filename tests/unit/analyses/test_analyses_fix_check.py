@@ -85,3 +85,32 @@ def test_unremoved_bias_gives_exit_code_1(result):
     r = summarize_fix(variants, {v.name: part for v in variants})
     assert not r.removed and r.exit_code == 1 and r.bias_reduction == pytest.approx(1.0)
 
+
+
+def _variant(name: str, role: str, removed_share: float, residual_significant: bool):
+    from fa_forensics.analyses.fix_check.compute import VariantResult
+    from fa_forensics.analyses.significance import outcome
+
+    return VariantResult(name=name, role=role, what=name, o_bias=0.0, o_bias_se=0.0, o_bias_p=1.0,
+                         delta_err_sum=None, delta_err_se=None, delta_p=None, max_abs_err=0.0, nan_count=0,
+                         underflow=None, p_one_count=None, triggered_rows=None, repeated_max_rows=None,
+                         max_p_bar=math.nan, still_biased=residual_significant, removed_share=removed_share,
+                         outcome=outcome(removed_share, residual_significant))
+
+
+@pytest.mark.parametrize("deployed_removes", [True, False])
+@pytest.mark.parametrize("control_removes", [True, False])
+def test_the_deployed_fix_and_its_control_are_worded_as_measured(deployed_removes, control_removes):
+    """Each of the four outcomes of stable_attention and plain_attention gets its own words: never "does not remove
+    it ... and so does plain_attention" beside a control that removes 93 %."""
+    from fa_forensics.analyses.fix_check.compute import _control_clause
+
+    deployed = _variant("stable_attention", "fixed", 0.97 if deployed_removes else 0.48, not deployed_removes)
+    control = _variant("plain_attention", "control", 0.93 if control_removes else 0.2, not control_removes)
+    text = _control_clause(deployed, [control])
+    assert ("stable_attention removes it (97%)" in text) == deployed_removes
+    assert ("stable_attention does not remove it (48%)" in text) == (not deployed_removes)
+    control_words = {(True, True): "and so does plain_attention", (True, False): "plain_attention, its kernels "
+                     "without the fix (20%) does not", (False, True): "though plain_attention, its kernels without "
+                     "the fix (93%) does", (False, False): "nor does plain_attention"}
+    assert control_words[(deployed_removes, control_removes)] in text, text
