@@ -434,8 +434,12 @@ def _fixed_variant(variants: list[FixVariant], parts: dict) -> FixVariant:
 def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayerStep]],
                   family: Optional[Family] = None) -> FixCheckResult:
     """Merge every variant's layer-steps, pick the target cell from the baseline (the O claim's cell in `family`,
-    default: the cells alone), decide each variant's residual and the verdict."""
+    default: the cells alone), decide each variant's residual and the verdict. A variant that did not run on every
+    layer-step the baseline ran on (stable_attention where a layer-step is outside its contract) is left out: its
+    rows would not be the baseline's."""
     base = next(v for v in variants if v.role == "baseline")
+    everywhere = {(p.step, p.layer) for p in parts[base.name]}
+    parts = {name: ps for name, ps in parts.items() if {(p.step, p.layer) for p in ps} == everywhere}
     cells = o_cells([p.sums for p in parts[base.name]], family)
     family = family if family is not None else Family(o_cells=len(cells))
     claim = o_claim(cells, family)
@@ -575,8 +579,8 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
             not_deployed.setdefault(problem, []).append(f"step {m.step} layer {m.layer}")
     for problem, where in not_deployed.items():
         more = f" and {len(where) - 4} more" if len(where) > 4 else ""
-        warnings.append(f"stable_attention and plain_attention not measured at {', '.join(where[:4])}{more}: "
-                        f"{problem}")
+        warnings.append(f"stable_attention and plain_attention not measured (they cannot run at {', '.join(where[:4])}"
+                        f"{more}: {problem})")
     result = summarize_fix(variants, parts, family)
     note = collapse_warning(result.collapse)
     if note:

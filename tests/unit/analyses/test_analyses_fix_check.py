@@ -114,3 +114,24 @@ def test_the_deployed_fix_and_its_control_are_worded_as_measured(deployed_remove
                      "without the fix (20%) does not", (False, True): "though plain_attention, its kernels without "
                      "the fix (93%) does", (False, False): "nor does plain_attention"}
     assert control_words[(deployed_removes, control_removes)] in text, text
+
+
+def test_a_variant_that_did_not_run_on_every_layer_step_is_left_out():
+    """stable_attention runs only where its contract applies: where it skipped the layer-step of the target cell, the
+    fix check compares the baseline with the variants measured on the same rows, never fails on the missing cell."""
+    variants = fix_variants(beta=2.0, eps=1e-3, offset=1.0)
+    parts: dict = {}
+    for layer, seed in ((0, 0), (1, 5)):
+        q, k, v, do = planted(B=1, seed=seed)
+        scale = 1 / math.sqrt(q.shape[-1])
+        hp = replay(q, k, v, ReplayConfig.preset("fp32"), causal=True, scale=scale)
+        for var in variants:
+            if var.deployed is not None and layer == 0:
+                continue  # outside stable_attention's contract at layer 0
+            out = replay(q, k, v, var.config, causal=True, scale=scale)  # its stand-in: the same replay as baseline
+            parts.setdefault(var.name, []).append(
+                measure_variant(out.o, hp.o, do, out.stats, step=0, layer=layer, heads=[0, 1]))
+    r = summarize_fix(variants, parts)
+    assert r.target["layer"] in (0, 1) and r.has_bias
+    names = {r.fixed.name, *(a.name for a in r.alternatives)}
+    assert not names & {"stable_attention", "plain_attention"} and r.fixed.name == "stabilized"
