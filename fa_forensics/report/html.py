@@ -75,8 +75,9 @@ GLOSSARY: tuple[tuple[str, str, str], ...] = (
      "m = β·r_m (r_m > 0) or 0 instead of r_m, so that no P̄ is exactly 1."),
     ("stable-attention", "stable_attention", "fa_forensics.stable_attention(q, k, v, beta, eps): the fix as a drop-in "
      "attention (Triton kernels on GPU, a torch reference on CPU); plain_attention is the same kernels without it."),
-    ("fp8-s", "S (FP8 P scale)", "an FP8 kernel multiplies P̄ by S before casting it to E4M3; S = 1 zeroes every "
-     "P̄ below 2⁻¹⁰, S = 256 keeps them exactly (the FP8 paper's fix)."),
+    ("fp8-s", "S (FP8 P scale)", "an FP8 kernel multiplies P̄ by S before casting it to E4M3, whose smallest value "
+     "is 2⁻⁹: S = 1 zeroes every P̄ at or below 2⁻¹⁰, S = 256 (a power of two, so the scaling itself rounds nothing) "
+     "only those at or below 2⁻¹⁸ (the FP8 paper's fix)."),
     ("p-collapse", "P-collapse", "a strong attention sink raises the running maximum, so most other P̄ fall below "
      "E4M3's smallest value and are silently zeroed: the probability mass they carried is lost."),
     ("kv-order", "KV order", "the order in which a kernel visits the key blocks (forward or reverse); reverse visits "

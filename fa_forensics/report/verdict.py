@@ -289,7 +289,8 @@ def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence]) -> list[str]:
     if o is not None and o.found:
         direction = "too high" if o.sign > 0 else "too low"
         out.append(f"The low-precision attention output O comes out {direction} on average in layer {o.layer} head "
-                   f"{o.head} feature {o.feature}: {o.stats()} (sign test over its rows; {', '.join(o.analyses)}).")
+                   f"{o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its rows, the smaller p; "
+                   f"{', '.join(o.analyses)}).")
     if delta is not None and delta.found:
         direction = "positive" if delta.sign > 0 else "negative"
         out.append(f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "

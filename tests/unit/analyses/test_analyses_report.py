@@ -125,3 +125,20 @@ def test_missing_keys_never_raise_nor_show_raw_values():
     body = page[page.index("<body>"):]
     assert not RAW.search(body), RAW.search(body)
     assert build_verdict(secs).status == "not affected" and build_verdict([]).status == "no result"
+
+
+def test_the_glossary_gives_the_e4m3_thresholds_the_cast_has():
+    """S = 1 zeroes P̄ at or below 2⁻¹⁰ (half of E4M3's smallest value 2⁻⁹, a tie to even), S = 256 those at or
+    below 2⁻¹⁸: the glossary's numbers are the cast's."""
+    import torch
+
+    from fa_forensics.numerics import round_to
+    from fa_forensics.report.html import GLOSSARY
+
+    meaning = next(m for anchor, _, m in GLOSSARY if anchor == "fp8-s")
+    smallest, up = torch.tensor([2.0 ** -9]), 1 + 2.0 ** -20
+    assert float(round_to(smallest, "fp8_e4m3")) == 2.0 ** -9 and "smallest value is 2⁻⁹" in meaning
+    for s, exponent in ((1.0, 10), (256.0, 18)):
+        at, above = torch.tensor([2.0 ** -exponent]), torch.tensor([2.0 ** -exponent * up])
+        assert float(round_to(at * s, "fp8_e4m3")) == 0 and float(round_to(above * s, "fp8_e4m3")) > 0
+        assert f"at or below 2⁻{''.join('⁰¹²³⁴⁵⁶⁷⁸⁹'[int(d)] for d in str(exponent))}" in meaning
