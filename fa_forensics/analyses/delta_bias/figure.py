@@ -69,8 +69,18 @@ def plot_top_token(result, path: Path) -> Path:
                                  Patch(color=COLORS["highp"], label="other features")])
     for ax in (ax1, ax2):
         ax.axhline(0, color=COLORS["neutral"], lw=0.8)
-    return save_figure(fig, path, "Reproduces paper Fig. 5(b)/(c): dO and the O error share their sign in the dominant "
-                                  "features, so their product makes (δ_lp − δ_hp)[T] positive.")
+    return save_figure(fig, path, top_token_caption(result))
+
+
+def top_token_caption(result) -> str:
+    """What the top-token panels show: the paper's mechanism where the Σδ bias is significant, else a view of noise."""
+    c = result.claim
+    if not c.found:
+        return ("Paper Fig. 5(b)/(c)'s view at the token with the largest δ error of the most significant head; "
+                "without a significant Σδ bias it shows rounding noise, not a mechanism.")
+    how = "share their sign" if c.sign > 0 else "have opposite signs"
+    return (f"Paper Fig. 5(b)/(c): where dO and the O error {how} in the features that carry the bias, their product "
+            f"makes (δ_lp − δ_hp)[T] {'positive' if c.sign > 0 else 'negative'}.")
 
 
 def draw(result, out: Path) -> list[Path]:

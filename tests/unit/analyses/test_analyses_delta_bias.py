@@ -96,3 +96,25 @@ def test_fig_5a_draws_the_focus_head_and_its_title_quotes_its_total(tmp_path):
         plt.close = close
     cumulative = torch.tensor([i.delta_err_sum for i in r.focus_items]).cumsum(0).tolist()
     assert list(drawn["line"]) == pytest.approx(cumulative)
+
+
+def test_captions_claim_the_mechanism_only_where_the_bias_is_significant():
+    """A figure's caption says what the page may claim: the planted head's mechanism where its Σδ bias is
+    significant, a view of noise on plain heads (no "reproduces the paper" on a dump without the bias)."""
+    from fa_forensics.analyses.delta_bias.figure import top_token_caption
+    from fa_forensics.analyses.isolate.figure import variants_caption
+    from fa_forensics.analyses.rank1_sim.compute import rank1_sim_layers
+    from fa_forensics.analyses.rank1_sim.figure import caption
+
+    planted = planted_layer()
+    plain = LayerTensors(step=0, layer=0, heads=[1], q=planted.q[:, 1:], k=planted.k[:, 1:], v=planted.v[:, 1:],
+                         o=None, do=planted.do[:, 1:], x=planted.x, scale=planted.scale, causal=False)
+    biased, noise = delta_bias_layers([planted]), delta_bias_layers([plain])
+    assert biased.claim.found and biased.claim.sign > 0 and not noise.claim.found
+    assert "share their sign" in top_token_caption(biased) and "positive" in top_token_caption(biased)
+    assert "rounding noise, not a mechanism" in top_token_caption(noise)
+    # isolate's claim is these Σδ items' (analyses.quantities): its caption reads the same claim
+    assert "removes the baseline's positive" in variants_caption(biased)
+    assert "no significant Σ(δ_lp − δ_hp) bias here" in variants_caption(noise)
+    r = rank1_sim_layers([plain])
+    assert f"here mean cosine {r.cosine_offdiag_mean:+.2f}" in caption(r) and "are alike and" not in caption(r)
