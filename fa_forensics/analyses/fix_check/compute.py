@@ -64,7 +64,7 @@ import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, delta_items,
-                                              head_total, most_significant, o_cells, o_claim, o_units,
+                                              head_total, most_significant, o_cell, o_cells, o_claim, o_units,
                                               selection_family)
 from fa_forensics.analyses.significance import O_TESTS_PER_CELL, Family, holm, outcome, p_text, significant
 from fa_forensics.layers.fanout import Workers, map_layers
@@ -359,8 +359,10 @@ class FixCheckResult(RecipeResult):
 
 
 def _cell(parts: list[VariantLayerStep], target: BiasCell) -> BiasCell:
-    cells = o_cells([p.sums for p in parts])
-    return next(c for c in cells if (c.layer, c.head, c.feature) == (target.layer, target.head, target.feature))
+    cell = o_cell([p.sums for p in parts], target.layer, target.head, target.feature)
+    if cell is None:  # summarize_fix measures only variants that ran on every layer-step of the baseline
+        raise RuntimeError(f"fix-check: no measurement of layer {target.layer} head {target.head}")
+    return cell
 
 
 def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCell) -> VariantResult:
