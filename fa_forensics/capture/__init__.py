@@ -14,12 +14,11 @@ or reports its calls with `fa_forensics.capture.record(q, k, v, o, layout="BHTD"
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Optional
 
 import torch
 
+from fa_forensics import make_callable
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, parse_batch, parse_index_list, parse_steps,
@@ -79,12 +78,4 @@ def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, s
         session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask)
 
 
-class _CallableModule(types.ModuleType):
-    """`fa_forensics.capture` is both this package and the function `capture`: importing the package
-    sets the attribute `fa_forensics.capture` to the module, so the module itself must be callable."""
-
-    def __call__(self, *args, **kwargs) -> CaptureSession:
-        return capture(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__)  # `fa_forensics.capture(...)` is this package called as its function `capture`
