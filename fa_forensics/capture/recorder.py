@@ -24,8 +24,9 @@ def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice],
                              head_index: Optional[torch.Tensor]) -> torch.Tensor:
     """SDPA's attn_mask as stored: 4-D (B' or 1, H' or 1, Tq, Tk), batch slice and heads applied to the
     dims that are not broadcast. Boolean masks stay boolean (True = may attend); an additive mask whose
-    values are all 0 or -inf / the dtype's lowest value becomes boolean too; any other additive mask (a
-    bias such as ALiBi) is kept as given."""
+    values are all 0 or -inf / the dtype's lowest value becomes boolean too, unless a row blocks every
+    key (with the lowest value such a row is a uniform softmax, which a boolean mask would not say); any
+    other additive mask (a bias such as ALiBi) is kept as given."""
     m = mask.detach()
     m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
     if batch is not None and m.shape[0] > 1:
@@ -35,7 +36,7 @@ def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice],
     if m.dtype != torch.bool:
         allowed = m == 0
         blocked = torch.isneginf(m) | (m <= torch.finfo(m.dtype).min)
-        if bool((allowed | blocked).all()):
+        if bool((allowed | blocked).all()) and bool(allowed.any(dim=-1).all()):
             m = allowed
     return m
 

@@ -43,7 +43,8 @@ from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher, Tar
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.layouts import check_attention_shapes, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
-    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_input, replace_module_input,
+    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_heads, module_input,
+    replace_module_input,
 )
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
@@ -51,6 +52,7 @@ from fa_forensics.capture.selection import (
 from fa_forensics.capture.monitoring import StepMonitor
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
 from fa_forensics.capture.recorder import Recorder
+from fa_forensics.capture.torch_ops import ChainScope, PlainCall, combine_mask, to_heads
 from fa_forensics.capture.ring import RingArray, RingStep
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
@@ -170,6 +172,9 @@ class CaptureSession:
                         ring=ring) if monitor_every else None)
         self._ring_hot = False  # the current step's selected layers go to the monitor's ring
         self._active = False  # the current step needs its attention calls (recorded or monitored)
+        # attention written as torch ops: a mode on the stack for the root's forward passes of active steps
+        self._chains = ChainScope(self._on_plain_call, self._on_chain_error)
+        self._held_chain: Optional[HeldChain] = None
 
     @property
     def monitor_every(self) -> Optional[int]:
@@ -235,6 +240,7 @@ class CaptureSession:
     @torch.compiler.disable
     def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask) -> None:
         check_attention_shapes(q, k, v, o, layout, "fa_forensics.capture.record")
+        chain_facts = self._flush_chain(described_by=(q, k))
         if x is not None:
             self._pending_x = ModuleInput("record", x)
         grad_sink = None
@@ -243,7 +249,7 @@ class CaptureSession:
                 o.register_hook(lambda grad: hook(to_bhtd(grad, layout)))
         self.on_attention(to_bhtd(q, layout), to_bhtd(k, layout), to_bhtd(v, layout), to_bhtd(o, layout), scale=scale,
                           causal=causal, attn_mask=mask, dropout_p=0.0, source="record", grad_sink=grad_sink,
-                          extra={"layout": layout})
+                          extra={**_chain_facts(chain_facts), "layout": layout})
 
     @torch.compiler.disable
     def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out) -> None:
@@ -258,6 +264,51 @@ class CaptureSession:
         self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal,
                           attn_mask=facts.mask, dropout_p=facts.dropout_p, source=ep.name, grad_sink=facts.grad_sink,
                           extra=facts.attrs)
+
+    def _on_plain_call(self, call: PlainCall) -> None:
+        """An attention chain written in torch ops formed its output (capture/torch_ops.py). It is held until
+        the next attention event: a `record()` of the same Q and K right after it describes the same call
+        (code written before chains were followed reports its own attention), and then only that is recorded."""
+        self._flush_chain()
+        if self._entry_depth > 0:
+            return  # inside a watched entry point: its own call is recorded when it returns
+        x = self._pending_x
+        module = self._modules_by_name.get(x.name) if x is not None else None
+        batch = int(x.tensor.shape[0]) if x is not None and x.tensor.dim() == 3 else None
+        q, k, v, o, shape4, grad4 = to_heads(call, batch, module_heads(module))
+        mask, causal = combine_mask(call, shape4)
+        o_raw = call.o_raw
+        grad_sink = None
+        if o_raw.requires_grad:
+            def grad_sink(hook, o_raw=o_raw):
+                o_raw.register_hook(lambda grad: hook(grad4(grad)))
+        extra = {"layout": call.layout, "chain": " ".join(call.ops),
+                 "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
+                 "p_dtype": _dtype_name(call.p_dtype)}
+        for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale)):
+            if value is not None:
+                extra[name] = float(value)
+        self._held_chain = HeldChain(x, (call.q, call.k), dict(
+            q=q, k=k, v=v, o=o, scale=call.scale, causal=causal, attn_mask=mask, dropout_p=call.dropout_p,
+            source="torch_ops", grad_sink=grad_sink, extra=extra))
+
+    def _flush_chain(self, described_by: Optional[tuple] = None) -> Optional[dict]:
+        """Record the held chain; or, when `described_by` (q, k of a record() call) are views of its Q and K,
+        drop it and return its facts for that call."""
+        held, self._held_chain = self._held_chain, None
+        if held is None:
+            return None
+        if described_by is not None and all(_same_storage(a, b) for a, b in zip(described_by, held.qk)):
+            return held.call["extra"]
+        x, self._pending_x = self._pending_x, held.x
+        self.on_attention(**held.call)
+        self._pending_x = x
+        return None
+
+    def _on_chain_error(self, exc: BaseException) -> None:
+        self._warn_once("chain-error", "fa-forensics capture: following attention written in torch ops failed "
+                                       f"({type(exc).__name__}: {exc}); such attention is not recorded in this forward "
+                                       "pass. Training is not affected")
 
     def no_attention_message(self, step: int) -> str:
         """One line for a selected step that ran without an attention call: what is watched, how to add one."""
@@ -318,6 +369,8 @@ class CaptureSession:
 
     def stop(self, failed: bool = False) -> None:
         """Remove every hook and patch, complete the step(s) that ended, flush and close the store."""
+        self._chains.leave()
+        self._held_chain = None
         self._remove_hooks()
         sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
         self._uninstall_entry_points()
@@ -370,6 +423,7 @@ class CaptureSession:
         self.attention_module_names = [name for name, _ in found]
         self._modules_by_name = dict(found)
         self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
+        self._handles.append(model.register_forward_hook(self._on_root_forward_end, always_call=True))
         for name, module in found:
             self._handles.append(module.register_forward_pre_hook(self._x_hook(name), with_kwargs=True))
         return len(found)
@@ -378,6 +432,13 @@ class CaptureSession:
     def _on_root_forward(self, module, args) -> None:
         if self.busy:
             self._root_forward_eager()
+            if self._active and not torch.compiler.is_compiling():
+                self._chains.enter(module)
+
+    def _on_root_forward_end(self, module, args, output) -> None:
+        if self._chains.mode is not None:
+            self._chains.leave()
+            self._flush_chain()
 
     @torch.compiler.disable
     def _root_forward_eager(self) -> None:
@@ -408,6 +469,8 @@ class CaptureSession:
 
     def take_input(self, name: str, x: Optional[torch.Tensor]) -> None:
         """X of the attention module `name`, kept for its attention call (called with gradients enabled)."""
+        if self._held_chain is not None:
+            self._flush_chain()
         self._pending_x = None if x is None else ModuleInput(name, x)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -427,6 +490,18 @@ class CaptureSession:
         to grad_sink instead of being registered on O. grad_enabled, autocast_dtype: the grad mode and
         autocast dtype (None: autocast off) the call was traced in; by default the ones in effect now.
         """
+        self._chains.pause(1)  # the recorder's and the monitor's own torch ops are not the model's
+        try:
+            self._on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask=attn_mask, dropout_p=dropout_p,
+                               source=source, grad_sink=grad_sink, grad_enabled=grad_enabled,
+                               autocast_dtype=autocast_dtype, extra=extra)
+        finally:
+            self._chains.pause(-1)
+
+    def _on_attention(self, q, k, v, o, *, scale, causal, attn_mask, dropout_p, source, grad_sink, grad_enabled,
+                      autocast_dtype, extra) -> None:
+        if source != "torch_ops" and self._held_chain is not None:
+            self._flush_chain()
         if self._entry_depth > 0:
             return  # inside a watched entry point: its own call is recorded when it returns
         if autocast_dtype == "ambient":
@@ -494,6 +569,8 @@ class CaptureSession:
 
     def _end_step(self, loss: Optional[float]) -> None:
         ended = self.current_step
+        self._chains.leave()  # a forward pass whose end hook did not run (an exception caught inside the model)
+        self._flush_chain()
         self._flush_waiting()
         if self._monitor is not None:
             tapped = self._monitor.take_tapped_loss()
@@ -633,6 +710,30 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
+
+
+@dataclass
+class HeldChain:
+    """An attention chain of torch ops waiting to be recorded (see `_on_plain_call`)."""
+
+    x: Optional[ModuleInput]  # X when the chain formed
+    qk: tuple  # its Q and K as the product got them
+    call: dict  # the arguments of on_attention
+
+
+def _same_storage(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def _chain_facts(extra: Optional[dict]) -> dict:
+    """What a chain knew of a call that record() then reported: its ops and dtypes."""
+    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale")
+    return {k: v for k, v in (extra or {}).items() if k in keep}
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> str:
+    return "unknown" if dtype is None else str(dtype).replace("torch.", "")
 
 
 def _as_float(loss) -> Optional[float]:

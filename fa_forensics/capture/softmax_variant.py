@@ -1,7 +1,8 @@
 """Which softmax a recorded attention call computed: standard, or the paper's stabilized one.
 
 A kernel's O does not say which shift rule produced it, and a replay must use the same one. The
-built-in entry points (SDPA, flash_attn, xformers, flex_attention) compute the standard softmax. For
+built-in entry points (SDPA, flash_attn, xformers, flex_attention) and attention written as torch ops
+(its softmax is torch's) compute the standard softmax. For
 custom attention the user says it, at capture time, in one of three ways (`--softmax` /
 `softmax=`):
 
@@ -21,7 +22,7 @@ from typing import Optional
 from fa_forensics.capture.selection import InvalidCaptureSetting
 
 VARIANTS = ("standard", "stabilized")
-BUILT_IN_SOURCES = ("sdpa",)  # plus every name starting with a built-in library's prefix
+BUILT_IN_SOURCES = ("sdpa", "torch_ops")  # plus every name starting with a built-in library's prefix
 _BUILT_IN_PREFIXES = ("flash_attn.", "xformers.", "torch.nn.attention.")
 
 
