@@ -53,12 +53,16 @@ Adapter = Callable[[tuple, dict, Any], Optional[CallFacts]]
 
 @dataclass(frozen=True)
 class EntryPoint:
-    """A callable to watch: `module:qualname`, the adapter that reads its calls, a label for messages."""
+    """A callable to watch: `module:qualname`, the adapter that reads its calls, a label for messages.
+
+    `wrap`, when given, builds the replacement from the original instead (it reports nothing itself:
+    e.g. a lookup that returns watched functions); `adapter` is then unused."""
 
     module: str
     qualname: str
-    adapter: Adapter
+    adapter: Optional[Adapter]
     label: str = ""
+    wrap: Optional[Callable[[Callable], Callable]] = None
 
     @property
     def name(self) -> str:
@@ -232,6 +236,9 @@ class EntryPointPatcher:
             return
         if getattr(target, "_fa_forensics_entry_point", None) is not None:
             return  # patched already (e.g. re-exported by a package)
+        if ep.wrap is not None:
+            self._replace(owner, leaf, target, ep.wrap(target), ep.name)
+            return
         params = parameter_names(target)
         adapter = ep.adapter
         if isinstance(adapter, functools.partial) and adapter.func is _generic_adapter:
@@ -240,17 +247,25 @@ class EntryPointPatcher:
         if isinstance(target, type) and issubclass(target, torch.autograd.Function):
             self._patch_function_class(target, bound_ep)
         elif callable(target):
-            wrapper = self._wrap(target, bound_ep)
-            setattr(owner, leaf, wrapper)
-            self._restore.append(lambda: setattr(owner, leaf, target))
+            self._replace(owner, leaf, target, self._wrap(target, bound_ep), ep.name)
+            return
         else:
             return
         self.patched.append(ep.name)
+
+    def _replace(self, owner, leaf: str, target, replacement, name: str) -> None:
+        """Put `replacement` at owner.leaf; restored on uninstall (a class attribute it inherited is deleted again)."""
+        inherited = isinstance(owner, type) and leaf not in vars(owner)
+        replacement._fa_forensics_entry_point = name
+        setattr(owner, leaf, replacement)
+        self._restore.append((lambda: delattr(owner, leaf)) if inherited else (lambda: setattr(owner, leaf, target)))
+        self.patched.append(name)
 
     def _patch_function_class(self, cls: type, ep: EntryPoint) -> None:
         had_own = "apply" in cls.__dict__
         own = cls.__dict__.get("apply")
         wrapper = self._wrap(cls.apply, ep)
+        wrapper._fa_forensics_entry_point = ep.name
         cls.apply = staticmethod(wrapper)
 
         def restore() -> None:
@@ -282,7 +297,6 @@ class EntryPointPatcher:
             patcher._report(ep, args, kwargs, out)
             return out
 
-        watched._fa_forensics_entry_point = ep.name
         return watched
 
 

@@ -31,21 +31,24 @@ def to_bhtd(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, layout: str,
-                           where: str) -> None:
-    """q, k, v, o (in `layout`) must be 4-D with one batch size, one head_dim, k and v alike, o like q
-    (V's head_dim may differ from Q's only where O follows V), and heads of k dividing heads of q.
+                           where: str, o_layout: Optional[str] = None) -> None:
+    """q, k, v (in `layout`) and o (in `o_layout`, default `layout`) must be 4-D with one batch size, one
+    head_dim, k and v alike, o like q (V's head_dim may differ from Q's only where O follows V), and
+    heads of k dividing heads of q.
 
     Raises InvalidCaptureSetting("layout") naming `where` (the entry point) and the shapes seen."""
+    o_layout = o_layout or layout
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in (("q", q), ("k", k), ("v", v), ("o", o)))
+    read = layout if o_layout == layout else f"{layout}, o as {o_layout}"
 
     def fail(why: str) -> None:
-        raise InvalidCaptureSetting("layout", f"{where}: {why} ({shapes} read as {layout}); name the layout the "
+        raise InvalidCaptureSetting("layout", f"{where}: {why} ({shapes} read as {read}); name the layout the "
                                               "function takes (BHTD or BTHD) or fix the shapes passed")
 
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.dim() != 4:
-            fail(f"{name} is {t.dim()}-D, a {layout} tensor is 4-D")
-    qb, kb, vb, ob = (to_bhtd(t, layout) for t in (q, k, v, o))
+            fail(f"{name} is {t.dim()}-D, a {layout if name != 'o' else o_layout} tensor is 4-D")
+    qb, kb, vb, ob = to_bhtd(q, layout), to_bhtd(k, layout), to_bhtd(v, layout), to_bhtd(o, o_layout)
     if len({qb.shape[0], kb.shape[0], vb.shape[0], ob.shape[0]}) != 1:
         fail("q, k, v and o have different batch sizes")
     if kb.shape[:3] != vb.shape[:3]:
@@ -53,7 +56,11 @@ def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     if qb.shape[3] != kb.shape[3]:
         fail("q and k have different head_dim")
     if ob.shape[:3] != qb.shape[:3] or ob.shape[3] != vb.shape[3]:
-        fail("o is not (B, heads of q, T of q, head_dim of v)")
+        other = "BTHD" if o_layout == "BHTD" else "BHTD"
+        ot = to_bhtd(o, other)
+        hint = (f"; o fits {other}: name it with o_layout={other}"
+                if ot.shape[:3] == qb.shape[:3] and ot.shape[3] == vb.shape[3] else "")
+        fail(f"o is not (B, heads of q, T of q, head_dim of v){hint}")
     if kb.shape[1] == 0 or qb.shape[1] % kb.shape[1]:
         fail(f"q's {qb.shape[1]} heads are not a multiple of k's {kb.shape[1]}")
 

@@ -41,6 +41,7 @@ from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.adapters import WATCHED_TEXT, built_in_entry_points
 from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher, TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
+from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
 from fa_forensics.capture.layouts import check_attention_shapes, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
     DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_heads, module_input,
@@ -175,6 +176,8 @@ class CaptureSession:
         # attention written as torch ops: a mode on the stack for the root's forward passes of active steps
         self._chains = ChainScope(self._on_plain_call, self._on_chain_error)
         self._held_chain: Optional[HeldChain] = None
+        self._frames: list[HFFrame] = []  # Hugging Face attention functions running now (innermost last)
+        self._frame_module = None  # the module of the Hugging Face call being recorded from its own arguments
 
     @property
     def monitor_every(self) -> Optional[int]:
@@ -254,16 +257,48 @@ class CaptureSession:
     @torch.compiler.disable
     def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out) -> None:
         """A watched entry point returned on a busy step: read the call with its adapter and record it."""
-        facts = ep.adapter(args, kwargs, out)
+        self._chains.pause(1)
+        try:
+            facts = ep.adapter(args, kwargs, out)
+        finally:
+            self._chains.pause(-1)
         if facts is None:
             self._warn_once(f"unread:{ep.name}", f"fa-forensics capture: a call of {ep.name} did not pass tensors "
-                                                 "as its first three arguments and return one; it is not recorded")
+                                                 "for q, k, v and return one; it is not recorded (map them with "
+                                                 "q=NAME,k=NAME,v=NAME,out=INDEX in --attention)")
             return
+        self._record_facts(facts, ep.name)
+
+    def _record_facts(self, facts, source: str) -> None:
         if facts.warning:
-            self._warn_once(f"call:{ep.name}:{facts.warning}", facts.warning)
+            self._warn_once(f"call:{source}:{facts.warning}", facts.warning)
         self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal,
-                          attn_mask=facts.mask, dropout_p=facts.dropout_p, source=ep.name, grad_sink=facts.grad_sink,
+                          attn_mask=facts.mask, dropout_p=facts.dropout_p, source=source, grad_sink=facts.grad_sink,
                           extra=facts.attrs)
+
+    @torch.compiler.disable
+    def hf_attention_call(self, name: str, fn: Callable, args: tuple, kwargs: dict):
+        """A Hugging Face attention function called on a busy step (capture/hf_attention.py): the calls inside it
+        are recorded as its; when none was seen, the call itself is read in HF's layouts."""
+        frame = HFFrame(name, args[0] if args else kwargs.get("module"))
+        self._frames.append(frame)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._frames.pop()
+        if frame.seen == 0 and self._entry_depth == 0:
+            self._chains.pause(1)
+            try:
+                facts = hf_call_facts(name, args, kwargs, out)
+            finally:
+                self._chains.pause(-1)
+            if facts is not None:
+                self._frame_module = frame.module
+                try:
+                    self._record_facts(facts, f"transformers:{name}")
+                finally:
+                    self._frame_module = None
+        return out
 
     def _on_plain_call(self, call: PlainCall) -> None:
         """An attention chain written in torch ops formed its output (capture/torch_ops.py). It is held until
@@ -272,6 +307,7 @@ class CaptureSession:
         self._flush_chain()
         if self._entry_depth > 0:
             return  # inside a watched entry point: its own call is recorded when it returns
+        frame_facts = self._in_frame({}) if self._frames else {}
         x = self._pending_x
         module = self._modules_by_name.get(x.name) if x is not None else None
         batch = int(x.tensor.shape[0]) if x is not None and x.tensor.dim() == 3 else None
@@ -282,7 +318,7 @@ class CaptureSession:
         if o_raw.requires_grad:
             def grad_sink(hook, o_raw=o_raw):
                 o_raw.register_hook(lambda grad: hook(grad4(grad)))
-        extra = {"layout": call.layout, "chain": " ".join(call.ops),
+        extra = {**frame_facts, "layout": call.layout, "chain": " ".join(call.ops),
                  "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
                  "p_dtype": _dtype_name(call.p_dtype)}
         for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale)):
@@ -304,6 +340,12 @@ class CaptureSession:
         self.on_attention(**held.call)
         self._pending_x = x
         return None
+
+    def _in_frame(self, extra: Optional[dict]) -> dict:
+        """Count a call made inside the innermost Hugging Face attention function and name that function."""
+        frame = self._frames[-1]
+        frame.seen += 1
+        return {**(extra or {}), "hf_attention": frame.name}
 
     def _on_chain_error(self, exc: BaseException) -> None:
         self._warn_once("chain-error", "fa-forensics capture: following attention written in torch ops failed "
@@ -356,7 +398,7 @@ class CaptureSession:
                 self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_step))
             sdpa.install(self)
             self._patcher = EntryPointPatcher(self._entry_point_busy, self._on_entry_point, self._enter_entry_point)
-            self._patcher.install(built_in_entry_points() + [t.entry_point() for t in self.targets])
+            self._patcher.install(built_in_entry_points() + hf_entry_points() + [t.entry_point() for t in self.targets])
             if self._monitor is not None:
                 self._monitor.start(self._warn_once)
             loss_tap.install(self)  # the loss of recorded steps when the script does not call cap.step(loss)
@@ -504,6 +546,8 @@ class CaptureSession:
             self._flush_chain()
         if self._entry_depth > 0:
             return  # inside a watched entry point: its own call is recorded when it returns
+        if self._frames and source != "torch_ops":  # a chain was counted when it formed
+            extra = self._in_frame(extra)
         if autocast_dtype == "ambient":
             autocast_dtype = sdpa.autocast_dtype(q)
         self._flush_waiting()
@@ -710,6 +754,15 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
+
+
+@dataclass
+class HFFrame:
+    """A Hugging Face attention function running: its registry name, its module, the calls seen inside."""
+
+    name: str
+    module: object
+    seen: int = 0
 
 
 @dataclass

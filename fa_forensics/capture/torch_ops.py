@@ -98,6 +98,21 @@ class PlainCall:
 
 
 # -- reading arguments --------------------------------------------------------------------------------
+_IN_PLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
+                                             "xor", "lshift", "rshift", "matmul")}
+
+
+def _in_place(name: str) -> bool:
+    """torch's in-place ops: `add_`, `masked_fill_`, ... and `+=`-style dunders (not `__get__`)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+def _collapse_broadcast(t: torch.Tensor) -> torch.Tensor:
+    """`t` with each expanded dim (stride 0) taken back to size 1: a mask expanded for an op is stored once."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None) for stride, size in zip(t.stride(), t.shape))
+    return t[index]
+
+
 def _number(value) -> Optional[float]:
     """A plain number, or the value of a one-element tensor; None for anything else."""
     if isinstance(value, bool):
@@ -159,8 +174,8 @@ def _permute_to(t: torch.Tensor, have: str, want: str) -> torch.Tensor:
 
 
 def _einsum_product(args: tuple, kwargs: dict):
-    """(A as (…, T, D), B as (…, S, D), out letters in canonical order, out) pieces of a two-operand
-    einsum with one contracted index and one free index on each side; None otherwise."""
+    """(A as (…, T, D), B as (…, S, D), the output's letters, them in canonical order, the operands) of a
+    two-operand einsum with one contracted index and one free index on each side; None otherwise."""
     parsed = _einsum_operands(args, kwargs)
     if parsed is None:
         return None
@@ -175,7 +190,8 @@ def _einsum_product(args: tuple, kwargs: dict):
         return None
     batch_s = "".join(batch)
     d, t, s = contracted[0], free_a[0], free_b[0]
-    return (_permute_to(ta, a, batch_s + t + d), _permute_to(tb, b, batch_s + s + d), out, batch_s + t + s)
+    return (_permute_to(ta, a, batch_s + t + d), _permute_to(tb, b, batch_s + s + d), out, batch_s + t + s,
+            (ta, tb))
 
 
 # -- the mode -------------------------------------------------------------------------------------------
@@ -203,7 +219,7 @@ class ChainMode(TorchFunctionMode):
             if handler is not None:
                 handler(self, func, args, kwargs, out)
             elif (args and isinstance(args[0], torch.Tensor) and args[0] in self.nodes
-                  and (getattr(func, "__name__", "").endswith("_") or "out" in kwargs)):
+                  and (_in_place(getattr(func, "__name__", "")) or "out" in kwargs)):
                 del self.nodes[args[0]]  # changed in place by an op this mode does not follow
         except Exception as exc:  # a chain this mode misreads must never stop training
             from fa_forensics.errors import UserError
@@ -223,9 +239,11 @@ class ChainMode(TorchFunctionMode):
             self.nodes[out] = node
 
     def _product(self, a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor, name: str,
-                 canonical_out: Optional[tuple[str, str]] = None) -> None:
-        """A product A·B_tᵀ (a (…, T, D), b_t (…, S, D)) that made `out`: scores, or the output of a chain."""
-        probs = self._node(a)
+                 canonical_out: Optional[tuple[str, str]] = None, operands: Optional[tuple] = None) -> None:
+        """A product A·B_tᵀ (a (…, T, D), b_t (…, S, D)) that made `out`: scores, or the output of a chain.
+        operands: the tensors as the op got them, when a and b_t are views made of them here."""
+        first, second = operands or (a, b_t)
+        probs = self._node(first)
         if isinstance(probs, _Probs):
             if isinstance(out, torch.Tensor) and b_t.dim() >= 3:
                 self._finish(probs, a, b_t, out, name, canonical_out)
@@ -235,7 +253,7 @@ class ChainMode(TorchFunctionMode):
         if canonical_out is not None and canonical_out[0] != canonical_out[1]:
             return  # scores whose last two dims are not (T, S): not softmax-ready
         self._set(out, _Scores(a, b_t, ops=(name,), score_dtype=out.dtype,
-                               q_scale=self.scaled.get(a), k_scale=self.scaled.get(b_t)))
+                               q_scale=self.scaled.get(first), k_scale=self.scaled.get(second)))
 
     def _finish(self, probs: _Probs, p: torch.Tensor, v_t: torch.Tensor, out: torch.Tensor, name: str,
                 canonical_out: Optional[tuple[str, str]]) -> None:
@@ -275,7 +293,8 @@ def _matmul(mode: ChainMode, func, args, kwargs, out) -> None:
     if func is torch.Tensor.__rmatmul__:
         a, b = b, a
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() >= 2:
-        mode._product(a, b.transpose(-1, -2), out, "matmul" if func not in (torch.bmm, torch.Tensor.bmm) else "bmm")
+        mode._product(a, b.transpose(-1, -2), out, "matmul" if func not in (torch.bmm, torch.Tensor.bmm) else "bmm",
+                      operands=(a, b))
 
 
 def _baddbmm(mode: ChainMode, func, args, kwargs, out) -> None:
@@ -286,7 +305,7 @@ def _baddbmm(mode: ChainMode, func, args, kwargs, out) -> None:
     beta, alpha = _number(bound.get("beta", 1)), _number(bound.get("alpha", 1))
     if not all(isinstance(t, torch.Tensor) for t in (base, a, b)) or beta is None or alpha is None:
         return
-    mode._product(a, b.transpose(-1, -2), out, "baddbmm")
+    mode._product(a, b.transpose(-1, -2), out, "baddbmm", operands=(a, b))
     node = mode._node(out)
     if isinstance(node, _Scores):
         terms = () if beta == 0 else (MaskTerm("bias", base if beta == 1 else base * beta, tuple(out.shape)),)
@@ -296,8 +315,8 @@ def _baddbmm(mode: ChainMode, func, args, kwargs, out) -> None:
 def _einsum(mode: ChainMode, func, args, kwargs, out) -> None:
     pieces = _einsum_product(args, kwargs)
     if pieces is not None:
-        a, b_t, have, want = pieces
-        mode._product(a, b_t, out, "einsum", canonical_out=(have, want))
+        a, b_t, have, want, operands = pieces
+        mode._product(a, b_t, out, "einsum", canonical_out=(have, want), operands=operands)
 
 
 def _scale(mode: ChainMode, func, args, kwargs, out) -> None:
@@ -527,7 +546,7 @@ def combine_mask(call: PlainCall, shape4: Callable[[torch.Tensor], torch.Tensor]
     T, S = final[-2:]
 
     def fitted(term: MaskTerm) -> torch.Tensor:
-        t = term.tensor.detach()
+        t = _collapse_broadcast(term.tensor.detach())
         if term.shape != final:  # applied before a reshape of the scores: take it to their final shape
             t = t.expand(term.shape).reshape(final)
         t = t.expand(*t.shape[:-2], T, S) if t.dim() >= 2 else t.expand(T, S)
