@@ -3,10 +3,13 @@
 Attention libraries disagree on where heads go: SDPA, flex_attention and most hand-written kernels
 take (B, H, T, D) ("BHTD"); flash_attn and xformers take (B, T, H, D) ("BTHD"). A dump always
 stores (B, H, T, D). The conversion is a transpose view named by the caller, never guessed: a
-shape that does not fit the named layout is an error, not a silent transpose.
+shape that does not fit the named layout is an error, not a silent transpose. Beyond q, k, v and o
+agreeing with each other, `check_call_context` checks the reading against what surrounds the call:
+the input X of the attention module (its length and width) and the head count the module states.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -75,3 +78,79 @@ def o_grad_sink(o: torch.Tensor, convert) -> Optional[callable]:
         o.register_hook(lambda grad: hook(convert(grad)))
 
     return sink
+
+
+# -- the call against what surrounds it ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reading:
+    """One way of reading a call's q: batch, heads, length, head_dim."""
+
+    layout: str
+    B: int
+    H: int
+    T: int
+    D: int
+
+    def length_fits(self, x: torch.Tensor) -> Optional[bool]:
+        """X (B, T, C) or (T, B, C) has this batch and length (or B = 1 and T all of X's tokens, packed); None
+        when X is not a 2-D or 3-D tensor."""
+        if x.dim() == 2:  # packed tokens (N, C)
+            return self.B * self.T == x.shape[0]
+        if x.dim() != 3:
+            return None
+        bx, tx = int(x.shape[0]), int(x.shape[1])
+        return (self.B, self.T) in ((bx, tx), (tx, bx)) or (self.B == 1 and self.T == bx * tx)
+
+    def width_fits(self, x: torch.Tensor) -> Optional[bool]:
+        return None if x.dim() not in (2, 3) else self.H * self.D == x.shape[-1]
+
+    def heads_fit(self, heads: Optional[int]) -> Optional[bool]:
+        """The module's head count is a multiple of H (a tensor-parallel shard holds a part of the heads)."""
+        return None if heads is None else heads % self.H == 0
+
+    def text(self) -> str:
+        return f"batch {self.B}, {self.H} heads, length {self.T}"
+
+
+def check_call_context(q: torch.Tensor, readings: tuple[Reading, ...], where: str, x: Optional[torch.Tensor],
+                       x_name: str, heads: Optional[int], advice: str) -> Optional[str]:
+    """Check the reading a call was stored in (readings[0]) against X's length and width and the module's
+    head count, and against the other way the same tensor could be read (readings[1:]).
+
+    Raises InvalidCaptureSetting("layout") when the shapes contradict the reading and another reading fits
+    them (the stored arrays would be transposed): before anything of the call is stored. Returns a line
+    when the reading is contradicted and no other fits (X or the module cannot be matched with the call),
+    else None. Width decides only where both readings fit X's length (length = heads)."""
+    if x is None and heads is None:
+        return None
+
+    def verdict(r: Reading) -> tuple[bool, bool, list[str]]:
+        """(contradicted, supported, what contradicts it)."""
+        length = r.length_fits(x) if x is not None else None
+        width = r.width_fits(x) if x is not None else None
+        fit_heads = r.heads_fit(heads)
+        others = [o.length_fits(x) for o in readings if o is not r] if x is not None else []
+        ambiguous = length is True and any(o is True for o in others)
+        why = []
+        if length is False:
+            why.append(f"X {tuple(x.shape)} of {x_name} has another batch or length")
+        if width is False and ambiguous:
+            why.append(f"X {tuple(x.shape)} of {x_name} is {x.shape[-1]} wide, not heads × head_dim = "
+                       f"{r.H * r.D}")
+        if fit_heads is False:
+            why.append(f"{x_name} states {heads} heads")
+        supported = length is True and (not ambiguous or width is True) or fit_heads is True
+        return bool(why), supported, why
+
+    stored_bad, _, why = verdict(readings[0])
+    if not stored_bad:
+        return None
+    for other in readings[1:]:
+        bad, supported, _ = verdict(other)
+        if not bad and supported:
+            raise InvalidCaptureSetting(
+                "layout", f"{where}: q {tuple(q.shape)} read as {readings[0].layout} has {readings[0].text()}, but "
+                          f"{'; '.join(why)}; read as {other.layout} ({other.text()}) it fits: {advice} "
+                          "(nothing of this call was stored)")
+    return (f"fa-forensics capture: {where}: q {tuple(q.shape)} read as {readings[0].layout} has "
+            f"{readings[0].text()}, but {'; '.join(why)}; the layout could not be checked against them")

@@ -39,10 +39,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.adapters import WATCHED_TEXT, built_in_entry_points
-from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher, TargetSpec
+from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher
+from fa_forensics.capture.targets import TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
-from fa_forensics.capture.layouts import check_attention_shapes, check_layout, to_bhtd
+from fa_forensics.capture.layouts import Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
     DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_heads, module_input,
     replace_module_input,
@@ -133,6 +134,7 @@ class CaptureSession:
                                                 allow_no_steps=bool(monitor_every))
         check_attention_pattern(attention_modules)
         self.targets = [t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (attention or ())]
+        self._target_names = {t.to_text() for t in self.targets}
         self.softmax = SoftmaxVariant.parse(softmax)
         self._patcher: Optional[EntryPointPatcher] = None
         self._tapped_loss: Optional[torch.Tensor] = None  # sum of the scalars backward() ran on in a recorded step
@@ -568,6 +570,7 @@ class CaptureSession:
             if self._root is None and self._now.micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
+        self._check_context(q, x, source, (extra or {}).get("layout", "BHTD"))
         extra = {"source": source, "softmax": self.softmax.variant_for(source),
                  "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal,
@@ -586,6 +589,37 @@ class CaptureSession:
                 self._warn_once("dims",
                                 f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
                                 "only (B, H, T, D) is recorded")
+
+    def _check_context(self, q: torch.Tensor, x: Optional[ModuleInput], source: str, layout: str) -> None:
+        """The call's layout against X and the module's head count (layouts.check_call_context): a layout the
+        shapes show to be wrong ends the run before anything of the call is stored."""
+        if q.dim() != 4 or layout not in ("BHTD", "BTHD"):
+            return  # (B·H, T, D) chains are split with X's batch: nothing else to read them as
+        module = self._modules_by_name.get(x.name) if x is not None else None
+        if module is None:
+            module = self._frames[-1].module if self._frames else self._frame_module
+        heads = module_heads(module)
+        if x is None and heads is None:
+            return
+        B, H, T, D = q.shape
+        named = source == "record" or source in self._target_names
+        if source == "torch_ops":
+            readings = (Reading("(B, H, T, D)", B, H, T, D), Reading("(H, B, T, D)", H, B, T, D))
+            advice = ("its leading dims are not (batch, heads); report the call with "
+                      "fa_forensics.capture.record(q, k, v, o, layout=...)")
+        else:
+            other = "BTHD" if layout == "BHTD" else "BHTD"
+            readings = (Reading(layout, B, H, T, D), Reading(other, B, T, H, D))
+            advice = (f"pass layout={other!r} to fa_forensics.capture.record" if source == "record" else
+                      f"name it with layout={other} in --attention (attention=[...] in Python)" if named else
+                      f"the model passes {other} tensors to {source}, which takes {layout}; fix the call in the model")
+        x_tensor = x.tensor if x is not None else None
+        x_name = x.name if x is not None else "the attention module"
+        where = {"record": "fa_forensics.capture.record", "torch_ops": "attention written in torch ops"}.get(source,
+                                                                                                           source)
+        line = check_call_context(q, readings, where, x_tensor, x_name, heads, advice)
+        if line and named:
+            self._warn_once(f"context:{source}", line)
 
     # -- recording -----------------------------------------------------------------------
     def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:

@@ -211,6 +211,8 @@ class ChainMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # traced by dynamo (a compiled function called in the forward pass)
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.paused or self.broken:
             return out

@@ -249,7 +249,7 @@ def register(app: typer.Typer) -> None:
         def body():
             import tempfile
 
-            from fa_forensics.capture.entry_points import TargetSpec
+            from fa_forensics.capture.targets import TargetSpec
             from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
