@@ -68,14 +68,16 @@ def capture(
 
 def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
            causal: bool = True, x: Optional[torch.Tensor] = None, layout: str = "BHTD",
-           mask: Optional[torch.Tensor] = None) -> None:
+           mask: Optional[torch.Tensor] = None, softmax: Optional[str] = None) -> None:
     """Report one attention call of custom attention code to the active capture session (no-op without one).
 
     layout: how q, k, v, o are laid out, "BHTD" (B, heads, T, head_dim) or "BTHD" (B, T, heads, head_dim);
-    the shapes are checked against it (InvalidCaptureSetting naming the shapes) and stored as (B, H, T, D)."""
+    the shapes are checked against it and against X and the module (InvalidCaptureSetting naming the shapes)
+    and stored as (B, H, T, D). softmax: "standard" or "stabilized", what this code computes (default: the
+    session's `softmax` rule, else recorded as unknown)."""
     session = active()
     if session is not None and session.busy:
-        session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask)
+        session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask, softmax=softmax)
 
 
 make_callable(__name__)  # `fa_forensics.capture(...)` is this package called as its function `capture`

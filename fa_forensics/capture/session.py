@@ -38,7 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
-from fa_forensics.capture.adapters import WATCHED_TEXT, built_in_entry_points
+from fa_forensics.capture.adapters import WATCHED, built_in_entry_points
 from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher
 from fa_forensics.capture.targets import TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
@@ -236,14 +236,18 @@ class CaptureSession:
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
                causal: bool = True, x: Optional[torch.Tensor] = None, layout: str = "BHTD",
-               mask: Optional[torch.Tensor] = None) -> None:
+               mask: Optional[torch.Tensor] = None, softmax: Optional[str] = None) -> None:
         """Record one attention call of custom attention code: q, k, v, o in `layout` (BHTD: (B, H, T, D);
-        BTHD: (B, T, H, D)), shapes checked; mask SDPA-style (B or 1, H or 1, Tq, Tk); x (B, T, C) optional."""
+        BTHD: (B, T, H, D)), shapes checked; mask SDPA-style (B or 1, H or 1, Tq, Tk); x (B, T, C) optional;
+        softmax: "standard" or "stabilized" when the caller knows it."""
+        if softmax is not None and softmax not in ("standard", "stabilized"):
+            raise InvalidCaptureSetting("softmax", f"record(..., softmax={softmax!r}): write 'standard' or "
+                                                   "'stabilized'")
         if self.busy:
-            self._record_eager(q, k, v, o, scale, causal, x, check_layout(layout), mask)
+            self._record_eager(q, k, v, o, scale, causal, x, check_layout(layout), mask, softmax)
 
     @torch.compiler.disable
-    def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask) -> None:
+    def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask, softmax=None) -> None:
         check_attention_shapes(q, k, v, o, layout, "fa_forensics.capture.record")
         chain_facts = self._flush_chain(described_by=(q, k))
         if x is not None:
@@ -254,7 +258,8 @@ class CaptureSession:
                 o.register_hook(lambda grad: hook(to_bhtd(grad, layout)))
         self.on_attention(to_bhtd(q, layout), to_bhtd(k, layout), to_bhtd(v, layout), to_bhtd(o, layout), scale=scale,
                           causal=causal, attn_mask=mask, dropout_p=0.0, source="record", grad_sink=grad_sink,
-                          extra={**_chain_facts(chain_facts), "layout": layout})
+                          extra={**_chain_facts(chain_facts), "layout": layout,
+                                 **({"softmax": softmax, "softmax_rule": "record(softmax=...)"} if softmax else {})})
 
     @torch.compiler.disable
     def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out) -> None:
@@ -356,8 +361,12 @@ class CaptureSession:
 
     def no_attention_message(self, step: int) -> str:
         """One line for a selected step that ran without an attention call: what is watched, how to add one."""
-        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled "
-                f"(watched: {self.watched_text()}); if the model's attention is its own code, name it with "
+        unbound = ("" if self._root is not None else
+                   " No model was bound, so attention written in torch ops was not followed: pass the model "
+                   "(capture(model, ...)), or for the command name its attention modules with --attention-modules "
+                   "REGEX.")
+        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled. "
+                f"Watched: {self.watched_text()}.{unbound} If the model's attention is its own code, name it with "
                 "--attention MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] "
                 "in Python) or call fa_forensics.capture.record(q, k, v, o, layout=...) in it")
 
@@ -365,8 +374,9 @@ class CaptureSession:
         return self.busy
 
     def watched_text(self) -> str:
-        """The attention entry points this session watches, for messages."""
-        return WATCHED_TEXT + "".join(f", {t.to_text()}" for t in self.targets)
+        """The attention entry points this session watches, for messages ("a; b; c; and --attention X")."""
+        names = [*WATCHED, *(f"--attention {t.to_text()}" for t in self.targets)]
+        return "; ".join(names[:-1]) + f"; and {names[-1]}"
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -573,6 +583,8 @@ class CaptureSession:
         self._check_context(q, x, source, (extra or {}).get("layout", "BHTD"))
         extra = {"source": source, "softmax": self.softmax.variant_for(source),
                  "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
+        if extra["softmax"] == "unknown":
+            self._warn_once(f"softmax:{source}", self._softmax_unknown_message(source))
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal,
                              mask=attn_mask,
                              dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
@@ -589,6 +601,14 @@ class CaptureSession:
                 self._warn_once("dims",
                                 f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
                                 "only (B, H, T, D) is recorded")
+
+    @staticmethod
+    def _softmax_unknown_message(source: str) -> str:
+        where = "fa_forensics.capture.record" if source == "record" else source
+        return (f"fa-forensics capture: which softmax {where} computes is recorded as unknown (the standard one, or "
+                "the paper's stabilized one); say it with --softmax standard|stabilized|ENV=VALUE (e.g. STABLE=1: "
+                "stabilized when that variable is set so at the call; softmax=... in Python, or "
+                "record(..., softmax=...)), and replays of these layers know which to compute")
 
     def _check_context(self, q: torch.Tensor, x: Optional[ModuleInput], source: str, layout: str) -> None:
         """The call's layout against X and the module's head count (layouts.check_call_context): a layout the
@@ -667,6 +687,8 @@ class CaptureSession:
                                                   "against the model); nothing recorded for it")
                 else:
                     self._warn_once("empty", self.no_attention_message(ended))
+        if not self._hot:
+            self._recorder.missing_do(ended)  # a step held for the ring only: nothing to say about it
         if self._monitor is not None:
             self._monitor.end_step(ended, loss, tapped)
         self.current_step = ended + 1
@@ -690,7 +712,17 @@ class CaptureSession:
             attrs["recorded_by"] = "alarm"
         self._writer.put_complete(pending.step, loss=loss, **attrs)
         bisect.insort(self.recorded_steps, pending.step)
+        self._say_missing_do(pending.step)
         self._update_busy()
+
+    def _say_missing_do(self, step: int) -> None:
+        """One line per reason (once per session and set of layers) for recorded layers of `step` without dO."""
+        for reason, layers in self._recorder.missing_do(step).items():
+            names = ", ".join(map(str, layers))
+            self._warn_once(f"no-do:{reason}:{names}",
+                            f"fa-forensics capture: no dO recorded for layer{'s' if len(layers) > 1 else ''} {names} "
+                            f"of step {step} (and of later steps alike): {reason}; analyses of the backward pass "
+                            "skip these layers (`info` lists them)")
 
     def _set_hot(self, hot: bool) -> None:
         self._hot = hot

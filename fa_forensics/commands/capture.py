@@ -14,6 +14,7 @@ import typer
 from rich.markup import escape
 
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 
@@ -176,6 +177,7 @@ def _check_script(argv: list[str]) -> None:
 
 
 def _store_summary(out: Path) -> dict:
+    from fa_forensics.commands.info import do_missing
     from fa_forensics.dump import open_dump
 
     try:
@@ -190,9 +192,11 @@ def _store_summary(out: Path) -> dict:
                     "layers": dump.layers() if dump.steps else [],
                     "monitored_steps": int(len(timeline.get("step", []))),
                     "alarm_steps": [] if alarms is None
-                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0]}
+                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0],
+                    "do_missing": do_missing(dump)}
     except UserError:
-        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": []}
+        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": [],
+                "do_missing": {}}
 
 
 def _launcher_report(path: str) -> dict:
@@ -310,7 +314,9 @@ def register(app: typer.Typer) -> None:
                               + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
                               + (f", {summary['monitored_steps']} monitored steps in the timeline"
                                  if summary["monitored_steps"] else "")
-                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
+                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else "")
+                              + (f"; no dO for {do_missing_text(summary['do_missing'])}" if summary["do_missing"]
+                                 else ""))
             if never:  # said on stderr as in --json, before any error line
                 err_console.print(f"[bold yellow]warning:[/] {escape(warnings_said[len(report.get('warnings', []))])}",
                                   highlight=False, soft_wrap=True)

@@ -493,3 +493,55 @@ def test_check_call_context_uses_the_module_heads_and_the_width_only_to_break_a_
     line = check_call_context(q, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f",
                               torch.zeros(2, 5, 128), "attn", None, "fix")
     assert "could not be checked" in line
+
+
+# -- what a capture says ----------------------------------------------------------------------------------
+def test_softmax_unknown_is_said_once_and_record_can_name_it(tmp_path):
+    def said(call, **options):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(tmp_path / str(len(list(tmp_path.iterdir()))), call, steps=(0, 1), **options)
+        return [str(w.message) for w in caught if "recorded as unknown" in str(w.message)]
+
+    lines = said(_recording("BHTD"))
+    assert len(lines) == 1 and "fa_forensics.capture.record" in lines[0] and "--softmax standard" in lines[0]
+    assert said(_recording("BHTD"), softmax="standard") == []
+
+    def named(q, k, v):
+        o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+        fa_forensics.capture.record(q, k, v, o, causal=False, softmax="stabilized")
+        return o, o
+
+    assert said(named) == []
+    seen, d = train(tmp_path / "named", named)
+    assert d._layer(1, 0).attrs["softmax"] == "stabilized"
+
+
+def test_layers_whose_o_has_no_gradient_are_said_and_info_lists_them(tmp_path):
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    def half_detached(q, k, v):
+        o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+        fa_forensics.capture.record(q.detach(), k.detach(), v.detach(), o.detach(), causal=False, softmax="standard")
+        return o, o
+
+    with pytest.warns(fa_forensics.capture.events.CaptureWarning,
+                      match=r"no dO recorded for layers 0, 1 of step 0 .*its O had no gradient"):
+        _, d = train(tmp_path, half_detached, steps=(0, 1))
+    assert d.steps == [0, 1] and not d.has(0, 0, "do") and d.has(0, 0, "o")
+    js = tmp_path / "info.json"
+    assert CliRunner().invoke(app, ["info", str(tmp_path / "run.zarr"), "--json", str(js)]).exit_code == 0
+    info = __import__("json").loads(js.read_text())
+    assert info["do_missing"] == {"0": [0, 1], "1": [0, 1]} and "no dO recorded for layer 0" in info["warnings"][0]
+
+
+def test_the_no_attention_hint_lists_what_is_watched_readably(tmp_path):
+    from fa_forensics.capture.session import CaptureSession
+
+    session = CaptureSession(None, tmp_path / "run.zarr", [0], attention=["attentionx:FlashAttentionFunction"])
+    line = session.no_attention_message(3)
+    assert "Watched: torch's scaled_dot_product_attention; flash_attn" in line
+    assert "; fa_forensics.capture.record; and --attention attentionx:FlashAttentionFunction,layout=BHTD." in line
+    assert "No model was bound, so attention written in torch ops was not followed" in line
