@@ -59,7 +59,10 @@ def capture(
     layers / heads: indices (None = all). batch: slice of the batch dimension (None = whole batch).
     micro_batch: which forward pass of a step is recorded under gradient accumulation.
     attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
-    options: step_by ("optimizer" | "manual"), overwrite, max_queue, on_step, run_attrs; attention: custom
+    options: step_by ("optimizer" | "manual"), overwrite, max_queue (arrays of selected steps that may wait for
+      the disk before training waits), max_held_mb (memory the ring's and an alarm's steps may hold waiting for the
+      disk; a step past it is dropped whole and said), writer_duty (the share of time the writer thread may write
+      while little waits, default 0.1; 1 writes at full speed), on_step, run_attrs; attention: custom
       entry points to watch (`"MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"`); softmax: the variant
       custom attention computes ("standard", "stabilized" or "ENV=VALUE", see capture/softmax_variant.py).
     """

@@ -112,6 +112,8 @@ class CaptureSession:
         overwrite: bool = False,
         allow_other_model: bool = False,
         max_queue: int = 64,
+        max_held_mb: float = 256.0,
+        writer_duty: float = 0.1,
         on_step: Optional[StepCallback] = None,
         run_attrs: Optional[dict] = None,
         keep_sdpa_patch: bool = False,
@@ -147,6 +149,13 @@ class CaptureSession:
         self.overwrite = overwrite
         self.allow_other_model = allow_other_model
         self.max_queue = max_queue
+        if not float(max_held_mb) > 0:
+            raise CaptureError(f"max_held_mb must be a positive number of megabytes, got {max_held_mb}")
+        self.max_held_mb = float(max_held_mb)
+        if not 0 < float(writer_duty) <= 1:
+            raise CaptureError(f"writer_duty must be in (0, 1] (the share of time the writer may write), got "
+                               f"{writer_duty}")
+        self.writer_duty = float(writer_duty)
         self.run_attrs = dict(run_attrs or {})
         self.keep_sdpa_patch = keep_sdpa_patch
         self._callbacks: list[StepCallback] = [on_step] if on_step else []
@@ -178,6 +187,7 @@ class CaptureSession:
         # attention written as torch ops: a mode on the stack for the root's forward passes of active steps
         self._chains = ChainScope(self._on_plain_call, self._on_chain_error)
         self._held_chain: Optional[HeldChain] = None
+        self._held_alarm: dict[int, RingStep] = {}  # steps an alarm asked for, held until they end
         self._frames: list[HFFrame] = []  # Hugging Face attention functions running now (innermost last)
         self._frame_module = None  # the module of the Hugging Face call being recorded from its own arguments
 
@@ -402,7 +412,8 @@ class CaptureSession:
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
-        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows)
+        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows,
+                                        held_bytes=int(self.max_held_mb * 2 ** 20), duty=self.writer_duty)
         try:
             if self.model is not None:
                 self.bind(self.model)
@@ -643,11 +654,14 @@ class CaptureSession:
 
     # -- recording -----------------------------------------------------------------------
     def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:
-        """Where the recorder's arrays go: the ring while the step is held there, else the background writer."""
+        """Where the recorder's arrays go: the ring while the step is held there, host memory for a step an alarm
+        asked for (handed to the writer whole when it ends), else the background writer."""
         host, ready = offload(tensor)
         ring_step = None if self._monitor is None else self._monitor.ring_step
         if ring_step is not None and ring_step.step == step:
             ring_step.arrays.append(RingArray(layer, name, host, ready, layer_attrs))
+        elif step in self._held_alarm:  # written whole, or dropped whole, when the step ends
+            self._held_alarm[step].arrays.append(RingArray(layer, name, host, ready, layer_attrs))
         else:
             if step not in self._registered:
                 self._registered.add(step)
@@ -710,10 +724,28 @@ class CaptureSession:
         attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
         if self._monitor is not None and pending.step in self._monitor.extra_steps:
             attrs["recorded_by"] = "alarm"
-        self._writer.put_complete(pending.step, loss=loss, **attrs)
+        held = self._held_alarm.pop(pending.step, None)
+        if held is not None:
+            if not self._writer.put_held_step(pending.step, held.arrays, loss=loss, **attrs):
+                self._say_dropped(held, "recorded after an alarm")
+                self._recorder.missing_do(pending.step)
+                self._update_busy()
+                return
+        else:
+            self._writer.put_complete(pending.step, loss=loss, **attrs)
         bisect.insort(self.recorded_steps, pending.step)
         self._say_missing_do(pending.step)
         self._update_busy()
+
+    def _say_dropped(self, held: RingStep, what: str) -> None:
+        """One line naming a held step the writer had no room for (training never waits for an alarm's steps)."""
+        waiting = self._writer.held_waiting_bytes / 2 ** 20
+        self._warn_once(f"dropped:{held.step}",
+                        f"fa-forensics capture: step {held.step} ({what}, {held.nbytes / 2 ** 20:.1f} MB) was dropped: "
+                        f"{waiting:.0f} MB of held steps still wait for the disk and the bound is "
+                        f"{self._writer.held_bytes / 2 ** 20:.0f} MB (max_held_mb); training goes on. To keep such "
+                        "steps record fewer layers or heads or a smaller batch slice (--layers, --heads, --batch), "
+                        "fewer steps after an alarm (--alarm-steps) or a smaller --ring")
 
     def _say_missing_do(self, step: int) -> None:
         """One line per reason (once per session and set of layers) for recorded layers of `step` without dO."""
@@ -726,6 +758,10 @@ class CaptureSession:
 
     def _set_hot(self, hot: bool) -> None:
         self._hot = hot
+        step = self.current_step
+        asked = hot and self._monitor is not None and step in self._monitor.extra_steps
+        if asked and not self.selection.wants_step(step) and step not in self._held_alarm:
+            self._held_alarm[step] = RingStep(step)
         self._update_busy()
 
     def _update_busy(self) -> None:
@@ -771,14 +807,15 @@ class CaptureSession:
         self._update_busy()
 
     def _write_held(self, held: RingStep, alarm_step: int) -> bool:
-        """Write a step the ring held (unless it is recorded already); True when written."""
-        if held.step in self.recorded_steps:
+        """Hand a step the ring held to the writer whole (unless it is recorded already, or there is no room for it:
+        then it is dropped and said); True when queued."""
+        if held.step in self.recorded_steps or not held.arrays:
             return False
-        self._writer.register_step(held.step)
-        for a in held.arrays:
-            self._writer.put_array(held.step, a.layer, a.name, a.tensor, ready=a.ready, layer_attrs=a.layer_attrs)
-        self._writer.put_complete(held.step, loss=held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
-                                  recorded_by="ring", alarm_step=int(alarm_step))
+        if not self._writer.put_held_step(held.step, held.arrays, loss=held.loss, rank=self.rank,
+                                          micro_batch=self.selection.micro_batch, recorded_by="ring",
+                                          alarm_step=int(alarm_step)):
+            self._say_dropped(held, f"held by the ring for the alarm at step {alarm_step}")
+            return False
         bisect.insort(self.recorded_steps, held.step)
         return True
 

@@ -442,8 +442,9 @@ def _dropout(mode: ChainMode, func, args, kwargs, out) -> None:
     p = _number(bound.get("p", 0.5))
     training = bound.get("training", bound.get("train", True))
     effective = float(p) if p is not None and training else 0.0
-    kept = (1.0 - node.dropout_p) * (1.0 - effective)  # two dropouts in a row keep what both keep
-    mode._set(out, replace(node, dropout_p=1.0 - kept, ops=(*node.ops, "dropout")))
+    if node.dropout_p:  # two dropouts in a row keep what both keep
+        effective = 1.0 - (1.0 - node.dropout_p) * (1.0 - effective)
+    mode._set(out, replace(node, dropout_p=effective, ops=(*node.ops, "dropout")))
 
 
 _DIVIDES = {torch.Tensor.div, torch.div, torch.Tensor.div_, torch.Tensor.__truediv__, torch.Tensor.__itruediv__,
