@@ -3,7 +3,8 @@
 Library entry points (imported lazily so `import fa_forensics` stays cheap):
 - `fa_forensics.capture(model, out=..., steps=...)`: record Q, K, V, O, dO, X during training.
 - `fa_forensics.open_dump(path)`: lazy reader of a dump store.
-- `fa_forensics.replay(q, k, v, config, do=None)` and `fa_forensics.ReplayConfig`: replay attention.
+- `fa_forensics.replay(q, k, v, config, do=None)` and `fa_forensics.ReplayConfig`: replay attention
+  (`fa_forensics.capture` and `fa_forensics.replay` are packages callable as their functions).
 - `fa_forensics.stable_attention(q, k, v, causal=True, beta=2.0, eps=1e-3)`: the paper's fix.
 """
 from __future__ import annotations

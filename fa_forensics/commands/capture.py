@@ -54,8 +54,12 @@ RingOpt = Annotated[int, typer.Option("--ring",
                                            "host memory; an alarm writes them too.", metavar="K")]
 AttentionOpt = Annotated[Optional[list[str]], typer.Option(
     "--attention", metavar="MODULE:QUALNAME[,OPTS]",
-    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
-         ",layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.")]
+    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with options "
+         "layout=BHTD|BTHD (default BHTD), o_layout=, q=/k=/v=/mask=/dropout= (a parameter name or position), "
+         "out=N (O's index in a returned tuple), scale=NUMBER|NAME, causal=true|false|NAME; e.g. "
+         "attention:FlashAttentionFunction or transformers.models.gpt2.modeling_gpt2:eager_attention_forward,"
+         "o_layout=BTHD. SDPA, flash_attn, xformers, flex_attention, Hugging Face's attention functions and "
+         "attention written as torch ops are found without it.")]
 SoftmaxOpt = Annotated[Optional[str], typer.Option(
     "--softmax", metavar="RULE",
     help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
