@@ -6,10 +6,13 @@
             cap.step(loss)            # optional: stores the loss of the step that just ended
 
 Watched without any change to the model: F.scaled_dot_product_attention, flash_attn, xformers'
-memory_efficient_attention and flex_attention. Custom attention is named with `attention=
-["MODULE:QUALNAME,layout=BHTD"]` (a function or an autograd Function; docs/capture-custom-attention.md)
-or reports its calls with `fa_forensics.capture.record(q, k, v, o, layout="BHTD", scale=..., causal=...)`
-(a no-op when no capture is active). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100
+memory_efficient_attention, flex_attention, Hugging Face's attention functions (any attn_implementation)
+and attention written as torch ops inside the model's forward (softmax(Q·Kᵀ·scale + mask)·V, followed on
+recorded steps only: capture/torch_ops.py). Custom attention is named with `attention=
+["MODULE:QUALNAME,layout=BHTD"]` (a function or an autograd Function, its arguments and result mapped by
+options: capture/targets.py, docs/capture-custom-attention.md) or reports its calls with
+`fa_forensics.capture.record(q, k, v, o, layout="BHTD", scale=..., causal=...)` (a no-op when no capture
+is active). Every call's layout is checked against its shapes, X and the module (capture/layouts.py). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100
 [--attention attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
