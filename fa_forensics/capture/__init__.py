@@ -12,8 +12,9 @@ recorded steps only: capture/torch_ops.py). Custom attention is named with `atte
 ["MODULE:QUALNAME,layout=BHTD"]` (a function or an autograd Function, its arguments and result mapped by
 options: capture/targets.py, docs/capture-custom-attention.md) or reports its calls with
 `fa_forensics.capture.record(q, k, v, o, layout="BHTD", scale=..., causal=...)` (a no-op when no capture
-is active). Every call's layout is checked against its shapes, X and the module (capture/layouts.py). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100
-[--attention attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
+is active). Every call's layout is checked against its shapes, X and the module (capture/layouts.py).
+Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100 [--attention
+attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
 
