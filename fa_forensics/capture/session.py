@@ -54,7 +54,8 @@ from fa_forensics.capture.selection import (
 from fa_forensics.capture.monitoring import StepMonitor
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
 from fa_forensics.capture.recorder import Recorder
-from fa_forensics.capture.torch_ops import ChainScope, PlainCall, combine_mask, to_heads
+from fa_forensics.capture.chain_call import combine_mask, to_heads
+from fa_forensics.capture.torch_ops import ChainScope, PlainCall
 from fa_forensics.capture.ring import RingArray, RingStep
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
