@@ -14,6 +14,7 @@ import typer
 from rich.markup import escape
 
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 
@@ -53,8 +54,12 @@ RingOpt = Annotated[int, typer.Option("--ring",
                                            "host memory; an alarm writes them too.", metavar="K")]
 AttentionOpt = Annotated[Optional[list[str]], typer.Option(
     "--attention", metavar="MODULE:QUALNAME[,OPTS]",
-    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
-         ",layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.")]
+    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with options "
+         "layout=BHTD|BTHD (default BHTD), o_layout=, q=/k=/v=/mask=/dropout= (a parameter name or position), "
+         "out=N (O's index in a returned tuple), scale=NUMBER|NAME, causal=true|false|NAME; e.g. "
+         "attention:FlashAttentionFunction or transformers.models.gpt2.modeling_gpt2:eager_attention_forward,"
+         "o_layout=BTHD. SDPA, flash_attn, xformers, flex_attention, Hugging Face's attention functions and "
+         "attention written as torch ops are found without it.")]
 SoftmaxOpt = Annotated[Optional[str], typer.Option(
     "--softmax", metavar="RULE",
     help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
@@ -176,6 +181,7 @@ def _check_script(argv: list[str]) -> None:
 
 
 def _store_summary(out: Path) -> dict:
+    from fa_forensics.commands.info import do_missing
     from fa_forensics.dump import open_dump
 
     try:
@@ -190,9 +196,11 @@ def _store_summary(out: Path) -> dict:
                     "layers": dump.layers() if dump.steps else [],
                     "monitored_steps": int(len(timeline.get("step", []))),
                     "alarm_steps": [] if alarms is None
-                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0]}
+                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0],
+                    "do_missing": do_missing(dump)}
     except UserError:
-        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": []}
+        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": [],
+                "do_missing": {}}
 
 
 def _launcher_report(path: str) -> dict:
@@ -249,7 +257,7 @@ def register(app: typer.Typer) -> None:
         def body():
             import tempfile
 
-            from fa_forensics.capture.entry_points import TargetSpec
+            from fa_forensics.capture.targets import TargetSpec
             from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
@@ -310,7 +318,9 @@ def register(app: typer.Typer) -> None:
                               + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
                               + (f", {summary['monitored_steps']} monitored steps in the timeline"
                                  if summary["monitored_steps"] else "")
-                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
+                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else "")
+                              + (f"; no dO for {do_missing_text(summary['do_missing'])}" if summary["do_missing"]
+                                 else ""))
             if never:  # said on stderr as in --json, before any error line
                 err_console.print(f"[bold yellow]warning:[/] {escape(warnings_said[len(report.get('warnings', []))])}",
                                   highlight=False, soft_wrap=True)

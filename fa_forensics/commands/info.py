@@ -64,6 +64,9 @@ def render(summary: dict[str, Any]) -> None:
                     + (" ..." if len(losses) > 8 else ""))
     if summary.get("timeline"):
         run.add_row("timeline", _kv({k: tuple(v) for k, v in summary["timeline"].items()}))
+    if summary.get("do_missing"):
+        run.add_row("dO missing", "[yellow]" + escape(do_missing_text(summary["do_missing"]))
+                    + " (no gradient of O reached the capture; backward analyses skip them)[/]")
     console.print(run)
 
     layers = Table(title="layers", title_justify="left")
@@ -98,6 +101,21 @@ def render(summary: dict[str, Any]) -> None:
         console.print(gt)
 
 
+def do_missing(d) -> dict[str, list[int]]:
+    """{layer: [complete steps whose recorded layer has no dO]} (the layers a capture saw no gradient of)."""
+    missing: dict[str, list[int]] = {}
+    for s in d.steps:
+        for l in d.layers(s):
+            if not d.has(s, l, "do"):
+                missing.setdefault(str(l), []).append(int(s))
+    return missing
+
+
+def do_missing_text(missing: dict[str, list[int]]) -> str:
+    """'layer 1 (steps 3-5); layer 2 (step 4)'."""
+    return "; ".join(f"layer {l} (step{'s' if len(s) > 1 else ''} {_ranges(s)})" for l, s in missing.items())
+
+
 def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None,
          debug: DebugOpt = False) -> None:
     """Describe a dump: steps (incomplete ones apart), layers, heads, shapes, dtypes, capture settings."""
@@ -109,6 +127,10 @@ def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: L
             warnings.simplefilter("ignore", IncompleteStepWarning)  # shown in the table instead
             d = open_dump(dump, rank=rank)
         summary = d.summary(step=step, layer=layer)
+        summary["do_missing"] = do_missing(d)
+        summary["warnings"] = ([f"no dO recorded for {do_missing_text(summary['do_missing'])}: no gradient of O "
+                                "reached the capture; backward analyses skip these layer-steps"]
+                               if summary["do_missing"] else [])
         render(summary)
         write_json(json_out, summary)
         return empty_dump_code(d)
