@@ -94,11 +94,12 @@ def test_metadata_damage_makes_only_its_step_incomplete_and_is_named(case, make_
     damage, text = METADATA_CASES[case]
     path = make_dump(steps=(0, 1))
     damage(path)
-    with pytest.warns(IncompleteStepWarning, match="step\\(s\\) 1 are damaged"):
+    with pytest.warns(IncompleteStepWarning, match="^damaged: .*step_000000001.*; step\\(s\\) 1 are damaged"):
         d = open_dump(path)
     assert d.steps == [0] and list(d.damage) == [1]
     assert text in str(d.damage[1][0])
-    with pytest.raises(DumpError, match="step 1 .*damaged"):
+    assert d.damage[1][0].file.startswith("step_000000001")
+    with pytest.raises(DumpError, match="^damaged: .*step_000000001.*; step\\(s\\) 1 are damaged"):
         d.read(1, 0, "q")
     assert d.read(0, 0, "q").shape == (1, 2, 16, 8)  # the other step reads
 
