@@ -1,6 +1,7 @@
 """`fa-forensics capture` (run an unmodified training script with capture) and `fa-forensics demo-train`."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -142,6 +143,9 @@ def worded_settings(option_of: dict[str, str] = OPTION_OF):
         if needs:
             raise UserError(f"{option} needs {' and '.join(NEEDED_AS.get(n, n) for n in needs)}: {exc.why}") from None
         raise UserError(f"{option}: {exc.reason}") from None
+
+
+NEVER_LISTED = 1000  # never_reached in --json lists at most this many steps (the warning gives them all as ranges)
 
 
 def _span_text(steps: list[int], limit: int = 10) -> str:
@@ -287,13 +291,17 @@ def register(app: typer.Typer) -> None:
                                     "check the training command") from exc
                 report = _launcher_report(settings["report"])
             summary = _store_summary(out)
-            missing = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
+            recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
             ran = report.get("steps_run")
-            never = [s for s in missing if ran is None or s >= ran]
-            without_attention = [s for s in missing if s not in never]
+            # the selection is lazy (--steps 0:10**18 is never listed): only the steps the run reached are walked
+            without_attention = [] if ran is None else [s for s in selection.steps.below(ran) if s not in recorded]
+            unreached = selection.steps if ran is None else selection.steps.from_step(ran)
+            never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
+            never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
+            never = never[:NEVER_LISTED]
             warnings_said = list(report.get("warnings", []))
             if never:
-                warnings_said.append(f"selected step(s) {_span_text(never)} were never reached (the run made "
+                warnings_said.append(f"selected step(s) {never_text} were never reached (the run made "
                                      f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
                                      "for them. Check --steps against the run's length")
             warmup_line = warn_if_warmup_covers_run(rule, summary["monitored_steps"])
