@@ -153,6 +153,28 @@ def _span_text(steps: list[int], limit: int = 10) -> str:
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
+CTRL_C_GRACE = 60.0  # seconds a training script that got Ctrl-C has to end (its capture writer finishes its queue)
+
+
+def _wait_for(training: subprocess.Popen) -> int:
+    """The training script's exit code. On Ctrl-C (which the script, in the same process group, gets too) it is
+    given CTRL_C_GRACE seconds to end as it handles the interrupt, so its store is left whole and unlocked,
+    then terminated; the interrupt then goes on."""
+    try:
+        return training.wait()
+    except KeyboardInterrupt:
+        try:
+            training.wait(timeout=CTRL_C_GRACE)
+        except subprocess.TimeoutExpired:
+            training.terminate()
+            try:
+                training.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                training.kill()
+                training.wait()
+        raise
+
+
 def _check_script(argv: list[str]) -> None:
     """The script the launcher will run must exist; a module too, when it runs in this interpreter
     (in another one the launcher checks it)."""
@@ -285,10 +307,11 @@ def register(app: typer.Typer) -> None:
                 settings["report"] = os.path.join(tmp, "report.json")
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
                 try:
-                    code = subprocess.call(argv, env=env)
+                    training = subprocess.Popen(argv, env=env)
                 except OSError as exc:
                     raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
                                     "check the training command") from exc
+                code = _wait_for(training)
                 report = _launcher_report(settings["report"])
             summary = _store_summary(out)
             recorded = set(summary["steps"]) | set(summary["incomplete_steps"])

@@ -470,16 +470,20 @@ def sound_series(timeline_dir: Path, root: Path | None = None) -> Iterator[tuple
 def check_chunk_data(array, step: int | None, layer: int | None, name: str,
                      array_dir: Path | None = None, root: Path | None = None) -> list[Damage]:
     """Decode every chunk of a zarr array one at a time; each chunk that fails is one Damage naming it. With
-    `array_dir`, only chunk files present as regular files are decoded (the others are named by check_step)."""
+    `array_dir`, only the chunk files present as regular files inside the store are decoded, found by one
+    streamed listing (the others are named by check_step; a grid the metadata claims is never walked)."""
     out = []
     chunks = array.chunks
-    grid = [range(math.ceil(s / c)) for s, c in zip(array.shape, chunks)]
     sep = _separator(array)
-    for idx in itertools.product(*grid):
-        key = sep.join(["c", *map(str, idx)])
-        if array_dir is not None and not (os.path.isfile(array_dir / key) and link_leaving(array_dir / key, root)
-                                          is None):
-            continue
+    if array_dir is None:
+        keys = (sep.join(["c", *map(str, idx)])
+                for idx in itertools.product(*[range(math.ceil(s / c)) for s, c in zip(array.shape, chunks)]))
+    else:
+        counts = [math.ceil(s / c) for s, c in zip(array.shape, chunks)]
+        keys = (key for key, entry in _grid_entries(array_dir, counts, sep)
+                if entry.is_file() and link_leaving(Path(entry.path), root) is None)
+    for key in keys:
+        idx = [int(i) for i in key.split(sep)[1:]]
         sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks))
         try:
             array[sel]

@@ -817,3 +817,32 @@ def test_ctrl_c_during_a_report_leaves_no_debris(tmp_path, make_dump):
     assert run.returncode == 130 and [line for line in run.stderr.splitlines() if line.strip()] == ["interrupted"], \
         run.stderr
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(out) == []
+
+
+def test_ctrl_c_during_a_capture_leaves_the_store_whole_and_unlocked(tmp_path):
+    """Ctrl-C reaches the whole process group: the training script's capture ends as a failed run (its completed
+    steps kept, its lock released) and the command says "interrupted" once, exit 130, no traceback."""
+    import signal
+    import time
+
+    from tests.cli.test_capture_cli import SCRIPT
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fa_forensics", "capture", "--out", "run.zarr", "--steps", "1,3",
+                             "--", sys.executable, "train.py", "100000", "seen.pt"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while not (tmp_path / "run.zarr" / "step_000000003" / "zarr.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # step 3 is being completed or done; the run goes on (100000 steps)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and [line for line in err.splitlines() if line.strip()] == ["interrupted"], err
+    assert sorted(os.listdir(tmp_path)) == ["run.zarr", "train.py"]  # no lock, no staging folder
+    result, _ = _cli("verify", tmp_path / "run.zarr", "--json", tmp_path / "v.json")
+    assert result.exit_code == 0 and json.loads((tmp_path / "v.json").read_text())["steps"] == [1, 3]

@@ -56,7 +56,9 @@ for args in json.loads(sys.argv[1]):
     r = CliRunner().invoke(app, args)
     runs[" ".join(args[:1])] = {{"code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
                                  "error": repr(r.exception)}}
-runs["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# this process's own peak (VmHWM; ru_maxrss would carry the peak of the process that forked it)
+peak = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+runs["max_rss_mb"] = int(peak[0].split()[1]) / 1024 if peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(runs))
 """
 
