@@ -15,6 +15,8 @@ from __future__ import annotations
 import signal
 import sys
 
+from fa_forensics import commands  # noqa: F401 - the room the app is built from; its modules load in build_app
+
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
 
 _APP = None

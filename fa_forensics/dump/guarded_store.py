@@ -26,11 +26,10 @@ from zarr.core.array import AsyncArray
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.storage import LocalStore
 
+from fa_forensics.dump.metadata_checks import MAX_RATIO
 from fa_forensics.dump.safe_read import read_regular
 
 _ZSTD_MAGIC = 0xFD2FB528
-# The most zstd can inflate: every block (at most 128 KiB of output) costs at least 4 bytes (3 of header, 1 of RLE).
-MAX_RATIO = 128 * 1024 // 4
 _SKIPPABLE_MAGIC = 0x184D2A50  # the 16 values 0x184D2A50..5F mark skippable frames
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from fa_forensics.dump.metadata_checks import (
-    MAX_DIM, NUMERIC_TYPES, STEP_ATTRS, STORED_TYPE, array_problems, attribute_problems, chunk_grid, describe_error,
-    layer_attribute_problems, read_metadata,
+    MAX_DIM, MAX_RATIO, NUMERIC_TYPES, STEP_ATTRS, STORED_TYPE, array_problems, attribute_problems, chunk_bytes,
+    chunk_grid, describe_error, layer_attribute_problems, read_metadata,
 )
 from fa_forensics.dump.safe_read import special_kind
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, LAYER_RE, MASK
@@ -147,10 +147,8 @@ def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any 
 def _check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any,
                  root: Path | None) -> tuple[list[Damage], list[int] | None]:
     """(damage, the shape when the metadata is sound) of one array."""
-    meta_file = relative(array_dir / "zarr.json", root)
-
-    def damage(what: str, file: str = meta_file) -> Damage:
-        return Damage(step, layer, name, what, file)
+    def damage(what: str) -> Damage:
+        return Damage(step, layer, name, what, relative(array_dir / "zarr.json", root))
 
     try:
         meta = read_metadata(array_dir)
@@ -171,18 +169,20 @@ def _check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any
     if name in ("q", "o", "do") and isinstance(n_heads, int) and not isinstance(n_heads, bool) and shape[1] != n_heads:
         return [damage(f"holds {shape[1]} heads but the layer attribute n_heads is {n_heads}")], shape
     grid = chunk_grid(meta)
-    return _check_chunk_files(array_dir, grid, step, layer, name, root), shape
+    return _check_chunk_files(array_dir, grid, step, layer, name, root, nbytes=chunk_bytes(meta)), shape
 
 
 def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int | None, layer: int | None,
-                       name: str, root: Path | None, missing_ok: bool = False) -> list[Damage]:
-    """Missing chunks, chunks that are folders or special files, chunk links leaving the store: counted from one
-    streamed listing of the folder (memory bounded by the files present, never by the chunk count the metadata
-    claims). `missing_ok`: absent chunks are fill values the writer skipped, not damage."""
+                       name: str, root: Path | None, missing_ok: bool = False, nbytes: int = 0) -> list[Damage]:
+    """Missing chunks, chunks that are folders or special files, chunk links leaving the store, chunk files too
+    short to ever hold `nbytes` (a chunk's decoded size) however they inflate: counted from one streamed listing
+    of the folder (memory bounded by the files present, never by the chunk count the metadata claims; a file is
+    stat'ed only for chunks of more than a MiB). `missing_ok`: absent chunks are fill values the writer skipped,
+    not damage."""
     counts, sep = grid
     total = math.prod(counts)
     present = 0
-    found: dict[str, list[str]] = {"folder": [], "special": [], "outside": []}
+    found: dict[str, list[str]] = {"folder": [], "special": [], "outside": [], "short": []}
     n = dict.fromkeys(found, 0)
 
     def note(kind: str, text: str) -> None:
@@ -199,15 +199,17 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int |
             note("outside", f"{key} -> {target}")
         if entry.is_file():
             present += 1
+            if nbytes > 2**20 and entry.stat().st_size * MAX_RATIO < nbytes:
+                note("short", key)
             continue
         kind = _special(entry.path)
         if kind is not None:
             note("special", f"{key}: {kind}")
     n_missing = 0 if missing_ok else total - present - n["folder"] - n["special"]
-    folder = relative(array_dir, root)
     out = []
 
     def damage(what: str, kind: str | None, keys: list[str], count: int) -> None:
+        folder = relative(array_dir, root)
         file = f"{folder}/{keys[0].split(' ')[0].rstrip(':')}" if count == 1 and keys else folder
         out.append(Damage(step, layer, name, what, file))
 
@@ -226,6 +228,10 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int |
     if n["special"]:
         damage(f"{_plural(n['special'], 'chunk')} not a regular file ({_first(found['special'], n['special'])})",
                "special", found["special"], n["special"])
+    if n["short"]:
+        damage(f"{_plural(n['short'], 'chunk file')} too short to hold the chunk's {nbytes} bytes, however zstd "
+               f"inflates ({_first(found['short'], n['short'])}); the shape is hostile or the file damaged",
+               "short", found["short"], n["short"])
     if n["outside"]:
         verb = "is a link" if n["outside"] == 1 else "are links"
         damage(f"{_plural(n['outside'], 'chunk')} {verb} leaving the store ({_first(found['outside'], n['outside'])})"
@@ -321,10 +327,13 @@ def _check_step(step_dir: Path, step: int, root: Path) -> list[Damage]:
     layers = sorted(int(m.group(1)) for d in _listdir(step_dir) if (m := LAYER_RE.match(d)) and (step_dir / d).is_dir())
     listed_layers = (step_meta or {}).get("attributes", {}).get("layers")
     if isinstance(listed_layers, list):
-        for l in listed_layers:
-            if isinstance(l, int) and l not in layers:
-                out.append(Damage(step, l, None, "layer folder is missing though the step lists it",
-                                  relative(step_dir / f"layer_{l:03d}", root)))
+        missing = [l for l in dict.fromkeys(listed_layers) if isinstance(l, int) and l not in layers]
+        for l in missing[:3]:
+            out.append(Damage(step, l, None, "layer folder is missing though the step lists it",
+                              relative(step_dir / f"layer_{l:03d}", root)))
+        if len(missing) > 3:
+            out.append(Damage(step, None, None, f"{len(missing) - 3} more layer folders are missing though the step "
+                                                "lists them", relative(step_dir / "zarr.json", root)))
     if not layers and not out:
         out.append(Damage(step, None, None, "holds no layer", relative(step_dir, root)))
     for layer in layers:
@@ -337,7 +346,7 @@ def _check_layer(layer_dir: Path, step: int, layer: int, root: Path) -> list[Dam
     if leaving:
         return leaving
     out: list[Damage] = []
-    layer_file = relative(layer_dir / "zarr.json", root)
+    layer_file = f"{relative(layer_dir, root)}/zarr.json"
     try:
         meta = read_metadata(layer_dir)
         attrs = meta.get("attributes", {})
@@ -370,6 +379,11 @@ def _check_layer(layer_dir: Path, step: int, layer: int, root: Path) -> list[Dam
     if isinstance(heads, list) and stored is not None and len(heads) != stored:
         out.append(Damage(step, layer, None, f"layer attribute heads lists {len(heads)} heads but the arrays hold "
                                              f"{stored}", layer_file))
+    head_dim = attrs.get("head_dim")
+    width = next((shapes[n][3] for n in ("q", "k", "v", "o", "do") if n in shapes), None)
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and width is not None and head_dim != width:
+        out.append(Damage(step, layer, None, f"layer attribute head_dim={head_dim} but the arrays hold {width} values "
+                                             "per head", layer_file))
     return out
 
 
@@ -424,7 +438,8 @@ def _check_timeline(timeline_dir: Path, root: Path | None) -> list[Damage]:
         steps_found = steps_found or name == "step"
         # the writer skips chunks that hold only the fill value, except in `step` (distinct step numbers): its
         # chunks, all present, bound the rows a reader takes from every series
-        out.extend(_check_chunk_files(series, chunk_grid(meta), None, None, where, root, missing_ok=name != "step"))
+        out.extend(_check_chunk_files(series, chunk_grid(meta), None, None, where, root, missing_ok=name != "step",
+                                      nbytes=chunk_bytes(meta)))
     if not steps_found and not out and any(_listdir(timeline_dir)):
         out.append(Damage(None, None, "timeline", "holds no step series", relative(timeline_dir, root)))
     return out

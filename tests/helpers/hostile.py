@@ -58,7 +58,8 @@ for args in json.loads(sys.argv[1]):
                                  "error": repr(r.exception)}}
 # this process's own peak (VmHWM; ru_maxrss would carry the peak of the process that forked it)
 peak = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
-runs["max_rss_mb"] = int(peak[0].split()[1]) / 1024 if peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+own = int(peak[0].split()[1]) if peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+runs["max_rss_mb"] = own / 1024
 print(json.dumps(runs))
 """
 

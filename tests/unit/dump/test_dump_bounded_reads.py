@@ -161,3 +161,27 @@ def test_a_timeline_claiming_rows_it_does_not_hold_is_damage_and_the_steps_still
     with pytest.warns(UserWarning, match="the timeline cannot be read"):
         summary = dump.summary()
     assert summary["steps"] == [0] and summary["timeline"] is None
+
+
+def test_a_chunk_shape_no_file_present_could_hold_is_damage_before_any_read(make_dump):
+    """Shape (1, 2, 2^30, 8) in chunks of one head, with the two chunk files of a few hundred bytes each: 16 GiB a
+    chunk that no zstd data that short can reach, so nothing is allocated for it."""
+    path = make_dump(steps=(0, 1))
+
+    def huge(meta):
+        meta["shape"] = [1, 2, 2**30, 8]
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [1, 1, 2**30, 8]
+
+    _edit(path / LAYER / "q" / "zarr.json", huge)
+    [damage] = check_step(path / "step_000000001", 1, path)
+    assert damage.what.startswith("2 chunk files too short to hold the chunk's 17179869184 bytes"), damage
+
+
+def test_counts_in_the_metadata_are_checked_against_the_arrays(make_dump):
+    """head_dim other than the arrays' width, and a step listing 10^5 layers it lacks: a bounded list of damage."""
+    path = make_dump(steps=(0, 1))
+    _edit(path / LAYER / "zarr.json", lambda m: m["attributes"].update(head_dim=4096))
+    _edit(path / "step_000000001" / "zarr.json", lambda m: m["attributes"].update(layers=list(range(100_000))))
+    problems = [d.what for d in check_step(path / "step_000000001", 1, path)]
+    assert "layer attribute head_dim=4096 but the arrays hold 8 values per head" in problems
+    assert "99996 more layer folders are missing though the step lists them" in problems and len(problems) == 5
