@@ -182,13 +182,13 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int |
     counts, sep = grid
     total = math.prod(counts)
     present = 0
-    found: dict[str, list[str]] = {"folder": [], "special": [], "outside": [], "short": []}
+    found: dict[str, list[tuple[str, str]]] = {"folder": [], "special": [], "outside": [], "short": []}
     n = dict.fromkeys(found, 0)
 
-    def note(kind: str, text: str) -> None:
+    def note(kind: str, key: str, text: str | None = None) -> None:
         n[kind] += 1
         if len(found[kind]) < 3:
-            found[kind].append(text)
+            found[kind].append((key, text or key))
 
     for key, entry in _grid_entries(array_dir, counts, sep):
         if entry.is_dir():
@@ -196,7 +196,7 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int |
             continue
         target = link_leaving(Path(entry.path), root)
         if target is not None:
-            note("outside", f"{key} -> {target}")
+            note("outside", key, f"{key} -> {target}")
         if entry.is_file():
             present += 1
             if nbytes > 2**20 and entry.stat().st_size * MAX_RATIO < nbytes:
@@ -204,38 +204,33 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int |
             continue
         kind = _special(entry.path)
         if kind is not None:
-            note("special", f"{key}: {kind}")
-    n_missing = 0 if missing_ok else total - present - n["folder"] - n["special"]
-    out = []
-
-    def damage(what: str, kind: str | None, keys: list[str], count: int) -> None:
-        folder = relative(array_dir, root)
-        file = f"{folder}/{keys[0].split(' ')[0].rstrip(':')}" if count == 1 and keys else folder
-        out.append(Damage(step, layer, name, what, file))
-
-    if n_missing > 0:
-        missing = []
+            note("special", key, f"{key}: {kind}")
+    missing: list[tuple[str, str]] = []
+    n["missing"] = 0 if missing_ok else total - present - n["folder"] - n["special"]
+    if n["missing"] > 0:
         for idx in grid_indices(counts):  # stops at the third missing key
             key = sep.join(["c", *map(str, idx)])
             if not os.path.lexists(array_dir / key):
-                missing.append(key)
+                missing.append((key, key))
                 if len(missing) == 3:
                     break
-        damage(f"{_plural(n_missing, 'chunk')} missing ({_first(missing, n_missing)})", None, missing, n_missing)
-    if n["folder"]:
-        damage(f"{_plural(n['folder'], 'chunk')} replaced by a folder ({_first(found['folder'], n['folder'])})",
-               "folder", found["folder"], n["folder"])
-    if n["special"]:
-        damage(f"{_plural(n['special'], 'chunk')} not a regular file ({_first(found['special'], n['special'])})",
-               "special", found["special"], n["special"])
-    if n["short"]:
-        damage(f"{_plural(n['short'], 'chunk file')} too short to hold the chunk's {nbytes} bytes, however zstd "
-               f"inflates ({_first(found['short'], n['short'])}); the shape is hostile or the file damaged",
-               "short", found["short"], n["short"])
-    if n["outside"]:
-        verb = "is a link" if n["outside"] == 1 else "are links"
-        damage(f"{_plural(n['outside'], 'chunk')} {verb} leaving the store ({_first(found['outside'], n['outside'])})"
-               "; a dump holds its own data", "outside", found["outside"], n["outside"])
+    found["missing"] = missing
+    words = {
+        "missing": lambda count, first: f"{_plural(count, 'chunk')} missing ({first})",
+        "folder": lambda count, first: f"{_plural(count, 'chunk')} replaced by a folder ({first})",
+        "special": lambda count, first: f"{_plural(count, 'chunk')} not a regular file ({first})",
+        "short": lambda count, first: (f"{_plural(count, 'chunk file')} too short to hold the chunk's {nbytes} bytes, "
+                                       f"however zstd inflates ({first}); the shape is hostile or the file damaged"),
+        "outside": lambda count, first: (f"{_plural(count, 'chunk')} {'is a link' if count == 1 else 'are links'} "
+                                         f"leaving the store ({first}); a dump holds its own data"),
+    }
+    out = []
+    for kind, say in words.items():
+        count, keys = n[kind], found[kind]
+        if count > 0:
+            folder = relative(array_dir, root)
+            file = f"{folder}/{keys[0][0]}" if count == 1 and keys else folder
+            out.append(Damage(step, layer, name, say(count, _first([text for _, text in keys], count)), file))
     return out
 
 
