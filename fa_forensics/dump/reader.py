@@ -362,9 +362,11 @@ class Dump:
             data = arr.oindex[sel] if any(isinstance(s, list) for s in sel) else arr[sel]
         except Exception as exc:  # a chunk that does not decode: name it
             key = bad_chunk(arr, sel)
-            chunk = f"chunk {key}" if key else "a chunk"
-            raise DumpError(f"{where}: {chunk} cannot be decoded ({describe_error(exc)}); the dump is damaged, "
-                            f"run `fa-forensics verify {self.path}` and re-capture the step") from None
+            folder = self._tree_path / f"step_{int(step):09d}" / layer_key(layer) / name
+            located, chunk = (f"{folder}/{key}", f"chunk {key}") if key else (str(folder), "a chunk")
+            raise DumpError(f"damaged: {located}: {chunk} of step {step} layer {layer} array '{name}' cannot be "
+                            f"decoded ({describe_error(exc)}); run `fa-forensics verify {self.path}` and re-capture "
+                            "the step") from None
         return decode(np.asarray(data), dname)
 
     @staticmethod
