@@ -115,6 +115,10 @@ def _card(v: Verdict, e) -> list[str]:
     if v.actions:
         out.append("<dt>What to do</dt><dd><ol>" + "".join(
             f"<li><strong>{e(a.what)}</strong>: {e(a.effect)}.</li>" for a in v.actions) + "</ol></dd>")
+    elif v.untested:
+        out.append("<dt>What to do</dt><dd>Nothing for what was tested: no analysis that ran found a bias, an FP8 "
+                   f"collapse or an alarm; {e(', '.join(v.untested))} could not run (their notes below say why and "
+                   "what a dump needs for them).</dd>")
     else:
         out.append("<dt>What to do</dt><dd>Nothing: no analysis found a bias, an FP8 collapse or an alarm.</dd>")
     if v.disagreements:

@@ -142,3 +142,22 @@ def test_the_glossary_gives_the_e4m3_thresholds_the_cast_has():
         at, above = torch.tensor([2.0 ** -exponent]), torch.tensor([2.0 ** -exponent * up])
         assert float(round_to(at * s, "fp8_e4m3")) == 0 and float(round_to(above * s, "fp8_e4m3")) > 0
         assert f"at or below 2⁻{''.join('⁰¹²³⁴⁵⁶⁷⁸⁹'[int(d)] for d in str(exponent))}" in meaning
+
+
+def test_analyses_that_could_not_run_qualify_a_clean_verdict():
+    """A dump without dO (a GPU capture of the forward): the Σδ analyses cannot run, so the page says no bias was
+    found in what was tested and names what was not, never a bare 'nothing to fix'."""
+    secs = [s for s in _planted_like(delta_found=False, o_found=False) if s.name not in ("isolate", "delta-bias")]
+    note = "step 10 layer 3: the dump has no 'do' array; isolate needs dO to compute δ"
+    secs = [_sec("isolate", None, note=note), _sec("delta-bias", None, note=note), _sec("rank1-sim", None, note=note),
+            *secs]
+    v = build_verdict(secs)
+    assert v.status == "not affected" and v.untested == ("isolate", "delta-bias", "rank1-sim")
+    assert v.answer.startswith("No significant biased rounding in what could be tested; isolate, delta-bias and "
+                               "rank1-sim could not run on this dump")
+    assert "nothing to fix in what was tested (isolate, delta-bias and rank1-sim could not run)" in v.line()
+    assert any(c.startswith("Not tested: isolate, delta-bias and rank1-sim") for c in v.confidence)
+    page = render("d.zarr", secs)
+    assert "Nothing for what was tested" in page and "Nothing: no analysis found" not in page
+    clean = build_verdict(_planted_like(delta_found=False, o_found=False))  # every analysis ran: the plain answer
+    assert clean.answer == "No: no significant biased rounding, nothing to fix." and not clean.untested
