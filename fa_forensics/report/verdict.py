@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, rule_text
+from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, REMOVED_SHARE, rule_text
 from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se, text
 
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
@@ -517,10 +517,12 @@ def _fix(data: dict, collapse: str) -> str:
         return collapse
     if not fc.get("has_bias", True):
         return ""
-    text = {"removed": "; the stabilized softmax removes it",
+    fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
+    most = finite(fixed.get("removed_share")) and fixed["removed_share"] < REMOVED_SHARE
+    text = {"removed": ("; the stabilized softmax removes most of it (what is left is not significant)" if most
+                        else "; the stabilized softmax removes it"),
             "inconclusive": "; too few rows to tell whether the stabilized softmax removes it"}.get(
         fc.get("outcome"), "; the stabilized softmax does NOT remove it")
-    fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
     text += (f" (fix-check, {fixed.get('name', 'the fix')}: {share_with_se(fixed.get('removed_share'), None)} removed, "
              f"reduction {number(fc.get('bias_reduction'), '.1f')}x)")
     return text

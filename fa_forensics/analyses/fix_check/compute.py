@@ -66,7 +66,8 @@ from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_key
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, delta_items,
                                               head_total, most_significant, o_cell, o_cells, o_claim, o_units,
                                               selection_family)
-from fa_forensics.analyses.significance import O_TESTS_PER_CELL, Family, holm, outcome, p_text, significant
+from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE, Family, holm, outcome, p_text,
+                                                significant)
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -495,8 +496,11 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"
     tail += _control_clause(fixed, alternatives)
-    if fixed.outcome == "removed":
+    if fixed.outcome == "removed" and fixed.removed_share >= REMOVED_SHARE:
         return "removed", f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
+    if fixed.outcome == "removed":  # at least half gone, the rest not significant: the policy's "removes", said so
+        return "removed", (f"FIX REMOVES MOST OF THE BIAS at {where}: {numbers}; what is left is not significant"
+                           f"{tail}")
     if fixed.outcome == "inconclusive":
         return "inconclusive", (f"INCONCLUSIVE at {where}: {numbers}; what is left is not significant either: too "
                                 f"few rows to tell whether the fix removes it (capture more steps or batch rows){tail}")

@@ -135,3 +135,23 @@ def test_a_variant_that_did_not_run_on_every_layer_step_is_left_out():
     assert r.target["layer"] in (0, 1) and r.has_bias
     names = {r.fixed.name, *(a.name for a in r.alternatives)}
     assert not names & {"stable_attention", "plain_attention"} and r.fixed.name == "stabilized"
+
+
+@pytest.mark.parametrize("share,words", [(0.95, "FIX REMOVES THE BIAS at"), (0.59, "FIX REMOVES MOST OF THE BIAS at")])
+def test_a_fix_that_removes_half_of_the_bias_says_most(result, share, words):
+    """The policy's "removes" covers ≥ 90 % gone, or ≥ 50 % with nothing significant left: the second is worded as
+    most of the bias removed, the rest not significant, not as the bias removed."""
+    import dataclasses
+
+    from fa_forensics.analyses.fix_check.compute import _decide
+    from fa_forensics.analyses.quantities import BiasCell
+    from fa_forensics.report.verdict import _fix
+
+    fixed = dataclasses.replace(result.fixed, removed_share=share, outcome="removed", still_biased=False)
+    target = BiasCell(result.target["layer"], result.target["head"], result.target["feature"], 0.0, 0.0, 1.0, 0.5, 1)
+    outcome, verdict = _decide(result.baseline, fixed, result.alternatives, result.claim, result.family, target,
+                               result.collapse, 1 / (1 - share))
+    assert outcome == "removed" and verdict.startswith(words)
+    assert ("what is left is not significant" in verdict) == (share < 0.9)
+    line = _fix({"fix-check": {"outcome": "removed", "fixed": {"name": "stabilized", "removed_share": share}}}, "")
+    assert ("removes most of it" in line) == (share < 0.9) and "removes" in line
