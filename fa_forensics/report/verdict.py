@@ -506,6 +506,8 @@ def _operation(data: dict, o: Optional[Evidence]) -> str:
             if finite(total):
                 text += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that "
                          "feature")
+                if total > 1 or total < 0:  # a signed share of a mean: the rest of the rows push the other way
+                    text += " (a signed share: the other rows' rounding pushes the other way)"
     return text
 
 

@@ -161,3 +161,14 @@ def test_analyses_that_could_not_run_qualify_a_clean_verdict():
     assert "Nothing for what was tested" in page and "Nothing: no analysis found" not in page
     clean = build_verdict(_planted_like(delta_found=False, o_found=False))  # every analysis ran: the plain answer
     assert clean.answer == "No: no significant biased rounding, nothing to fix." and not clean.untested
+
+
+def test_a_share_above_100_percent_says_it_is_signed():
+    secs = _planted_like()
+    pv = secs[-1].data
+    pv["class_shares"] = {"tie": {"share": 1.05, "se": 0.02, "rows": 700}, "carry": {"share": -0.02, "se": 0.01,
+                                                                                    "rows": 90}}
+    line = build_verdict(secs).line()
+    assert "carries 103% ± 2% of the O bias in that feature (a signed share: the other rows' rounding pushes" in line
+    pv["class_shares"] = {"tie": {"share": 0.97, "se": 0.02, "rows": 700}}
+    assert "signed share" not in build_verdict(secs).line()
