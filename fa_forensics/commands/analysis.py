@@ -19,7 +19,7 @@ import typer
 from fa_forensics.analyses.registry import ANALYSES, Analysis, Option
 from fa_forensics.commands.common import (
     AccumulationOpt, AnalysisArgs, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, SchedulerOpt,
-    StepOpt, WorkersOpt, exit_code, progress_bar, register_analysis_command, show_result,
+    StepOpt, WorkersOpt, accumulation_option, exit_code, progress_bar, register_analysis_command, show_result,
 )
 from fa_forensics.errors import InvalidSetting, OutOfRange, UserError
 
@@ -28,8 +28,17 @@ SHARED = {"dump": DumpArg, "step": StepOpt, "layer": LayerOpt, "head": HeadOpt, 
           "debug": DebugOpt}
 
 
-def annotation(option: Option) -> Any:
-    """The typer parameter type of a registered option."""
+def preset_flags(analysis: Analysis) -> tuple[str, ...]:
+    """The command's options that take a replay preset: its own (metavar PRESET, as bitdiff's --a and --b), else
+    the shared --preset."""
+    own = tuple(o.flag for o in analysis.options if o.metavar == "PRESET")
+    return own or ("--preset",)
+
+
+def annotation(option: Option, analysis: Analysis) -> Any:
+    """The typer parameter type of a registered option of `analysis`."""
+    if option.shared and option.name == "accumulation":
+        return accumulation_option(preset_flags(analysis))
     if option.shared:
         return SHARED[option.name]
     if option.argument:
@@ -85,7 +94,7 @@ def own_command(analysis: Analysis) -> Callable[..., None]:
             exit_code(code)
 
     command.__signature__ = inspect.Signature([
-        inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(o),
+        inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(o, analysis),
                           default=inspect.Parameter.empty if o.name == "dump" and o.shared else o.default)
         for o in analysis.options
     ])
@@ -97,7 +106,7 @@ def register(app: typer.Typer) -> None:
     """Add every registered analysis's command to the app, in the registry's order."""
     for analysis in ANALYSES:
         if analysis.replays:
-            extra = [(o.name, annotation(o), o.default) for o in analysis.options]
+            extra = [(o.name, annotation(o, analysis), o.default) for o in analysis.options]
             register_analysis_command(app, analysis.name, analysis.help, replay_body(analysis), extra=extra)
         else:
             app.command(analysis.name, help=analysis.help)(own_command(analysis))

@@ -1,6 +1,7 @@
 """`fa-forensics capture` (run an unmodified training script with capture) and `fa-forensics demo-train`."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import typer
 from rich.markup import escape
 
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS, WATCHED
@@ -65,8 +67,12 @@ RingOpt = Annotated[int, typer.Option("--ring",
                                            "host memory; an alarm writes them too.", metavar="K")]
 AttentionOpt = Annotated[Optional[list[str]], typer.Option(
     "--attention", metavar="MODULE:QUALNAME[,OPTS]",
-    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
-         ",layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.")]
+    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with options "
+         "layout=BHTD|BTHD (default BHTD), o_layout=, q=/k=/v=/mask=/dropout= (a parameter name or position), "
+         "out=N (O's index in a returned tuple), scale=NUMBER|NAME, causal=true|false|NAME; e.g. "
+         "attention:FlashAttentionFunction or transformers.models.gpt2.modeling_gpt2:eager_attention_forward,"
+         "o_layout=BTHD. SDPA, flash_attn, xformers, flex_attention, Hugging Face's attention functions and "
+         "attention written as torch ops are found without it.")]
 SoftmaxOpt = Annotated[Optional[str], typer.Option(
     "--softmax", metavar="RULE",
     help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
@@ -160,9 +166,34 @@ def worded_settings(option_of: dict[str, str] = OPTION_OF):
         raise UserError(f"{option}: {exc.reason}") from None
 
 
+NEVER_LISTED = 1000  # never_reached in --json lists at most this many steps (the warning gives them all as ranges)
+
+
 def _span_text(steps: list[int], limit: int = 10) -> str:
     shown = ", ".join(map(str, steps[:limit]))
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+CTRL_C_GRACE = 60.0  # seconds a training script that got Ctrl-C has to end (its capture writer finishes its queue)
+
+
+def _wait_for(training: subprocess.Popen) -> int:
+    """The training script's exit code. On Ctrl-C (which the script, in the same process group, gets too) it is
+    given CTRL_C_GRACE seconds to end as it handles the interrupt, so its store is left whole and unlocked,
+    then terminated; the interrupt then goes on."""
+    try:
+        return training.wait()
+    except KeyboardInterrupt:
+        try:
+            training.wait(timeout=CTRL_C_GRACE)
+        except subprocess.TimeoutExpired:
+            training.terminate()
+            try:
+                training.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                training.kill()
+                training.wait()
+        raise
 
 
 def _check_script(argv: list[str]) -> None:
@@ -192,6 +223,7 @@ def _check_script(argv: list[str]) -> None:
 
 
 def _store_summary(out: Path) -> dict:
+    from fa_forensics.commands.info import do_missing
     from fa_forensics.dump import open_dump
     from fa_forensics.monitor.alarm import recorded_alarms
 
@@ -208,10 +240,11 @@ def _store_summary(out: Path) -> dict:
                     "monitored_steps": int(len(timeline.get("step", []))),
                     "alarm_steps": [] if alarms is None
                     else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0],
-                    "alarms": recorded_alarms(timeline)}
+                    "alarms": recorded_alarms(timeline),
+                    "do_missing": do_missing(dump)}
     except UserError:
         return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": [],
-                "alarms": []}
+                "alarms": [], "do_missing": {}}
 
 
 def _launcher_report(path: str) -> dict:
@@ -270,7 +303,7 @@ def register(app: typer.Typer) -> None:
         def body():
             import tempfile
 
-            from fa_forensics.capture.entry_points import TargetSpec
+            from fa_forensics.capture.targets import TargetSpec
             from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
@@ -310,19 +343,24 @@ def register(app: typer.Typer) -> None:
                 settings["report"] = os.path.join(tmp, "report.json")
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
                 try:
-                    code = subprocess.call(argv, env=env)
+                    training = subprocess.Popen(argv, env=env)
                 except OSError as exc:
                     raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
                                     "check the training command") from exc
+                code = _wait_for(training)
                 report = _launcher_report(settings["report"])
             summary = _store_summary(out)
-            missing = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
+            recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
             ran = report.get("steps_run")
-            never = [s for s in missing if ran is None or s >= ran]
-            without_attention = [s for s in missing if s not in never]
+            # the selection is lazy (--steps 0:10**18 is never listed): only the steps the run reached are walked
+            without_attention = [] if ran is None else [s for s in selection.steps.below(ran) if s not in recorded]
+            unreached = selection.steps if ran is None else selection.steps.from_step(ran)
+            never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
+            never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
+            never = never[:NEVER_LISTED]
             warnings_said = list(report.get("warnings", []))
             if never:
-                warnings_said.append(f"selected step(s) {_span_text(never)} were never reached (the run made "
+                warnings_said.append(f"selected step(s) {never_text} were never reached (the run made "
                                      f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
                                      "for them. Check --steps against the run's length")
             warmup_line = warn_if_warmup_covers_run(rule, summary["monitored_steps"])
@@ -339,7 +377,9 @@ def register(app: typer.Typer) -> None:
                               + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
                               + (f", {summary['monitored_steps']} monitored steps in the timeline"
                                  if summary["monitored_steps"] else "")
-                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else ""))
+                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else "")
+                              + (f"; no dO for {do_missing_text(summary['do_missing'])}" if summary["do_missing"]
+                                 else ""))
             if never:  # said on stderr as in --json, before any error line
                 err_console.print(f"[bold yellow]warning:[/] {escape(warnings_said[len(report.get('warnings', []))])}",
                                   highlight=False, soft_wrap=True)

@@ -1,9 +1,10 @@
 """Shared pieces of the CLI: option types, error handling, JSON output, console.
 
 Every command wraps its body in `run_cli(debug, fn)`: a `UserError` becomes one red line on
-stderr and exit code 2 (a traceback only with --debug); an unexpected exception also exits 2
-with one line naming it and asking for --debug, because a user should never see a traceback
-they did not ask for.
+stderr and exit code 2; an unexpected exception also exits 2 with one line naming it and asking
+for --debug, because a user should never see a traceback they did not ask for. --debug prints
+the traceback above that line and changes nothing else: the exit code is the same, so a script
+that tells bad input (2) from a finding (1) keeps working when it is debugged.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextvars
 import inspect
 import json
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +22,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from typer.core import TyperGroup
 
 try:  # typer >= 0.26 carries its own copy of click
@@ -29,6 +30,8 @@ except ImportError:
     from click import exceptions as click_exceptions
 
 from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.commands.progress import ProgressLines, progress_interval
+from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
@@ -37,10 +40,31 @@ from fa_forensics.replay.config import PRESETS
 REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
 
 
+class SafeConsole(Console):
+    """A rich console that never writes a control character it did not make: every segment's text goes through
+    `terminal_text.escape_controls` (rich's own newlines and cursor controls pass), and no hyperlink is drawn.
+    Text from a dump that reaches a table or a line without `terminal_text.shown` is still escaped here."""
+
+    def _render_buffer(self, buffer) -> str:
+        from rich.segment import Segment
+
+        from fa_forensics.dump.terminal_text import escape_controls
+
+        def safe(segment: Segment) -> Segment:
+            text, style, control = segment
+            if control:
+                return segment
+            if style is not None and style.link:
+                style = style.update_link(None)
+            return Segment(escape_controls(text, keep="\n"), style, control)
+
+        return super()._render_buffer(safe(segment) for segment in buffer)
+
+
 def _console(stderr: bool = False) -> Console:
     """A console that sizes to the terminal, or is REDIRECTED_WIDTH wide when the stream is redirected."""
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else REDIRECTED_WIDTH)
+    return SafeConsole(stderr=stderr, width=None if stream.isatty() else REDIRECTED_WIDTH, emoji=False)
 
 
 console = _console()
@@ -49,7 +73,8 @@ err_console = _console(stderr=True)
 # Shared option types (huggingface_hub style): one definition, used by every command.
 DumpArg = Annotated[Path, typer.Argument(help="Path of a dump store (a .zarr directory).", show_default=False)]
 JsonOpt = Annotated[Optional[Path],
-                    typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md).",
+                    typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md); "
+                                                "- writes it to the standard output.",
                                  metavar="FILE")]
 OutOpt = Annotated[Optional[Path],
                    typer.Option("--out", help="Directory for figures (PNG) and other files.", metavar="DIR")]
@@ -66,10 +91,20 @@ SchedulerOpt = Annotated[Optional[str],
                          typer.Option("--scheduler",
                                       help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
                                            "the dump must be on storage its workers see.", metavar="ADDRESS")]
-AccumulationOpt = Annotated[AccumulationOrAuto, typer.Option(
-    "--accumulation",
-    help="Accumulation model of every matrix product (default: the one --preset auto matched, ieee for a named "
-         "preset).")]
+
+
+def accumulation_option(preset_flags: Sequence[str] = ("--preset",)) -> Any:
+    """--accumulation, its help naming the command's own options that take a preset (`--preset`, or bitdiff's
+    `--a` and `--b`): the default follows what each of them resolved to."""
+    if len(preset_flags) == 1:
+        default = f"the one {preset_flags[0]} auto matched, ieee for a named preset"
+    else:
+        default = f"for each of {' and '.join(preset_flags)}, the one it matched when auto, ieee for a named preset"
+    return Annotated[AccumulationOrAuto, typer.Option(
+        "--accumulation", help=f"Accumulation model of every matrix product (default: {default}).")]
+
+
+AccumulationOpt = accumulation_option()
 MatchCacheOpt = Annotated[Optional[str], typer.Option(
     "--match-cache", metavar="DIR|off",
     help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
@@ -86,7 +121,7 @@ PresetOpt = Annotated[str, typer.Option(
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Show library warnings (e.g. incomplete steps in a dump) as one yellow line, not two."""
-    err_console.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    err_console.print(f"[yellow]warning:[/] {shown(message)}", highlight=False, soft_wrap=True)
 
 
 class Diagnostics:
@@ -139,30 +174,44 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
         raise
     except UserError as exc:
         if debug:
-            raise
+            traceback.print_exc(file=sys.stderr)
         from fa_forensics.commands.errors import cli_line
 
-        err_console.print(f"[bold red]error:[/] {escape(cli_line(exc))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {shown(cli_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]")
+        say_interrupted()
         raise typer.Exit(code=130) from None
     except Exception as exc:  # the machine refused (memory, disk), or a bug
-        if debug:
-            raise
         from fa_forensics.commands.errors import environment_line
 
-        line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc} "
-                                         f"(run again with --debug for the traceback)")
-        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc}"
+                                         + ("" if debug else " (run again with --debug for the traceback)"))
+        err_console.print(f"[bold red]error:[/] {shown(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     finally:
         _DIAGNOSTICS.reset(token)
         use_match_cache(None)  # --match-cache holds for one command only
 
 
+STREAMS = ("-", "/dev/stdout", "/dev/stderr")  # --json names that mean a standard stream
+interrupt_said = False  # whether "interrupted" was printed (cli.main prints it otherwise)
+
+
+def say_interrupted() -> None:
+    """The one line a command ended by Ctrl-C prints (exit code 130)."""
+    global interrupt_said
+    if not interrupt_said:
+        interrupt_said = True
+        err_console.print("[bold red]interrupted[/]")
+
+
 def write_json(path: Optional[Path], payload: Any) -> None:
-    """Write `payload` as JSON to `path` (if given), creating parent folders.
+    """Write `payload` as JSON to `path` (if given), creating parent folders; `-` (or /dev/stdout, /dev/stderr)
+    writes the stream. Anything else is a regular file: a device, FIFO or socket there is refused, so is a link,
+    another user's file or a folder on the way that is a link planted in a shared place (dump/safe_files.py).
 
     `warnings` is the payload's own (if any) followed by every other warning the command has raised so
     far (the lines it prints on stderr), so that every command's JSON carries all of them.
@@ -175,8 +224,8 @@ def write_json(path: Optional[Path], payload: Any) -> None:
         own = list(data.get("warnings") or [])
         data["warnings"] = list(dict.fromkeys(own + (diagnostics.messages if diagnostics is not None else [])))
     text = json.dumps(data, indent=2) + "\n"
-    if str(path) in ("/dev/stdout", "/dev/stderr"):  # named streams: links the system made, written as streams
-        stream = sys.stdout if str(path) == "/dev/stdout" else sys.stderr
+    if str(path) in STREAMS:  # the standard streams: written as streams, never replaced by a file
+        stream = sys.stderr if str(path) == "/dev/stderr" else sys.stdout
         stream.write(text)
         stream.flush()
         return
@@ -202,13 +251,15 @@ def ensure_out_dir(out: Optional[Path]) -> Optional[Path]:
 
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
-    """A rich progress bar on stderr; yields `advance(msg="")`, which moves it on by one.
+    """Progress on stderr; yields `advance(msg="")`, which moves it on by one work item.
 
-    Drawn only when stderr is a terminal: piped or captured output gets no bar and no stray lines,
-    so an error raised mid-way is still exactly one line.
+    A terminal gets a rich progress bar; a log or a pipe gets a plain line every few seconds while the
+    work runs (commands/progress.py), none for work that ends sooner, so an error found early is still
+    exactly one line.
     """
     if not err_console.is_terminal:
-        yield lambda msg="": None
+        with ProgressLines(description, total, interval=progress_interval()) as lines:
+            yield lines.advance
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -216,6 +267,18 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[..., None]]:
                   console=err_console, transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda msg="": progress.update(task, advance=1, description=f"{description} {msg}".rstrip())
+
+
+@contextmanager
+def phase(description: str) -> Iterator[None]:
+    """A step of uncounted work (a simulation, one analysis of the report): a spinner on a terminal, a plain
+    line every few seconds in a log while it runs."""
+    if err_console.is_terminal:
+        with err_console.status(description):
+            yield
+        return
+    with ProgressLines(description, interval=progress_interval()):
+        yield
 
 
 @dataclass(frozen=True)
@@ -388,6 +451,19 @@ def exit_code(code: int) -> None:
     raise typer.Exit(code=code)
 
 
+def missing_line(exc: Exception) -> Optional[str]:
+    """A required argument or option left out, worded with its own help ("missing option --out DIR: Directory
+    for ..."); None for any other usage error."""
+    param = getattr(exc, "param", None)
+    if not isinstance(exc, click_exceptions.MissingParameter) or param is None or not getattr(param, "help", None):
+        return None
+    if param.param_type_name == "option":
+        name = " ".join(filter(None, [param.opts[0], param.metavar]))
+    else:
+        name = (param.name or "").upper()
+    return f"missing {param.param_type_name} {name}: {' '.join(param.help.split()).rstrip('.')}"
+
+
 class OneLineErrorsGroup(TyperGroup):
     """The app's command group: a usage error (unknown option, `--step abc`) is one line on stderr
     and exit code 2, like every other error, instead of click's usage text and box."""
@@ -402,7 +478,15 @@ class OneLineErrorsGroup(TyperGroup):
             sys.exit(0)
         except click_exceptions.ClickException as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) is not None else ""
-            message = " ".join(exc.format_message().split()).replace(": Value error, ", ": ")  # the parser's prefix
-            err_console.print(f"[bold red]error:[/] {message}{where}", highlight=False, soft_wrap=True)
+            message = missing_line(exc) or " ".join(exc.format_message().split()).replace(": Value error, ", ": ")
+            err_console.print(f"[bold red]error:[/] {shown(message)}{shown(where)}", highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx):
+        """Run the command; Ctrl-C outside a command's body is "interrupted" and exit 130 as inside it."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            say_interrupted()
+            raise typer.Exit(code=130) from None

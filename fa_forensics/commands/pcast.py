@@ -15,7 +15,7 @@ from fa_forensics.analyses.pcast import compute as pc
 from fa_forensics.analyses.pcast import sim
 from fa_forensics.analyses.pcast.e4m3 import dp_sawtooth
 from fa_forensics.replay.config import KVOrder
-from fa_forensics.commands.common import console, ensure_out_dir, print_warnings, run_cli, write_json
+from fa_forensics.commands.common import console, ensure_out_dir, phase, print_warnings, run_cli, write_json
 from fa_forensics.errors import ConfigError, InvalidSetting, UserError
 
 OPTION_OF = {"n_sinks": "--sinks", "deltas": "--sink-strength", "seqs": "--seq", "block": "--block",
@@ -71,7 +71,7 @@ def run(dump: Optional[Path], sink_strength: str, seq: str, sinks: int, block: i
             cfg = sim.SimConfig(deltas=_numbers(sink_strength, "--sink-strength"), seqs=_numbers(seq, "--seq", int),
                                n_sinks=sinks, block=block, n_queries=queries, head_dim=head_dim, scales=S_list,
                                orders=orders, n_seeds=seeds, seed=seed)
-            with console.status("simulating the FP8 P-cast kernel..."):
+            with phase("pcast: simulating the FP8 P-cast kernel"):
                 res = sim.simulate(cfg)
             for renderable in sim_tables(res):
                 console.print(renderable, highlight=False)
@@ -86,7 +86,7 @@ def run(dump: Optional[Path], sink_strength: str, seq: str, sinks: int, block: i
 
             d = open_dump(dump)
             sels = select(d, step if step is not None else (d.steps[-1] if d.steps else None), layer, head)
-            with console.status("casting each head's scores through the FP8 P-cast kernel..."):
+            with phase("pcast: casting each head's scores through the FP8 P-cast kernel"):
                 res = pc.run(d, sels, n_sinks=sinks, block=block, scales=S_list, orders=orders)
             for renderable in tables(res):
                 console.print(renderable, highlight=False)

@@ -1,6 +1,7 @@
 """`fa-forensics report DUMP --out DIR`: every analysis with its defaults, assembled into DIR/index.html."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -8,30 +9,31 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.commands.common import (
     AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt, StepOpt,
     SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
     use_match_cache, write_json,
 )
+from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 
-ReportOutOpt = Annotated[Optional[Path], typer.Option(
+ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help says so
     "--out", help="Directory for index.html, and beside it one folder of figures and JSON per analysis.",
-    metavar="DIR")]
+    metavar="DIR", show_default=False)]
 
 
-def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
+def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
         backend: Backend | str,
         json_path, workers: int = 1, scheduler: Optional[str] = None) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
-    from fa_forensics.report.run import ANALYSES, run_all
-    from fa_forensics.report.verdict import report_verdict
+    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all
+    from fa_forensics.report.verdict import build_verdict
 
-    if out is None:
-        raise UserError("report needs --out DIR (where index.html and its figures go)")
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
     accumulation = getattr(accumulation, "value", accumulation)
     fan_out = build_workers(workers, scheduler)
@@ -42,32 +44,41 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     t0 = time.perf_counter()
     done = []
+    log = ProgressLines("report", len(ANALYSES), interval=progress_interval())
 
     def on_start(name: str) -> None:
+        if done:
+            log.advance(done[-1])
         done.append(name)
-        if err_console.is_terminal:  # progress for a person; piped stderr keeps to errors and warnings
+        log.now(name)
+        if err_console.is_terminal:  # a line per analysis for a person; a log gets `log`'s lines every few seconds
             err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
     with staged_report(out, ANALYSES) as staged:  # built aside, moved into --out only when complete
-        sections = run_all(dump, dump_path, staged, step=step, layer=layer, head=head, recipe=recipe, backend=backend_,
-                           on_start=on_start, workers=fan_out, published_as=Path(out))
+        with log if not err_console.is_terminal else contextlib.nullcontext():
+            sections = run_all(dump, dump_path, staged, step=step, layer=layer, head=head, recipe=recipe,
+                               backend=backend_, on_start=on_start, workers=fan_out, published_as=Path(out))
         seconds = time.perf_counter() - t0
         info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation,
                 "backend": backend_.value}
         write_report(staged, str(dump_path), sections, info=info, seconds=seconds)
     index = Path(out) / "index.html"
 
-    table = Table(title=f"report: {dump_path}")
-    for c in ("analysis", "exit", "seconds", "figures", "result"):
+    table = Table(title=f"report: {shown(dump_path)}")
+    for c in ("analysis", "exit code: meaning", "seconds", "figures", "note"):
         table.add_column(c)
     for s in sections:
-        table.add_row(s.name, str(s.exit_code), f"{s.seconds:.1f}", str(len(s.figures)), "ok" if s.ok else s.note[:80])
+        table.add_row(s.name, f"{s.exit_code}: {exit_meaning(s)}", f"{s.seconds:.1f}", str(len(s.figures)),
+                      "" if s.ok else shown(s.note[:80]))
+    table.caption = EXIT_CODES
     console.print(table)
-    verdict = report_verdict(sections)
+    summary = build_verdict(sections)
+    verdict = summary.line()
     # every section's, once
     warnings = list(dict.fromkeys(w for s in sections for w in ((s.data or {}).get("warnings") or [])))
     write_json(json_path, {
-        "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict, "findings": findings(sections),
+        "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict,
+        "summary": to_jsonable(summary), "findings": findings(sections),
         "warnings": warnings,
         "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
                       "seconds": s.seconds, "json": s.data} for s in sections],
@@ -77,8 +88,8 @@ def run(dump_path: Path, out: Optional[Path], step, layer, head, preset: str, ac
         first = sections[0]
         raise UserError(f"no analysis of {dump_path} could run ({first.name}: {' '.join(first.note.split())[:200]}); "
                         f"run `fa-forensics verify {dump_path}` and fix the first problem")
-    console.print(f"{ok} of {len(sections)} analyses reported; wrote {index}", highlight=False)
-    console.print(f"[bold]verdict:[/] {verdict.removeprefix('VERDICT: ')}", highlight=False)
+    console.print(f"{ok} of {len(sections)} analyses reported; wrote {shown(index)}", highlight=False)
+    console.print(f"[bold]verdict:[/] {shown(verdict.removeprefix('VERDICT: '))}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -86,7 +97,7 @@ def register(app: typer.Typer) -> None:
                  help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
     def report(
         dump: DumpArg,
-        out: ReportOutOpt = None,
+        out: ReportOutOpt,
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,

@@ -126,3 +126,47 @@ def test_backend_and_accumulation_are_typed_by_the_enums_in_every_command(plante
         assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
         assert f"'{flag}': 'nope' is not one of " + ", ".join(f"'{v}'" for v in expected[flag]) in r.output
         assert "Value error" not in r.output and "Traceback" not in r.output
+
+
+def test_every_accumulation_help_names_only_options_of_its_own_command():
+    """The shared --accumulation says where its default comes from in the words of each command: --preset where
+    the command has one, bitdiff's --a and --b (which take its presets) there."""
+    import re
+
+    import typer.main
+
+    group = typer.main.get_command(app)
+    helps = {}
+    for name, command in group.commands.items():
+        own = {o for p in command.params for o in getattr(p, "opts", [])}
+        for param in command.params:
+            if "--accumulation" in getattr(param, "opts", []):
+                named = set(re.findall(r"--[a-z][a-z-]*", param.help)) - {"--accumulation"}
+                assert named and named <= own, (name, named - own, param.help)
+                helps[name] = param.help
+    assert "--a and --b" in helps["bitdiff"] and "--preset" not in helps["bitdiff"]
+    assert "--preset auto" in helps["isolate"] and "--preset auto" in helps["report"]
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_debug_adds_the_traceback_and_keeps_exit_2(debug, tmp_path):
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "no_such.zarr"), *(["--debug"] if debug else [])])
+    assert res.exit_code == 2, res.output
+    assert ("Traceback" in res.stderr) is debug
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "no_such.zarr" in lines[-1]
+    assert debug or len(lines) == 1
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_unexpected_error_exits_2_with_or_without_debug(debug, planted_dump, monkeypatch):
+    import fa_forensics.dump
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the reader")
+
+    monkeypatch.setattr(fa_forensics.dump, "open_dump", broken)
+    res = CliRunner().invoke(app, ["info", str(planted_dump), *(["--debug"] if debug else [])])
+    assert res.exit_code == 2, res.output
+    assert ("Traceback" in res.stderr) is debug and "RuntimeError: a bug in the reader" in res.stderr
+    assert ("run again with --debug" in res.stderr) is not debug

@@ -36,9 +36,17 @@ def test_report_on_planted(tmp_path):
             assert s["json"]["warnings"] == [] and "replay_fidelity" in s["json"], s["name"]
 
 
-def test_report_needs_out():
+def test_report_needs_out_and_its_help_says_so():
     res = CliRunner().invoke(app, ["report", str(PLANTED)])
-    assert res.exit_code == 2 and "--out" in res.output
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res.output
+    assert res.stderr.startswith("error: missing option --out DIR: Directory for index.html")
+    import typer.main
+
+    out = next(p for p in typer.main.get_command(app).commands["report"].params if "--out" in p.opts)
+    assert out.required
+    shown = CliRunner().invoke(app, ["report", "--help"], terminal_width=200).output
+    row = next(line for line in shown.splitlines() if "--out" in line)
+    assert row.lstrip("│ ").startswith("*") and "[required]" in shown.split("--out", 1)[1].split("--step", 1)[0]
 
 
 def test_report_unknown_preset_is_exit_2_before_any_analysis(tmp_path):

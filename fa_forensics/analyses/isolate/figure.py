@@ -5,14 +5,17 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import (
+    COLORS, colorbar, diverging_norm, index_ticks, legend_outside, new_figure, save_figure, styled,
+)
 
 
+@styled
 def plot_variants(result, path: Path) -> Path:
     """Two bar panels: Σ_T(δ_var − δ_hp) ± se and O bias ± se for the baseline and each single repair."""
     names = [v.name for v in result.variants]
     y = np.arange(len(names))
-    fig, (ax1, ax2) = new_figure(1, 2, width=9.0, height=3.8, sharey=True)
+    fig, (ax1, ax2) = new_figure(1, 2, width=10.0, height=max(3.8, 1.6 + 0.28 * len(names)), sharey=True)
     colors = [COLORS["lowp"] if n == "baseline" else (COLORS["fix"] if n in result.culprits else COLORS["alt"])
               for n in names]
     ax1.barh(y, [v.delta_err_sum for v in result.variants], xerr=[v.delta_err_se for v in result.variants],
@@ -30,15 +33,24 @@ def plot_variants(result, path: Path) -> Path:
     from matplotlib.patches import Patch
 
     ax2.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    ax1.legend(handles=[Patch(color=COLORS["lowp"], label=f"baseline ({result.preset}, tiled)"),
-                        Patch(color=COLORS["fix"], label="culprit: removes ≥ 90% of the bias"),
-                        Patch(color=COLORS["alt"], label="other repair")], loc="center right")
+    legend_outside(ax2, handles=[Patch(color=COLORS["lowp"], label=f"baseline\n({result.preset})"),
+                                 Patch(color=COLORS["fix"], label="culprit: removes\nthe bias"),
+                                 Patch(color=COLORS["alt"], label="other repair")])
     fig.suptitle(f"isolate: single repairs vs the fp32 replay ({result.accumulation} accumulation)")
-    return save_figure(fig, path,
-                       "Reproduces the isolation experiments of paper §3.2 (Claim 1) as measurements on stored "
-                                  "inputs: which single repair removes the positive Σ(δ_lp − δ_hp).")
+    return save_figure(fig, path, variants_caption(result))
 
 
+def variants_caption(result) -> str:
+    """The isolation experiments of paper §3.2 (Claim 1), worded by what the baseline shows here."""
+    c = result.claim
+    lead = "The isolation experiments of paper §3.2 (Claim 1) as measurements on stored inputs: "
+    if not c.found:
+        return lead + "the baseline has no significant Σ(δ_lp − δ_hp) bias here, so no repair has one to remove."
+    return lead + (f"which single repair removes the baseline's {'positive' if c.sign > 0 else 'negative'} "
+                   "Σ(δ_lp − δ_hp) bias.")
+
+
+@styled
 def plot_heads(result, path: Path) -> Path:
     """Heat map layer x head of the baseline's Σ_T(δ_lp − δ_hp), summed over the selected steps."""
     layers = sorted({h.layer for h in result.heads})
@@ -46,15 +58,14 @@ def plot_heads(result, path: Path) -> Path:
     grid = np.zeros((len(layers), len(heads)))
     for h in result.heads:
         grid[layers.index(h.layer), heads.index(h.head)] += h.delta_err_sum
-    lim = float(np.abs(grid).max()) or 1.0
-    fig, ax = new_figure(width=max(4.0, 0.45 * len(heads) + 2.5), height=max(2.5, 0.4 * len(layers) + 1.8))
-    im = ax.imshow(grid, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
-    ax.set_xticks(range(len(heads)), heads)
-    ax.set_yticks(range(len(layers)), layers)
+    fig, ax = new_figure(width=max(4.0, 0.45 * len(heads) + 2.5), height=min(max(2.5, 0.4 * len(layers) + 1.8), 9.0))
+    im = ax.imshow(grid, cmap="RdBu_r", norm=diverging_norm(grid), aspect="auto")
+    index_ticks(ax.xaxis, heads)
+    index_ticks(ax.yaxis, layers)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.grid(False)
-    fig.colorbar(im, ax=ax, label="Σ_T (δ_lp − δ_hp), summed over steps")
+    colorbar(fig, im, ax, "Σ_T (δ_lp − δ_hp), summed over steps")
     ax.set_title(f"Where the δ error is: baseline {result.preset} vs fp32")
     return save_figure(fig, path, "Analogue of paper Fig. 3 / Fig. 11 (localizing the failing layer and head), "
                                   "measured as the δ error instead of the spectral norm.")

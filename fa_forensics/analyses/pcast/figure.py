@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from matplotlib.ticker import NullLocator
 from scipy import stats
 
 from fa_forensics.analyses.pcast.compute import PcastDumpResult
 from fa_forensics.analyses.pcast.e4m3 import DpPoint
 from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
 from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW
-from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, legend_outside, new_figure, save_figure, styled
 
 # The five configurations of the paper's §6.2, with their look.
 CURVES = (
@@ -27,6 +28,7 @@ CURVES = (
 )
 
 
+@styled
 def fig_dp_sawtooth(curve: Sequence[DpPoint], path: Path) -> Path:
     """Paper Fig. 1: dp(S) over the E4M3 number line, powers of two on the 2^-4 envelope."""
     fig, ax = new_figure(width=6.4, height=3.8)
@@ -61,9 +63,10 @@ def _curve(res: PcastSimResult, order: str, S: float, seq: int | None = None, de
     return rows
 
 
+@styled
 def fig_mse_vs_delta(res: PcastSimResult, path: Path) -> Path:
     """Paper Fig. 2: MSE vs sink strength (top) and the zeroed fraction and non-sink mass (bottom)."""
-    fig, (ax, bx) = new_figure(2, 1, width=6.4, height=6.4, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax, bx) = new_figure(2, 1, width=9.0, height=6.4, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     n = res.n_main
     for order, S, color, marker, ls in CURVES:
         rows = sorted(_curve(res, order, S, seq=n), key=lambda r: r.delta)
@@ -75,7 +78,7 @@ def fig_mse_vs_delta(res: PcastSimResult, path: Path) -> Path:
     ax.set_yscale("log")
     ax.set_ylabel("output MSE vs fp64 (mean ± se over seeds)")
     ax.set_title(f"FP8 P-cast: MSE vs sink strength (N = {n}, k = {res.config.n_sinks} sinks, B = {res.config.block})")
-    ax.legend(ncol=2)
+    legend_outside(ax)
     base = sorted(_curve(res, "forward", 1.0, seq=n), key=lambda r: r.delta)
     fix = sorted(_curve(res, "forward", 256.0, seq=n), key=lambda r: r.delta)
     ref = base or fix
@@ -85,8 +88,9 @@ def fig_mse_vs_delta(res: PcastSimResult, path: Path) -> Path:
                label="non-sink probability mass")
         if base:
             bx.bar(d + 0.2, [r.frac_zeroed for r in base], width=0.4, color=COLORS["lowp"], alpha=0.8,
-                   label="fraction of non-sink P zeroed, forward S=1")
-            bx.plot(d, [r.closed_form for r in base], color="black", ls="--", lw=1, label="closed form Φ(Δ+δ_k−10ln2)")
+                   label="fraction of non-sink P zeroed,\nforward S=1")
+            bx.plot(d, [r.closed_form for r in base], color="black", ls="--", lw=1,
+                    label="closed form Φ(Δ+δ_k−10ln2)")
         if fix:
             bx.plot(d, [r.frac_zeroed for r in fix], color=COLORS["fix"], marker="s", ms=3,
                     label="fraction zeroed, forward S=256")
@@ -94,15 +98,16 @@ def fig_mse_vs_delta(res: PcastSimResult, path: Path) -> Path:
     bx.set_ylim(0, 1.05)
     bx.set_xlabel("sink strength Δ (standard deviations of the non-sink scores)")
     bx.set_ylabel("fraction")
-    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
+    legend_outside(bx)
     return save_figure(fig, path, "Reproduces paper 002 Fig. 2: forward S=1 peaks in the transition region (Δ ≈ 6-8); "
                                   f"S=256 or reverse order stay at the quantization floor. δ_k = {res.delta_k:.3f} "
                                   f"(integrated), {res.config.n_seeds} seeds × {res.config.n_queries} queries.")
 
 
+@styled
 def fig_mse_vs_seq(res: PcastSimResult, path: Path) -> Path:
     """Paper Fig. 3: MSE vs sequence length at Δ = 7."""
-    fig, ax = new_figure(width=6.4, height=4.0)
+    fig, ax = new_figure(width=9.0, height=4.2)
     for order, S, color, marker, ls in CURVES:
         rows = sorted(_curve(res, order, S, delta=DELTA_FIG3), key=lambda r: r.seq)
         if rows:
@@ -110,23 +115,27 @@ def fig_mse_vs_seq(res: PcastSimResult, path: Path) -> Path:
                         marker=marker, ls=ls, ms=4, capsize=2, label=f"{order} S={S:g}")
     base = {r.seq: r.mse for r in _curve(res, "forward", 1.0, delta=DELTA_FIG3)}
     fix = {r.seq: r.mse for r in _curve(res, "forward", 256.0, delta=DELTA_FIG3)}
-    for n in sorted(set(base) & set(fix)):
-        ax.annotate(f"×{base[n] / fix[n]:.1f}", (n, base[n]), textcoords="offset points", xytext=(0, 6), ha="center",
-                    fontsize=7)
     ax.set_xscale("log", base=2)
+    gains = sorted(set(base) & set(fix))
+    if gains:  # the ratios as the top axis's labels, above the data instead of over it
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(gains, [f"×{base[n] / fix[n]:.1f}" for n in gains], fontsize=7)
+        top.xaxis.set_minor_locator(NullLocator())
+        top.set_xlabel("MSE of forward S=1 / forward S=256", fontsize=8)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N (keys)")
     ax.set_ylabel("output MSE vs fp64 (mean ± se over seeds)")
     ax.set_title(f"FP8 P-cast: MSE vs sequence length at Δ = {DELTA_FIG3:g}")
-    ax.legend(ncol=2)
+    legend_outside(ax)
     return save_figure(fig, path,
-                       "Reproduces paper 002 Fig. 3: the gain of forward S=256 over forward S=1 (labels: ratio) "
+                       "Reproduces paper 002 Fig. 3: the gain of forward S=256 over forward S=1 (top axis: ratio) "
                                   "grows with N as the non-sink mass at risk grows.")
 
 
+@styled
 def fig_dump_heads(res: PcastDumpResult, path: Path) -> Path:
     """Each captured head's forward-S=1 zeroed fraction against its measured sink strength."""
-    fig, ax = new_figure(width=6.4, height=4.0)
+    fig, ax = new_figure(width=9.0, height=4.0)
     d = np.linspace(0, 14, 200)
     c1 = stats.norm.cdf(d + res.delta_k - LN_UNDERFLOW)
     ax.plot(d, c1, color="black", ls="--", lw=1, label="closed form S=1, Φ(Δ+δ_k−10 ln 2)")
@@ -142,7 +151,7 @@ def fig_dump_heads(res: PcastDumpResult, path: Path) -> Path:
     ax.set_ylabel("fraction of non-sink P zeroed")
     ax.set_ylim(-0.02, 1.05)
     ax.set_title(f"FP8 P-cast on captured heads ({len(res.heads)} heads)")
-    ax.legend(loc="center right")
+    legend_outside(ax)
     return save_figure(fig, path, "Per-head version of paper 002 Table 1 / Eq. 7 on real scores: points are measured "
                                   "by the kernel-faithful cast of each head's scores; lines are the Gaussian closed "
                                   "form.")

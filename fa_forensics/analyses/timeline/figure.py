@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_forensics.analyses.style import COLORS, new_figure, save_figure
+from fa_forensics.analyses.style import COLORS, new_figure, save_figure, styled
 from fa_forensics.analyses.timeline.compute import TimelineResult, lead_indicator
 from fa_forensics.monitor.alarm import readable
 
@@ -237,6 +237,7 @@ def top1_per_layer(r: TimelineResult, path: Path) -> Path:
                             log_allowed=False)
 
 
+@styled
 def draw(r: TimelineResult, out: Path) -> list[Path]:
     """Every figure the series allow; returns the paths written."""
     out = Path(out)
