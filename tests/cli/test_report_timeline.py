@@ -60,9 +60,7 @@ def test_a_dump_holding_only_a_timeline_gets_a_report_led_by_it(tmp_path):
     assert all((page / f).is_file() for f in sections[0]["figures"])
 
 
-def test_a_dump_without_a_timeline_has_no_timeline_section(tmp_path):
-    from conftest import build_dump
-
-    dump = open_dump(build_dump(tmp_path / "plain.zarr", steps=(0,)))
+def test_a_dump_without_a_timeline_has_no_timeline_section(make_dump, tmp_path):
+    dump = open_dump(make_dump("plain.zarr", steps=(0,)))
     assert SECTIONS[0].name == "timeline"
     assert run_all(dump, dump.path, tmp_path / "r", sections=SECTIONS[:1]) == []
