@@ -15,6 +15,7 @@ EXTRA_OF = {
     "triton": "gpu",
     "dask": "dask",
     "distributed": "dask",
+    "tensorboard": "tensorboard",
 }
 
 

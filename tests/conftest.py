@@ -34,6 +34,7 @@ SLOW_FILES = (
     "cli/test_fanout.py",
     "cli/test_hostile.py",
     "cli/test_monitor_cli.py",
+    "cli/test_monitor_failures.py",
     "cli/test_optional_extras.py",
     "cli/test_cli_isolate.py",  # its module fixture runs isolate on the planted dump (≈ 10 s of CPU)
 )
@@ -53,6 +54,7 @@ SLOW_TESTS = (
     "test_exp_one_threshold_is_exact_for_the_correctly_rounded_exp",
     "test_match_names_cudnn_and_its_tile_on_the_training_capture",
     "test_timeline_prints_table_writes_figures_and_json",
+    "test_a_dump_holding_only_a_timeline_gets_a_report_led_by_it",
     "test_rank1_figure_without_gradient_error_raises_no_log_scale_warning",
 )
 

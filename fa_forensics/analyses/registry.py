@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS
+
 # The formats bitdiff --add can store a sum into.
 INTO_CHOICES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32")
 
@@ -66,11 +68,14 @@ class Section:
 
     `recipe_flags`: the command's options that carry the report's low-precision side, as (flag, value), where
     the value PRESET stands for the report's preset; `whole_dump`: it studies the last complete step itself
-    and takes neither the report's selection nor its recipe."""
+    and takes neither the report's selection nor its recipe; `needs`: what of a dump it reads, "steps" (a
+    complete recorded step) or "timeline" (the monitor's timeline; the section is left out of the report of a
+    dump without one)."""
 
     title: str
     recipe_flags: tuple[tuple[str, str], ...] = (("--preset", "PRESET"),)
     whole_dump: bool = False
+    needs: str = "steps"
 
 
 @dataclass(frozen=True)
@@ -291,25 +296,35 @@ PCAST = Analysis(
 
 TIMELINE = Analysis(
     "timeline", "timeline",
-    "Loss, W_Q spectral norms, repeated maxima and max logits over the monitored steps (paper Fig. 2, 3, 11, 13),\n"
-    "and the capture's alarm rule replayed over them.",
+    "Loss, max logits, top-1 probability, repeated maxima and W_Q spectral norms over the monitored steps (paper\n"
+    "Fig. 2, 3, 11, 13), the alarms the capture recorded, and the alarm rule replayed over them.",
     replays=False,
     options=(
         shared("dump"), shared("out"), shared("json_path"),
         Option("alarm_warmup", "--alarm-warmup", Optional[int], None, metavar="N",
-               help="Monitored steps before the replayed alarm rule may fire "
-                    "(default: the capture's setting, else 50)."),
+               help="Monitored steps before the replayed rule's jump or trend may fire "
+                    f"(default: the capture's setting, else {ALARM_DEFAULTS.warmup})."),
         Option("alarm_window", "--alarm-window", Optional[int], None, metavar="N",
-               help="Trailing values of the rule's robust z-score (default: the capture's, else 20)."),
+               help=f"Trailing values of the jump test (default: the capture's, else {ALARM_DEFAULTS.window})."),
         Option("alarm_z", "--alarm-z", Optional[float], None, metavar="Z",
-               help="Robust z-score a value must exceed (default: the capture's, else 6)."),
+               help="Robust z-score a jump must exceed "
+                    f"(default: the capture's, else {ALARM_DEFAULTS.z_threshold:g})."),
+        Option("alarm_set", "--alarm-set", Optional[list[str]], None, metavar="KEY=VALUE",
+               help="Any other setting of the replayed rule, repeatable (keys and defaults: docs/monitor.md), e.g. "
+                    "--alarm-set trend_z=4."),
+        Option("tensorboard", "--tensorboard", Optional[Path], None, metavar="DIR",
+               help="Also write the timeline as TensorBoard event files into DIR (needs the tensorboard extra)."),
         shared("debug", False),
     ),
     json_keys=("steps", "loss", "n_layers", "n_heads", "series", "ties_loss_spearman", "ties_loss_p_value",
-               "top_wq_head", "alarm_steps", "alarm_rule", "rule_alarms", "verdict", "warnings"),
+               "top_wq_head", "alarm_steps", "alarms", "capture_alarm_rule", "alarm_rule", "rule_alarms", "verdict",
+               "warnings", "figures"),
+    section=Section("timeline: the run as it trained, and the alarms the capture raised (paper Fig. 2, 3, 11, 13)",
+                    recipe_flags=(), whole_dump=True, needs="timeline"),
 )
 
-# In the order of the CLI's --help; the report's sections follow it too.
+# In the order of the CLI's --help.
 ANALYSES: tuple[Analysis, ...] = (ISOLATE, DELTA_BIAS, RANK1_SIM, PV_TRACE, BITDIFF, FIX_CHECK, PCAST, TIMELINE)
 BY_NAME = {a.name: a for a in ANALYSES}
-REPORTED: tuple[Analysis, ...] = tuple(a for a in ANALYSES if a.section is not None)
+# The report's sections: the training-time view first (what happened, and when), then the step analyses (why).
+REPORTED: tuple[Analysis, ...] = (TIMELINE, *(a for a in ANALYSES if a.section is not None and a is not TIMELINE))

@@ -2,9 +2,10 @@
 
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
 `fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
-"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring", "attention", "softmax",
-"report"} in their text forms. At exit the launcher writes {"steps_run", "steps_without_attention",
-"attention_calls_seen", "warnings"} as JSON to the file "report" names (when given), for the command.
+"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring", "monitor_tensorboard",
+"attention", "softmax", "report"} in their text forms. At exit the launcher writes {"steps_run",
+"steps_without_attention", "attention_calls_seen", "warnings"} as JSON to the file "report" names (when given),
+for the command.
 Before the script runs, the launcher
 - patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
   scaled_dot_product_attention` in the script also gets the patched function),
@@ -127,6 +128,7 @@ def main(argv: list[str]) -> int:
             keep_sdpa_patch=True,
             monitor_every=cfg.get("monitor_every"), alarm=rule_from_settings(cfg.get("alarm")) or False,
             alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
+            monitor_tensorboard=cfg.get("monitor_tensorboard"),
             run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
             attention=cfg.get("attention") or (), softmax=cfg.get("softmax"),
         )

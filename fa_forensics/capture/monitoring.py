@@ -3,9 +3,15 @@
 Every `every`-th step (step % every == 0) is monitored: each attention call of the recorded forward
 pass feeds a `StepCollector` (per-head statistics on the batch slice, W_Q spectral norms), and when
 the step ends ONE timeline row waits for its loss (given by `cap.step(loss)`, else the loss tap's
-sum) and is then written. Each row feeds the alarm rule; an alarm asks the session to record the
-next `alarm_steps` steps in full and writes the ring's steps (monitored steps not written, the last
-`ring` of them, held in host memory) through the session's store.
+sum) and is then written. Each row feeds the alarm rule; the row records the alarms it raised (the
+`alarm_<metric>` series, monitor/alarm.py), so what `timeline` and the report show is what the
+capture decided. An alarm asks the session to record the next `alarm_steps` steps in full and writes
+the ring's steps (monitored steps not written, the last `ring` of them, held in host memory) through
+the session's store. With `tensorboard` the row also goes to TensorBoard event files.
+
+The monitor never stops training: NaN, infinite or huge inputs give NaN/inf statistics (recorded,
+and alarmed on at once), and anything the monitor's own computation raises becomes one warning and a
+NaN in the row, never an exception in the training loop.
 
 The session owns the hooks and the step boundaries and tells the monitor about them:
 `begin_step`, `observe`, `add_tapped_loss`, `end_step`, `flush_row`, `close`.
@@ -25,18 +31,28 @@ from fa_forensics.capture.ring import RingStep, StepRing
 WriteHeld = Callable[[RingStep, int], bool]
 
 
+def check_tensorboard_option(monitor_every, tensorboard) -> None:
+    """InvalidCaptureSetting for TensorBoard output without the monitor that fills it."""
+    from fa_forensics.capture.selection import InvalidCaptureSetting
+
+    if tensorboard is not None and not monitor_every:
+        raise InvalidCaptureSetting("monitor_tensorboard", "TensorBoard gets the monitor's timeline rows",
+                                    needs=("monitor_every",))
+
+
 class StepMonitor:
     """Monitor, alarm and ring of one capture session (see the module docstring)."""
 
-    def __init__(self, every: int, *, eps: float, alarm=False, alarm_steps: int = 3, ring: int = 0):
+    def __init__(self, every: int, *, eps: float, alarm=False, alarm_steps: int = 3, ring: int = 0,
+                 tensorboard=None):
+        from fa_forensics.monitor.alarm import rule_from_settings
+
         self.every = int(every)
         self.eps = eps
         self.alarm_steps = int(alarm_steps)
-        self.rule = None
-        if alarm:
-            from fa_forensics.monitor.alarm import AlarmRule
-
-            self.rule = alarm if isinstance(alarm, AlarmRule) else AlarmRule()
+        self.rule = rule_from_settings(alarm)  # None without an alarm
+        self.tensorboard = None if tensorboard is None else str(tensorboard)
+        self.board = None  # a TimelineBoard from `start` on, with `tensorboard`
         self.ring: Optional[StepRing] = StepRing(ring) if ring else None
         self.collector = None  # a StepCollector from `start` on
         self.hot = False  # the current step is monitored
@@ -47,11 +63,18 @@ class StepMonitor:
         self.extra_steps: set[int] = set()  # steps an alarm asked for
         self.alarms: list = []  # every Alarm raised
         self.monitored_steps: list[int] = []
+        self.warn: Callable[[str, str], None] = lambda key, message: None  # set by `start`
 
     def start(self, warn: Callable[[str, str], None]) -> None:
-        """Start the statistics' background worker; warn(key, message) reports once per key."""
+        """Start the statistics' background worker (and the TensorBoard writer); warn(key, message) reports once
+        per key."""
         from fa_forensics.monitor.collector import StepCollector
 
+        self.warn = warn
+        if self.tensorboard is not None:
+            from fa_forensics.monitor.tensorboard import TimelineBoard
+
+            self.board = TimelineBoard(self.tensorboard)
         self.collector = StepCollector(eps=self.eps, warn=warn, background=True)
 
     def attrs(self) -> dict:
@@ -61,6 +84,7 @@ class StepMonitor:
             "every": self.every, "eps": self.eps,
             "alarm": None if rule is None else rule.settings(),
             "alarm_steps": self.alarm_steps, "ring": 0 if self.ring is None else self.ring.capacity,
+            "tensorboard": self.tensorboard,
         }
 
     # -- step events -------------------------------------------------------------------------
@@ -87,10 +111,13 @@ class StepMonitor:
             return
         from fa_forensics.monitor.collector import p_bar_dtype
 
-        q, k = (call.q, call.k) if batch is None else (call.q[batch], call.k[batch])
-        self.collector.observe_call(call.layer, q, k, scale=call.scale, causal=call.causal,
-                                    p_dtype=p_bar_dtype(call.kernel_dtype), score_dtype=call.score_dtype,
-                                    module=module, module_name=module_name)
+        try:
+            q, k = (call.q, call.k) if batch is None else (call.q[batch], call.k[batch])
+            self.collector.observe_call(call.layer, q, k, scale=call.scale, causal=call.causal,
+                                        p_dtype=p_bar_dtype(call.kernel_dtype), score_dtype=call.score_dtype,
+                                        module=module, module_name=module_name)
+        except Exception as exc:  # the monitor never stops training
+            self._failed(exc, f"attention call {call.layer} of step {call.step}")
 
     def add_tapped_loss(self, value: torch.Tensor) -> None:
         """Add a scalar backward() was called on to the step's loss (no synchronization)."""
@@ -126,20 +153,45 @@ class StepMonitor:
             warn("monitor-empty", f"fa-forensics monitor: step {row.step} was monitored but no attention call was seen "
                                   "(with gradients enabled); its timeline row holds only the loss")
             series = {}
-        alarms = []
-        if self.rule is not None:
-            alarms = self.rule.observe(row.step, loss=loss, near_max_ties=series.get("near_max_ties"),
-                                       wq_sigma=series.get("wq_sigma"))
-        writer.put_timeline(row.step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series)
+        alarms, codes = self._judge(row.step, loss, series)
+        writer.put_timeline(row.step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series,
+                            **codes)
         self.monitored_steps.append(row.step)
+        if self.board is not None:
+            try:
+                self.board.write_row(row.step, loss, series, tuple(a.message() for a in alarms))
+            except Exception as exc:
+                self._failed(exc, f"the TensorBoard row of step {row.step}")
         if alarms:
             self._raise_alarm(row.step, alarms, writer, write_held)
+
+    def _judge(self, step: int, loss: Optional[float], series: dict) -> tuple[list, dict]:
+        """The alarms the rule raises on this row, and their codes as the row records them ({} without a rule)."""
+        if self.rule is None:
+            return [], {}
+        from fa_forensics.monitor.alarm import alarm_codes
+        from fa_forensics.monitor.alarm_settings import WATCHED
+
+        shapes = {m: (() if m == "loss" else series[m].shape) for m in WATCHED if m == "loss" or m in series}
+        try:
+            alarms = self.rule.observe(step, loss=loss, **{m: series[m] for m in WATCHED if m in series})
+        except Exception as exc:  # the monitor never stops training
+            self._failed(exc, f"the alarm rule at step {step}")
+            alarms = []
+        return alarms, alarm_codes(alarms, shapes)
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        self.warn(f"monitor-failed:{type(exc).__name__}",
+                  f"fa-forensics monitor: {what} could not be monitored ({type(exc).__name__}: {exc}); its "
+                  "statistics are NaN and training goes on")
 
     def close(self) -> None:
         self.ring_step = None
         self.hot = False
         if self.collector is not None:
             self.collector.close()
+        if self.board is not None:
+            self.board.close()
 
     # -- alarm -------------------------------------------------------------------------------
     def _raise_alarm(self, step: int, alarms: list, writer, write_held: WriteHeld) -> None:
@@ -149,17 +201,22 @@ class StepMonitor:
         self.extra_steps.update(follow)
         written = [held.step for held in (self.ring.drain() if self.ring is not None else []) if write_held(held, step)]
         writer.flush_timeline()  # the alarm's row (and those before it) on disk now
-        first = max(alarms, key=lambda a: a.z)
+        if self.board is not None:
+            self.board.flush()
+        from fa_forensics.monitor.alarm import lead
+
         more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
-        what = (f"recording steps {follow.start}..{follow.stop - 1} in full" if self.alarm_steps > 0
+        what = (f"recording {_steps(list(follow))} in full" if self.alarm_steps > 0
                 else "no steps after it recorded (alarm_steps = 0)")
         if written:
-            what += f", and steps {_span(written)} from the ring"
-        warnings.warn(AlarmWarning(f"{first.message()}{more}; {what}"), stacklevel=2)
+            what += f", and {_steps(written)} from the ring"
+        warnings.warn(AlarmWarning(f"{lead(alarms).message()}{more}; {what}"), stacklevel=2)
 
 
-def _span(steps: list[int]) -> str:
-    """'5..8' for consecutive steps, else '5, 7, 9'."""
-    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
-        return f"{steps[0]}..{steps[-1]}"
-    return ", ".join(map(str, steps))
+def _steps(steps: list[int]) -> str:
+    """'step 5', 'steps 5..8' for consecutive steps, else 'steps 5, 7, 9'."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]}..{steps[-1]}"
+    return "steps " + ", ".join(map(str, steps))

@@ -51,7 +51,7 @@ from fa_forensics.capture.modules import (
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
 )
-from fa_forensics.capture.monitoring import StepMonitor
+from fa_forensics.capture.monitoring import StepMonitor, check_tensorboard_option
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
 from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.chain_call import combine_mask, to_heads
@@ -122,6 +122,7 @@ class CaptureSession:
         alarm=False,
         alarm_steps: int = 3,
         ring: int = 0,
+        monitor_tensorboard=None,
         monitor_eps: float = 1e-3,
         timeline_flush_rows: int = 16,
         attention=(),
@@ -130,6 +131,7 @@ class CaptureSession:
         if step_by not in ("optimizer", "manual"):
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
         check_monitor_options(monitor_every, alarm, alarm_steps, ring)
+        check_tensorboard_option(monitor_every, monitor_tensorboard)
         if int(timeline_flush_rows) < 1:
             raise CaptureError("timeline_flush_rows must be >= 1 (timeline rows appended at a time), got "
                                f"{timeline_flush_rows}")
@@ -181,8 +183,8 @@ class CaptureSession:
         self._modules_by_name: dict[str, torch.nn.Module] = {}
         self.timeline_flush_rows = int(timeline_flush_rows)
         self._monitor: Optional[StepMonitor] = (
-            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps,
-                        ring=ring) if monitor_every else None)
+            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps, ring=ring,
+                        tensorboard=monitor_tensorboard) if monitor_every else None)
         self._ring_hot = False  # the current step's selected layers go to the monitor's ring
         self._active = False  # the current step needs its attention calls (recorded or monitored)
         # attention written as torch ops: a mode on the stack for the root's forward passes of active steps

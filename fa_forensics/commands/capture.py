@@ -18,6 +18,7 @@ from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console
 from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
+from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS, WATCHED
 
 LAUNCHER = "fa_forensics.capture.launch"
 
@@ -36,20 +37,31 @@ MonitorEveryOpt = Annotated[Optional[int],
                                          metavar="N")]
 AlarmOpt = Annotated[bool,
                      typer.Option("--alarm",
-                                  help="Watch the timeline with the robust z-score rule; on an alarm print one line "
-                                       "and record the next --alarm-steps steps in full.")]
+                                  help="Watch the timeline (loss, max logit, top-1 probability, repeated maxima, W_Q "
+                                       "norm) for non-finite values, jumps and trends; on an alarm print one line and "
+                                       "record the next --alarm-steps steps in full.")]
 AlarmStepsOpt = Annotated[int,
                           typer.Option("--alarm-steps", help="Steps recorded in full after an alarm.", metavar="K")]
 AlarmWarmupOpt = Annotated[Optional[int], typer.Option(
     "--alarm-warmup", metavar="N",
-    help="Monitored steps the alarm watches before it may fire (default 50): a run with no more monitored steps "
-         "never alarms, so give short runs a short warm-up.")]
+    help=f"Monitored steps the alarm watches before a jump or trend may fire (default {ALARM_DEFAULTS.warmup}; "
+         "non-finite values alarm at once): give short runs a short warm-up.")]
 AlarmWindowOpt = Annotated[Optional[int], typer.Option(
     "--alarm-window", metavar="N",
-    help="Trailing monitored values the alarm's robust z-score is taken over (default 20, at least 3).")]
+    help=f"Trailing monitored values the jump test's robust z-score is taken over (default {ALARM_DEFAULTS.window}, "
+         "at least 3).")]
 AlarmZOpt = Annotated[Optional[float], typer.Option(
     "--alarm-z", metavar="Z",
-    help="Robust z-score above the trailing median a value must exceed to be out (default 6).")]
+    help=f"Robust z-score above the trailing median a jump must exceed (default {ALARM_DEFAULTS.z_threshold:g}).")]
+AlarmSetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--alarm-set", metavar="KEY=VALUE",
+    help="Any setting of the alarm rule, repeatable, e.g. --alarm-set min_rise.max_logit=2 --alarm-set trend_z=4. "
+         "Keys: warmup, window, min_history, z_threshold, trend_window, trend_z, trend_persist, and min_rise.M, "
+         f"persist.M, min_slope.M for M in {', '.join(WATCHED)} (defaults: docs/monitor.md).")]
+MonitorTensorBoardOpt = Annotated[Optional[Path], typer.Option(
+    "--monitor-tensorboard", metavar="DIR",
+    help="Also write the timeline (loss, per-layer and per-head statistics, alarms) as TensorBoard event files "
+         "into DIR (needs the tensorboard extra).")]
 RingOpt = Annotated[int, typer.Option("--ring",
                                       help="Keep the last K monitored steps' tensors (selected layers, batch slice) in "
                                            "host memory; an alarm writes them too.", metavar="K")]
@@ -108,20 +120,24 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
 OPTION_OF = {"attention": "--attention", "softmax": "--softmax", "layout": "--attention ...,layout",
              "monitor_every": "--monitor-every", "alarm": "--alarm", "alarm_steps": "--alarm-steps", "ring": "--ring",
              "alarm_warmup": "--alarm-warmup", "alarm_window": "--alarm-window", "alarm_z": "--alarm-z",
+             "alarm_set": "--alarm-set", "monitor_tensorboard": "--monitor-tensorboard",
              "attention_modules": "--attention-modules", "heads": "--heads", "batch": "--batch", "out": "--out"}
 DEMO_OPTION_OF = {**OPTION_OF, "heads": "--capture-heads", "batch": "--capture-batch", "out": "--capture"}
 NEEDED_AS = {"monitor_every": "--monitor-every N", "alarm": "--alarm"}
 
 
-def alarm_rule(alarm: bool, warmup: Optional[int], window: Optional[int], z: Optional[float]):
+def alarm_rule(alarm: bool, warmup: Optional[int], window: Optional[int], z: Optional[float],
+               assignments: Optional[list[str]] = None):
     """The alarm rule the options ask for (None without --alarm); InvalidSetting for a bad value."""
-    from fa_forensics.monitor.alarm import AlarmRule, check_settings
+    from fa_forensics.monitor.alarm import AlarmRule
+    from fa_forensics.monitor.alarm_settings import check_settings, parse_assignments
 
-    check_settings(warmup, window, z)
-    given = [o for o, v in (("--alarm-warmup", warmup), ("--alarm-window", window), ("--alarm-z", z)) if v is not None]
+    check_settings(warmup, window, z, assignments)
+    given = [o for o, v in (("--alarm-warmup", warmup), ("--alarm-window", window), ("--alarm-z", z),
+                            ("--alarm-set", assignments)) if v]
     if given and not alarm:
         raise UserError(f"{', '.join(given)} set the alarm's rule: add --alarm (and --monitor-every N)")
-    return AlarmRule.with_settings(warmup, window, z) if alarm else None
+    return AlarmRule.with_settings(warmup, window, z, **parse_assignments(assignments)) if alarm else None
 
 
 def warn_if_warmup_covers_run(rule, monitored_steps: int) -> str | None:
@@ -209,6 +225,7 @@ def _check_script(argv: list[str]) -> None:
 def _store_summary(out: Path) -> dict:
     from fa_forensics.commands.info import do_missing
     from fa_forensics.dump import open_dump
+    from fa_forensics.monitor.alarm import recorded_alarms
 
     try:
         import warnings
@@ -223,10 +240,11 @@ def _store_summary(out: Path) -> dict:
                     "monitored_steps": int(len(timeline.get("step", []))),
                     "alarm_steps": [] if alarms is None
                     else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0],
+                    "alarms": recorded_alarms(timeline),
                     "do_missing": do_missing(dump)}
     except UserError:
         return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": [],
-                "do_missing": {}}
+                "alarms": [], "do_missing": {}}
 
 
 def _launcher_report(path: str) -> dict:
@@ -274,7 +292,9 @@ def register(app: typer.Typer) -> None:
         alarm_warmup: AlarmWarmupOpt = None,
         alarm_window: AlarmWindowOpt = None,
         alarm_z: AlarmZOpt = None,
+        alarm_set: AlarmSetOpt = None,
         ring: RingOpt = 0,
+        monitor_tensorboard: MonitorTensorBoardOpt = None,
         attention: AttentionOpt = None,
         softmax: SoftmaxOpt = None,
         json_out: JsonOpt = None,
@@ -288,17 +308,23 @@ def register(app: typer.Typer) -> None:
             from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
 
+            from fa_forensics.capture.monitoring import check_tensorboard_option
             from fa_forensics.capture.selection import check_attention_pattern, check_monitor_options
 
             if steps is None and monitor_every is None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
             with worded_settings():  # one-line errors before launching
                 check_monitor_options(monitor_every, alarm, alarm_steps, ring)
-                rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z)
+                check_tensorboard_option(monitor_every, monitor_tensorboard)
+                rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z, alarm_set)
                 if attention_modules is not None:
                     check_attention_pattern(attention_modules)
                 targets = [TargetSpec.parse(t).to_text() for t in attention or ()]
                 softmax_rule = SoftmaxVariant.parse(softmax).to_text()
+            if monitor_tensorboard is not None:  # before the run: a missing extra is one line, not a failed run
+                from fa_forensics.optional import require
+
+                require("tensorboard", "--monitor-tensorboard (TensorBoard event files of the monitor's timeline)")
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
                                                allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
@@ -310,7 +336,9 @@ def register(app: typer.Typer) -> None:
                         "allow_other_model": allow_other_model,
                         "attention_modules": attention_modules, "command": list(command),
                         "monitor_every": monitor_every, "alarm": rule.settings() if rule else False,
-                        "alarm_steps": alarm_steps, "ring": ring, "attention": targets, "softmax": softmax_rule}
+                        "alarm_steps": alarm_steps, "ring": ring, "attention": targets, "softmax": softmax_rule,
+                        "monitor_tensorboard": None if monitor_tensorboard is None
+                        else str(Path(monitor_tensorboard).resolve())}
             with tempfile.TemporaryDirectory(prefix="fa-forensics-capture-") as tmp:
                 settings["report"] = os.path.join(tmp, "report.json")
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
@@ -356,7 +384,10 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"[bold yellow]warning:[/] {escape(warnings_said[len(report.get('warnings', []))])}",
                                   highlight=False, soft_wrap=True)
             if code != 0:
-                kept = f"steps completed before it are kept in {out}" if summary["steps"] else "nothing was recorded"
+                kept = [what for what, there in (("the steps completed before it", summary["steps"]),
+                                                 (f"its timeline ({summary['monitored_steps']} monitored steps)",
+                                                  summary["monitored_steps"])) if there]
+                kept = f"{' and '.join(kept)} are kept in {out}" if kept else "nothing was recorded"
                 err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}",
                                   highlight=False, soft_wrap=True)
                 raise typer.Exit(code=code if 0 < code < 256 else 1)
@@ -393,7 +424,9 @@ def register(app: typer.Typer) -> None:
         alarm_warmup: AlarmWarmupOpt = None,
         alarm_window: AlarmWindowOpt = None,
         alarm_z: AlarmZOpt = None,
+        alarm_set: AlarmSetOpt = None,
         ring: RingOpt = 0,
+        monitor_tensorboard: MonitorTensorBoardOpt = None,
         log_every: Annotated[int, typer.Option("--log-every", help="Print the loss every N steps.")] = 1,
         threads: Annotated[int, typer.Option("--threads",
                                              help="CPU threads for torch (the model is tiny: 1 avoids oversubscription "
@@ -425,13 +458,14 @@ def register(app: typer.Typer) -> None:
             if capture_out is not None and capture_steps is None and monitor_every is None:
                 raise UserError("--capture DUMP needs --capture-steps (e.g. 5,6,7) or --monitor-every N")
             with worded_settings(DEMO_OPTION_OF):
-                rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z)
+                rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z, alarm_set)
             config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr,
                                 capture_out=capture_out,
                                 capture_steps=capture_steps or "", capture_layers=capture_layers,
                                 capture_heads=capture_heads,
                                 capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every,
-                                alarm=rule or False, alarm_steps=alarm_steps, ring=ring)
+                                alarm=rule or False, alarm_steps=alarm_steps, ring=ring,
+                                monitor_tensorboard=monitor_tensorboard)
 
             def log(info, model):
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:

@@ -40,7 +40,8 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
     dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
     from fa_forensics.layers.selection import select
 
-    select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
+    if dump.steps or dump.timeline is None or (step, layer, head) != (None, None, None):
+        select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     t0 = time.perf_counter()
     done = []
     log = ProgressLines("report", len(ANALYSES), interval=progress_interval())

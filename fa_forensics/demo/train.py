@@ -42,9 +42,10 @@ class DemoConfig:
     overwrite: bool = False
     # monitor (needs capture_out: the timeline is written into that store)
     monitor_every: Optional[int] = None
-    alarm: bool = False
+    alarm: object = False  # False, True (the defaults), an AlarmRule or AlarmSettings
     alarm_steps: int = 3
     ring: int = 0
+    monitor_tensorboard: Optional[Path] = None  # TensorBoard event files of the timeline
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def train(config: DemoConfig, on_step: Optional[StepHook] = None) -> TrainResult
             model, out=config.capture_out, steps=config.capture_steps, layers=config.capture_layers,
             heads=config.capture_heads, batch=config.capture_batch, overwrite=config.overwrite,
             monitor_every=config.monitor_every, alarm=config.alarm, alarm_steps=config.alarm_steps, ring=config.ring,
+            monitor_tensorboard=config.monitor_tensorboard,
             run_attrs={"amp_dtype": "bfloat16", "device": str(device),
                        "model": {"name": "fa-forensics demo GPT", **config.model.__dict__},
                        "capture": {"command": "demo-train", "seed": config.seed, "train_steps": config.steps}},

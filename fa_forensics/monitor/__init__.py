@@ -1,12 +1,17 @@
-"""Cheap per-step attention statistics for the training monitor.
+"""Cheap per-step attention statistics for the training monitor, and the alarm that watches them.
 
 - `stats.head_statistics(q, k, ...)`: max logit, repeated-maximum rows, extra P̄ == 1 entries,
   mean top-1 probability per head, computed in row chunks (no whole T×T matrix).
 - `p_one`: the exact thresholds that let the statistics count P̄ == 1 without a cast per score.
-- `spectral.head_spectral_norms`: exact per-head ‖W_Q‖₂ (float64 Gram eigenvalue).
-- `alarm.AlarmRule`: robust z-score rule over a trailing window that flags a step/layer/head.
+- `spectral.head_spectral_norms`: exact per-head ‖W_Q‖₂ (float64 Gram eigenvalue; NaN/inf for
+  non-finite weights, never an exception).
+- `alarm.AlarmRule`: non-finite values, jumps (robust z-score over a trailing window) and trends
+  (Mann–Kendall, Theil–Sen: `trend`) over the loss and the per-head leading indicators; its settings
+  and their defaults in `alarm_settings.AlarmSettings`.
+- `tensorboard.TimelineBoard`: the timeline as TensorBoard event files (the `tensorboard` extra).
 """
 from fa_forensics.monitor.alarm import Alarm, AlarmRule  # noqa: F401
+from fa_forensics.monitor.alarm_settings import AlarmSettings  # noqa: F401
 from fa_forensics.monitor.spectral import find_query_weights, head_spectral_norms  # noqa: F401
 from fa_forensics.monitor.stats import HeadStats, head_statistics  # noqa: F401
 from fa_forensics.monitor.collector import StepCollector  # noqa: F401,E402

@@ -1,51 +1,71 @@
-"""The early-warning rule of the training monitor.
+"""The early-warning rule of the training monitor (settings and defaults: monitor/alarm_settings.py).
 
-Rule (documented in docs/monitor.md): for each watched series — per (layer, head) the count of
-rows with a repeated maximum (`near_max_ties`) and the W_Q spectral norm (`wq_sigma`), and the
-loss — keep a trailing window of the last `window` monitored values. A new value is "out" when
-its robust z-score
+Watched series (`WATCHED`): the loss, and per (layer, head) the max logit, the mean top-1 probability,
+the rows with a repeated maximum (`near_max_ties`) and W_Q's spectral norm. Each monitored step feeds
+every series one value; three tests look at it, and the first that fires names the alarm's `rule`:
 
-    z = (x − median(window)) / (1.4826 · MAD(window) + floor)
+- non-finite: a NaN or ±inf value alarms at once, also during the warm-up. (A NaN where a series has
+  never had a finite value is "not measured", e.g. W_Q not found or no loss known, and does not alarm;
+  ±inf always does.)
+- jump: the robust z-score against the trailing `window` monitored values,
+      z = (x − median) / (1.4826 · MAD + floor),
+  exceeds `z_threshold`, the value has risen by more than `min_rise` (relative to the median for the
+  loss and W_Q's norm; absolute for the others: logit units for the max logit, since a rise of d
+  multiplies the top key's odds by e^d whatever the logit was, rows for tie counts, probability for
+  the top-1 probability), at least `min_history` values are in the window, and this has held for
+  `persist` consecutive monitored steps. The floor (10⁻³·|median| for relative series, 0.05 logits,
+  0.5 rows, 10⁻³ probability) keeps a flat history from turning noise into alarms.
+- trend: the series rises over the last `trend_window` monitored values (Mann–Kendall z-score above
+  `trend_z`) and faster than over the `trend_window` values before them: its Theil–Sen slope per
+  training step exceeds the earlier window's (counted as 0 when that one falls) by more than
+  `min_slope`, for `trend_persist` consecutive monitored steps. Slopes are taken on the metric's trend
+  scale (`TREND_SCALE`): logit units for the max logit (a rise of 1 multiplies the top key's odds by e),
+  −log(1 − p) for the top-1 probability (≈ p while attention is broad, growing without bound as it
+  collapses onto one key), log for W_Q's norm, asinh for the loss (≈ log above 2), log(1 + x) for counts.
+  The test runs once both windows hold values from after the warm-up. It catches drifts slow enough to
+  drag a trailing median along (a jump test never fires on them), and it does not fire on what training
+  does on its own: steady growth (W_Q's norm) and heads that sharpen as they learn (a rise no faster
+  than the one before, or below `min_slope`; measured in docs/monitor.md).
 
-exceeds `z_threshold` and it has moved up by more than `min_change` (relative to the median for
-the spectral norm and the loss, absolute rows for tie counts), once at least `min_history`
-values are in the window. The floor keeps a perfectly flat history from turning noise into
-alarms. A series raises ONE alarm when it has been out for `persist` consecutive monitored steps
-(default 3 for tie counts and W_Q, 1 for the loss: a single batch with repeated text gives a
-one-step burst of ties, a real drift stays); it can alarm again only after it has come back.
-Only upward moves alarm: more tied maxima, a growing W_Q norm, a loss spike.
+Only rises alarm (more ties, sharper attention, larger logits and norms, a higher loss). A series
+alarms once per excursion: again only after a monitored step on which no test finds it out. No jump
+or trend alarms during the first `warmup` monitored steps (their values still fill the windows):
+early training moves every series fast.
 
-No alarm is raised during the first `warmup` monitored steps (their values still fill the
-windows): early training moves every series fast (learning-rate warmup, W_Q growing from its
-initialization, ties collapsing as scores leave 0). A run with no more monitored steps than
-`warmup` can therefore never alarm: a short run needs a short warm-up (`capture --alarm-warmup`).
-`warmup`, `window` and `z_threshold` are settings of the capture and of `timeline` (which replays
-the rule over a recorded timeline, `replay_rule`); `AlarmRule.with_settings` checks them.
-
-Defaults (window 20, min_history 8, warmup 50, z 6, min_change ties +8 rows / W_Q +25 % /
-loss +25 %, persist 3 / 3 / 1) were chosen on the demo run (300 steps, 4 × 4 heads): they raise
-no alarm there, while a planted tie drift or loss spike alarms within `persist` steps
-(tests/cli/test_monitor_cli.py).
+One alarm, one description: `Alarm.message()` is the capture's line; the capture records each alarm
+in its timeline row (`alarm_<metric>` series holding the rule's code, `RULE_CODES`), and `timeline`
+and the report read them back with `recorded_alarms`; `lead` picks the alarm every one of them names
+first.
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
-from fa_forensics.errors import InvalidSetting
+from fa_forensics.monitor.alarm_settings import DEFAULTS, WATCHED, AlarmSettings, check_settings  # noqa: F401
+from fa_forensics.monitor.trend import mann_kendall_z, theil_sen_slope
 
-DEFAULT_WARMUP = 50
-DEFAULT_WINDOW = 20
-DEFAULT_Z = 6.0
-MIN_WINDOW = 3  # a median and a MAD need a few values
+RULES = ("non-finite", "jump", "trend")  # in the order they are tried
+RULE_CODES = {rule: code for code, rule in enumerate(RULES, start=1)}  # 0: no alarm
+RELATIVE = {"loss": True, "max_logit": False, "top1_prob": False, "near_max_ties": False, "wq_sigma": True}
+ABSOLUTE_FLOOR = {"near_max_ties": 0.5, "top1_prob": 1e-3, "max_logit": 0.05}
+TREND_SCALE = {"loss": "asinh", "max_logit": "linear", "top1_prob": "-log(1-p)", "near_max_ties": "log1p",
+               "wq_sigma": "log"}
+LEAD_ORDER = ("max_logit", "top1_prob", "near_max_ties", "wq_sigma", "loss")  # attention first
+
+
+def alarm_series(metric: str) -> str:
+    """The timeline series in which the capture records the alarms of `metric`."""
+    return f"alarm_{metric}"
 
 
 @dataclass(frozen=True)
 class Alarm:
-    """One alarm: which step, where (layer/head; None for the loss), which metric, how far out."""
+    """One alarm: the step, the series (metric; layer and head, None for the loss), its value, the rule that
+    fired and that rule's numbers (jump: trailing median and robust z; trend: the fitted value at the window's
+    start and the Mann–Kendall z, `slope` per step on the trend scale; non-finite: NaN)."""
 
     step: int
     metric: str
@@ -54,133 +74,308 @@ class Alarm:
     z: float
     layer: Optional[int] = None
     head: Optional[int] = None
+    rule: str = "jump"
+    slope: float = float("nan")  # trend: Theil–Sen slope per step of the recent window, on the trend scale
+    slope_before: float = float("nan")  # trend: the same over the window before it
+    span: int = 0  # trend: the monitored steps of each window
+
+    def where(self) -> str:
+        return "" if self.layer is None else f" layer {self.layer} head {self.head}"
 
     def message(self) -> str:
-        where = "" if self.layer is None else f" layer {self.layer} head {self.head}"
-        return (f"fa-forensics alarm: step {self.step}{where}: {self.metric} = {self.value:.4g} "
-                f"(trailing median {self.baseline:.4g}, robust z = {self.z:.1f})")
+        """The one line the capture prints (and raises as an AlarmWarning)."""
+        return f"fa-forensics alarm: step {self.step}{self.where()}: {self.metric} = {readable(self.value)} " \
+               f"({self.detail()})"
+
+    def detail(self) -> str:
+        if self.rule == "non-finite":
+            return "non-finite"
+        if self.rule == "trend":
+            return (f"trend: rising {_per_step(self.metric, self.slope)} over the last {self.span} monitored steps "
+                    f"(from {readable(self.baseline)}), against {_per_step(self.metric, self.slope_before)} over the "
+                    f"{self.span} before; Mann–Kendall z = {self.z:.1f}")
+        if RELATIVE[self.metric] and self.baseline > 0:
+            rise = f"{readable(self.value / self.baseline)}× the trailing median {readable(self.baseline)}"
+        else:
+            rise = f"+{readable(self.value - self.baseline)} over the trailing median {readable(self.baseline)}"
+        return f"jump: {rise}, robust z = {readable(self.z)}"
+
+    def to_json(self) -> dict:
+        """The documented alarm record (`timeline --json` `alarms`): what every reader names."""
+        return {"step": self.step, "metric": self.metric, "layer": self.layer, "head": self.head, "value": self.value,
+                "rule": self.rule, "value_text": readable(self.value)}
 
 
-_RELATIVE = {"wq_sigma": True, "loss": True, "near_max_ties": False}
+def readable(x: float) -> str:
+    """A number for a person: 4 significant digits, an exponent for very large or small ones (1.2e+36)."""
+    return f"{x:.4g}"
 
 
-@dataclass
+def _per_step(metric: str, slope: float) -> str:
+    """A trend's slope in words, on the metric's trend scale."""
+    kind = TREND_SCALE[metric]
+    if kind in ("log", "asinh"):
+        return f"×{np.exp(slope):.3g} a step"
+    if kind == "log1p":
+        return f"×{np.exp(slope):.3g} a step in 1 + count"
+    if kind == "linear":
+        return f"{slope:+.3g} a step"
+    return f"{slope:+.3g} a step in {kind}"
+
+
+def lead_key(alarm) -> tuple:
+    """The order in which alarms are named: earliest step, then non-finite before jump before trend, then the
+    attention metrics before the loss, then layer and head. Works on Alarm and on its JSON record."""
+    get = (lambda k: alarm[k]) if isinstance(alarm, dict) else (lambda k: getattr(alarm, k))
+    layer, head = get("layer"), get("head")
+    return (get("step"), RULES.index(get("rule")), LEAD_ORDER.index(get("metric")),
+            -1 if layer is None else layer, -1 if head is None else head)
+
+
+def lead(alarms):
+    """The alarm a one-line description names (None for none)."""
+    return min(alarms, key=lead_key) if alarms else None
+
+
+def trend_scale(metric: str, x: np.ndarray) -> np.ndarray:
+    """Values on the metric's trend scale (NaN where x is not finite)."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        kind = TREND_SCALE[metric]
+        if kind == "log":
+            y = np.log(np.maximum(x, np.finfo(np.float64).tiny))
+        elif kind == "-log(1-p)":
+            y = -np.log1p(-np.clip(x, 0.0, 1 - 1e-12))
+        elif kind == "log1p":
+            y = np.log1p(np.maximum(x, 0.0))
+        elif kind == "linear":
+            y = x
+        else:
+            y = np.arcsinh(x)
+    return np.where(np.isfinite(x), y, np.nan)
+
+
+def from_trend_scale(metric: str, y: np.ndarray) -> np.ndarray:
+    kind = TREND_SCALE[metric]
+    with np.errstate(all="ignore"):
+        if kind == "log":
+            return np.exp(y)
+        if kind == "-log(1-p)":
+            return -np.expm1(-y)
+        if kind == "log1p":
+            return np.expm1(y)
+        if kind == "linear":
+            return y
+        return np.sinh(y)
+
+
+def _finite_median(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(median over axis 0 of each cell's finite values (NaN where there is none), their count). One sort:
+    NaN sorts last, so the middle of the first `count` entries is the median."""
+    ordered = np.sort(values, axis=0)
+    count = np.isfinite(values).sum(axis=0)
+    lo, hi = np.maximum((count - 1) // 2, 0), count // 2
+    a = np.take_along_axis(ordered, np.expand_dims(lo, 0), axis=0)[0]
+    b = np.take_along_axis(ordered, np.expand_dims(np.minimum(hi, len(values) - 1), 0), axis=0)[0]
+    return np.where(count > 0, (a + b) / 2, np.nan), count
+
+
+def _slopes_where(candidates: np.ndarray, steps: np.ndarray, y: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Theil–Sen slopes of the recent window (y[w:]) and of the one before (y[:w]), per cell, computed only where
+    `candidates` holds (NaN elsewhere): a median of pairwise slopes is the rule's dearest step."""
+    shape = candidates.shape
+    flat = np.asarray(candidates).reshape(-1)
+    slope, before = np.full(flat.shape, np.nan), np.full(flat.shape, np.nan)
+    if flat.any():
+        cells = y.reshape(len(y), -1)[:, flat]  # (2w, K)
+        slope[flat] = theil_sen_slope(steps[w:], cells[w:])
+        before[flat] = theil_sen_slope(steps[:w], cells[:w])
+    return slope.reshape(shape), before.reshape(shape)
+
+
+class _Series:
+    """The rule's state for one watched metric, over all its cells ((L, H), or () for the loss)."""
+
+    def __init__(self, metric: str, shape: tuple, s: AlarmSettings):
+        self.metric, self.shape = metric, shape
+        self.values = np.full((int(s.window), *shape), np.nan)  # ring of the last `window` values
+        self.trend = np.full((2 * int(s.trend_window), *shape), np.nan)  # ring on the trend scale: 2 windows
+        self.trend_steps = np.zeros(2 * int(s.trend_window))
+        self.n = 0  # values observed
+        self.n_active = 0  # values observed after the warm-up
+        self.jump_streak = np.zeros(shape, dtype=np.int64)
+        self.trend_streak = np.zeros(shape, dtype=np.int64)
+        self.seen_finite = np.zeros(shape, dtype=bool)
+        self.alarmed = np.zeros(shape, dtype=bool)  # in an excursion that has alarmed
+
+    def observe(self, step: int, x: np.ndarray, s: AlarmSettings, active: bool) -> list[tuple]:
+        """Feed one value per cell; return [(rule, index, baseline, z, (slope, slope before))] for the cells that
+        alarm."""
+        m = self.metric
+        finite = np.isfinite(x)
+        non_finite = ~finite & (np.isinf(x) | self.seen_finite)
+        self.seen_finite |= finite
+        med, count = _finite_median(self.values)
+        mad, _ = _finite_median(np.abs(self.values - med))
+        if RELATIVE[m]:
+            floor = np.maximum(np.abs(med) * 1e-3, 1e-6)
+            change = np.where(med != 0, (x - med) / np.where(med != 0, np.abs(med), 1.0), x - med)
+        else:
+            floor = ABSOLUTE_FLOOR[m]
+            change = x - med
+        with np.errstate(all="ignore"):
+            z = (x - med) / (1.4826 * mad + floor)
+            jump = finite & (count >= s.min_history) & (z > s.z_threshold) & (change > s.min_rise[m])
+        self.values[self.n % self.values.shape[0]] = np.where(finite, x, np.nan)
+        ring = self.n % self.trend.shape[0]
+        self.trend[ring] = trend_scale(m, x)
+        self.trend_steps[ring] = step
+        self.n += 1
+        self.n_active += active
+        trend = np.zeros(self.shape, dtype=bool)
+        if self.n_active >= self.trend.shape[0]:  # both trend windows hold values from after the warm-up
+            order = np.roll(np.arange(self.trend.shape[0]), -(ring + 1))  # oldest first
+            y, steps = self.trend[order], self.trend_steps[order]
+            w = self.trend.shape[0] // 2
+            mk = mann_kendall_z(y[w:])
+            slope, before = _slopes_where(mk > s.trend_z, steps, y, w)  # only where the rise is significant
+            with np.errstate(invalid="ignore"):
+                trend = (mk > s.trend_z) & (slope - np.maximum(before, 0.0) > s.min_slope[m])
+        self.jump_streak = np.where(jump & active, self.jump_streak + 1, 0)
+        self.trend_streak = np.where(trend & active, self.trend_streak + 1, 0)
+        fire_nf = non_finite & ~self.alarmed
+        fire_jump = (self.jump_streak >= s.persist[m]) & ~self.alarmed & ~fire_nf
+        fire_trend = (self.trend_streak >= s.trend_persist) & ~self.alarmed & ~fire_nf & ~fire_jump
+        out = non_finite | (jump & active) | (trend & active)
+        self.alarmed = (self.alarmed & out) | fire_nf | fire_jump | fire_trend
+        raised = []
+        for rule, fired in (("non-finite", fire_nf), ("jump", fire_jump), ("trend", fire_trend)):
+            for index in zip(*np.nonzero(np.atleast_1d(fired))) if self.shape else ([()] if fired else []):
+                if rule == "jump":
+                    raised.append((rule, index, float(med[index]), float(z[index]), (float("nan"), float("nan"))))
+                elif rule == "trend":
+                    y_cell = y[(slice(None), *index)][w:]  # the recent window, oldest first
+                    start = float(np.median(y_cell - slope[index] * (steps[w:] - steps[w])))  # Theil–Sen intercept
+                    raised.append((rule, index, float(from_trend_scale(m, start)), float(mk[index]),
+                                   (float(slope[index]), float(before[index]))))
+                else:
+                    raised.append((rule, index, float("nan"), float("nan"), (float("nan"), float("nan"))))
+        return raised
+
+
 class AlarmRule:
-    """Robust z-score rule over a trailing window; call `observe` once per monitored step."""
+    """The rule over all watched series; call `observe` once per monitored step (in step order)."""
 
-    window: int = DEFAULT_WINDOW
-    min_history: int = 8
-    warmup: int = DEFAULT_WARMUP  # monitored steps observed before any alarm (learning-rate warmup moves everything)
-    z_threshold: float = DEFAULT_Z
-    min_change: dict = field(default_factory=lambda: {"near_max_ties": 8.0, "wq_sigma": 0.25, "loss": 0.25})
-    persist: dict = field(default_factory=lambda: {"near_max_ties": 3, "wq_sigma": 3, "loss": 1})
-    _history: dict = field(default_factory=dict, repr=False)
-    _streak: dict = field(default_factory=dict, repr=False)
-    _observed: int = field(default=0, repr=False)
+    def __init__(self, settings: Optional[AlarmSettings] = None, **overrides: Any):
+        settings = settings or DEFAULTS
+        self.config = settings.with_overrides(overrides) if overrides else settings
+        self._series: dict[str, _Series] = {}
+        self._observed = 0
+
+    @property
+    def warmup(self) -> int:
+        return int(self.config.warmup)
 
     @classmethod
     def with_settings(cls, warmup: Optional[int] = None, window: Optional[int] = None,
-                      z_threshold: Optional[float] = None) -> AlarmRule:
-        """The rule with the given settings (None: the default), checked: InvalidSetting (setting
-        "alarm_warmup", "alarm_window" or "alarm_z") for a value that cannot work. The history a
-        value needs is min(8, window), so a short window can alarm too."""
-        check_settings(warmup, window, z_threshold)
-        rule = cls()
-        if warmup is not None:
-            rule.warmup = int(warmup)
-        if window is not None:
-            rule.window = int(window)
-            rule.min_history = min(rule.min_history, rule.window)
-        if z_threshold is not None:
-            rule.z_threshold = float(z_threshold)
-        return rule
+                      z_threshold: Optional[float] = None, base: Optional[AlarmSettings] = None,
+                      **more: Any) -> AlarmRule:
+        """The rule with the given settings (None: `base`'s, else the default), checked: InvalidSetting for a
+        value that cannot work. `more`: any other key of alarm_settings.KEYS."""
+        base = base or DEFAULTS
+        return cls(base.with_overrides({"warmup": warmup, "window": window, "z_threshold": z_threshold, **more}))
 
     def settings(self) -> dict:
         """The settings a capture records and `timeline` reads back."""
-        return {"warmup": self.warmup, "window": self.window, "min_history": self.min_history,
-                "z_threshold": self.z_threshold, "min_change": dict(self.min_change), "persist": dict(self.persist)}
+        return self.config.to_dict()
 
-    def _check(self, key: tuple, metric: str, step: int, value: float, layer=None, head=None) -> Optional[Alarm]:
-        out = self._out(key, metric, step, value, layer, head)
-        if self._observed <= self.warmup:
-            out = None
-        streak = self._streak.get(key, 0) + 1 if out is not None else 0
-        self._streak[key] = streak
-        return out if streak == self.persist.get(metric, 1) else None  # once per excursion
+    def observe(self, step: int, loss: Optional[float] = None, **tables: Any) -> list[Alarm]:
+        """Feed one step's values; return the alarms it raises, in `lead` order.
 
-    def _out(self, key: tuple, metric: str, step: int, value: float, layer=None, head=None) -> Optional[Alarm]:
-        """The alarm this value would raise on its own (None if it is within the trailing window's range)."""
-        hist = self._history.setdefault(key, deque(maxlen=self.window))
-        alarm = None
-        if np.isfinite(value) and len(hist) >= self.min_history:
-            arr = np.asarray(hist, dtype=np.float64)
-            med = float(np.median(arr))
-            mad = float(np.median(np.abs(arr - med)))
-            floor = max(abs(med) * 1e-3, 1e-6) if _RELATIVE[metric] else 0.5
-            z = (value - med) / (1.4826 * mad + floor)
-            change = (value - med) / abs(med) if _RELATIVE[metric] and med != 0 else value - med
-            if z > self.z_threshold and change > self.min_change[metric]:
-                alarm = Alarm(step=step, metric=metric, value=float(value), baseline=med, z=float(z), layer=layer,
-                              head=head)
-        if np.isfinite(value):
-            hist.append(float(value))
-        return alarm
-
-    def observe(self, step: int, loss: Optional[float] = None, near_max_ties=None, wq_sigma=None) -> list[Alarm]:
-        """Feed one step's statistics; return the alarms it raises.
-
-        near_max_ties, wq_sigma: array-likes of shape (L, H) (NaN where unknown) or None.
-        """
+        loss: a number or None (not known); tables: per watched metric an (L, H) array-like (NaN where not
+        measured) or None; other keyword arguments (metrics the rule does not watch) are ignored."""
         self._observed += 1
+        active = self._observed > self.config.warmup
         alarms = []
-        if loss is not None:
-            a = self._check(("loss",), "loss", step, float(loss))
-            if a:
-                alarms.append(a)
-        for metric, table in (("near_max_ties", near_max_ties), ("wq_sigma", wq_sigma)):
-            if table is None:
+        values = {"loss": loss, **tables}
+        for metric in WATCHED:
+            value = values.get(metric)
+            if value is None:
                 continue
-            table = np.asarray(table, dtype=np.float64)
-            for layer in range(table.shape[0]):
-                for head in range(table.shape[1]):
-                    a = self._check((metric, layer, head), metric, step, table[layer, head], layer, head)
-                    if a:
-                        alarms.append(a)
-        return alarms
-
-
-def check_settings(warmup=None, window=None, z_threshold=None) -> None:
-    """InvalidSetting for an alarm setting out of its domain (None = the default, always fine)."""
-    if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
-        raise InvalidSetting("alarm_warmup", f"must be a whole number of monitored steps >= 0, got {warmup!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < MIN_WINDOW):
-        raise InvalidSetting("alarm_window", f"must be a whole number of monitored steps >= {MIN_WINDOW}, "
-                                             f"got {window!r}")
-    number = isinstance(z_threshold, (int, float)) and not isinstance(z_threshold, bool)
-    if z_threshold is not None and not (number and np.isfinite(z_threshold) and z_threshold > 0):
-        raise InvalidSetting("alarm_z", f"must be a finite robust z-score > 0 (default {DEFAULT_Z:g}), "
-                                        f"got {z_threshold!r}")
+            x = np.asarray(value, dtype=np.float64)
+            series = self._series.get(metric)
+            if series is None or series.shape != x.shape:
+                series = self._series[metric] = _Series(metric, x.shape, self.config)
+            for rule, index, baseline, z, (slope, before) in series.observe(step, x, self.config, active):
+                layer, head = (None, None) if metric == "loss" else (int(index[0]), int(index[1]))
+                alarms.append(Alarm(step=int(step), metric=metric, value=float(x[index]), baseline=baseline, z=z,
+                                    layer=layer, head=head, rule=rule, slope=slope, slope_before=before,
+                                    span=int(self.config.trend_window) if rule == "trend" else 0))
+        return sorted(alarms, key=lead_key)
 
 
 def rule_from_settings(settings) -> Optional[AlarmRule]:
-    """The rule a capture's `alarm` setting asks for: False/None = no alarm, True = the defaults,
-    a dict {warmup, window, z_threshold} = those settings (checked), an AlarmRule = itself."""
+    """The rule a capture's `alarm` setting asks for: False/None = no alarm, True = the defaults, an
+    AlarmSettings or a dict of settings (as `AlarmRule.settings()` gives; checked) = those, an AlarmRule = itself."""
     if isinstance(settings, AlarmRule):
         return settings
     if not settings:
         return None
     if settings is True:
         return AlarmRule()
-    return AlarmRule.with_settings(settings.get("warmup"), settings.get("window"), settings.get("z_threshold"))
+    if isinstance(settings, AlarmSettings):
+        return AlarmRule(settings)
+    return AlarmRule(AlarmSettings.from_dict(settings))
 
 
-def replay_rule(rule: AlarmRule, steps, loss=None, near_max_ties=None, wq_sigma=None) -> list[Alarm]:
-    """The alarms `rule` raises over a recorded timeline: steps (S,), loss (S,), near_max_ties and
-    wq_sigma (S, L, H) or None, fed one monitored step at a time as the capture fed them."""
+def replay_rule(rule: AlarmRule, steps, loss=None, **series) -> list[Alarm]:
+    """The alarms `rule` raises over a recorded timeline: steps (S,), loss (S,) and per watched metric an
+    (S, L, H) array or None, fed one monitored step at a time as the capture fed them. The timeline stores an
+    unknown loss as NaN, so a NaN loss is fed as NaN (it alarms after a finite one, as a NaN loss did in the
+    capture); a loss never known is not fed."""
     alarms: list[Alarm] = []
+    known = loss is not None and bool(np.isfinite(np.asarray(loss, dtype=np.float64)).any())
     for i, step in enumerate(steps):
-        loss_i = None if loss is None or not np.isfinite(loss[i]) else float(loss[i])
+        loss_i = float(loss[i]) if known else None
         alarms += rule.observe(int(step), loss=loss_i,
-                               near_max_ties=None if near_max_ties is None else near_max_ties[i],
-                               wq_sigma=None if wq_sigma is None else wq_sigma[i])
+                               **{m: (None if a is None else a[i]) for m, a in series.items() if m in WATCHED})
     return alarms
+
+
+def alarm_codes(alarms: list[Alarm], shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """The alarms of one step as the capture records them in its timeline row: per watched metric with a shape
+    in `shapes` (() for the loss), the series `alarm_<metric>` holding each cell's rule code (0: none)."""
+    codes = {m: np.zeros(shape) for m, shape in shapes.items()}
+    for a in alarms:
+        codes[a.metric][() if a.layer is None else (a.layer, a.head)] = RULE_CODES[a.rule]
+    return {alarm_series(m): c for m, c in codes.items()}
+
+
+def recorded_alarms(timeline: dict) -> list[dict]:
+    """The alarms a capture recorded in a timeline (arrays as `Dump.timeline` reads them), as JSON records
+    {step, metric, layer, head, value, rule, value_text} (value_text: the value as `readable` writes it, also
+    for NaN and inf, which JSON has no number for), in `lead` order. [] when the capture recorded none."""
+    steps = np.asarray(timeline.get("step", []))
+    out = []
+    for metric in WATCHED:
+        codes, values = timeline.get(alarm_series(metric)), timeline.get(metric)
+        if codes is None or values is None:
+            continue
+        codes = np.nan_to_num(np.asarray(codes, dtype=np.float64))
+        for index in zip(*np.nonzero(codes)):
+            code = int(codes[index])
+            if not 1 <= code <= len(RULES):
+                continue
+            i, cell = index[0], index[1:]
+            value = float(np.asarray(values)[index])
+            out.append({"step": int(steps[i]), "metric": metric,
+                        "layer": int(cell[0]) if cell else None, "head": int(cell[1]) if cell else None,
+                        "value": value, "rule": RULES[code - 1], "value_text": readable(value)})
+    return sorted(out, key=lead_key)
+
+
+def describe(record: dict) -> str:
+    """One alarm record in words: 'step 202 layer 1 head 0: wq_sigma = 30.2 (jump)'."""
+    where = "" if record.get("layer") is None else f" layer {record['layer']} head {record['head']}"
+    value = record.get("value_text") or ("n/a" if record.get("value") is None else readable(record["value"]))
+    return f"step {record['step']}{where}: {record['metric']} = {value} ({record['rule']})"

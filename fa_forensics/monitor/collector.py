@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fa_forensics.monitor.spectral import find_query_weights, head_spectral_norms
+from fa_forensics.monitor.spectral import ScaledGram, find_query_weights, head_spectral_norms
 from fa_forensics.monitor.stats import TIMELINE_METRICS, HeadStats, head_statistics
 
 WarnFn = Callable[[str, str], None]
@@ -47,21 +47,6 @@ def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
 def p_bar_dtype(q_dtype: torch.dtype) -> torch.dtype:
     """The dtype P̄ is cast to before P̄V: the 16-bit input dtype, else bf16 (the paper's setting)."""
     return q_dtype if q_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-class _HostGram:
-    """W_Q's per-head Gram matrix (as head_spectral_norms forms it, float64), formed on the GPU and copied
-    to pinned host memory without a synchronization; `sigma()` takes σ_max = √λ_max on the host once the
-    stream has passed the copy (torch's CUDA eigvalsh would synchronize at every call to check errors)."""
-
-    def __init__(self, w_heads: torch.Tensor):
-        w = w_heads.detach().double()  # (H, D, C)
-        gram = w @ w.transpose(-1, -2) if w.shape[-2] <= w.shape[-1] else w.transpose(-1, -2) @ w
-        self.host = torch.empty(gram.shape, dtype=torch.float64, pin_memory=gram.is_cuda)
-        self.host.copy_(gram, non_blocking=True)
-
-    def sigma(self) -> torch.Tensor:
-        return torch.linalg.eigvalsh(self.host)[..., -1].clamp_min(0).sqrt().float()  # (H,)
 
 
 def _to_host(entries: list) -> list:
@@ -93,6 +78,7 @@ class StepCollector:
         self.chunk = chunk
         self._warn = warn or (lambda key, message: None)
         self._calls: dict[int, Future] = {}  # layer -> (HeadStats, σ (H,) or None)
+        self._heads: dict[int, int] = {}  # layer -> query heads of its last call
         self._shape: Optional[tuple[int, int]] = None  # (L, H), fixed by the first row
         self.step: Optional[int] = None
 
@@ -110,21 +96,27 @@ class StepCollector:
         if q.dim() != 4 or k.dim() != 4 or layer in self._calls:
             return
         H = q.shape[1]
-        w_q = find_query_weights(module, H) if module is not None else None  # (H, D, C_in)
-        if w_q is None:
-            what = "no module was found for it" if module is None else "none of the documented weight names matched"
-            self._warn(f"wq:{module_name}", f"fa-forensics monitor: no W_Q found for attention module {module_name!r} "
-                                            f"(layer {layer}; {what}); wq_sigma is NaN for it")
-        q, k = q.detach(), k.detach()
-        s_dtype = score_dtype or self.score_dtype or p_dtype
-        if self._pool is None or q.is_cuda:  # a GPU enqueues the work on its stream: in order, nothing to copy
-            done: Future = Future()
-            done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype, s_dtype))
-            self._calls[layer] = done
-        else:  # copies: the worker must not see later in-place updates (optimizer step, reused buffers)
-            w_copy = None if w_q is None else w_q.clone()
-            self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy, scale,
-                                                   causal, p_dtype, s_dtype)
+        self._heads[layer] = H
+        try:
+            w_q = find_query_weights(module, H) if module is not None else None  # (H, D, C_in)
+            if w_q is None:
+                what = "no module was found for it" if module is None else "none of the documented weight names matched"
+                self._warn(f"wq:{module_name}", f"fa-forensics monitor: no W_Q found for attention module "
+                                                f"{module_name!r} (layer {layer}; {what}); wq_sigma is NaN for it")
+            q, k = q.detach(), k.detach()
+            s_dtype = score_dtype or self.score_dtype or p_dtype
+            if self._pool is None or q.is_cuda:  # a GPU enqueues the work on its stream: in order, nothing to copy
+                done: Future = Future()
+                done.set_result(self._compute(layer, q, k, w_q, scale, causal, p_dtype, s_dtype))
+                self._calls[layer] = done
+            else:  # copies: the worker must not see later in-place updates (optimizer step, reused buffers)
+                w_copy = None if w_q is None else w_q.clone()
+                self._calls[layer] = self._pool.submit(self._compute, layer, _fp32_copy(q), _fp32_copy(k), w_copy,
+                                                       scale, causal, p_dtype, s_dtype)
+        except Exception as exc:  # the monitor never stops training: the layer's row is NaN, said once
+            failed: Future = Future()
+            failed.set_exception(exc)
+            self._calls[layer] = failed
 
     def _compute(self, layer, q, k, w_q, scale, causal, p_dtype, s_dtype) -> tuple[HeadStats, Optional[torch.Tensor]]:
         H = q.shape[1]
@@ -135,20 +127,28 @@ class StepCollector:
                                     chunk=self.chunk, to_cpu=False, score_dtype=s_dtype)
             if w_q is None:
                 sigma = None
-            elif w_q.is_cuda:
-                sigma = _HostGram(w_q)  # no synchronization here: the eigenvalues are taken at `finish`
+            elif w_q.is_cuda:  # no synchronization here: the eigenvalues are taken on the host at `finish`
+                sigma = ScaledGram(w_q).to_host()
             else:
                 sigma = head_spectral_norms(w_q)  # (H,)
         return stats, sigma
 
     def finish(self) -> Optional[dict[str, np.ndarray]]:
-        """The row of the step: metric -> (L, H) float64, or None if no attention call was seen."""
+        """The row of the step: metric -> (L, H) float64, or None if no attention call was seen.
+
+        A layer whose statistics raised (whatever its inputs held) is NaN in the row, with one warning:
+        nothing here raises into the training loop."""
         futures, self._calls = self._calls, {}
         if not futures:
             return None
-        calls = {layer: f.result() for layer, f in futures.items()}
-        n_layers = max(calls) + 1
-        n_heads = max(stats.max_logit.shape[0] for stats, _ in calls.values())
+        calls = {}
+        for layer, future in futures.items():
+            try:
+                calls[layer] = future.result()
+            except Exception as exc:
+                self._failed(exc, f"layer {layer}")
+        n_layers = max(futures) + 1
+        n_heads = max(self._heads.get(layer, 1) for layer in futures)
         if self._shape is None:
             self._shape = (n_layers, n_heads)
         elif (n_layers, n_heads) != self._shape and (n_layers > self._shape[0] or n_heads > self._shape[1]):
@@ -156,24 +156,38 @@ class StepCollector:
                                 f"the timeline {self._shape[0]} × {self._shape[1]}; the extra ones are not kept")
         L, H = self._shape
         row = {m: np.full((L, H), np.nan) for m in TIMELINE_METRICS}
+        try:
+            self._fill(row, calls)
+        except Exception as exc:
+            self._failed(exc, "the step")
+            row = {m: np.full((L, H), np.nan) for m in TIMELINE_METRICS}
+        return row
+
+    def _fill(self, row: dict, calls: dict) -> None:
+        """Copy the layers' statistics into the row (one device → host copy per device)."""
+        L, H = self._shape
         entries = []  # (layer, metric, tensor on its device)
-        grams = []  # (layer, _HostGram)
+        grams = []  # (layer, ScaledGram on the host)
         for layer, (stats, sigma) in calls.items():
             if layer >= L:
                 continue
             entries += [(layer, "max_logit", stats.max_logit), (layer, "near_max_ties", stats.near_max_ties),
                         (layer, "p_one_extra", stats.p_one_extra), (layer, "top1_prob", stats.top1_prob)]
-            if isinstance(sigma, _HostGram):
+            if isinstance(sigma, ScaledGram):
                 grams.append((layer, sigma))
             elif sigma is not None:
                 entries.append((layer, "wq_sigma", sigma))
-        for layer, metric, v in _to_host(entries):  # one device → host copy per device (one synchronization)
+        for layer, metric, v in _to_host(entries):  # one synchronization per device
             v = v[:H]
             row[metric][layer, : v.shape[0]] = v
         for layer, gram in grams:  # their copies were queued before the statistics' copy: complete now
             v = gram.sigma().double().numpy()[:H]
             row["wq_sigma"][layer, : v.shape[0]] = v
-        return row
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        self._warn(f"failed:{type(exc).__name__}",
+                   f"fa-forensics monitor: the statistics of {what} at step {self.step} could not be computed "
+                   f"({type(exc).__name__}: {exc}); they are NaN in the timeline and training goes on")
 
     def close(self) -> None:
         """Stop the worker thread (pending work is finished first)."""

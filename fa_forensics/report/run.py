@@ -6,6 +6,10 @@ same dict the command writes with --json), its tables and its figures, into DIR/
 that fails with a user error (e.g. the dump has no dO) becomes a note in the report instead of stopping
 it; fix-check's exit code 1 ("the fix does not remove the bias") is a result, not a failure.
 
+The timeline section (the monitor's per-step statistics and the capture's alarms) comes first when the
+dump has a timeline and is left out when it has none; on a dump that holds only a timeline, the step
+analyses are skipped with a note.
+
 The report's recipe (default preset "auto") is the low-precision side of every analysis that
 replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
 A (B = fp32); pcast keeps its own fp8 settings and studies the last complete step. With `workers`
@@ -35,6 +39,8 @@ from fa_forensics.dump.safe_files import atomic_write, is_no_space
 from fa_forensics.errors import UserError
 
 REPORT_TEXT_WIDTH = 160  # columns of the tables embedded in the page
+NO_STEP_NOTE = ("skipped: this dump records no step in full, only the monitor's timeline; capture steps with "
+                "--steps (or with --alarm, the steps around an alarm) to analyse them")
 
 
 # The report's sections: every registered analysis that has one, in the registry's order.
@@ -112,8 +118,12 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
         json_path.unlink()
     args = command_line(section.name, dump_path, selection, recipe, backend)
     t0 = time.perf_counter()
+    if section.section.needs == "steps" and not dump.steps and dump.timeline is not None:
+        return SectionResult(section.name, args, 2, False, NO_STEP_NOTE, None, [], "", 0.0)
     try:
-        if section.section.whole_dump:
+        if section.section.needs == "timeline":
+            sels = None
+        elif section.section.whole_dump:
             sels = select(dump, dump.steps[-1] if dump.steps else None)
         else:
             sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
@@ -145,6 +155,7 @@ def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head
     """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`, the
     work items of each on `workers` (one cluster for all)."""
     selection = {"step": step, "layer": layer, "head": head}
+    sections = [s for s in sections if s.section.needs != "timeline" or dump.timeline is not None]
     results = []
     with contextlib.ExitStack() as stack:
         if not workers.in_process:

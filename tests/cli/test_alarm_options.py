@@ -40,18 +40,23 @@ def test_a_short_run_alarms_with_a_short_warmup(short_run):
 
 
 def test_timeline_replays_the_rule_and_says_when_the_warmup_covers_the_run(short_run, tmp_path):
-    out, _, _ = short_run
+    out, _, stderr = short_run
     js = tmp_path / "t.json"
     r = runner.invoke(app, ["timeline", str(out), "--json", str(js)])  # the capture's own settings (warm-up 6)
     d = json.loads(js.read_text())
-    assert r.exit_code == 0 and d["alarm_rule"]["warmup"] == 6, r.output
+    assert r.exit_code == 0 and d["alarm_rule"]["warmup"] == 6 and d["capture_alarm_rule"]["warmup"] == 6, r.output
     assert [a["step"] for a in d["rule_alarms"]][:1] == [TIE_FROM + 2] and d["alarm_steps"] == [TIE_FROM + 2]
-    assert d["verdict"].startswith("the alarm rule (warm-up 6, window 20, z > 6) fires at step 14 layer")
-    assert "verdict: the alarm rule" in " ".join(r.output.split())
+    lead = d["alarms"][0]  # what the capture recorded, read back
+    assert (lead["step"], lead["metric"], lead["rule"]) == (TIE_FROM + 2, "near_max_ties", "jump")
+    where = f"step 14 layer {lead['layer']} head {lead['head']}: near_max_ties = {lead['value_text']}"
+    assert d["verdict"].startswith(f"the capture's alarm fired at {where} (jump)")
+    assert f"fa-forensics alarm: {where} (jump:" in stderr  # one alarm, one description: the capture's line
+    assert "verdict: the capture's alarm fired" in " ".join(r.output.split())
     r = runner.invoke(app, ["timeline", str(out), "--alarm-warmup", "50", "--json", str(js)])
     d = json.loads(js.read_text())
     assert r.exit_code == 0 and d["rule_alarms"] == [], r.output
     assert "none was possible: the rule's warm-up (50 monitored steps) covers all 20 monitored steps" in d["verdict"]
+    assert d["alarms"][0]["step"] == TIE_FROM + 2  # the capture's decision stays what it was
 
 
 @pytest.mark.parametrize("option, value, text", [
@@ -59,6 +64,9 @@ def test_timeline_replays_the_rule_and_says_when_the_warmup_covers_the_run(short
     ("--alarm-window", "2", "--alarm-window: must be a whole number of monitored steps >= 3"),
     ("--alarm-z", "nan", "--alarm-z: must be a finite robust z-score > 0"),
     ("--alarm-z", "0", "--alarm-z: must be a finite robust z-score > 0"),
+    ("--alarm-set", "trend_z=0", "--alarm-set: trend_z must be a finite z-score > 0"),
+    ("--alarm-set", "nope=1", "--alarm-set: unknown setting 'nope'; the settings are warmup, window"),
+    ("--alarm-set", "persist.loss", "--alarm-set: 'persist.loss' is not KEY=VALUE"),
 ])
 def test_bad_alarm_settings_are_one_line_and_exit_2(tmp_path, option, value, text):
     script = tmp_path / "t.py"

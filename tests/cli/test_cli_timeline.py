@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
     assert f"{N_STEPS} monitored steps (0..{N_STEPS - 1}), 2 layers × 2 heads" in " ".join(r.output.split())
     assert "repeated maxima vs loss: Spearman" in r.output
     names = sorted(p.name for p in figs.iterdir())
-    assert names == ["timeline_loss.png", "timeline_max_logit.png", "timeline_ties_vs_loss.png",
+    assert names == ["timeline_loss.png", "timeline_max_logit.png", "timeline_ties_vs_loss.png", "timeline_top1.png",
                      "timeline_wq_heads.png", "timeline_wq_heatmap.png"]
     assert all((figs / n).stat().st_size > 10_000 for n in names)
     payload = json.loads(js.read_text())
@@ -58,7 +59,8 @@ def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
         series = np.array(payload["series"][metric])  # [layer][head][step]
         assert series.shape == (2, 2, N_STEPS)
         np.testing.assert_array_equal(series, np.transpose(tl[metric], (1, 2, 0)))
-    assert payload["alarm_steps"] == []
+    assert payload["alarm_steps"] == [] and payload["alarms"] == [] and payload["capture_alarm_rule"] is None
+    assert sorted(Path(f).name for f in payload["figures"]) == names
     assert -1 <= payload["ties_loss_spearman"] <= 1 and 0 <= payload["ties_loss_p_value"] <= 1
     layer, head = payload["top_wq_head"]
     assert tl["wq_sigma"][-1, layer, head] == np.nanmax(tl["wq_sigma"][-1])

@@ -34,7 +34,9 @@ def test_every_registered_analysis_is_a_command_with_its_help_and_options_in_ord
 
 def test_report_sections_are_the_registered_ones_in_order_with_generated_command_lines():
     assert [s.name for s in SECTIONS] == [a.name for a in REPORTED]
-    assert "timeline" not in [s.name for s in SECTIONS]  # no section: its figures need a monitored run
+    assert SECTIONS[0].name == "timeline"  # what happened in training first, then why (the step analyses)
+    others = [a.name for a in ANALYSES if a.section is not None and a.name != "timeline"]
+    assert [s.name for s in SECTIONS[1:]] == others
     recipe = Recipe("bf16")
     assert command_line("bitdiff", "d.zarr", {"layer": 0}, recipe, Backend.EMULATE) == [
         "bitdiff", "d.zarr", "--layer", "0", "--a", "bf16", "--b", "fp32", "--accumulation", "ieee", "--backend",

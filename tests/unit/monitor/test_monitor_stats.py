@@ -1,4 +1,6 @@
 """Per-head monitor statistics against brute force on real numerics."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -223,9 +225,53 @@ def test_bf16_scores_count_the_repeated_maxima_a_bf16_kernel_has(chunk):
 def test_deferred_wq_sigma_equals_the_direct_one():
     """On a GPU the collector forms W_Q's Gram on the device and takes its eigenvalue on the host at the
     end of the step (no synchronization per layer): the same σ as head_spectral_norms (both layouts)."""
-    from fa_forensics.monitor.collector import _HostGram
+    from fa_forensics.monitor.spectral import ScaledGram
 
     g = torch.Generator().manual_seed(0)
     for shape in ((4, 16, 64), (4, 64, 16)):  # D ≤ C (W Wᵀ) and D > C (Wᵀ W)
         w = torch.randn(*shape, generator=g)
-        np.testing.assert_array_equal(_HostGram(w).sigma().numpy(), head_spectral_norms(w).numpy())
+        np.testing.assert_array_equal(ScaledGram(w).to_host().sigma().numpy(), head_spectral_norms(w).numpy())
+
+
+def test_spectral_norms_of_nan_inf_and_huge_weights_are_values_not_exceptions():
+    """LAPACK cannot decompose a NaN Gram ('failed to converge'), and a Gram of weights above ~1e154 overflows
+    float64: each head is a value anyway, the exact norm where the weights are finite."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 16, 64, generator=g, dtype=torch.float64)
+    w[1] *= 1e36  # W_Q times 1e36 (the Gram holds 1e72)
+    w[2] *= 1e200  # beyond float64's Gram: 1e400
+    w[3] *= 1e-200  # subnormal squares
+    w[4, 3, 7] = float("nan")
+    w[5, 0, 0] = float("inf")
+    with pytest.raises(RuntimeError):  # what killed training runs: torch's own solver on the NaN head
+        torch.linalg.eigvalsh(w[4] @ w[4].T)
+    sigma = head_spectral_norms(w)
+    exact = [torch.linalg.matrix_norm(w[h] / w[h].abs().max(), ord=2) * w[h].abs().max() for h in range(4)]
+    for h in range(4):
+        assert float(sigma[h]) == pytest.approx(float(exact[h]), rel=1e-12), h
+    assert math.isnan(sigma[4]) and math.isinf(sigma[5]) and sigma[5] > 0
+    assert sigma.dtype == torch.float64  # a 1e200 norm is not an fp32 inf
+
+
+def test_the_collector_turns_non_finite_inputs_into_nan_statistics_and_its_own_failures_into_one_warning():
+    from fa_forensics.monitor.collector import StepCollector
+
+    said = []
+    collector = StepCollector(warn=lambda key, message: said.append((key, message)))
+    attn = torch.nn.Module()
+    attn.c_attn = torch.nn.Linear(32, 96)
+    with torch.no_grad():
+        attn.c_attn.weight[:32] = float("nan")  # W_Q went NaN
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 16, 8, generator=g), torch.randn(2, 4, 16, 8, generator=g)
+    q[:, :, 3] = float("nan")  # NaN activations in some rows
+    collector.begin(5)
+    collector.observe_call(0, q, k, scale=None, causal=True, p_dtype=torch.bfloat16, module=attn, module_name="a")
+    collector.observe_call(1, q, k[:, :, :, :4], scale=None, causal=True, p_dtype=torch.bfloat16, module=None,
+                           module_name="b")  # q and k disagree: the statistics raise inside the monitor
+    row = collector.finish()
+    assert np.isnan(row["wq_sigma"][0]).all() and np.isnan(row["max_logit"][0]).all()
+    assert np.isnan(row["top1_prob"][0]).all() and np.isnan(row["max_logit"][1]).all()  # the failed layer: NaN
+    failed = [m for key, m in said if key.startswith("failed:")]
+    assert len(failed) == 1 and "layer 1 at step 5 could not be computed" in failed[0], said
+    assert "training goes on" in failed[0]
