@@ -22,6 +22,7 @@ import torch
 import zarr
 
 from fa_forensics.dump.integrity import MAX_DIM, Damage, bad_chunk, check_step, describe_error
+from fa_forensics.dump.ranks import rank_tree_of, store_ranks
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     CALL_ATTR_KEYS,
@@ -71,8 +72,15 @@ def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
 
 
 def open_dump(path, rank: int | None = None) -> Dump:
-    """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0)."""
+    """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0). A rank's folder of a
+    multi-rank store (`run.zarr/rank_1`) opens that rank of the store."""
     p = Path(path)
+    tree = rank_tree_of(p)
+    if tree is not None:
+        if rank is not None and int(rank) != tree[1]:
+            raise DumpError(f"{p} is rank {tree[1]}'s tree of the dump {tree[0]}, not rank {rank}'s; give the store "
+                            f"{tree[0]} and the rank")
+        p, rank = tree
     hint = "give the path of a .zarr dump made by `fa-forensics capture`, `synth` or `import`"
     if not p.exists():
         raise DumpError(f"no dump at {p}: the path does not exist; {hint}")
@@ -143,6 +151,11 @@ class Dump:
         except Exception as exc:
             raise DumpError(f"rank {rank} of {self.path} cannot be opened ({describe_error(exc)}); the dump is "
                             "damaged, re-capture it") from None
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """Every rank whose tree the store holds (0, the root, always)."""
+        return store_ranks(self.path)
 
     @property
     def _tree_path(self) -> Path:
@@ -458,6 +471,7 @@ class Dump:
             "amp_dtype": self.attrs.get("amp_dtype"),
             "world_size": self.world_size,
             "rank": self.rank,
+            "ranks": self.ranks,
             "model": self.attrs.get("model", {}),
             "capture": self.attrs.get("capture", {}),
             "steps": self.steps,
