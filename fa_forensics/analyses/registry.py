@@ -28,7 +28,7 @@ RECIPE_KEYS = ("preset", "accumulation", "backend", "warnings", "replay_fidelity
 class Option:
     """One option of an analysis command, in --help order.
 
-    `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --accumulation, --backend,
+    `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --rank, --accumulation, --backend,
     --workers, --scheduler, --out, --json, --debug), with this default; flag, type and help are the CLI's.
     `argument`: a positional argument instead of a --flag. `keyword`: the compute's keyword for the value
     (default: `name`). `check(value)`: why a value is refused (None: accepted)."""
@@ -213,7 +213,8 @@ BITDIFF = Analysis(
         Option("a", "--a", str, "auto", metavar="PRESET",
                help="Tensor mode: replay preset of the first O (auto: the recipe that reproduces the stored O best)."),
         Option("b", "--b", str, "fp32", metavar="PRESET", help="Tensor mode: replay preset of the second O."),
-        shared("step"), shared("layer"), shared("head"), shared("accumulation", "auto"), shared("backend", "emulate"),
+        shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation", "auto"),
+        shared("backend", "emulate"),
         shared("workers", 1), shared("scheduler"), shared("out"), shared("json_path"), shared("debug", False),
     ),
     json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
@@ -271,7 +272,7 @@ PCAST = Analysis(
         Option("seed", "--seed", int, 0, help="Base random seed of the simulation."),
         Option("step", "--step", Optional[int], None,
                help="Training step to analyse in dump mode (default: the last complete step)."),
-        shared("layer"), shared("head"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("layer"), shared("head"), shared("rank"), shared("out"), shared("json_path"), shared("debug", False),
     ),
     json_keys=("mode", "dump", "n_sinks", "block", "delta_k", "scales", "orders", "heads", "dp", "warnings",
                "replay_fidelity", "verdict", "figures"),
@@ -286,7 +287,7 @@ TIMELINE = Analysis(
     "and the capture's alarm rule replayed over them.",
     replays=False,
     options=(
-        shared("dump"), shared("out"), shared("json_path"),
+        shared("dump"), shared("rank"), shared("out"), shared("json_path"),
         Option("alarm_warmup", "--alarm-warmup", Optional[int], None, metavar="N",
                help="Monitored steps before the replayed alarm rule may fire "
                     "(default: the capture's setting, else 50)."),

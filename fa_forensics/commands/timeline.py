@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from fa_forensics.commands.common import console, ensure_out_dir, run_cli, write_json
+from fa_forensics.commands.common import console, ensure_out_dir, open_rank, run_cli, write_json
 
 TIMELINE_OPTION_OF = {"alarm_warmup": "--alarm-warmup", "alarm_window": "--alarm-window", "alarm_z": "--alarm-z"}
 
@@ -16,7 +16,7 @@ def recorded_rule_settings(dump) -> dict:
     return monitor.get("alarm") or {}
 
 
-def run(dump: Path, out: Optional[Path], json_path: Optional[Path], alarm_warmup: Optional[int],
+def run(dump: Path, rank: Optional[int], out: Optional[Path], json_path: Optional[Path], alarm_warmup: Optional[int],
         alarm_window: Optional[int], alarm_z: Optional[float], debug: bool) -> None:
     """The `timeline` command (options: the registry's): the per-step statistics, their figures, the alarm rule."""
 
@@ -24,12 +24,11 @@ def run(dump: Path, out: Optional[Path], json_path: Optional[Path], alarm_warmup
         from fa_forensics.analyses.timeline.compute import (alarm_json, analyse_timeline, replay_alarm,
                                                             timeline_json, timeline_verdict)
         from fa_forensics.commands.capture import worded_settings
-        from fa_forensics.dump import open_dump
         from fa_forensics.monitor.alarm import AlarmRule, check_settings
 
         with worded_settings(TIMELINE_OPTION_OF):
             check_settings(alarm_warmup, alarm_window, alarm_z)
-        d = open_dump(dump)
+        d = open_rank(dump, rank)
         result = analyse_timeline(d.timeline, where=str(dump))
         recorded = recorded_rule_settings(d)
         rule = AlarmRule.with_settings(alarm_warmup if alarm_warmup is not None else recorded.get("warmup"),
