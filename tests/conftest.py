@@ -31,6 +31,7 @@ SLOW_FILES = (
     "cli/test_alarm_options.py",
     "cli/test_capture_cli.py",
     "cli/test_capture_custom_cli.py",
+    "cli/test_dask_cluster.py",
     "cli/test_fanout.py",
     "cli/test_hostile.py",
     "cli/test_monitor_cli.py",

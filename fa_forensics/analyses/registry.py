@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
+
 # The formats bitdiff --add can store a sum into.
 INTO_CHOICES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32")
 
@@ -29,7 +31,8 @@ class Option:
     """One option of an analysis command, in --help order.
 
     `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --rank, --accumulation, --backend,
-    --workers, --scheduler, --out, --json, --debug), with this default; flag, type and help are the CLI's.
+    --workers, --scheduler, --worker-wait, --out, --json, --debug), with this default; flag, type and help are the
+    CLI's.
     `argument`: a positional argument instead of a --flag. `keyword`: the compute's keyword for the value
     (default: `name`). `check(value)`: why a value is refused (None: accepted)."""
 
@@ -215,7 +218,8 @@ BITDIFF = Analysis(
         Option("b", "--b", str, "fp32", metavar="PRESET", help="Tensor mode: replay preset of the second O."),
         shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation", "auto"),
         shared("backend", "emulate"),
-        shared("workers", 1), shared("scheduler"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("workers", 1), shared("scheduler"), shared("worker_wait", WORKER_WAIT_SECONDS), shared("out"),
+        shared("json_path"), shared("debug", False),
     ),
     json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
                "biased_features", "alpha", "n_cells", "largest", "input_cast", "bias", "accumulation", "backend",

@@ -35,6 +35,7 @@ from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.replay.config import PRESETS
 
 REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
@@ -75,6 +76,10 @@ SchedulerOpt = Annotated[Optional[str],
                          typer.Option("--scheduler",
                                       help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
                                            "the dump must be on storage its workers see.", metavar="ADDRESS")]
+WorkerWaitOpt = Annotated[float, typer.Option(
+    "--worker-wait", metavar="SECONDS",
+    help="How long --workers / --scheduler may have no worker (none at the start, or all lost during the run) "
+         "before the command fails.")]
 
 
 def accumulation_option(preset_flags: Sequence[str] = ("--preset",)) -> Any:
@@ -364,11 +369,12 @@ def use_match_cache(value: Optional[str]) -> None:
     set_cache_dir(value)
 
 
-def build_workers(workers: int, scheduler: Optional[str]):
-    """The fan-out of --workers / --scheduler (one-line errors for bad values)."""
+def build_workers(workers: int, scheduler: Optional[str], wait: float = WORKER_WAIT_SECONDS):
+    """The fan-out of --workers / --scheduler / --worker-wait (one-line errors for bad values and for --workers N
+    with --scheduler)."""
     from fa_forensics.layers.fanout import Workers
 
-    return Workers(n=workers, scheduler=scheduler)
+    return Workers(n=workers, scheduler=scheduler, wait=wait)
 
 
 def build_backend(backend: Backend | str) -> Backend:
@@ -394,6 +400,7 @@ _RECIPE_OPTIONS = (
     ("match_cache", MatchCacheOpt, None),
     ("workers", WorkersOpt, 1),
     ("scheduler", SchedulerOpt, None),
+    ("worker_wait", WorkerWaitOpt, WORKER_WAIT_SECONDS),
     ("out", OutOpt, None),
     ("json_path", JsonOpt, None),
     ("debug", DebugOpt, False),
@@ -417,7 +424,8 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
                 head=kwargs.pop("head"), recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
                 backend=build_backend(kwargs.pop("backend")), out=ensure_out_dir(kwargs.pop("out")),
                 json_path=kwargs.pop("json_path"),
-                workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler")), rank=kwargs.pop("rank"),
+                workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler"), kwargs.pop("worker_wait")),
+                rank=kwargs.pop("rank"),
             )
             return run(args, **kwargs)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from fa_forensics.errors import (
     BackendUnsupported, ClusterUnreachable, DiskFull, InvalidSetting, LinkRefused, NoTimeline, NothingSelected,
-    OtherModel, TargetExists, TargetUnwritable,
-    UnknownRank, UserError,
+    NoWorkers, OtherModel, TargetExists, TargetUnwritable, UnknownRank, UserError, WorkerEnvironment,
 )
 
 
@@ -19,6 +18,8 @@ _ADVICE = {
     UnknownRank: "pick one of those with --rank",
     OtherModel: "write to another path, or pass --allow-other-model to add its steps anyway",
     ClusterUnreachable: "check --scheduler ADDRESS or use --workers 1",
+    NoWorkers: "or use --workers N (a local cluster) or --workers 1; --worker-wait SECONDS waits longer",
+    WorkerEnvironment: "or use --workers N (a local cluster of this environment)",
 }
 
 

@@ -9,10 +9,11 @@ from rich.table import Table
 
 from fa_forensics.commands.common import (
     ALL_RANKS, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, RanksOpt, SchedulerOpt,
-    StepOpt, WorkersOpt, console, open_rank, parse_ranks, print_warnings, progress_bar, run_cli, use_match_cache,
-    write_json,
+    StepOpt, WorkersOpt, WorkerWaitOpt, console, open_rank, parse_ranks, print_warnings, progress_bar, run_cli,
+    use_match_cache, write_json,
 )
 from fa_forensics.enums import Backend
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
 
@@ -106,7 +107,7 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
 
 
 def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None,
-        rank=None) -> None:
+        rank=None, worker_wait: float = WORKER_WAIT_SECONDS) -> None:
     import contextlib
 
     from fa_forensics.commands.common import build_backend, build_workers
@@ -114,7 +115,7 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
     from fa_forensics.layers.fanout import connected
 
     backend = build_backend(backend).value
-    fan_out = build_workers(workers, scheduler)
+    fan_out = build_workers(workers, scheduler, worker_wait)
     asked = parse_ranks(rank)
     if asked != ALL_RANKS:
         dump = open_rank(dump_path, asked, "--rank R matches another, --rank all every rank")
@@ -212,11 +213,12 @@ def register(app: typer.Typer) -> None:
         match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,
+        worker_wait: WorkerWaitOpt = WORKER_WAIT_SECONDS,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
         def body():
             use_match_cache(match_cache)
-            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler, rank)
+            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler, rank, worker_wait)
 
         run_cli(debug, body)

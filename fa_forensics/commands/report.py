@@ -13,11 +13,12 @@ from rich.table import Table
 from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.commands.common import (
     ALL_RANKS, AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt,
-    RanksOpt, StepOpt, SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console,
-    open_rank, parse_ranks, run_cli, use_match_cache, write_json,
+    RanksOpt, StepOpt, SchedulerOpt, WorkersOpt, WorkerWaitOpt, build_backend, build_recipe, build_workers, console,
+    err_console, open_rank, parse_ranks, run_cli, use_match_cache, write_json,
 )
 from fa_forensics.dump.schema import rank_key
 from fa_forensics.enums import AccumulationOrAuto, Backend
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.errors import UserError
 
 ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help says so
@@ -27,13 +28,14 @@ ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help
 
 def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
         backend: Backend | str,
-        json_path, workers: int = 1, scheduler: Optional[str] = None, rank: Optional[str] = None) -> None:
+        json_path, workers: int = 1, scheduler: Optional[str] = None, rank: Optional[str] = None,
+        worker_wait: float = WORKER_WAIT_SECONDS) -> None:
     from fa_forensics.dump import open_dump
     from fa_forensics.layers.fanout import connected
     from fa_forensics.report.ranks import write_ranks_index
 
     recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
-    fan_out = build_workers(workers, scheduler)
+    fan_out = build_workers(workers, scheduler, worker_wait)
     asked = parse_ranks(rank)
     if asked != ALL_RANKS:
         # fail early, with the dump store's one-line error, on a bad DUMP
@@ -136,12 +138,13 @@ def register(app: typer.Typer) -> None:
         match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,
+        worker_wait: WorkerWaitOpt = WORKER_WAIT_SECONDS,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
         def body():
             use_match_cache(match_cache)
             return run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler,
-                       rank)
+                       rank, worker_wait)
 
         run_cli(debug, body)
