@@ -76,12 +76,13 @@ def main(argv: list[str]) -> int:
             print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)",
                   file=sys.stderr)
             return 2
+    session = None
     try:
         cfg = settings_from_env()
         session = build_session(cfg, [target, *script_args])
         session.start()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {rank_prefix(session) if session is not None else ''}{exc}", file=sys.stderr)
         return 2
     said: list[str] = []
     show_capture_warnings_as_lines(said, prefix=rank_prefix(session))
@@ -139,7 +140,7 @@ def _run(session, target: str, script_args: list[str], module_mode: bool, handed
         if not handed_over:
             binder.remove()
             session.stop(failed=True)
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {rank_prefix(session)}{exc}", file=sys.stderr)
         return 2
     except BaseException:
         spawn_patch.remove()
@@ -154,7 +155,7 @@ def _run(session, target: str, script_args: list[str], module_mode: bool, handed
     try:
         session.stop(failed=code != 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {rank_prefix(session)}{exc}", file=sys.stderr)
         return 2
     return code
 

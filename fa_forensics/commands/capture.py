@@ -149,11 +149,12 @@ def _launcher_reports(folder: str) -> dict[int, dict]:
 
 
 def rank_outcomes(out: Path, selected_steps: list[int], reports: dict[int, dict]) -> list[dict]:
-    """Per rank of the run (those in the store and those that reported): what its tree holds, how far it ran,
-    which selected steps it never reached and which it ran without an attention call."""
+    """Per rank of the run (every rank of its world size, those in the store and those that reported): what its
+    tree holds, how far it ran, which selected steps it never reached and which it ran without an attention call."""
     from fa_forensics.dump.ranks import store_ranks
 
-    ranks = sorted(set(store_ranks(out) if Path(out).is_dir() else [0]) | set(reports))
+    world = max([1] + [int(r.get("world_size") or 1) for r in reports.values()])
+    ranks = sorted(set(store_ranks(out) if Path(out).is_dir() else [0]) | set(reports) | set(range(world)))
     outcomes = []
     for rank in ranks:
         summary = _store_summary(out, rank)
@@ -276,9 +277,7 @@ def register(app: typer.Typer) -> None:
             never = any(o["never_reached"] for o in outcomes)
             without_attention = any(o["ran_without_attention"] for o in outcomes)
             write_json(json_out, {"out": str(out), "returncode": code, "command": list(command),
-                                  **{k: v for k, v in first.items() if k != "rank"},
-                                  "world_size": max([len(outcomes)] + [int(r.get("world_size") or 1)
-                                                                       for r in reports.values()]),
+                                  **{k: v for k, v in first.items() if k != "rank"}, "world_size": len(outcomes),
                                   "ranks": outcomes, "warnings": warnings_said})
             recorded = any(o["steps"] or o["incomplete_steps"] or o["monitored_steps"] for o in outcomes)
             if code == 2 and not recorded:  # the launcher or the script said why, in its own line
