@@ -46,7 +46,8 @@ Result = TypeVar("Result")
 
 HEADS_PER_ITEM = 4  # heads per work item: the unit of fan-out and of an analysis' peak memory
 WORKER_WAIT_SECONDS = 60.0  # how long a cluster may have no worker (at the start, or after losing them) before it fails
-POLL_SECONDS = 1.0  # how often a running fan-out looks at the cluster's workers
+POLL_SECONDS = 1.0  # how often a running fan-out with nothing finishing looks at the cluster's workers
+WAKE_SECONDS = 0.02  # how often it looks for finished items
 DASK_LOGGERS = ("distributed", "tornado", "bokeh")
 DASK_MODULES = ("distributed", "dask", "tornado", "bokeh")
 
@@ -161,23 +162,29 @@ def map_in_order(fn: Callable[[Item], Result], items: Sequence[Item], workers: W
         futures = [client.submit(fn, item, pure=False) for item in items]
         position = {f.key: i for i, f in enumerate(futures)}
         results: list = [None] * len(items)
-        pending = set(futures)
+        finished = distributed.as_completed(futures)
         watch = WorkerWatch(client, workers)
+        left, idle_since = len(futures), time.monotonic()
         try:
-            while pending:
-                try:
-                    done, pending = distributed.wait(list(pending), timeout=POLL_SECONDS, return_when="FIRST_COMPLETED")
-                except (TimeoutError, distributed.TimeoutError):
-                    watch.check()
+            while left:
+                batch = finished.next_batch(block=False)
+                if not batch:
+                    time.sleep(WAKE_SECONDS)
+                    if time.monotonic() - idle_since >= POLL_SECONDS:
+                        watch.check()
+                        idle_since = time.monotonic()
                     continue
-                for future in sorted(done, key=lambda f: position[f.key]):
+                for future in sorted(batch, key=lambda f: position[f.key]):
                     i = position[future.key]
                     results[i] = _result(future, workers)
+                    left -= 1
                     if progress:
                         progress(label(items[i]))
+                watch.since, idle_since = None, time.monotonic()  # an item finished: the cluster has a worker
         finally:
-            for future in pending:
-                future.cancel()
+            for future in futures:
+                if not future.done():
+                    future.cancel()
         return results
 
 
