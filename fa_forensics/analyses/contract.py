@@ -8,9 +8,10 @@ payload starts from `common_keys(result)`, so the shared keys have one spelling 
   replay_fidelity  what share of the stored O the replayed recipe reproduces (`replay_fidelity`),
                    or null where it is not measured
   preset, accumulation, backend   the recipe and where it ran
-  bias             the analysis's claim in one shape (`BiasClaim`): whether a bias exists after
-                   Bonferroni over what it tested, where, and its sign; the report's verdict and the
-                   consistency of the commands rest on it
+  bias             the analysis's claim in one shape (`quantities.BiasClaim`): whether a bias exists by
+                   the statistics policy (`significance`: Holm over the selection's family at α, and the
+                   effect floor), where, and its sign; the report's verdict and the consistency of the
+                   commands rest on it
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,38 +27,8 @@ from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.match import fidelity
 from fa_forensics.layers.fanout import map_layers
 from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.analyses.wording import bit_share
-
-
-ALPHA = 0.01  # every command's significance level, Bonferroni-corrected over the items it tests
-
-
-@dataclass(frozen=True)
-class BiasClaim:
-    """Where an analysis finds a bias, in the same terms for every command.
-
-    quantity "O": the mean of O_lp − O_hp in one (layer, head, feature) cell; "delta": Σ_T(δ_lp − δ_hp)
-    of one (step, layer, head). found = p_value < ALPHA / n_tests (Bonferroni); the location and sign
-    are those of the most significant item even when nothing is found.
-    """
-
-    found: bool
-    quantity: str
-    layer: Optional[int]
-    head: Optional[int]
-    sign: int  # +1, −1 (0 when there is nothing to sign)
-    p_value: float
-    n_tests: int
-    step: Optional[int] = None
-    feature: Optional[int] = None
-
-
-def claim(quantity: str, p_value: float, n_tests: int, value: float, *, layer=None, head=None, step=None,
-          feature=None) -> BiasClaim:
-    """A BiasClaim decided by Bonferroni at ALPHA over `n_tests` items."""
-    found = bool(math.isfinite(p_value) and p_value < ALPHA / max(n_tests, 1))
-    sign = 0 if not value or not math.isfinite(value) else (1 if value > 0 else -1)
-    return BiasClaim(found, quantity, layer, head, sign, p_value, n_tests, step, feature)
 
 
 FIDELITY_WARN_BELOW = 0.99  # o_bits_equal under which every analysis warns

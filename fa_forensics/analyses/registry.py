@@ -122,6 +122,11 @@ class Analysis:
         """The report's one sentence of this analysis, from its --json payload."""
         return self.module("table").finding(payload)
 
+    def key_numbers(self, payload: dict) -> list[tuple[str, str]]:
+        """The report's labelled numbers of this analysis (label with its unit, value as text), from its payload."""
+        table = self.module("table")
+        return table.key_numbers(payload) if hasattr(table, "key_numbers") else []
+
     def defaults(self) -> dict:
         """The compute's keywords of the analysis's own options, at their defaults (what the report runs)."""
         return {o.compute_keyword: o.default for o in self.options if not o.shared and not o.argument}
@@ -157,7 +162,7 @@ ISOLATE = Analysis(
     "isolate", "isolate",
     "Replay under single repairs to localize the failing operation (paper §3.2, Claim 1).",
     json_keys=("variants", "heads", "layers", "culprits", "baseline_block", "baseline_tiles", "n_biased_heads",
-               "input_cast", "bias", *RECIPE_KEYS, "verdict", "figures"),
+               "input_cast", "bias", "family", *RECIPE_KEYS, "verdict", "figures"),
     progress="isolate",
     section=Section("isolate: which precision choice causes the error (paper §3.2)"),
 )
@@ -166,7 +171,7 @@ DELTA_BIAS = Analysis(
     "delta-bias", "delta_bias",
     "Sign and origin of Σ_T(δ_lp − δ_hp): per step/layer/head, cumulative, per feature (paper §3.3, Fig. 5).",
     json_keys=("per_step", "steps", "step_sums", "cumulative", "top_features", "focus", "total", "top_token",
-               "cumulative_tokens", "bias", *RECIPE_KEYS, "verdict", "figures"),
+               "cumulative_tokens", "bias", "family", *RECIPE_KEYS, "verdict", "figures"),
     progress="delta-bias",
     section=Section("delta-bias: is Σ(δ_lp − δ_hp) biased, and through which features (§3.3.1-3.3.2, Fig. 5)"),
 )
@@ -178,8 +183,8 @@ RANK1_SIM = Analysis(
                     help="Tokens per step whose rank-1 matrices are compared (largest |δ error| first)."),),
     json_keys=("has_x", "focus", "tokens", "cosine_offdiag_mean", "pk_cosine_offdiag_mean", "x_cosine_offdiag_mean",
                "cosine", "top_columns", "singular_values", "effective_rank", "top_sv_ratio", "cross_step_alignment",
-               "steps", "step_norms", "cumulative_norms", "accumulation_exponent", *RECIPE_KEYS, "verdict",
-               "figures"),
+               "steps", "step_norms", "cumulative_norms", "accumulation_exponent", "claim", "family", *RECIPE_KEYS,
+               "verdict", "figures"),
     progress="rank1-sim",
     section=Section("rank1-sim: structurally similar rank-1 error terms (§3.3.1, Fig. 4)"),
 )
@@ -196,7 +201,7 @@ PV_TRACE = Analysis(
     json_keys=("step", "layer", "head", "batch", "row", "feature", "pv_format", *RECIPE_KEYS, "verdict",
                "final_error", "o_error", "o_bias", "row_choice", "bias_split", "p_one_positions", "jumps",
                "frac_error_from_p_one", "attribution", "class_shares", "rows_attributed", "counterfactual", "bias",
-               "largest_jump", "explanation", "figures"),
+               "family", "largest_jump", "explanation", "figures"),
     progress="replaying ({recipe} vs fp32)",
     per_layer_step=True,
     hint="use --preset fp8-s1, or `fa-forensics pcast` for the scale study",
@@ -222,7 +227,8 @@ BITDIFF = Analysis(
         shared("json_path"), shared("debug", False),
     ),
     json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
-               "biased_features", "alpha", "n_cells", "largest", "input_cast", "bias", "accumulation", "backend",
+               "biased_features", "alpha", "n_cells", "family", "largest", "input_cast", "bias", "accumulation",
+               "backend",
                "warnings", "replay_fidelity", "verdict", "figures"),
     other_json_keys={"add": ("input_a", "input_b", "a", "b", "a_bits", "b_bits", "operands_exact", "exact",
                              "exact_fits_acc", "exact_bits", "acc_sum", "acc_sum_bits", "rounded", "rounded_bits",
@@ -236,7 +242,8 @@ BITDIFF = Analysis(
 FIX_CHECK = Analysis(
     "fix-check", "fix_check",
     "Check that the stabilized softmax removes the bias and the alternatives do not (paper §4, App. C). "
-    "Exit code 0: removed; 1: not removed; 2: bad input.",
+    "Exit code 0: removed, nothing to remove, or too few rows to tell; 1: a significant bias remains (or the fix "
+    "fails); 2: bad input.",
     options=(
         Option("beta", "--beta", float, 2.0, check=_greater_than_one,
                help="β of the stabilized softmax (m = β·r_m for a repeated positive maximum; paper: 2 to 8)."),
@@ -246,7 +253,9 @@ FIX_CHECK = Analysis(
                help="Offset of App. C's fixed-offset alternative: m = rowmax + offset."),
     ),
     json_keys=("target", "baseline", "fixed", "alternatives", "bias_reduction", "max_p_bar", "triggered_rows",
-               "nan_count", "removed", "verdict", "exit_code", "collapse", "bias", "beta", "eps", "offset",
+               "nan_count", "removed", "verdict", "exit_code", "collapse", "bias", "has_bias", "outcome", "deployment",
+               "family",
+               "beta", "eps", "offset",
                *RECIPE_KEYS, "figures"),
     progress="replaying variants",
     pass_fail=True,

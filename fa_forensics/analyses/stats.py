@@ -153,11 +153,13 @@ class PairedTTest:
     p_value: float
     mse_a: float
     mse_b: float
-    verdict: str  # "indistinguishable" | "a better" | "b better" (at the 5 % level)
+    verdict: str  # "indistinguishable" | "a better" | "b better" (adjusted p below the policy's α)
+    adjusted_p: float = math.nan  # p, Holm-adjusted over the tests of its family (`holm_tests`); nan: alone
 
 
 def paired_ttest(a: np.ndarray, b: np.ndarray, name_a: str, name_b: str, delta: float, seq: int) -> PairedTTest:
-    """scipy's ttest_rel on per-instance MSEs, with the mean difference and its se."""
+    """scipy's ttest_rel on per-instance MSEs, with the mean difference and its se; its verdict at the statistics
+    policy's α (`analyses.significance`), as a test of its own (`holm_tests` corrects a family of them)."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     d = a - b
@@ -168,6 +170,21 @@ def paired_ttest(a: np.ndarray, b: np.ndarray, name_a: str, name_b: str, delta: 
     else:
         res = ttest_rel(a, b)
         t, p = float(res.statistic), float(res.pvalue)
-    verdict = "indistinguishable" if not (p < 0.05) else ("a better" if mean_d < 0 else "b better")
     return PairedTTest(float(delta), int(seq), name_a, name_b, int(a.size), mean_d, se_d, t, p,
-                       float(a.mean()), float(b.mean()), verdict)
+                       float(a.mean()), float(b.mean()), _ttest_verdict(p, mean_d), p)
+
+
+def _ttest_verdict(p: float, mean_diff: float) -> str:
+    from fa_forensics.analyses.significance import ALPHA
+
+    return "indistinguishable" if not (p < ALPHA) else ("a better" if mean_diff < 0 else "b better")
+
+
+def holm_tests(tests: list[PairedTTest]) -> list[PairedTTest]:
+    """The paired t-tests of one family, their p-values Holm-adjusted over the family and their verdicts redone."""
+    from dataclasses import replace
+
+    from fa_forensics.analyses.significance import holm
+
+    adjusted = holm([t.p_value for t in tests], len(tests))
+    return [replace(t, adjusted_p=a, verdict=_ttest_verdict(a, t.mean_diff)) for t, a in zip(tests, adjusted)]

@@ -41,3 +41,34 @@ def bit_share(fraction, digits: int = 1, *, floor: bool = False, max_digits: int
     if floor:
         return f"{math.floor(100 * fraction * 10 ** digits) / 10 ** digits:.{digits}f} %"
     return f"{100 * fraction:.{digits}f} %"
+
+
+def pm(value, se, fmt: str = "+.3g", se_fmt: str = ".2g", missing: str = "n/a") -> str:
+    """'+2.45 ± 0.24'; the value alone when se is not finite; `missing` when the value is not."""
+    if not finite(value):
+        return missing
+    return f"{format(value, fmt)} ± {format(se, se_fmt)}" if finite(se) else format(value, fmt)
+
+
+def p_value(p, missing: str = "n/a") -> str:
+    """A p-value for a sentence or a table: '< 1e-300' for 0, 2 significant digits, `missing` when not a number."""
+    if not finite(p):
+        return missing
+    return "< 1e-300" if p == 0 else f"{p:.2g}"
+
+
+def yes_no(flag, missing: str = "n/a") -> str:
+    """'yes' / 'no' for a bool, `missing` otherwise (never 'None')."""
+    return ("yes" if flag else "no") if isinstance(flag, bool) else missing
+
+
+def text(x, missing: str = "n/a") -> str:
+    """str(x) for a value that is there, `missing` for None or a non-finite number (never 'None' or 'nan')."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return missing
+    return str(x)
+
+
+def place(d: dict, *keys: str) -> str:
+    """'step 0 layer 0 head 1' from the named keys of a payload dict (missing ones read n/a)."""
+    return " ".join(f"{k} {text(d.get(k))}" for k in keys)

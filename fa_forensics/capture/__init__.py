@@ -6,20 +6,23 @@
             cap.step(loss)            # optional: stores the loss of the step that just ended
 
 Watched without any change to the model: F.scaled_dot_product_attention, flash_attn, xformers'
-memory_efficient_attention and flex_attention. Custom attention is named with `attention=
-["MODULE:QUALNAME,layout=BHTD"]` (a function or an autograd Function; docs/capture-custom-attention.md)
-or reports its calls with `fa_forensics.capture.record(q, k, v, o, layout="BHTD", scale=..., causal=...)`
-(a no-op when no capture is active). Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100
-[--attention attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
+memory_efficient_attention, flex_attention, Hugging Face's attention functions (any attn_implementation)
+and attention written as torch ops inside the model's forward (softmax(Q·Kᵀ·scale + mask)·V, followed on
+recorded steps only: capture/torch_ops.py). Custom attention is named with `attention=
+["MODULE:QUALNAME,layout=BHTD"]` (a function or an autograd Function, its arguments and result mapped by
+options: capture/targets.py, docs/capture-custom-attention.md) or reports its calls with
+`fa_forensics.capture.record(q, k, v, o, layout="BHTD", scale=..., causal=...)` (a no-op when no capture
+is active). Every call's layout is checked against its shapes, X and the module (capture/layouts.py).
+Unmodified scripts: `fa-forensics capture --out run.zarr --steps 100 [--attention
+attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Optional
 
 import torch
 
+from fa_forensics import make_callable
 from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, parse_batch, parse_index_list, parse_steps,
@@ -60,7 +63,10 @@ def capture(
     layers / heads: indices (None = all). batch: slice of the batch dimension (None = whole batch).
     micro_batch: which forward pass of a step is recorded under gradient accumulation.
     attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
-    options: step_by ("optimizer" | "manual"), overwrite, max_queue, on_step, run_attrs; attention: custom
+    options: step_by ("optimizer" | "manual"), overwrite, max_queue (arrays of selected steps that may wait for
+      the disk before training waits), max_held_mb (memory the ring's and an alarm's steps may hold waiting for the
+      disk; a step past it is dropped whole and said), writer_duty (the share of time the writer thread may write
+      while little waits, default 0.1; 1 writes at full speed), on_step, run_attrs; attention: custom
       entry points to watch (`"MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"`); softmax: the variant
       custom attention computes ("standard", "stabilized" or "ENV=VALUE", see capture/softmax_variant.py).
     """
@@ -69,22 +75,16 @@ def capture(
 
 def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
            causal: bool = True, x: Optional[torch.Tensor] = None, layout: str = "BHTD",
-           mask: Optional[torch.Tensor] = None) -> None:
+           mask: Optional[torch.Tensor] = None, softmax: Optional[str] = None) -> None:
     """Report one attention call of custom attention code to the active capture session (no-op without one).
 
     layout: how q, k, v, o are laid out, "BHTD" (B, heads, T, head_dim) or "BTHD" (B, T, heads, head_dim);
-    the shapes are checked against it (InvalidCaptureSetting naming the shapes) and stored as (B, H, T, D)."""
+    the shapes are checked against it and against X and the module (InvalidCaptureSetting naming the shapes)
+    and stored as (B, H, T, D). softmax: "standard" or "stabilized", what this code computes (default: the
+    session's `softmax` rule, else recorded as unknown)."""
     session = active()
     if session is not None and session.busy:
-        session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask)
+        session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask, softmax=softmax)
 
 
-class _CallableModule(types.ModuleType):
-    """`fa_forensics.capture` is both this package and the function `capture`: importing the package
-    sets the attribute `fa_forensics.capture` to the module, so the module itself must be callable."""
-
-    def __call__(self, *args, **kwargs) -> CaptureSession:
-        return capture(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__)  # `fa_forensics.capture(...)` is this package called as its function `capture`

@@ -205,6 +205,8 @@ def built_in_entry_points() -> list[EntryPoint]:
     return eps
 
 
-WATCHED_TEXT = ("torch.nn.functional.scaled_dot_product_attention, flash_attn (flash_attn_func, its packed and "
-                "varlen forms), xformers.ops.memory_efficient_attention, "
-                "torch.nn.attention.flex_attention.flex_attention and fa_forensics.capture.record")
+WATCHED = ("torch's scaled_dot_product_attention", "flash_attn (flash_attn_func, its packed and varlen forms)",
+           "xformers.ops.memory_efficient_attention", "torch.nn.attention.flex_attention",
+           "Hugging Face's attention functions (any attn_implementation)",
+           "attention written in torch ops (softmax(Q·Kᵀ)·V) in the model's forward",
+           "fa_forensics.capture.record")

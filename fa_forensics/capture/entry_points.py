@@ -7,11 +7,10 @@ a module already imported is patched at once, any other when it is first importe
 sys.meta_path runs the patch right after the module's code, before any `from MODULE import NAME`
 binds it). `uninstall` puts every original back.
 
-What a wrapper reads from a call is an adapter's business (capture/adapters.py): a function
-(args, kwargs, output) -> `CallFacts` (Q, K, V, O as (B, H, T, D) views, scale, causal, mask, ...).
-The generic adapter here binds the call to the callable's signature: Q, K, V are its first three
-parameters, `causal`/`is_causal`, `scale`/`softmax_scale`/`sm_scale`, `mask`/`attn_mask` and
-`dropout_p` are read by name, O is the output (or its first element).
+What a wrapper reads from a call is an adapter's business (capture/adapters.py for the libraries,
+capture/targets.py for `--attention` targets): a function (args, kwargs, output) -> `CallFacts`
+(Q, K, V, O as (B, H, T, D) views, scale, causal, mask, ...). An adapter with a `with_parameters`
+method is given the callable's parameter names when it is patched.
 """
 from __future__ import annotations
 
@@ -19,16 +18,12 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
-import math
 import sys
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-
-from fa_forensics.capture.layouts import check_attention_shapes, check_layout, o_grad_sink, to_bhtd
-from fa_forensics.capture.selection import InvalidCaptureSetting
 
 
 @dataclass
@@ -53,113 +48,20 @@ Adapter = Callable[[tuple, dict, Any], Optional[CallFacts]]
 
 @dataclass(frozen=True)
 class EntryPoint:
-    """A callable to watch: `module:qualname`, the adapter that reads its calls, a label for messages."""
+    """A callable to watch: `module:qualname`, the adapter that reads its calls, a label for messages.
+
+    `wrap`, when given, builds the replacement from the original instead (it reports nothing itself:
+    e.g. a lookup that returns watched functions); `adapter` is then unused."""
 
     module: str
     qualname: str
-    adapter: Adapter
+    adapter: Optional[Adapter]
     label: str = ""
+    wrap: Optional[Callable[[Callable], Callable]] = None
 
     @property
     def name(self) -> str:
         return self.label or f"{self.module}:{self.qualname}"
-
-
-# -- the generic adapter ------------------------------------------------------------------------
-_CAUSAL = ("causal", "is_causal")
-_SCALE = ("scale", "softmax_scale", "sm_scale")
-_MASK = ("mask", "attn_mask", "attention_mask")
-_DROPOUT = ("dropout_p", "dropout")
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """`--attention MODULE:QUALNAME[,layout=BHTD|BTHD][,causal=true|false][,scale=X]`, parsed."""
-
-    module: str
-    qualname: str
-    layout: str = "BHTD"
-    causal: Optional[bool] = None  # None: from the call's `causal`/`is_causal` argument, else True
-    scale: Optional[float] = None  # None: from the call's scale argument, else 1/sqrt(head_dim)
-
-    @classmethod
-    def parse(cls, text: str) -> TargetSpec:
-        head, *options = [p.strip() for p in str(text).split(",")]
-        module, sep, qualname = head.partition(":")
-        if not sep or not module or not qualname or not all(p.isidentifier() for p in qualname.split(".")):
-            raise InvalidCaptureSetting("attention", f"{text!r} does not name a callable; write MODULE:QUALNAME, "
-                                                     "e.g. attention:FlashAttentionFunction or "
-                                                     "mypkg.attn:attention_fn,layout=BTHD")
-        values: dict[str, Any] = {}
-        for option in options:
-            key, eq, value = option.partition("=")
-            key = key.strip().lower()
-            if not eq or key not in ("layout", "causal", "scale"):
-                raise InvalidCaptureSetting("attention", f"{option!r} in {text!r} is not an option; use "
-                                                         "layout=BHTD|BTHD, causal=true|false or scale=NUMBER")
-            if key == "layout":
-                values["layout"] = check_layout(value)
-            elif key == "causal":
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise InvalidCaptureSetting("attention", f"causal={value!r} in {text!r}: write causal=true "
-                                                             "or causal=false")
-                values["causal"] = value.lower() in ("true", "1")
-            else:
-                try:
-                    values["scale"] = float(value)
-                except ValueError:
-                    values["scale"] = math.nan
-                if not (math.isfinite(values["scale"]) and values["scale"] > 0):
-                    raise InvalidCaptureSetting("attention", f"scale={value!r} in {text!r} must be a positive number")
-        return cls(module.strip(), qualname.strip(), **values)
-
-    def to_text(self) -> str:
-        parts = [f"{self.module}:{self.qualname}", f"layout={self.layout}"]
-        if self.causal is not None:
-            parts.append(f"causal={str(self.causal).lower()}")
-        if self.scale is not None:
-            parts.append(f"scale={self.scale!r}")
-        return ",".join(parts)
-
-    def entry_point(self) -> EntryPoint:
-        return EntryPoint(self.module, self.qualname, functools.partial(_generic_adapter, self), self.to_text())
-
-
-def _first(bound: dict, names: tuple[str, ...]):
-    for name in names:
-        if name in bound:
-            return bound[name]
-    return None
-
-
-def _generic_adapter(spec: TargetSpec, params: list[str], args: tuple, kwargs: dict, out) -> Optional[CallFacts]:
-    """CallFacts of one call of a `--attention` target (params: the callable's parameter names)."""
-    bound = dict(zip(params, args))
-    bound.update(kwargs)
-    tensors = [bound.get(p) for p in params[:3]]
-    o = out[0] if isinstance(out, (tuple, list)) and out else out
-    if not all(isinstance(t, torch.Tensor) for t in (*tensors, o)):
-        return None
-    q, k, v = tensors
-    where = spec.to_text()
-    check_attention_shapes(q, k, v, o, spec.layout, where)
-    causal = spec.causal if spec.causal is not None else _first(bound, _CAUSAL)
-    scale = spec.scale if spec.scale is not None else _first(bound, _SCALE)
-    mask = _first(bound, _MASK)
-    dropout = _first(bound, _DROPOUT)
-    warning = None
-    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
-        shape = f" of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else ""
-        warning = (f"fa-forensics capture: {where}: the call's mask ({type(mask).__name__}{shape}) is not a 4-D "
-                   "SDPA-style mask and is not recorded; replays of these layers ignore it")
-        mask = None
-    convert = functools.partial(to_bhtd, layout=spec.layout)
-    return CallFacts(convert(q), convert(k), convert(v), convert(o),
-                     scale=float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None,
-                     causal=bool(causal) if isinstance(causal, bool) else True, mask=mask,
-                     dropout_p=float(dropout) if isinstance(dropout, float) else 0.0,
-                     grad_sink=o_grad_sink(o, convert) if spec.layout != "BHTD" else None,
-                     attrs={"layout": spec.layout}, warning=warning)
 
 
 def parameter_names(target) -> list[str]:
@@ -232,25 +134,35 @@ class EntryPointPatcher:
             return
         if getattr(target, "_fa_forensics_entry_point", None) is not None:
             return  # patched already (e.g. re-exported by a package)
-        params = parameter_names(target)
+        if ep.wrap is not None:
+            self._replace(owner, leaf, target, ep.wrap(target), ep.name)
+            return
         adapter = ep.adapter
-        if isinstance(adapter, functools.partial) and adapter.func is _generic_adapter:
-            adapter = functools.partial(adapter, params)
+        if hasattr(adapter, "with_parameters"):  # an adapter that reads calls by the callable's signature
+            adapter = adapter.with_parameters(parameter_names(target))
         bound_ep = EntryPoint(ep.module, ep.qualname, adapter, ep.name)
         if isinstance(target, type) and issubclass(target, torch.autograd.Function):
             self._patch_function_class(target, bound_ep)
         elif callable(target):
-            wrapper = self._wrap(target, bound_ep)
-            setattr(owner, leaf, wrapper)
-            self._restore.append(lambda: setattr(owner, leaf, target))
+            self._replace(owner, leaf, target, self._wrap(target, bound_ep), ep.name)
+            return
         else:
             return
         self.patched.append(ep.name)
+
+    def _replace(self, owner, leaf: str, target, replacement, name: str) -> None:
+        """Put `replacement` at owner.leaf; restored on uninstall (a class attribute it inherited is deleted again)."""
+        inherited = isinstance(owner, type) and leaf not in vars(owner)
+        replacement._fa_forensics_entry_point = name
+        setattr(owner, leaf, replacement)
+        self._restore.append((lambda: delattr(owner, leaf)) if inherited else (lambda: setattr(owner, leaf, target)))
+        self.patched.append(name)
 
     def _patch_function_class(self, cls: type, ep: EntryPoint) -> None:
         had_own = "apply" in cls.__dict__
         own = cls.__dict__.get("apply")
         wrapper = self._wrap(cls.apply, ep)
+        wrapper._fa_forensics_entry_point = ep.name
         cls.apply = staticmethod(wrapper)
 
         def restore() -> None:
@@ -282,7 +194,6 @@ class EntryPointPatcher:
             patcher._report(ep, args, kwargs, out)
             return out
 
-        watched._fa_forensics_entry_point = ep.name
         return watched
 
 

@@ -84,8 +84,12 @@ class AttentionCall:
 
     @property
     def score_dtype(self) -> torch.dtype:
-        """The precision the kernel forms S in: torch's fused SDPA kernels keep S in their fp32 accumulator;
-        attention written in torch ops (`record`, a watched entry point) rounds S = QKᵀ to the kernel dtype."""
+        """The precision the kernel forms S in: as recorded (attention written in torch ops: the dtype of
+        its product Q·Kᵀ); torch's fused SDPA kernels keep S in their fp32 accumulator; other custom
+        attention (`record`, a watched entry point) is taken to round S = QKᵀ to the kernel dtype."""
+        recorded = getattr(torch, str((self.extra or {}).get("score_dtype", "")), None)
+        if isinstance(recorded, torch.dtype):
+            return recorded
         return torch.float32 if self.source == "sdpa" else self.kernel_dtype
 
 

@@ -142,6 +142,12 @@ def _run(session, target: str, script_args: list[str], module_mode: bool, handed
             session.stop(failed=True)
         print(f"error: {rank_prefix(session)}{exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the capture ends as a failed run; `fa-forensics capture` says "interrupted"
+        spawn_patch.remove()
+        if not handed_over:
+            binder.remove()
+            session.stop(failed=True)
+        return 130
     except BaseException:
         spawn_patch.remove()
         if not handed_over:

@@ -49,6 +49,22 @@ def replace_module_input(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor],
     return None
 
 
+_HEAD_COUNT_NAMES = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+
+
+def module_heads(module: Optional[torch.nn.Module]) -> Optional[int]:
+    """The query head count an attention module states (num_heads, n_head, n_heads, num_attention_heads,
+    or its config's num_attention_heads / n_head), or None."""
+    if module is None:
+        return None
+    for owner in (module, getattr(module, "config", None)):
+        for name in _HEAD_COUNT_NAMES:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def describe_model(model: torch.nn.Module) -> dict:
     """{"model": {class, n_params, compiled, wrapper}, "device"}: the class is the model's own under
     torch.compile (`_orig_mod`) and DDP/FSDP-style wrappers (`module`)."""

@@ -4,7 +4,8 @@ Given an `AttentionCall` of a selected layer, it selects the batch slice and hea
 grouped-query K/V to one head per query head, casts fp32 inputs to autocast's dtype (what the
 kernel computed with), builds the layer attributes, and hands each array to `put(step, layer,
 name, tensor, layer_attrs)` (the session routes it to the background writer or the ring). dO
-arrives later, from the hook it leaves on O (or with the compiled graph's `tap_grad`).
+arrives later, from the hook it leaves on O (or with the compiled graph's `tap_grad`); `missing_do(step)`
+says which recorded layers of an ended step got none, and why.
 """
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ from fa_forensics.capture.selection import CaptureSelection, InvalidCaptureSetti
 
 Put = Callable[[int, int, str, torch.Tensor, dict], None]
 
+# why a recorded layer has no dO
+NO_GRADIENT = "its O had no gradient (computed without autograd, or detached)"
+NOT_REACHED = "the backward pass did not reach its O (O was not used in the loss, or backward was not called)"
+
 
 def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice],
                              head_index: Optional[torch.Tensor]) -> torch.Tensor:
     """SDPA's attn_mask as stored: 4-D (B' or 1, H' or 1, Tq, Tk), batch slice and heads applied to the
     dims that are not broadcast. Boolean masks stay boolean (True = may attend); an additive mask whose
-    values are all 0 or -inf / the dtype's lowest value becomes boolean too; any other additive mask (a
-    bias such as ALiBi) is kept as given."""
+    values are all 0 or -inf / the dtype's lowest value becomes boolean too, unless a row blocks every
+    key (with the lowest value such a row is a uniform softmax, which a boolean mask would not say); any
+    other additive mask (a bias such as ALiBi) is kept as given."""
     m = mask.detach()
     m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
     if batch is not None and m.shape[0] > 1:
@@ -35,7 +41,7 @@ def attention_mask_for_store(mask: torch.Tensor, batch: Optional[slice],
     if m.dtype != torch.bool:
         allowed = m == 0
         blocked = torch.isneginf(m) | (m <= torch.finfo(m.dtype).min)
-        if bool((allowed | blocked).all()):
+        if bool((allowed | blocked).all()) and bool(allowed.any(dim=-1).all()):
             m = allowed
     return m
 
@@ -47,6 +53,7 @@ class Recorder:
         self.selection = selection
         self._put = put
         self._on_backward = on_backward  # told when a dO arrived (micro-batch detection without a module tree)
+        self.do_waiting: dict[int, dict[int, str]] = {}  # step -> layer -> why its dO has not come (yet)
 
     def record(self, call: AttentionCall) -> bool:
         """Queue q, k, v, o, x and mask of `call` and arrange for its dO; False if the call cannot be stored
@@ -116,10 +123,22 @@ class Recorder:
 
         def do_hook(grad: torch.Tensor) -> None:
             self._put(step, layer, "do", select(grad), attrs)
+            self.do_waiting.get(step, {}).pop(layer, None)
             self._on_backward()
 
         if call.grad_sink is not None:
             call.grad_sink(do_hook)
         elif o.requires_grad:
             o.register_hook(do_hook)
+        else:
+            self.do_waiting.setdefault(step, {})[layer] = NO_GRADIENT
+            return True
+        self.do_waiting.setdefault(step, {})[layer] = NOT_REACHED
         return True
+
+    def missing_do(self, step: int) -> dict[str, list[int]]:
+        """The recorded layers of `step` without dO, by reason (call when the step has ended); forgets the step."""
+        missing: dict[str, list[int]] = {}
+        for layer, reason in sorted(self.do_waiting.pop(step, {}).items()):
+            missing.setdefault(reason, []).append(layer)
+        return missing

@@ -38,12 +38,15 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
-from fa_forensics.capture.adapters import WATCHED_TEXT, built_in_entry_points
-from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher, TargetSpec
+from fa_forensics.capture.adapters import WATCHED, built_in_entry_points
+from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher
+from fa_forensics.capture.targets import TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
-from fa_forensics.capture.layouts import check_attention_shapes, check_layout, to_bhtd
+from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
+from fa_forensics.capture.layouts import Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
-    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_input, replace_module_input,
+    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_heads, module_input,
+    replace_module_input,
 )
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
@@ -51,6 +54,8 @@ from fa_forensics.capture.selection import (
 from fa_forensics.capture.monitoring import StepMonitor
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
 from fa_forensics.capture.recorder import Recorder
+from fa_forensics.capture.chain_call import combine_mask, to_heads
+from fa_forensics.capture.torch_ops import ChainScope, PlainCall
 from fa_forensics.capture.ring import RingArray, RingStep
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
@@ -118,6 +123,8 @@ class CaptureSession:
         overwrite: bool = False,
         allow_other_model: bool = False,
         max_queue: int = 64,
+        max_held_mb: float = 256.0,
+        writer_duty: float = 0.1,
         on_step: Optional[StepCallback] = None,
         run_attrs: Optional[dict] = None,
         keep_sdpa_patch: bool = False,
@@ -142,6 +149,7 @@ class CaptureSession:
                                                 allow_no_steps=bool(monitor_every))
         check_attention_pattern(attention_modules)
         self.targets = [t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (attention or ())]
+        self._target_names = {t.to_text() for t in self.targets}
         self.softmax = SoftmaxVariant.parse(softmax)
         self._patcher: Optional[EntryPointPatcher] = None
         self._tapped_loss: Optional[torch.Tensor] = None  # sum of the scalars backward() ran on in a recorded step
@@ -154,6 +162,13 @@ class CaptureSession:
         self.overwrite = overwrite
         self.allow_other_model = allow_other_model
         self.max_queue = max_queue
+        if not float(max_held_mb) > 0:
+            raise CaptureError(f"max_held_mb must be a positive number of megabytes, got {max_held_mb}")
+        self.max_held_mb = float(max_held_mb)
+        if not 0 < float(writer_duty) <= 1:
+            raise CaptureError(f"writer_duty must be in (0, 1] (the share of time the writer may write), got "
+                               f"{writer_duty}")
+        self.writer_duty = float(writer_duty)
         self.run_attrs = dict(run_attrs or {})
         self.keep_sdpa_patch = keep_sdpa_patch
         self._callbacks: list[StepCallback] = [on_step] if on_step else []
@@ -184,6 +199,12 @@ class CaptureSession:
                         ring=ring) if monitor_every else None)
         self._ring_hot = False  # the current step's selected layers go to the monitor's ring
         self._active = False  # the current step needs its attention calls (recorded or monitored)
+        # attention written as torch ops: a mode on the stack for the root's forward passes of active steps
+        self._chains = ChainScope(self._on_plain_call, self._on_chain_error)
+        self._held_chain: Optional[HeldChain] = None
+        self._held_alarm: dict[int, RingStep] = {}  # steps an alarm asked for, held until they end
+        self._frames: list[HFFrame] = []  # Hugging Face attention functions running now (innermost last)
+        self._frame_module = None  # the module of the Hugging Face call being recorded from its own arguments
 
     @property
     def monitor_every(self) -> Optional[int]:
@@ -240,15 +261,20 @@ class CaptureSession:
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
                causal: bool = True, x: Optional[torch.Tensor] = None, layout: str = "BHTD",
-               mask: Optional[torch.Tensor] = None) -> None:
+               mask: Optional[torch.Tensor] = None, softmax: Optional[str] = None) -> None:
         """Record one attention call of custom attention code: q, k, v, o in `layout` (BHTD: (B, H, T, D);
-        BTHD: (B, T, H, D)), shapes checked; mask SDPA-style (B or 1, H or 1, Tq, Tk); x (B, T, C) optional."""
+        BTHD: (B, T, H, D)), shapes checked; mask SDPA-style (B or 1, H or 1, Tq, Tk); x (B, T, C) optional;
+        softmax: "standard" or "stabilized" when the caller knows it."""
+        if softmax is not None and softmax not in ("standard", "stabilized"):
+            raise InvalidCaptureSetting("softmax", f"record(..., softmax={softmax!r}): write 'standard' or "
+                                                   "'stabilized'")
         if self.busy:
-            self._record_eager(q, k, v, o, scale, causal, x, check_layout(layout), mask)
+            self._record_eager(q, k, v, o, scale, causal, x, check_layout(layout), mask, softmax)
 
     @torch.compiler.disable
-    def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask) -> None:
+    def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask, softmax=None) -> None:
         check_attention_shapes(q, k, v, o, layout, "fa_forensics.capture.record")
+        chain_facts = self._flush_chain(described_by=(q, k))
         if x is not None:
             self._pending_x = ModuleInput("record", x)
         grad_sink = None
@@ -257,26 +283,115 @@ class CaptureSession:
                 o.register_hook(lambda grad: hook(to_bhtd(grad, layout)))
         self.on_attention(to_bhtd(q, layout), to_bhtd(k, layout), to_bhtd(v, layout), to_bhtd(o, layout), scale=scale,
                           causal=causal, attn_mask=mask, dropout_p=0.0, source="record", grad_sink=grad_sink,
-                          extra={"layout": layout})
+                          extra={**_chain_facts(chain_facts), "layout": layout,
+                                 **({"softmax": softmax, "softmax_rule": "record(softmax=...)"} if softmax else {})})
 
     @torch.compiler.disable
     def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out) -> None:
         """A watched entry point returned on a busy step: read the call with its adapter and record it."""
-        facts = ep.adapter(args, kwargs, out)
+        self._chains.pause(1)
+        try:
+            facts = ep.adapter(args, kwargs, out)
+        finally:
+            self._chains.pause(-1)
         if facts is None:
             self._warn_once(f"unread:{ep.name}", f"fa-forensics capture: a call of {ep.name} did not pass tensors "
-                                                 "as its first three arguments and return one; it is not recorded")
+                                                 "for q, k, v and return one; it is not recorded (map them with "
+                                                 "q=NAME,k=NAME,v=NAME,out=INDEX in --attention)")
             return
+        self._record_facts(facts, ep.name)
+
+    def _record_facts(self, facts, source: str) -> None:
         if facts.warning:
-            self._warn_once(f"call:{ep.name}:{facts.warning}", facts.warning)
+            self._warn_once(f"call:{source}:{facts.warning}", facts.warning)
         self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal,
-                          attn_mask=facts.mask, dropout_p=facts.dropout_p, source=ep.name, grad_sink=facts.grad_sink,
+                          attn_mask=facts.mask, dropout_p=facts.dropout_p, source=source, grad_sink=facts.grad_sink,
                           extra=facts.attrs)
+
+    @torch.compiler.disable
+    def hf_attention_call(self, name: str, fn: Callable, args: tuple, kwargs: dict):
+        """A Hugging Face attention function called on a busy step (capture/hf_attention.py): the calls inside it
+        are recorded as its; when none was seen, the call itself is read in HF's layouts."""
+        frame = HFFrame(name, args[0] if args else kwargs.get("module"))
+        self._frames.append(frame)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._frames.pop()
+        if frame.seen == 0 and self._entry_depth == 0:
+            self._chains.pause(1)
+            try:
+                facts = hf_call_facts(name, args, kwargs, out)
+            finally:
+                self._chains.pause(-1)
+            if facts is not None:
+                self._frame_module = frame.module
+                try:
+                    self._record_facts(facts, f"transformers:{name}")
+                finally:
+                    self._frame_module = None
+        return out
+
+    def _on_plain_call(self, call: PlainCall) -> None:
+        """An attention chain written in torch ops formed its output (capture/torch_ops.py). It is held until
+        the next attention event: a `record()` of the same Q and K right after it describes the same call
+        (code written before chains were followed reports its own attention), and then only that is recorded."""
+        self._flush_chain()
+        if self._entry_depth > 0:
+            return  # inside a watched entry point: its own call is recorded when it returns
+        frame_facts = self._in_frame({}) if self._frames else {}
+        x = self._pending_x
+        module = self._modules_by_name.get(x.name) if x is not None else None
+        batch = int(x.tensor.shape[0]) if x is not None and x.tensor.dim() == 3 else None
+        q, k, v, o, shape4, grad4 = to_heads(call, batch, module_heads(module))
+        mask, causal = combine_mask(call, shape4)
+        o_raw = call.o_raw
+        grad_sink = None
+        if o_raw.requires_grad:
+            def grad_sink(hook, o_raw=o_raw):
+                o_raw.register_hook(lambda grad: hook(grad4(grad)))
+        extra = {**frame_facts, "layout": call.layout, "chain": " ".join(call.ops),
+                 "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
+                 "p_dtype": _dtype_name(call.p_dtype)}
+        for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale)):
+            if value is not None:
+                extra[name] = float(value)
+        self._held_chain = HeldChain(x, (call.q, call.k), dict(
+            q=q, k=k, v=v, o=o, scale=call.scale, causal=causal, attn_mask=mask, dropout_p=call.dropout_p,
+            source="torch_ops", grad_sink=grad_sink, extra=extra))
+
+    def _flush_chain(self, described_by: Optional[tuple] = None) -> Optional[dict]:
+        """Record the held chain; or, when `described_by` (q, k of a record() call) are views of its Q and K,
+        drop it and return its facts for that call."""
+        held, self._held_chain = self._held_chain, None
+        if held is None:
+            return None
+        if described_by is not None and all(_same_storage(a, b) for a, b in zip(described_by, held.qk)):
+            return held.call["extra"]
+        x, self._pending_x = self._pending_x, held.x
+        self.on_attention(**held.call)
+        self._pending_x = x
+        return None
+
+    def _in_frame(self, extra: Optional[dict]) -> dict:
+        """Count a call made inside the innermost Hugging Face attention function and name that function."""
+        frame = self._frames[-1]
+        frame.seen += 1
+        return {**(extra or {}), "hf_attention": frame.name}
+
+    def _on_chain_error(self, exc: BaseException) -> None:
+        self._warn_once("chain-error", "fa-forensics capture: following attention written in torch ops failed "
+                                       f"({type(exc).__name__}: {exc}); such attention is not recorded in this forward "
+                                       "pass. Training is not affected")
 
     def no_attention_message(self, step: int) -> str:
         """One line for a selected step that ran without an attention call: what is watched, how to add one."""
-        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled "
-                f"(watched: {self.watched_text()}); if the model's attention is its own code, name it with "
+        unbound = ("" if self._root is not None else
+                   " No model was bound, so attention written in torch ops was not followed: pass the model "
+                   "(capture(model, ...)), or for the command name its attention modules with --attention-modules "
+                   "REGEX.")
+        return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled. "
+                f"Watched: {self.watched_text()}.{unbound} If the model's attention is its own code, name it with "
                 "--attention MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] "
                 "in Python) or call fa_forensics.capture.record(q, k, v, o, layout=...) in it")
 
@@ -284,8 +399,9 @@ class CaptureSession:
         return self.busy
 
     def watched_text(self) -> str:
-        """The attention entry points this session watches, for messages."""
-        return WATCHED_TEXT + "".join(f", {t.to_text()}" for t in self.targets)
+        """The attention entry points this session watches, for messages ("a; b; c; and --attention X")."""
+        names = [*WATCHED, *(f"--attention {t.to_text()}" for t in self.targets)]
+        return "; ".join(names[:-1]) + f"; and {names[-1]}"
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -313,7 +429,8 @@ class CaptureSession:
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
-        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows)
+        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows,
+                                        held_bytes=int(self.max_held_mb * 2 ** 20), duty=self.writer_duty)
         try:
             if self.model is not None:
                 self.bind(self.model)
@@ -321,7 +438,7 @@ class CaptureSession:
                 self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_step))
             sdpa.install(self)
             self._patcher = EntryPointPatcher(self._entry_point_busy, self._on_entry_point, self._enter_entry_point)
-            self._patcher.install(built_in_entry_points() + [t.entry_point() for t in self.targets])
+            self._patcher.install(built_in_entry_points() + hf_entry_points() + [t.entry_point() for t in self.targets])
             if self._monitor is not None:
                 self._monitor.start(self._warn_once)
             loss_tap.install(self)  # the loss of recorded steps when the script does not call cap.step(loss)
@@ -334,6 +451,8 @@ class CaptureSession:
 
     def stop(self, failed: bool = False) -> None:
         """Remove every hook and patch, complete the step(s) that ended, flush and close the store."""
+        self._chains.leave()
+        self._held_chain = None
         self._remove_hooks()
         sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
         self._uninstall_entry_points()
@@ -386,6 +505,7 @@ class CaptureSession:
         self.attention_module_names = [name for name, _ in found]
         self._modules_by_name = dict(found)
         self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
+        self._handles.append(model.register_forward_hook(self._on_root_forward_end, always_call=True))
         for name, module in found:
             self._handles.append(module.register_forward_pre_hook(self._x_hook(name), with_kwargs=True))
         return len(found)
@@ -394,6 +514,13 @@ class CaptureSession:
     def _on_root_forward(self, module, args) -> None:
         if self.busy:
             self._root_forward_eager()
+            if self._active and not torch.compiler.is_compiling():
+                self._chains.enter(module)
+
+    def _on_root_forward_end(self, module, args, output) -> None:
+        if self._chains.mode is not None:
+            self._chains.leave()
+            self._flush_chain()
 
     @torch.compiler.disable
     def _root_forward_eager(self) -> None:
@@ -424,6 +551,8 @@ class CaptureSession:
 
     def take_input(self, name: str, x: Optional[torch.Tensor]) -> None:
         """X of the attention module `name`, kept for its attention call (called with gradients enabled)."""
+        if self._held_chain is not None:
+            self._flush_chain()
         self._pending_x = None if x is None else ModuleInput(name, x)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -443,8 +572,22 @@ class CaptureSession:
         to grad_sink instead of being registered on O. grad_enabled, autocast_dtype: the grad mode and
         autocast dtype (None: autocast off) the call was traced in; by default the ones in effect now.
         """
+        self._chains.pause(1)  # the recorder's and the monitor's own torch ops are not the model's
+        try:
+            self._on_attention(q, k, v, o, scale=scale, causal=causal, attn_mask=attn_mask, dropout_p=dropout_p,
+                               source=source, grad_sink=grad_sink, grad_enabled=grad_enabled,
+                               autocast_dtype=autocast_dtype, extra=extra)
+        finally:
+            self._chains.pause(-1)
+
+    def _on_attention(self, q, k, v, o, *, scale, causal, attn_mask, dropout_p, source, grad_sink, grad_enabled,
+                      autocast_dtype, extra) -> None:
+        if source != "torch_ops" and self._held_chain is not None:
+            self._flush_chain()
         if self._entry_depth > 0:
             return  # inside a watched entry point: its own call is recorded when it returns
+        if self._frames and source != "torch_ops":  # a chain was counted when it formed
+            extra = self._in_frame(extra)
         if autocast_dtype == "ambient":
             autocast_dtype = sdpa.autocast_dtype(q)
         self._flush_waiting()
@@ -465,8 +608,11 @@ class CaptureSession:
             if self._root is None and self._now.micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
+        self._check_context(q, x, source, (extra or {}).get("layout", "BHTD"))
         extra = {"source": source, "softmax": self.softmax.variant_for(source),
                  "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
+        if extra["softmax"] == "unknown":
+            self._warn_once(f"softmax:{source}", self._softmax_unknown_message(source))
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal,
                              mask=attn_mask,
                              dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
@@ -484,13 +630,55 @@ class CaptureSession:
                                 f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
                                 "only (B, H, T, D) is recorded")
 
+    @staticmethod
+    def _softmax_unknown_message(source: str) -> str:
+        where = "fa_forensics.capture.record" if source == "record" else source
+        return (f"fa-forensics capture: which softmax {where} computes is recorded as unknown (the standard one, or "
+                "the paper's stabilized one); say it with --softmax standard|stabilized|ENV=VALUE (e.g. STABLE=1: "
+                "stabilized when that variable is set so at the call; softmax=... in Python, or "
+                "record(..., softmax=...)), and replays of these layers know which to compute")
+
+    def _check_context(self, q: torch.Tensor, x: Optional[ModuleInput], source: str, layout: str) -> None:
+        """The call's layout against X and the module's head count (layouts.check_call_context): a layout the
+        shapes show to be wrong ends the run before anything of the call is stored."""
+        if q.dim() != 4 or layout not in ("BHTD", "BTHD"):
+            return  # (B·H, T, D) chains are split with X's batch: nothing else to read them as
+        module = self._modules_by_name.get(x.name) if x is not None else None
+        if module is None:
+            module = self._frames[-1].module if self._frames else self._frame_module
+        heads = module_heads(module)
+        if x is None and heads is None:
+            return
+        B, H, T, D = q.shape
+        named = source == "record" or source in self._target_names
+        if source == "torch_ops":
+            readings = (Reading("(B, H, T, D)", B, H, T, D), Reading("(H, B, T, D)", H, B, T, D))
+            advice = ("its leading dims are not (batch, heads); report the call with "
+                      "fa_forensics.capture.record(q, k, v, o, layout=...)")
+        else:
+            other = "BTHD" if layout == "BHTD" else "BHTD"
+            readings = (Reading(layout, B, H, T, D), Reading(other, B, T, H, D))
+            advice = (f"pass layout={other!r} to fa_forensics.capture.record" if source == "record" else
+                      f"name it with layout={other} in --attention (attention=[...] in Python)" if named else
+                      f"the model passes {other} tensors to {source}, which takes {layout}; fix the call in the model")
+        x_tensor = x.tensor if x is not None else None
+        x_name = x.name if x is not None else "the attention module"
+        where = {"record": "fa_forensics.capture.record", "torch_ops": "attention written in torch ops"}.get(source,
+                                                                                                           source)
+        line = check_call_context(q, readings, where, x_tensor, x_name, heads, advice)
+        if line and named:
+            self._warn_once(f"context:{source}", line)
+
     # -- recording -----------------------------------------------------------------------
     def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:
-        """Where the recorder's arrays go: the ring while the step is held there, else the background writer."""
+        """Where the recorder's arrays go: the ring while the step is held there, host memory for a step an alarm
+        asked for (handed to the writer whole when it ends), else the background writer."""
         host, ready = offload(tensor)
         ring_step = None if self._monitor is None else self._monitor.ring_step
         if ring_step is not None and ring_step.step == step:
             ring_step.arrays.append(RingArray(layer, name, host, ready, layer_attrs))
+        elif step in self._held_alarm:  # written whole, or dropped whole, when the step ends
+            self._held_alarm[step].arrays.append(RingArray(layer, name, host, ready, layer_attrs))
         else:
             if step not in self._registered:
                 self._registered.add(step)
@@ -510,6 +698,8 @@ class CaptureSession:
 
     def _end_step(self, loss: Optional[float]) -> None:
         ended = self.current_step
+        self._chains.leave()  # a forward pass whose end hook did not run (an exception caught inside the model)
+        self._flush_chain()
         self._flush_waiting()
         if self._monitor is not None:
             tapped = self._monitor.take_tapped_loss()
@@ -528,6 +718,8 @@ class CaptureSession:
                                                   "against the model); nothing recorded for it")
                 else:
                     self._warn_once("empty", self.no_attention_message(ended))
+        if not self._hot:
+            self._recorder.missing_do(ended)  # a step held for the ring only: nothing to say about it
         if self._monitor is not None:
             self._monitor.end_step(ended, loss, tapped)
         self.current_step = ended + 1
@@ -549,12 +741,44 @@ class CaptureSession:
         attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
         if self._monitor is not None and pending.step in self._monitor.extra_steps:
             attrs["recorded_by"] = "alarm"
-        self._writer.put_complete(pending.step, loss=loss, **attrs)
+        held = self._held_alarm.pop(pending.step, None)
+        if held is not None:
+            if not self._writer.put_held_step(pending.step, held.arrays, loss=loss, **attrs):
+                self._say_dropped(held, "recorded after an alarm")
+                self._recorder.missing_do(pending.step)
+                self._update_busy()
+                return
+        else:
+            self._writer.put_complete(pending.step, loss=loss, **attrs)
         bisect.insort(self.recorded_steps, pending.step)
+        self._say_missing_do(pending.step)
         self._update_busy()
+
+    def _say_dropped(self, held: RingStep, what: str) -> None:
+        """One line naming a held step the writer had no room for (training never waits for an alarm's steps)."""
+        waiting = self._writer.held_waiting_bytes / 2 ** 20
+        self._warn_once(f"dropped:{held.step}",
+                        f"fa-forensics capture: step {held.step} ({what}, {held.nbytes / 2 ** 20:.1f} MB) was dropped: "
+                        f"{waiting:.0f} MB of held steps still wait for the disk and the bound is "
+                        f"{self._writer.held_bytes / 2 ** 20:.0f} MB (max_held_mb); training goes on. To keep such "
+                        "steps record fewer layers or heads or a smaller batch slice (--layers, --heads, --batch), "
+                        "fewer steps after an alarm (--alarm-steps) or a smaller --ring")
+
+    def _say_missing_do(self, step: int) -> None:
+        """One line per reason (once per session and set of layers) for recorded layers of `step` without dO."""
+        for reason, layers in self._recorder.missing_do(step).items():
+            names = ", ".join(map(str, layers))
+            self._warn_once(f"no-do:{reason}:{names}",
+                            f"fa-forensics capture: no dO recorded for layer{'s' if len(layers) > 1 else ''} {names} "
+                            f"of step {step} (and of later steps alike): {reason}; analyses of the backward pass "
+                            "skip these layers (`info` lists them)")
 
     def _set_hot(self, hot: bool) -> None:
         self._hot = hot
+        step = self.current_step
+        asked = hot and self._monitor is not None and step in self._monitor.extra_steps
+        if asked and not self.selection.wants_step(step) and step not in self._held_alarm:
+            self._held_alarm[step] = RingStep(step)
         self._update_busy()
 
     def _update_busy(self) -> None:
@@ -600,14 +824,15 @@ class CaptureSession:
         self._update_busy()
 
     def _write_held(self, held: RingStep, alarm_step: int) -> bool:
-        """Write a step the ring held (unless it is recorded already); True when written."""
-        if held.step in self.recorded_steps:
+        """Hand a step the ring held to the writer whole (unless it is recorded already, or there is no room for it:
+        then it is dropped and said); True when queued."""
+        if held.step in self.recorded_steps or not held.arrays:
             return False
-        self._writer.register_step(held.step)
-        for a in held.arrays:
-            self._writer.put_array(held.step, a.layer, a.name, a.tensor, ready=a.ready, layer_attrs=a.layer_attrs)
-        self._writer.put_complete(held.step, loss=held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
-                                  recorded_by="ring", alarm_step=int(alarm_step))
+        if not self._writer.put_held_step(held.step, held.arrays, loss=held.loss, rank=self.rank,
+                                          micro_batch=self.selection.micro_batch, recorded_by="ring",
+                                          alarm_step=int(alarm_step)):
+            self._say_dropped(held, f"held by the ring for the alarm at step {alarm_step}")
+            return False
         bisect.insort(self.recorded_steps, held.step)
         return True
 
@@ -649,6 +874,39 @@ class CaptureSession:
             "capture": capture_attrs,
             "world_size": self.world_size,
         }
+
+
+@dataclass
+class HFFrame:
+    """A Hugging Face attention function running: its registry name, its module, the calls seen inside."""
+
+    name: str
+    module: object
+    seen: int = 0
+
+
+@dataclass
+class HeldChain:
+    """An attention chain of torch ops waiting to be recorded (see `_on_plain_call`)."""
+
+    x: Optional[ModuleInput]  # X when the chain formed
+    qk: tuple  # its Q and K as the product got them
+    call: dict  # the arguments of on_attention
+
+
+def _same_storage(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def _chain_facts(extra: Optional[dict]) -> dict:
+    """What a chain knew of a call that record() then reported: its ops and dtypes."""
+    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale")
+    return {k: v for k, v in (extra or {}).items() if k in keep}
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> str:
+    return "unknown" if dtype is None else str(dtype).replace("torch.", "")
 
 
 def _as_float(loss) -> Optional[float]:

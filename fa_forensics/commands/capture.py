@@ -1,6 +1,7 @@
 """`fa-forensics capture` (run an unmodified training script with capture) and `fa-forensics demo-train`."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from rich.markup import escape
 
 from fa_forensics.capture.command_line import check_target, rewrite_command
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 
@@ -52,8 +54,12 @@ RingOpt = Annotated[int, typer.Option("--ring",
                                            "host memory; an alarm writes them too.", metavar="K")]
 AttentionOpt = Annotated[Optional[list[str]], typer.Option(
     "--attention", metavar="MODULE:QUALNAME[,OPTS]",
-    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with "
-         ",layout=BHTD|BTHD (default BHTD), ,causal=true|false, ,scale=X, e.g. attention:FlashAttentionFunction.")]
+    help="Custom attention to watch (repeatable): MODULE:QUALNAME of a function or autograd Function, with options "
+         "layout=BHTD|BTHD (default BHTD), o_layout=, q=/k=/v=/mask=/dropout= (a parameter name or position), "
+         "out=N (O's index in a returned tuple), scale=NUMBER|NAME, causal=true|false|NAME; e.g. "
+         "attention:FlashAttentionFunction or transformers.models.gpt2.modeling_gpt2:eager_attention_forward,"
+         "o_layout=BTHD. SDPA, flash_attn, xformers, flex_attention, Hugging Face's attention functions and "
+         "attention written as torch ops are found without it.")]
 SoftmaxOpt = Annotated[Optional[str], typer.Option(
     "--softmax", metavar="RULE",
     help="Softmax of custom attention: standard, stabilized, or ENV=VALUE (stabilized when that environment "
@@ -108,13 +114,39 @@ def worded_settings(option_of: dict[str, str] = OPTION_OF):
         raise UserError(f"{option}: {exc.reason}") from None
 
 
+NEVER_LISTED = 1000  # never_reached in --json lists at most this many steps (the warning gives them all as ranges)
+
+
 def _span_text(steps: list[int], limit: int = 10) -> str:
     shown = ", ".join(map(str, steps[:limit]))
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
+CTRL_C_GRACE = 60.0  # seconds a training script that got Ctrl-C has to end (its capture writer finishes its queue)
+
+
+def _wait_for(training: subprocess.Popen) -> int:
+    """The training script's exit code. On Ctrl-C (which the script, in the same process group, gets too) it is
+    given CTRL_C_GRACE seconds to end as it handles the interrupt, so its store is left whole and unlocked,
+    then terminated; the interrupt then goes on."""
+    try:
+        return training.wait()
+    except KeyboardInterrupt:
+        try:
+            training.wait(timeout=CTRL_C_GRACE)
+        except subprocess.TimeoutExpired:
+            training.terminate()
+            try:
+                training.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                training.kill()
+                training.wait()
+        raise
+
+
 def _store_summary(out: Path, rank: int = 0) -> dict:
     """What rank `rank`'s tree of the store holds (empty when there is no such store or tree)."""
+    from fa_forensics.commands.info import do_missing
     from fa_forensics.dump import open_dump
 
     try:
@@ -129,9 +161,11 @@ def _store_summary(out: Path, rank: int = 0) -> dict:
                     "layers": dump.layers() if dump.steps else [],
                     "monitored_steps": int(len(timeline.get("step", []))),
                     "alarm_steps": [] if alarms is None
-                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0]}
+                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0],
+                    "do_missing": do_missing(dump)}
     except UserError:
-        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": []}
+        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": [],
+                "do_missing": {}}
 
 
 def _launcher_reports(folder: str) -> dict[int, dict]:
@@ -148,9 +182,11 @@ def _launcher_reports(folder: str) -> dict[int, dict]:
     return reports
 
 
-def rank_outcomes(out: Path, selected_steps: list[int], reports: dict[int, dict]) -> list[dict]:
+def rank_outcomes(out: Path, selected_steps, reports: dict[int, dict]) -> list[dict]:
     """Per rank of the run (every rank of its world size, those in the store and those that reported): what its
-    tree holds, how far it ran, which selected steps it never reached and which it ran without an attention call."""
+    tree holds, how far it ran, which selected steps (a `StepSet`, walked lazily: it may be endless) it never
+    reached (the first NEVER_LISTED; `never_reached_text` names them all) and which it ran without an attention
+    call."""
     from fa_forensics.dump.ranks import store_ranks
 
     world = max([1] + [int(r.get("world_size") or 1) for r in reports.values()])
@@ -158,19 +194,27 @@ def rank_outcomes(out: Path, selected_steps: list[int], reports: dict[int, dict]
     outcomes = []
     for rank in ranks:
         summary = _store_summary(out, rank)
+        recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
         ran = reports.get(rank, {}).get("steps_run")
-        missing = sorted(set(selected_steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
-        never = [s for s in missing if ran is None or s >= ran]
-        outcomes.append({"rank": rank, **summary, "never_reached": never, "steps_run": ran,
-                         "ran_without_attention": [s for s in missing if s not in never]})
+        without_attention = [] if ran is None else [s for s in selected_steps.below(ran) if s not in recorded]
+        unreached = selected_steps if ran is None else selected_steps.from_step(ran)
+        never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
+        never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
+        outcomes.append({"rank": rank, **summary, "never_reached": never[:NEVER_LISTED], "steps_run": ran,
+                         "ran_without_attention": without_attention, "never_reached_text": never_text})
     return outcomes
+
+
+def _json_of(outcome: dict, *left_out: str) -> dict:
+    """A rank's outcome as `--json` gives it (its never-reached steps as a list only)."""
+    return {k: v for k, v in outcome.items() if k not in ("never_reached_text", *left_out)}
 
 
 def _never_reached_line(outcome: dict, several: bool) -> str:
     ran = outcome["steps_run"]
     who = f"rank {outcome['rank']}" if several else "the run"
     return ((f"rank {outcome['rank']}: " if several else "")
-            + f"selected step(s) {_span_text(outcome['never_reached'])} were never reached ({who} made "
+            + f"selected step(s) {outcome['never_reached_text']} were never reached ({who} made "
             f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded for them. Check --steps "
             "against the run's length")
 
@@ -179,7 +223,8 @@ def _summary_line(out: Path, outcome: dict, several: bool) -> str:
     return (f"capture: {out}: " + (f"rank {outcome['rank']}: " if several else "") + f"steps {outcome['steps']}"
             + (f", incomplete {outcome['incomplete_steps']}" if outcome["incomplete_steps"] else "")
             + (f", {outcome['monitored_steps']} monitored steps in the timeline" if outcome["monitored_steps"] else "")
-            + (f", alarms at steps {outcome['alarm_steps']}" if outcome["alarm_steps"] else ""))
+            + (f", alarms at steps {outcome['alarm_steps']}" if outcome["alarm_steps"] else "")
+            + (f"; no dO for {do_missing_text(outcome['do_missing'])}" if outcome["do_missing"] else ""))
 
 
 def register(app: typer.Typer) -> None:
@@ -227,8 +272,8 @@ def register(app: typer.Typer) -> None:
         def body():
             import tempfile
 
-            from fa_forensics.capture.entry_points import TargetSpec
             from fa_forensics.capture.launched import ENV_VAR
+            from fa_forensics.capture.targets import TargetSpec
             from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
 
@@ -260,10 +305,11 @@ def register(app: typer.Typer) -> None:
                 settings["run_id"] = uuid.uuid4().hex  # the ranks of this run open the store in order by it
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
                 try:
-                    code = subprocess.call(argv, env=env)
+                    training = subprocess.Popen(argv, env=env)
                 except OSError as exc:
                     raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
                                     "check the training command") from exc
+                code = _wait_for(training)
                 reports = _launcher_reports(tmp)
             outcomes = rank_outcomes(out, selection.steps, reports)
             several = len(outcomes) > 1
@@ -277,8 +323,8 @@ def register(app: typer.Typer) -> None:
             never = any(o["never_reached"] for o in outcomes)
             without_attention = any(o["ran_without_attention"] for o in outcomes)
             write_json(json_out, {"out": str(out), "returncode": code, "command": list(command),
-                                  **{k: v for k, v in first.items() if k != "rank"}, "world_size": len(outcomes),
-                                  "ranks": outcomes, "warnings": warnings_said})
+                                  **_json_of(first, "rank"), "world_size": len(outcomes),
+                                  "ranks": [_json_of(o) for o in outcomes], "warnings": warnings_said})
             recorded = any(o["steps"] or o["incomplete_steps"] or o["monitored_steps"] for o in outcomes)
             if code == 2 and not recorded:  # the launcher or the script said why, in its own line
                 raise typer.Exit(code=2)

@@ -5,13 +5,13 @@ import warnings
 from typing import Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import (
     DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt, console, err_console, exit_code, open_rank, run_cli,
     write_json,
 )
+from fa_forensics.dump.terminal_text import shown
 
 
 
@@ -41,29 +41,36 @@ def _ranges(values: list[int]) -> str:
 
 def _kv(d: dict[str, Any]) -> str:
     """'k=v, ...' as text for a table cell (metadata from a dump is never read as rich markup)."""
-    return escape(", ".join(f"{k}={v}" for k, v in d.items())) if d else "-"
+    return shown(", ".join(f"{k}={v}" for k, v in d.items())) if d else "-"
 
 
 def render(summary: dict[str, Any]) -> None:
     """Print a dump summary as rich tables."""
-    run = Table(title=f"dump {escape(str(summary['path']))}", show_header=False, title_justify="left")
+    run = Table(title=f"dump {shown(str(summary['path']))}", show_header=False, title_justify="left")
     run.add_column("field", style="bold")
     run.add_column("value")
     for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank",
                 "ranks"):
-        run.add_row(key, escape(str(summary.get(key))))
+        run.add_row(key, shown(str(summary.get(key))))
     run.add_row("model", _kv(summary.get("model") or {}))
     run.add_row("capture", _kv(summary.get("capture") or {}))
     run.add_row("steps", f"{_ranges(summary['steps'])} ({len(summary['steps'])} complete)")
-    if summary["incomplete_steps"]:
-        run.add_row("incomplete steps",
-                    f"[yellow]{_ranges(summary['incomplete_steps'])} (cut off while writing; skipped)[/]")
+    damaged = sorted(int(s) for s in summary.get("damage") or {})
+    cut = [s for s in summary["incomplete_steps"] if s not in damaged]
+    if cut:
+        run.add_row("incomplete steps", f"[yellow]{_ranges(cut)} (cut off while writing; skipped)[/]")
+    if damaged:
+        run.add_row("damaged steps", f"[yellow]{_ranges(damaged)} (skipped; `fa-forensics verify` lists the "
+                                     "problems)[/]")
     losses = {s: a.get("loss") for s, a in summary.get("step_attrs", {}).items() if a.get("loss") is not None}
     if losses:
         run.add_row("loss", ", ".join(f"{s}: {v:.4g}" for s, v in list(losses.items())[:8])
                     + (" ..." if len(losses) > 8 else ""))
     if summary.get("timeline"):
         run.add_row("timeline", _kv({k: tuple(v) for k, v in summary["timeline"].items()}))
+    if summary.get("do_missing"):
+        run.add_row("dO missing", "[yellow]" + shown(do_missing_text(summary["do_missing"]))
+                    + " (no gradient of O reached the capture; backward analyses skip them)[/]")
     console.print(run)
 
     layers = Table(title="layers", title_justify="left")
@@ -74,10 +81,10 @@ def render(summary: dict[str, Any]) -> None:
         arrays.add_column(col)
     for l in summary["layers"]:
         info = summary["layer_info"][str(l)]
-        layers.add_row(str(l), escape(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]),
-                       str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]), escape(_stored_dtype(info)),
-                       escape(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
-                       escape(str(info.get("mask") or "-")))
+        layers.add_row(str(l), shown(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]),
+                       str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]), shown(_stored_dtype(info)),
+                       shown(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
+                       shown(str(info.get("mask") or "-")))
         for n, a in summary["arrays"][str(l)].items():
             arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]),
                            "×".join(str(x) for x in a["chunks"]))
@@ -91,11 +98,26 @@ def render(summary: dict[str, Any]) -> None:
         gt.add_column("value")
         for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength",
                     "sink_heads", "seed"):
-            gt.add_row(key, escape(str(truth.get(key))))
+            gt.add_row(key, shown(str(truth.get(key))))
         gt.add_row("tied rows",
                    f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in "
                    f"{len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")
         console.print(gt)
+
+
+def do_missing(d) -> dict[str, list[int]]:
+    """{layer: [complete steps whose recorded layer has no dO]} (the layers a capture saw no gradient of)."""
+    missing: dict[str, list[int]] = {}
+    for s in d.steps:
+        for l in d.layers(s):
+            if not d.has(s, l, "do"):
+                missing.setdefault(str(l), []).append(int(s))
+    return missing
+
+
+def do_missing_text(missing: dict[str, list[int]]) -> str:
+    """'layer 1 (steps 3-5); layer 2 (step 4)'."""
+    return "; ".join(f"layer {l} (step{'s' if len(s) > 1 else ''} {_ranges(s)})" for l, s in missing.items())
 
 
 def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None,
@@ -109,6 +131,10 @@ def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: L
             warnings.simplefilter("ignore", IncompleteStepWarning)  # shown in the table instead
             d = open_rank(dump, rank)
         summary = d.summary(step=step, layer=layer)
+        summary["do_missing"] = do_missing(d)
+        summary["warnings"] = ([f"no dO recorded for {do_missing_text(summary['do_missing'])}: no gradient of O "
+                                "reached the capture; backward analyses skip these layer-steps"]
+                               if summary["do_missing"] else [])
         render(summary)
         write_json(json_out, summary)
         return empty_dump_code(d)
@@ -121,10 +147,10 @@ def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: L
 def empty_dump_code(d) -> int:
     """1 with one line on stderr when the dump holds no step and no timeline (a capture that saw no
     attention call), else 0."""
-    if d.steps or d.incomplete_steps or d.timeline:
+    if d.steps or d.incomplete_steps or d.timeline_shapes():
         return 0
-    err_console.print(f"[bold yellow]empty:[/] {d.path} holds no recorded step (its capture saw no attention call, "
-                      "or reached no selected step); "
+    err_console.print(f"[bold yellow]empty:[/] {shown(d.path)} holds no recorded step (its capture saw no attention "
+                      "call, or reached no selected step); "
                       "re-capture naming the attention (fa-forensics capture --attention MODULE:QUALNAME ...)",
                       highlight=False, soft_wrap=True)
     return 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import (
@@ -15,7 +14,11 @@ from fa_forensics.commands.common import (
 from fa_forensics.enums import Backend
 from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 
-AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, also after one reproduces the stored O 100 %.")]
+AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, whatever the recorded facts, on every element, "
+                                                    "also after one reproduces the stored O 100 %.")]
+
+NAMED_FROM = 0.9999  # from this share on, the best recipe is called the run's model, on any device
+LAST_BITS_ULPS = 4  # differences of at most this many ulps are "the last bits"
 
 
 def _pct(x: float, *, floor: bool = False) -> str:
@@ -25,15 +28,8 @@ def _pct(x: float, *, floor: bool = False) -> str:
     return "100 %" if x == 1.0 else bit_share(x, 2, floor=floor, max_digits=12)
 
 
-KERNEL_MODEL_REPRODUCES = 0.9999  # from this share on, a GPU kernel's model is called that, not "no known recipe"
-
-
-def _is_kernel_model(preset: str) -> bool:
-    """True for a GPU kernel's preset (its exp, row sum or MMA model set), whose last bits may stay unmodelled; the
-    other presets are expected to reproduce their code exactly."""
-    from fa_forensics.replay.config import ReplayConfig
-
-    return ReplayConfig.preset(preset).is_kernel_model
+def _ulps(n) -> str:
+    return f"{n} ulp" + ("" if n == 1 else "s")
 
 
 def verdict_line(layer, why=None) -> str:
@@ -47,63 +43,169 @@ def verdict_line(layer, why=None) -> str:
             f"{b.accumulation}")
 
 
+def _sample_share(lm, c) -> float:
+    """The share of the layer's row sample `c` reproduces (its share where it was not measured on a sample)."""
+    sampled = next((x for x in lm.candidates if x.sampled), None)
+    if c.sample_equal is None or sampled is None:
+        return c.o_bits_equal
+    return c.sample_equal / sampled.n_elements
+
+
 def runner_up(lm):
-    """The best candidate other than the best recipe (compared by name: a cached match has equal copies)."""
+    """The best candidate other than the best recipe (compared by name: a cached match has equal copies): of those
+    replayed on every element, else of those screened on the row sample."""
     best = (lm.best.preset, lm.best.accumulation)
     others = [c for c in lm.candidates if (c.preset, c.accumulation) != best]
-    return max(others, key=lambda c: c.o_bits_equal) if others else None
+    whole = [c for c in others if not c.sampled]
+    if whole:
+        return max(whole, key=lambda c: c.o_bits_equal)
+    return max(others, key=lambda c: c.sample_equal or 0) if others else None
+
+
+def outranked(lm, facts) -> str | None:
+    """Why the runner-up, where it reproduces more than the best, is not the one named (one line), else None."""
+    from fa_forensics.fidelity.candidates import why_not_named
+
+    second = runner_up(lm)
+    if second is None:
+        return None
+    if second.sampled:
+        second_share, best_share = _sample_share(lm, second), _sample_share(lm, lm.best)
+        measure = "of the row sample"
+    else:
+        second_share, best_share, measure = second.o_bits_equal, lm.best.o_bits_equal, "of the stored O"
+    if second_share <= best_share:
+        return None
+    why = why_not_named(lm.best, second, facts) or "it was not replayed on every element"
+    return (f"step {lm.step} layer {lm.layer}: the runner-up {second.preset} / {second.accumulation} reproduces "
+            f"{_pct(second_share)} {measure}, more than {lm.best.preset} / {lm.best.accumulation} "
+            f"({_pct(best_share)}): {why}")
+
+
+def _runner_cell(lm) -> str:
+    second = runner_up(lm)
+    if second is None:
+        return "—"
+    if second.sampled:
+        return f"{second.preset} / {second.accumulation} {_pct(second.o_bits_equal)} (row sample)"
+    return f"{second.preset} / {second.accumulation} {_pct(second.o_bits_equal)}"
+
+
+def _why(lm, facts) -> str | None:
+    """Why the layer-step's stored O cannot be compared: a recorded fact, else the layout check."""
+    return facts.unverifiable() or lm.unverifiable
+
+
+def _reproduction(seen: list, fp32: bool) -> str:
+    """The part of the verdict on the layer-steps whose stored O can be compared: one wording on every device."""
+    worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
+    b = worst.best
+    named = ", ".join(f"{p} / {a}" for p, a in sorted({(lm.best.preset, lm.best.accumulation) for lm in seen}))
+    where = f"step {worst.step} layer {worst.layer}"
+    if b.o_bits_equal == 1.0:
+        return f"stored O reproduced 100 % in every selected layer-step ({len(seen)}) by {named}"
+    rest = f"; the other elements differ by at most {_ulps(b.max_ulp)}" if b.max_ulp is not None else ""
+    if b.o_bits_equal >= NAMED_FROM:
+        return (f"stored O reproduced to at least {_pct(b.o_bits_equal, floor=True)} in every selected layer-step "
+                f"({len(seen)}) by {named} (worst: {where}{rest}: what the recipe does not model, "
+                "docs/gpu-fidelity.md)")
+    if b.max_ulp is not None and b.max_ulp <= LAST_BITS_ULPS:
+        why = "an fp32 kernel that sums in another order" if fp32 else "a kernel that sums in another order"
+        return (f"no known recipe reproduces every bit of the stored O: at worst {_pct(b.o_bits_equal)} ({where}, "
+                f"best {b.preset} / {b.accumulation}), the other elements differ in the last bits (at most "
+                f"{_ulps(b.max_ulp)}: {why})")
+    ulps = f", differences up to {_ulps(b.max_ulp)}" if b.max_ulp is not None else ""
+    return (f"no known recipe reproduces the stored O: at worst {_pct(b.o_bits_equal)} ({where}, best {b.preset} / "
+            f"{b.accumulation}{ulps}); analyses describe the recipe they replay, not the kernel that trained")
 
 
 def _verdict(r, facts: dict) -> tuple[str, list[str]]:
     """(the verdict, its warnings): led by the run's precision where it is fp32; layers whose O cannot be
-    reproduced (attention dropout) are named, not ranked."""
-    from fa_forensics.fidelity.candidates import implied
+    reproduced (attention dropout, a score_mod, a layout that does not fit) are named, not ranked."""
     from fa_forensics.analyses.contract import FIDELITY_WARN_BELOW, MISMATCH_TEST_ABOVE
-    from fa_forensics.fidelity.match import unverifiable_reason
+    from fa_forensics.fidelity.candidates import implied
     from fa_forensics.fidelity.recipe import FALLBACK_PRESET
 
-    blind = [lm for lm in r.layers if facts[(lm.step, lm.layer)].has_dropout]
+    why = {(lm.step, lm.layer): _why(lm, facts[(lm.step, lm.layer)]) for lm in r.layers}
+    blind = [lm for lm in r.layers if why[(lm.step, lm.layer)]]
     seen = [lm for lm in r.layers if lm not in blind]
-    lead = ""
-    if r.layers and all(facts[(lm.step, lm.layer)].is_fp32_run for lm in r.layers):
-        lead = ("trained in fp32: no low-precision rounding to analyse (the analyses show what bf16 would do on these "
-                "inputs); ")
+    fp32 = bool(r.layers) and all(facts[(lm.step, lm.layer)].is_fp32_run for lm in r.layers)
+    lead = ("trained in fp32: no low-precision rounding to analyse (the analyses show what bf16 would do on these "
+            "inputs); " if fp32 else "")
     parts, warnings = [], []
     if blind:
         first = facts[(blind[0].step, blind[0].layer)]
         preset, acc, _ = implied(first, FALLBACK_PRESET)
         where = ", ".join(f"step {lm.step} layer {lm.layer}" for lm in blind[:4]) + (" …" if len(blind) > 4 else "")
-        parts.append(f"fidelity unverifiable at {where}: {unverifiable_reason(first)}; the analyses replay {preset} / "
-                     f"{acc.value}, the recipe the recorded settings imply")
+        parts.append(f"fidelity unverifiable at {where}: {why[(blind[0].step, blind[0].layer)]}; the analyses replay "
+                     f"{preset} / {acc.value}, the recipe the recorded settings imply")
         warnings.append(parts[-1])
-    if seen and lead:
+    if seen:
         worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
-        parts.append(f"the fp32 replay reproduces {_pct(worst.best.o_bits_equal)} of the stored O at worst (step "
-                     f"{worst.step} layer {worst.layer}; an fp32 kernel that sums in another order differs in the last "
-                     "bits)")
-    elif seen:
-        worst = min(seen, key=lambda lm: lm.best.o_bits_equal)
-        named = ", ".join(f"{p} / {a}" for p, a in sorted({(lm.best.preset, lm.best.accumulation) for lm in seen}))
-        if worst.best.o_bits_equal == 1.0:
-            parts.append(f"stored O reproduced 100 % in every selected layer-step ({len(seen)}) by {named}")
-        elif (worst.best.o_bits_equal >= KERNEL_MODEL_REPRODUCES
-              and all(_is_kernel_model(lm.best.preset) for lm in seen)):
-            at_least = _pct(worst.best.o_bits_equal, floor=True)
-            parts.append(f"stored O reproduced to at least {at_least} in every selected layer-step ({len(seen)}) by "
-                         f"{named} (worst: step {worst.step} layer {worst.layer}; the remaining bits are what the "
-                         "kernel's model does not capture, docs/gpu-fidelity.md)")
-        else:
-            parts.append(f"no known recipe reproduces the stored O: at worst {_pct(worst.best.o_bits_equal)} "
-                         f"(step {worst.step} layer {worst.layer}, best {worst.best.preset} / "
-                         f"{worst.best.accumulation}); analyses describe the recipe they replay, not the kernel "
-                         "that trained")
-        if MISMATCH_TEST_ABOVE <= worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
-            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: every "
+        parts.append(_reproduction(seen, fp32))
+        share = worst.best.o_bits_equal
+        if not fp32 and MISMATCH_TEST_ABOVE <= share < FIDELITY_WARN_BELOW:
+            warnings.append(f"stored O reproduced only {_pct(share)} by the best known recipe: every "
                             f"analysis tests whether the mismatches are biased (replay_fidelity.mismatch)")
-        elif worst.best.o_bits_equal < FIDELITY_WARN_BELOW:
-            warnings.append(f"stored O reproduced only {_pct(worst.best.o_bits_equal)} by the best known recipe: "
+        elif not fp32 and share < FIDELITY_WARN_BELOW:
+            warnings.append(f"stored O reproduced only {_pct(share)} by the best known recipe: "
                             f"findings describe that recipe, not the kernel that trained")
+    excluded = [lm for lm in r.layers if lm.excluded_winner is not None]
+    if excluded:
+        def said(lm) -> str:
+            w = lm.excluded_winner
+            return (f"step {lm.step} layer {lm.layer}: the recorded {' and '.join(w.facts)} excluded {w.preset} / "
+                    f"{w.accumulation}, which reproduces {_pct(w.o_bits_equal)} of the stored O against "
+                    f"{_pct(lm.best.o_bits_equal)} for the best allowed")
+
+        more = f"; and {len(excluded) - 3} more layer-steps" if len(excluded) > 3 else ""
+        warnings.append("; ".join(said(lm) for lm in excluded[:3]) + more
+                        + ": if the record is wrong, correct it (capture or import again), or run match --all")
     return lead + "; ".join(parts), warnings
+
+
+def _notes(r, facts: dict) -> list[str]:
+    """What the reader should know about the facts the search used: facts set aside, facts `--all` overrode,
+    facts not recorded, and a runner-up that reproduces more than the best."""
+    notes = []
+    for lm in r.layers:
+        if lm.relaxed:
+            notes.append(f"step {lm.step} layer {lm.layer}: no recipe models the recorded "
+                         f"{' and '.join(lm.relaxed)} together with the other facts; they were set aside")
+        line = outranked(lm, facts[(lm.step, lm.layer)])
+        if line:
+            notes.append(line)
+    if r.overridden:
+        counts: dict[str, int] = {}
+        for over in r.overridden.values():
+            for fact, n in over.items():
+                counts[fact] = max(counts.get(fact, 0), n)
+        notes.append("--all tried every recipe, also those the recorded facts exclude ("
+                     + ", ".join(f"{fact}: {n}" for fact, n in sorted(counts.items())) + " recipes)")
+    unknown = [lm for lm in r.layers if facts[(lm.step, lm.layer)].softmax is None]
+    if unknown:
+        notes.append(f"the softmax variant is not recorded ({len(unknown)} layer-step(s)): both were tried; record it "
+                     "with --softmax at capture (standard, stabilized or ENV=VALUE) or with import --softmax")
+    imperfect = [lm for lm in r.layers if lm.best.o_bits_equal < 1.0]
+    assumed = sorted({a for lm in imperfect for a in facts[(lm.step, lm.layer)].assumed})
+    if assumed:
+        notes.append(f"the import assumed {' and '.join(assumed)} (the file did not say): if the run differed, "
+                     f"import again with " + " ".join(f"--{a}" for a in assumed))
+    return notes
+
+
+def _layer_json(lm, facts, why, over) -> dict:
+    w = lm.excluded_winner
+    return {"step": lm.step, "layer": lm.layer, "heads": lm.heads,
+            "best": {"preset": lm.best.preset, "accumulation": lm.best.accumulation,
+                     "o_bits_equal": lm.best.o_bits_equal, "max_ulp": lm.best.max_ulp},
+            "run_precision": facts.precision, "unverifiable": why, "recipes_admitted": lm.n_admitted,
+            "relaxed": list(lm.relaxed), "overridden": over,
+            "excluded_winner": None if w is None else {"preset": w.preset, "accumulation": w.accumulation,
+                                                       "o_bits_equal": w.o_bits_equal, "facts": w.facts},
+            "candidates": [{"preset": c.preset, "accumulation": c.accumulation, "o_bits_equal": c.o_bits_equal,
+                            "max_abs_err": c.max_abs_err, "max_ulp": c.max_ulp, "sampled": c.sampled,
+                            "n_elements": c.n_elements} for c in lm.candidates]}
 
 
 def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None,
@@ -142,16 +244,19 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
 
 
 def _print_verdict(payload: dict, lines: list[str]) -> None:
+    from fa_forensics.dump.terminal_text import shown
+
     for line in (lines if len(lines) <= 8 else []):
-        console.print(line, highlight=False)
-    console.print(f"[bold]verdict:[/] {escape(payload['verdict'])}", highlight=False)
+        console.print(shown(line), highlight=False)
+    for note in payload["notes"]:
+        console.print(f"note: {shown(note)}", highlight=False, soft_wrap=True)
+    console.print(f"[bold]verdict:[/] {shown(payload['verdict'])}", highlight=False)
 
 
 def _match_rank(dump, step, layer, head, try_all: bool, backend: str, fan_out, several: bool) -> tuple[dict, list]:
     """Match the selected layer-steps of one rank's tree: print its table, return its JSON payload and its verdict
     lines (lines, verdict and warnings name the rank when the store holds several)."""
-    from fa_forensics.fidelity.candidates import admissible
-    from fa_forensics.fidelity.match import candidate_recipes, match, unverifiable_reason
+    from fa_forensics.fidelity.match import match
     from fa_forensics.fidelity.run_facts import facts_at
     from fa_forensics.layers.selection import select
 
@@ -164,44 +269,35 @@ def _match_rank(dump, step, layer, head, try_all: bool, backend: str, fan_out, s
                         "bit" + ("" if try_all else "; stops at the first 100 % (--all: try every recipe)"))
     for c in ("step", "layer", "best recipe", "o_bits_equal", "max |Δ|", "recipes tried", "runner-up"):
         table.add_column(c, justify="right")
-
-    def n_candidates(lm) -> int:
-        """How many recipes the search may try at this layer-step: those the recorded facts admit."""
-        info = dump.layer_info(lm.step, lm.layer)
-        every = candidate_recipes(info.head_dim, info.arrays["k"][-2], info.dtype, dump.attrs.get("device"))
-        return len(admissible(every, facts_at(dump, lm.step, lm.layer)))
-
     for lm in r.layers:
-        second = runner_up(lm)
-        runner = f"{second.preset} / {second.accumulation} {_pct(second.o_bits_equal)}" if second else "—"
+        admitted = len(lm.candidates) if try_all else lm.n_admitted
+        screened = sum(c.sampled for c in lm.candidates)
+        tried = f"{len(lm.candidates)} of {admitted}" + (f" ({screened} on a row sample)" if screened else "")
         table.add_row(str(lm.step), str(lm.layer), f"{lm.best.preset} / {lm.best.accumulation}",
-                      _pct(lm.best.o_bits_equal),
-                      f"{lm.best.max_abs_err:.3g}", f"{len(lm.candidates)} of {n_candidates(lm)}", runner)
+                      _pct(lm.best.o_bits_equal), f"{lm.best.max_abs_err:.3g}", tried, _runner_cell(lm))
     console.print(table)
 
     facts = {(lm.step, lm.layer): facts_at(dump, lm.step, lm.layer) for lm in r.layers}
-    why = {key: unverifiable_reason(f) if f.has_dropout else None for key, f in facts.items()}
+    why = {(lm.step, lm.layer): _why(lm, facts[(lm.step, lm.layer)]) for lm in r.layers}
     lines = [who + verdict_line(lm, why[(lm.step, lm.layer)]) for lm in r.layers]
     verdict, warnings = _verdict(r, facts)
+    notes = _notes(r, facts)
     payload = {
-        "layers": [{"step": lm.step, "layer": lm.layer, "heads": lm.heads,
-                    "best": {"preset": lm.best.preset, "accumulation": lm.best.accumulation,
-                             "o_bits_equal": lm.best.o_bits_equal},
-                    "run_precision": facts[(lm.step, lm.layer)].precision, "unverifiable": why[(lm.step, lm.layer)],
-                    "candidates": [{"preset": c.preset, "accumulation": c.accumulation, "o_bits_equal": c.o_bits_equal,
-                                    "max_abs_err": c.max_abs_err} for c in lm.candidates]}
-                   for lm in r.layers],
-        "compared_in": r.compared_in, "all": try_all, "backend": backend,
-        "warnings": [who + w for w in warnings], "verdict": who + verdict,
+        "layers": [_layer_json(lm, facts[(lm.step, lm.layer)], why[(lm.step, lm.layer)],
+                               r.overridden.get((lm.step, lm.layer), {})) for lm in r.layers],
+        "compared_in": r.compared_in, "all": try_all, "backend": backend, "warnings": [who + w for w in warnings],
+        "notes": [who + n for n in notes], "verdict": who + verdict,
     }
     return ({"rank": dump.rank, **payload} if several else payload), lines
 
 
 def register(app: typer.Typer) -> None:
     @app.command("match",
-                 help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under every "
-                               "preset (its own tiling; the GPU kernels' recipes with each of their tiles) and "
-                               "accumulation model; the share of O elements reproduced, per layer-step.")
+                 help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under the "
+                      "recipes the recorded facts admit (precision, softmax, device and kernel; each preset with its "
+                      "own tiling, the GPU kernels' recipes with each of their tiles, every accumulation model), "
+                      "screened on a row sample and confirmed on every element; the share of O elements reproduced, "
+                      "per layer-step.")
     def command(
         dump: DumpArg,
         step: StepOpt = None,

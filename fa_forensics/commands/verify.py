@@ -4,13 +4,13 @@ from __future__ import annotations
 import warnings
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import (
     ALL_RANKS, DebugOpt, DumpArg, JsonOpt, RanksOpt, add_warning, console, err_console, exit_code, parse_ranks,
     ranks_line, run_cli, write_json,
 )
+from fa_forensics.dump.terminal_text import shown
 
 
 def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RanksOpt = None, debug: DebugOpt = False) -> None:
@@ -22,13 +22,14 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RanksOpt = None, debug
         from fa_forensics.dump.verify import verify as verify_store
 
         asked = parse_ranks(rank)
-        first = verify_store(dump, rank=None if asked == ALL_RANKS else asked)
+        first = _with_stored_match(verify_store(dump, rank=None if asked == ALL_RANKS else asked))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its steps are in the report
             store = open_dump(first.path, rank=first.rank)
         several = len(store.ranks) > 1 or store.world_size > 1
         if asked == ALL_RANKS:
-            reports = [first if r == first.rank else verify_store(first.path, rank=r) for r in store.ranks]
+            reports = [first if r == first.rank else _with_stored_match(verify_store(first.path, rank=r))
+                       for r in store.ranks]
         else:
             line = ranks_line(store, "--rank all checks every rank")
             if line:
@@ -51,36 +52,56 @@ def _show(report, several: bool) -> int:
     """Print what `verify` found in one rank's tree (naming the rank when the store holds several); its exit code."""
     where = f"{report.path} rank {report.rank}" if several else report.path
     if report.problems:
-        table = Table(title=f"damage in {escape(where)}", title_justify="left")
-        for col in ("step", "layer", "array", "problem"):
+        table = Table(title=f"damage in {shown(where)}", title_justify="left")
+        for col in ("step", "layer", "array", "file", "problem"):
             table.add_column(col)
         for d in report.problems:
-            cells = ("-" if v is None else escape(str(v)) for v in (d.step, d.layer, d.array))
-            table.add_row(*cells, escape(d.what))
+            cells = ("-" if v is None else shown(str(v)) for v in (d.step, d.layer, d.array, d.file))
+            table.add_row(*cells, shown(d.what))
         console.print(table)
     if report.leftovers:
-        title = f"left beside {escape(report.path)} by writers that are not running"
+        title = f"left beside {shown(report.path)} by writers that are not running"
         table = Table(title=title, title_justify="left")
         table.add_column("path")
         table.add_column("what")
         for x in report.leftovers:
-            table.add_row(escape(x.path), escape(x.what))
+            table.add_row(shown(x.path), shown(x.what))
         console.print(table)
-    console.print(f"{escape(where)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
+    console.print(f"{shown(where)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
                   f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
     if report.ok:
         return _empty_code(report)
-    parts = []
-    if report.damaged_steps:
-        parts.append(f"{len(report.problems)} problem(s) in step(s) {report.damaged_steps}")
-    elif report.problems:
-        parts.append(f"{len(report.problems)} problem(s)")
+    in_steps = [d for d in report.problems if d.step is not None]
+    elsewhere = len(report.problems) - len(in_steps)
+    parts, redo = [], []
+    if in_steps:
+        parts.append(f"{len(in_steps)} problem(s) in step(s) {report.damaged_steps}")
+        redo.append("those steps")
+    if elsewhere:
+        parts.append(f"{elsewhere} problem(s) in the timeline" if all(
+            (d.array or "").startswith("timeline") for d in report.problems if d.step is None)
+            else f"{elsewhere} problem(s)")
+        redo.append("the timeline")
     if report.incomplete_steps:
         parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
-    what = escape(f"{where}: {'; '.join(parts)}")
-    err_console.print(f"[bold red]damaged:[/] {what}; re-capture those steps "
-                      "(the other steps read whole)", highlight=False, soft_wrap=True)
+        if not in_steps:
+            redo.insert(0, "those steps")
+    what = shown(f"{where}: {'; '.join(parts)}")
+    whole = " (the other steps read whole)" if report.steps else ""
+    err_console.print(f"[bold red]damaged:[/] {what}; re-capture {' and '.join(redo)}{whole}",
+                      highlight=False, soft_wrap=True)
     return 1
+
+
+def _with_stored_match(report):
+    """The report with every `replay_match` attribute the stored bits contradict (or that is malformed) as a problem."""
+    import dataclasses
+
+    from fa_forensics.dump import open_dump
+    from fa_forensics.fidelity.stored_match import check_stored_match
+
+    found = check_stored_match(open_dump(report.path, rank=report.rank), report.steps) if report.steps else []
+    return dataclasses.replace(report, problems=[*report.problems, *found]) if found else report
 
 
 def _empty_code(report) -> int:

@@ -95,7 +95,7 @@ class CausalSelfAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
         else:
             o = flash_attention_bf16(q, k, v, scale, causal=True, block=self.flash_block)
-            capture_record(q, k, v, o, scale=scale, causal=True)  # no-op unless a capture is active
+            capture_record(q, k, v, o, scale=scale, causal=True, softmax="standard")  # no-op unless capturing
         self.last_o = o
         y = o.to(q.dtype).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.c_proj(y)

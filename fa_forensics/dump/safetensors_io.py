@@ -4,15 +4,22 @@ Tensor names are `step{S}.layer{L}.{q,k,v,o,do,x,mask}` (q, k, v, o, do: (B, H, 
 mask: SDPA's attn_mask, 4-D and broadcastable to (B, H, Tq, Tk), bool with True = may attend, or an
 additive float bias; present only for layers captured with one).
 File metadata `causal` ("true" / "false") and `scale` (a float as text) apply to every layer;
-they default to causal and 1/sqrt(D). `layer{L}.heads` ("1,3") keeps the model's head numbers of a
-partial-head capture (absent: heads 0..H-1). Dtypes are kept, so export∘import is the identity on tensors.
+they default to causal and 1/sqrt(D), and the dump records that it assumed them (`capture.assumed`).
+`layer{L}.heads` ("1,3") keeps the model's head numbers of a partial-head capture (absent: heads 0..H-1).
+Dtypes are kept, so export∘import is the identity on tensors.
+
+The run's facts come from the file or from the importer's options, never from the machine that imports:
+metadata `device` ("cuda", "cuda:0", "cpu"), `kernel` (the kernel or entry point: "sdpa", "sdpa-cudnn",
+"flash_attn", a function's name), `autocast_dtype` ("bfloat16", "float16", "none": autocast off) and
+`softmax` ("standard", "stabilized"), each for every layer or as `layer{L}.<fact>` for one; a fact neither
+says is recorded as unknown. Export writes back the facts the dump records.
 """
 from __future__ import annotations
 
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,14 +46,66 @@ class ConvertResult:
     n_tensors: int
     causal: bool
     scale: float | None  # None: 1/sqrt(D) per layer
+    facts: dict = field(default_factory=dict)  # fact -> value for every layer ("unknown": not recorded)
+    assumed: list[str] = field(default_factory=list)  # settings the file did not give: causal, scale
 
 
-def _parse_causal(text: str | None, src: Path) -> bool:
+FACTS = ("device", "kernel", "autocast_dtype", "softmax")  # the run's facts an import records
+_DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")
+_AUTOCAST = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+             "none": "none", "off": "none"}
+_SOFTMAX = ("standard", "stabilized")
+UNKNOWN = "unknown"
+
+
+def check_fact(name: str, value: str, where: str) -> str:
+    """A fact's text as recorded (lower-cased; "unknown" for unknown), or DumpError naming `where` and what is
+    accepted."""
+    text = str(value).strip()
+    low = text.lower()
+    if low in ("", UNKNOWN):
+        return UNKNOWN
+    if name == "device" and _DEVICE_RE.match(low):
+        return low
+    if name == "autocast_dtype" and low in _AUTOCAST:
+        return _AUTOCAST[low]
+    if name == "softmax" and low in _SOFTMAX:
+        return low
+    if name == "kernel" and text.isprintable() and len(text) <= 200:
+        return text
+    accepted = {"device": "a device such as cuda, cuda:0 or cpu", "autocast_dtype": "bfloat16, float16 or none",
+                "softmax": "standard or stabilized", "kernel": "one printable line (sdpa, sdpa-cudnn, flash_attn, "
+                "a function's name)"}[name]
+    raise DumpError(f"{where}: {name}={text!r} is not {accepted} (or unknown); fix it")
+
+
+def _facts_of(metadata: dict, options: dict, layers, src: Path) -> dict[int, dict[str, str]]:
+    """layer -> {fact: value} from the file's metadata (`<fact>`, `layer{L}.<fact>`) and the importer's options
+    (which apply to every layer); an option that disagrees with the file is an error, never a choice."""
+    out = {}
+    for layer in layers:
+        facts = {}
+        for name in FACTS:
+            given = metadata.get(f"layer{layer}.{name}", metadata.get(name))
+            said = None if given is None else check_fact(name, given, f"{src}: metadata")
+            option = options.get(name)
+            if option is not None:
+                wanted = check_fact(name, option, f"--{name.replace('_', '-')}")
+                if said not in (None, UNKNOWN) and wanted not in (UNKNOWN, said):
+                    raise DumpError(f"--{name.replace('_', '-')} {option!r} disagrees with the file's metadata "
+                                    f"{name}={given!r}; drop one of them")
+                said = wanted if wanted != UNKNOWN else said
+            facts[name] = said or UNKNOWN
+        out[layer] = facts
+    return out
+
+
+def _parse_causal(text: str | None, where: str) -> bool:
     if text is None:
         return True
     value = text.strip().lower()
     if value not in ("true", "false"):
-        raise DumpError(f"{src}: metadata causal={text!r} must be \"true\" or \"false\"; fix the file's metadata")
+        raise DumpError(f"{where} causal={text!r} must be \"true\" or \"false\"")
     return value == "true"
 
 
@@ -66,16 +125,16 @@ def _parse_heads(text: str, layer: int, head: torch.Tensor | None, src: Path) ->
     return numbers
 
 
-def _parse_scale(text: str | None, src: Path) -> float | None:
+def _parse_scale(text: str | None, where: str) -> float | None:
     if text is None:
         return None
     try:
         scale = float(text)
     except ValueError:
-        raise DumpError(f"{src}: metadata scale={text!r} is not a number; "
+        raise DumpError(f"{where} scale={text!r} is not a number; "
                         "write it as a float in text, e.g. \"0.125\"") from None
     if not math.isfinite(scale) or scale <= 0:
-        raise DumpError(f"{src}: metadata scale={text!r} must be a positive finite float")
+        raise DumpError(f"{where} scale={text!r} must be a positive finite float")
     return scale
 
 
@@ -108,8 +167,23 @@ def _check_shapes(tensors: dict[str, torch.Tensor], step: int, layer: int, src: 
             bad(MASK, f"but {ref} has B={B}, H={H}, T={T} (a mask is (B or 1, H or 1, T, T))")
 
 
-def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
-    """Read FILE.safetensors into a new dump store at `dst` (written aside, then moved in place)."""
+def _setting(name: str, option, metadata: dict, parse, src: Path):
+    """causal / scale from the importer's option or the file's metadata (an option that disagrees is an error)."""
+    said = parse(metadata.get(name), f"{src}: metadata") if name in metadata else None
+    if option is None:
+        return said
+    wanted = parse(str(option), "option")
+    if said is not None and said != wanted:
+        raise DumpError(f"--{name} {option} disagrees with the file's metadata {name}={metadata[name]!r}; drop one of "
+                        "them")
+    return wanted
+
+
+def import_safetensors(src, dst, *, overwrite: bool = False, facts: dict | None = None) -> ConvertResult:
+    """Read FILE.safetensors into a new dump store at `dst` (written aside, then moved in place). `facts`: the
+    importer's options (device, kernel, autocast_dtype, softmax, causal, scale), for every layer; None or absent:
+    what the file's metadata says, else unknown (causal and scale: their defaults, recorded as assumed)."""
+    options = dict(facts or {})
     from safetensors import SafetensorError, safe_open
 
     src, dst = Path(src), Path(dst)
@@ -131,8 +205,10 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
                                 "rename the tensors")
             if not names:
                 raise DumpError(f"{src} holds no tensors; expected names like {NAME_PATTERN}")
-            causal = _parse_causal(metadata.get("causal"), src)
-            scale = _parse_scale(metadata.get("scale"), src)
+            causal = _setting("causal", options.get("causal"), metadata, _parse_causal, src)
+            scale = _setting("scale", options.get("scale"), metadata, _parse_scale, src)
+            assumed = [name for name, value in (("causal", causal), ("scale", scale)) if value is None]
+            causal = True if causal is None else causal
             by_step: dict[int, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
             first_name: dict[tuple[int, int, str], str] = {}
             for n in names:
@@ -173,21 +249,42 @@ def import_safetensors(src, dst, *, overwrite: bool = False) -> ConvertResult:
 
     needed = sum(t.numel() * t.element_size()
                  for s in by_step for tensors in by_step[s].values() for t in tensors.values())
-    run_attrs = {"device": "cpu", "model": {}, "capture": {"source": "safetensors", "file": src.name}}
+    layers = sorted({l for s in by_step for l in by_step[s]})
+    layer_facts = _facts_of(metadata, options, layers, src)
+    uniform = {name: values.pop() for name in FACTS
+               if len(values := {f[name] for f in layer_facts.values()}) == 1}
+    devices = {f["device"] for f in layer_facts.values()}
+    run_attrs = {"device": devices.pop() if len(devices) == 1 else UNKNOWN, "model": {},
+                 "capture": {"source": "safetensors", "file": src.name, "assumed": assumed}}
     with staged_store(dst, "to", needed) as tmp:  # built aside, renamed into place once whole
         with DumpWriter(tmp, run_attrs) as writer:
-            _write_steps(writer, by_step, causal, scale, heads_by_layer)
-    layers = sorted({l for s in by_step for l in by_step[s]})
-    return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale)
+            _write_steps(writer, by_step, causal, scale, heads_by_layer, layer_facts)
+    return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale,
+                         {name: uniform.get(name, "per layer") for name in FACTS}, assumed)
+
+
+def _fact_attrs(facts: dict[str, str]) -> dict:
+    """The layer attributes that record an import's facts (unknown ones are not written)."""
+    attrs = {}
+    if facts["device"] != UNKNOWN:
+        attrs["device_type"] = facts["device"].split(":")[0]
+    if facts["kernel"] != UNKNOWN:
+        attrs["source"] = facts["kernel"]  # the entry point, as a capture records it
+    if facts["softmax"] != UNKNOWN:
+        attrs["softmax"] = facts["softmax"]
+    if facts["autocast_dtype"] != UNKNOWN:
+        attrs["autocast"] = facts["autocast_dtype"] != "none"
+        attrs["autocast_dtype"] = facts["autocast_dtype"]
+    return attrs
 
 
 def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
-                 heads_by_layer: dict[int, list[int]]) -> None:
+                 heads_by_layer: dict[int, list[int]], layer_facts: dict[int, dict[str, str]]) -> None:
     for s in sorted(by_step):
         for l in sorted(by_step[s]):
             tensors = by_step[s][l]
             head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
-            attrs = {"causal": causal}
+            attrs = {"causal": causal, **_fact_attrs(layer_facts[l])}
             if MASK in tensors:
                 attrs["mask"] = "bool" if tensors[MASK].dtype == torch.bool else "additive"
             if l in heads_by_layer:
@@ -217,7 +314,9 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
     tensors: dict[str, torch.Tensor] = {}
     settings = set()
     head_numbers: dict[int, list[int]] = {}
+    facts_by_layer: dict[int, set] = defaultdict(set)
     for s, l, _heads in triples:
+        facts_by_layer[l].add(tuple(_recorded_facts(dump, s, l).items()))
         info = dump.layer_info(s, l)
         settings.add((info.causal, info.scale, info.head_dim))
         stored = dump.heads(s, l)
@@ -241,6 +340,7 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
         metadata["scale"] = repr(float(scale))
     for l, numbers in head_numbers.items():
         metadata[f"layer{l}.heads"] = ",".join(str(h) for h in numbers)
+    metadata.update(_facts_metadata(dump, facts_by_layer))
     try:
         data = save(tensors, metadata=metadata)
     except MemoryError:
@@ -251,3 +351,51 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
                                                                                                _ in triples}),
                          len(tensors), causal_value, scale)
 
+
+
+def _recorded_facts(dump, step: int, layer: int) -> dict[str, str]:
+    """The run's facts a layer-step records (what `import` reads back), "unknown" where it records none."""
+    run = dict(dump.attrs or {})
+    try:
+        attrs = dict(dump._layer(step, layer).attrs)
+    except Exception:  # a stand-in without zarr groups
+        attrs = {}
+
+    def text(value) -> str:
+        return value.strip() if isinstance(value, str) and value.strip() else UNKNOWN
+
+    autocast = text(attrs.get("autocast_dtype"))
+    if autocast == UNKNOWN and attrs.get("autocast") is False:
+        autocast = "none"
+    raw = {"device": text(attrs.get("device_type")) if "device_type" in attrs else text(run.get("device")),
+           "kernel": text(attrs.get("kernel")) if "kernel" in attrs else text(attrs.get("source")),
+           "autocast_dtype": autocast, "softmax": text(attrs.get("softmax"))}
+    out = {}
+    for name, value in raw.items():
+        try:
+            out[name] = check_fact(name, value, "")
+        except DumpError:  # what the dump says is no fact an import could read back: not written
+            out[name] = UNKNOWN
+    return out
+
+
+def _facts_metadata(dump, facts_by_layer: dict[int, set]) -> dict[str, str]:
+    """The metadata that records the exported layers' facts: once for the file where every layer agrees, per layer
+    (`layer{L}.<fact>`) where they differ; DumpError where one layer's steps disagree (a file has one per layer)."""
+    per_layer = {}
+    for layer, seen in facts_by_layer.items():
+        if len(seen) > 1:
+            raise DumpError(f"the steps of layer {layer} of {dump.path} record different facts (device, kernel, "
+                            "autocast, softmax), but a safetensors file has one per layer; export the steps one at a "
+                            "time")
+        per_layer[layer] = dict(next(iter(seen)))
+    metadata = {}
+    for name in FACTS:
+        values = {f[name] for f in per_layer.values()}
+        if values == {UNKNOWN}:
+            continue
+        if len(values) == 1:
+            metadata[name] = values.pop()
+        else:
+            metadata.update({f"layer{layer}.{name}": f[name] for layer, f in per_layer.items() if f[name] != UNKNOWN})
+    return metadata

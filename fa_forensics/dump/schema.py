@@ -100,9 +100,12 @@ def decode(array, name: str) -> torch.Tensor:
 
 
 # layer attributes that say how the attention call was made (written by capture): precision facts,
-# softmax variant, entry point, layout, and what of the call a replay does not model
+# softmax variant, entry point, layout, and what of the call a replay does not model; for attention
+# written in torch ops also its ops (`chain`), the dtypes S, the softmax and P were in, and factors
+# applied to Q or K before their product; for Hugging Face models the attention function's name
 CALL_ATTR_KEYS = ("device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias",
-                  "block_mask", "score_mod", "not_replayed")
+                  "block_mask", "score_mod", "not_replayed", "o_layout", "chain", "score_dtype", "softmax_dtype",
+                  "p_dtype", "q_scale", "k_scale", "hf_attention")
 
 
 @dataclass(frozen=True)

@@ -24,17 +24,20 @@ from fa_forensics.fidelity.run_facts import facts_at
 def choose(dump, step: int, layer: int, recipe: Recipe) -> Choice:
     """The Choice of `auto` at (step, layer): resolved, else matched (cached beside the dump), else the
     recipe the recorded settings imply (`recipe.implied_choice`): where the stored O cannot be matched
-    (attention dropout, an fp32 run, no stored O, a layer built in memory)."""
+    (attention dropout or another option no replay applies, an fp32 run, no stored O, arrays that do not fit
+    their layout, a layer built in memory)."""
     known = recipe.choice_at(step, layer)
     if known is not None:
         return known
     facts = facts_at(dump, step, layer)
     fallback = implied_choice(facts, recipe)
-    if dump is None or facts.has_dropout or facts.is_fp32_run:
+    if dump is None or facts.unverifiable() is not None or facts.is_fp32_run:
         return fallback
     lm = best_recipe(dump, step, layer, accumulation=recipe.accumulation)
     if lm is None:
         return fallback
+    if lm.unverifiable is not None:
+        return replace(fallback, why=lm.unverifiable)
     return Choice(lm.best.preset, Accumulation(lm.best.accumulation), lm.best.o_bits_equal)
 
 

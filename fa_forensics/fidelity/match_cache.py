@@ -1,4 +1,4 @@
-"""Where `match` keeps its results: beside the evidence, never in it.
+"""Where `match` keeps its results: beside the evidence, never in it, and only where nobody else can write.
 
 A match result depends only on the stored bytes of one layer-step and the recipes tried, so it is
 kept in a content-addressed file `<cache dir>/match/<fingerprint>.json` (the sha256 of those bytes
@@ -9,7 +9,12 @@ The cache directory is $FA_FORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/fa-forensic
 ~/.cache/fa-forensics; FA_FORENSICS_CACHE_DIR=off (or `--match-cache off`) keeps nothing. Files
 are written symlink-safe: a temporary file made in the target directory, then renamed over the
 target (a rename replaces a link, never follows it); a target or `match` directory that is a
-symbolic link is refused with a warning, and reads open the file with O_NOFOLLOW.
+symbolic link is refused with a warning, and reads take a regular file only (O_NOFOLLOW, never blocking on
+a FIFO or reading a device: `dump.safe_read`). A folder on the way to the cache directory that is a link
+another user planted in a sticky world-writable folder is refused in one line (`check_parent_links`). As ssh
+refuses a key in a folder others control, the cache directory and its `match` folder are refused (nothing read,
+nothing written, one warning) when either is writable by group or others or owned by another user than the one
+running (or root). What is read is still never believed: `fidelity.stored_match` re-checks it.
 
 A dump may carry a match in its layer groups' attributes (`replay_match`, fingerprinted over the
 recipe list `_IN_DUMP_RECIPES`; the bundled sample dumps do): `in_dump` reads it when its
@@ -21,13 +26,15 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fa_forensics.dump.safe_files import atomic_write
+from fa_forensics.dump.safe_files import atomic_write, check_parent_links
+from fa_forensics.dump.safe_read import FileTooLarge, NotRegularFile, read_regular
 from fa_forensics.errors import TargetUnwritable
 
 ENV_DIR = "FA_FORENSICS_CACHE_DIR"
@@ -43,11 +50,12 @@ _IN_DUMP_RECIPES = (
     ("stabilized", "tensor-core"), ("fp32", "ieee"), ("fp8-s1", "ieee"), ("fp8-s256", "ieee"), ("fp8-s448", "ieee"),
 )
 
+_MAX_ENTRY_BYTES = 64 * 2**20  # a match entry is a few kB; a larger file is not one of ours
 _override: Optional[str] = None  # set by the CLI's --match-cache; wins over the environment
 
 
 class MatchCacheWarning(UserWarning):
-    """The match cache could not be read or written; the result stands, it is only not kept."""
+    """The match cache could not be read or written, or what it held was refused; the result stands."""
 
 
 def set_cache_dir(value: Optional[str]) -> None:
@@ -78,30 +86,60 @@ def data_hash(t, extra: object) -> str:
     return h.hexdigest()
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     warnings.warn(MatchCacheWarning(f"match cache: {message}"), stacklevel=3)
 
 
+def _not_trusted(folder: Path) -> Optional[str]:
+    """Why `folder` may hold files planted by someone else (ssh's rule), or None (it is safe, or absent)."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return None
+    if st.st_uid not in (os.getuid(), 0):
+        return f"{folder} is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{folder} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} " \
+               f"(mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _refused(root: Path) -> bool:
+    """True (with one warning) when the cache directory or its `match` folder is not the user's alone."""
+    why = _not_trusted(root.parent) or _not_trusted(root)
+    if why is not None:
+        warn(f"{why}; refused: nothing is read from or written to it (use a folder only you can write: "
+             f"chmod go-w, or set {ENV_DIR})")
+    return why is not None
+
+
 def read(key: str) -> Optional[dict]:
-    """The cached entry of fingerprint `key`, or None (absent, unreadable, or a link: not followed)."""
+    """The cached entry of fingerprint `key`, or None (absent, unreadable, refused, or a link: not followed)."""
     root = cache_dir()
     if root is None:
         return None
     path = root / f"{key}.json"
+    check_parent_links(root, "match_cache", include_last=True)  # a link planted on the way: one line, exit 2
     if root.is_symlink():
         return None  # refused; `write` says so
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    if _refused(root):
+        return None
+    try:  # a regular file only, never blocking on a FIFO or reading a device
+        entry = json.loads(read_regular(path, _MAX_ENTRY_BYTES, follow=False))
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            _warn(f"{path} is a symbolic link; not followed, the layer-step is matched again")
+            warn(f"{path} is a symbolic link; not followed, the layer-step is matched again")
         return None
-    try:
-        with os.fdopen(fd, "r") as f:
-            entry = json.load(f)
-    except (OSError, ValueError):
+    except (NotRegularFile, FileTooLarge) as exc:
+        warn(f"{exc}; not read, the layer-step is matched again")
         return None
-    return entry if isinstance(entry, dict) and entry.get("fingerprint") == key else None
+    except (ValueError, RecursionError):
+        warn(f"{path} is not readable JSON; the layer-step is matched again")
+        return None
+    if not isinstance(entry, dict) or entry.get("fingerprint") != key:
+        warn(f"{path} does not hold the entry its name says; the layer-step is matched again")
+        return None
+    return entry
 
 
 def write(key: str, entry: dict) -> None:
@@ -110,33 +148,58 @@ def write(key: str, entry: dict) -> None:
     if root is None:
         return
     target = root / f"{key}.json"
+    check_parent_links(root, "match_cache", include_last=True)  # a link planted on the way: one line, exit 2
     try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for folder in (root.parent, root):  # made private; a folder that exists is only checked
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         if root.is_symlink():
-            _warn(f"{root} is a symbolic link; nothing written there")
+            warn(f"{root} is a symbolic link; nothing written there")
+            return
+        if _refused(root):
             return
         if target.is_symlink():
-            _warn(f"{target} is a symbolic link; not followed, not replaced")
+            warn(f"{target} is a symbolic link; not followed, not replaced")
             return
         atomic_write(target, json.dumps({**entry, "fingerprint": key}), "match cache", mode=0o600)
     except TargetUnwritable as exc:  # a link planted there, a full disk, a read-only folder
-        _warn(f"cannot write {target} ({exc.reason}); the result is not kept "
-              f"(set {ENV_DIR} to a writable directory, or to 'off')")
+        warn(f"cannot write {target} ({exc.reason}); the result is not kept "
+             f"(set {ENV_DIR} to a writable directory, or to 'off')")
     except OSError as exc:
-        _warn(f"cannot write in {root} ({exc.strerror or exc}); the result is not kept "
-              f"(set {ENV_DIR} to a writable directory, or to 'off')")
+        warn(f"cannot write in {root} ({exc.strerror or exc}); the result is not kept "
+             f"(set {ENV_DIR} to a writable directory, or to 'off')")
+
+
+def in_dump_name(accumulation: Optional[str]) -> str:
+    """The layer attribute a dump keeps its match in (one per accumulation restriction)."""
+    return IN_DUMP_ATTR if accumulation is None else f"{IN_DUMP_ATTR}_{accumulation}"
+
+
+def in_dump_attrs(dump, step: int, layer: int) -> dict:
+    """{accumulation restriction (None: both models): attribute value} of every match the layer group carries."""
+    try:
+        attrs = dict(dump._layer(step, layer).attrs)
+    except Exception:  # a stand-in without zarr groups
+        return {}
+    out = {}
+    for name, value in attrs.items():
+        if name == IN_DUMP_ATTR:
+            out[None] = value
+        elif name.startswith(IN_DUMP_ATTR + "_"):
+            out[name[len(IN_DUMP_ATTR) + 1:]] = value
+    return out
+
+
+def in_dump_fits(cached, t, accumulation: Optional[str]) -> bool:
+    """The match a layer carries was made from these stored bytes (its fingerprint fits them)."""
+    if not isinstance(cached, dict) or not isinstance(cached.get("fingerprint"), str):
+        return False
+    recipes = [list(r) for r in _IN_DUMP_RECIPES if accumulation is None or r[1] == accumulation]
+    key = data_hash(t, (_IN_DUMP_VERSION, t.scale, t.causal, [tuple(r) for r in recipes]))
+    return cached["fingerprint"] == key
 
 
 def in_dump(dump, step: int, layer: int, t, accumulation: Optional[str]) -> Optional[dict]:
     """The match kept in the layer group's attributes, when its fingerprint fits the stored bytes:
     {heads, candidates[]}, or None."""
-    name = IN_DUMP_ATTR if accumulation is None else f"{IN_DUMP_ATTR}_{accumulation}"
-    try:
-        cached = dump._layer(step, layer).attrs.get(name)
-    except Exception:  # a stand-in without zarr groups
-        return None
-    if not isinstance(cached, dict) or "fingerprint" not in cached:
-        return None
-    recipes = [list(r) for r in _IN_DUMP_RECIPES if accumulation is None or r[1] == accumulation]
-    key = data_hash(t, (_IN_DUMP_VERSION, t.scale, t.causal, [tuple(r) for r in recipes]))
-    return cached if cached["fingerprint"] == key else None
+    cached = in_dump_attrs(dump, step, layer).get(accumulation)
+    return cached if in_dump_fits(cached, t, accumulation) else None

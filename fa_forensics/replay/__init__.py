@@ -4,7 +4,11 @@
     out = replay(q, k, v, ReplayConfig.preset("bf16"), do=do)   # out.o, out.lse, out.stats, out.dq ...
     with use_engine(Engine.SPEC):                               # the torch specification: the same bits, slower
         ...
+
+`fa_forensics.replay` is this package and, called, its function `replay` (`from fa_forensics import replay;
+replay(q, k, v, config)` works whatever was imported before).
 """
+from fa_forensics import make_callable
 from fa_forensics.enums import (  # noqa: F401
     Accumulation,
     DeltaSource,
@@ -20,3 +24,5 @@ from fa_forensics.numerics.engines import use_engine  # noqa: F401
 from fa_forensics.replay.config import PRESETS, ReplayConfig  # noqa: F401
 from fa_forensics.replay.out import PBarStats, ReplayOut  # noqa: F401
 from fa_forensics.replay.api import BackendUnavailable, replay  # noqa: F401
+
+make_callable(__name__)

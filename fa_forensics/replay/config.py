@@ -392,13 +392,28 @@ def _flash_attn_2(exp_form: ExpForm) -> ReplayConfig:
                       backward_kernel=BackwardKernel.FLASH_ATTENTION_2)
 
 
+def _fp32() -> ReplayConfig:
+    return ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32)
+
+
+def _fp16_reading() -> ReplayConfig:
+    # preset bf16's reading in fp16: fp16 inputs, P̄, P̄V product and O; scores, m and ℓ in fp32
+    fp16 = Precision.FP16
+    return ReplayConfig(input_dtype=fp16, p_dtype=fp16, pv_dtype=fp16, o_dtype=fp16)
+
+
+def _stabilized(config: ReplayConfig) -> ReplayConfig:
+    # the paper's fix, Algorithm 3 with β = 2, ε = 1e-3 (STABLE=1 in its reference code)
+    return config.with_(softmax=Softmax.STABILIZED, beta=2.0, eps=1e-3)
+
+
 def _fp16(factory):
     return lambda: factory().with_(input_dtype=Precision.FP16, p_dtype=Precision.FP16, o_dtype=Precision.FP16)
 
 
 PRESETS = {
     "bf16": lambda: ReplayConfig(),
-    "fp32": lambda: ReplayConfig(input_dtype=_FP32, p_dtype=_FP32, pv_dtype=_FP32, o_dtype=_FP32),
+    "fp32": _fp32,
     # preset bf16 with Algorithm 3; the paper's fix as it ran is "bf16-autocast-stabilized"
     "stabilized": lambda: ReplayConfig(softmax=Softmax.STABILIZED),
     # hardware flash-attention kernels: P̄ cast to bf16, fp32 accumulator, O rounded once after 1/ℓ
@@ -407,8 +422,14 @@ PRESETS = {
     "bf16-autocast": _bf16_autocast,
     "bf16-autocast-train": _bf16_autocast_train,
     "bf16-autocast-cpu": _bf16_autocast_cpu,
-    # the paper's fix as run (STABLE=1: Algorithm 3 with β = 2, ε = 1e-3 inside the loop above)
-    "bf16-autocast-stabilized": lambda: _bf16_autocast_train().with_(softmax=Softmax.STABILIZED, beta=2.0, eps=1e-3),
+    # the paper's fix as run (STABLE=1: Algorithm 3 with β = 2, ε = 1e-3 inside the loop above), under CUDA
+    # and under CPU autocast
+    "bf16-autocast-stabilized": lambda: _stabilized(_bf16_autocast_train()),
+    "bf16-autocast-cpu-stabilized": lambda: _stabilized(_bf16_autocast_cpu()),
+    # an fp32 run with the paper's fix; fp16 runs read as preset bf16 reads bf16 ones
+    "fp32-stabilized": lambda: _stabilized(_fp32()),
+    "fp16": _fp16_reading,
+    "fp16-stabilized": lambda: _stabilized(_fp16_reading()),
     # kernels users train with (docs/gpu-fidelity.md); their tiles per head dim: replay/kernel_recipes.py
     "sdpa-cudnn-sm90": _sdpa_cudnn_sm90,
     "sdpa-efficient": _sdpa_efficient,

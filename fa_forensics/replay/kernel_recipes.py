@@ -77,7 +77,8 @@ def _flash_tiles(head_dim: int, n_keys: int, dropout: bool) -> list[str]:
 
 @dataclass(frozen=True)
 class KernelRecipe:
-    """One kernel: its model's preset, sources, where it runs, what it stores, its tiles."""
+    """One kernel: its model's preset, sources, where it runs, what it stores, its tiles, and the entry point a
+    recorded run names it by (`entry`: sdpa-cudnn, sdpa-efficient, sdpa-flash, flash_attn)."""
 
     kernel: str
     preset: str
@@ -85,6 +86,7 @@ class KernelRecipe:
     devices: tuple[str, ...]
     dtypes: tuple[str, ...]  # stored O dtypes (torch names without "torch.")
     tile_rule: Callable[[int, int, bool], list[str]]
+    entry: str
 
     def tiles(self, head_dim: int, n_keys: int, dropout: bool = False) -> list[str]:
         """The preset names with their tile suffix, most likely first."""
@@ -94,20 +96,25 @@ class KernelRecipe:
 KERNEL_RECIPES = (
     KernelRecipe("SDPA cuDNN attention, sm_90", "sdpa-cudnn-sm90",
                  "closed source: cuDNN frontend documentation and measurement on an H200", ("cuda",), ("bfloat16",),
-                 _cudnn_tiles),
+                 _cudnn_tiles, "sdpa-cudnn"),
     KernelRecipe("SDPA memory-efficient attention (xformers / CUTLASS)", "sdpa-efficient",
-                 "PyTorch mem_eff_attention/kernel_forward.h", ("cuda",), ("bfloat16",), _efficient_tiles),
+                 "PyTorch mem_eff_attention/kernel_forward.h", ("cuda",), ("bfloat16",), _efficient_tiles,
+                 "sdpa-efficient"),
     KernelRecipe("SDPA FlashAttention-2 (PyTorch's vendored copy)", "sdpa-flash",
                  "PyTorch flash_attn/ (flash_fwd_kernel.h, softmax.h, flash_api.cpp)", ("cuda",), ("bfloat16",),
-                 _flash_tiles),
+                 _flash_tiles, "sdpa-flash"),
     KernelRecipe("FlashAttention-2 (flash-attn package)", "flash-attn-2",
-                 "Dao-AILab/flash-attention csrc/flash_attn/src", ("cuda",), ("bfloat16",), _flash_tiles),
+                 "Dao-AILab/flash-attention csrc/flash_attn/src", ("cuda",), ("bfloat16",), _flash_tiles,
+                 "flash_attn"),
     KernelRecipe("SDPA cuDNN attention, sm_90, fp16", "sdpa-cudnn-sm90-fp16",
-                 "as sdpa-cudnn-sm90 with fp16 inputs, P̄ and O", ("cuda",), ("float16",), _cudnn_tiles),
+                 "as sdpa-cudnn-sm90 with fp16 inputs, P̄ and O", ("cuda",), ("float16",), _cudnn_tiles,
+                 "sdpa-cudnn"),
     KernelRecipe("SDPA memory-efficient attention, fp16", "sdpa-efficient-fp16",
-                 "as sdpa-efficient with fp16 inputs, P̄ and O", ("cuda",), ("float16",), _efficient_tiles),
+                 "as sdpa-efficient with fp16 inputs, P̄ and O", ("cuda",), ("float16",), _efficient_tiles,
+                 "sdpa-efficient"),
     KernelRecipe("SDPA FlashAttention-2, fp16", "sdpa-flash-fp16",
-                 "as sdpa-flash with fp16 inputs, P̄ and O", ("cuda",), ("float16",), _flash_tiles),
+                 "as sdpa-flash with fp16 inputs, P̄ and O", ("cuda",), ("float16",), _flash_tiles,
+                 "sdpa-flash"),
 )
 
 

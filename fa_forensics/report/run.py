@@ -58,6 +58,24 @@ class SectionResult:
     meta: dict = field(default_factory=dict)
 
 
+def exit_meaning(section) -> str:
+    """What a section's exit code means, in words (the command's own exit code: 0, 1 only for fix-check, 2 no result).
+    """
+    data = section.data or {}
+    if section.exit_code == 2 or not section.ok:
+        return "could not run (see its note)"
+    if section.name == "fix-check":
+        return {"fails": "the fix fails", "remains": "a significant bias remains under the fix",
+                "removed": "the fix removes the bias", "no-bias": "no bias to remove",
+                "inconclusive": "too few rows to tell whether the fix removes it"}.get(data.get("outcome"), "ran")
+    return "ran"
+
+
+EXIT_CODES = ("exit codes are each command's own: 0 it ran (its finding is in its section); 1 only fix-check's: a "
+              "significant bias remains under the fix, or the fix fails; 2 it could not run on this dump (its note "
+              "says why)")
+
+
 def command_line(name: str, dump: Path, selection: dict, recipe: Recipe, backend: Backend) -> list[str]:
     """The `fa-forensics` arguments that give the same section on their own, from the analysis's registered
     section: its selection, the flags that carry the report's recipe, the accumulation and the backend."""

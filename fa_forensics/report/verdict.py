@@ -1,19 +1,29 @@
-"""The report's opening verdict: one sentence a user can act on, from the analyses' bias claims.
+"""The report's verdict: one structured answer (`Verdict`) that both the page's summary card and the one-line CLI
+verdict render, so that they cannot disagree.
 
-Each analysis's JSON has a `bias` claim (`analyses.contract.BiasClaim`: found after Bonferroni at
-p < 0.01, quantity O or δ, layer, head, sign). The verdict says whether the analyses agree that a
-bias exists and where (culprit layer, head, step), which operation carries it (isolate's repairs,
-pv-trace's P̄ = 1 share), whether the fix removes it (fix-check) and the replay fidelity (with the sign
-test of the mismatches, or why it is unverifiable); when the analyses disagree it says so, naming which
-found what. An fp32 run's verdict leads with that: there is no low-precision rounding in it to analyse.
+It is built from the sections' JSON payloads, read defensively:
+- the bias claims (`bias` of isolate, delta-bias, bitdiff, fix-check, pv-trace: `analyses.quantities.BiasClaim`,
+  decided by the statistics policy of `analyses.significance`), grouped by quantity: Σδ per (step, layer, head)
+  (isolate, delta-bias) and the O bias per (layer, head, feature) (bitdiff, fix-check, pv-trace). The analyses of
+  one quantity quote the same numbers, so they agree; where the two quantities point at different places, or one
+  finds a bias and the other does not, the verdict says which and why;
+- what removes it: isolate's repairs, pv-trace's P̄ = 1 share, fix-check's fix, stable_attention as deployed;
+- pcast's FP8 finding (heads whose default P cast drops probability mass) and its setting;
+- the timeline's alarms (from the monitor), which lead when there are any;
+- how sure: the replay fidelity with the mismatch test, the claims' p-values in their family.
+An fp32 run's verdict leads with that: there is no low-precision rounding in it to analyse.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional
 
-from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se
+from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, REMOVED_SHARE, rule_text
+from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se, text
 
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
+QUANTITY_OF = {"isolate": "delta", "delta-bias": "delta", "bitdiff": "O", "fix-check": "O", "pv-trace": "O"}
 
 
 def claims(sections) -> dict[str, dict]:
@@ -24,45 +34,145 @@ def claims(sections) -> dict[str, dict]:
 def agreement(by_name: dict[str, dict]) -> tuple[bool, Optional[tuple[int, int]]]:
     """(the analyses agree, the (layer, head) they agree on or None): all found at one (layer, head),
     with one sign per quantity, or none found."""
-    found = {n: c for n, c in by_name.items() if c["found"]}
+    found = {n: c for n, c in by_name.items() if c.get("found")}
     if not found:
         return True, None
     if len(found) != len(by_name):
         return False, None
-    places = {(c["layer"], c["head"]) for c in found.values()}
-    signs = {(c["quantity"], c["sign"]) for c in found.values()}
+    places = {(c.get("layer"), c.get("head")) for c in found.values()}
+    signs = {(c.get("quantity"), c.get("sign")) for c in found.values()}
     one_sign = len(signs) == len({q for q, _ in signs})
     return (len(places) == 1 and one_sign), (next(iter(places)) if len(places) == 1 else None)
 
 
-def report_verdict(sections) -> str:
-    """The one-sentence verdict that opens the report, led by what the run's precision means when it is fp32."""
-    verdict, lead = _report_verdict(sections), _precision(sections)
-    if not lead:
-        return verdict
-    body = verdict.removeprefix("VERDICT: ")
-    return f"VERDICT: {lead}{body[:1].upper()}{body[1:]}"
+# ---- the structured verdict ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Evidence:
+    """One quantity's claim as the analyses that test it make it."""
+
+    quantity: str  # "delta" (Σδ per (step, layer, head)) | "O" (O bias per (layer, head, feature))
+    found: bool
+    layer: Optional[int]
+    head: Optional[int]
+    step: Optional[int]
+    feature: Optional[int]
+    sign: int
+    value: float
+    se: float
+    p_value: float
+    adjusted_p: float
+    n_tests: int
+    effect: float  # in rounding units
+    analyses: tuple[str, ...]  # the analyses that make this claim
+    steps: tuple[int, ...] = ()  # Σδ: the steps of the place's significant items
+    others: tuple[tuple[int, int], ...] = ()  # the other (layer, head) with a significant item or cell
+
+    @property
+    def place(self) -> Optional[tuple[int, int]]:
+        return None if self.layer is None else (self.layer, self.head)
+
+    def stats(self) -> str:
+        """'+2.45 ± 0.24, 0.18 rounding units, p = 1.3e-21 (3.5e-19 after Holm over 280 tests)'."""
+        value = f"{self.value:+.3g} ± {self.se:.2g}" if finite(self.value) and finite(self.se) else number(self.value)
+        return (f"{value}, {number(self.effect, '.2g')} of a rounding unit, p = {_p(self.p_value)} "
+                f"({_p(self.adjusted_p)} after {METHOD} over {self.n_tests} tests)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing to do, with its measured effect."""
+
+    what: str
+    effect: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer of the report, in fields the card and the one-line verdict both render."""
+
+    status: str  # "affected" | "fp8-only" | "alarms-only" | "not affected" | "disagree" | "no result"
+    answer: str  # the plain-words answer: is this run affected
+    where: str  # layer, head, step(s), feature ('' when nothing was found)
+    findings: tuple[str, ...]  # one plain sentence per finding (timeline, bias, FP8)
+    actions: tuple[Action, ...]  # what to do, each with its measured effect
+    confidence: tuple[str, ...]  # how sure: fidelity, p-values, the mismatch test
+    disagreements: tuple[str, ...]  # which analyses disagree and why
+    rule: str  # what "significant" means here
+    technical: str  # the technical sentence (its words follow the analyses' own)
+    evidence: tuple[Evidence, ...] = ()
+    fp8_heads: tuple[dict, ...] = ()  # pcast's heads that need a fix: {step, layer, head, S, order, mass_zeroed}
+    alarms: tuple[dict, ...] = ()  # the timeline's alarms
+    fidelity: str = ""
+    precision: str = ""  # what the run's precision means ('' for a low-precision run)
+    untested: tuple[str, ...] = ()  # the analyses that could not run on this dump (their notes say why)
+
+    def line(self) -> str:
+        """The one-line verdict of the CLI and the page's technical sentence."""
+        return self.technical
+
+
+def _p(p) -> str:
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p):
+        return "n/a"
+    return "< 1e-300" if p == 0 else f"{p:.2g}"
+
+
+def _int(x) -> Optional[int]:
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _float(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+
+def _evidence(by_name: dict[str, dict], data: dict[str, dict], quantity: str) -> list[Evidence]:
+    """The distinct claims of one quantity (one when the analyses agree), each with the analyses that make it."""
+    groups: dict[tuple, list[str]] = {}
+    for name, c in by_name.items():
+        if c.get("quantity") != quantity:
+            continue
+        key = (bool(c.get("found")), _int(c.get("layer")), _int(c.get("head")), _int(c.get("step")),
+               _int(c.get("feature")), _int(c.get("sign")) or 0)
+        groups.setdefault(key, []).append(name)
+    out = []
+    for (found, layer, head, step, feature, sign), names in groups.items():
+        c = by_name[names[0]]
+        steps: tuple[int, ...] = ()
+        if quantity == "delta":
+            items = (data.get("delta-bias") or {}).get("per_step") or (data.get("isolate") or {}).get("heads") or []
+        else:
+            items = (data.get("bitdiff") or {}).get("biased_features") or []
+        items = [i for i in items if isinstance(i, dict) and i.get("significant", True)]
+        if quantity == "delta":
+            steps = tuple(sorted({i["step"] for i in items if (i.get("layer"), i.get("head")) == (layer, head)}))
+        others = tuple(sorted({(i.get("layer"), i.get("head")) for i in items} - {(layer, head)}))
+        out.append(Evidence(quantity, found, layer, head, step, feature, sign, _float(c.get("value")),
+                            _float(c.get("se")), _float(c.get("p_value")), _float(c.get("adjusted_p")),
+                            _int(c.get("n_tests")) or 0, _float(c.get("effect")), tuple(names), steps,
+                            others if found else ()))
+    return sorted(out, key=lambda e: (not e.found, len(e.analyses) * -1))
 
 
 def _precision(sections) -> str:
-    """What the run's recorded precision means, leading the verdict ('' for a low-precision run)."""
+    """What the run's recorded precision means ('' for a low-precision run)."""
     from fa_forensics.analyses.contract import precision_line
 
     for s in sections:
         line = precision_line(None if s.data is None else s.data.get("replay_fidelity"))
         if line:
-            return f"{line}. "
+            return line
     return ""
 
 
 def _fidelity(sections) -> str:
-    """The verdict's fidelity clause: the share of the stored O the replayed recipe reproduces and what the
+    """The fidelity clause: the share of the stored O the replayed recipe reproduces and what the
     mismatches mean (their sign test from 88 %), or why it cannot be measured (attention dropout)."""
     from fa_forensics.analyses.contract import FIDELITY_WARN_BELOW, MISMATCH_TEST_ABOVE
 
     for s in sections:
         fidelity = None if s.data is None else s.data.get("replay_fidelity")
-        if fidelity is None:
+        if not isinstance(fidelity, dict):
             continue
         named = f"recipe {fidelity.get('preset')} / {fidelity.get('accumulation')}"
         reasons = list(dict.fromkeys(u.get("reason") for u in fidelity.get("unverifiable") or []
@@ -77,8 +187,8 @@ def _fidelity(sections) -> str:
             return f"replay fidelity: {named} reproduces an unknown share of the stored O bits"
         shown = f"replay fidelity: {named} reproduces {bit_share(share)} of the stored O bits"
         mismatch = fidelity.get("mismatch")
-        if share < 1.0 and share >= MISMATCH_TEST_ABOVE and mismatch:
-            return f"{shown}; {mismatch['verdict']}"
+        if share < 1.0 and share >= MISMATCH_TEST_ABOVE and isinstance(mismatch, dict):
+            return f"{shown}; {mismatch.get('verdict')}"
         if share < FIDELITY_WARN_BELOW:
             return f"{shown}: the findings describe that recipe, not the kernel that trained"
         return shown
@@ -95,55 +205,331 @@ def _collapse_clause(fc: dict) -> str:
             f"{number(c.get('floor'), 'g')} row-sum floor takes over; fix-check)")
 
 
-def _report_verdict(sections) -> str:
-    """The verdict's sentence, before the run's precision leads it."""
-    by_name = claims(sections)
+def _fp8_heads(pcast: Optional[dict]) -> list[dict]:
+    """pcast's heads that need a P-cast fix, with the setting it recommends and the mass the default drops."""
+    out = []
+    for h in (pcast or {}).get("heads") or []:
+        if not (isinstance(h, dict) and h.get("needs_fix")):
+            continue
+        default = next((s for s in h.get("settings") or [] if isinstance(s, dict) and s.get("S") == 1.0
+                        and s.get("order") == "forward"), {})
+        out.append({"step": h.get("step"), "layer": h.get("layer"), "head": h.get("head"),
+                    "S": h.get("recommended_S"), "order": h.get("recommended_order"),
+                    "mass_zeroed": default.get("mass_zeroed"), "frac_zeroed": default.get("frac_zeroed")})
+    return out
+
+
+def _alarms(timeline: Optional[dict]) -> list[dict]:
+    """The timeline's alarms ({step, metric, layer, head, value, rule}), or its alarm steps when it lists no more."""
+    if not timeline:
+        return []
+    alarms = [a for a in timeline.get("alarms") or [] if isinstance(a, dict)]
+    if alarms:
+        return alarms
+    return [{"step": s} for s in timeline.get("alarm_steps") or [] if isinstance(s, (int, float))]
+
+
+def _alarm_text(alarms: list[dict]) -> str:
+    steps = sorted({a.get("step") for a in alarms if a.get("step") is not None})
+    first = alarms[0]
+    what = ""
+    if first.get("metric"):
+        where = (f" at layer {first.get('layer')} head {first.get('head')}"
+                 if first.get("layer") is not None and first.get("head") is not None else "")
+        what = f" (first: {first.get('metric')}{where} = {number(first.get('value'), '.4g')}" + (
+            f", rule {first.get('rule')})" if first.get("rule") else ")")
+    shown = ", ".join(str(s) for s in steps[:6]) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
+    return (f"the training monitor raised {len(alarms)} alarm{'s' if len(alarms) != 1 else ''} at step"
+            f"{'s' if len(steps) != 1 else ''} {shown}{what}")
+
+
+def _fp8_text(heads: list[dict], pcast: dict) -> str:
+    n = len((pcast or {}).get("heads") or [])
+    where = ", ".join(f"layer {h['layer']} head {h['head']}" for h in heads[:4]) + (
+        f" and {len(heads) - 4} more" if len(heads) > 4 else "")
+    lost = [h["mass_zeroed"] for h in heads if finite(h.get("mass_zeroed"))]
+    zeroed = [h["frac_zeroed"] for h in heads if finite(h.get("frac_zeroed"))]
+    mass = (f" (up to {max(zeroed):.0%} of the non-sink probabilities, {max(lost):.2%} of the probability mass)"
+            if lost and zeroed else "")
+    return (f"FP8: {len(heads)} of {n} heads need a P-cast fix: an FP8 kernel's default P cast (E4M3, S = 1, "
+            f"forward KV order) silently zeroes small probabilities there{mass}: {where}")
+
+
+def _fp8_settings(heads: list[dict]) -> str:
+    return "; ".join(sorted({f"{h.get('order')} S={number(h.get('S'), 'g')}" for h in heads}))
+
+
+def _signs_text(evidence: list[Evidence]) -> str:
+    words = []
+    for e in evidence:
+        if e.found and e.sign:
+            words.append(f"{'O' if e.quantity == 'O' else 'Σδ'} {'+' if e.sign > 0 else '−'}")
+    return ", ".join(words)
+
+
+def _where(delta: Optional[Evidence], o: Optional[Evidence]) -> str:
+    """'layer 0 head 1, steps 0, 1, 2, feature 44' from the found claims that agree on (layer, head)."""
+    main = delta if delta is not None and delta.found else o
+    if main is None or not main.found:
+        return ""
+    text = f"layer {main.layer} head {main.head}"
+    steps = delta.steps if delta is not None and delta.found and delta.place == main.place else ()
+    if steps:
+        text += f", step {steps[0]}" if len(steps) == 1 else f", steps {', '.join(map(str, steps))}"
+    if o is not None and o.found and o.place == main.place and o.feature is not None:
+        text += f", feature {o.feature}"
+    others = sorted(set(main.others) | (set(o.others) if o is not None and o.found else set()) - {main.place})
+    if others:
+        text += f" (also {'; '.join(f'layer {l} head {h}' for l, h in others)})"
+    return text
+
+
+def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence]) -> list[str]:
+    """The bias findings in plain words."""
+    out = []
+    if o is not None and o.found:
+        direction = "too high" if o.sign > 0 else "too low"
+        out.append(f"The low-precision attention output O comes out {direction} on average in layer {o.layer} head "
+                   f"{o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its rows, the smaller p; "
+                   f"{', '.join(o.analyses)}).")
+    if delta is not None and delta.found:
+        direction = "positive" if delta.sign > 0 else "negative"
+        out.append(f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "
+                   f"{delta.layer} head {delta.head}, most significant at step {delta.step}: {delta.stats()} "
+                   f"({', '.join(delta.analyses)}). A one-signed δ error adds up in W_Q's gradient step after step "
+                   f"(paper §3.3).")
+    return out
+
+
+def _disagreements(evidence: list[Evidence], delta: Optional[Evidence], o: Optional[Evidence]) -> list[str]:
+    out = []
+    for quantity in ("delta", "O"):
+        group = [e for e in evidence if e.quantity == quantity]
+        if len(group) > 1:
+            parts = [f"{', '.join(e.analyses)} {'find' if e.found else 'do not find'} one at layer {e.layer} head "
+                     f"{e.head}" + (f" feature {e.feature}" if e.feature is not None else "") for e in group]
+            out.append(f"the analyses of {'Σδ' if quantity == 'delta' else 'the O bias'} disagree: {'; '.join(parts)} "
+                       "(they replay different sides or selections; compare their commands below)")
+    if delta is not None and o is not None and delta.found and o.found and delta.place != o.place:
+        out.append(f"the O bias is most significant at layer {o.layer} head {o.head} feature {o.feature} "
+                   f"({', '.join(o.analyses)}), Σδ at layer {delta.layer} head {delta.head} "
+                   f"({', '.join(delta.analyses)}): Σδ weighs every feature's O error by dO, so the head whose "
+                   "gradient error is largest need not hold the most biased single feature")
+    elif delta is not None and o is not None and o.found and not delta.found:
+        out.append(f"the O bias at layer {o.layer} head {o.head} feature {o.feature} ({', '.join(o.analyses)}) does "
+                   f"not make Σδ significant ({', '.join(delta.analyses)}: {delta.stats()}): dO does not add it up "
+                   "into the gradient here, so it is a bias of the output, not (yet) of training")
+    elif delta is not None and o is not None and delta.found and not o.found:
+        out.append(f"Σδ is significant at layer {delta.layer} head {delta.head} ({', '.join(delta.analyses)}) though "
+                   f"no single O feature is (most significant: layer {o.layer} head {o.head} feature {o.feature}, "
+                   f"{o.stats()}; {', '.join(o.analyses)}): Σδ sums every feature's O error of every token, weighted "
+                   "by dO, so it reaches significance before a single feature does, or when the bias is spread over "
+                   "features")
+    return out
+
+
+def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[dict]) -> list[Action]:
+    """What to do, each with its measured effect."""
+    out = []
+    if alarms:
+        steps = sorted({a.get("step") for a in alarms if a.get("step") is not None})
+        out.append(Action(f"Capture and analyse the step(s) the monitor flagged ({', '.join(map(str, steps[:6]))})",
+                          "the analyses below only see the captured steps"))
+    fc = data.get("fix-check") or {}
+    settings = f"beta={number(fc.get('beta'), 'g')}, eps={number(fc.get('eps'), 'g')}"
+    if found and fc:
+        deployed = fc.get("deployment") if isinstance(fc.get("deployment"), dict) else None
+        variants = {v.get("name"): v for v in [fc.get("baseline"), fc.get("fixed"), *(fc.get("alternatives") or [])]
+                    if isinstance(v, dict)}
+        baseline = variants.get("baseline", {})
+        fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
+
+        def change(v: dict) -> str:
+            return (f"O bias {number(baseline.get('o_bias'), '+.2e')} → {number(v.get('o_bias'), '+.2e')} in layer "
+                    f"{text((fc.get('target') or {}).get('layer'))} head {text((fc.get('target') or {}).get('head'))} "
+                    f"feature {text((fc.get('target') or {}).get('feature'))}")
+
+        if _collapse_clause(fc):
+            out.append(Action(f"Do not use the stabilized softmax with this row-sum floor (β = "
+                              f"{number(fc.get('beta'), 'g')})", _collapse_clause(fc).removeprefix("; ")))
+        elif deployed and deployed.get("removes"):
+            share = share_with_se(deployed.get("removed_share"), None)
+            effect = (f"it removes {share} of the bias in the replay of this dump "
+                      f"({change(variants.get('stable_attention', {}))})")
+            if deployed.get("control_removes"):
+                effect += ("; its kernels without the fix (plain_attention) remove it too: the fp32 P̄V accumulator "
+                           "is what helps here")
+            out.append(Action(f"Replace the attention by fa_forensics.stable_attention(q, k, v, {settings})", effect))
+        elif fc.get("outcome") == "removed":
+            out.append(Action(f"Use the stabilized softmax (Algorithm 3, {settings}) in this kernel",
+                              f"fix-check: it removes {share_with_se(fixed.get('removed_share'), None)} of the "
+                              f"bias ({change(fixed)})"))
+        elif fc.get("outcome") == "inconclusive":
+            removed = share_with_se(fixed.get("removed_share"), None)
+            out.append(Action("Capture more steps or batch rows before choosing a fix",
+                              f"fix-check cannot tell yet: the fix removes {removed} of the bias ({change(fixed)}) "
+                              "and what is left is not significant either"))
+        else:
+            out.append(Action("The stabilized softmax is not enough here (fix-check exits 1)",
+                              f"it removes {share_with_se(fixed.get('removed_share'), None)} of the bias "
+                              f"({change(fixed)})"))
+    iso = data.get("isolate") or {}
+    if found and iso.get("culprits"):
+        by = {v.get("name"): v for v in iso.get("variants") or [] if isinstance(v, dict)}
+        for name, what in (("pv-fp32", "Keep the P̄V product and its accumulator in fp32"),
+                           ("o-fp32", "Keep the whole O path in fp32 (P̄V, accumulator, stored O)")):
+            if name in iso["culprits"]:
+                removed = share_with_se(by.get(name, {}).get("reduction"), None)
+                out.append(Action(what, f"isolate's {name} repair removes {removed} of the Σδ bias"))
+                break
+    if fp8:
+        out.append(Action(f"If attention runs in FP8: scale P by S before its E4M3 cast ({_fp8_settings(fp8)})",
+                          "pcast: the recommended setting keeps the probability mass the default cast drops, at the "
+                          "lowest MSE within its noise"))
+    return out
+
+
+def build_verdict(sections) -> Verdict:
+    """The report's verdict from its sections (any object with `name` and `data`, the JSON payload or None)."""
     data = {s.name: s.data for s in sections if s.data is not None}
+    untested = tuple(s.name for s in sections if s.data is None)
+    by_name = claims(sections)
+    evidence = _evidence(by_name, data, "delta") + _evidence(by_name, data, "O")
+    delta = next((e for e in evidence if e.quantity == "delta"), None)
+    o = next((e for e in evidence if e.quantity == "O"), None)
+    found = any(e.found for e in evidence)
+    fp8 = _fp8_heads(data.get("pcast"))
+    alarms = _alarms(data.get("timeline"))
     fidelity = _fidelity(sections)
-    if not by_name:
-        return f"VERDICT: no analysis produced a bias claim for this dump (see the notes below); {fidelity}."
-    agree, place = agreement(by_name)
+    precision = _precision(sections)
+    disagreements = _disagreements(evidence, delta, o)
+    rule = rule_text()
+    where = _where(delta, o)
+    findings = []
+    if alarms:
+        findings.append(_alarm_text(alarms)[:1].upper() + _alarm_text(alarms)[1:] + ".")
+    findings += _plain_bias(delta, o)
+    if fp8:
+        findings.append(_fp8_text(fp8, data.get("pcast") or {}) + ".")
+    if found:
+        status = "affected"
+        answer = "Yes: the attention rounds with a bias that reaches training." if delta is not None and delta.found \
+            else "Yes: the attention output rounds with a bias."
+    elif fp8:
+        status, answer = "fp8-only", ("No biased rounding in the replayed recipe, but in FP8 attention "
+                                      f"{len(fp8)} head{'s' if len(fp8) != 1 else ''} would lose probability mass.")
+    elif alarms:
+        status, answer = "alarms-only", "The monitor raised alarms; no biased rounding in the captured steps."
+    elif not by_name and "pcast" not in data:
+        status, answer = "no result", "No analysis produced a result for this dump (see the notes below)."
+    elif untested:
+        status, answer = "not affected", (f"No significant biased rounding in what could be tested; "
+                                          f"{_names(untested)} could not run on this dump (see {_their(untested)} "
+                                          "notes).")
+    else:
+        status, answer = "not affected", "No: no significant biased rounding, nothing to fix."
+    if disagreements and found:
+        status = "disagree" if any("disagree" in d for d in disagreements) else status
+    confidence = [fidelity[:1].upper() + fidelity[1:] + "."]
+    if untested:
+        confidence.append(f"Not tested: {_names(untested)} could not run on this dump (see {_their(untested)} notes).")
+    for e in evidence:
+        if e.found:
+            confidence.append(f"{'Σδ' if e.quantity == 'delta' else 'O bias'}: {e.stats()}.")
+    if not found and evidence:
+        best = min(evidence, key=lambda e: e.adjusted_p if finite(e.adjusted_p) else 2.0)
+        confidence.append(f"Most significant item: layer {best.layer} head {best.head}"
+                          + (f" feature {best.feature}" if best.feature is not None else "")
+                          + (f" step {best.step}" if best.step is not None else "") + f", {best.stats()}.")
+    actions = _actions(data, found, fp8, alarms)
+    technical = _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision, untested)
+    return Verdict(status=status, answer=answer, where=where, findings=tuple(findings), actions=tuple(actions),
+                   confidence=tuple(confidence), disagreements=tuple(disagreements), rule=rule, technical=technical,
+                   evidence=tuple(evidence), fp8_heads=tuple(fp8), alarms=tuple(alarms), fidelity=fidelity,
+                   precision=precision, untested=untested)
+
+
+def _names(names: tuple[str, ...]) -> str:
+    """'isolate', 'isolate and pcast', 'isolate, delta-bias and pcast'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _their(names: tuple[str, ...]) -> str:
+    return "its" if len(names) == 1 else "their"
+
+
+def _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision, untested=()) -> str:
+    """The one-line verdict: 'VERDICT: …; replay fidelity …'."""
+    lead = f"{precision}. " if precision else ""
+    parts = []
+    if alarms:
+        parts.append(_alarm_text(alarms))
     names = ", ".join(by_name)
     collapse = _collapse_clause(data.get("fix-check") or {})
-    if agree and place is None:
-        return (f"VERDICT: no significant bias (sign or t-test, Bonferroni-corrected p < 0.01) in {names}: "
-                f"nothing to fix{collapse}; {fidelity}.")
-    if not agree:
-        parts = [f"{n} {'finds' if c['found'] else 'does not find'} one at layer {c['layer']} head {c['head']}"
-                 f" ({'+' if c['sign'] > 0 else '−'}{c['quantity']}, p={c['p_value']:.2g} of {c['n_tests']} tests)"
-                 for n, c in by_name.items()]
-        return (f"VERDICT: the analyses disagree on whether or where a bias exists: {'; '.join(parts)}{collapse}; "
-                f"{fidelity}.")
-    layer, head = place
-    steps = sorted({c["step"] for c in by_name.values() if c.get("step") is not None})
-    feature = next((c["feature"] for c in by_name.values() if c.get("feature") is not None), None)
-    o_sign = next((c["sign"] for c in by_name.values() if c["quantity"] == "O"), 0)
-    d_sign = next((c["sign"] for c in by_name.values() if c["quantity"] == "delta"), 0)
-    where = f"layer {layer} head {head}" + (f", step {steps[0]}" if len(steps) == 1
-                                            else f", steps {steps}" if steps else "")
-    where += f", feature {feature}" if feature is not None else ""
-    signs = ", ".join(x for x in (f"O {'+' if o_sign > 0 else '−'}" if o_sign else "",
-                                   f"Σδ {'+' if d_sign > 0 else '−'}" if d_sign else "") if x)
-    operation = ""
+    if not by_name:
+        parts.append("no analysis produced a bias claim for this dump (see the notes below)")
+    elif not found:
+        tail = "nothing to fix" if not fp8 and not alarms else "no fix for rounding bias needed"
+        if untested:
+            tail = f"nothing to fix in what was tested ({_names(untested)} could not run)"
+        parts.append(f"no significant bias (sign or t-test, {METHOD}-corrected p < {ALPHA:g} and at least "
+                     f"{EFFECT_FLOOR:.0%} of a rounding unit) in {names}: {tail}{collapse}")
+    else:
+        signs = _signs_text(evidence)
+        finders = ", ".join(n for e in evidence if e.found for n in e.analyses)
+        sentence = f"biased rounding at {_where(delta, o)} ({signs}), found by {finders}"
+        disagree = _disagreements(evidence, delta, o)
+        if disagree:
+            sentence += f"; {'; '.join(disagree)}"
+        sentence += _operation(data, o) + _fix(data, collapse)
+        parts.append(sentence)
+    if fp8:
+        parts.append(_fp8_text(fp8, data.get("pcast") or {}) + f"; use {_fp8_settings(fp8)}")
+    body = "; ".join(parts)
+    return f"VERDICT: {lead}{body[:1].upper() if lead else body[:1]}{body[1:]}; {fidelity}."
+
+
+def _operation(data: dict, o: Optional[Evidence]) -> str:
+    """Which operation carries it: isolate's repairs, pv-trace's P̄ = 1 share (where the O bias is significant)."""
+    text = ""
     if "isolate" in data:
         culprits = data["isolate"].get("culprits") or []
-        operation = f"; repairs that remove it: {', '.join(culprits)}" if culprits else "; no single repair removes it"
-    if "pv-trace" in data:
-        shares = data["pv-trace"].get("class_shares") or {}
-        p_one = [v for k, v in shares.items() if k in ("tie", "near-tie", "carry") and v.get("rows")]
+        text = f"; repairs that remove it: {', '.join(culprits)}" if culprits else "; no single repair removes it"
+    pv = data.get("pv-trace") or {}
+    if pv and o is not None and o.found and (pv.get("o_bias") or {}).get("significant", True):
+        shares = pv.get("class_shares") or {}
+        p_one = [v for k, v in shares.items() if k in ("tie", "near-tie", "carry") and isinstance(v, dict)
+                 and v.get("rows")]
         if p_one:
-            total = sum(v["share"] for v in p_one)
-            se = sum(v["se"] ** 2 for v in p_one) ** 0.5
+            total = sum(_float(v.get("share")) for v in p_one)
+            se = sum(_float(v.get("se")) ** 2 for v in p_one) ** 0.5
             if finite(total):
-                operation += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias "
-                              "in that feature")
-    fix = ""
-    if "fix-check" in data:
-        fc = data["fix-check"]
-        if collapse:
-            fix = collapse
-        else:
-            fix = ("; the stabilized softmax removes it" if fc.get("removed")
-                   else "; the stabilized softmax does NOT remove it")
-            fix += f" (fix-check: reduction {number(fc.get('bias_reduction'), '.1f')}x)"
-    return f"VERDICT: biased rounding at {where} ({signs}), found by {names}{operation}{fix}; {fidelity}."
+                text += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that "
+                         "feature")
+                if total > 1 or total < 0:  # a signed share of a mean: the rest of the rows push the other way
+                    text += " (a signed share: the other rows' rounding pushes the other way)"
+    return text
+
+
+def _fix(data: dict, collapse: str) -> str:
+    fc = data.get("fix-check") or {}
+    if not fc:
+        return ""
+    if collapse:
+        return collapse
+    if not fc.get("has_bias", True):
+        return ""
+    fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
+    most = finite(fixed.get("removed_share")) and fixed["removed_share"] < REMOVED_SHARE
+    text = {"removed": ("; the stabilized softmax removes most of it (what is left is not significant)" if most
+                        else "; the stabilized softmax removes it"),
+            "inconclusive": "; too few rows to tell whether the stabilized softmax removes it"}.get(
+        fc.get("outcome"), "; the stabilized softmax does NOT remove it")
+    text += (f" (fix-check, {fixed.get('name', 'the fix')}: {share_with_se(fixed.get('removed_share'), None)} removed, "
+             f"reduction {number(fc.get('bias_reduction'), '.1f')}x)")
+    return text
+
+
+def report_verdict(sections) -> str:
+    """The one-line verdict that opens the report and ends `fa-forensics report`."""
+    return build_verdict(sections).line()

@@ -87,3 +87,63 @@ def test_bad_attention_options_and_a_layout_that_does_not_fit_are_one_line(tmp_p
     run = _cli(["capture", "--out", str(tmp_path / "b.zarr"), "--steps", "0", "--", sys.executable, str(script)])
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert "layout: fa_forensics.capture.record: " in run.stderr and "read as BTHD" in run.stderr
+
+
+PLAIN = Path(__file__).resolve().parents[1] / "data" / "plain_attention" / "nanogpt_manual.py"
+
+
+def test_nanogpt_manual_attention_is_captured_without_flags_and_losses_are_bit_equal(tmp_path):
+    plain = _run([sys.executable, str(PLAIN), "3", str(tmp_path / "plain.json"), "0.1"])
+    assert plain.returncode == 0, plain.stderr
+    out, js = tmp_path / "run.zarr", tmp_path / "cli.json"
+    run = _cli(["capture", "--out", str(out), "--steps", "1", "--json", str(js), "--",
+                sys.executable, str(PLAIN), "3", str(tmp_path / "captured.json"), "0.1"])
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "captured.json").read_text()) == json.loads((tmp_path / "plain.json").read_text())
+    d = open_dump(out)
+    assert d.steps == [1] and d.layers() == [0, 1]
+    attrs = dict(d._layer(1, 0).attrs)
+    assert attrs["source"] == "torch_ops" and attrs["causal"] is True and attrs["dropout_p"] == 0.1
+    summary = json.loads(js.read_text())
+    assert summary["warnings"] == [] and summary["do_missing"] == {}
+
+
+def test_a_transposed_layout_is_refused_with_one_line_and_nothing_stored(tmp_path):
+    out = tmp_path / "run.zarr"  # BlockedAttention takes (B, H, T, D): named as BTHD, X's length shows it
+    run = _cli(["capture", "--out", str(out), "--steps", "1", "--attention",
+                "blocked_attention:BlockedAttention,layout=BTHD", "--softmax", "standard", "--",
+                sys.executable, str(SCRIPT), "3", str(tmp_path / "losses.json")], cwd=tmp_path)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and "Traceback" not in run.stderr and len(lines) == 1, run.stderr
+    assert "read as BTHD has batch 2, 20 heads, length 2" in lines[0] and "read as BHTD" in lines[0]
+    assert "name it with layout=BHTD in --attention" in lines[0]
+    assert not out.exists() or open_dump(out).steps == []
+
+
+GPT2_EAGER = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+cfg._attn_implementation = "eager"
+model = GPT2LMHeadModel(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, 64, (2, 16))
+for step in range(2):
+    model(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_hf_eager_function_named_with_its_output_layout(tmp_path):
+    script, out = tmp_path / "train.py", tmp_path / "run.zarr"
+    script.write_text(GPT2_EAGER)
+    target = "transformers.models.gpt2.modeling_gpt2:eager_attention_forward"
+    refused = _cli(["capture", "--out", str(out), "--steps", "1", "--attention", target, "--",
+                    sys.executable, str(script)])
+    assert refused.returncode == 2 and "o fits BTHD: name it with o_layout=BTHD" in refused.stderr, refused.stderr
+    run = _cli(["capture", "--out", str(out), "--steps", "1", "--attention", f"{target},o_layout=BTHD",
+                "--softmax", "standard", "--", sys.executable, str(script)])
+    assert run.returncode == 0, run.stderr
+    attrs = dict(open_dump(out)._layer(1, 0).attrs)
+    assert attrs["source"] == f"{target},layout=BHTD,o_layout=BTHD" and attrs["hf_attention"] == "eager"
+    assert attrs["causal"] is False and attrs["mask"] == "bool"  # HF's eager mask, read as `attention_mask`

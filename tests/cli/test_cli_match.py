@@ -43,9 +43,11 @@ def test_match_finds_the_reference_forward_standard_and_with_its_fix(reference_d
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     standard, stable = d["layers"]
-    assert standard["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee", "o_bits_equal": 1.0}
+    assert standard["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee", "o_bits_equal": 1.0,
+                                "max_ulp": 0}
     assert len(standard["candidates"]) == 1  # stops at the first 100 %
-    assert stable["best"] == {"preset": "bf16-autocast-stabilized", "accumulation": "ieee", "o_bits_equal": 1.0}
+    assert stable["best"] == {"preset": "bf16-autocast-stabilized", "accumulation": "ieee", "o_bits_equal": 1.0,
+                              "max_ulp": 0}
     tried = {(c["preset"], c["accumulation"]): c for c in stable["candidates"]}
     assert tried[("bf16-autocast-train", "ieee")]["o_bits_equal"] < 1.0  # the fix changes O
     assert tried[("bf16-autocast-train", "ieee")]["max_abs_err"] > 0
@@ -54,20 +56,29 @@ def test_match_finds_the_reference_forward_standard_and_with_its_fix(reference_d
     assert "step 0 layer 1: stored O reproduced 100 % by bf16-autocast-stabilized / ieee" in res.output
 
 
-def test_match_all_tries_every_recipe_the_recorded_precision_allows(tmp_path):
+def test_match_tries_what_the_facts_allow_and_all_tries_every_recipe_saying_which_facts_it_overrode(tmp_path):
     small = _reference_dump(tmp_path / "small.zarr", 128)
+    assert open_dump(small).attrs.get("device") == "cpu"  # the writer records the device: a CPU run
+    every = {(r.preset, r.accumulation) for r in candidate_recipes(head_dim=D, n_keys=128)}
+    kernels = {(p, a) for p, a in every if p.startswith(("sdpa-", "flash-attn-"))}
+    other_precision = {(p, a) for p, a in every if p.startswith(("fp8", "fp16", "fp32"))}
+    assert kernels and other_precision
+
     out = tmp_path / "m.json"
-    res = CliRunner().invoke(app, ["match", str(small), "--layer", "0", "--all", "--json", str(out)])
+    res = CliRunner().invoke(app, ["match", str(small), "--layer", "0", "--json", str(out)])
     assert res.exit_code == 0, res.output
     (layer,) = json.loads(out.read_text())["layers"]
-    candidates = candidate_recipes(head_dim=D, n_keys=128)
+    assert layer["recipes_admitted"] == len(every - kernels - other_precision)  # a bf16 CPU run: no GPU kernel, no FP8
+
+    res = CliRunner().invoke(app, ["match", str(small), "--layer", "0", "--all", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    (layer,) = d["layers"]
     tried = {(c["preset"], c["accumulation"]) for c in layer["candidates"]}
-    assert any(r.preset.startswith("fp8") for r in candidates)
-    assert not any(p.startswith("fp8") for p, _ in tried)  # a bf16 dump is never an FP8 run
-    assert open_dump(small).attrs.get("device") == "cpu"  # the writer records the device: a CPU run
-    kernels = {(r.preset, r.accumulation) for r in candidates if r.preset.startswith(("sdpa-", "flash-attn-"))}
-    assert kernels and not kernels & tried  # a CPU run never ran a GPU kernel
-    assert tried == {(r.preset, r.accumulation) for r in candidates if not r.preset.startswith("fp8")} - kernels
+    assert tried == every and not any(c["sampled"] for c in layer["candidates"])  # every recipe, every element
+    assert layer["overridden"] == {"device cpu": len(kernels), "precision bf16": len(other_precision)}
+    assert any(n.startswith("--all tried every recipe, also those the recorded facts exclude (device cpu: ")
+               for n in d["notes"])
     assert layer["run_precision"] == "bf16"
     shares = {(c["preset"], c["accumulation"]): c["o_bits_equal"] for c in layer["candidates"]}
     assert shares[("bf16-autocast", "ieee")] == 1.0  # same forward as the training recipe
@@ -96,7 +107,7 @@ def test_match_reproduces_every_layer_of_the_demo_dump(tmp_path):
     layers = json.loads(out.read_text())["layers"]
     assert len(layers) == 8  # steps 296-299, layers 1 and 3
     assert all(lm["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee",
-                              "o_bits_equal": 1.0} for lm in layers)
+                              "o_bits_equal": 1.0, "max_ulp": 0} for lm in layers)
 
 
 def test_every_analysis_json_carries_replay_fidelity_and_warns_below_99_percent(make_dump, tmp_path):
@@ -116,9 +127,8 @@ def test_every_analysis_json_carries_replay_fidelity_and_warns_below_99_percent(
 
 def test_shares_near_every_bit_never_overstate():
     """A share below 100 % never reads "100.00 %", and the lower bound the verdict states is cut, not rounded."""
-    from fa_forensics.commands.match import _is_kernel_model, _pct
+    from fa_forensics.commands.match import _pct
 
     assert _pct(1.0) == "100 %" and _pct(0.5) == "50.00 %"
     assert _pct(0.999985) == "99.999 %" and _pct(0.999985, floor=True) == "99.998 %"
     assert _pct(1 - 1e-12) != "100.000000 %" and not _pct(1 - 1e-12).startswith("100")
-    assert _is_kernel_model("sdpa-cudnn-sm90@block_m=128,block_n=128") and not _is_kernel_model("bf16-autocast")

@@ -7,9 +7,11 @@ because that is what a store in the coarser format would hold. Signed errors (a 
 the unrounded values in fp64.
 
 The bias map is the mean signed error per (layer, head, feature) over every batch row and token
-of every selected step, with its standard error and a two-sided sign test. A feature is "biased"
-when its sign-test p-value is below 0.01 / (number of cells tested) (Bonferroni), so that a map of
-hundreds of cells does not report chance hits.
+of every selected step, with its standard error, a t-test and a sign test and its rounding unit (the
+ulp of the comparison format at |b|): the O cells of `analyses.quantities`. A feature is "biased"
+when the statistics policy says so (`analyses.significance`: Holm over the selection's family at
+α = 0.01, and at least 1 % of a rounding unit), so that a map of hundreds of cells does not report
+chance hits.
 """
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import BiasClaim, claim, common_keys, replay_fidelity
+from fa_forensics.analyses.contract import common_keys, replay_fidelity
+from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, o_cells, o_claim, o_units,
+                                              selection_family)
+from fa_forensics.analyses.significance import ALPHA, Family, p_text
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -28,7 +33,6 @@ from fa_forensics.layers.selection import as_seen_by, replay_layer
 from fa_forensics.errors import DumpError
 
 ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP
-ALPHA = 0.01
 TOP_K = 10
 
 _DTYPE_FORMAT = {
@@ -75,20 +79,6 @@ class LargestDiff:
 
 
 @dataclass(frozen=True)
-class BiasCell:
-    """Mean signed error a − b of one (layer, head, feature) over all rows, with its uncertainty."""
-
-    layer: int
-    head: int
-    feature: int
-    mean: float
-    se: float
-    p_value: float  # two-sided sign test
-    frac_positive: float
-    n: int
-
-
-@dataclass(frozen=True)
 class LayerStepDiff:
     """Sufficient statistics of one layer-step's comparison (to be merged across steps)."""
 
@@ -99,13 +89,8 @@ class LayerStepDiff:
     n: int  # elements compared
     mismatches: int
     ulp_counts: torch.Tensor  # (2·ULP_CLIP + 1,) int64 for distances −CLIP..CLIP (ends clipped)
-    s1: torch.Tensor  # (h, D) Σ (a − b)
-    s2: torch.Tensor  # (h, D) Σ (a − b)²
-    n_pos: torch.Tensor  # (h, D)
-    n_neg: torch.Tensor  # (h, D)
-    rows: int  # rows per cell (B·T)
+    sums: CellSums  # per (head, feature): the O cells' sums of a − b and of its rounding unit
     largest: list[LargestDiff]
-    n_finite: Optional[torch.Tensor] = None  # (h, D) rows whose a − b is finite (None: all `rows`)
 
 
 @dataclass(frozen=True)
@@ -123,6 +108,7 @@ class BitdiffResult:
     largest: list[LargestDiff]
     alpha: float = ALPHA
     n_cells: int = 0
+    family: Family = Family()  # the tests the claims are corrected over (`significance`)
     steps: list[int] = field(default_factory=list)
     accumulation: str = "ieee"
     backend: str = "emulate"
@@ -150,15 +136,9 @@ def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: in
     counts = torch.bincount((ulp.clamp(-ULP_CLIP, ULP_CLIP) + ULP_CLIP).reshape(-1), minlength=2 * ULP_CLIP + 1)
 
     raw = a64 - b64  # (B, h, T, D)
-    finite = torch.isfinite(raw)
-    # non-finite errors are left out of the bias map, not counted as 0
-    d = torch.where(finite, raw, torch.zeros_like(raw))
+    d = torch.where(torch.isfinite(raw), raw, torch.zeros_like(raw))  # non-finite errors: left out of the cells
     B, h, T, D = d.shape
-    n_finite = finite.sum(dim=(0, 2))  # (h, D)
-    s1 = d.sum(dim=(0, 2))  # (h, D)
-    s2 = (d * d).sum(dim=(0, 2))
-    n_pos = (d > 0).sum(dim=(0, 2))
-    n_neg = (d < 0).sum(dim=(0, 2))
+    sums = cell_sums(step, layer, heads, raw, o_units(b64, fmt))
 
     largest = []
     k = min(top_k, d.numel())
@@ -173,8 +153,7 @@ def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: in
                                        a=va, b=vb, diff=va - vb, ulp=int(ulp[bi, hi, ti, fi]),
                                        a_bits=bit_string(va, fa), b_bits=bit_string(vb, fb)))
     return LayerStepDiff(step=step, layer=layer, heads=list(heads), fmt=fmt, n=d.numel(), mismatches=mismatch,
-                         ulp_counts=counts, s1=s1, s2=s2, n_pos=n_pos, n_neg=n_neg, rows=B * T, largest=largest,
-                         n_finite=n_finite)
+                         ulp_counts=counts, sums=sums, largest=largest)
 
 
 def ulp_bins() -> list[str]:
@@ -182,36 +161,15 @@ def ulp_bins() -> list[str]:
     return [f"<=-{ULP_CLIP}"] + [str(i) for i in range(-ULP_CLIP + 1, ULP_CLIP)] + [f">={ULP_CLIP}"]
 
 
-def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, alpha: float = ALPHA,
+def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, family: Optional[Family] = None,
               top_k: int = TOP_K) -> BitdiffResult:
-    """Merge per-layer-step statistics (pooling steps per (layer, head)) into the bias map."""
-    from scipy.stats import binomtest
-
+    """Merge per-layer-step statistics (pooling steps per (layer, head)) into the bias map, its cells decided
+    in `family` (default: the cells alone)."""
     if not parts:
         raise ValueError("nothing to summarize")
-    pooled: dict[tuple[int, int], list] = {}
-    for p in parts:
-        for hi, head in enumerate(p.heads):
-            key = (p.layer, head)
-            acc = pooled.setdefault(key, [0, 0.0, 0.0, 0, 0])
-            acc[0] = acc[0] + (p.n_finite[hi] if p.n_finite is not None else p.rows)
-            acc[1] = acc[1] + p.s1[hi]
-            acc[2] = acc[2] + p.s2[hi]
-            acc[3] = acc[3] + p.n_pos[hi]
-            acc[4] = acc[4] + p.n_neg[hi]
-    cells = []
-    for (layer, head), (n, s1, s2, npos, nneg) in sorted(pooled.items()):
-        n = torch.as_tensor(n, dtype=torch.float64).expand_as(s1)  # (D,) finite rows per feature
-        mean = s1 / n  # (D,) nan where no row is finite
-        var = (s2 - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
-        se = torch.where(n > 1, (var / n).sqrt(), torch.full_like(var, math.nan))
-        for f in range(mean.numel()):
-            k, m = int(npos[f]), int(npos[f] + nneg[f])
-            p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
-            cells.append(BiasCell(layer=layer, head=head, feature=f, mean=float(mean[f]), se=float(se[f]),
-                                  p_value=p, frac_positive=k / m if m else float("nan"), n=int(n[f])))
-    threshold = alpha / max(len(cells), 1)
-    biased = sorted((c for c in cells if c.p_value < threshold), key=lambda c: -abs(c.mean))
+    cells = o_cells([p.sums for p in parts], family)
+    family = family if family is not None else Family(o_cells=len(cells))
+    biased = sorted((c for c in cells if c.significant), key=lambda c: -abs(c.mean))
     n_el = sum(p.n for p in parts)
     counts = sum(p.ulp_counts for p in parts)
     largest = sorted((d for p in parts for d in p.largest), key=lambda d: -abs(d.diff))[:top_k]
@@ -219,22 +177,22 @@ def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, alpha: fl
         a=a_name, b=b_name, fmt=parts[0].fmt, n_elements=n_el,
         mismatch_rate=sum(p.mismatches for p in parts) / n_el if n_el else float("nan"),
         ulp_hist={"bins": ulp_bins(), "counts": [int(c) for c in counts]},
-        mean_signed_error=cells, biased_features=biased, largest=largest, alpha=alpha, n_cells=len(cells),
+        mean_signed_error=cells, biased_features=biased, largest=largest, n_cells=len(cells), family=family,
         steps=sorted({p.step for p in parts}),
     )
 
 
 def bias_map(result: BitdiffResult) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
-    """(row labels (layer, head), mean (R, D), p-value (R, D)) for the bias-map figure."""
+    """(row labels (layer, head), mean (R, D), significant by the policy (R, D) bool) for the bias-map figure."""
     rows = sorted({(c.layer, c.head) for c in result.mean_signed_error})
     D = 1 + max(c.feature for c in result.mean_signed_error)
     index = {r: i for i, r in enumerate(rows)}
     mean = torch.full((len(rows), D), math.nan, dtype=torch.float64)
-    pval = torch.ones((len(rows), D), dtype=torch.float64)
+    sig = torch.zeros((len(rows), D), dtype=torch.bool)
     for c in result.mean_signed_error:
         mean[index[(c.layer, c.head)], c.feature] = c.mean
-        pval[index[(c.layer, c.head)], c.feature] = c.p_value
-    return rows, mean, pval
+        sig[index[(c.layer, c.head)], c.feature] = c.significant
+    return rows, mean, sig
 
 
 def side_name(side) -> str:
@@ -257,7 +215,7 @@ def run(dump, selections, a, b, backend="emulate", *, progress=None, workers: Wo
     parts = [part for _, part, _ in items]
     cast_parts = [cast for _, _, cast in items if cast is not None]
     recipe = a if a is not None else b
-    return replace(summarize(parts, side_name(a), side_name(b)),
+    return replace(summarize(parts, side_name(a), side_name(b), family=selection_family(dump, selections)),
                    accumulation=recipe.accumulation_name if recipe is not None else "ieee",
                    backend=Backend(backend).value, input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
                    replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
@@ -299,19 +257,21 @@ def _input_cast_summary(parts: list[LayerStepDiff]) -> Optional[dict]:
 def verdict(r: BitdiffResult) -> str:
     """One sentence: the share of differing elements, the most biased feature, and the input cast apart."""
     top = r.biased_features[0] if r.biased_features else None
+    n = len(r.biased_features)
     tail = (f"; most biased: layer {top.layer} head {top.head} feature {top.feature} mean {top.mean:+.3e} ± "
-            f"{top.se:.1e} (p={top.p_value:.2g})"
-            if top else "; no feature is significantly biased")
+            f"{top.se:.1e} ({top.effect:.2g} of a rounding unit; "
+            f"{p_text(top.tested_p, top.adjusted_p, r.family.n_tests)})"
+            if top else f"; no feature is significantly biased ({r.family.describe()})")
     if r.input_cast is not None:
         tail += (f"; apart from that, the recipe's input cast alone biases {r.input_cast['n_biased_features']} "
                  f"feature(s) of the fp32 O ({r.input_cast['mismatch_rate']:.1%} of elements change)")
-    return f"{r.mismatch_rate:.1%} of elements differ in {r.fmt} bits; {len(r.biased_features)} biased feature(s){tail}"
+    return (f"{r.mismatch_rate:.1%} of elements differ in {r.fmt} bits; {n} significantly biased "
+            f"feature{'s' if n != 1 else ''}{tail}")
 
 
 def bias_claim(r: BitdiffResult) -> BiasClaim:
-    """The most significant (layer, head, feature) cell of the bias map (sign test, Bonferroni over the cells)."""
-    c = min(r.mean_signed_error, key=lambda c: c.p_value)
-    return claim("O", c.p_value, r.n_cells, c.mean, layer=c.layer, head=c.head, feature=c.feature)
+    """The most significant (layer, head, feature) cell of the bias map."""
+    return o_claim(r.mean_signed_error, r.family)
 
 
 def payload(r: BitdiffResult) -> dict:
@@ -320,7 +280,7 @@ def payload(r: BitdiffResult) -> dict:
         "a": r.a, "b": r.b, "format": r.fmt, "steps": r.steps, "n_elements": r.n_elements,
         "mismatch_rate": r.mismatch_rate, "ulp_hist": r.ulp_hist,
         "mean_signed_error": r.mean_signed_error, "biased_features": r.biased_features,
-        "alpha": r.alpha, "n_cells": r.n_cells, "largest": r.largest,
+        "alpha": r.alpha, "n_cells": r.n_cells, "family": r.family.as_dict(), "largest": r.largest,
         "input_cast": r.input_cast, "bias": bias_claim(r),
         "accumulation": r.accumulation, "backend": r.backend, **common_keys(r), "verdict": verdict(r),
     }

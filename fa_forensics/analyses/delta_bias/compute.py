@@ -11,6 +11,10 @@ negative in features 20 and 29). All arithmetic here is float64 on exactly upcas
 reproduces the stored O; "bf16-autocast" is the forward of the paper's reference code, "bf16-hw" the
 hardware kernels' fp32 accumulator; `fa-forensics match`
 says which one reproduces a dump's stored O); "hp" is always the fp32 preset on the same stored inputs.
+
+The numbers per (step, layer, head) are the shared Σδ items of `analyses.quantities`, decided by the
+statistics policy (`analyses.significance`); the focus head (features, top token) is the claim's
+(layer, head): the most significant item's.
 """
 from __future__ import annotations
 
@@ -20,13 +24,16 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, run_over_items
+from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
+from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, Total, count_text, decide_deltas, delta_claim,
+                                              delta_items, family_of, flagged, head_total, total_of)
+from fa_forensics.analyses.significance import Family, p_text
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
-from fa_forensics.analyses.stats import MeanSE, format_p, sign_test, sum_se
+from fa_forensics.analyses.stats import sign_test
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -62,20 +69,6 @@ def feature_contributions(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tens
 # ---- results -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class StepHeadDelta:
-    """Σ_T(δ_lp − δ_hp) of one (step, layer, head), summed over the batch, with its sign test."""
-
-    step: int
-    layer: int
-    head: int
-    delta_err_sum: float
-    delta_err_se: float  # standard error of the sum (s·√n over tokens)
-    n_tokens: int
-    frac_positive: float
-    p_value: float  # two-sided sign test over tokens
-
-
-@dataclass(frozen=True)
 class FeatureContribution:
     """One feature's share of Σ_T(δ_lp − δ_hp) in the focus head (summed over steps and batch)."""
 
@@ -99,22 +92,23 @@ class TopToken:
 
 @dataclass(frozen=True)
 class DeltaBiasResult(RecipeResult):
-    per_step: list[StepHeadDelta]
+    per_step: list[DeltaItem]  # every (step, layer, head) item, decided in `family`
     steps: list[int]
     step_sums: list[float]  # Σ over the selected layers and heads of Σ_T(δ_lp − δ_hp), per step
     cumulative: list[float]  # cumulative sum of step_sums across steps (Fig. 5a)
-    total: float
+    total: float  # Σ of every item (`quantities.total_of`)
     total_se: float
     total_p_value: float  # sign test over every selected token
     total_frac_positive: float
     n_tokens: int
-    focus_layer: int
+    focus_layer: int  # the claim's (layer, head): the most significant item's
     focus_head: int
     cumulative_tokens: list[float]  # focus head, first step, batch 0: cumulative Σ over tokens T
     top_features: list[FeatureContribution]  # focus head, largest |contribution| first
     top_token: Optional[TopToken]
     recipe: Recipe  # the low-precision side replayed against fp32
     backend: Backend
+    family: Family = Family()
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
@@ -126,7 +120,26 @@ class DeltaBiasResult(RecipeResult):
     @property
     def total_t_p_value(self) -> float:
         """Two-sided t-test p-value of the total."""
-        return MeanSE(self.total, self.total_se, self.n_tokens).p_value
+        return Total(self.total, self.total_se, len(self.per_step), self.n_tokens).t_p_value
+
+    @property
+    def claim(self) -> BiasClaim:
+        return delta_claim(self.per_step, self.family)
+
+    @property
+    def significant_items(self) -> list[DeltaItem]:
+        return [p for p in self.per_step if p.significant]
+
+    @property
+    def focus_items(self) -> list[DeltaItem]:
+        """The focus head's Σδ items, one per selected step, in step order (paper Fig. 5a's series)."""
+        return sorted((p for p in self.per_step if (p.layer, p.head) == (self.focus_layer, self.focus_head)),
+                      key=lambda p: p.step)
+
+    @property
+    def focus_total(self) -> Total:
+        """The focus head's Σδ over its selected steps."""
+        return head_total(self.per_step, self.focus_layer, self.focus_head)
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
@@ -134,6 +147,7 @@ class DeltaBiasResult(RecipeResult):
 @dataclass(frozen=True)
 class _LayerPart:
     sel: LayerSelection
+    items: list  # [DeltaItem] per head (`quantities.delta_items`)
     dd: torch.Tensor  # (B, h, T) δ_lp − δ_hp
     contribution: torch.Tensor  # (h, D)
     agree: torch.Tensor  # (h, D)
@@ -147,10 +161,11 @@ def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> _LayerPart
         raise DumpError(f"{t.where}: the dump has no 'do' array; delta-bias needs the upstream gradient dO")
     lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)
+    items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value)
     contribution, agree, both = feature_contributions(t.do, lp.o, hp.o)
     o_err = (lp.o.to(torch.float64) - hp.o.to(torch.float64)).to(torch.float32)
     sel = LayerSelection(t.step, t.layer, list(t.heads))
-    return _LayerPart(sel, dd, contribution, agree, both, t.do.to(torch.float32), o_err)
+    return _LayerPart(sel, items, dd, contribution, agree, both, t.do.to(torch.float32), o_err)
 
 
 def run(
@@ -164,12 +179,14 @@ def run(
     workers: Workers = Workers(),
 ) -> DeltaBiasResult:
     """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
-    and the features that carry it in the focus head (the one with the largest |Σ| over steps).
+    and the features that carry it in the focus head (the most significant item's).
 
     Work items are (step, layer, group of heads) (`fanout.work_items`), each replayed and reduced
     to its part on one thread, in-process or on `workers`; parts are combined in item order, so the
     result is the same for any number of workers. `progress` is called once per work item."""
-    return run_over_items(_seen_part, lambda parts, r: _combine(_join_head_groups(parts), r, backend, top_k=top_k),
+    family = family_of(dump, selections)
+    return run_over_items(_seen_part, lambda parts, r: _combine(_join_head_groups(parts), r, backend, family,
+                                                                top_k=top_k),
                           dump, selections, recipe, backend, workers=workers, progress=progress)
 
 
@@ -182,7 +199,9 @@ def delta_bias_layers(
     progress: Progress = None,
 ) -> DeltaBiasResult:
     """`run` on layer-steps already loaded (or built in memory)."""
-    return _combine(layer_parts(_seen_part, layers, (recipe, backend), progress), recipe, backend, top_k=top_k)
+    layers = list(layers)
+    return _combine(layer_parts(_seen_part, layers, (recipe, backend), progress), recipe, backend,
+                    family_of(None, (), layers), top_k=top_k)
 
 
 def _seen_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> tuple[tuple[str, ...], _LayerPart]:
@@ -198,7 +217,8 @@ def _join_head_groups(parts: Sequence[tuple[tuple[str, ...], _LayerPart]]) -> li
         if out and (out[-1][1].sel.step, out[-1][1].sel.layer) == (part.sel.step, part.sel.layer):
             w0, p0 = out[-1]
             sel = LayerSelection(p0.sel.step, p0.sel.layer, [*p0.sel.heads, *part.sel.heads])
-            joined = _LayerPart(sel, torch.cat([p0.dd, part.dd], 1), torch.cat([p0.contribution, part.contribution]),
+            joined = _LayerPart(sel, [*p0.items, *part.items], torch.cat([p0.dd, part.dd], 1),
+                                torch.cat([p0.contribution, part.contribution]),
                                 torch.cat([p0.agree, part.agree]), torch.cat([p0.both, part.both]),
                                 torch.cat([p0.do, part.do], 1), torch.cat([p0.o_err, part.o_err], 1))
             out[-1] = (w0 + tuple(w for w in warns if w not in w0), joined)
@@ -207,36 +227,34 @@ def _join_head_groups(parts: Sequence[tuple[tuple[str, ...], _LayerPart]]) -> li
     return out
 
 
-def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe, backend: Backend, *,
-             top_k: int) -> DeltaBiasResult:
+def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe, backend: Backend, family: Family,
+             *, top_k: int) -> DeltaBiasResult:
     """The result from the parts of every layer-step, in selection order."""
     warnings: list[str] = []
-    per_step: list[StepHeadDelta] = []
+    items: list[DeltaItem] = []
     all_dd: list[torch.Tensor] = []
     by_head: dict[tuple[int, int], dict] = {}
     for layer_warnings, part in parts:
         warnings.extend(w for w in layer_warnings if w not in warnings)
         sel = part.sel
         all_dd.append(part.dd.reshape(-1))
+        items.extend(part.items)
         for j, h in enumerate(sel.heads):
-            dd_h = part.dd[:, j]  # (B, T)
-            s, st = sum_se(dd_h), sign_test(dd_h)
-            per_step.append(StepHeadDelta(sel.step, sel.layer, h, s.value, s.se, s.n, st.frac_positive, st.p_value))
-            acc = by_head.setdefault((sel.layer, h),
-                                     {"sum": 0.0, "contribution": 0, "agree": 0, "both": 0, "tokens": []})
-            acc["sum"] += s.value
+            acc = by_head.setdefault((sel.layer, h), {"contribution": 0, "agree": 0, "both": 0, "tokens": []})
             acc["contribution"] = acc["contribution"] + part.contribution[j]
             acc["agree"] = acc["agree"] + part.agree[j]
             acc["both"] = acc["both"] + part.both[j]
-            acc["tokens"].append((sel.step, dd_h, part.do[:, j], part.o_err[:, j]))
+            acc["tokens"].append((sel.step, part.dd[:, j], part.do[:, j], part.o_err[:, j]))
 
+    per_step = decide_deltas(items, family)
     steps = sorted({p.step for p in per_step})
-    step_sums = [sum(p.delta_err_sum for p in per_step if p.step == s) for s in steps]
+    step_sums = [total_of(p for p in per_step if p.step == s).value for s in steps]
     cumulative = torch.tensor(step_sums, dtype=torch.float64).cumsum(0).tolist()
-    dd_all = torch.cat(all_dd)
-    total, total_st = sum_se(dd_all), sign_test(dd_all)
+    total, total_st = total_of(per_step), sign_test(torch.cat(all_dd))
 
-    (focus_layer, focus_head), acc = max(by_head.items(), key=lambda kv: abs(kv[1]["sum"]))
+    focus = flagged(per_step)
+    focus_layer, focus_head = focus.layer, focus.head
+    acc = by_head[(focus_layer, focus_head)]
     contribution = acc["contribution"]  # (D,)
     denom = float(contribution.sum())
     agree_frac = acc["agree"].double() / acc["both"].clamp(min=1).double()
@@ -248,13 +266,14 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
     ]
     first_step, dd0, _, _ = acc["tokens"][0]
     cumulative_tokens = dd0[0].cumsum(0).tolist()
-    top_token = _top_token(acc["tokens"], sign=1.0 if acc["sum"] >= 0 else -1.0)
+    head_sum = head_total(per_step, focus_layer, focus_head).value
+    top_token = _top_token(acc["tokens"], sign=1.0 if head_sum >= 0 else -1.0)
     return DeltaBiasResult(
         per_step=per_step, steps=steps, step_sums=step_sums, cumulative=cumulative,
         total=total.value, total_se=total.se, total_p_value=total_st.p_value,
-        total_frac_positive=total_st.frac_positive, n_tokens=total.n,
+        total_frac_positive=total_st.frac_positive, n_tokens=total.n_tokens,
         focus_layer=focus_layer, focus_head=focus_head, cumulative_tokens=cumulative_tokens,
-        top_features=top_features, top_token=top_token, recipe=recipe, backend=Backend(backend),
+        top_features=top_features, top_token=top_token, recipe=recipe, backend=Backend(backend), family=family,
         warnings=tuple(warnings),
     )
 
@@ -273,35 +292,49 @@ def _top_token(tokens, sign: float) -> Optional[TopToken]:
     return TopToken(step, b, T, value, do_row, err_row)
 
 
+def item_text(i: DeltaItem, n_tests: int) -> str:
+    """'step 0 layer 0 head 1: +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over 280 tests)'."""
+    return (f"step {i.step} layer {i.layer} head {i.head}: {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
+            f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")
+
+
 def verdict(r: DeltaBiasResult) -> str:
-    """One sentence: the sign and size of the total with its tests, and where it sits."""
+    """One sentence: where Σ(δ_lp − δ_hp) is significantly one-signed (what the count counts), the most
+    significant item, its head over the steps, the features that carry it, and the selection's total."""
     if r.no_difference:
         return (f"preset {r.preset}: no difference from the fp32 replay (δ_lp = δ_hp for all {r.n_tokens} tokens): "
                 f"nothing to analyse; choose a low-precision preset")
-    sign = "positive" if r.total > 0 else "negative"
-    return (f"preset {r.preset}: Σ(δ_lp − δ_hp) = {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens ({sign}; "
-            f"t-test p {format_p(r.total_t_p_value)}, sign-test p {format_p(r.total_p_value)}); largest in layer "
-            f"{r.focus_layer} head {r.focus_head}, carried by features {[f.feature for f in r.top_features[:3]]}")
+    n, sig = len(r.per_step), r.significant_items
+    top = flagged(r.per_step)
+    head = r.focus_total
+    features = [f.feature for f in r.top_features[:3]]
+    total = f"the selection's total is {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens"
+    if not sig:
+        return (f"preset {r.preset}: no significant Σ(δ_lp − δ_hp) in any of the {n} (step, layer, head) items "
+                f"(most significant: {item_text(top, r.family.n_tests)}); {total}")
+    signs = {p.delta_err_sum > 0 for p in sig}
+    sign = ("positive" if signs == {True} else "negative") if len(signs) == 1 else "of both signs"
+    return (f"preset {r.preset}: Σ(δ_lp − δ_hp) is significantly {sign} in {count_text(sig)} ({len(sig)} of {n} "
+            f"(step, layer, head) items); most significant: {item_text(top, r.family.n_tests)}; layer {top.layer} "
+            f"head {top.head} over its {head.n_items} step{'s' if head.n_items != 1 else ''}: {head.value:+.3g} ± "
+            f"{head.se:.2g}, carried by features {features}; {total}")
 
 
 def bias_claim(r: DeltaBiasResult) -> BiasClaim:
-    """The most significant (step, layer, head) Σδ error (t-test or sign test, Bonferroni over both tests of
-    every item)."""
-    def p(item):
-        return min(item.p_value, MeanSE(item.delta_err_sum, item.delta_err_se, item.n_tokens).p_value)
-
-    best = min(r.per_step, key=p)
-    return claim("delta", p(best), 2 * len(r.per_step), best.delta_err_sum, layer=best.layer, head=best.head,
-                 step=best.step)
+    """The most significant (step, layer, head) item, decided by the policy."""
+    return r.claim
 
 
 def payload(r: DeltaBiasResult) -> dict:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,
-        "top_features": r.top_features, "focus": {"layer": r.focus_layer, "head": r.focus_head},
+        "top_features": r.top_features,
+        "focus": {"layer": r.focus_layer, "head": r.focus_head, "delta_err_sum": r.focus_total.value,
+                  "se": r.focus_total.se, "steps": r.focus_total.n_items},
         "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": r.total_t_p_value,
                   "p_value": r.total_p_value, "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
         "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens, "bias": bias_claim(r),
+        "family": r.family.as_dict(),
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

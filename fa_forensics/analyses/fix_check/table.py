@@ -6,6 +6,7 @@ import math
 from rich.table import Table
 
 from fa_forensics.analyses.fix_check.compute import FixCheckResult, collapse_text
+from fa_forensics.analyses.wording import number, p_value, percent, place, pm, text, yes_no
 
 
 def _fmt(v, se=None, p=None) -> str:
@@ -19,19 +20,30 @@ def _fmt(v, se=None, p=None) -> str:
     return s
 
 
+def _count(n) -> str:
+    return "—" if n is None else str(n)
+
+
 def tables(r: FixCheckResult) -> list:
     """Every variant in the target cell, then one line on max P̄ and the rows where the fix fired."""
     tg = r.target
     table = Table(title=f"fix-check of preset {r.preset} at layer {tg['layer']} head {tg['head']} feature "
-                        f"{tg['feature']} (vs fp32 replay)")
-    for c in ("variant", "what", "O bias ± se (sign p)", "Σδ error ± se (sign p)", "max |O − O_fp32|", "P̄=1",
-              "fired rows", "underflow", "NaN", "still biased"):
+                        f"{tg['feature']} (vs fp32 replay; Holm p over the {1 + len(r.alternatives)} variants tested "
+                        f"there, the baseline's over the selection: {r.family.describe()})")
+    for c in ("variant", "what", "O bias ± se (t or sign p)", "Holm p", "bias removed",
+              f"Σδ error, head {tg['head']} ± se (t p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN",
+              "still biased"):
         table.add_column(c, justify="right" if c not in ("variant", "what") else "left")
     for v in (r.baseline, r.fixed, *r.alternatives):
-        table.add_row(v.name, v.what, _fmt(v.o_bias, v.o_bias_se, v.o_bias_p),
+        removed = "—" if v.role == "baseline" else (f"{v.removed_share:.0%}" if math.isfinite(v.removed_share)
+                                                    else "n/a")
+        table.add_row(v.name + (" (the fix)" if v is r.fixed else ""), v.what,
+                      _fmt(v.o_bias, v.o_bias_se, v.o_bias_p), number(v.o_bias_adjusted_p, ".2g"), removed,
                       _fmt(v.delta_err_sum, v.delta_err_se, v.delta_p),
-                      f"{v.max_abs_err:.2e}", str(v.p_one_count), str(v.triggered_rows), str(v.underflow),
-                      str(v.nan_count), "yes" if v.still_biased else "no")
+                      f"{v.max_abs_err:.2e}", _count(v.p_one_count), _count(v.triggered_rows), _count(v.underflow),
+                      str(v.nan_count), "—" if v.role == "baseline" else ("yes" if v.still_biased else "no"))
+    table.caption = ("bias removed: 1 − |O bias| / |baseline's O bias|; a fix removes the bias when ≥ 90 % of it is "
+                     "gone, or ≥ 50 % with nothing significant left; — : not counted by stable_attention's kernels")
     return [table, p_bar_line(r), *collapse_lines(r)]
 
 
@@ -39,7 +51,8 @@ def p_bar_line(r: FixCheckResult) -> str:
     """Max P̄ over the rows whose maximum repeats (within ε), beside the rows where the fix fired."""
     eps = r.settings.get("eps")
     within = f" (within ε = {eps:g})" if eps is not None else ""
-    fired = f"the fix fired in {r.triggered_rows} row(s)"
+    fired = (f"the fix fired in {r.triggered_rows} row(s)" if r.triggered_rows is not None
+             else "stable_attention's kernels do not count the rows where the fix fired")
     if r.fixed.repeated_rows == 0 or not math.isfinite(r.max_p_bar):
         return (f"no row's maximum repeats over the whole row{within}, so there is no max P̄ to show; {fired}"
                 + (" on a repeated maximum of one KV block" if r.triggered_rows else ""))
@@ -58,3 +71,25 @@ def collapse_lines(r: FixCheckResult) -> list[str]:
 def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
     return f"fix-check: {d.get('verdict', 'n/a')}"
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (units in the labels; keys read defensively)."""
+    tg = d.get("target") if isinstance(d.get("target"), dict) else {}
+    b = d.get("baseline") if isinstance(d.get("baseline"), dict) else {}
+    f = d.get("fixed") if isinstance(d.get("fixed"), dict) else {}
+    dep = d.get("deployment") if isinstance(d.get("deployment"), dict) else {}
+    removed = percent(f.get("removed_share")) if d.get("has_bias") else "n/a (no bias to remove)"
+    return [
+        ("cell checked", place(tg, "layer", "head", "feature")),
+        ("baseline O bias ± se (output units)", pm(b.get("o_bias"), b.get("o_bias_se"), "+.3e", ".1e")),
+        ("baseline p / Holm p", f"{p_value(b.get('o_bias_p'))} / {p_value(b.get('o_bias_adjusted_p'))}"),
+        ("a bias to remove", yes_no(d.get("has_bias"))),
+        (f"O bias under the fix ({text(f.get('name'))}) ± se", pm(f.get("o_bias"), f.get("o_bias_se"), "+.3e", ".1e")),
+        ("share of the bias the fix removes", removed),
+        ("stable_attention as deployed removes", percent(dep.get("removed_share")) if dep and d.get("has_bias")
+         else "n/a"),
+        ("its kernels without the fix remove", percent(dep.get("control_removed_share")) if dep and d.get("has_bias")
+         else "n/a"),
+        ("β, ε of the fix", f"{number(d.get('beta'), 'g')}, {number(d.get('eps'), 'g')}"),
+    ]

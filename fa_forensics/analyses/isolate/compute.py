@@ -5,12 +5,12 @@ baseline and single repairs of it, each compared with the high-precision replay 
 the same stored inputs. Per variant and head: the O bias (signed mean of O_var − O_hp ± se), the O
 RMSE, Σ_T(δ_var − δ_hp), and the gradient errors ‖dQ_var − dQ_hp‖ and ‖dW_Q,var − dW_Q,hp‖.
 
-Baseline and preset: the baseline is the recipe's low-precision config at the layer-step (default
-preset "bf16", ieee accumulation). Its tiling is the preset's own (bf16-autocast 512 x 512, bf16-hw 128 x 64,
-fp8-* 64 x 64); a preset without tiles (bf16, stabilized, stochastic, fp32) tiles like the paper's
-reference code (a pure-PyTorch FlashAttention-2 with 512 x 512 blocks; 64 x 64 when T ≤ 512 so a
-short dump still tiles). The "no-tiling" repair sets block = sequence; every other repair keeps the
-baseline's tiling. What each repair changes, derived from the preset with dataclasses.replace:
+Baseline and preset: the baseline is the recipe's low-precision config at the layer-step exactly as
+every other analysis replays it (default preset "auto": the recipe that reproduces the stored O), tiles
+included (bf16-autocast 512 x 512, bf16-hw 128 x 64, fp8-* 64 x 64; bf16, stabilized and stochastic are
+untiled), so its Σ(δ_lp − δ_hp) per (step, layer, head) is the shared number of `analyses.quantities`.
+The "no-tiling" repair sets block = sequence (the baseline itself under an untiled preset); every other
+repair keeps the baseline's tiling. What each repair changes, derived from the preset with dataclasses.replace:
   - o-fp32:    the whole O path fp32: pv_dtype, rescale_dtype and o_dtype (for bf16-autocast the
                bf16 accumulator too; S, m and ℓ stay as the preset has them);
   - pv-fp32:   the P̄V product and its running accumulator fp32 (pv_dtype and rescale_dtype), O still
@@ -26,28 +26,37 @@ dW_Q = dQᵀX, with P the fp32 attention matrix. δ itself comes from O (δ = ro
 for forward repairs; the two backward repairs (δ from O recomputed, δ = rowsum(dP ∘ P)) run the
 replay's backward and take its δ.
 
-Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the heads where it is significant
-(t-test or sign test p < 0.01; heads with only noise define no bias). A repair's residual is its own
-Σδ error projected on the baseline's sign per biased head; it is a culprit when the residual is at most
-10% of the baseline's (reduction ≥ 0.9). With no biased head there are no culprits.
+Culprits: the bias to remove is the baseline's Σ_T(δ_lp − δ_hp) in the (step, layer, head) items where
+it is significant by the statistics policy (`analyses.significance`: Holm over the selection's family at
+α = 0.01, and the effect floor; items with only noise define no bias). A repair's residual is its own Σδ
+error projected on the baseline's sign per biased item, with its standard error (the items' in quadrature);
+it is a culprit when the residual is at most 10% of the baseline's (reduction ≥ 0.9), or when it removes at
+least half and what is left is not significant (Holm over the repairs tested, α = 0.01, and the effect floor, in
+the biased items' rounding units): the rule by which fix-check says a fix removes a bias. With no biased item there
+are no culprits.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+from scipy.stats import norm
 
-from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, run_over_items
-from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of
+from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
+from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of, item_text
+from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, decide_deltas, delta_claim,
+                                              delta_units, family_of, flagged, items_of_errors, total_of)
+from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.analyses.rank1_sim.compute import pk_rows
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
 from fa_forensics.enums import Backend
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
-from fa_forensics.analyses.stats import sign_test, sum_se
+from fa_forensics.analyses.stats import sign_test
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.enums import (
     BackwardKernel, DeltaSource, Precision, Rounding, Softmax,
@@ -55,8 +64,6 @@ from fa_forensics.enums import (
 from fa_forensics.replay.config import ReplayConfig
 
 Progress = Optional[Callable[[str], None]]
-CULPRIT_REDUCTION = 0.9  # a repair is a culprit when it removes ≥ 90% of the baseline's Σδ bias
-BIASED_HEAD_P = 0.01  # heads whose baseline Σδ error is significant (t-test or sign test) define the bias
 
 
 @dataclass(frozen=True)
@@ -69,18 +76,9 @@ class Repair:
     backward: bool
 
 
-def baseline_block(T: int) -> int:
-    """The baseline's tile size: 512 like the paper's reference code, 64 for short sequences (T ≤ 512)."""
-    return 512 if T > 512 else 64
-
-
 def baseline_config(T: int, lp: ReplayConfig = ReplayConfig()) -> ReplayConfig:
-    """The low-precision config, tiled as it says (else `baseline_block(T)`)."""
-    base = lp
-    if base.block_m is None and base.block_n is None:
-        b = baseline_block(T)
-        base = base.with_(block_m=b, block_n=b)
-    return base
+    """The baseline: the low-precision config as the recipe replays it everywhere (its own tiles, or none)."""
+    return lp
 
 
 def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_PRESET) -> list[Repair]:
@@ -118,9 +116,7 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
         ("stochastic", "stochastic rounding of the P̄, P̄V and O casts" + plain_note,
          plain.with_(rounding=Rounding.STOCHASTIC), False),
     ]
-    own_tiles = lp.block_n is not None
-    out = [Repair("baseline", f"preset {preset}, {tiles}"
-                  + ("" if own_tiles else " (tiled like the paper's reference code)"), base, False)]
+    out = [Repair("baseline", f"preset {preset}, " + (tiles if lp.block_n is not None else "untiled"), base, False)]
     for name, what, cfg, backward in repairs:
         same = cfg == base and not backward
         out.append(Repair(name, what + (" (= baseline under this preset)" if same else ""), cfg, backward))
@@ -180,24 +176,16 @@ class RepairResult:
     o_bias: float  # mean of O_var − O_hp over every selected element
     o_bias_se: float
     o_rmse: float
-    delta_err_sum: float  # Σ over selected steps, layers, heads, batch, tokens of (δ_var − δ_hp)
-    delta_err_se: float  # its standard error (s·√n over tokens)
-    delta_err_residual: float  # |Σ over biased heads of sign(baseline's Σδ)·Σ_T (δ_var − δ_hp)|
-    reduction: float  # 1 − residual / Σ over biased heads of |baseline's Σδ|: share of the bias removed
+    delta_err_sum: float  # Σ of its (step, layer, head) items' Σ_T (δ_var − δ_hp) (`quantities.total_of`)
+    delta_err_se: float  # its standard error (the items' in quadrature)
+    delta_err_residual: float  # |Σ over biased items of sign(baseline's Σδ)·Σ_T (δ_var − δ_hp)|
+    reduction: float  # 1 − residual / Σ over biased items of |baseline's Σδ|: share of the bias removed
+    residual_se: float  # standard error of the residual (the biased items' in quadrature)
+    residual_p: float  # two-sided normal p of the residual, Holm over the repairs (nan for the baseline)
     delta_p_value: float  # sign test over tokens of δ_var − δ_hp
     dq_err: float  # ‖dQ_var − dQ_hp‖_F over the selection (Eq. 1)
     dwq_err: Optional[float]  # ‖dW_Q,var − dW_Q,hp‖_F (per head D x C blocks), None without X
-
-
-@dataclass(frozen=True)
-class HeadDelta:
-    step: int
-    layer: int
-    head: int
-    delta_err_sum: float  # baseline Σ_T (δ_lp − δ_hp) (summed over the batch)
-    delta_err_se: float  # its standard error
-    t_p_value: float  # one-sample t-test of the per-token errors
-    p_value: float  # sign test over the head's tokens
+    residual_effect: float = math.nan  # the residual in rounding units (Σ of the biased items' units)
 
 
 @dataclass(frozen=True)
@@ -210,17 +198,26 @@ class LayerDelta:
 @dataclass(frozen=True)
 class IsolateResult(RecipeResult):
     variants: list[RepairResult]
-    heads: list[HeadDelta]  # largest |delta_err_sum| first
+    heads: list[DeltaItem]  # the baseline's (step, layer, head) items, decided; most significant first
     layers: list[LayerDelta]  # largest delta_err_abs first
-    culprits: list[str]  # repairs removing ≥ 90% of the baseline's |Σδ error|
+    culprits: list[str]  # repairs that remove the baseline's significant Σδ error (`removes`)
     baseline_block: int
-    n_biased_heads: int  # (step, layer, head) items whose baseline Σδ error is significant (p < 0.01)
+    n_biased_heads: int  # (step, layer, head) items whose baseline Σδ error is significant (`significance`)
     recipe: Recipe  # the low-precision side the baseline and repairs derive from
     backend: Backend
     baseline_tiles: tuple = (0, 0)  # (block_m, block_n) of the baseline
     input_cast: Optional[RepairResult] = None  # the recipe's input cast alone (None when it changes nothing)
+    family: Family = Family()
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
+
+    @property
+    def biased(self) -> list[DeltaItem]:
+        return [h for h in self.heads if h.significant]
+
+    @property
+    def claim(self) -> BiasClaim:
+        return delta_claim(self.heads, self.family)
 
 
 def run(
@@ -236,8 +233,9 @@ def run(
     heads and layers by the baseline's Σδ error; name the repairs that remove ≥ 90% of it. Work items
     are (step, layer, head group), on `workers`, reduced in item order (the same result for any N);
     `progress` is called once per item."""
-    return run_over_items(layer_part, lambda parts, r: combine_parts(parts, r, backend), dump, selections, recipe,
-                          backend, workers=workers, progress=progress)
+    family = family_of(dump, selections)
+    return run_over_items(layer_part, lambda parts, r: combine_parts(parts, r, backend, family), dump, selections,
+                          recipe, backend, workers=workers, progress=progress)
 
 
 def isolate_layers(
@@ -248,7 +246,9 @@ def isolate_layers(
     progress: Progress = None,
 ) -> IsolateResult:
     """`run` on layer-steps already loaded (or built in memory)."""
-    return combine_parts(layer_parts(layer_part, layers, (recipe, backend), progress), recipe, backend)
+    layers = list(layers)
+    return combine_parts(layer_parts(layer_part, layers, (recipe, backend), progress), recipe, backend,
+                         family_of(None, (), layers))
 
 
 @dataclass(frozen=True)
@@ -261,9 +261,10 @@ class IsolatePart:
     tiles: tuple[int, int]
     measures: dict  # variant name -> [HeadMeasure]
     signs: dict  # variant name -> δ error (flattened)
-    heads: list  # [HeadDelta] of the baseline
+    items: dict  # variant name -> [DeltaItem] (`quantities.items_of_errors`, in the baseline's rounding units)
     cast_measures: list
     cast_sign: Optional[torch.Tensor]
+    cast_items: list
 
 
 def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart:
@@ -273,17 +274,21 @@ def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart
     lp = lp_of(t, recipe)
     pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D) from the stored inputs
     cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
-    cast_measures, cast_sign = [], None
+    fmt = lp.o_dtype.value
+    cast_measures, cast_sign, cast_items = [], None, []
     if cast_only is not None:
         o_raw, o_cast = cast_only
-        cast_measures = measure_heads(o_cast, o_raw, delta_error(t.do, o_cast, o_raw), pk, t.x, t.scale)
-        cast_sign = delta_error(t.do, o_cast, o_raw).reshape(-1)
+        dd_cast = delta_error(t.do, o_cast, o_raw)
+        cast_measures = measure_heads(o_cast, o_raw, dd_cast, pk, t.x, t.scale)
+        cast_sign = dd_cast.reshape(-1)
+        cast_items = items_of_errors(t.step, t.layer, t.heads, dd_cast, delta_units(t.do, o_raw, fmt))
     t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
     vs = variants(t.q.shape[2], lp, preset_at(t.source, t.step, t.layer, recipe))
     tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
     hp = replay_layer(t, hp_config(), backward=False, backend=backend)
     delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
-    base_o, measures, signs, heads = None, {}, {}, []
+    units = delta_units(t.do, hp.o, fmt)  # (B, h, T): every variant's Σδ in the baseline's rounding units
+    base_o, measures, signs, items = None, {}, {}, {}
     for v in vs:
         out = replay_layer(t, v.config, backward=v.backward, backend=backend)
         if v.name == "baseline":
@@ -294,21 +299,19 @@ def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart
             o_var, dd = out.o, delta_error(t.do, out.o, hp.o)
         measures[v.name] = measure_heads(o_var, hp.o, dd, pk, t.x, t.scale)
         signs[v.name] = dd.reshape(-1)
-        if v.name == "baseline":
-            for j, h in enumerate(t.heads):
-                s = sum_se(dd[:, j])
-                heads.append(HeadDelta(t.step, t.layer, h, s.value, s.se, s.p_value, sign_test(dd[:, j]).p_value))
-    return IsolatePart(t.warnings, vs, tiles, measures, signs, heads, cast_measures, cast_sign)
+        items[v.name] = items_of_errors(t.step, t.layer, t.heads, dd, units)
+    return IsolatePart(t.warnings, vs, tiles, measures, signs, items, cast_measures, cast_sign, cast_items)
 
 
-def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend) -> IsolateResult:
+def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend, family: Family) -> IsolateResult:
     """The result of the parts of every selected layer-step, reduced in their order."""
     warnings: list[str] = []
     measures: dict[str, list[HeadMeasure]] = {}
     signs: dict[str, list[torch.Tensor]] = {}
+    items: dict[str, list[DeltaItem]] = {}
     cast_measures: list[HeadMeasure] = []
     cast_signs: list[torch.Tensor] = []
-    heads: list[HeadDelta] = []
+    cast_items: list[DeltaItem] = []
     tiles, vs = (0, 0), []
     for part in parts:
         warnings.extend(w for w in part.warnings if w not in warnings)
@@ -316,47 +319,70 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
         for name, hm in part.measures.items():
             measures.setdefault(name, []).extend(hm)
             signs.setdefault(name, []).append(part.signs[name])
-        heads.extend(part.heads)
+            items.setdefault(name, []).extend(part.items[name])
         cast_measures.extend(part.cast_measures)
+        cast_items.extend(part.cast_items)
         if part.cast_sign is not None:
             cast_signs.append(part.cast_sign)
     if not vs:
         raise UserError("isolate: nothing selected to replay (no layer-step given)")
 
-    biased = [h.t_p_value < BIASED_HEAD_P or h.p_value < BIASED_HEAD_P for h in heads]  # in measure order
-    direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if b else 0.0 for h, b in zip(heads, biased)]
-    base_bias = sum(abs(h.delta_err_sum) for h, b in zip(heads, biased) if b)
-    results = [_combine(v, measures[v.name], torch.cat(signs[v.name]), direction, base_bias) for v in vs]
+    heads = decide_deltas(items["baseline"], family)  # in measure order
+    direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if h.significant else 0.0 for h in heads]
+    base_bias = sum(abs(h.delta_err_sum) for h in heads if h.significant)
+    results = _decide_residuals([_combine(v, measures[v.name], items[v.name], torch.cat(signs[v.name]), direction,
+                                          base_bias) for v in vs])
     input_cast = None
     if cast_measures:
         what = Repair("input-cast", f"the recipe's rounding of the stored inputs to {vs[0].config.input_dtype.value} "
                                      "(fp32 replays of stored vs rounded inputs; not a kernel error)",
                       hp_config(), False)
-        input_cast = _combine(what, cast_measures, torch.cat(cast_signs), [0.0] * len(cast_measures), 0.0)
-    culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and r.reduction >= CULPRIT_REDUCTION]
-    heads.sort(key=lambda h: -abs(h.delta_err_sum))
-    return IsolateResult(results, heads, _rank_layers(heads), culprits, int(tiles[1]), sum(biased), recipe,
-                         Backend(backend), tuple(int(b) for b in tiles), input_cast, tuple(warnings))
+        input_cast = _combine(what, cast_measures, cast_items, torch.cat(cast_signs), [0.0] * len(cast_measures), 0.0)
+    culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and culprit(r)]
+    ranked = sorted(heads, key=lambda h: (h.adjusted_p, h.tested_p, -abs(h.delta_err_sum)))
+    return IsolateResult(results, ranked, _rank_layers(ranked), culprits, int(tiles[1]),
+                         sum(h.significant for h in heads), recipe, Backend(backend), tuple(int(b) for b in tiles),
+                         input_cast, family, tuple(warnings))
 
 
-def _combine(v: Repair, hm: list[HeadMeasure], dd_all: torch.Tensor, direction: list[float],
+def culprit(r: RepairResult) -> bool:
+    """The repair removes the baseline's bias (`significance.removes`; what is left is significant by the one rule:
+    its Holm p over the repairs below α and at least the effect floor)."""
+    return removes(r.reduction, significant(r.residual_p, r.residual_effect))
+
+
+def _decide_residuals(results: list[RepairResult]) -> list[RepairResult]:
+    """The repairs' residual p-values adjusted by Holm over the repairs (the baseline is not a test)."""
+    tested = [r for r in results if r.name != "baseline" and math.isfinite(r.residual_p)]
+    adjusted = dict(zip((r.name for r in tested), holm([r.residual_p for r in tested], len(tested))))
+    return [replace(r, residual_p=adjusted.get(r.name, math.nan)) for r in results]
+
+
+def _combine(v: Repair, hm: list[HeadMeasure], items: list[DeltaItem], dd_all: torch.Tensor, direction: list[float],
              base_bias: float) -> RepairResult:
     n = sum(m.n_o for m in hm)
     s = sum(m.o_err_sum for m in hm)
     ss = sum(m.o_err_sumsq for m in hm)
     mean = s / n
     var = max(ss / n - mean * mean, 0.0) * n / max(n - 1, 1)
-    residual = abs(sum(d * m.delta_err_sum for d, m in zip(direction, hm)))
+    signed = sum(d * i.delta_err_sum for d, i in zip(direction, items))
+    residual_se = math.sqrt(sum(i.delta_err_se ** 2 for d, i in zip(direction, items) if d and
+                                math.isfinite(i.delta_err_se)))
+    residual_p = float(2 * norm.sf(abs(signed) / residual_se)) if residual_se > 0 else math.nan
+    residual_unit = sum(i.unit for d, i in zip(direction, items) if d)
     dwq = None if any(m.dwq_err_sq is None for m in hm) else sum(m.dwq_err_sq for m in hm) ** 0.5
+    total = total_of(items)
     return RepairResult(
         name=v.name, description=v.description, o_bias=mean, o_bias_se=(var / n) ** 0.5,
-        o_rmse=(ss / n) ** 0.5, delta_err_sum=sum(m.delta_err_sum for m in hm), delta_err_se=sum_se(dd_all).se,
-        delta_err_residual=residual, reduction=1.0 - residual / base_bias if base_bias > 0 else float("nan"),
+        o_rmse=(ss / n) ** 0.5, delta_err_sum=total.value, delta_err_se=total.se,
+        delta_err_residual=abs(signed), reduction=1.0 - abs(signed) / base_bias if base_bias > 0 else float("nan"),
+        residual_se=residual_se, residual_p=residual_p,
         delta_p_value=sign_test(dd_all).p_value, dq_err=sum(m.dq_err_sq for m in hm) ** 0.5, dwq_err=dwq,
+        residual_effect=effect(abs(signed), residual_unit),
     )
 
 
-def _rank_layers(heads: list[HeadDelta]) -> list[LayerDelta]:
+def _rank_layers(heads: list[DeltaItem]) -> list[LayerDelta]:
     by: dict[int, list[float]] = {}
     for h in heads:
         by.setdefault(h.layer, []).append(h.delta_err_sum)
@@ -366,23 +392,22 @@ def _rank_layers(heads: list[HeadDelta]) -> list[LayerDelta]:
 
 
 def verdict(r: IsolateResult) -> str:
-    """One sentence: the baseline's Σδ bias, where it is largest, and the repairs that remove it."""
-    base = r.variants[0]
-    top = r.heads[0]
+    """One sentence: where the baseline's Σδ bias is significant (what the count counts), the most significant
+    item, and the repairs that remove it."""
+    top = flagged(r.heads)
+    n = r.family.n_tests
     if r.n_biased_heads == 0:
-        return (f"no significant Σδ bias in any selected head (largest: step {top.step} layer {top.layer} head "
-                f"{top.head}, {top.delta_err_sum:+.3g} ± {top.delta_err_se:.2g}); nothing to isolate")
+        return (f"no significant Σ(δ_lp − δ_hp) in any of the {len(r.heads)} (step, layer, head) items (most "
+                f"significant: {item_text(top, n)}); nothing to isolate")
     names = ", ".join(r.culprits) if r.culprits else "none"
-    return (f"baseline Σ(δ_lp − δ_hp) = {base.delta_err_sum:+.3g} ± {base.delta_err_se:.2g} in {r.n_biased_heads} "
-            f"biased head(s), largest at step {top.step} layer {top.layer} head {top.head}; repairs removing ≥ 90%: "
-            f"{names}")
+    return (f"Σ(δ_lp − δ_hp) is significant in {count_text(r.biased)} ({r.n_biased_heads} of {len(r.heads)} "
+            f"(step, layer, head) items); most significant: {item_text(top, n)}; repairs that remove it (≥ 90 %, or "
+            f"≥ 50 % leaving nothing significant): {names}")
 
 
 def bias_claim(r: IsolateResult) -> BiasClaim:
-    """The most significant head's Σδ error (t-test or sign test, Bonferroni over both tests of every head)."""
-    h = min(r.heads, key=lambda h: min(h.t_p_value, h.p_value))
-    return claim("delta", min(h.t_p_value, h.p_value), 2 * len(r.heads), h.delta_err_sum, layer=h.layer, head=h.head,
-                 step=h.step)
+    """The most significant (step, layer, head) item of the baseline, decided by the policy."""
+    return r.claim
 
 
 def payload(r: IsolateResult) -> dict:
@@ -391,5 +416,6 @@ def payload(r: IsolateResult) -> dict:
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,
         "baseline_block": r.baseline_block, "baseline_tiles": list(r.baseline_tiles),
         "n_biased_heads": r.n_biased_heads, "input_cast": r.input_cast, "bias": bias_claim(r),
+        "family": r.family.as_dict(),
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

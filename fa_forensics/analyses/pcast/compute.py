@@ -6,8 +6,11 @@ casts them to E4M3 (anything below 2^-10 becomes 0) and accumulates O from the c
 so under forward KV order most non-sink P̄ fall below 2^-10/S and are silently zeroed
 ("P-collapse"). Each captured head's real scores are replayed by the engine's fp8 recipe at every
 (S, KV order) (`pcast.kernel`); its sink strength, zeroed share and output MSE give a
-recommendation of S and order. The synthetic study is `pcast.sim`; dp(S) is `pcast.e4m3`; the
-closed forms are `pcast.theory`.
+recommendation of S and order. A head needs a P-cast fix when the default setting (forward order, S = 1)
+silently drops more than `FIX_MASS_ZEROED` of the probability mass (P-collapse: a measured loss, counted on
+the head's own scores); a setting that only lowers the output MSE is named as an FP8 accuracy choice, with
+its uncertainty, never as a fix for a head that loses nothing. The synthetic study is `pcast.sim`; dp(S)
+is `pcast.e4m3`; the closed forms are `pcast.theory`.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from fa_forensics.enums import KVOrder
 from fa_forensics.replay.emulate.forward import scaled_scores
 
 MIN_NONSINK_KEYS = 16  # rows with fewer non-sink keys give no sink-strength estimate
-FIX_MSE_RATIO = 1.2  # a head "needs a fix" when forward S=1 is this much worse than the best setting
-FIX_MASS_ZEROED = 0.005  # ... or its cast silently drops this fraction of the probability mass
+FIX_MASS_ZEROED = 0.005  # a head needs a fix when the default cast silently drops this fraction of the probability mass
+MSE_NOTE_RATIO = 1.2  # a setting whose output MSE is this much lower (beyond 2 se) is named as an accuracy choice
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,10 @@ class Recommendation:
 def _recommend(settings: Sequence[HeadSetting]) -> Recommendation:
     """The recommendation from a head's settings.
 
-    Among the settings within max(2 %, 2 se) of the best MSE, prefer S = 256 (bit-exact, smallest
-    dp), then any other power of two, then forward order (no kernel change), then the lower MSE.
+    Needs a fix: the default setting (forward, S = 1; else the one that zeroes most) drops more than
+    FIX_MASS_ZEROED of the probability mass. The setting named: among those within max(2 %, 2 se) of the best MSE,
+    prefer S = 256 (bit-exact, smallest dp), then any other power of two, then forward order (no kernel change),
+    then the lower MSE.
     """
     best = min(settings, key=lambda s: s.mse)
     tol = max(0.02 * best.mse, 2.0 * (best.mse_se if math.isfinite(best.mse_se) else 0.0))
@@ -136,21 +141,22 @@ def _recommend(settings: Sequence[HeadSetting]) -> Recommendation:
     if base is None:
         base = max(settings, key=lambda s: s.frac_zeroed)
     ratio = base.mse / best.mse if best.mse > 0 else float("inf")
-    needs = base.mass_zeroed > FIX_MASS_ZEROED or ratio > FIX_MSE_RATIO
+    needs = base.mass_zeroed > FIX_MASS_ZEROED
     label = f"{base.order.value} S={base.S:g}"
+    lost = f"{label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, {base.mass_zeroed:.2%} of the probability mass"
     if needs:
         rev = next((s for s in settings if s.S == base.S and s.order != base.order), None)
-        alt = (f"; reverse order alone gives ×{rev.mse / best.mse:.2f}"
+        alt = (f"; reverse order alone gives MSE ×{rev.mse / best.mse:.2f} of the best"
                if rev is not None and base.order is KVOrder.FORWARD else "")
-        reason = (f"{label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, {base.mass_zeroed:.2%} of the probability "
-                  f"mass (MSE ×{ratio:.2f} of the best): "
+        reason = (f"P-collapse: {lost} (above the {FIX_MASS_ZEROED:.1%} floor; MSE ×{ratio:.2f} of the best): "
                   f"use {pick.order.value} S={pick.S:g}{alt}")
     else:
-        reason = (f"no harmful collapse ({label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, "
-                  f"{base.mass_zeroed:.2%} of the mass, MSE ×{ratio:.2f} of the best); " + (
-                      f"{pick.order.value} S={pick.S:g} has the lowest MSE" if pick is best else
-                      f"{pick.order.value} S={pick.S:g} is within {pick.mse / best.mse - 1:.1%} of the best "
-                      f"({best.order.value} S={best.S:g})"))
+        reason = f"no collapse: {lost} (below the {FIX_MASS_ZEROED:.1%} floor), so no fix is needed"
+        se = math.hypot(base.mse_se, best.mse_se) if math.isfinite(base.mse_se) and math.isfinite(best.mse_se) else 0.0
+        if best is not base and ratio >= MSE_NOTE_RATIO and base.mse - best.mse > 2 * se:
+            gain, gain_se = 1 - best.mse / base.mse, se / base.mse
+            reason += (f"; {best.order.value} S={best.S:g} lowers the output MSE by {gain:.0%} ± {gain_se:.0%} "
+                       "(an FP8 accuracy choice, not a collapse fix)")
     return Recommendation(needs_fix=needs, S=pick.S, order=pick.order, reason=reason)
 
 
@@ -219,13 +225,22 @@ def run(dump, selections, *, n_sinks: int = 4, block: int = 64, scales: Sequence
 
 
 def verdict(res: PcastDumpResult) -> str:
-    """One sentence: how many heads need another S or KV order, and the first of them."""
+    """One sentence: how many heads lose probability mass to the default P cast (what the count counts), and the
+    setting that fixes the first of them."""
     need = [h for h in res.heads if h.needs_fix]
+    steps = sorted({h.step for h in res.heads})
+    where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     if not need:
-        return f"no head of {len(res.heads)} needs a P-cast fix at the default S = 1, forward order"
+        return (f"no head of {len(res.heads)} ({where}) loses more than {FIX_MASS_ZEROED:.1%} of its probability "
+                f"mass to the default FP8 P cast (forward order, S = 1): no P-cast fix needed")
     h = need[0]
-    return (f"{len(need)} of {len(res.heads)} heads need a P-cast fix; e.g. step {h.step} layer {h.layer} head "
-            f"{h.head}: {h.recommended_order.value} S={h.recommended_S:g}")
+    default = h.setting(1.0, KVOrder.FORWARD)
+    lost = f": {default.mass_zeroed:.2%}" if default is not None else ""
+    use = "; ".join(f"{order} S={S:g}" for order, S in sorted({(x.recommended_order.value, x.recommended_S)
+                                                               for x in need}))
+    return (f"{len(need)} of {len(res.heads)} heads ({where}) need a P-cast fix: the default FP8 P cast (forward, "
+            f"S = 1) drops more than {FIX_MASS_ZEROED:.1%} of their probability mass (P-collapse; e.g. layer "
+            f"{h.layer} head {h.head}{lost}); use {use}")
 
 
 def payload(res: PcastDumpResult) -> dict:

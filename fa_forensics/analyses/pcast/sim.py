@@ -20,7 +20,7 @@ from fa_forensics.analyses.pcast.theory import (
     LN_UNDERFLOW, closed_form_fraction, closed_form_reverse, closed_form_spread, expected_max_normal, std_max_normal,
 )
 from fa_forensics.analyses.contract import to_jsonable
-from fa_forensics.analyses.stats import PairedTTest, Ratio, mean_se, paired_ratio, paired_ttest
+from fa_forensics.analyses.stats import PairedTTest, Ratio, holm_tests, mean_se, paired_ratio, paired_ttest
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.enums import KVOrder
 
@@ -228,7 +228,8 @@ def _with_comparisons(res: PcastSimResult) -> PcastSimResult:
         notes.append(f"{res.config.n_seeds} seeds: the paper used 20 (sweeps) and 100 (t-tests); more seeds give "
                      "tighter errors")
     return PcastSimResult(config=res.config, delta_k=res.delta_k, sigma_k=res.sigma_k, n_main=n, rows=res.rows,
-                          dp=res.dp, ratio=ratio, ratio_448=ratio_448, ttest=tuple(tests), notes=tuple(notes))
+                          dp=res.dp, ratio=ratio, ratio_448=ratio_448, ttest=tuple(holm_tests(tests)),
+                          notes=tuple(notes))
 
 
 def payload(res: PcastSimResult) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from rich.table import Table
 from fa_forensics.analyses.pcast.compute import PcastDumpResult
 from fa_forensics.analyses.pcast.sim import DELTA_FIG3, PcastSimResult
 from fa_forensics.analyses.stats import format_p
+from fa_forensics.analyses.wording import percent, place, text
 
 
 def tables(res: PcastDumpResult) -> list:
@@ -69,13 +70,15 @@ def sim_tables(res: PcastSimResult) -> list:
             out.append(f"MSE {ratio.numerator} / {ratio.denominator} at Δ = {ratio.delta:g}, N = {ratio.seq}: "
                           f"[bold]{ratio.value:.2f} ± {ratio.se:.2f}[/] (paired over {ratio.n} seeds)")
     if res.ttest:
-        t = Table(title=f"Paired t-test: forward S=256 vs reverse S=256 (N = {n}, instances = seeds)")
-        for c in ("Δ", "n", "MSE fwd", "MSE rev", "mean diff ± se", "t", "p", "verdict"):
+        t = Table(title=f"Paired t-test: forward S=256 vs reverse S=256 (N = {n}, instances = seeds; Holm over the "
+                        f"{len(res.ttest)} Δ values)")
+        for c in ("Δ", "n", "MSE fwd", "MSE rev", "mean diff ± se", "t", "p", "Holm p", "verdict"):
             t.add_column(c, justify="right")
         for x in res.ttest:
             verdict = {"a better": "forward better", "b better": "reverse better"}.get(x.verdict, x.verdict)
             t.add_row(f"{x.delta:g}", str(x.n), f"{x.mse_a:.3e}", f"{x.mse_b:.3e}",
-                      f"{x.mean_diff:+.2e} ± {x.se_diff:.1e}", f"{x.t:.2f}", format_p(x.p_value), verdict)
+                      f"{x.mean_diff:+.2e} ± {x.se_diff:.1e}", f"{x.t:.2f}", format_p(x.p_value),
+                      format_p(x.adjusted_p), verdict)
         out.append(t)
     explained = [r for r in res.rows if r.explanation and r.seq == n]
     if explained:
@@ -90,5 +93,33 @@ def sim_tables(res: PcastSimResult) -> list:
 
 def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
-    heads = d.get("heads") or []
-    return f"pcast: {len(heads)} head(s) analysed for FP8 P-cast collapse." if heads else "pcast: ran."
+    heads = [h for h in (d.get("heads") or []) if isinstance(h, dict)]
+    if not heads:
+        return "pcast: no head analysed."
+    need = [h for h in heads if h.get("needs_fix")]
+    if not need:
+        return (f"pcast: none of the {len(heads)} heads studied loses probability mass to the default FP8 P cast "
+                "(no P-cast fix needed).")
+    where = ", ".join(f"{place(h, 'layer', 'head')}" for h in need[:4])
+    more = f" and {len(need) - 4} more" if len(need) > 4 else ""
+    use = sorted({f"{text(h.get('recommended_order'))} S={h.get('recommended_S'):g}" for h in need
+                  if isinstance(h.get("recommended_S"), (int, float))})
+    return (f"pcast: {len(need)} of {len(heads)} heads need a P-cast fix (P-collapse: the default FP8 P cast drops "
+            f"probability mass): {where}{more}; use {'; '.join(use) or 'another S'}.")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (keys read defensively)."""
+    heads = [h for h in (d.get("heads") or []) if isinstance(h, dict)]
+    need = [h for h in heads if h.get("needs_fix")]
+    use = sorted({f"{text(h.get('recommended_order'))} S={h.get('recommended_S'):g}" for h in need
+                  if isinstance(h.get("recommended_S"), (int, float))})
+    lost = [s.get("mass_zeroed") for h in need for s in h.get("settings") or []
+            if isinstance(s, dict) and s.get("S") == 1.0 and s.get("order") == "forward"]
+    return [
+        ("heads studied (last complete step)", str(len(heads))),
+        ("heads that need a P-cast fix (P-collapse)", str(len(need))),
+        ("largest probability mass the default cast drops", percent(max(lost), 2) if lost else "n/a"),
+        ("setting that fixes them", "; ".join(use) or "n/a"),
+        ("sink tokens assumed / KV block", f"{text(d.get('n_sinks'))} / {text(d.get('block'))}"),
+    ]

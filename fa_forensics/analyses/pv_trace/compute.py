@@ -39,6 +39,7 @@ as nearest-even. A P scale S ≠ 1 (fp8-s256, fp8-s448) is refused with a one-li
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +47,10 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.contract import BiasClaim, RecipeResult, claim, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.quantities import (BiasClaim, cell_sums, most_significant, o_cells, o_claim, o_units,
+                                              selection_family)
+from fa_forensics.analyses.significance import Family, holm
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.analyses.fix_check.compute import scores_fp32
 from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
@@ -265,7 +269,7 @@ def p_bar_row(q_row: torch.Tensor, k: torch.Tensor, scale: float, n_keys: int, p
 
 @dataclass(frozen=True)
 class TracedCell:
-    """The (batch, head, feature) whose mean O error is largest, and the row picked in it."""
+    """The (batch, head, feature) whose O bias is most significant, and the row picked in it."""
 
     batch: int
     head_index: int  # index into the selected heads (dim 1)
@@ -273,36 +277,47 @@ class TracedCell:
     row: int
     mean: float  # mean over rows of (O_lp − O_hp)[b, h, :, feature]
     se: float
-    p_value: float  # sign test over rows
+    p_value: float  # over rows: the smaller of the t-test and the sign test (a dump's cell), the sign test (pick_cell)
     row_error: float  # (O_lp − O_hp)[b, h, row, feature]
+    adjusted_p: float = math.nan  # Holm over the cells (a dump: over the selection's family)
+    significant: bool = False
+
+
+def _sign_p(n_pos: torch.Tensor, n_neg: torch.Tensor) -> torch.Tensor:
+    """Two-sided sign-test p-values of counts (any shape), exact binomial."""
+    from scipy.stats import binom
+
+    n = (n_pos + n_neg).numpy()
+    k = torch.minimum(n_pos, n_neg).numpy()
+    p = torch.from_numpy(2.0 * binom.cdf(k, n.clip(min=1), 0.5)).clamp(max=1.0)
+    return torch.where(torch.as_tensor(n) > 0, p, torch.ones_like(p))
 
 
 def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[int] = None,
-              candidates: Optional[torch.Tensor] = None) -> TracedCell:
-    """Default choice of pv-trace: the feature with the largest |mean O bias| (preferring cells whose
-    sign test gives p < 0.01) and, in it, the row with the largest error in the bias direction,
-    among the `candidates` rows when any of them lies in that (batch, head).
+              candidates: Optional[torch.Tensor] = None, head: Optional[int] = None) -> TracedCell:
+    """Default choice of pv-trace: the (batch, head, feature) cell whose sign test is most significant (Holm over
+    the cells, then the largest |mean|: the rule of the O claim, `quantities.most_significant`) and, in it, the row
+    with the largest error in the bias direction, among the `candidates` rows when any of them lies in that
+    (batch, head).
 
     o_err: (B, H, T, D) O_lp − O_hp (any float dtype); candidates: (B, H, T) bool or None.
-    `feature` / `row` fix the choice when given.
+    `feature`, `head` (index into H) and `row` fix the choice when given.
     """
     e = o_err.to(torch.float64)
     B, H, T, D = e.shape
     mean = e.mean(dim=2)  # (B, H, D)
-    n_pos = (e > 0).sum(dim=2)
-    n_neg = (e < 0).sum(dim=2)
-    # cheap normal approximation of the sign test for ranking; exact binomtest for the chosen cell
-    n = (n_pos + n_neg).clamp(min=1).to(torch.float64)
-    z = (n_pos - n_neg).abs().to(torch.float64) / n.sqrt()
-    score = mean.abs().clone()
+    p = _sign_p((e > 0).sum(dim=2), (e < 0).sum(dim=2))  # (B, H, D)
+    allowed = torch.ones(B, H, D, dtype=torch.bool)
     if feature is not None:
-        mask = torch.full_like(score, -1.0)
-        mask[..., feature] = score[..., feature]
-        score = mask
-    significant = z > 2.576  # ≈ p < 0.01
-    if feature is None and bool(significant.any()):
-        score = torch.where(significant, score, torch.full_like(score, -1.0))
-    flat = int(score.reshape(-1).argmax())
+        allowed[..., [f for f in range(D) if f != feature]] = False
+    if head is not None:
+        allowed[:, [h for h in range(H) if h != head]] = False
+    adjusted = torch.tensor(holm(p[allowed].tolist(), int(allowed.sum())), dtype=torch.float64)
+    adj = torch.full_like(p, 2.0)
+    adj[allowed] = adjusted
+    # smallest adjusted p first, then the largest |mean|
+    order = sorted(range(B * H * D), key=lambda i: (float(adj.reshape(-1)[i]), -abs(float(mean.reshape(-1)[i]))))
+    flat = order[0]
     b, h, f = flat // (H * D), (flat // D) % H, flat % D
     col = e[b, h, :, f]  # (T,)
     m = float(mean[b, h, f])
@@ -313,7 +328,7 @@ def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[
         row = int(score_row.argmax())
     sd = float(col.std()) if T > 1 else float("nan")
     return TracedCell(batch=b, head_index=h, feature=f, row=int(row), mean=m, se=sd / T ** 0.5,
-                    p_value=sign_test(col).p_value, row_error=float(col[row]))
+                      p_value=float(p[b, h, f]), row_error=float(col[row]), adjusted_p=float(adj[b, h, f]))
 
 
 @dataclass(frozen=True)
@@ -334,56 +349,57 @@ class PVTraceReport(RecipeResult):
     rows_attributed: int = 0  # rows the class shares pool (every selected step and batch entry)
     counterfactual: Optional[Counterfactual] = None  # those rows with the P̄ = 1 terms nudged below 1
     n_cells: int = 0  # (layer, head, feature) cells the traced one was picked from
+    claim: Optional[BiasClaim] = None  # the selection's O claim (the traced cell unless --feature moved it)
+    family: Family = Family()
     recipe: Recipe = Recipe()  # the low-precision side traced against fp32
     backend: Backend = Backend.EMULATE
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
 
-def _cell_rank(cell: TracedCell) -> tuple:
-    return (cell.p_value < 0.01, abs(cell.mean))
-
-
 def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
         row: Optional[int] = None, feature: Optional[int] = None, progress=None,
         workers: Workers = Workers()) -> PVTraceReport:
-    """Pick (layer, head, feature) by the largest mean O bias pooled over every selected step (rows of
-    all steps and batch entries together; cells with a sign-test p < 0.01 first), then the (step,
-    batch, row) with the largest error in the bias direction, and trace it. One batched forward
-    replay per layer-step and precision; the layer-steps are work items on `workers` (the pick and
-    the trace run here, on their results in order)."""
+    """Trace the O claim's cell (`quantities.o_claim`: the (layer, head, feature) whose O bias, pooled over every
+    selected step and batch entry, is most significant in the selection's family; the same cell bitdiff and
+    fix-check name), or with `feature` the most significant cell of that feature; in it the (step, batch, row)
+    with the largest error in the bias direction (a row with a repeated maximum when there is one). One batched
+    forward replay per layer-step and precision; the layer-steps are work items on `workers` (the pick and the
+    trace run here, on their results in order)."""
     recipe = resolve(dump, selections, recipe)
     warnings: list[str] = []
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D), config, rep)]
-    n_features: dict[tuple[int, tuple[int, ...]], int] = {}  # features tested in each pooled group
+    sums = []
     parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, row, feature),
                        whole_layers=True)  # a cell is picked across every head of a layer
-    for warns, sel, err, config, rep in parts:
+    for warns, sel, err, config, rep, cs in parts:
         warnings.extend(w for w in warns if w not in warnings)
         pooled.setdefault((sel.layer, tuple(sel.heads)), []).append((sel, err, config, rep))
-        n_features[(sel.layer, tuple(sel.heads))] = 1 if feature is not None else err.shape[-1]
-
-    best: Optional[_Pick] = None
-    for items in pooled.values():
-        # rows of every step and batch entry side by side: (1, h, N, D), N = Σ B·T
-        errs = torch.cat([e.permute(1, 0, 2, 3).reshape(e.shape[1], -1, e.shape[3]) for _, e, _, _ in items], dim=1)
-        reps = torch.cat([rp.permute(1, 0, 2).reshape(rp.shape[1], -1) for _, _, _, rp in items], dim=1)  # (h, N)
-        where = [(sel, b, r) for sel, e, _, _ in items for b in range(e.shape[0]) for r in range(e.shape[2])]
-        cell = pick_cell(errs[None], feature=feature, candidates=reps[None])
-        if row is not None:  # the given row: the worst (step, batch) entry at that row
-            sign = 1.0 if cell.mean > 0 else -1.0
-            cands = [i for i, (_, _, r) in enumerate(where) if r == row]
-            i = max(cands, key=lambda i: sign * float(errs[cell.head_index, i, cell.feature]))
-            cell = TracedCell(cell.batch, cell.head_index, cell.feature, i, cell.mean, cell.se, cell.p_value,
-                            float(errs[cell.head_index, i, cell.feature]))
-        if best is None or _cell_rank(cell) > _cell_rank(best.cell):
-            sel, b, r = where[cell.row]
-            col, rep = errs[cell.head_index, :, cell.feature], reps[cell.head_index]
-            best = _Pick(
-                cell=TracedCell(b, cell.head_index, cell.feature, r, cell.mean, cell.se, cell.p_value, cell.row_error),
-                sel=sel, config=items[0][2], sels=[it[0] for it in items],
-                row_choice="given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error"),
-                bias_split={"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
+        sums.append(cs)
+    family = selection_family(dump, selections)
+    cells = o_cells(sums, family)
+    target = most_significant([c for c in cells if feature is None or c.feature == feature])
+    key = next(k for k in pooled if k[0] == target.layer and target.head in k[1])
+    items = pooled[key]
+    hi = key[1].index(target.head)
+    # rows of every step and batch entry side by side: (1, h, N, D), N = Σ B·T
+    errs = torch.cat([e.permute(1, 0, 2, 3).reshape(e.shape[1], -1, e.shape[3]) for _, e, _, _ in items], dim=1)
+    reps = torch.cat([rp.permute(1, 0, 2).reshape(rp.shape[1], -1) for _, _, _, rp in items], dim=1)  # (h, N)
+    where = [(sel, b, r) for sel, e, _, _ in items for b in range(e.shape[0]) for r in range(e.shape[2])]
+    cell = pick_cell(errs[None], feature=target.feature, candidates=reps[None], head=hi)
+    if row is not None:  # the given row: the worst (step, batch) entry at that row
+        sign = 1.0 if target.mean > 0 else -1.0
+        cands = [i for i, (_, _, r) in enumerate(where) if r == row]
+        i = max(cands, key=lambda i: sign * float(errs[hi, i, target.feature]))
+        cell = dataclasses.replace(cell, row=i, row_error=float(errs[hi, i, target.feature]))
+    sel, b, r = where[cell.row]
+    col, rep = errs[hi, :, target.feature], reps[hi]
+    best = _Pick(
+        cell=TracedCell(b, hi, target.feature, r, target.mean, target.se, target.tested_p, cell.row_error,
+                        target.adjusted_p, target.significant),
+        sel=sel, config=items[0][2], sels=[it[0] for it in items],
+        row_choice="given" if row is not None else ("repeated-max" if bool(rep.any()) else "largest-error"),
+        bias_split={"repeated_max": _mean_se(col[rep]), "other": _mean_se(col[~rep])})
     cell, cfg = best.cell, best.config
     t = as_seen_by(load(dump, best.sel), cfg)
     b, hi, f, T_row = cell.batch, cell.head_index, cell.feature, cell.row
@@ -398,9 +414,8 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     return PVTraceReport(step=t.step, layer=t.layer, head=t.heads[hi], batch=b, cell=cell, trace=trace,
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
                          row_choice=best.row_choice, bias_split=best.bias_split, class_shares=shares,
-                         rows_attributed=n_rows, counterfactual=cf,
-                         n_cells=sum(len(heads) * d for (_, heads), d in n_features.items()),
-                         recipe=recipe, backend=Backend(backend),
+                         rows_attributed=n_rows, counterfactual=cf, n_cells=len(cells),
+                         claim=o_claim(cells, family), family=family, recipe=recipe, backend=Backend(backend),
                          warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, recipe))
 
 
@@ -417,8 +432,8 @@ class _Pick:
 
 
 def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, row: Optional[int], feature: Optional[int]):
-    """(warnings, selection, O_lp − O_hp (B, h, T, D) float64, the lp config, repeated-maximum rows (B, h, T))
-    of one layer-step; both sides replay the inputs as the recipe sees them."""
+    """(warnings, selection, O_lp − O_hp (B, h, T, D) float64, the lp config, repeated-maximum rows (B, h, T), the
+    O cells' sums) of one layer-step; both sides replay the inputs as the recipe sees them."""
     lp_cfg = lp_of(t, recipe)
     if lp_cfg.p_scale != 1.0:
         raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset "
@@ -432,7 +447,9 @@ def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, row: Optional[
     lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
     rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value, t.mask)  # (B, h, T)
     sel = LayerSelection(t.step, t.layer, list(t.heads))
-    return t.warnings, sel, lp.o.to(torch.float64) - hp.o.to(torch.float64), lp.config, rep
+    err = lp.o.to(torch.float64) - hp.o.to(torch.float64)
+    sums = cell_sums(t.step, t.layer, t.heads, err, o_units(hp.o, lp.config.o_dtype.value))
+    return t.warnings, sel, err, lp.config, rep, sums
 
 
 def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, feature: int,
@@ -480,29 +497,41 @@ def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
 
 
 def verdict(r: PVTraceReport) -> str:
-    """One sentence: the traced error, the share the P̄ = 1 mechanism carries, and the head's bias by class."""
+    """One sentence: which cell is traced and whether its bias is significant, the traced error, the share the
+    P̄ = 1 mechanism carries, and the head's bias by class (an interpretation only where the bias is significant)."""
     tr = r.trace
     frac = tr.frac_error_from_p_one
+    cell = f"layer {r.layer} head {r.head} feature {tr.feature}"
+    stats = (f"O bias {r.cell.mean:+.3e} ± {r.cell.se:.1e}, p = {r.cell.p_value:.2g}, {r.cell.adjusted_p:.2g} after "
+             f"Holm over {r.family.n_tests} tests")
+    lead = (f"traced the O claim's cell, {cell} ({stats}), row {tr.row}: " if r.cell.significant else
+            f"no significant O bias to explain (most significant: {cell}, {stats}); row {tr.row} of it, traced as an "
+            f"illustration, not as evidence: ")
     if frac != frac:
-        return "no error in this dot product (Ō_lp = Ō_hp)"
+        return lead + "no error in this dot product (Ō_lp = Ō_hp)"
     if not tr.p_one_positions:
         row = f"Ō error {tr.final_error:+.3e} with no P̄ = 1 term in this row (an ordinary rounding)"
     else:
         row = (f"Ō error {tr.final_error:+.3e}; the P̄ = 1 mechanism ({tr.split.cls}) carries {frac:.0%} of it "
                f"({len(tr.p_one_positions)} of {tr.error.numel()} terms have P̄ = 1)")
     p_one = [c for c in r.class_shares if c.cls in P_ONE_CLASSES and c.rows]
-    if not p_one:
-        return row
+    if not p_one or not r.cell.significant:
+        return lead + row
     total = sum(c.share for c in p_one)
     se = sum(c.se**2 for c in p_one) ** 0.5
     if not finite(total):
-        return f"{row}; the head has no O bias in this feature to share out over its {r.rows_attributed} rows"
-    return f"{row}; over {r.rows_attributed} rows of the head it carries {share_with_se(total, se)} of the O bias"
+        return f"{lead}{row}; the head has no O bias in this feature to share out over its {r.rows_attributed} rows"
+    carried = share_with_se(total, se, signed=True)
+    return (f"{lead}{row}; over {r.rows_attributed} rows of the head it carries {carried} of the O bias (a signed "
+            "contribution: above 100 % when other roundings pull the other way)")
 
 
 def bias_claim(r: PVTraceReport) -> BiasClaim:
-    """The traced feature's O bias (sign test over its rows, Bonferroni over the cells it was picked from)."""
-    return claim("O", r.cell.p_value, r.n_cells, r.cell.mean, layer=r.layer, head=r.head, feature=r.trace.feature)
+    """The selection's O claim (its most significant cell), decided by the policy."""
+    if r.claim is not None:
+        return r.claim
+    return BiasClaim(r.cell.significant, "O", r.layer, r.head, 0 if not r.cell.mean else (1 if r.cell.mean > 0 else -1),
+                     r.cell.p_value, r.n_cells, feature=r.trace.feature, adjusted_p=r.cell.adjusted_p)
 
 
 def payload(r: PVTraceReport) -> dict:
@@ -514,7 +543,8 @@ def payload(r: PVTraceReport) -> dict:
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
         "final_error": tr.final_error,
         "o_error": r.o_error_replay,
-        "o_bias": {"mean": r.cell.mean, "se": r.cell.se, "p_value": r.cell.p_value},
+        "o_bias": {"mean": r.cell.mean, "se": r.cell.se, "p_value": r.cell.p_value, "adjusted_p": r.cell.adjusted_p,
+                   "significant": r.cell.significant},
         "row_choice": r.row_choice,
         "bias_split": r.bias_split,
         "p_one_positions": tr.p_one_positions,
@@ -526,6 +556,7 @@ def payload(r: PVTraceReport) -> dict:
                         "other_error": tr.split.other_error, "nudged_error": tr.nudged_error},
         "class_shares": {c.cls: {"share": c.share, "se": c.se, "rows": c.rows} for c in r.class_shares},
         "rows_attributed": r.rows_attributed, "counterfactual": r.counterfactual, "bias": bias_claim(r),
+        "family": r.family.as_dict(),
         "largest_jump": tr.largest_jump,
         "explanation": tr.explanation,
     }

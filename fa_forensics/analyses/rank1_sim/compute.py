@@ -8,6 +8,11 @@ the input features (columns of X) that dominate them, the spectrum of the summed
 (effective rank, share of the top singular value), the alignment of its top singular vectors across
 steps, and how its norm grows with the number of steps (exponent ≈ 1: compounds; ≈ 0.5: washes out).
 
+The head studied is the Σδ claim's (layer, head) (`analyses.quantities.delta_claim`: the most significant
+(step, layer, head) item, the head isolate and delta-bias name); the verdict interprets the accumulation
+exponent ("compounds" / "washes out") only when that claim is significant by the statistics policy: without
+a significant bias there is nothing to compound, and the numbers only describe the head.
+
 P here is the high-precision attention matrix softmax(α Q Kᵀ) (float64, causal mask as stored):
 the backward passes being compared differ only in δ (§3.2), so P, K and X are common to both.
 The δ error is that of the recipe's low-precision config (default preset "auto": per layer-step the one that
@@ -23,6 +28,8 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
+from fa_forensics.analyses.quantities import BiasClaim, decide_deltas, delta_claim, delta_items, family_of, flagged
+from fa_forensics.analyses.significance import Family, p_text
 from fa_forensics.analyses.delta_bias.compute import delta_error
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
@@ -143,6 +150,8 @@ class Rank1Result(RecipeResult):
     example_matrices: list[list[list[float]]]  # up to 2 rank-1 matrices (D, C) for the figure
     recipe: Recipe  # the low-precision side replayed against fp32
     backend: Backend
+    claim: Optional[BiasClaim] = None  # the Σδ claim whose (layer, head) is the focus
+    family: Family = Family()
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[dict] = None
 
@@ -154,6 +163,7 @@ def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, k_tokens: int
         raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
     lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
+    items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value)
     pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D)
     E = gradient_error(dd, pk, t.x, t.scale) if t.x is not None else None  # (h, D, C)
     chosen = []
@@ -166,7 +176,7 @@ def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, k_tokens: int
             xr = t.x[b, T].to(torch.float64) if t.x is not None else None
             rows.append((ChosenToken(t.step, b, T, float(dd[b, j, T])), pk[b, j, T].clone(), xr))
         chosen.append(rows)
-    return dd, E, chosen
+    return dd, E, chosen, items
 
 
 def run(
@@ -182,8 +192,10 @@ def run(
     """Rank-1 structure and accumulation of the δ-driven W_Q gradient error in the focus head
     (the (layer, head) whose summed gradient error ‖Σ_s E_s‖ is largest; by |Σδ error| without X).
     Work items are (step, layer, head group) on `workers`, reduced in item order."""
+    family = family_of(dump, selections)
+
     def combine(parts, resolved):
-        return combine_parts(parts, resolved, backend, tokens_per_step=tokens_per_step)
+        return combine_parts(parts, resolved, backend, family, tokens_per_step=tokens_per_step)
 
     return run_over_items(layer_part, combine, dump, selections, recipe, backend, workers=workers, progress=progress,
                           args=(tokens_per_step,))
@@ -198,8 +210,9 @@ def rank1_sim_layers(
     progress: Progress = None,
 ) -> Rank1Result:
     """`run` on layer-steps already loaded (or built in memory)."""
+    layers = list(layers)
     parts = layer_parts(layer_part, layers, (recipe, backend, tokens_per_step), progress)
-    return combine_parts(parts, recipe, backend, tokens_per_step=tokens_per_step)
+    return combine_parts(parts, recipe, backend, family_of(None, (), layers), tokens_per_step=tokens_per_step)
 
 
 @dataclass(frozen=True)
@@ -213,6 +226,7 @@ class Rank1Part:
     heads: list
     has_x: bool
     dsums: list  # float per head
+    items: list  # [DeltaItem] per head (`quantities.delta_items`)
     E: Optional[torch.Tensor]  # (h, D, C)
     chosen: list  # per head: [(ChosenToken, pk row, x row)]
 
@@ -220,19 +234,22 @@ class Rank1Part:
 def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, tokens_per_step: int) -> Rank1Part:
     """Replay one layer-step (its selected heads); both sides see the inputs as the recipe sees them."""
     t = as_seen_by(t, lp_of(t, recipe))
-    dd, E, chosen = _layer_part(t, recipe, backend, tokens_per_step)
+    dd, E, chosen, items = _layer_part(t, recipe, backend, tokens_per_step)
     dsums = [float(dd[:, j].sum()) for j in range(len(t.heads))]
-    return Rank1Part(t.warnings, t.step, t.layer, list(t.heads), t.x is not None, dsums, E, chosen)
+    return Rank1Part(t.warnings, t.step, t.layer, list(t.heads), t.x is not None, dsums, items, E, chosen)
 
 
-def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, *,
+def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, family: Family, *,
                   tokens_per_step: int = 4) -> Rank1Result:
-    """The result of the parts of every selected layer-step, reduced in their order."""
+    """The result of the parts of every selected layer-step, reduced in their order; the focus is the Σδ claim's
+    (layer, head)."""
     warnings: list[str] = []
     per_head: dict[tuple[int, int], dict] = {}
+    items = []
     has_x = True
     for part in parts:
         warnings.extend(w for w in part.warnings if w not in warnings)
+        items.extend(part.items)
         has_x = has_x and part.has_x
         for j, h in enumerate(part.heads):
             acc = per_head.setdefault((part.layer, h), {"E": [], "steps": [], "dsum": 0.0, "chosen": []})
@@ -242,12 +259,11 @@ def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, 
             if part.E is not None:
                 acc["E"].append(part.E[j])
 
-    def score(acc):
-        if has_x and acc["E"]:
-            return float(torch.linalg.matrix_norm(torch.stack(acc["E"]).sum(0)))
-        return abs(acc["dsum"])
-
-    (focus_layer, focus_head), acc = max(per_head.items(), key=lambda kv: score(kv[1]))
+    decided = decide_deltas(items, family)
+    claim = delta_claim(decided, family)
+    top = flagged(decided)
+    focus_layer, focus_head = top.layer, top.head
+    acc = per_head[(focus_layer, focus_head)]
     toks = [c[0] for c in acc["chosen"]]
     u_rows = torch.stack([c[1] for c in acc["chosen"]])  # (n, D)
     if has_x:
@@ -298,7 +314,7 @@ def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, 
         singular_values=sv_list, effective_rank=eff, top_sv_ratio=ratio, cross_step_alignment=align,
         steps=list(acc["steps"]), step_norms=step_norms, cumulative_norms=cum_norms,
         accumulation_exponent=expo, example_matrices=examples, recipe=recipe, backend=Backend(backend),
-        warnings=tuple(warnings),
+        claim=claim, family=family, warnings=tuple(warnings),
     )
 
 
@@ -326,14 +342,29 @@ def _fmt(x: float, missing: str) -> str:
     return missing if x != x else f"{x:.2f}"
 
 
+def focus_text(r: Rank1Result) -> str:
+    """Why this head: the Σδ claim's, significant or not."""
+    c = r.claim
+    if c is None:
+        return f"layer {r.focus_layer} head {r.focus_head}"
+    where = f"layer {c.layer} head {c.head}"
+    stats = (f"its step {c.step} Σδ {c.value:+.3g} ± {c.se:.2g}, {p_text(c.p_value, c.adjusted_p, c.n_tests)}")
+    if c.found:
+        return f"{where}, the head with the significant Σδ bias ({stats})"
+    return f"{where}, the most significant head, though not significantly biased ({stats})"
+
+
 def verdict(r: Rank1Result) -> str:
-    """One sentence: how alike the rank-1 matrices are, which features dominate, whether the error compounds."""
+    """One sentence: which head and why, how alike the rank-1 matrices are, which features dominate, and whether the
+    error compounds (said only where the head's Σδ bias is significant)."""
+    found = r.claim is None or r.claim.found
+    where = focus_text(r)
     if not r.has_x:
-        return ("the dump stores no X (attention input), so the rank-1 matrices (PK)[T]ᵀX[T] and the W_Q gradient "
-                f"error cannot be formed; PK rows alone have mean cosine {r.cosine_offdiag_mean:+.2f}. Capture with X "
-                "to run this analysis")
+        return (f"{where}: the dump stores no X (attention input), so the rank-1 matrices (PK)[T]ᵀX[T] and the W_Q "
+                f"gradient error cannot be formed; PK rows alone have mean cosine {r.cosine_offdiag_mean:+.2f}. "
+                "Capture with X to run this analysis")
     expo = r.accumulation_exponent
-    head = (f"rank-1 matrices have mean cosine {r.cosine_offdiag_mean:+.2f}, dominated by input features "
+    head = (f"{where}: rank-1 matrices have mean cosine {r.cosine_offdiag_mean:+.2f}, dominated by input features "
             f"{[c.feature for c in r.top_columns[:3]]}")
     if not any(x > 0 for x in r.cumulative_norms):
         return f"{head}; no W_Q gradient error to analyse (the low-precision and fp32 replays give the same gradient)"
@@ -341,9 +372,13 @@ def verdict(r: Rank1Result) -> str:
         trend = ("not measured: fewer than 3 steps" if len(r.cumulative_norms) < 3
                  else "not measured: the summed error is 0 at some step")
         return f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, accumulation exponent {trend}"
+    if not found:
+        return (f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, accumulation exponent "
+                f"{_fmt(expo, 'n/a')} over {len(r.steps)} steps (not interpreted: without a significant Σδ bias "
+                "there is nothing to compound)")
     trend = "compounds" if expo > 0.75 else "washes out" if expo < 0.65 else "in between"
     return (f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, "
-            f"accumulation exponent {_fmt(expo, 'n/a')} ({trend})")
+            f"accumulation exponent {_fmt(expo, 'n/a')} over {len(r.steps)} steps ({trend})")
 
 
 def payload(r: Rank1Result) -> dict:
@@ -355,5 +390,6 @@ def payload(r: Rank1Result) -> dict:
         "singular_values": r.singular_values, "effective_rank": r.effective_rank, "top_sv_ratio": r.top_sv_ratio,
         "cross_step_alignment": r.cross_step_alignment, "steps": r.steps, "step_norms": r.step_norms,
         "cumulative_norms": r.cumulative_norms, "accumulation_exponent": r.accumulation_exponent,
+        "claim": r.claim, "family": r.family.as_dict(),
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fa_forensics.analyses.rank1_sim.compute import Rank1Result, _fmt
-from fa_forensics.analyses.wording import number
+from fa_forensics.analyses.wording import number, percent, place
 
 
 def tables(r: Rank1Result) -> list[Table]:
@@ -36,7 +36,32 @@ def tables(r: Rank1Result) -> list[Table]:
 def finding(d: dict) -> str:
     """The report's sentence of this analysis, from its --json payload (keys read defensively)."""
     cols = [str(c.get("feature")) for c in (d.get("top_columns") or [])[:3] if isinstance(c, dict)]
-    return (f"rank1-sim: mean off-diagonal cosine {number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank "
-            f"{number(d.get('effective_rank'), '.2f')}, stand-out input features {', '.join(cols) or 'n/a'}, "
-            f"accumulation exponent {number(d.get('accumulation_exponent'), '.2f')} "
+    focus = d.get("focus") or {}
+    claim = d.get("claim") if isinstance(d.get("claim"), dict) else {}
+    why = ("the head with the significant Σδ bias" if claim.get("found") else
+           "the most significant head, though not significantly biased: the exponent is not interpreted")
+    return (f"rank1-sim: {place(focus, 'layer', 'head')} ({why}): mean off-diagonal cosine "
+            f"{number(d.get('cosine_offdiag_mean'), '.2f')}, effective rank {number(d.get('effective_rank'), '.2f')}, "
+            f"stand-out input features {', '.join(cols) or 'n/a'}, accumulation exponent "
+            f"{number(d.get('accumulation_exponent'), '.2f')} over {len(d.get('steps') or [])} steps "
             "(≈ 1 compounds, ≈ 0.5 washes out).")
+
+
+def key_numbers(d: dict) -> list[tuple[str, str]]:
+    """Labelled numbers of the payload for the report (keys read defensively)."""
+    focus = d.get("focus") if isinstance(d.get("focus"), dict) else {}
+    claim = d.get("claim") if isinstance(d.get("claim"), dict) else {}
+    cols = [str(c.get("feature")) for c in (d.get("top_columns") or [])[:3] if isinstance(c, dict)]
+    expo = number(d.get("accumulation_exponent"), ".2f")
+    return [
+        ("head studied", place(focus, "layer", "head")),
+        ("why this head", "its Σδ bias is significant" if claim.get("found") else
+         "the most significant head; its Σδ is not significant"),
+        ("mean pairwise cosine of the rank-1 matrices", number(d.get("cosine_offdiag_mean"), "+.2f")),
+        ("stand-out input features of X", ", ".join(cols) or "n/a"),
+        ("effective rank of the W_Q gradient error", number(d.get("effective_rank"), ".2f")),
+        ("share of its energy in the top direction", percent(d.get("top_sv_ratio"))),
+        ("accumulation exponent (1 compounds, 0.5 washes out)",
+         expo if claim.get("found") or expo == "n/a" else f"{expo} (not interpreted: no significant bias)"),
+        ("steps", str(len(d.get("steps") or []))),
+    ]

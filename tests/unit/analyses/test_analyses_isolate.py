@@ -1,16 +1,22 @@
-"""isolate on a small in-memory planted layer: Claim 1's repairs remove the δ bias, tiling does not."""
+"""isolate on a small in-memory planted layer: Claim 1's repairs remove the δ bias, tiling does not; the
+baseline is the recipe exactly as the other analyses replay it, so its Σδ is theirs."""
 import pytest
 import torch
 
-from fa_forensics.analyses.isolate.compute import baseline_block, isolate_layers, measure_heads, variants
+from fa_forensics.analyses.isolate.compute import isolate_layers, measure_heads, variants
 from fa_forensics.replay.config import DeltaSource, Precision
 from test_analyses_delta_bias import planted_layer
 
 
-def test_variants_are_single_repairs_of_a_tiled_baseline():
-    vs = {v.name: v for v in variants(1024)}
+def test_variants_are_single_repairs_of_the_recipe_as_replayed():
+    from fa_forensics.replay.config import ReplayConfig
+
+    untiled = {v.name: v for v in variants(1024)}
+    assert untiled["baseline"].config == ReplayConfig()  # preset bf16 is untiled: so is its baseline
+    assert "(= baseline under this preset)" in untiled["no-tiling"].description
+    vs = {v.name: v for v in variants(1024, ReplayConfig.preset("bf16@block_m=512,block_n=512"), "bf16")}
     base = vs["baseline"].config
-    assert (base.block_m, base.block_n) == (512, 512) and baseline_block(256) == 64
+    assert (base.block_m, base.block_n) == (512, 512)
     assert vs["no-tiling"].config.block_m is None
     assert vs["pv-fp32"].config.pv_dtype is Precision.FP32 and vs["pv-fp32"].config.o_dtype is Precision.BF16
     assert vs["delta-dp-p"].config.delta is DeltaSource.DP_P and vs["delta-dp-p"].backward
@@ -56,9 +62,12 @@ def test_measure_heads_uses_eq1_for_the_gradient_error():
 
 
 def test_isolate_names_the_o_and_delta_repairs_and_not_tiling():
-    r = isolate_layers([planted_layer(step=0, seed=0, T=128)])
+    from fa_forensics.fidelity.recipe import Recipe
+
+    r = isolate_layers([planted_layer(step=0, seed=0, T=128)], Recipe("bf16@block_m=64,block_n=64"))
     by = {v.name: v for v in r.variants}
     assert r.n_biased_heads >= 1 and r.heads[0].head == 0 and r.heads[0].delta_err_sum > 0
+    assert r.heads[0].significant and r.claim.found and (r.claim.layer, r.claim.head) == (0, 0)
     assert by["baseline"].delta_err_sum > 0 and by["baseline"].o_bias < 0
     for name in ("o-fp32", "delta-o-recomputed", "delta-dp-p"):
         assert name in r.culprits, name
@@ -78,3 +87,15 @@ def test_every_kernel_preset_builds_its_repairs(preset):
     assert vs["delta-dp-p"].config.bwd_key_splits is None
     plain = [v.config for v in vs.values() if v.config.softmax.value != "standard"]
     assert plain and all(not c.is_kernel_model for c in plain)
+
+
+@pytest.mark.parametrize("residual_effect,is_culprit", [(0.005, True), (0.05, False)])
+def test_a_repairs_residual_is_significant_by_the_one_rule(residual_effect, is_culprit):
+    """Half the bias removed and a residual with a tiny p: significant (no culprit) only when it is also at least the
+    effect floor, as fix-check decides a fix's residual."""
+    from fa_forensics.analyses.isolate.compute import RepairResult, culprit
+
+    r = RepairResult(name="pv-fp32", description="", o_bias=0.0, o_bias_se=0.0, o_rmse=0.0, delta_err_sum=0.1,
+                     delta_err_se=0.01, delta_err_residual=0.1, reduction=0.6, residual_se=0.01, residual_p=1e-5,
+                     delta_p_value=1.0, dq_err=0.0, dwq_err=None, residual_effect=residual_effect)
+    assert culprit(r) is is_culprit

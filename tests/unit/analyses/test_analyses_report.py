@@ -1,34 +1,174 @@
-"""report: the findings paragraph and the page read the commands' JSON keys (built payloads here)."""
+"""report: the summary card, the one-line verdict, the sections' sentences and numbers read the commands' JSON keys
+(payloads built here: a timeline with alarms, an FP8-only finding, claims that disagree, keys missing)."""
+import re
+
 from fa_forensics.report.html import findings, render
 from fa_forensics.report.run import SectionResult
+from fa_forensics.report.verdict import build_verdict, report_verdict
+
+RAW = re.compile(r"\bNone\b|\bnan\b|n/a%")
 
 
-def _sec(name, data, figures=(), note=""):
-    return SectionResult(name=name, args=[name, "d.zarr"], exit_code=0 if data else 2, ok=data is not None, note=note,
+def _sec(name, data, figures=(), note="", exit_code=None):
+    code = exit_code if exit_code is not None else (0 if data is not None else 2)
+    return SectionResult(name=name, args=[name, "d.zarr"], exit_code=code, ok=data is not None, note=note,
                          data=data, figures=list(figures), text="table", seconds=1.0)
 
 
-def test_findings_and_page_name_what_was_found_where():
-    secs = [
-        _sec("pv-trace", {"step": 1, "layer": 0, "head": 1, "row": 250, "feature": 44, "final_error": -5.3e-3,
-                          "frac_error_from_p_one": 1.39, "p_one_positions": [43, 63]}, ["pv-trace/a.png"]),
-        _sec("fix-check", {"verdict": "FIX REMOVES THE BIAS at layer 0 head 1 feature 44", "bias_reduction": 12.0}),
-        _sec("bitdiff", {"mismatch_rate": 0.32, "biased_features": [{"layer": 0, "head": 1, "feature": 44,
-                                                                     "mean": -1.9e-3, "se": 5e-5}]}),
-        _sec("pcast", None, note="'pcast' is not available yet"),
+def _claim(quantity, found, layer, head, *, step=None, feature=None, sign=1, p=1e-9, adjusted=1e-7, effect=0.2):
+    return {"found": found, "quantity": quantity, "layer": layer, "head": head, "sign": sign, "p_value": p,
+            "n_tests": 280, "step": step, "feature": feature, "adjusted_p": adjusted, "effect": effect,
+            "value": sign * 2.5 if quantity == "delta" else sign * 1.4e-3, "se": 0.3 if quantity == "delta" else 7e-5,
+            "family": "Holm over 280 tests"}
+
+
+def _planted_like(delta_found=True, o_found=True):
+    """Payloads as the analyses write them for a bias at layer 0 head 1 feature 44 over steps 0-2."""
+    delta = _claim("delta", delta_found, 0, 1, step=0, adjusted=1e-7 if delta_found else 0.4)
+    o = _claim("O", o_found, 0, 1, feature=44, sign=-1, adjusted=1e-40 if o_found else 0.3)
+    items = [{"step": s, "layer": 0, "head": 1, "significant": delta_found} for s in (0, 1, 2)]
+    fidelity = {"preset": "bf16", "accumulation": "ieee", "o_bits_equal": 1.0, "unverifiable": [], "mismatch": None}
+    fc = {"bias": o, "has_bias": o_found, "removed": True, "exit_code": 0, "beta": 2.0, "eps": 1e-3,
+          "outcome": "removed" if o_found else "no-bias",
+          "target": {"layer": 0, "head": 1, "feature": 44},
+          "baseline": {"name": "baseline", "o_bias": -1.4e-3},
+          "fixed": {"name": "stabilized", "o_bias": -7e-6, "removed_share": 0.99},
+          "alternatives": [{"name": "stable_attention", "o_bias": -8e-6, "removed_share": 0.98}],
+          "deployment": {"removes": True, "removed_share": 0.98, "control_removes": False},
+          "bias_reduction": 190.0, "verdict": "FIX REMOVES THE BIAS at layer 0 head 1 feature 44",
+          "replay_fidelity": fidelity}
+    return [
+        _sec("isolate", {"bias": delta, "culprits": ["pv-fp32", "stabilized"], "heads": items,
+                         "variants": [{"name": "pv-fp32", "reduction": 0.97}], "replay_fidelity": fidelity}),
+        _sec("delta-bias", {"bias": delta, "per_step": items, "replay_fidelity": fidelity}),
+        _sec("bitdiff", {"bias": o, "mismatch_rate": 0.36, "replay_fidelity": fidelity,
+                         "biased_features": [{"layer": 0, "head": 1, "feature": 44, "mean": -1.4e-3, "se": 7e-5}]}),
+        _sec("fix-check", fc),
+        _sec("pv-trace", {"bias": o, "step": 1, "layer": 0, "head": 1, "row": 58, "feature": 44, "final_error": -7.8e-3,
+                          "frac_error_from_p_one": 1.0, "p_one_positions": [43, 57], "o_bias": {"significant": o_found},
+                          "class_shares": {"tie": {"share": 1.0, "se": 0.02, "rows": 700}},
+                          "replay_fidelity": fidelity}, ["pv-trace/a.png"]),
     ]
-    f = findings(secs)
-    assert len(f) == 3
-    assert "feature 44" in f[0] and "139% of it entered at the 2 terms where P̄ = 1" in f[0]
-    assert f[1].startswith("fix-check: FIX REMOVES")
-    assert "32.0% of O elements differ" in f[2] and "feature 44" in f[2]
+
+
+def test_the_card_comes_first_and_names_what_where_and_what_to_do():
+    secs = _planted_like()
     page = render("d.zarr", secs)
-    assert page.index("FIX REMOVES") < page.index("<h2")  # the first paragraph says what was found
-    assert "<img src='pv-trace/a.png'" in page and "not available yet" in page
-    assert "Not available for this dump: pcast" in page
+    v = build_verdict(secs)
+    assert v.status == "affected" and v.where == "layer 0 head 1, steps 0, 1, 2, feature 44"
+    assert page.index("Is this run affected? Yes") < page.index("<h2")  # the card before any section
+    assert page.index("fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001)") < page.index("<h2")
+    assert "removes 98% of the bias" in page and "Keep the P̄V product and its accumulator in fp32" in page
+    assert "<details><summary>The technical verdict</summary>" in page and "<a href='#glossary'>" in page
+    assert "id='glossary'" in page and "id='g-p-bar'" in page and "<img src='pv-trace/a.png'" in page
+    # the card and the one-line verdict render one object
+    line = report_verdict(secs)
+    assert line == v.line() and v.where in line and v.where in page
+    assert "found by isolate, delta-bias, bitdiff, fix-check, pv-trace" in line
+    assert "0: the fix removes the bias" in page
 
 
-def test_missing_keys_never_raise():
-    f = findings([_sec(n, {}) for n in ("isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check",
-                                        "pcast")])
+def test_an_fp8_finding_reaches_the_headline_without_a_rounding_bias():
+    secs = _planted_like(delta_found=False, o_found=False)
+    pcast = {"heads": [{"step": 2, "layer": 0, "head": h, "needs_fix": h != 1, "recommended_S": 256.0,
+                        "recommended_order": "forward",
+                        "settings": [{"S": 1.0, "order": "forward", "mass_zeroed": 0.0103, "frac_zeroed": 0.96}]}
+                       for h in range(4)]}
+    v = build_verdict([*secs, _sec("pcast", pcast)])
+    assert v.status == "fp8-only" and "nothing to fix" not in v.line()
+    assert "FP8: 3 of 4 heads need a P-cast fix" in v.line() and "use forward S=256" in v.line()
+    assert any("scale P by S before its E4M3 cast (forward S=256)" in a.what for a in v.actions)
+    page = render("d.zarr", [*secs, _sec("pcast", pcast)])
+    assert "would lose probability mass" in page and "Nothing: no analysis found" not in page
+
+
+def test_timeline_alarms_lead_the_card_and_the_verdict():
+    timeline = {"alarms": [{"step": 120, "metric": "max_logit", "layer": 1, "head": 2, "value": 41.5,
+                            "rule": "robust z > 6"}, {"step": 121, "metric": "near_max_ties", "layer": 1, "head": 2,
+                                                      "value": 9.0, "rule": "robust z > 6"}],
+                "alarm_steps": [120, 121], "steps": list(range(200))}
+    secs = [*_planted_like(delta_found=False, o_found=False), _sec("timeline", timeline)]
+    v = build_verdict(secs)
+    assert v.status == "alarms-only" and v.findings[0].startswith("The training monitor raised 2 alarms at steps 120, "
+                                                                   "121 (first: max_logit at layer 1 head 2 = 41.5")
+    assert v.line().startswith("VERDICT: the training monitor raised 2 alarms") and "nothing to fix" not in v.line()
+    assert v.actions[0].what.startswith("Capture and analyse the step(s) the monitor flagged (120, 121)")
+    # an older payload with alarm steps only still leads
+    old = build_verdict([_sec("timeline", {"alarm_steps": [7]})])
+    assert old.line().startswith("VERDICT: the training monitor raised 1 alarm at step 7")
+
+
+def test_an_o_bias_that_does_not_reach_the_gradient_is_a_finding_with_its_reason():
+    secs = _planted_like(delta_found=False, o_found=True)
+    v = build_verdict(secs)
+    assert v.status == "affected" and "nothing to fix" not in v.line()
+    assert any("does not make Σδ significant" in d and "bias of the output, not (yet) of training" in d
+               for d in v.disagreements)
+    assert v.answer == "Yes: the attention output rounds with a bias."
+
+
+def test_analyses_of_one_quantity_that_disagree_are_named():
+    secs = _planted_like()
+    secs[2] = _sec("bitdiff", {"bias": _claim("O", False, 0, 2, feature=3, adjusted=0.5)})
+    v = build_verdict(secs)
+    assert v.status == "disagree"
+    assert any(d.startswith("the analyses of the O bias disagree: fix-check, pv-trace find one at layer 0 head 1 "
+                            "feature 44; bitdiff do not find one at layer 0 head 2 feature 3") for d in v.disagreements)
+
+
+def test_missing_keys_never_raise_nor_show_raw_values():
+    names = ("isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast")
+    secs = [_sec(n, {}) for n in names]
+    f = findings(secs)
     assert len(f) == 7 and all(isinstance(x, str) for x in f)
+    page = render("d.zarr", secs)
+    body = page[page.index("<body>"):]
+    assert not RAW.search(body), RAW.search(body)
+    assert build_verdict(secs).status == "not affected" and build_verdict([]).status == "no result"
+
+
+def test_the_glossary_gives_the_e4m3_thresholds_the_cast_has():
+    """S = 1 zeroes P̄ at or below 2⁻¹⁰ (half of E4M3's smallest value 2⁻⁹, a tie to even), S = 256 those at or
+    below 2⁻¹⁸: the glossary's numbers are the cast's."""
+    import torch
+
+    from fa_forensics.numerics import round_to
+    from fa_forensics.report.html import GLOSSARY
+
+    meaning = next(m for anchor, _, m in GLOSSARY if anchor == "fp8-s")
+    smallest, up = torch.tensor([2.0 ** -9]), 1 + 2.0 ** -20
+    assert float(round_to(smallest, "fp8_e4m3")) == 2.0 ** -9 and "smallest value is 2⁻⁹" in meaning
+    for s, exponent in ((1.0, 10), (256.0, 18)):
+        at, above = torch.tensor([2.0 ** -exponent]), torch.tensor([2.0 ** -exponent * up])
+        assert float(round_to(at * s, "fp8_e4m3")) == 0 and float(round_to(above * s, "fp8_e4m3")) > 0
+        assert f"at or below 2⁻{''.join('⁰¹²³⁴⁵⁶⁷⁸⁹'[int(d)] for d in str(exponent))}" in meaning
+
+
+def test_analyses_that_could_not_run_qualify_a_clean_verdict():
+    """A dump without dO (a GPU capture of the forward): the Σδ analyses cannot run, so the page says no bias was
+    found in what was tested and names what was not, never a bare 'nothing to fix'."""
+    secs = [s for s in _planted_like(delta_found=False, o_found=False) if s.name not in ("isolate", "delta-bias")]
+    note = "step 10 layer 3: the dump has no 'do' array; isolate needs dO to compute δ"
+    secs = [_sec("isolate", None, note=note), _sec("delta-bias", None, note=note), _sec("rank1-sim", None, note=note),
+            *secs]
+    v = build_verdict(secs)
+    assert v.status == "not affected" and v.untested == ("isolate", "delta-bias", "rank1-sim")
+    assert v.answer.startswith("No significant biased rounding in what could be tested; isolate, delta-bias and "
+                               "rank1-sim could not run on this dump")
+    assert "nothing to fix in what was tested (isolate, delta-bias and rank1-sim could not run)" in v.line()
+    assert any(c.startswith("Not tested: isolate, delta-bias and rank1-sim") for c in v.confidence)
+    page = render("d.zarr", secs)
+    assert "Nothing for what was tested" in page and "Nothing: no analysis found" not in page
+    clean = build_verdict(_planted_like(delta_found=False, o_found=False))  # every analysis ran: the plain answer
+    assert clean.answer == "No: no significant biased rounding, nothing to fix." and not clean.untested
+
+
+def test_a_share_above_100_percent_says_it_is_signed():
+    secs = _planted_like()
+    pv = secs[-1].data
+    pv["class_shares"] = {"tie": {"share": 1.05, "se": 0.02, "rows": 700}, "carry": {"share": -0.02, "se": 0.01,
+                                                                                    "rows": 90}}
+    line = build_verdict(secs).line()
+    assert "carries 103% ± 2% of the O bias in that feature (a signed share: the other rows' rounding pushes" in line
+    pv["class_shares"] = {"tie": {"share": 0.97, "se": 0.02, "rows": 700}}
+    assert "signed share" not in build_verdict(secs).line()

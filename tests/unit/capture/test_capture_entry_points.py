@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import fa_forensics
 from fa_forensics.capture import InvalidCaptureSetting
-from fa_forensics.capture.entry_points import TargetSpec
+from fa_forensics.capture.targets import TargetSpec
 from fa_forensics.dump import open_dump
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -360,3 +360,188 @@ def test_a_step_whose_calls_were_all_filtered_out_says_so(tmp_path):
     with pytest.warns(fa_forensics.capture.events.CaptureWarning,
                       match="step 1 ran 2 attention call.* none was selected"):
         train(tmp_path, _recording("BHTD"), layers=[5])
+
+
+# -- arguments and results mapped by --attention -------------------------------------------------------------
+def _module_first(module, query, key, value, attention_mask, scaling=None, dropout=0.0):
+    """Hugging Face's convention: module first, O returned in (B, T, H, D) with the weights."""
+    p = torch.softmax(query @ key.transpose(-1, -2) * scaling, -1)
+    return (p @ value).transpose(1, 2), p
+
+
+@pytest.mark.parametrize("spec", [
+    "attn_fns:module_first,o_layout=BTHD,causal=false",  # q, k, v found by their names, scale as `scaling`
+    "attn_fns:module_first,q=1,k=2,v=3,out=0,o_layout=BTHD,scale=scaling,causal=false",
+    "attn_fns:module_first,q=query,k=key,v=value,mask=attention_mask,o_layout=BTHD,scale=0.125,causal=false",
+])
+def test_attention_maps_arguments_and_results(tmp_path, monkeypatch, spec):
+    fns = type(sys)("attn_fns")
+    fns.module_first = _module_first
+    monkeypatch.setitem(sys.modules, "attn_fns", fns)
+
+    def call(q, k, v):
+        o, _ = sys.modules["attn_fns"].module_first(None, q, k, v, None, scaling=0.125)
+        native = o
+        return o.transpose(1, 2), native
+
+    seen, d = train(tmp_path, call, attention=[spec])
+    for layer, s in seen.items():
+        info = dict(d._layer(1, layer).attrs)
+        assert info["o_layout"] == "BTHD" and info["scale"] == 0.125 and info["causal"] is False
+        ref = torch.softmax(s["q"] @ s["k"].transpose(-1, -2) * 0.125, -1) @ s["v"]
+        assert torch.equal(d.read(1, layer, "o"), ref)
+        assert torch.equal(d.read(1, layer, "do"), s["native"].grad.transpose(1, 2))
+    assert d.attrs["capture"]["attention"] == [TargetSpec.parse(spec).to_text()]
+
+
+def test_an_output_in_another_layout_is_refused_with_the_option_that_fits(tmp_path, monkeypatch):
+    fns = type(sys)("attn_fns")
+    fns.module_first = _module_first
+    monkeypatch.setitem(sys.modules, "attn_fns", fns)
+
+    def call(q, k, v):
+        o, _ = sys.modules["attn_fns"].module_first(None, q, k, v, None, scaling=0.125)
+        return o.transpose(1, 2), o
+
+    with pytest.raises(InvalidCaptureSetting, match="o fits BTHD: name it with o_layout=BTHD"):
+        train(tmp_path, call, attention=["attn_fns:module_first"])
+    assert not (tmp_path / "run.zarr").exists()
+
+
+def test_target_spec_options_are_checked():
+    spec = TargetSpec.parse("m:f,q=query,k=2,v=value,out=1,o_layout=bthd,mask=attn,scale=sm,causal=is_causal")
+    assert (spec.q, spec.k, spec.v, spec.out, spec.o_layout, spec.mask) == ("query", 2, "value", 1, "BTHD", "attn")
+    assert (spec.scale, spec.scale_arg, spec.causal, spec.causal_arg) == (None, "sm", None, "is_causal")
+    assert TargetSpec.parse(spec.to_text()) == spec
+    for text, said in (("m:f,q=query,k=query", "name the same argument"), ("m:f,out=first", "index of O"),
+                       ("m:f,q=1.5", "name a parameter"), ("m:f,scale=0", "positive number"),
+                       ("m:f,o_layout=THD", "not a layout"), ("m:f,scale=2,scale=3", "given twice")):
+        with pytest.raises(InvalidCaptureSetting, match=said):
+            TargetSpec.parse(text)
+
+
+# -- layouts checked against X and the module ------------------------------------------------------------------
+def _transposed(kind):
+    """An attention call whose (B, H, T, D) tensors go where (B, T, H, D) is taken, or the reverse: q, k, v and o
+    agree with each other, only X's length (and the module's head count) show it."""
+    def call(q, k, v):
+        if kind == "record":
+            o = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
+            fa_forensics.capture.record(q, k, v, o, layout="BTHD")
+            return o, o
+        if kind == "target":
+            from blocked_attention import BlockedAttention
+
+            o = BlockedAttention.apply(q, k, v, None, True, 4)
+            return o, o
+        if kind == "flash_attn":
+            from flash_attn import flash_attn_func
+
+            o = flash_attn_func(q, k, v)
+            return o, o
+        if kind == "xformers":
+            import xformers.ops as xops
+
+            o = xops.memory_efficient_attention(q, k, v)
+            return o, o
+        if kind == "flex_attention":
+            import torch.nn.attention.flex_attention as fa
+
+            o = fa.flex_attention(*(_bthd(t).detach() for t in (q, k, v)))
+            return _bthd(o) + 0 * q, o
+        if kind == "sdpa":
+            o = torch.nn.functional.scaled_dot_product_attention(*(_bthd(t) for t in (q, k, v)))
+            return _bthd(o), o
+        qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # torch ops on (H, B, T, D)
+        o = torch.softmax(qh @ kh.transpose(-1, -2), -1) @ vh
+        return o.transpose(0, 1), o
+    return call
+
+
+@pytest.mark.parametrize("kind", ["record", "target", "flash_attn", "xformers", "flex_attention", "sdpa",
+                                  "torch_ops"])
+def test_a_layout_the_shapes_contradict_ends_the_run_before_anything_is_stored(tmp_path, standins, kind):
+    options = {"attention": ["blocked_attention:BlockedAttention,layout=BTHD"]} if kind == "target" else {}
+    torch.manual_seed(0)
+    net = Net(_transposed(kind))
+    for block in net.h:
+        block["attn"].num_heads = 2  # the head count the module states
+    with pytest.raises(InvalidCaptureSetting, match=r"layout: .*X \(3, 12, 16\) of h\.0\.attn has another batch or "
+                                                    r"length.*it fits: .*nothing of this call was stored"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            with fa_forensics.capture(net, out=tmp_path / "run.zarr", steps=[0], batch=None, step_by="manual",
+                                      **options):
+                net(torch.randn(3, 12, 16)).square().mean().backward()
+    assert not (tmp_path / "run.zarr").exists()
+
+
+def test_check_call_context_uses_the_module_heads_and_the_width_only_to_break_a_tie():
+    from fa_forensics.capture.layouts import Reading, check_call_context
+
+    q = torch.zeros(2, 4, 8, 16)
+    as_bthd, as_bhtd = Reading("BTHD", 2, 8, 4, 16), Reading("BHTD", 2, 4, 8, 16)
+    with pytest.raises(InvalidCaptureSetting, match="attn states 4 heads; read as BHTD"):
+        check_call_context(q, (as_bthd, as_bhtd), "f", None, "attn", 4, "fix it")
+    assert check_call_context(q, (as_bhtd, as_bthd), "f", None, "attn", 8, "fix it") is None  # a shard of 8 heads
+    # length equals heads (8 = 8): X's width (heads × head_dim) decides
+    q = torch.zeros(2, 8, 8, 16)
+    wide = torch.zeros(2, 8, 8 * 16)
+    assert check_call_context(q, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f", wide, "attn",
+                              None, "fix") is None
+    # X not matching either reading (attention over a part of the tokens): said, not refused
+    line = check_call_context(q, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f",
+                              torch.zeros(2, 5, 128), "attn", None, "fix")
+    assert "could not be checked" in line
+
+
+# -- what a capture says ----------------------------------------------------------------------------------
+def test_softmax_unknown_is_said_once_and_record_can_name_it(tmp_path):
+    def said(call, **options):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(tmp_path / str(len(list(tmp_path.iterdir()))), call, steps=(0, 1), **options)
+        return [str(w.message) for w in caught if "recorded as unknown" in str(w.message)]
+
+    lines = said(_recording("BHTD"))
+    assert len(lines) == 1 and "fa_forensics.capture.record" in lines[0] and "--softmax standard" in lines[0]
+    assert said(_recording("BHTD"), softmax="standard") == []
+
+    def named(q, k, v):
+        o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+        fa_forensics.capture.record(q, k, v, o, causal=False, softmax="stabilized")
+        return o, o
+
+    assert said(named) == []
+    seen, d = train(tmp_path / "named", named)
+    assert d._layer(1, 0).attrs["softmax"] == "stabilized"
+
+
+def test_layers_whose_o_has_no_gradient_are_said_and_info_lists_them(tmp_path):
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    def half_detached(q, k, v):
+        o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+        fa_forensics.capture.record(q.detach(), k.detach(), v.detach(), o.detach(), causal=False, softmax="standard")
+        return o, o
+
+    with pytest.warns(fa_forensics.capture.events.CaptureWarning,
+                      match=r"no dO recorded for layers 0, 1 of step 0 .*its O had no gradient"):
+        _, d = train(tmp_path, half_detached, steps=(0, 1))
+    assert d.steps == [0, 1] and not d.has(0, 0, "do") and d.has(0, 0, "o")
+    js = tmp_path / "info.json"
+    assert CliRunner().invoke(app, ["info", str(tmp_path / "run.zarr"), "--json", str(js)]).exit_code == 0
+    info = __import__("json").loads(js.read_text())
+    assert info["do_missing"] == {"0": [0, 1], "1": [0, 1]} and "no dO recorded for layer 0" in info["warnings"][0]
+
+
+def test_the_no_attention_hint_lists_what_is_watched_readably(tmp_path):
+    from fa_forensics.capture.session import CaptureSession
+
+    session = CaptureSession(None, tmp_path / "run.zarr", [0], attention=["attentionx:FlashAttentionFunction"])
+    line = session.no_attention_message(3)
+    assert "Watched: torch's scaled_dot_product_attention; flash_attn" in line
+    assert "; fa_forensics.capture.record; and --attention attentionx:FlashAttentionFunction,layout=BHTD." in line
+    assert "No model was bound, so attention written in torch ops was not followed" in line

@@ -44,7 +44,8 @@ def test_best_recipe_is_cached_beside_the_dump_and_a_changed_o_invalidates_it(ma
     assert first.best.o_bits_equal == 1.0 and first.best.preset == "bf16" and len(counted) == 1  # o = the bf16 replay
     assert _snapshot(path) == before  # nothing in the dump changed
     (entry,) = cache.glob("*.json")
-    assert json.loads(entry.read_text())["best"]["preset"] == "bf16"
+    kept = json.loads(entry.read_text())["candidates"]
+    assert (kept[-1]["preset"], kept[-1]["o_bits_equal"], kept[-1]["sampled"]) == ("bf16", 1.0, False)
     again = best_recipe(open_dump(path), 0, 0)
     assert again == first and len(counted) == 1  # read from the cache
 

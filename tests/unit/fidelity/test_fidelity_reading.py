@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fa_forensics.fidelity.candidates import CLEAR_MARGIN, admissible, implied, pick_best
-from fa_forensics.analyses.contract import ALPHA
+from fa_forensics.fidelity.candidates import (
+    CLEAR_MARGIN, admissible, admit, exclusions, implied, pick_best, traits, why_not_named,
+)
+from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.fidelity.match import candidate_recipes, fidelity
 from fa_forensics.fidelity.mismatch import sign_test, tally, ulp_difference
 from fa_forensics.fidelity.recipe import Choice, Recipe
@@ -34,18 +36,52 @@ class _Tried:
 def test_a_bf16_run_is_never_an_fp8_run_and_an_fp32_run_only_fp32():
     names = lambda facts: {r.preset for r in admissible(candidate_recipes(), facts)}  # noqa: E731
     bf16 = names(_facts(precision="bf16"))
-    assert not any(n.startswith("fp8") for n in bf16) and "bf16-autocast-train" in bf16
-    assert names(_facts(precision="fp32")) == {"fp32"}
+    assert not any(n.startswith(("fp8", "fp16", "fp32")) for n in bf16) and "bf16-autocast-train" in bf16
+    assert names(_facts(precision="fp32")) == {"fp32", "fp32-stabilized"}
+    assert names(_facts(precision="fp32", softmax="stabilized")) == {"fp32-stabilized"}  # never FP8, never all
     assert names(_facts(precision="fp8")) == {"fp8-s1", "fp8-s256", "fp8-s448"}
     assert names(UNKNOWN) == {r.preset for r in candidate_recipes()}  # nothing recorded: nothing ruled out
     standard = names(_facts(precision="bf16", softmax="standard"))
-    assert "bf16-autocast-stabilized" not in standard and "stabilized" not in standard
+    assert not any("stabilized" in n for n in standard)
     sdpa = names(_facts(precision="bf16", kernel="sdpa"))
     assert not any(n.startswith("bf16-autocast") for n in sdpa) and {"bf16", "bf16-hw"} <= sdpa
 
 
+def test_cpu_autocast_with_the_stabilized_softmax_has_its_own_recipe():
+    every = candidate_recipes(on_gpu=False)
+    kept = {r.preset for r in admissible(every, _facts(precision="bf16", softmax="stabilized", device="cpu",
+                                                        kernel="blocked_attention:BlockedAttention,layout=BHTD"))}
+    assert "bf16-autocast-cpu-stabilized" in kept and all(traits(n).softmax == "stabilized" for n in kept)
+    on_gpu = {r.preset for r in admissible(candidate_recipes(on_gpu=True),
+                                           _facts(precision="bf16", softmax="stabilized", device="cuda"))}
+    assert "bf16-autocast-stabilized" in on_gpu and "bf16-autocast-cpu-stabilized" not in on_gpu
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32", "fp8", None])
+@pytest.mark.parametrize("softmax", ["standard", "stabilized", None])
+@pytest.mark.parametrize("device", ["cpu", "cuda", None])
+@pytest.mark.parametrize("kernel", [None, "sdpa", "flash_attn.flash_attn_func", "mymodule:attention,layout=BHTD"])
+def test_every_combination_of_recorded_facts_has_recipes_that_fit_every_fact(precision, softmax, device, kernel):
+    """The candidates are the product of the facts: each admitted recipe agrees with every recorded fact, and no
+    combination is left without recipes (the FP8 recipes model the standard softmax only: there, the softmax is set
+    aside and said so)."""
+    facts = _facts(precision=precision, softmax=softmax, device=device, kernel=kernel)
+    dtype = {"fp16": "float16"}.get(precision, "bfloat16")
+    every = candidate_recipes(head_dim=64, n_keys=256, dtype=dtype, on_gpu=facts.on_gpu)
+    admission = admit(every, facts)
+    assert admission.recipes
+    if softmax == "stabilized" and precision == "fp8":
+        assert admission.relaxed == ("softmax",)  # no recipe models these together: said, not hidden
+        return
+    assert admission.relaxed == ()
+    for r in admission.recipes:
+        assert exclusions(r.preset, facts) == [], r
+    for r, why in admission.excluded:
+        assert why == exclusions(r.preset, facts) and why
+
+
 def test_a_cpu_run_never_ran_a_gpu_kernel():
-    every = candidate_recipes(device="cuda")
+    every = candidate_recipes(on_gpu=True)
     gpu_kernels = {r.preset for r in every if r.preset.startswith(("sdpa-", "flash-attn-"))}
     assert gpu_kernels  # the catalogue offers SDPA's and flash_attn's kernels
     kept = lambda device: {r.preset for r in admissible(every, _facts(precision="bf16", device=device))}  # noqa: E731
@@ -56,7 +92,8 @@ def test_a_cpu_run_never_ran_a_gpu_kernel():
 def test_auto_keeps_the_accumulation_the_device_implies_unless_the_other_is_clearly_better():
     ieee, tc = _Tried("bf16-hw", "ieee", 0.97560), _Tried("bf16-hw", "tensor-core", 0.97562)  # 0.002 % apart
     assert pick_best([ieee, tc], _facts(device="cpu")) is ieee
-    assert pick_best([ieee, tc], UNKNOWN) is ieee
+    assert why_not_named(ieee, tc, _facts(device="cpu")).startswith("the recorded device cpu implies ieee")
+    assert pick_best([ieee, tc], UNKNOWN) is tc  # no device recorded: no preference, the best
     assert pick_best([ieee, tc], _facts(device="cuda")) is tc
     far = _Tried("bf16-hw", "tensor-core", 0.9756 + CLEAR_MARGIN)
     assert pick_best([ieee, far], _facts(device="cpu")) is far

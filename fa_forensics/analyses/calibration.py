@@ -1,0 +1,66 @@
+"""Families of null dumps and the alarms the analyses raise on them: how the statistics policy is checked.
+
+A null dump is a planted dump (`fa_forensics.planted`) without the mechanism: every row's maximum is attained
+once (ties = 1, so no two P̄ = 1 terms can carry into a tie) and the planted feature of V takes either sign at
+random (v_skew = 0.5); the other heads are plain N(0, 1). Nothing in it is biased, so every claim an analysis
+makes on it is a false alarm. `alarms` runs the analyses as the report does (the recipe "auto", every option at
+its default) and says, per analysis, whether its verdict claims something: a bias claim found (`bias.found`),
+fix-check's exit code 1, a pcast head that needs a fix; `report` is any of them (the report's headline). The
+policy promises a rate of at most α = 0.01 for each analysis and for the report (one family for all).
+tests/unit/analyses/test_calibration.py runs a small family; benchmarks/false_alarms.py a large one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fa_forensics.planted import SynthSpec
+
+# small shapes, alternated by seed: (T, heads, D, batch, steps)
+NULL_SHAPES: tuple[dict, ...] = (
+    {"seq": 64, "heads": 2, "head_dim": 16, "batch": 1, "steps": 2},
+    {"seq": 48, "heads": 3, "head_dim": 16, "batch": 2, "steps": 1},
+)
+CLAIMING = ("isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast")
+
+
+def null_spec(seed: int, shapes: tuple[dict, ...] = NULL_SHAPES) -> SynthSpec:
+    """The null dump of one seed: shape `seed mod len(shapes)`, one maximum per row, V signs at random."""
+    return SynthSpec(ties=1, v_skew=0.5, planted_heads=(1,), seed=seed, **shapes[seed % len(shapes)])
+
+
+def make_null(path: Path, seed: int, shapes: tuple[dict, ...] = NULL_SHAPES) -> Path:
+    """Write the null dump of `seed` to `path` (kept if it is already there)."""
+    from fa_forensics.planted import synth
+
+    path = Path(path)
+    if not path.exists():
+        synth(path, null_spec(seed, shapes))
+    return path
+
+
+def alarms(path: Path, analyses: tuple[str, ...] = CLAIMING) -> dict[str, bool]:
+    """{analysis: its verdict claims something} on the dump at `path`, each run as the report runs it, and
+    {"report": any of them}; fix-check also gives "fix-check exit 1"."""
+    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.registry import BY_NAME
+    from fa_forensics.dump import open_dump
+    from fa_forensics.enums import Backend
+    from fa_forensics.fidelity.recipe import Recipe
+    from fa_forensics.layers.fanout import Workers
+    from fa_forensics.layers.selection import select
+
+    dump = open_dump(path)
+    out: dict[str, bool] = {}
+    for name in analyses:
+        analysis = BY_NAME[name]
+        whole = analysis.section.whole_dump
+        sels = select(dump, dump.steps[-1]) if whole else select(dump)
+        payload = to_jsonable(analysis.payload(analysis.report_run(dump, sels, Recipe(), Backend.EMULATE, Workers())))
+        if name == "pcast":
+            out[name] = any(h.get("needs_fix") for h in payload.get("heads") or [])
+        else:  # rank1-sim, a follow-on analysis, carries the Σδ claim it studies as `claim`
+            out[name] = bool((payload.get("bias") or payload.get("claim") or {}).get("found"))
+        if name == "fix-check":
+            out["fix-check exit 1"] = payload["exit_code"] == 1
+    out["report"] = any(out.values())
+    return out
