@@ -93,6 +93,30 @@ class ClusterUnreachable(ConfigError):
         super().__init__(f"cannot start or reach {where}: {reason}")
 
 
+class NoWorkers(ConfigError):
+    """A Dask cluster had no worker for `.waited` seconds: none at the start, or none left during the run (`.lost`).
+    `.where` names the cluster, `.scheduler` its address (None: a local cluster)."""
+
+    def __init__(self, where: str, waited: float, lost: bool = False, scheduler: str | None = None) -> None:
+        self.where, self.waited, self.lost, self.scheduler = where, waited, lost, scheduler
+        what = (f"lost its workers during the run and got none back in {waited:g} s" if lost
+                else f"has no workers (waited {waited:g} s for one)")
+        todo = (f"start workers for it (dask worker {scheduler})" if scheduler is not None
+                else "its worker processes did not start or died (out of memory?)")
+        super().__init__(f"{where} {what}: {todo}")
+
+
+class WorkerEnvironment(ConfigError):
+    """A Dask worker cannot run fa-forensics' work items: `.worker` names it, `.problem` says why (an import that
+    fails there, another version), `.python` its interpreter when known."""
+
+    def __init__(self, where: str, worker: str, problem: str, python: str | None = None) -> None:
+        self.where, self.worker, self.problem, self.python = where, worker, problem, python
+        runs = f" (Python {python})" if python else ""
+        super().__init__(f"{worker} of {where}{runs} cannot run fa-forensics: {problem}; install this fa-forensics "
+                         "and its dependencies in the workers' Python environment, or start the workers from this one")
+
+
 class UnknownRank(DumpError):
     """A rank a dump does not hold: `.rank`, `.path` and `.ranks` (those it holds)."""
 

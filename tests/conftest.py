@@ -31,6 +31,7 @@ SLOW_FILES = (
     "cli/test_alarm_options.py",
     "cli/test_capture_cli.py",
     "cli/test_capture_custom_cli.py",
+    "cli/test_dask_cluster.py",
     "cli/test_fanout.py",
     "cli/test_hostile.py",
     "cli/test_monitor_cli.py",
@@ -56,6 +57,8 @@ SLOW_TESTS = (
     "test_timeline_prints_table_writes_figures_and_json",
     "test_a_dump_holding_only_a_timeline_gets_a_report_led_by_it",
     "test_rank1_figure_without_gradient_error_raises_no_log_scale_warning",
+    "test_report_every_rank_writes_one_report_per_rank",
+    "test_every_reader_takes_rank_and_says_the_store_holds_several[report]",
 )
 
 
@@ -87,17 +90,20 @@ def build_dump(
     scale: float | None = None,
     seed: int = 0,
     run_attrs: dict | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Path:
     """Write a small dump of random q, k, v, do, x (N(0, 1) in `dtype`) with o = the BF16 reference
     output (fp32 softmax attention for other dtypes). Steps in `incomplete` are written but never
-    marked complete, as if the writer had been killed."""
+    marked complete, as if the writer had been killed. `rank` > 0 adds that rank's tree to the store at `path`
+    (which rank 0 made first)."""
     from fa_forensics.dump import DumpWriter
     from fa_forensics.planted import bf16_reference
 
     g = torch.Generator().manual_seed(seed)
     attrs = {"model": {"name": "test"}, "capture": {"source": "tests"}, "amp_dtype": str(dtype).removeprefix("torch.")}
     attrs.update(run_attrs or {})
-    writer = DumpWriter(path, attrs)
+    writer = DumpWriter(path, attrs, rank=rank, world_size=world_size)
     alpha = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     incomplete = set(incomplete)
     for s in sorted(set(steps) | incomplete):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS
 
 # The formats bitdiff --add can store a sum into.
@@ -30,8 +31,9 @@ RECIPE_KEYS = ("preset", "accumulation", "backend", "warnings", "replay_fidelity
 class Option:
     """One option of an analysis command, in --help order.
 
-    `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --accumulation, --backend,
-    --workers, --scheduler, --out, --json, --debug), with this default; flag, type and help are the CLI's.
+    `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --rank, --accumulation, --backend,
+    --workers, --scheduler, --worker-wait, --out, --json, --debug), with this default; flag, type and help are the
+    CLI's.
     `argument`: a positional argument instead of a --flag. `keyword`: the compute's keyword for the value
     (default: `name`). `check(value)`: why a value is refused (None: accepted)."""
 
@@ -223,8 +225,10 @@ BITDIFF = Analysis(
         Option("a", "--a", str, "auto", metavar="PRESET",
                help="Tensor mode: replay preset of the first O (auto: the recipe that reproduces the stored O best)."),
         Option("b", "--b", str, "fp32", metavar="PRESET", help="Tensor mode: replay preset of the second O."),
-        shared("step"), shared("layer"), shared("head"), shared("accumulation", "auto"), shared("backend", "emulate"),
-        shared("workers", 1), shared("scheduler"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation", "auto"),
+        shared("backend", "emulate"),
+        shared("workers", 1), shared("scheduler"), shared("worker_wait", WORKER_WAIT_SECONDS), shared("out"),
+        shared("json_path"), shared("debug", False),
     ),
     json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
                "biased_features", "alpha", "n_cells", "family", "largest", "input_cast", "bias", "accumulation",
@@ -285,7 +289,7 @@ PCAST = Analysis(
         Option("seed", "--seed", int, 0, help="Base random seed of the simulation."),
         Option("step", "--step", Optional[int], None,
                help="Training step to analyse in dump mode (default: the last complete step)."),
-        shared("layer"), shared("head"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("layer"), shared("head"), shared("rank"), shared("out"), shared("json_path"), shared("debug", False),
     ),
     json_keys=("mode", "dump", "n_sinks", "block", "delta_k", "scales", "orders", "heads", "dp", "warnings",
                "replay_fidelity", "verdict", "figures"),
@@ -300,7 +304,7 @@ TIMELINE = Analysis(
     "Fig. 2, 3, 11, 13), the alarms the capture recorded, and the alarm rule replayed over them.",
     replays=False,
     options=(
-        shared("dump"), shared("out"), shared("json_path"),
+        shared("dump"), shared("rank"), shared("out"), shared("json_path"),
         Option("alarm_warmup", "--alarm-warmup", Optional[int], None, metavar="N",
                help="Monitored steps before the replayed rule's jump or trend may fire "
                     f"(default: the capture's setting, else {ALARM_DEFAULTS.warmup})."),

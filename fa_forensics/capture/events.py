@@ -25,16 +25,16 @@ class AlarmWarning(CaptureWarning):
     """The monitor's alarm rule fired; the message is one line naming step, layer, head and metric."""
 
 
-def show_capture_warnings_as_lines(collect: Optional[list] = None) -> None:
-    """Show every CaptureWarning as its message alone, one line on stderr (for command-line runs),
-    also appended to `collect` when given; other warnings keep Python's format."""
+def show_capture_warnings_as_lines(collect: Optional[list] = None, prefix: str = "") -> None:
+    """Show every CaptureWarning as its message alone (after `prefix`, e.g. "rank 1: "), one line on stderr
+    (for command-line runs), also appended to `collect` when given; other warnings keep Python's format."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, CaptureWarning):
-            print(str(message), file=sys.stderr if file is None else file, flush=True)
+            print(prefix + str(message), file=sys.stderr if file is None else file, flush=True)
             if collect is not None:
-                collect.append(str(message))
+                collect.append(prefix + str(message))
         else:
             shown(message, category, filename, lineno, file, line)
 

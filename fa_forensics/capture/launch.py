@@ -3,9 +3,16 @@
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
 `fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
 "allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring", "monitor_tensorboard",
-"attention", "softmax", "report"} in their text forms. At exit the launcher writes {"steps_run",
-"steps_without_attention", "attention_calls_seen", "warnings"} as JSON to the file "report" names (when given),
-for the command.
+"attention", "softmax", "command", "run_id", "report"} in their text forms. At exit each capturing process writes
+{"rank", "world_size", "steps_run", "steps_without_attention", "attention_calls_seen", "warnings"} as JSON to
+`rank_<r>.json` in the folder "report" names (when given), for the command.
+
+Ranks: under a distributed launcher (torchrun, torch.distributed.run / launch) every rank process runs
+this launcher (capture/command_line.py puts it there); the rank and world size come from the
+launcher's environment (RANK, WORLD_SIZE), "run_id" orders the ranks' opening of the store (rank 0
+first, dump/ranks.py), and a `--local-rank=N` that torch.distributed.launch puts before the script
+goes back to the script. A script that spawns its ranks (torch.multiprocessing.spawn) hands capture
+over to them (capture/spawned.py). Capture warnings of a multi-rank run name their rank.
 Before the script runs, the launcher
 - patches torch.nn.functional.scaled_dot_product_attention (so `from torch.nn.functional import
   scaled_dot_product_attention` in the script also gets the patched function),
@@ -18,81 +25,34 @@ Then the script runs as __main__ with its own argv (`--module NAME` runs a modul
 """
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
 
-ENV_VAR = "FA_FORENSICS_CAPTURE"
+from fa_forensics.capture.launched import (
+    auto_binder, build_session, rank_prefix, run_spawned_rank, settings_from_env, write_report,
+)
+
+LOCAL_RANK_ARGUMENTS = ("--local-rank=", "--local_rank=")
 
 
-def settings_from_env() -> dict:
-    from fa_forensics.capture.selection import CaptureError
-
-    text = os.environ.get(ENV_VAR)
-    if not text:
-        raise CaptureError(f"{ENV_VAR} is not set; start training through `fa-forensics capture --out ... --steps ... "
-                           "-- python train.py`")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); "
-                           "start training through `fa-forensics capture`") from None
-
-
-def _auto_binder(session):
-    """Bind the first module containing attention modules: a global forward pre-hook that binds it at its
-    first forward and then removes itself, and a wrapper of torch.compile that binds a compiled module at
-    once (the global hook is removed before torch.compile(module) runs: a global hook alive there would
-    fire twice per call, and torch warns about it). `.remove()` undoes both."""
-    import torch
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    from fa_forensics.capture.modules import find_attention_modules
-
-    seen: set[int] = set()
-    state = {"handle": None}
-    original_compile = torch.compile
-
-    def hook(module, args):
-        if session._root is not None or id(module) in seen:
-            return None
-        seen.add(id(module))
-        if find_attention_modules(module, session.pattern):
-            session.bind(module)
-            state["handle"].remove()
-            session._on_root_forward(module, args)  # the root's own hook was added during this very call
-        return None
-
-    def compile_and_bind(model=None, *args, **kwargs):
-        if not isinstance(model, torch.nn.Module) or session._root is not None:
-            return original_compile(model, *args, **kwargs)
-        state["handle"].remove()
-        compiled = original_compile(model, *args, **kwargs)
-        if find_attention_modules(compiled, session.pattern):
-            session.bind(compiled)
-        else:
-            state["handle"] = register_module_forward_pre_hook(hook)
-        return compiled
-
-    class Binder:
-        @staticmethod
-        def remove() -> None:
-            state["handle"].remove()
-            if torch.compile is compile_and_bind:
-                torch.compile = original_compile
-
-    state["handle"] = register_module_forward_pre_hook(hook)
-    torch.compile = compile_and_bind
-    return Binder()
+def script_argv(argv: list[str]) -> list[str]:
+    """`argv` with the `--local-rank=N` that torch.distributed.launch (without --use-env) puts in front of the
+    launcher's arguments moved behind the script or module: it is the script's argument."""
+    given = []
+    while argv and argv[0].startswith(LOCAL_RANK_ARGUMENTS):
+        given, argv = [*given, argv[0]], argv[1:]
+    if not given:
+        return argv
+    at = 2 if argv[:1] in (["--module"], ["-m"]) else 1
+    return [*argv[:at], *given, *argv[at:]]
 
 
 def main(argv: list[str]) -> int:
     from fa_forensics.capture.events import show_capture_warnings_as_lines
-    from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN
-    from fa_forensics.capture.session import CaptureSession
     from fa_forensics.errors import UserError
 
+    argv = script_argv(argv)
     if not argv:
         print("usage: python -m fa_forensics.capture.launch SCRIPT [ARGS...] | --module NAME [ARGS...]",
               file=sys.stderr)
@@ -116,51 +76,53 @@ def main(argv: list[str]) -> int:
             print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)",
                   file=sys.stderr)
             return 2
+    session = None
     try:
-        from fa_forensics.monitor.alarm import rule_from_settings
-
         cfg = settings_from_env()
-        session = CaptureSession(
-            None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"),
-            int(cfg.get("micro_batch", 0)),
-            cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
-            overwrite=bool(cfg.get("overwrite", False)), allow_other_model=bool(cfg.get("allow_other_model", False)),
-            keep_sdpa_patch=True,
-            monitor_every=cfg.get("monitor_every"), alarm=rule_from_settings(cfg.get("alarm")) or False,
-            alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
-            monitor_tensorboard=cfg.get("monitor_tensorboard"),
-            run_attrs={"capture": {"command": cfg.get("command") or [target, *script_args]}},
-            attention=cfg.get("attention") or (), softmax=cfg.get("softmax"),
-        )
+        session = build_session(cfg, [target, *script_args])
         session.start()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {rank_prefix(session) if session is not None else ''}{exc}", file=sys.stderr)
         return 2
     said: list[str] = []
-    show_capture_warnings_as_lines(said)
+    show_capture_warnings_as_lines(said, prefix=rank_prefix(session))
+    handed_over: list[bool] = []
     try:
-        return _run(session, target, script_args, module_mode)
+        return _run(session, target, script_args, module_mode, handed_over)
     finally:
-        _write_report(cfg.get("report"), session, said)
+        if not handed_over:
+            write_report(cfg.get("report"), session, said)
 
 
-def _write_report(path, session, said: list[str]) -> None:
-    """What the command cannot read from the store: how far the run got and what was said."""
-    if not path:
-        return
-    report = {"steps_run": int(session.current_step), "steps_without_attention": list(session.steps_without_attention),
-              "attention_calls_seen": int(session.attention_calls_seen), "warnings": said}
-    try:
-        with open(path, "w") as fh:
-            json.dump(report, fh)
-    except OSError:
-        pass
+def _hand_over(session, binder, handed_over: list[bool]):
+    """The launcher process's part when the script spawns its ranks: stop capturing here (nothing recorded yet),
+    so that each spawned rank captures; True when it did."""
+    def hand_over() -> bool:
+        if handed_over:
+            return True
+        if session._root is not None or session.recorded_steps or session.monitored_steps:
+            import warnings
+
+            from fa_forensics.capture.events import CaptureWarning
+
+            warnings.warn(CaptureWarning("fa-forensics capture: the script trained in its own process before it "
+                                         "spawned processes; capture stays in that process, the spawned ones are not "
+                                         "recorded"), stacklevel=2)
+            return False
+        binder.remove()
+        session.stop(failed=True)  # a store this process created and did not write is removed again
+        handed_over.append(True)
+        return True
+
+    return hand_over
 
 
-def _run(session, target: str, script_args: list[str], module_mode: bool) -> int:
+def _run(session, target: str, script_args: list[str], module_mode: bool, handed_over: list[bool]) -> int:
+    from fa_forensics.capture.spawned import SpawnPatch
     from fa_forensics.errors import UserError
 
-    binder = _auto_binder(session)
+    binder = auto_binder(session)
+    spawn_patch = SpawnPatch(_hand_over(session, binder, handed_over), run_spawned_rank)
     code = 0
     sys.argv = [target, *script_args]
     try:
@@ -174,23 +136,32 @@ def _run(session, target: str, script_args: list[str], module_mode: bool) -> int
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
     except UserError as exc:  # e.g. --heads beyond the model's heads: one line, not a traceback
-        binder.remove()
-        session.stop(failed=True)
-        print(f"error: {exc}", file=sys.stderr)
+        spawn_patch.remove()
+        if not handed_over:
+            binder.remove()
+            session.stop(failed=True)
+        print(f"error: {rank_prefix(session)}{exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the capture ends as a failed run; `fa-forensics capture` says "interrupted"
-        binder.remove()
-        session.stop(failed=True)
+        spawn_patch.remove()
+        if not handed_over:
+            binder.remove()
+            session.stop(failed=True)
         return 130
     except BaseException:
-        binder.remove()
-        session.stop(failed=True)
+        spawn_patch.remove()
+        if not handed_over:
+            binder.remove()
+            session.stop(failed=True)
         raise
+    spawn_patch.remove()
+    if handed_over:
+        return code
     binder.remove()
     try:
         session.stop(failed=code != 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {rank_prefix(session)}{exc}", file=sys.stderr)
         return 2
     return code
 

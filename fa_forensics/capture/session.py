@@ -83,12 +83,22 @@ class PendingStep:
     tapped: Optional[torch.Tensor]  # the loss tap's sum, the fallback
 
 
+RANK0_WAIT_SECONDS = 300.0  # how long a rank > 0 waits for rank 0 to create the store (without a process group)
+
+
 def _rank_and_world_size() -> tuple[int, int]:
-    """(rank, world size) from torch.distributed if initialized, else torchrun's environment, else (0, 1)."""
+    """(rank, world size) from torch.distributed if initialized, else the launcher's environment (RANK and
+    WORLD_SIZE, set by torchrun and torch.distributed.launch), else (0, 1)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _launcher_run_id() -> Optional[str]:
+    """The id torchrun gives every rank of one run (its rendezvous id), None when there is none."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id and run_id != "none" else None
 
 
 class CaptureSession:
@@ -127,6 +137,8 @@ class CaptureSession:
         timeline_flush_rows: int = 16,
         attention=(),
         softmax: Optional[str] = None,
+        process_rank: Optional[tuple[int, int]] = None,
+        run_id: Optional[str] = None,
     ):
         if step_by not in ("optimizer", "manual"):
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
@@ -179,6 +191,8 @@ class CaptureSession:
         self.steps_without_attention: list[int] = []  # selected steps that ran without a recordable attention call
         self._registered: set[int] = set()  # steps put in the store (as incomplete) when their first array was queued
         self.rank, self.world_size = 0, 1
+        self._process_rank = process_rank  # (rank, world size) the launcher gave, else found at start()
+        self.run_id = run_id or _launcher_run_id()  # shared by the ranks of one run: orders their store opening
         self.attention_module_names: list[str] = []
         self._modules_by_name: dict[str, torch.nn.Module] = {}
         self.timeline_flush_rows = int(timeline_flush_rows)
@@ -398,16 +412,18 @@ class CaptureSession:
                                "one")
         from fa_forensics.dump import DumpWriter  # lazy: keeps `import fa_forensics.capture` light
 
-        self.rank, self.world_size = _rank_and_world_size()
+        self.rank, self.world_size = self._process_rank or _rank_and_world_size()
         attrs = self._run_attrs()
         dist = torch.distributed
-        ordered = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        ordered = (self._process_rank is None and self.world_size > 1 and dist.is_available()
+                   and dist.is_initialized())
         if ordered and self.rank != 0:
             dist.barrier()  # rank 0 creates (or replaces) the store first; then every rank adds rank_{r}/
-        try:
+        try:  # without a process group the ranks order themselves through rank 0's lock file (dump/ranks.py)
             dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank,
                                      world_size=self.world_size,
-                                     allow_other_model=self.allow_other_model)
+                                     allow_other_model=self.allow_other_model, run_id=self.run_id,
+                                     rank0_wait=None if ordered or self.world_size == 1 else RANK0_WAIT_SECONDS)
         except OSError as exc:
             raise InvalidCaptureSetting("out",
                                         f"cannot create capture store {self.out}: {exc.strerror or exc}; it must be a "

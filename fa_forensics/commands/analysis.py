@@ -18,14 +18,15 @@ import typer
 
 from fa_forensics.analyses.registry import ANALYSES, Analysis, Option
 from fa_forensics.commands.common import (
-    AccumulationOpt, AnalysisArgs, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, SchedulerOpt,
-    StepOpt, WorkersOpt, accumulation_option, exit_code, progress_bar, register_analysis_command, show_result,
+    AccumulationOpt, AnalysisArgs, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, RankOpt,
+    SchedulerOpt, StepOpt, WorkersOpt, WorkerWaitOpt, accumulation_option, exit_code, progress_bar,
+    register_analysis_command, show_result,
 )
 from fa_forensics.errors import InvalidSetting, OutOfRange, UserError
 
-SHARED = {"dump": DumpArg, "step": StepOpt, "layer": LayerOpt, "head": HeadOpt, "accumulation": AccumulationOpt,
-          "backend": BackendOpt, "workers": WorkersOpt, "scheduler": SchedulerOpt, "out": OutOpt, "json_path": JsonOpt,
-          "debug": DebugOpt}
+SHARED = {"dump": DumpArg, "step": StepOpt, "layer": LayerOpt, "head": HeadOpt, "rank": RankOpt,
+          "accumulation": AccumulationOpt, "backend": BackendOpt, "workers": WorkersOpt, "scheduler": SchedulerOpt,
+          "worker_wait": WorkerWaitOpt, "out": OutOpt, "json_path": JsonOpt, "debug": DebugOpt}
 
 
 def preset_flags(analysis: Analysis) -> tuple[str, ...]:

@@ -82,8 +82,8 @@ def render_add(ex) -> Panel:
 
 
 def run(dump: Optional[Path], add: Optional[tuple[str, str]], into: str, acc: str, a: str, b: str, step, layer, head,
-        accumulation: str, backend: str, workers: int, scheduler: Optional[str], out: Optional[Path],
-        json_path: Optional[Path], debug: bool) -> None:
+        rank: Optional[int], accumulation: str, backend: str, workers: int, scheduler: Optional[str],
+        worker_wait: float, out: Optional[Path], json_path: Optional[Path], debug: bool) -> None:
     """The `bitdiff` command (options: the registry's): --add mode, or tensor mode with a DUMP."""
 
     def body() -> None:
@@ -99,7 +99,7 @@ def run(dump: Optional[Path], add: Optional[tuple[str, str]], into: str, acc: st
 
         run_tensor_mode(dump=dump, a=a, b=b, step=step, layer=layer, head=head, accumulation=accumulation,
                         backend=backend, out=out, json_path=json_path, debug=debug, workers=workers,
-                        scheduler=scheduler)
+                        scheduler=scheduler, rank=rank, worker_wait=worker_wait)
 
     run_cli(debug, body)
 

@@ -11,6 +11,7 @@ from fa_forensics.commands.common import (
     AnalysisArgs, build_accumulation, build_backend, build_workers, ensure_out_dir, progress_bar, run_cli, show_result,
 )
 from fa_forensics.errors import UserError
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.enums import Accumulation
 from fa_forensics.replay.config import PRESETS
 
@@ -26,7 +27,8 @@ def side(name: str, accumulation: Accumulation):
                         f"{', '.join(PRESETS)}") from None
 
 
-def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler):
+def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_path, workers, scheduler, rank=None,
+         worker_wait=WORKER_WAIT_SECONDS):
     from fa_forensics.analyses.bitdiff import compute as bitdiff
     from fa_forensics.layers.fanout import n_items
     from fa_forensics.analyses.bitdiff.figure import draw
@@ -40,7 +42,7 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
     acc = build_accumulation(accumulation)
     side_a, side_b = side(a, acc), side(b, acc)  # bad sides fail here, before any work
     args = AnalysisArgs(dump_path, step, layer, head, side_a or side_b or Recipe(), build_backend(backend),
-                        ensure_out_dir(out), json_path, build_workers(workers, scheduler))
+                        ensure_out_dir(out), json_path, build_workers(workers, scheduler, worker_wait), rank)
     dump, sels, _ = args.open()  # each side is resolved by bitdiff.run
     with progress_bar(f"replaying {a} and {b}", n_items(sels)) as advance:
         r = bitdiff.run(dump, sels, side_a, side_b, args.backend, progress=advance, workers=args.workers)
@@ -48,7 +50,7 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
 
 
 def run_tensor_mode(dump, a, b, step, layer, head, accumulation, backend, out, json_path, debug, workers=1,
-                    scheduler=None):
+                    scheduler=None, rank=None, worker_wait=WORKER_WAIT_SECONDS):
     """Entry point called by the `bitdiff` command when --add is not given."""
     return run_cli(debug, lambda: _run(dump, a, b, step, layer, head, accumulation, backend, out, json_path, workers,
-                                       scheduler))
+                                       scheduler, rank, worker_wait))

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import subprocess
-import sys
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,13 +14,12 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from fa_forensics.capture.command_line import check_target, rewrite_command
 from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
 from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS, WATCHED
-
-LAUNCHER = "fa_forensics.capture.launch"
 
 StepsOpt = Annotated[Optional[str],
                      typer.Option("--steps",
@@ -80,41 +79,6 @@ SoftmaxOpt = Annotated[Optional[str], typer.Option(
 BatchOpt = Annotated[Optional[str],
                      typer.Option("--batch",
                                   help="Slice of the batch dimension to record, e.g. 0:2 (default: the whole batch).")]
-
-
-def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
-    """Insert the capture launcher into a `python ...` / `torchrun ...` / `script.py ...` command line.
-
-    same_python: a bare `python` / `python3` becomes the interpreter fa-forensics runs in
-    (sys.executable), so the script sees this fa-forensics and its torch, not whatever a PATH
-    shim (pyenv, conda) resolves `python` to.
-    """
-    if not command:
-        raise UserError("no training command given; put it after --, e.g. fa-forensics capture --out run.zarr --steps "
-                        "100 -- python train.py")
-    exe = os.path.basename(command[0])
-    if same_python and command[0] in ("python", "python3"):
-        command = [sys.executable, *command[1:]]
-    if exe.startswith("python"):
-        i = 1
-        while i < len(command) and command[i].startswith("-") and command[i] != "-m":
-            i += 1  # interpreter options such as -u, -O
-        if i >= len(command):
-            raise UserError(f"no script in {' '.join(command)!r}; give python a script or -m module to run")
-        if command[i] == "-m":
-            if i + 1 >= len(command):
-                raise UserError("python -m needs a module name")
-            return [*command[:i], "-m", LAUNCHER, "--module", *command[i + 1:]]
-        return [*command[:i], "-m", LAUNCHER, *command[i:]]
-    if exe in ("torchrun",) or command[:3] == [command[0], "-m", "torch.distributed.run"]:
-        for i, token in enumerate(command[1:], start=1):
-            if token.endswith(".py"):
-                return [*command[:i], "-m", LAUNCHER, *command[i:]]
-        raise UserError("could not find the training script (a .py file) in the torchrun command")
-    if command[0].endswith(".py"):
-        return [sys.executable, "-m", LAUNCHER, *command]
-    raise UserError(f"cannot start {command[0]!r} with capture; the command must be `python SCRIPT ...`, `python -m "
-                    "MODULE ...`, `torchrun ... SCRIPT ...` or `SCRIPT.py ...`")
 
 
 OPTION_OF = {"attention": "--attention", "softmax": "--softmax", "layout": "--attention ...,layout",
@@ -196,33 +160,8 @@ def _wait_for(training: subprocess.Popen) -> int:
         raise
 
 
-def _check_script(argv: list[str]) -> None:
-    """The script the launcher will run must exist; a module too, when it runs in this interpreter
-    (in another one the launcher checks it)."""
-    import shutil
-
-    script = argv[argv.index(LAUNCHER) + 1] if LAUNCHER in argv[:-1] else None
-    if script is None:
-        return
-    if script != "--module":
-        if not os.path.isfile(script):
-            raise UserError(f"no training script at {script}; check the path in the training command")
-        return
-    module = argv[argv.index(LAUNCHER) + 2] if len(argv) > argv.index(LAUNCHER) + 2 else None
-    exe = shutil.which(argv[0])
-    if module is None or exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable):
-        return
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise UserError(f"no module named {module!r} to run; check the training command (python -m MODULE)")
-
-
-def _store_summary(out: Path) -> dict:
+def _store_summary(out: Path, rank: int = 0) -> dict:
+    """What rank `rank`'s tree of the store holds (empty when there is no such store or tree)."""
     from fa_forensics.commands.info import do_missing
     from fa_forensics.dump import open_dump
     from fa_forensics.monitor.alarm import recorded_alarms
@@ -232,7 +171,7 @@ def _store_summary(out: Path) -> dict:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dump = open_dump(out)
+            dump = open_dump(out, rank=rank)
             timeline = dump.timeline or {}
             alarms = timeline.get("alarms")
             return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps,
@@ -247,13 +186,63 @@ def _store_summary(out: Path) -> dict:
                 "alarms": [], "do_missing": {}}
 
 
-def _launcher_report(path: str) -> dict:
-    """The launcher's report (steps run, warnings said); {} when the launcher did not get to write it."""
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
+def _launcher_reports(folder: str) -> dict[int, dict]:
+    """Each capturing process's report (steps run, warnings said) by rank; a rank whose launcher did not get to
+    write one is missing."""
+    reports = {}
+    for path in sorted(Path(folder).glob("rank_*.json")):
+        try:
+            with open(path) as fh:
+                report = json.load(fh)
+            reports[int(report["rank"])] = report
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return reports
+
+
+def rank_outcomes(out: Path, selected_steps, reports: dict[int, dict]) -> list[dict]:
+    """Per rank of the run (every rank of its world size, those in the store and those that reported): what its
+    tree holds, how far it ran, which selected steps (a `StepSet`, walked lazily: it may be endless) it never
+    reached (the first NEVER_LISTED; `never_reached_text` names them all) and which it ran without an attention
+    call."""
+    from fa_forensics.dump.ranks import store_ranks
+
+    world = max([1] + [int(r.get("world_size") or 1) for r in reports.values()])
+    ranks = sorted(set(store_ranks(out) if Path(out).is_dir() else [0]) | set(reports) | set(range(world)))
+    outcomes = []
+    for rank in ranks:
+        summary = _store_summary(out, rank)
+        recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
+        ran = reports.get(rank, {}).get("steps_run")
+        without_attention = [] if ran is None else [s for s in selected_steps.below(ran) if s not in recorded]
+        unreached = selected_steps if ran is None else selected_steps.from_step(ran)
+        never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
+        never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
+        outcomes.append({"rank": rank, **summary, "never_reached": never[:NEVER_LISTED], "steps_run": ran,
+                         "ran_without_attention": without_attention, "never_reached_text": never_text})
+    return outcomes
+
+
+def _json_of(outcome: dict, *left_out: str) -> dict:
+    """A rank's outcome as `--json` gives it (its never-reached steps as a list only)."""
+    return {k: v for k, v in outcome.items() if k not in ("never_reached_text", *left_out)}
+
+
+def _never_reached_line(outcome: dict, several: bool) -> str:
+    ran = outcome["steps_run"]
+    who = f"rank {outcome['rank']}" if several else "the run"
+    return ((f"rank {outcome['rank']}: " if several else "")
+            + f"selected step(s) {outcome['never_reached_text']} were never reached ({who} made "
+            f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded for them. Check --steps "
+            "against the run's length")
+
+
+def _summary_line(out: Path, outcome: dict, several: bool) -> str:
+    return (f"capture: {out}: " + (f"rank {outcome['rank']}: " if several else "") + f"steps {outcome['steps']}"
+            + (f", incomplete {outcome['incomplete_steps']}" if outcome["incomplete_steps"] else "")
+            + (f", {outcome['monitored_steps']} monitored steps in the timeline" if outcome["monitored_steps"] else "")
+            + (f", alarms at steps {outcome['alarm_steps']}" if outcome["alarm_steps"] else "")
+            + (f"; no dO for {do_missing_text(outcome['do_missing'])}" if outcome["do_missing"] else ""))
 
 
 def register(app: typer.Typer) -> None:
@@ -303,8 +292,8 @@ def register(app: typer.Typer) -> None:
         def body():
             import tempfile
 
+            from fa_forensics.capture.launched import ENV_VAR
             from fa_forensics.capture.targets import TargetSpec
-            from fa_forensics.capture.launch import ENV_VAR
             from fa_forensics.capture.softmax_variant import SoftmaxVariant
             from fa_forensics.capture.selection import CaptureSelection
 
@@ -328,7 +317,7 @@ def register(app: typer.Typer) -> None:
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
                                                allow_no_steps=monitor_every is not None)
             argv = rewrite_command(list(command), same_python=same_python)
-            _check_script(argv)
+            check_target(argv)
             from fa_forensics.dump.safe_files import refuse_link
 
             refuse_link(out, "out")  # resolving --out would follow a planted link; the writer refuses one too
@@ -340,7 +329,8 @@ def register(app: typer.Typer) -> None:
                         "monitor_tensorboard": None if monitor_tensorboard is None
                         else str(Path(monitor_tensorboard).resolve())}
             with tempfile.TemporaryDirectory(prefix="fa-forensics-capture-") as tmp:
-                settings["report"] = os.path.join(tmp, "report.json")
+                settings["report"] = tmp  # each capturing process (one per rank) writes rank_<r>.json there
+                settings["run_id"] = uuid.uuid4().hex  # the ranks of this run open the store in order by it
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
                 try:
                     training = subprocess.Popen(argv, env=env)
@@ -348,45 +338,34 @@ def register(app: typer.Typer) -> None:
                     raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
                                     "check the training command") from exc
                 code = _wait_for(training)
-                report = _launcher_report(settings["report"])
-            summary = _store_summary(out)
-            recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
-            ran = report.get("steps_run")
-            # the selection is lazy (--steps 0:10**18 is never listed): only the steps the run reached are walked
-            without_attention = [] if ran is None else [s for s in selection.steps.below(ran) if s not in recorded]
-            unreached = selection.steps if ran is None else selection.steps.from_step(ran)
-            never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
-            never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
-            never = never[:NEVER_LISTED]
-            warnings_said = list(report.get("warnings", []))
-            if never:
-                warnings_said.append(f"selected step(s) {never_text} were never reached (the run made "
-                                     f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
-                                     "for them. Check --steps against the run's length")
-            warmup_line = warn_if_warmup_covers_run(rule, summary["monitored_steps"])
+                reports = _launcher_reports(tmp)
+            outcomes = rank_outcomes(out, selection.steps, reports)
+            several = len(outcomes) > 1
+            first = outcomes[0]
+            warnings_said = [w for r in sorted(reports) for w in reports[r].get("warnings", [])]
+            said_by_launchers = len(warnings_said)
+            warnings_said += [_never_reached_line(o, several) for o in outcomes if o["never_reached"]]
+            warmup_line = warn_if_warmup_covers_run(rule, first["monitored_steps"])
             if warmup_line:
                 warnings_said.append(warmup_line)
-            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command), **summary,
-                                  "never_reached": never, "steps_run": ran, "ran_without_attention": without_attention,
-                                  "warnings": warnings_said})
-            recorded = bool(summary["steps"] or summary["incomplete_steps"] or summary["monitored_steps"])
+            never = any(o["never_reached"] for o in outcomes)
+            without_attention = any(o["ran_without_attention"] for o in outcomes)
+            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command),
+                                  **_json_of(first, "rank"), "world_size": len(outcomes),
+                                  "ranks": [_json_of(o) for o in outcomes], "warnings": warnings_said})
+            recorded = any(o["steps"] or o["incomplete_steps"] or o["monitored_steps"] for o in outcomes)
             if code == 2 and not recorded:  # the launcher or the script said why, in its own line
                 raise typer.Exit(code=2)
             if recorded or Path(out).exists():
-                console.print(f"capture: {out}: steps {summary['steps']}"
-                              + (f", incomplete {summary['incomplete_steps']}" if summary["incomplete_steps"] else "")
-                              + (f", {summary['monitored_steps']} monitored steps in the timeline"
-                                 if summary["monitored_steps"] else "")
-                              + (f", alarms at steps {summary['alarm_steps']}" if summary["alarm_steps"] else "")
-                              + (f"; no dO for {do_missing_text(summary['do_missing'])}" if summary["do_missing"]
-                                 else ""))
-            if never:  # said on stderr as in --json, before any error line
-                err_console.print(f"[bold yellow]warning:[/] {escape(warnings_said[len(report.get('warnings', []))])}",
-                                  highlight=False, soft_wrap=True)
+                for o in outcomes:
+                    console.print(escape(_summary_line(out, o, several)), highlight=False, soft_wrap=True)
+            for line in warnings_said[said_by_launchers:said_by_launchers + sum(bool(o["never_reached"])
+                                                                                 for o in outcomes)]:
+                err_console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
             if code != 0:
-                kept = [what for what, there in (("the steps completed before it", summary["steps"]),
-                                                 (f"its timeline ({summary['monitored_steps']} monitored steps)",
-                                                  summary["monitored_steps"])) if there]
+                monitored = sum(o["monitored_steps"] for o in outcomes)
+                kept = [what for what, there in (("the steps completed before it", any(o["steps"] for o in outcomes)),
+                                                 (f"its timeline ({monitored} monitored steps)", monitored)) if there]
                 kept = f"{' and '.join(kept)} are kept in {out}" if kept else "nothing was recorded"
                 err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}",
                                   highlight=False, soft_wrap=True)

@@ -35,6 +35,7 @@ from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.replay.config import PRESETS
 
 REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
@@ -83,6 +84,12 @@ StepOpt = Annotated[Optional[int],
                     typer.Option("--step", help="Training step to analyse (default: every complete step).")]
 LayerOpt = Annotated[Optional[int], typer.Option("--layer", help="Layer to analyse (default: every layer).")]
 HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse (default: every head).")]
+RankOpt = Annotated[Optional[int], typer.Option("--rank", metavar="R", min=0,
+                                                help="Rank of a multi-rank dump to read (default 0).")]
+RanksOpt = Annotated[Optional[str], typer.Option("--rank", metavar="R|all",
+                                                 help="Rank of a multi-rank dump to read (default 0), or all: one "
+                                                      "result per rank.")]
+ALL_RANKS = "all"
 WorkersOpt = Annotated[int,
                        typer.Option("--workers",
                                     help="Worker processes (a local dask.distributed cluster); 1 = in-process. The "
@@ -91,6 +98,10 @@ SchedulerOpt = Annotated[Optional[str],
                          typer.Option("--scheduler",
                                       help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
                                            "the dump must be on storage its workers see.", metavar="ADDRESS")]
+WorkerWaitOpt = Annotated[float, typer.Option(
+    "--worker-wait", metavar="SECONDS",
+    help="How long --workers / --scheduler may have no worker (none at the start, or all lost during the run) "
+         "before the command fails.")]
 
 
 def accumulation_option(preset_flags: Sequence[str] = ("--preset",)) -> Any:
@@ -281,6 +292,51 @@ def phase(description: str) -> Iterator[None]:
         yield
 
 
+def parse_ranks(value: Optional[str]) -> Optional[int] | str:
+    """--rank R|all: None (not given), a rank, or ALL_RANKS; one line for anything else."""
+    if value is None or str(value).strip().lower() == ALL_RANKS:
+        return None if value is None else ALL_RANKS
+    try:
+        rank = int(str(value).strip())
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise UserError(f"--rank {value!r} is not a rank; give a rank number (0, 1, ...) or all")
+    return rank
+
+
+def ranks_line(dump, hint: str = "--rank R reads another") -> Optional[str]:
+    """The line every command that reads a multi-rank store says: which ranks it holds and which one this reads
+    (None for a store of one rank)."""
+    ranks = list(dump.ranks)
+    world = max(int(dump.world_size), len(ranks))
+    if world < 2:
+        return None
+    held = ", ".join(map(str, ranks))
+    return (f"{dump.path} holds rank{'s' if len(ranks) > 1 else ''} {held} of a {world}-rank run: this reads rank "
+            f"{dump.rank} only" + (f"; {hint}" if hint else ""))
+
+
+def add_warning(message: str) -> None:
+    """A warning of the running command: printed on stderr when the command ends and in its --json `warnings`."""
+    diagnostics = _DIAGNOSTICS.get()
+    if diagnostics is not None:
+        diagnostics.add(message)
+    else:
+        _one_line_warning(message, None, None, None)
+
+
+def open_rank(path, rank: Optional[int], hint: str = "--rank R reads another"):
+    """open_dump(path, rank) for a command: a store of several ranks is said in a warning (`ranks_line`)."""
+    from fa_forensics.dump import open_dump
+
+    dump = open_dump(path, rank=rank)
+    line = ranks_line(dump, hint)
+    if line:
+        add_warning(line)
+    return dump
+
+
 @dataclass(frozen=True)
 class AnalysisArgs:
     """The options every analysis command shares, parsed once: the dump, the selection, the recipe."""
@@ -294,15 +350,15 @@ class AnalysisArgs:
     out: Optional[Path]
     json_path: Optional[Path]
     workers: Any = None  # fanout.Workers of --workers / --scheduler (None: in-process)
+    rank: Optional[int] = None  # --rank (None: rank 0)
 
     def open(self):
-        """(dump, selections, recipe): open the store, select what to analyse (one-line errors) and resolve the
-        recipe once for every selected layer-step (`fidelity.auto.resolve`; a named preset is itself). Every
-        analysis of the command replays the returned recipe."""
-        from fa_forensics.dump import open_dump  # lazy, as every heavy import here: the CLI starts fast
-        from fa_forensics.layers.selection import select
+        """(dump, selections, recipe): open the store (the rank's tree), select what to analyse (one-line errors)
+        and resolve the recipe once for every selected layer-step (`fidelity.auto.resolve`; a named preset is
+        itself). Every analysis of the command replays the returned recipe."""
+        from fa_forensics.layers.selection import select  # lazy, as every heavy import here: the CLI starts fast
 
-        dump = open_dump(self.dump_path)
+        dump = open_rank(self.dump_path, self.rank)
         selections = select(dump, self.step, self.layer, self.head)
         recipe = resolve_recipe(dump, selections, self.recipe) if self.recipe.is_auto else self.recipe
         return dump, selections, recipe
@@ -349,11 +405,12 @@ def use_match_cache(value: Optional[str]) -> None:
     set_cache_dir(value)
 
 
-def build_workers(workers: int, scheduler: Optional[str]):
-    """The fan-out of --workers / --scheduler (one-line errors for bad values)."""
+def build_workers(workers: int, scheduler: Optional[str], wait: float = WORKER_WAIT_SECONDS):
+    """The fan-out of --workers / --scheduler / --worker-wait (one-line errors for bad values and for --workers N
+    with --scheduler)."""
     from fa_forensics.layers.fanout import Workers
 
-    return Workers(n=workers, scheduler=scheduler)
+    return Workers(n=workers, scheduler=scheduler, wait=wait)
 
 
 def build_backend(backend: Backend | str) -> Backend:
@@ -370,6 +427,7 @@ _SHARED_OPTIONS = (
     ("step", StepOpt, None),
     ("layer", LayerOpt, None),
     ("head", HeadOpt, None),
+    ("rank", RankOpt, None),
 )
 _RECIPE_OPTIONS = (
     ("preset", PresetOpt, AUTO),
@@ -378,6 +436,7 @@ _RECIPE_OPTIONS = (
     ("match_cache", MatchCacheOpt, None),
     ("workers", WorkersOpt, 1),
     ("scheduler", SchedulerOpt, None),
+    ("worker_wait", WorkerWaitOpt, WORKER_WAIT_SECONDS),
     ("out", OutOpt, None),
     ("json_path", JsonOpt, None),
     ("debug", DebugOpt, False),
@@ -386,7 +445,7 @@ _RECIPE_OPTIONS = (
 
 def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: Callable[..., Any],
                               extra: Sequence[tuple[str, Any, Any]] = (), out_opt: Any = OutOpt) -> None:
-    """Add an analysis command with the shared options (DUMP, --step/--layer/--head, --preset,
+    """Add an analysis command with the shared options (DUMP, --step/--layer/--head, --rank, --preset,
     --accumulation, --backend, --out, --json, --debug) and the command's own `extra` options
     ((name, Annotated type, default), shown after the selection). The body is
     `run(AnalysisArgs, **extra values)`; its return value, when an int, is the exit code."""
@@ -401,7 +460,8 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
                 head=kwargs.pop("head"), recipe=build_recipe(kwargs.pop("preset"), kwargs.pop("accumulation")),
                 backend=build_backend(kwargs.pop("backend")), out=ensure_out_dir(kwargs.pop("out")),
                 json_path=kwargs.pop("json_path"),
-                workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler")),
+                workers=build_workers(kwargs.pop("workers"), kwargs.pop("scheduler"), kwargs.pop("worker_wait")),
+                rank=kwargs.pop("rank"),
             )
             return run(args, **kwargs)
 

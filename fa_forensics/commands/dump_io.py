@@ -6,7 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, run_cli, write_json
+from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.commands.common import (
+    DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt, console, open_rank, ranks_line, run_cli, write_json,
+)
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the destination if it exists.")]
 
@@ -31,12 +34,12 @@ ScaleOpt = Annotated[Optional[float], typer.Option("--scale", help="The softmax 
                                                    "else 1/sqrt(D) (recorded as assumed).", show_default=False)]
 
 
-def _report(verb: str, result) -> None:
+def _report(verb: str, result, rank_text: str = "") -> None:
     facts = ", ".join(f"{k}={v}" for k, v in result.facts.items())
     assumed = f"; assumed {', '.join(result.assumed)}" if result.assumed else ""
     console.print(
         f"{verb} {result.n_tensors} tensors ({len(result.steps)} steps, layers {result.layers}) "
-        f"{result.source} -> {result.destination} (causal={result.causal}, "
+        f"{result.source}{rank_text} -> {result.destination} (causal={result.causal}, "
         f"scale={'1/sqrt(D)' if result.scale is None else result.scale}"
         + (f", {facts}" if facts else "") + f"{assumed})", highlight=False,
         soft_wrap=True,
@@ -79,6 +82,7 @@ def export_cmd(
     to: Annotated[Path, typer.Option("--to", help="safetensors file to write.", show_default=False)],
     step: StepOpt = None,
     layer: LayerOpt = None,
+    rank: RankOpt = None,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = None,
     debug: DebugOpt = False,
@@ -88,9 +92,10 @@ def export_cmd(
     def body() -> None:
         from fa_forensics.dump.safetensors_io import export_safetensors
 
-        result = export_safetensors(dump, to, steps=step, layers=layer, overwrite=overwrite)
-        _report("exported", result)
-        write_json(json_out, result)
+        d = open_rank(dump, rank, "--rank R exports another")
+        result = export_safetensors(d.path, to, steps=step, layers=layer, overwrite=overwrite, rank=d.rank)
+        _report("exported", result, f" (rank {d.rank})" if ranks_line(d) else "")
+        write_json(json_out, {**to_jsonable(result), "rank": d.rank})
 
     run_cli(debug, body)
 

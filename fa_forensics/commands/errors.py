@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fa_forensics.errors import (
     BackendUnsupported, ClusterUnreachable, DiskFull, ForeignOwnerRefused, InvalidSetting, LinkRefused, NoTimeline,
-    NothingSelected, NotReportFolder, OtherModel, ParentLinkRefused, SpecialFileRefused, TargetExists,
-    TargetUnwritable, UnknownRank, UserError,
+    NothingSelected, NotReportFolder, NoWorkers, OtherModel, ParentLinkRefused, SpecialFileRefused, TargetExists,
+    TargetUnwritable, UnknownRank, UserError, WorkerEnvironment,
 )
 
 
@@ -19,6 +19,8 @@ _ADVICE = {
     UnknownRank: "pick one of those with --rank",
     OtherModel: "write to another path, or pass --allow-other-model to add its steps anyway",
     ClusterUnreachable: "check --scheduler ADDRESS or use --workers 1",
+    NoWorkers: "or use --workers N (a local cluster) or --workers 1; --worker-wait SECONDS waits longer",
+    WorkerEnvironment: "or use --workers N (a local cluster of this environment)",
 }
 
 

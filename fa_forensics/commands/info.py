@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, err_console, exit_code, run_cli, write_json,
+    DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt, console, err_console, exit_code, open_rank, run_cli,
+    write_json,
 )
 from fa_forensics.dump.terminal_text import shown
-
-RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to describe (default 0).")]
 
 
 
@@ -50,7 +49,8 @@ def render(summary: dict[str, Any]) -> None:
     run = Table(title=f"dump {shown(str(summary['path']))}", show_header=False, title_justify="left")
     run.add_column("field", style="bold")
     run.add_column("value")
-    for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank"):
+    for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank",
+                "ranks"):
         run.add_row(key, shown(str(summary.get(key))))
     run.add_row("model", _kv(summary.get("model") or {}))
     run.add_row("capture", _kv(summary.get("capture") or {}))
@@ -125,11 +125,11 @@ def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: L
     """Describe a dump: steps (incomplete ones apart), layers, heads, shapes, dtypes, capture settings."""
 
     def body() -> None:
-        from fa_forensics.dump import IncompleteStepWarning, open_dump
+        from fa_forensics.dump import IncompleteStepWarning
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", IncompleteStepWarning)  # shown in the table instead
-            d = open_dump(dump, rank=rank)
+            d = open_rank(dump, rank)
         summary = d.summary(step=step, layer=layer)
         summary["do_missing"] = do_missing(d)
         summary["warnings"] = ([f"no dO recorded for {do_missing_text(summary['do_missing'])}: no gradient of O "

@@ -7,10 +7,12 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt,
-    console, print_warnings, progress_bar, run_cli, use_match_cache, write_json,
+    ALL_RANKS, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, RanksOpt, SchedulerOpt,
+    StepOpt, WorkersOpt, WorkerWaitOpt, console, open_rank, parse_ranks, print_warnings, progress_bar, run_cli,
+    use_match_cache, write_json,
 )
 from fa_forensics.enums import Backend
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, whatever the recorded facts, on every element, "
                                                     "also after one reproduces the stored O 100 %.")]
@@ -206,23 +208,65 @@ def _layer_json(lm, facts, why, over) -> dict:
                             "n_elements": c.n_elements} for c in lm.candidates]}
 
 
-def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None) -> None:
+def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, workers: int = 1, scheduler=None,
+        rank=None, worker_wait: float = WORKER_WAIT_SECONDS) -> None:
+    import contextlib
+
+    from fa_forensics.commands.common import build_backend, build_workers
+    from fa_forensics.dump import open_dump
+    from fa_forensics.layers.fanout import connected
+
+    backend = build_backend(backend).value
+    fan_out = build_workers(workers, scheduler, worker_wait)
+    asked = parse_ranks(rank)
+    if asked != ALL_RANKS:
+        dump = open_rank(dump_path, asked, "--rank R matches another, --rank all every rank")
+        several = len(dump.ranks) > 1 or dump.world_size > 1
+        payload, lines = _match_rank(dump, step, layer, head, try_all, backend, fan_out, several)
+        write_json(json_path, {**payload, "rank": dump.rank, "ranks": dump.ranks})
+        print_warnings(payload["warnings"])
+        _print_verdict(payload, lines)
+        return
+    ranks = open_dump(dump_path).ranks
+    with contextlib.ExitStack() as stack:
+        if not fan_out.in_process:
+            stack.enter_context(connected(fan_out))  # one cluster for every rank
+        matched = [_match_rank(open_dump(dump_path, rank=r), step, layer, head, try_all, backend, fan_out, True)
+                   for r in ranks]
+    payloads = [payload for payload, _ in matched]
+    warnings = [w for p in payloads for w in p["warnings"]]
+    verdict = "; ".join(p["verdict"] for p in payloads)
+    write_json(json_path, {"rank": ALL_RANKS, "ranks": ranks, "per_rank": payloads, "all": try_all,
+                           "backend": backend, "warnings": warnings, "verdict": verdict})
+    print_warnings(warnings)
+    for payload, lines in matched:
+        _print_verdict(payload, lines)
+
+
+def _print_verdict(payload: dict, lines: list[str]) -> None:
+    from fa_forensics.dump.terminal_text import shown
+
+    for line in (lines if len(lines) <= 8 else []):
+        console.print(shown(line), highlight=False)
+    for note in payload["notes"]:
+        console.print(f"note: {shown(note)}", highlight=False, soft_wrap=True)
+    console.print(f"[bold]verdict:[/] {shown(payload['verdict'])}", highlight=False)
+
+
+def _match_rank(dump, step, layer, head, try_all: bool, backend: str, fan_out, several: bool) -> tuple[dict, list]:
+    """Match the selected layer-steps of one rank's tree: print its table, return its JSON payload and its verdict
+    lines (lines, verdict and warnings name the rank when the store holds several)."""
     from fa_forensics.fidelity.match import match
     from fa_forensics.fidelity.run_facts import facts_at
     from fa_forensics.layers.selection import select
-    from fa_forensics.commands.common import build_backend, build_workers
-    from fa_forensics.dump import open_dump
-    from fa_forensics.dump.terminal_text import shown
 
-    backend = build_backend(backend).value
-    fan_out = build_workers(workers, scheduler)
-    dump = open_dump(dump_path)
+    who = f"rank {dump.rank}: " if several else ""
     sels = select(dump, step, layer, head)
-    with progress_bar("match", len(sels)) as advance:
+    with progress_bar(f"match {who.rstrip(': ')}".rstrip(), len(sels)) as advance:
         r = match(dump, sels, try_all=try_all, backend=backend, progress=advance, workers=fan_out)
 
-    table = Table(title=f"match: share of stored-O elements (in {r.compared_in}) each recipe reproduces bit for bit"
-                        + ("" if try_all else "; stops at the first 100 % (--all: try every recipe)"))
+    table = Table(title=f"{who}match: share of stored-O elements (in {r.compared_in}) each recipe reproduces bit for "
+                        "bit" + ("" if try_all else "; stops at the first 100 % (--all: try every recipe)"))
     for c in ("step", "layer", "best recipe", "o_bits_equal", "max |Δ|", "recipes tried", "runner-up"):
         table.add_column(c, justify="right")
     for lm in r.layers:
@@ -235,22 +279,16 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
 
     facts = {(lm.step, lm.layer): facts_at(dump, lm.step, lm.layer) for lm in r.layers}
     why = {(lm.step, lm.layer): _why(lm, facts[(lm.step, lm.layer)]) for lm in r.layers}
-    lines = [verdict_line(lm, why[(lm.step, lm.layer)]) for lm in r.layers]
+    lines = [who + verdict_line(lm, why[(lm.step, lm.layer)]) for lm in r.layers]
     verdict, warnings = _verdict(r, facts)
     notes = _notes(r, facts)
     payload = {
         "layers": [_layer_json(lm, facts[(lm.step, lm.layer)], why[(lm.step, lm.layer)],
                                r.overridden.get((lm.step, lm.layer), {})) for lm in r.layers],
-        "compared_in": r.compared_in, "all": try_all, "backend": backend, "warnings": warnings, "notes": notes,
-        "verdict": verdict,
+        "compared_in": r.compared_in, "all": try_all, "backend": backend, "warnings": [who + w for w in warnings],
+        "notes": [who + n for n in notes], "verdict": who + verdict,
     }
-    write_json(json_path, payload)
-    print_warnings(warnings)
-    for line in (lines if len(lines) <= 8 else []):
-        console.print(shown(line), highlight=False)
-    for note in notes:
-        console.print(f"note: {shown(note)}", highlight=False, soft_wrap=True)
-    console.print(f"[bold]verdict:[/] {shown(verdict)}", highlight=False)
+    return ({"rank": dump.rank, **payload} if several else payload), lines
 
 
 def register(app: typer.Typer) -> None:
@@ -265,16 +303,18 @@ def register(app: typer.Typer) -> None:
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,
+        rank: RanksOpt = None,
         try_all: AllOpt = False,
         backend: BackendOpt = Backend.EMULATE,
         match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,
+        worker_wait: WorkerWaitOpt = WORKER_WAIT_SECONDS,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
         def body():
             use_match_cache(match_cache)
-            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler)
+            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler, rank, worker_wait)
 
         run_cli(debug, body)

@@ -15,7 +15,9 @@ from fa_forensics.analyses.pcast import compute as pc
 from fa_forensics.analyses.pcast import sim
 from fa_forensics.analyses.pcast.e4m3 import dp_sawtooth
 from fa_forensics.replay.config import KVOrder
-from fa_forensics.commands.common import console, ensure_out_dir, phase, print_warnings, run_cli, write_json
+from fa_forensics.commands.common import (
+    console, ensure_out_dir, open_rank, phase, print_warnings, run_cli, write_json,
+)
 from fa_forensics.errors import ConfigError, InvalidSetting, UserError
 
 OPTION_OF = {"n_sinks": "--sinks", "deltas": "--sink-strength", "seqs": "--seq", "block": "--block",
@@ -56,7 +58,7 @@ def _orders(text: str) -> tuple[KVOrder, ...]:
 
 def run(dump: Optional[Path], sink_strength: str, seq: str, sinks: int, block: int, queries: int, head_dim: int,
         scales: str, order: str, seeds: int, seed: int, step: Optional[int], layer: Optional[int], head: Optional[int],
-        out: Optional[Path], json_path: Optional[Path], debug: bool) -> None:
+        rank: Optional[int], out: Optional[Path], json_path: Optional[Path], debug: bool) -> None:
     """The `pcast` command (options: the registry's): the simulation without a dump, the per-head study with one."""
 
     def body() -> None:
@@ -82,9 +84,8 @@ def run(dump: Optional[Path], sink_strength: str, seq: str, sinks: int, block: i
             write_json(json_path, {**sim.payload(res), "figures": figures})
         else:
             from fa_forensics.layers.selection import select
-            from fa_forensics.dump import open_dump
 
-            d = open_dump(dump)
+            d = open_rank(dump, rank)
             sels = select(d, step if step is not None else (d.steps[-1] if d.steps else None), layer, head)
             with phase("pcast: casting each head's scores through the FP8 P-cast kernel"):
                 res = pc.run(d, sels, n_sinks=sinks, block=block, scales=S_list, orders=orders)

@@ -11,12 +11,14 @@ from rich.table import Table
 
 from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt, StepOpt,
-    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
-    use_match_cache, write_json,
+    ALL_RANKS, AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt,
+    RanksOpt, StepOpt, SchedulerOpt, WorkersOpt, WorkerWaitOpt, build_backend, build_recipe, build_workers, console,
+    err_console, open_rank, parse_ranks, run_cli, use_match_cache, write_json,
 )
+from fa_forensics.dump.schema import rank_key
 from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AccumulationOrAuto, Backend
+from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.errors import UserError
 
 ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help says so
@@ -26,25 +28,66 @@ ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help
 
 def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation: AccumulationOrAuto | str,
         backend: Backend | str,
-        json_path, workers: int = 1, scheduler: Optional[str] = None) -> None:
+        json_path, workers: int = 1, scheduler: Optional[str] = None, rank: Optional[str] = None,
+        worker_wait: float = WORKER_WAIT_SECONDS) -> None:
     from fa_forensics.dump import open_dump
+    from fa_forensics.layers.fanout import connected
+    from fa_forensics.report.output import staged_report
+    from fa_forensics.report.ranks import write_ranks_index
+
+    recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
+    accumulation = getattr(accumulation, "value", accumulation)
+    fan_out = build_workers(workers, scheduler, worker_wait)
+    asked = parse_ranks(rank)
+    if asked != ALL_RANKS:
+        # fail early, with the dump store's one-line error, on a bad DUMP
+        dump = open_rank(dump_path, asked, "--rank R reports another, --rank all every rank")
+        payload = _report_rank(dump, dump_path, Path(out), step, layer, head, preset, accumulation, recipe,
+                               backend_, fan_out)
+        write_json(json_path, payload)
+        return
+    store = open_dump(dump_path)
+    store.layers()  # a dump that cannot be read: its one line, before any analysis runs
+    t0 = time.perf_counter()
+    # OUT is one report (built aside, published whole) holding a report per rank in rank_<r>/ and their index
+    with contextlib.ExitStack() as stack, staged_report(out, [rank_key(r) for r in store.ranks]) as staged:
+        if not fan_out.in_process:
+            stack.enter_context(connected(fan_out))  # one cluster for every rank
+        payloads = [_report_rank(open_dump(store.path, rank=r), dump_path, staged / rank_key(r), step, layer,
+                                 head, preset, accumulation, recipe, backend_, fan_out, several=True,
+                                 published_as=Path(out) / rank_key(r))
+                    for r in store.ranks]
+        write_ranks_index(staged, str(dump_path), payloads)
+    index = Path(out) / "index.html"
+    warnings = list(dict.fromkeys(w for p in payloads for w in p["warnings"]))
+    write_json(json_path, {"index": str(index), "seconds": time.perf_counter() - t0, "preset": preset,
+                           "verdict": "; ".join(p["verdict"] for p in payloads), "rank": ALL_RANKS,
+                           "ranks": store.ranks, "per_rank": payloads, "warnings": warnings})
+    console.print(f"wrote {shown(index)} (one report per rank)", highlight=False)
+
+
+def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: str, accumulation: str, recipe,
+                 backend_: Backend, fan_out, several: Optional[bool] = None, published_as: Optional[Path] = None
+                 ) -> dict:
+    """Every analysis on one rank's tree into `out` (to be found at `published_as`, default `out`): the page, the
+    table, the verdict line; returns the JSON payload. A rank r > 0 is named by the path that opens it
+    (`run.zarr/rank_r`) in the page and its commands."""
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
     from fa_forensics.analyses.contract import to_jsonable
     from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all
     from fa_forensics.report.verdict import build_verdict
-
-    recipe, backend_ = build_recipe(preset, accumulation), build_backend(backend)
-    accumulation = getattr(accumulation, "value", accumulation)
-    fan_out = build_workers(workers, scheduler)
-    dump = open_dump(dump_path)  # fail early, with the dump store's one-line error, on a bad DUMP
     from fa_forensics.layers.selection import select
 
+    several = len(dump.ranks) > 1 or dump.world_size > 1 if several is None else several
+    final = Path(published_as or out)
+    who = f"rank {dump.rank}: " if several else ""
+    label = Path(dump.path) / rank_key(dump.rank) if dump.rank != 0 else Path(dump_path)
     if dump.steps or dump.timeline is None or (step, layer, head) != (None, None, None):
         select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     t0 = time.perf_counter()
     done = []
-    log = ProgressLines("report", len(ANALYSES), interval=progress_interval())
+    log = ProgressLines(f"{who}report".strip(), len(ANALYSES), interval=progress_interval())
 
     def on_start(name: str) -> None:
         if done:
@@ -52,19 +95,21 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
         done.append(name)
         log.now(name)
         if err_console.is_terminal:  # a line per analysis for a person; a log gets `log`'s lines every few seconds
-            err_console.print(f"[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
+            err_console.print(f"{who}[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
 
     with staged_report(out, ANALYSES) as staged:  # built aside, moved into --out only when complete
         with log if not err_console.is_terminal else contextlib.nullcontext():
-            sections = run_all(dump, dump_path, staged, step=step, layer=layer, head=head, recipe=recipe,
-                               backend=backend_, on_start=on_start, workers=fan_out, published_as=Path(out))
+            sections = run_all(dump, label, staged, step=step, layer=layer, head=head, recipe=recipe,
+                               backend=backend_, on_start=on_start, workers=fan_out, published_as=final)
         seconds = time.perf_counter() - t0
-        info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset, "accumulation": accumulation,
-                "backend": backend_.value}
-        write_report(staged, str(dump_path), sections, info=info, seconds=seconds)
-    index = Path(out) / "index.html"
+        info = {"steps": len(dump.steps), "layers": len(dump.layers()), "preset": preset,
+                "accumulation": accumulation, "backend": backend_.value}
+        if several:
+            info["rank"] = f"{dump.rank} of the store's ranks {', '.join(map(str, dump.ranks))}"
+        write_report(staged, str(label), sections, info=info, seconds=seconds)
+    index = final / "index.html"
 
-    table = Table(title=f"report: {shown(dump_path)}")
+    table = Table(title=f"{who}report: {shown(str(label))}")
     for c in ("analysis", "exit code: meaning", "seconds", "figures", "note"):
         table.add_column(c)
     for s in sections:
@@ -75,21 +120,22 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
     summary = build_verdict(sections)
     verdict = summary.line()
     # every section's, once
-    warnings = list(dict.fromkeys(w for s in sections for w in ((s.data or {}).get("warnings") or [])))
-    write_json(json_path, {
-        "index": str(index), "seconds": seconds, "preset": preset, "verdict": verdict,
-        "summary": to_jsonable(summary), "findings": findings(sections),
-        "warnings": warnings,
+    warnings = list(dict.fromkeys(who + w for s in sections for w in ((s.data or {}).get("warnings") or [])))
+    payload = {
+        "index": str(index), "seconds": seconds, "preset": preset, "verdict": who + verdict,
+        "summary": to_jsonable(summary), "findings": findings(sections), "warnings": warnings, "rank": dump.rank,
+        "ranks": dump.ranks,
         "sections": [{"name": s.name, "exit_code": s.exit_code, "ok": s.ok, "note": s.note, "figures": s.figures,
                       "seconds": s.seconds, "json": s.data} for s in sections],
-    })
+    }
     ok = sum(s.ok for s in sections)
     if not ok:
         first = sections[0]
-        raise UserError(f"no analysis of {dump_path} could run ({first.name}: {' '.join(first.note.split())[:200]}); "
-                        f"run `fa-forensics verify {dump_path}` and fix the first problem")
-    console.print(f"{ok} of {len(sections)} analyses reported; wrote {shown(index)}", highlight=False)
-    console.print(f"[bold]verdict:[/] {shown(verdict.removeprefix('VERDICT: '))}", highlight=False)
+        raise UserError(f"no analysis of {label} could run ({first.name}: {' '.join(first.note.split())[:200]}); "
+                        f"run `fa-forensics verify {label}` and fix the first problem")
+    console.print(f"{who}{ok} of {len(sections)} analyses reported; wrote {shown(index)}", highlight=False)
+    console.print(f"[bold]verdict:[/] {shown(who + verdict.removeprefix('VERDICT: '))}", highlight=False)
+    return payload
 
 
 def register(app: typer.Typer) -> None:
@@ -101,17 +147,20 @@ def register(app: typer.Typer) -> None:
         step: StepOpt = None,
         layer: LayerOpt = None,
         head: HeadOpt = None,
+        rank: RanksOpt = None,
         preset: PresetOpt = "auto",
         accumulation: AccumulationOpt = AccumulationOrAuto.AUTO,
         backend: BackendOpt = Backend.EMULATE,
         match_cache: MatchCacheOpt = None,
         workers: WorkersOpt = 1,
         scheduler: SchedulerOpt = None,
+        worker_wait: WorkerWaitOpt = WORKER_WAIT_SECONDS,
         json_path: JsonOpt = None,
         debug: DebugOpt = False,
     ) -> None:
         def body():
             use_match_cache(match_cache)
-            return run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler)
+            return run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler,
+                       rank, worker_wait)
 
         run_cli(debug, body)

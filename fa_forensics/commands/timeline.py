@@ -5,22 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from fa_forensics.commands.common import console, ensure_out_dir, run_cli, write_json
+from fa_forensics.commands.common import console, ensure_out_dir, open_rank, run_cli, write_json
 
 TIMELINE_OPTION_OF = {"alarm_warmup": "--alarm-warmup", "alarm_window": "--alarm-window", "alarm_z": "--alarm-z",
                       "alarm_set": "--alarm-set"}
 
 
-def run(dump: Path, out: Optional[Path], json_path: Optional[Path], alarm_warmup: Optional[int],
-        alarm_window: Optional[int], alarm_z: Optional[float], alarm_set: Optional[list[str]],
-        tensorboard: Optional[Path], debug: bool) -> None:
+def run(dump: Path, rank: Optional[int], out: Optional[Path], json_path: Optional[Path],
+        alarm_warmup: Optional[int], alarm_window: Optional[int], alarm_z: Optional[float],
+        alarm_set: Optional[list[str]], tensorboard: Optional[Path], debug: bool) -> None:
     """The `timeline` command (options: the registry's): the per-step statistics, their figures, the alarms."""
 
     def body() -> None:
         from fa_forensics.analyses.timeline import compute
         from fa_forensics.analyses.timeline.table import tables
         from fa_forensics.commands.capture import worded_settings
-        from fa_forensics.dump import open_dump
         from fa_forensics.monitor.alarm_settings import check_settings
 
         with worded_settings(TIMELINE_OPTION_OF):
@@ -29,7 +28,7 @@ def run(dump: Path, out: Optional[Path], json_path: Optional[Path], alarm_warmup
             from fa_forensics.optional import require
 
             require("tensorboard", "timeline --tensorboard (TensorBoard event files of the monitor's timeline)")
-        d = open_dump(dump)
+        d = open_rank(dump, rank)
         with worded_settings(TIMELINE_OPTION_OF):
             result = compute.run(d, alarm_warmup=alarm_warmup, alarm_window=alarm_window, alarm_z=alarm_z,
                                  alarm_set=alarm_set)

@@ -1,73 +1,96 @@
 """`fa-forensics verify`: check a dump's integrity (every step complete, every chunk present and decoding)."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import warnings
 
 import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json,
+    ALL_RANKS, DebugOpt, DumpArg, JsonOpt, RanksOpt, add_warning, console, err_console, exit_code, parse_ranks,
+    ranks_line, run_cli, write_json,
 )
 from fa_forensics.dump.terminal_text import shown
 
-RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to check (default 0).")]
 
-
-def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug: DebugOpt = False) -> None:
+def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RanksOpt = None, debug: DebugOpt = False) -> None:
     """Check a dump: complete steps, every chunk present and decoding (zstd checksums), dtype attributes, links leaving
     the store; list what killed writers left beside it. Exit 0 whole, 1 damage or incomplete steps, 2 not a dump."""
 
     def body() -> int:
+        from fa_forensics.dump import open_dump
         from fa_forensics.dump.verify import verify as verify_store
 
-        report = verify_store(dump, rank=rank)
-        report = _with_stored_match(report)
-        write_json(json_out, report.to_dict())
-        if report.problems:
-            table = Table(title=f"damage in {shown(report.path)}", title_justify="left")
-            for col in ("step", "layer", "array", "file", "problem"):
-                table.add_column(col)
-            for d in report.problems:
-                cells = ("-" if v is None else shown(str(v)) for v in (d.step, d.layer, d.array, d.file))
-                table.add_row(*cells, shown(d.what))
-            console.print(table)
-        if report.leftovers:
-            title = f"left beside {shown(report.path)} by writers that are not running"
-            table = Table(title=title, title_justify="left")
-            table.add_column("path")
-            table.add_column("what")
-            for x in report.leftovers:
-                table.add_row(shown(x.path), shown(x.what))
-            console.print(table)
-        console.print(f"{shown(report.path)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
-                      f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
-        if report.ok:
-            return _empty_code(report)
-        in_steps = [d for d in report.problems if d.step is not None]
-        elsewhere = len(report.problems) - len(in_steps)
-        parts, redo = [], []
-        if in_steps:
-            parts.append(f"{len(in_steps)} problem(s) in step(s) {report.damaged_steps}")
-            redo.append("those steps")
-        if elsewhere:
-            parts.append(f"{elsewhere} problem(s) in the timeline" if all(
-                (d.array or "").startswith("timeline") for d in report.problems if d.step is None)
-                else f"{elsewhere} problem(s)")
-            redo.append("the timeline")
-        if report.incomplete_steps:
-            parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
-            if not in_steps:
-                redo.insert(0, "those steps")
-        what = shown(f"{report.path}: {'; '.join(parts)}")
-        whole = " (the other steps read whole)" if report.steps else ""
-        err_console.print(f"[bold red]damaged:[/] {what}; re-capture {' and '.join(redo)}{whole}",
-                          highlight=False, soft_wrap=True)
-        return 1
+        asked = parse_ranks(rank)
+        first = _with_stored_match(verify_store(dump, rank=None if asked == ALL_RANKS else asked))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its steps are in the report
+            store = open_dump(first.path, rank=first.rank)
+        several = len(store.ranks) > 1 or store.world_size > 1
+        if asked == ALL_RANKS:
+            reports = [first if r == first.rank else _with_stored_match(verify_store(first.path, rank=r))
+                       for r in store.ranks]
+        else:
+            line = ranks_line(store, "--rank all checks every rank")
+            if line:
+                add_warning(line)
+            reports = [first]
+        codes = [_show(report, several) for report in reports]
+        if asked == ALL_RANKS:
+            write_json(json_out, {"path": first.path, "rank": ALL_RANKS, "ranks": store.ranks,
+                                  "ok": all(r.ok for r in reports), "per_rank": [r.to_dict() for r in reports]})
+        else:
+            write_json(json_out, {**first.to_dict(), "ranks": store.ranks})
+        return max(codes)
 
     code = run_cli(debug, body)
     if code:
         exit_code(code)
+
+
+def _show(report, several: bool) -> int:
+    """Print what `verify` found in one rank's tree (naming the rank when the store holds several); its exit code."""
+    where = f"{report.path} rank {report.rank}" if several else report.path
+    if report.problems:
+        table = Table(title=f"damage in {shown(where)}", title_justify="left")
+        for col in ("step", "layer", "array", "file", "problem"):
+            table.add_column(col)
+        for d in report.problems:
+            cells = ("-" if v is None else shown(str(v)) for v in (d.step, d.layer, d.array, d.file))
+            table.add_row(*cells, shown(d.what))
+        console.print(table)
+    if report.leftovers:
+        title = f"left beside {shown(report.path)} by writers that are not running"
+        table = Table(title=title, title_justify="left")
+        table.add_column("path")
+        table.add_column("what")
+        for x in report.leftovers:
+            table.add_row(shown(x.path), shown(x.what))
+        console.print(table)
+    console.print(f"{shown(where)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
+                  f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
+    if report.ok:
+        return _empty_code(report)
+    in_steps = [d for d in report.problems if d.step is not None]
+    elsewhere = len(report.problems) - len(in_steps)
+    parts, redo = [], []
+    if in_steps:
+        parts.append(f"{len(in_steps)} problem(s) in step(s) {report.damaged_steps}")
+        redo.append("those steps")
+    if elsewhere:
+        parts.append(f"{elsewhere} problem(s) in the timeline" if all(
+            (d.array or "").startswith("timeline") for d in report.problems if d.step is None)
+            else f"{elsewhere} problem(s)")
+        redo.append("the timeline")
+    if report.incomplete_steps:
+        parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
+        if not in_steps:
+            redo.insert(0, "those steps")
+    what = shown(f"{where}: {'; '.join(parts)}")
+    whole = " (the other steps read whole)" if report.steps else ""
+    err_console.print(f"[bold red]damaged:[/] {what}; re-capture {' and '.join(redo)}{whole}",
+                      highlight=False, soft_wrap=True)
+    return 1
 
 
 def _with_stored_match(report):

@@ -4,7 +4,8 @@ The lock is a `flock` on the file, so the kernel releases it when the holder die
 included: a stale lock file never blocks the next run, and the run that takes it over removes the
 staging stores its dead holder left (debris.py). The lock file is opened with O_NOFOLLOW and must be
 a regular file with one link: a link planted at its name is refused, never written through. The
-file holds a line naming the holder (pid, host, start time, command), which the refusal quotes.
+file holds a line naming the holder (pid, host, start time, command), which the refusal quotes, and
+may hold a second line the holder announces (rank 0's `ready RUN_ID`, dump/ranks.py).
 Ranks of a multi-rank run write disjoint subtrees and lock `run.zarr.rank_<r>.lock` each.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ class StoreLock:
         self.store = Path(store)
         self.path = lock_path(self.store, rank)
         self._fd: int | None = None
+        self._holder = ""  # the line naming this holder, written at acquire()
         self.stale_holder = ""  # the holder line of a lock file found left behind by a dead writer
         self.cleaned: list[Path] = []  # its staging stores, removed at acquire()
 
@@ -76,7 +78,16 @@ class StoreLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, line.encode(), 0)
         self._fd = fd
+        self._holder = line
         return self
+
+    def announce(self, line: str) -> None:
+        """Add `line` after the holder line (what the holder tells other processes: dump/ranks.py's ready line)."""
+        if self._fd is None:
+            return
+        text = (self._holder + line.strip() + "\n").encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text, 0)
 
     def _open(self) -> int:
         """The lock file, created if missing; a link or a file with other hard links is refused."""

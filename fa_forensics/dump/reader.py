@@ -24,6 +24,7 @@ import zarr
 from fa_forensics.dump.guarded_store import RegularFileStore, bounded
 from fa_forensics.dump.integrity import Damage, bad_chunk, check_step, check_timeline, describe_error, relative
 from fa_forensics.dump.metadata_checks import ROOT_ATTRS, attribute_problems, read_metadata
+from fa_forensics.dump.ranks import rank_tree_of, store_ranks
 from fa_forensics.dump.safe_read import special_kind
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
@@ -79,8 +80,15 @@ def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
 
 
 def open_dump(path, rank: int | None = None) -> Dump:
-    """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0)."""
+    """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0). A rank's folder of a
+    multi-rank store (`run.zarr/rank_1`) opens that rank of the store."""
     p = Path(path)
+    tree = rank_tree_of(p)
+    if tree is not None:
+        if rank is not None and int(rank) != tree[1]:
+            raise DumpError(f"{p} is rank {tree[1]}'s tree of the dump {tree[0]}, not rank {rank}'s; give the store "
+                            f"{tree[0]} and the rank")
+        p, rank = tree
     hint = "give the path of a .zarr dump made by `fa-forensics capture`, `synth` or `import`"
     if not p.exists():
         raise DumpError(f"no dump at {p}: the path does not exist; {hint}")
@@ -161,6 +169,11 @@ class Dump:
             what = str(exc) if isinstance(exc, ValueError) else f"zarr cannot open it ({describe_error(exc)})"
             raise DumpError(f"damaged: {self.path}/{rank_key(rank)}/zarr.json: {what}; rank {rank} cannot be read, "
                             "re-capture it") from None
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """Every rank whose tree the store holds (0, the root, always)."""
+        return store_ranks(self.path)
 
     @property
     def _tree_path(self) -> Path:
@@ -512,6 +525,7 @@ class Dump:
             "amp_dtype": self.attrs.get("amp_dtype"),
             "world_size": self.world_size,
             "rank": self.rank,
+            "ranks": self.ranks,
             "model": self.attrs.get("model", {}),
             "capture": self.attrs.get("capture", {}),
             "steps": self.steps,

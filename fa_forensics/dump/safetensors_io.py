@@ -298,7 +298,8 @@ def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
         writer.complete_step(s)
 
 
-def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bool = False) -> ConvertResult:
+def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bool = False,
+                       rank: int | None = None) -> ConvertResult:
     """Write the complete steps of a dump (or a selection) to one safetensors file, dtypes kept."""
     from safetensors.torch import save
 
@@ -308,7 +309,7 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
         raise TargetExists(dst, "to")
     if dst.is_dir():
         raise InvalidSetting("to", f"{dst} is a folder; give a file path ending in .safetensors")
-    dump = open_dump(dump_path)
+    dump = open_dump(dump_path, rank=rank)
     triples = dump.select(steps=steps, layers=layers)
     tensors: dict[str, torch.Tensor] = {}
     settings = set()

@@ -25,6 +25,7 @@ import zarr.codecs
 from fa_forensics.dump.identity import check_same_model
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.metadata_checks import read_metadata
+from fa_forensics.dump.ranks import other_rank_trees, ready_line, wait_for_rank0
 from fa_forensics.dump.safe_files import check_parent_links
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
@@ -118,13 +119,15 @@ class DumpWriter:
       aside to `<path>.replaced-<n>` and deleted by close() after a run that ended well; a run that
       dies, or close(failed=True), keeps it, so nothing is lost).
     Another process writing the same store (rank) is refused with a DumpError naming it.
-    Rank r > 0 writes under `rank_{r}/`; rank 0 writes the root tree. Meant for one writer
+    Rank r > 0 writes under `rank_{r}/` of a store rank 0 created (never the root attributes); rank 0
+    writes the root tree. `rank0_wait` (seconds): rank r > 0 first waits for rank 0 of the run `run_id`
+    to have opened the store (dump/ranks.py); rank 0 announces it. Meant for one writer
     thread per rank; a lock makes concurrent calls from several threads safe, not fast.
     """
 
     def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0,
                  world_size: int = 1,
-                 allow_other_model: bool = False):
+                 allow_other_model: bool = False, run_id: str | None = None, rank0_wait: float | None = None):
         self.path = Path(path)
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -136,9 +139,13 @@ class DumpWriter:
         self._created: str | None = None  # "new" / "empty folder" when this writer made the store
         self._wrote = False  # anything written (a step, an array, a timeline row)
         check_parent_links(self.path, "out")  # a folder on the way planted as a link in a shared place
+        if self.rank > 0 and rank0_wait is not None:
+            wait_for_rank0(self.path, self.rank, run_id, rank0_wait)
         self._store_lock = StoreLock(self.path, self.rank).acquire()
         try:
             self._root = self._open_root(dict(run_attrs or {}), overwrite)
+            if self.rank == 0:
+                self._store_lock.announce(ready_line(run_id))
             self._tree = self._root if self.rank == 0 else self._root.require_group(rank_key(self.rank))
         except BaseException:
             self._store_lock.release()
@@ -156,6 +163,9 @@ class DumpWriter:
         if p.exists() and not p.is_dir():
             raise DumpError(f"{p} exists and is a file, not a dump store; choose another path")
         is_empty_dir = p.is_dir() and not any(p.iterdir())
+        if self.rank > 0 and (not p.exists() or is_empty_dir):
+            raise DumpError(f"rank {self.rank} found no dump at {p} to add its tree {rank_key(self.rank)}/ to: rank 0 "
+                            "creates the store and writes its run description; open rank 0's writer first")
         if p.exists() and not is_empty_dir:
             version = _existing_format(p)
             if version is None:
@@ -365,7 +375,10 @@ class DumpWriter:
             self._store_lock.release()
 
     def _undo_create(self) -> None:
-        """A failed run that wrote nothing leaves the path as it found it (the replaced dump back in place)."""
+        """A failed run that wrote nothing leaves the path as it found it (the replaced dump back in place),
+        unless other ranks wrote their trees into the store meanwhile."""
+        if other_rank_trees(self.path):
+            return
         shutil.rmtree(self.path, ignore_errors=True)
         if self._replaced is not None:
             os.replace(self._replaced, self.path)

@@ -113,10 +113,27 @@ def test_rewrite_command():
                                                                                        "fa_forensics.capture.launch",
                                                                                        "--module", "pkg.train", "a"]
     assert rewrite_command(["/opt/py/bin/python", "t.py"])[0] == "/opt/py/bin/python"  # an explicit path is kept
-    assert rewrite_command(["torchrun", "--nproc_per_node", "2", "train.py", "x"]) == ["torchrun", "--nproc_per_node",
-                                                                                       "2", "-m",
-                                                                                       "fa_forensics.capture.launch",
-                                                                                       "train.py", "x"]
+    launcher = "fa_forensics.capture.launch"
+    # a distributed launcher: the capture launcher goes in front of the script, found by the launcher's own parser
+    # (a bare torchrun runs as this interpreter's torch.distributed.run)
+    assert rewrite_command(["torchrun", "--nproc_per_node", "2", "--max-restarts", "0", "train.py", "--lr", "1"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "0", "--module",
+        launcher, "train.py", "--lr", "1"]
+    assert rewrite_command(["torchrun", "--nproc_per_node", "2", "train.py", "x"], same_python=False) == [
+        "torchrun", "--nproc_per_node", "2", "--module", launcher, "train.py", "x"]
+    assert rewrite_command(["python", "-m", "torch.distributed.launch", "--nproc_per_node=2", "--use-env", "t.py"]) == [
+        sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--use-env", "--module", launcher,
+        "t.py"]
+    assert rewrite_command(["python3", "-m", "torch.distributed.run", "-m", "pkg.train", "a"], same_python=False) == [
+        "python3", "-m", "torch.distributed.run", "-m", launcher, "--module", "pkg.train", "a"]
+    from fa_forensics.capture.command_line import launcher_file
+
+    assert rewrite_command(["torchrun", "--run-path", "/abs/t.py", "a"], same_python=False) == [
+        "torchrun", "--run-path", launcher_file(), "/abs/t.py", "a"]
+    assert rewrite_command(["torchrun", "--no-python", "python", "-u", "t.py"], same_python=False) == [
+        "torchrun", "--no-python", "python", "-u", "-m", launcher, "t.py"]
+    with pytest.raises(UserError, match="cannot read the torchrun command"):
+        rewrite_command(["torchrun", "--nproc_per_node"])
     with pytest.raises(UserError):
         rewrite_command([])
 

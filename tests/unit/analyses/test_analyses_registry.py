@@ -10,8 +10,9 @@ from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 from fa_forensics.report.run import SECTIONS, command_line
 
-SHARED_BEFORE = ["dump", "step", "layer", "head"]
-SHARED_AFTER = ["preset", "accumulation", "backend", "match_cache", "workers", "scheduler", "out", "json_path", "debug"]
+SHARED_BEFORE = ["dump", "step", "layer", "head", "rank"]
+SHARED_AFTER = ["preset", "accumulation", "backend", "match_cache", "workers", "scheduler", "worker_wait", "out",
+                "json_path", "debug"]
 
 
 def _commands():

@@ -319,7 +319,7 @@ def test_sdpa_inside_a_watched_callable_is_recorded_once_and_unresolved_names_ar
 
 
 def test_launcher_binds_a_compiled_model_without_a_global_hook_alive_at_compile(tmp_path):
-    from fa_forensics.capture.launch import _auto_binder
+    from fa_forensics.capture.launched import auto_binder as _auto_binder
     from fa_forensics.capture.session import CaptureSession
 
     session = CaptureSession(None, tmp_path / "run.zarr", [0])
