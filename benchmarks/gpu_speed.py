@@ -1,6 +1,6 @@
 """GPU speed of stable_attention, the plain kernel, their levers, the monitor and compiled capture, side by side.
 
-    python benchmarks/gpu_speed.py [--json FILE] [--markdown FILE] [--quick] [--budget-s 450]   # one CUDA GPU
+    python benchmarks/gpu_speed.py [--json FILE] [--markdown FILE] [--quick] [--budget-s 420]   # one CUDA GPU
     python benchmarks/gpu_speed.py --smoke [--json FILE] [--markdown FILE]   # CPU, tiny sizes, Triton interpreter
 
 Measures, in this order (bf16; B·T = 8192 tokens, model width 1024: H 16 at D 64, H 8 at D 128):
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="T 1024 only and fewer training steps")
     parser.add_argument("--json", default=None, help="also write the JSON here")
     parser.add_argument("--markdown", default=None, help="write the markdown summary here")
-    parser.add_argument("--budget-s", type=float, default=450.0,
+    parser.add_argument("--budget-s", type=float, default=420.0,
                         help="seconds from the start after which the optional parts (levers, monitor, autotune) "
                              "are skipped")
     return parser.parse_args(argv)
@@ -182,8 +182,9 @@ def _builds_in_a_child(kw: dict) -> str | None:
     return f"exit {proc.returncode}: {tail[-1][:240] if tail else 'no message'}"
 
 
-def lever_rows(device, dtype, shapes, attention, smoke: bool) -> list[dict]:
-    """Per shape: the stabilized forward with each lever beside the default (same call, same tiles)."""
+def lever_rows(device, dtype, shapes, attention, smoke: bool, budget: Budget) -> list[dict]:
+    """Per shape: the stabilized forward with each lever beside the default (same call, same tiles); shapes the
+    budget has no room for are left out (a row says so)."""
     from fa_forensics.replay.triton import fast_attention as fast
     from fa_forensics.replay.triton.fast_tiles import KernelOptions
 
@@ -193,6 +194,9 @@ def lever_rows(device, dtype, shapes, attention, smoke: bool) -> list[dict]:
     rows = []
     for shape in shapes:
         B, H, T, D, causal = shape
+        if not budget.allows(20):
+            rows.append({"B": B, "H": H, "T": T, "D": D, "causal": causal, "skipped": "time budget"})
+            continue
         q, k, v, _ = _inputs(shape, device, dtype)
         scale = D ** -0.5
 
@@ -228,7 +232,7 @@ def lever_rows(device, dtype, shapes, attention, smoke: bool) -> list[dict]:
 
 
 # -- 5. autotune beside the table ----------------------------------------------------------------
-def autotune_rows(device, dtype, shapes, smoke: bool) -> dict:
+def autotune_rows(device, dtype, shapes, smoke: bool, budget: Budget) -> dict:
     from fa_forensics.replay.triton import fast_attention as fast
     from fa_forensics.replay.triton.fast_tiles import KernelOptions
 
@@ -238,6 +242,9 @@ def autotune_rows(device, dtype, shapes, smoke: bool) -> dict:
     rows = []
     for shape in shapes:
         B, H, T, D, causal = shape
+        if not budget.allows(45):
+            rows.append({"B": B, "H": H, "T": T, "D": D, "causal": causal, "skipped": "time budget"})
+            continue
         q, k, v, do = _inputs(shape, device, dtype)
         scale = D ** -0.5
         row = {"B": B, "H": H, "T": T, "D": D, "causal": causal}
@@ -503,11 +510,11 @@ def main(argv=None) -> int:
         _write_partial(result, args.json)
     training_rows(device, args.smoke, args.quick, budget, result, args.json)
     _write_partial(result, args.json)
-    result["levers"] = (lever_rows(device, dtype, shapes, result["attention"], args.smoke) if budget.allows(60)
-                        else {"skipped": "time budget"})
+    result["levers"] = (lever_rows(device, dtype, shapes, result["attention"], args.smoke, budget)
+                        if budget.allows(60) else {"skipped": "time budget"})
     _write_partial(result, args.json)
     causal_shapes = [s for s in shapes if s[4] and s[2] == shapes[0][2]]
-    result["autotune"] = (autotune_rows(device, dtype, causal_shapes, args.smoke) if budget.allows(90)
+    result["autotune"] = (autotune_rows(device, dtype, causal_shapes, args.smoke, budget) if budget.allows(90)
                           else {"skipped": "time budget"})
     result["summary"] = summary(result)
     result["wall_s"] = time.perf_counter() - budget.t0
@@ -549,7 +556,7 @@ def summary(result) -> dict:
         worst["compiled_capture_recorded_step_ms"] = compiled["session_steps_ms"][compiled["recorded_step"]]
     if isinstance(result.get("levers"), list):
         for name in (*LEVERS, "plain+tma"):
-            ok = [r["levers"][name] for r in result["levers"] if "ms" in r["levers"].get(name, {})]
+            ok = [r["levers"][name] for r in result["levers"] if "ms" in r.get("levers", {}).get(name, {})]
             if ok:
                 worst[f"lever_{name}_speedup_min"] = min(x["speedup_vs_default"] for x in ok)
                 worst[f"lever_{name}_speedup_max"] = max(x["speedup_vs_default"] for x in ok)

@@ -33,11 +33,12 @@ def render_markdown(result: dict) -> str:
                      f"{_x(p['fwd'])} / {_x(p['bwd'])} | {_pct(r['fix_cost']['fwd'])} / {_pct(r['fix_cost']['bwd'])} "
                      f"| {err:.1e} |")
     levers = result.get("levers")
-    if isinstance(levers, list) and levers:
-        names = list(levers[0]["levers"])
+    done = [r for r in levers if "levers" in r] if isinstance(levers, list) else []
+    if done:
+        names = list(done[0]["levers"])
         lines += ["", "## Levers of the stabilized forward (default time / lever time; = : same bits as the default)",
                   "", "| B×H×T×D | causal | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-        for r in levers:
+        for r in done:
             cells = []
             for name in names:
                 lv = r["levers"][name]
@@ -47,19 +48,24 @@ def render_markdown(result: dict) -> str:
                     same = {True: " =", False: " ≠", None: ""}[lv["same_bits_as_default"]]
                     cells.append(f"{_x(lv['speedup_vs_default'])}{same}")
             lines.append(f"| {_shape(r)} | " + " | ".join(cells) + " |")
-        errors = {name: lv["error"] for r in levers for name, lv in r["levers"].items() if "error" in lv}
+        errors = {name: lv["error"] for r in done for name, lv in r["levers"].items() if "error" in lv}
+        if len(done) < len(levers):
+            lines.append(f"- {len(levers) - len(done)} shape(s) left out: time budget")
         lines += [f"- {name}: {err}" for name, err in errors.items()]
     elif isinstance(levers, dict):
         lines += ["", f"Levers: {levers.get('skipped', '')}"]
     auto = result.get("autotune", {})
     if "rows" in auto:
+        skipped = [r for r in auto["rows"] if "skipped" in r]
         lines += ["", "## Autotune beside the table (stabilized kernel, ms)", "",
                   "| B×H×T×D | causal | table fwd / bwd | autotune fwd / bwd | same bits fwd / bwd |",
                   "|---|---|---|---|---|"]
-        for r in auto["rows"]:
+        for r in (r for r in auto["rows"] if "skipped" not in r):
             lines.append(f"| {_shape(r)} | {r['table']['fwd_ms']:.3f} / {r['table']['bwd_ms']:.3f} | "
                          f"{r['autotune']['fwd_ms']:.3f} / {r['autotune']['bwd_ms']:.3f} | "
                          f"{r['same_bits_as_table']['fwd']} / {r['same_bits_as_table']['bwd']} |")
+        if skipped:
+            lines.append(f"- {len(skipped)} shape(s) left out: time budget")
         for kernel, picks in auto.get("picks", {}).items():
             for pick in picks:
                 lines.append(f"- {kernel} key {', '.join(pick['key'])}: {pick['config']}")
