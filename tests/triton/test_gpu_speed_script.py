@@ -41,8 +41,8 @@ def test_smoke_run_prints_one_json_with_every_ratio(tmp_path):
     assert set(monitor["ratio_to_plain"]) == {"every_row", "sampled", "sampled_side_stream"}
     assert "skipped" in result["autotune"] and "skipped" in step["capture"]["compiled"]
     text = md.read_text()
-    for heading in ("## Attention", "## Levers of the stabilized forward", "## Training step", "## Against the targets"):
-        assert heading in text
+    headings = ("## Attention", "## Levers of the stabilized forward", "## Training step", "## Against the targets")
+    assert all(heading in text for heading in headings)
 
 
 def test_without_a_gpu_it_says_so_in_one_line():

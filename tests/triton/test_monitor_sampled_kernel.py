@@ -41,6 +41,17 @@ def test_sampled_rows_of_the_kernel_equal_the_torch_path(B, H, T, Tk, D, causal,
     assert int((torch_.near[:, 1] > 1).sum()) > 0  # the planted head ties in sampled rows
 
 
+def test_pass_one_alone_gives_every_row_s_maximum_and_row_sum():
+    from fa_forensics.replay.triton.monitor_kernel import row_statistics
+
+    q, k = _grid_inputs(5, 1, 3, 70, 70, 16, 2)
+    kw = dict(scale=0.25, causal=True, eps=1e-3, p_dtype=torch.bfloat16, score_dtype=torch.bfloat16)
+    rowmax, near, ones, rowsum = row_statistics(q, k, **kw)
+    rowmax1, near1, ones1, rowsum1 = row_statistics(q, k, counts=False, **kw)
+    assert near1 is None and ones1 is None and near is not None
+    assert torch.equal(rowmax1, rowmax) and torch.equal(rowsum1, rowsum)
+
+
 @pytest.mark.parametrize("T", [96, 128], ids=["T-inside-a-tile", "T-whole-tiles"])
 def test_the_forward_s_row_maxima_give_max_logit_and_top1(T):
     """fp32 inputs, the stabilized kernel on planted repeated maxima (its shift is not the row maximum, so the

@@ -145,11 +145,12 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[Built]:
         mon_sig = {"Q": "*bf16", "K": "*bf16", "ROWS": "*i32", "ROWMAX": "*fp32", "NEAR": "*i32", "ONES": "*i32",
                    "ROWSUM": "*fp32", "T": "i32", "Tk": "i32", "H": "i32", "n_rows": "i32", "scale": "fp32",
                    "eps": "fp32"}
-        for sampled, block_m in ((False, 64), (True, 16)):
+        for sampled, block_m, counts in ((False, 64, True), (True, 16, True), (False, 64, False)):
             build(mk.monitor_rows, mon_sig, dict(D=D, BLOCK_M=block_m, BLOCK_N=64, CAUSAL=True,
                                                  SCORE_DTYPE=tl.bfloat16, P_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
-                                                 SAMPLED=sampled),
-                  triton.Config({}, num_warps=4, num_stages=3), f"D{D} bf16 scores {'sampled' if sampled else 'all'}")
+                                                 SAMPLED=sampled, COUNTS=counts),
+                  triton.Config({}, num_warps=4, num_stages=3),
+                  f"D{D} bf16 scores {'sampled' if sampled else 'all'} rows{'' if counts else ', pass 1 only'}")
         if quick:
             continue
         fp32_tiles = fast_tiles.fwd_tiles(D, True, _fp32())
