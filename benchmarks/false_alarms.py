@@ -6,11 +6,13 @@ exit code 1 or a pcast head that needs a fix; "report" is any of them (the repor
 policy (`analyses.significance`) promises at most α = 0.01 for each. Prints one row per analysis: false alarms,
 dumps, the rate and its Clopper-Pearson 95 % interval; with --json FILE also writes them.
 
-    python benchmarks/false_alarms.py [--seeds 200] [--first 0] [--analyses LIST] [--keep DIR] [--json FILE]
+    python benchmarks/false_alarms.py [--seeds 200] [--first 0] [--analyses LIST] [--shape T,H,D,B,S ...]
+                                      [--keep DIR] [--json FILE]
 
 --analyses runs some of them only (comma list): bitdiff, pv-trace and fix-check decide their claims on the same O
 cells, isolate, delta-bias and rank1-sim on the same Σδ items, so a large family of the cheapest of each
-(bitdiff,delta-bias) measures the rate of all.
+(bitdiff,delta-bias) measures the rate of all. --shape (repeatable) replaces the family's shapes (`NULL_SHAPES`):
+sequence length T, heads H, head dim D, batch rows B, steps S; the seeds alternate over them.
 """
 from __future__ import annotations
 
@@ -31,23 +33,28 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=200)
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--analyses", type=str, default=",".join(CLAIMING))
+    ap.add_argument("--shape", action="append", default=None, metavar="T,H,D,B,S",
+                    help="a shape of the family (repeatable; default: NULL_SHAPES)")
     ap.add_argument("--keep", type=Path, default=None, help="folder for the null dumps (default: a temporary one)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="null-family-"))
     root.mkdir(parents=True, exist_ok=True)
     chosen = tuple(a.strip() for a in args.analyses.split(",") if a.strip())
+    shapes = NULL_SHAPES if not args.shape else tuple(
+        dict(zip(("seq", "heads", "head_dim", "batch", "steps"), (int(x) for x in text.split(",")), strict=True))
+        for text in args.shape)
     counts: dict[str, int] = {}
     t0 = time.process_time()
     seeds = range(args.first, args.first + args.seeds)
     for i, seed in enumerate(seeds):
-        for name, alarm in alarms(make_null(root / f"null{seed}.zarr", seed), chosen).items():
+        for name, alarm in alarms(make_null(root / f"null{seed}.zarr", seed, shapes), chosen).items():
             counts[name] = counts.get(name, 0) + int(alarm)
         if (i + 1) % 10 == 0:
             print(f"{i + 1} dumps, {time.process_time() - t0:.0f} CPU s", flush=True)
     n = len(seeds)
     rows = []
-    print(f"\nnull family: {n} dumps (seeds {seeds.start}..{seeds.stop - 1}), shapes {list(NULL_SHAPES)}; α = {ALPHA}")
+    print(f"\nnull family: {n} dumps (seeds {seeds.start}..{seeds.stop - 1}), shapes {list(shapes)}; α = {ALPHA}")
     print(f"{'analysis':<18} {'alarms':>6} {'dumps':>6} {'rate':>7}   95 % interval")
     for name in (*chosen, *(["fix-check exit 1"] if "fix-check" in chosen else []), "report"):
         k = counts.get(name, 0)
@@ -56,7 +63,7 @@ def main() -> None:
         print(f"{name:<18} {k:>6} {n:>6} {k / n:>7.2%}   [{ci.low:.2%}, {ci.high:.2%}]")
     print(f"{time.process_time() - t0:.0f} CPU s")
     if args.json:
-        args.json.write_text(json.dumps({"alpha": ALPHA, "shapes": list(NULL_SHAPES), "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"alpha": ALPHA, "shapes": list(shapes), "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,46 @@ class LinkRefused(TargetUnwritable):
         super().__init__(path, setting, f"{what}, which fa-forensics never writes through")
 
 
+class SpecialFileRefused(TargetUnwritable):
+    """A path to be written is a FIFO, a device or a socket (`.kind`): replacing it with a file would change
+    something the user did not name (a root `--json /dev/null` would replace the device)."""
+
+    def __init__(self, path, setting: str, kind: str) -> None:
+        self.kind = kind
+        super().__init__(path, setting, f"it is {kind}, not a file; fa-forensics writes only regular files")
+
+
+class ForeignOwnerRefused(TargetUnwritable):
+    """A file or folder to be replaced belongs to another user (`.uid`): fa-forensics never replaces it."""
+
+    def __init__(self, path, setting: str, uid: int) -> None:
+        self.uid = uid
+        super().__init__(path, setting, f"it belongs to another user (uid {uid}), and fa-forensics never replaces "
+                                        "another user's file")
+
+
+class ParentLinkRefused(TargetUnwritable):
+    """A folder on the way to a path is a symbolic link (`.link` -> `.target`) that the kernel's protected_symlinks
+    rule would not follow: planted by another user (`.uid`) in a sticky world-writable folder."""
+
+    def __init__(self, path, setting: str, link: str, target: str, uid: int) -> None:
+        self.link, self.target, self.uid = link, target, uid
+        super().__init__(path, setting, f"its folder {link} is a symbolic link to {target} planted by another user "
+                                        f"(uid {uid}) in a sticky world-writable folder, which fa-forensics never "
+                                        "follows")
+
+
+class NotReportFolder(TargetUnwritable):
+    """`report --out` names a folder holding files no earlier report wrote (`.foreign`: the first few): a report
+    replaces only what a report wrote, so it is refused."""
+
+    def __init__(self, path, setting: str, foreign: list[str]) -> None:
+        self.foreign = foreign
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        super().__init__(path, setting, f"it holds files no fa-forensics report wrote ({shown}), and a report never "
+                                        "deletes what it did not write")
+
+
 class MissingExtra(UserError):
     """An optional dependency is not installed: `.module`, `.extra` (the package extra that installs it),
     `.needed_for` (what asked for it)."""

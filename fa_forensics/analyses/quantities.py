@@ -187,33 +187,55 @@ def cell_sums(step: int, layer: int, heads: Sequence[int], err: torch.Tensor, un
                     (d * d).sum(dim=(0, 2)), (d > 0).sum(dim=(0, 2)), (d < 0).sum(dim=(0, 2)), u.sum(dim=(0, 2)))
 
 
-def o_cells(parts: Iterable[CellSums], family: Optional[Family] = None) -> list[BiasCell]:
-    """Every (layer, head, feature) cell, its rows pooled over the parts' steps, sorted by (layer, head, feature);
-    decided in `family` (default: the cells alone)."""
-    from scipy.stats import binomtest
-
+def _pooled(parts: Iterable[CellSums], only: Optional[tuple[int, int]] = None) -> dict[tuple[int, int], list]:
+    """{(layer, head): [n, Σ err, Σ err², n > 0, n < 0, Σ unit]}, each (D,), the parts' steps pooled (`only`: one
+    (layer, head))."""
     pooled: dict[tuple[int, int], list] = {}
     for p in parts:
         for hi, head in enumerate(p.heads):
+            if only is not None and (p.layer, head) != only:
+                continue
             acc = pooled.setdefault((p.layer, head), [0, 0.0, 0.0, 0, 0, 0.0])
             for k, x in enumerate((p.n[hi], p.s1[hi], p.s2[hi], p.n_pos[hi], p.n_neg[hi], p.unit[hi])):
                 acc[k] = acc[k] + x
+    return pooled
+
+
+def _cells_of(layer: int, head: int, sums: list, features: Iterable[int]) -> list[BiasCell]:
+    """The undecided cells of `features` of one (layer, head) from its pooled sums."""
+    from scipy.stats import binomtest
+
+    n, s1, s2, npos, nneg, usum = sums
+    n = torch.as_tensor(n, dtype=torch.float64)  # (D,)
+    mean = s1 / n
+    var = (s2 - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
+    se = torch.where(n > 1, (var / n).sqrt(), torch.full_like(var, math.nan))
+    unit = usum / n
     cells = []
-    for (layer, head), (n, s1, s2, npos, nneg, usum) in sorted(pooled.items()):
-        n = torch.as_tensor(n, dtype=torch.float64)  # (D,)
-        mean = s1 / n
-        var = (s2 - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
-        se = torch.where(n > 1, (var / n).sqrt(), torch.full_like(var, math.nan))
-        unit = usum / n
-        for f in range(mean.numel()):
-            k, m = int(npos[f]), int(npos[f] + nneg[f])
-            p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
-            t_p = MeanSE(float(mean[f]), float(se[f]), int(n[f])).p_value
-            cells.append(BiasCell(layer, head, f, float(mean[f]), float(se[f]), p, k / m if m else math.nan,
-                                  int(n[f]), float(unit[f]), t_p, effect(float(mean[f]), float(unit[f]))))
+    for f in features:
+        k, m = int(npos[f]), int(npos[f] + nneg[f])
+        p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
+        t_p = MeanSE(float(mean[f]), float(se[f]), int(n[f])).p_value
+        cells.append(BiasCell(layer, head, f, float(mean[f]), float(se[f]), p, k / m if m else math.nan,
+                              int(n[f]), float(unit[f]), t_p, effect(float(mean[f]), float(unit[f]))))
+    return cells
+
+
+def o_cells(parts: Iterable[CellSums], family: Optional[Family] = None) -> list[BiasCell]:
+    """Every (layer, head, feature) cell, its rows pooled over the parts' steps, sorted by (layer, head, feature);
+    decided in `family` (default: the cells alone)."""
+    cells = [c for (layer, head), sums in sorted(_pooled(parts).items())
+             for c in _cells_of(layer, head, sums, range(len(sums[1])))]
     family = family if family is not None else Family(o_cells=len(cells))
     adjusted = holm([c.tested_p for c in cells], family.n_tests)
     return [replace(c, adjusted_p=a, significant=significant(a, c.effect)) for c, a in zip(cells, adjusted)]
+
+
+def o_cell(parts: Iterable[CellSums], layer: int, head: int, feature: int) -> Optional[BiasCell]:
+    """One cell of `o_cells`, its statistics alone (undecided: its Holm p needs the others); None when no part
+    holds it."""
+    sums = _pooled(parts, only=(layer, head)).get((layer, head))
+    return None if sums is None else _cells_of(layer, head, sums, (feature,))[0]
 
 
 def most_significant(cells: Sequence[BiasCell]) -> BiasCell:

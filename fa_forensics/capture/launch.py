@@ -176,6 +176,10 @@ def _run(session, target: str, script_args: list[str], module_mode: bool) -> int
         session.stop(failed=True)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the capture ends as a failed run; `fa-forensics capture` says "interrupted"
+        binder.remove()
+        session.stop(failed=True)
+        return 130
     except BaseException:
         binder.remove()
         session.stop(failed=True)

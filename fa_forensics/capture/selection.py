@@ -7,8 +7,10 @@ Text forms (CLI and the launcher's environment variable):
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from collections.abc import Iterable
 from typing import Optional, Union
 
 from fa_forensics.errors import InvalidSetting, UserError
@@ -29,9 +31,92 @@ class InvalidCaptureSetting(InvalidSetting, CaptureError):
         self.why = reason
 
 
-def parse_steps(text: str) -> frozenset[int]:
-    """Parse "100,200,300:400:10" into a set of step numbers (stop exclusive)."""
-    steps: set[int] = set()
+class StepSet:
+    """A set of step numbers kept as ranges (stop exclusive), never listed: `--steps 0:1000000000000000000` costs
+    three numbers, and asking whether a step is in it is arithmetic. Iteration is lazy and ascending."""
+
+    __slots__ = ("_ranges",)
+
+    def __init__(self, ranges: Iterable[range] = ()) -> None:
+        kept = (r for r in ranges if r.stop > r.start and r.step > 0)
+        self._ranges: tuple[range, ...] = tuple(sorted(kept, key=lambda r: (r.start, r.stop, r.step)))
+
+    @classmethod
+    def of(cls, steps: Iterable[int]) -> StepSet:
+        """The set of a finite iterable of step numbers (runs of consecutive steps kept as one range)."""
+        values = sorted({int(s) for s in steps})
+        ranges, start = [], None
+        for i, v in enumerate(values):
+            if start is None:
+                start = v
+            if i + 1 == len(values) or values[i + 1] != v + 1:
+                ranges.append(range(start, v + 1))
+                start = None
+        return cls(ranges)
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and any(step in r for r in self._ranges)
+
+    def __bool__(self) -> bool:
+        return bool(self._ranges)
+
+    def __iter__(self) -> Iterator[int]:
+        last = None
+        for step in heapq.merge(*self._ranges):
+            if step != last:
+                yield step
+                last = step
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepSet):
+            return self._ranges == other._ranges or set(itertools.islice(self, 10**6)) == set(
+                itertools.islice(other, 10**6))
+        if isinstance(other, (set, frozenset)):
+            return set(itertools.islice(self, len(other) + 1)) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._ranges)
+
+    def __repr__(self) -> str:
+        return f"StepSet({self.to_text()!r})"
+
+    def first(self) -> int:
+        """The smallest step (ValueError when empty)."""
+        return min(r.start for r in self._ranges)
+
+    def below(self, stop: int) -> Iterator[int]:
+        """The steps < `stop`, ascending (as many as `stop` bounds)."""
+        return itertools.takewhile(lambda s: s < stop, iter(self))
+
+    def from_step(self, start: int) -> StepSet:
+        """The steps >= `start`."""
+        clipped = []
+        for r in self._ranges:
+            if r.stop <= start:
+                continue
+            first = r.start if r.start >= start else r.start + -(-(start - r.start) // r.step) * r.step
+            clipped.append(range(first, r.stop, r.step))
+        return StepSet(clipped)
+
+    def up_to(self, limit: int) -> list[int]:
+        """The first `limit` steps as a list (the whole set when it holds no more)."""
+        return list(itertools.islice(self, limit))
+
+    def to_text(self) -> str:
+        """The text form `parse_steps` reads back: '5,10:13,20:30:5'."""
+        parts = []
+        for r in self._ranges:
+            if r.start + r.step >= r.stop:
+                parts.append(str(r.start))
+            else:
+                parts.append(f"{r.start}:{r.stop}" + (f":{r.step}" if r.step != 1 else ""))
+        return ",".join(parts)
+
+
+def parse_steps(text: str) -> StepSet:
+    """Parse "100,200,300:400:10" into the set of step numbers it names (stop exclusive), kept as ranges."""
+    ranges: list[range] = []
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
             continue
@@ -44,17 +129,18 @@ def parse_steps(text: str) -> frozenset[int]:
                 stride = fields[2] if len(fields) == 3 and fields[2] is not None else 1
                 if stride <= 0:
                     raise ValueError
-                steps.update(range(start, stop, stride))
+                ranges.append(range(start, stop, stride))
             else:
-                steps.add(int(part))
+                ranges.append(range(int(part), int(part) + 1))
         except ValueError:
             raise CaptureError(
                 f"bad step selection {part!r} in {text!r}; use numbers and ranges like 100,200 or 100:200:10 (stop "
                 "exclusive)"
             ) from None
-    if not steps or min(steps) < 0:
+    steps = StepSet(ranges)
+    if not steps or steps.first() < 0:
         raise CaptureError(f"step selection {text!r} selects no step (or a negative one); give steps >= 0 like 5,6,7")
-    return frozenset(steps)
+    return steps
 
 
 def parse_index_list(text: Optional[str], what: str) -> Optional[tuple[int, ...]]:
@@ -97,6 +183,7 @@ def format_batch(batch: Optional[slice]) -> Optional[str]:
 
 
 Indices = Union[None, int, Iterable[int]]
+LISTED_STEPS = 4096  # a selection of more steps is recorded in the store by its text form
 
 
 def _as_index_tuple(value: Indices, what: str) -> Optional[tuple[int, ...]]:
@@ -123,7 +210,7 @@ class CaptureSelection:
     micro_batch: which forward pass of a step is recorded under gradient accumulation.
     """
 
-    steps: frozenset[int]
+    steps: StepSet
     layers: Optional[tuple[int, ...]] = None
     heads: Optional[tuple[int, ...]] = None
     batch: Optional[slice] = None
@@ -136,17 +223,19 @@ class CaptureSelection:
 
         allow_no_steps: an empty step selection is fine (the monitor, an alarm or the ring decide what is written).
         """
-        if steps is not None and not isinstance(steps, (str, int)):
+        if steps is not None and not isinstance(steps, (str, int, StepSet)):
             steps = list(steps)
         if allow_no_steps and (steps is None or (isinstance(steps, str) and not steps.strip()) or steps == []):
-            step_set = frozenset()
+            step_set = StepSet()
+        elif isinstance(steps, StepSet):
+            step_set = steps
         elif isinstance(steps, str):
             step_set = parse_steps(steps)
         elif isinstance(steps, int):
-            step_set = frozenset([steps])
+            step_set = StepSet.of([steps])
         else:
-            step_set = frozenset(int(s) for s in (steps or ()))
-            if not step_set or min(step_set) < 0:
+            step_set = StepSet.of(steps or ())
+            if not step_set or step_set.first() < 0:
                 raise CaptureError(f"capture needs at least one step >= 0 to record, got {steps!r}")
         if isinstance(batch, str) or batch is None:
             batch = parse_batch(batch)
@@ -167,9 +256,11 @@ class CaptureSelection:
         return self.layers is None or layer in self.layers
 
     def to_attrs(self) -> dict:
-        """The selection as JSON-ready store attributes."""
+        """The selection as JSON-ready store attributes (steps listed when there are at most LISTED_STEPS, else
+        in their text form)."""
+        listed = self.steps.up_to(LISTED_STEPS + 1)
         return {
-            "steps": sorted(self.steps),
+            "steps": listed if len(listed) <= LISTED_STEPS else self.steps.to_text(),
             "layers": None if self.layers is None else list(self.layers),
             "heads": None if self.heads is None else list(self.heads),
             "batch": format_batch(self.batch),
@@ -179,7 +270,7 @@ class CaptureSelection:
     def to_text(self) -> dict:
         """The selection in its text form (what the launcher passes through the environment)."""
         return {
-            "steps": ",".join(str(s) for s in sorted(self.steps)),
+            "steps": self.steps.to_text(),
             "layers": None if self.layers is None else ",".join(map(str, self.layers)),
             "heads": None if self.heads is None else ",".join(map(str, self.heads)),
             "batch": format_batch(self.batch),

@@ -1,6 +1,7 @@
 """`fa-forensics capture` (run an unmodified training script with capture) and `fa-forensics demo-train`."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -149,9 +150,34 @@ def worded_settings(option_of: dict[str, str] = OPTION_OF):
         raise UserError(f"{option}: {exc.reason}") from None
 
 
+NEVER_LISTED = 1000  # never_reached in --json lists at most this many steps (the warning gives them all as ranges)
+
+
 def _span_text(steps: list[int], limit: int = 10) -> str:
     shown = ", ".join(map(str, steps[:limit]))
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+CTRL_C_GRACE = 60.0  # seconds a training script that got Ctrl-C has to end (its capture writer finishes its queue)
+
+
+def _wait_for(training: subprocess.Popen) -> int:
+    """The training script's exit code. On Ctrl-C (which the script, in the same process group, gets too) it is
+    given CTRL_C_GRACE seconds to end as it handles the interrupt, so its store is left whole and unlocked,
+    then terminated; the interrupt then goes on."""
+    try:
+        return training.wait()
+    except KeyboardInterrupt:
+        try:
+            training.wait(timeout=CTRL_C_GRACE)
+        except subprocess.TimeoutExpired:
+            training.terminate()
+            try:
+                training.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                training.kill()
+                training.wait()
+        raise
 
 
 def _check_script(argv: list[str]) -> None:
@@ -289,19 +315,24 @@ def register(app: typer.Typer) -> None:
                 settings["report"] = os.path.join(tmp, "report.json")
                 env = {**os.environ, ENV_VAR: json.dumps(settings)}
                 try:
-                    code = subprocess.call(argv, env=env)
+                    training = subprocess.Popen(argv, env=env)
                 except OSError as exc:
                     raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
                                     "check the training command") from exc
+                code = _wait_for(training)
                 report = _launcher_report(settings["report"])
             summary = _store_summary(out)
-            missing = sorted(set(selection.steps) - set(summary["steps"]) - set(summary["incomplete_steps"]))
+            recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
             ran = report.get("steps_run")
-            never = [s for s in missing if ran is None or s >= ran]
-            without_attention = [s for s in missing if s not in never]
+            # the selection is lazy (--steps 0:10**18 is never listed): only the steps the run reached are walked
+            without_attention = [] if ran is None else [s for s in selection.steps.below(ran) if s not in recorded]
+            unreached = selection.steps if ran is None else selection.steps.from_step(ran)
+            never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
+            never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
+            never = never[:NEVER_LISTED]
             warnings_said = list(report.get("warnings", []))
             if never:
-                warnings_said.append(f"selected step(s) {_span_text(never)} were never reached (the run made "
+                warnings_said.append(f"selected step(s) {never_text} were never reached (the run made "
                                      f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded "
                                      "for them. Check --steps against the run's length")
             warmup_line = warn_if_warmup_covers_run(rule, summary["monitored_steps"])

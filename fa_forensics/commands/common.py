@@ -22,7 +22,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from typer.core import TyperGroup
 
 try:  # typer >= 0.26 carries its own copy of click
@@ -32,6 +31,7 @@ except ImportError:
 
 from fa_forensics.analyses.contract import to_jsonable
 from fa_forensics.commands.progress import ProgressLines, progress_interval
+from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
@@ -40,10 +40,31 @@ from fa_forensics.replay.config import PRESETS
 REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
 
 
+class SafeConsole(Console):
+    """A rich console that never writes a control character it did not make: every segment's text goes through
+    `terminal_text.escape_controls` (rich's own newlines and cursor controls pass), and no hyperlink is drawn.
+    Text from a dump that reaches a table or a line without `terminal_text.shown` is still escaped here."""
+
+    def _render_buffer(self, buffer) -> str:
+        from rich.segment import Segment
+
+        from fa_forensics.dump.terminal_text import escape_controls
+
+        def safe(segment: Segment) -> Segment:
+            text, style, control = segment
+            if control:
+                return segment
+            if style is not None and style.link:
+                style = style.update_link(None)
+            return Segment(escape_controls(text, keep="\n"), style, control)
+
+        return super()._render_buffer(safe(segment) for segment in buffer)
+
+
 def _console(stderr: bool = False) -> Console:
     """A console that sizes to the terminal, or is REDIRECTED_WIDTH wide when the stream is redirected."""
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else REDIRECTED_WIDTH)
+    return SafeConsole(stderr=stderr, width=None if stream.isatty() else REDIRECTED_WIDTH, emoji=False)
 
 
 console = _console()
@@ -52,7 +73,8 @@ err_console = _console(stderr=True)
 # Shared option types (huggingface_hub style): one definition, used by every command.
 DumpArg = Annotated[Path, typer.Argument(help="Path of a dump store (a .zarr directory).", show_default=False)]
 JsonOpt = Annotated[Optional[Path],
-                    typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md).",
+                    typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md); "
+                                                "- writes it to the standard output.",
                                  metavar="FILE")]
 OutOpt = Annotated[Optional[Path],
                    typer.Option("--out", help="Directory for figures (PNG) and other files.", metavar="DIR")]
@@ -99,7 +121,7 @@ PresetOpt = Annotated[str, typer.Option(
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Show library warnings (e.g. incomplete steps in a dump) as one yellow line, not two."""
-    err_console.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    err_console.print(f"[yellow]warning:[/] {shown(message)}", highlight=False, soft_wrap=True)
 
 
 class Diagnostics:
@@ -155,10 +177,10 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
             traceback.print_exc(file=sys.stderr)
         from fa_forensics.commands.errors import cli_line
 
-        err_console.print(f"[bold red]error:[/] {escape(cli_line(exc))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {shown(cli_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]")
+        say_interrupted()
         raise typer.Exit(code=130) from None
     except Exception as exc:  # the machine refused (memory, disk), or a bug
         from fa_forensics.commands.errors import environment_line
@@ -167,15 +189,29 @@ def run_cli(debug: bool, fn: Callable[[], Any]) -> Any:
             traceback.print_exc(file=sys.stderr)
         line = environment_line(exc) or (f"unexpected {type(exc).__name__}: {exc}"
                                          + ("" if debug else " (run again with --debug for the traceback)"))
-        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {shown(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     finally:
         _DIAGNOSTICS.reset(token)
         use_match_cache(None)  # --match-cache holds for one command only
 
 
+STREAMS = ("-", "/dev/stdout", "/dev/stderr")  # --json names that mean a standard stream
+interrupt_said = False  # whether "interrupted" was printed (cli.main prints it otherwise)
+
+
+def say_interrupted() -> None:
+    """The one line a command ended by Ctrl-C prints (exit code 130)."""
+    global interrupt_said
+    if not interrupt_said:
+        interrupt_said = True
+        err_console.print("[bold red]interrupted[/]")
+
+
 def write_json(path: Optional[Path], payload: Any) -> None:
-    """Write `payload` as JSON to `path` (if given), creating parent folders.
+    """Write `payload` as JSON to `path` (if given), creating parent folders; `-` (or /dev/stdout, /dev/stderr)
+    writes the stream. Anything else is a regular file: a device, FIFO or socket there is refused, so is a link,
+    another user's file or a folder on the way that is a link planted in a shared place (dump/safe_files.py).
 
     `warnings` is the payload's own (if any) followed by every other warning the command has raised so
     far (the lines it prints on stderr), so that every command's JSON carries all of them.
@@ -188,8 +224,8 @@ def write_json(path: Optional[Path], payload: Any) -> None:
         own = list(data.get("warnings") or [])
         data["warnings"] = list(dict.fromkeys(own + (diagnostics.messages if diagnostics is not None else [])))
     text = json.dumps(data, indent=2) + "\n"
-    if str(path) in ("/dev/stdout", "/dev/stderr"):  # named streams: links the system made, written as streams
-        stream = sys.stdout if str(path) == "/dev/stdout" else sys.stderr
+    if str(path) in STREAMS:  # the standard streams: written as streams, never replaced by a file
+        stream = sys.stderr if str(path) == "/dev/stderr" else sys.stdout
         stream.write(text)
         stream.flush()
         return
@@ -443,6 +479,14 @@ class OneLineErrorsGroup(TyperGroup):
         except click_exceptions.ClickException as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) is not None else ""
             message = missing_line(exc) or " ".join(exc.format_message().split()).replace(": Value error, ", ": ")
-            err_console.print(f"[bold red]error:[/] {message}{where}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {shown(message)}{shown(where)}", highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx):
+        """Run the command; Ctrl-C outside a command's body is "interrupted" and exit 130 as inside it."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            say_interrupted()
+            raise typer.Exit(code=130) from None

@@ -3,9 +3,9 @@ that acts on them from here (as huggingface_hub's CLI does for its library's err
 from __future__ import annotations
 
 from fa_forensics.errors import (
-    BackendUnsupported, ClusterUnreachable, DiskFull, InvalidSetting, LinkRefused, NoTimeline, NothingSelected,
-    OtherModel, TargetExists, TargetUnwritable,
-    UnknownRank, UserError,
+    BackendUnsupported, ClusterUnreachable, DiskFull, ForeignOwnerRefused, InvalidSetting, LinkRefused, NoTimeline,
+    NothingSelected, NotReportFolder, OtherModel, ParentLinkRefused, SpecialFileRefused, TargetExists,
+    TargetUnwritable, UnknownRank, UserError,
 )
 
 
@@ -36,8 +36,15 @@ def cli_line(exc: UserError) -> str:
         return f"{exc.path} already exists; pass --overwrite to replace it or choose another {option(exc.setting)}"
     if isinstance(exc, DiskFull):
         return f"{exc}; free space there or choose another {option(exc.setting)}"
-    if isinstance(exc, LinkRefused):
+    if isinstance(exc, (LinkRefused, ParentLinkRefused)):
         return f"{exc}; remove the link or choose another {option(exc.setting)}"
+    if isinstance(exc, SpecialFileRefused):
+        stdout = " (- writes to the standard output)" if exc.setting == "json" else ""
+        return f"{exc}; choose a file name for {option(exc.setting)}{stdout}"
+    if isinstance(exc, ForeignOwnerRefused):
+        return f"{exc}; choose another {option(exc.setting)}"
+    if isinstance(exc, NotReportFolder):
+        return f"{exc}; choose a new or empty folder for {option(exc.setting)}"
     if isinstance(exc, TargetUnwritable):
         return f"{exc}; choose a writable {option(exc.setting)} with free space"
     if isinstance(exc, NothingSelected):

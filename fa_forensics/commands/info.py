@@ -5,12 +5,12 @@ import warnings
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import (
     DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, err_console, exit_code, run_cli, write_json,
 )
+from fa_forensics.dump.terminal_text import shown
 
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to describe (default 0).")]
 
@@ -42,22 +42,26 @@ def _ranges(values: list[int]) -> str:
 
 def _kv(d: dict[str, Any]) -> str:
     """'k=v, ...' as text for a table cell (metadata from a dump is never read as rich markup)."""
-    return escape(", ".join(f"{k}={v}" for k, v in d.items())) if d else "-"
+    return shown(", ".join(f"{k}={v}" for k, v in d.items())) if d else "-"
 
 
 def render(summary: dict[str, Any]) -> None:
     """Print a dump summary as rich tables."""
-    run = Table(title=f"dump {escape(str(summary['path']))}", show_header=False, title_justify="left")
+    run = Table(title=f"dump {shown(str(summary['path']))}", show_header=False, title_justify="left")
     run.add_column("field", style="bold")
     run.add_column("value")
     for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank"):
-        run.add_row(key, escape(str(summary.get(key))))
+        run.add_row(key, shown(str(summary.get(key))))
     run.add_row("model", _kv(summary.get("model") or {}))
     run.add_row("capture", _kv(summary.get("capture") or {}))
     run.add_row("steps", f"{_ranges(summary['steps'])} ({len(summary['steps'])} complete)")
-    if summary["incomplete_steps"]:
-        run.add_row("incomplete steps",
-                    f"[yellow]{_ranges(summary['incomplete_steps'])} (cut off while writing; skipped)[/]")
+    damaged = sorted(int(s) for s in summary.get("damage") or {})
+    cut = [s for s in summary["incomplete_steps"] if s not in damaged]
+    if cut:
+        run.add_row("incomplete steps", f"[yellow]{_ranges(cut)} (cut off while writing; skipped)[/]")
+    if damaged:
+        run.add_row("damaged steps", f"[yellow]{_ranges(damaged)} (skipped; `fa-forensics verify` lists the "
+                                     "problems)[/]")
     losses = {s: a.get("loss") for s, a in summary.get("step_attrs", {}).items() if a.get("loss") is not None}
     if losses:
         run.add_row("loss", ", ".join(f"{s}: {v:.4g}" for s, v in list(losses.items())[:8])
@@ -65,7 +69,7 @@ def render(summary: dict[str, Any]) -> None:
     if summary.get("timeline"):
         run.add_row("timeline", _kv({k: tuple(v) for k, v in summary["timeline"].items()}))
     if summary.get("do_missing"):
-        run.add_row("dO missing", "[yellow]" + escape(do_missing_text(summary["do_missing"]))
+        run.add_row("dO missing", "[yellow]" + shown(do_missing_text(summary["do_missing"]))
                     + " (no gradient of O reached the capture; backward analyses skip them)[/]")
     console.print(run)
 
@@ -77,10 +81,10 @@ def render(summary: dict[str, Any]) -> None:
         arrays.add_column(col)
     for l in summary["layers"]:
         info = summary["layer_info"][str(l)]
-        layers.add_row(str(l), escape(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]),
-                       str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]), escape(_stored_dtype(info)),
-                       escape(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
-                       escape(str(info.get("mask") or "-")))
+        layers.add_row(str(l), shown(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]),
+                       str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]), shown(_stored_dtype(info)),
+                       shown(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
+                       shown(str(info.get("mask") or "-")))
         for n, a in summary["arrays"][str(l)].items():
             arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]),
                            "×".join(str(x) for x in a["chunks"]))
@@ -94,7 +98,7 @@ def render(summary: dict[str, Any]) -> None:
         gt.add_column("value")
         for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength",
                     "sink_heads", "seed"):
-            gt.add_row(key, escape(str(truth.get(key))))
+            gt.add_row(key, shown(str(truth.get(key))))
         gt.add_row("tied rows",
                    f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in "
                    f"{len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")
@@ -143,10 +147,10 @@ def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: L
 def empty_dump_code(d) -> int:
     """1 with one line on stderr when the dump holds no step and no timeline (a capture that saw no
     attention call), else 0."""
-    if d.steps or d.incomplete_steps or d.timeline:
+    if d.steps or d.incomplete_steps or d.timeline_shapes():
         return 0
-    err_console.print(f"[bold yellow]empty:[/] {d.path} holds no recorded step (its capture saw no attention call, "
-                      "or reached no selected step); "
+    err_console.print(f"[bold yellow]empty:[/] {shown(d.path)} holds no recorded step (its capture saw no attention "
+                      "call, or reached no selected step); "
                       "re-capture naming the attention (fa-forensics capture --attention MODULE:QUALNAME ...)",
                       highlight=False, soft_wrap=True)
     return 1

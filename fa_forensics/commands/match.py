@@ -212,6 +212,7 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
     from fa_forensics.layers.selection import select
     from fa_forensics.commands.common import build_backend, build_workers
     from fa_forensics.dump import open_dump
+    from fa_forensics.dump.terminal_text import shown
 
     backend = build_backend(backend).value
     fan_out = build_workers(workers, scheduler)
@@ -246,10 +247,10 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
     write_json(json_path, payload)
     print_warnings(warnings)
     for line in (lines if len(lines) <= 8 else []):
-        console.print(line, highlight=False)
+        console.print(shown(line), highlight=False)
     for note in notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    console.print(f"[bold]verdict:[/] {verdict}", highlight=False)
+        console.print(f"note: {shown(note)}", highlight=False, soft_wrap=True)
+    console.print(f"[bold]verdict:[/] {shown(verdict)}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -15,6 +15,7 @@ from fa_forensics.commands.common import (
     SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
     use_match_cache, write_json,
 )
+from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
 
@@ -62,12 +63,12 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
         write_report(staged, str(dump_path), sections, info=info, seconds=seconds)
     index = Path(out) / "index.html"
 
-    table = Table(title=f"report: {dump_path}")
+    table = Table(title=f"report: {shown(dump_path)}")
     for c in ("analysis", "exit code: meaning", "seconds", "figures", "note"):
         table.add_column(c)
     for s in sections:
         table.add_row(s.name, f"{s.exit_code}: {exit_meaning(s)}", f"{s.seconds:.1f}", str(len(s.figures)),
-                      "" if s.ok else s.note[:80])
+                      "" if s.ok else shown(s.note[:80]))
     table.caption = EXIT_CODES
     console.print(table)
     summary = build_verdict(sections)
@@ -86,8 +87,8 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
         first = sections[0]
         raise UserError(f"no analysis of {dump_path} could run ({first.name}: {' '.join(first.note.split())[:200]}); "
                         f"run `fa-forensics verify {dump_path}` and fix the first problem")
-    console.print(f"{ok} of {len(sections)} analyses reported; wrote {index}", highlight=False)
-    console.print(f"[bold]verdict:[/] {verdict.removeprefix('VERDICT: ')}", highlight=False)
+    console.print(f"{ok} of {len(sections)} analyses reported; wrote {shown(index)}", highlight=False)
+    console.print(f"[bold]verdict:[/] {shown(verdict.removeprefix('VERDICT: '))}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

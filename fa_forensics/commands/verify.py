@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from fa_forensics.commands.common import (
     DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json,
 )
+from fa_forensics.dump.terminal_text import shown
 
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to check (default 0).")]
 
@@ -25,35 +25,44 @@ def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RankOpt = None, debug:
         report = _with_stored_match(report)
         write_json(json_out, report.to_dict())
         if report.problems:
-            table = Table(title=f"damage in {escape(report.path)}", title_justify="left")
-            for col in ("step", "layer", "array", "problem"):
+            table = Table(title=f"damage in {shown(report.path)}", title_justify="left")
+            for col in ("step", "layer", "array", "file", "problem"):
                 table.add_column(col)
             for d in report.problems:
-                cells = ("-" if v is None else escape(str(v)) for v in (d.step, d.layer, d.array))
-                table.add_row(*cells, escape(d.what))
+                cells = ("-" if v is None else shown(str(v)) for v in (d.step, d.layer, d.array, d.file))
+                table.add_row(*cells, shown(d.what))
             console.print(table)
         if report.leftovers:
-            title = f"left beside {escape(report.path)} by writers that are not running"
+            title = f"left beside {shown(report.path)} by writers that are not running"
             table = Table(title=title, title_justify="left")
             table.add_column("path")
             table.add_column("what")
             for x in report.leftovers:
-                table.add_row(escape(x.path), escape(x.what))
+                table.add_row(shown(x.path), shown(x.what))
             console.print(table)
-        console.print(f"{escape(report.path)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
+        console.print(f"{shown(report.path)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
                       f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
         if report.ok:
             return _empty_code(report)
-        parts = []
-        if report.damaged_steps:
-            parts.append(f"{len(report.problems)} problem(s) in step(s) {report.damaged_steps}")
-        elif report.problems:
-            parts.append(f"{len(report.problems)} problem(s)")
+        in_steps = [d for d in report.problems if d.step is not None]
+        elsewhere = len(report.problems) - len(in_steps)
+        parts, redo = [], []
+        if in_steps:
+            parts.append(f"{len(in_steps)} problem(s) in step(s) {report.damaged_steps}")
+            redo.append("those steps")
+        if elsewhere:
+            parts.append(f"{elsewhere} problem(s) in the timeline" if all(
+                (d.array or "").startswith("timeline") for d in report.problems if d.step is None)
+                else f"{elsewhere} problem(s)")
+            redo.append("the timeline")
         if report.incomplete_steps:
             parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
-        what = escape(f"{report.path}: {'; '.join(parts)}")
-        err_console.print(f"[bold red]damaged:[/] {what}; re-capture those steps "
-                          "(the other steps read whole)", highlight=False, soft_wrap=True)
+            if not in_steps:
+                redo.insert(0, "those steps")
+        what = shown(f"{report.path}: {'; '.join(parts)}")
+        whole = " (the other steps read whole)" if report.steps else ""
+        err_console.print(f"[bold red]damaged:[/] {what}; re-capture {' and '.join(redo)}{whole}",
+                          highlight=False, soft_wrap=True)
         return 1
 
     code = run_cli(debug, body)

@@ -32,12 +32,15 @@ class Leftover:
 
 
 def read_holder(lock: Path) -> str:
-    """The holder line of a lock file ('' when missing, unreadable or a link: a link is never opened)."""
+    """The holder line of a lock file ('' when missing, unreadable, a link (never opened) or not a regular file:
+    a FIFO planted at its name is opened non-blocking and never read)."""
     try:
-        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return ""
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
         text = os.pread(fd, 400, 0).decode(errors="replace")
     except OSError:
         return ""

@@ -1,21 +1,24 @@
-"""Integrity of a dump store: what is damaged, named per step, layer, array and chunk.
+"""Integrity of a dump store: what is damaged, named per step, layer, array, chunk and file.
 
 Two depths:
-- `check_step` (metadata only: JSON files and directory listings, no chunk data) finds what can
-  make a step read wrong without an error: an unreadable or malformed `zarr.json`, a layer or
-  array the step lists but lacks, a missing chunk (the writer stores every chunk, so a missing
-  one is damage, never zeros), a chunk replaced by a folder, an empty array, an array whose
-  `dtype` attribute does not fit its stored data type, layer attributes of the wrong type. The
-  reader runs it for every complete step when it lists steps, and skips a damaged step.
-- `check_chunk_data` decodes every chunk of an array (zstd checksums, when the store has them,
-  catch flipped bits); `dump.verify.verify` (the `fa-forensics verify` command) runs it.
+- `check_step` (metadata only: JSON files and directory listings, no chunk data) finds what can make a
+  step read wrong, or read at all unsafely: a `zarr.json` that cannot be read or is malformed
+  (`metadata_checks`: a FIFO or device in its place, too large, too deeply nested, not JSON, a shape,
+  chunk grid or codec fa-forensics does not read, attributes of the wrong type), a layer or array the
+  step lists but lacks, a chunk that is missing (the writer stores every chunk, so a missing one is
+  damage, never zeros), replaced by a folder, a FIFO, a device or a socket, or a link leaving the
+  store, a `heads` list other than the heads stored. It reports every problem it finds and never
+  raises: what it cannot check is itself a problem of that step. The reader runs it for every step
+  when it lists steps, and skips a damaged step.
+- `check_chunk_data` decodes every chunk file of an array (zstd checksums, when the store has them,
+  catch flipped bits; `guarded_store` bounds each chunk by its byte size); `dump.verify.verify` (the
+  `fa-forensics verify` command) runs it.
 
 Only local stores (a folder) are supported, as everywhere in fa-forensics.
 """
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -23,28 +26,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fa_forensics.dump.metadata_checks import (
+    MAX_DIM, MAX_RATIO, NUMERIC_TYPES, STEP_ATTRS, STORED_TYPE, array_problems, attribute_problems, chunk_bytes,
+    chunk_grid, describe_error, layer_attribute_problems, read_metadata,
+)
+from fa_forensics.dump.safe_read import special_kind
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, LAYER_RE, MASK
 
-# The stored (zarr) data type each `dtype` attribute needs: bf16 / fp8 travel as same-width ints.
-STORED_TYPE = {
-    "float32": "float32",
-    "float64": "float64",
-    "float16": "float16",
-    "bfloat16": "uint16",
-    "float8_e4m3fn": "uint8",
-    "float8_e5m2": "uint8",
-    "bool": "bool",
-}
+__all__ = ["MAX_DIM", "STORED_TYPE", "Damage", "bad_chunk", "check_array", "check_chunk_data", "check_step",
+           "check_timeline", "chunk_grid", "chunk_keys", "describe_error", "grid_indices", "link_leaving",
+           "read_metadata", "relative", "sound_arrays", "sound_series"]
 
 
 @dataclass(frozen=True)
 class Damage:
-    """One problem found in a store; `where` names the step / layer / array / chunk."""
+    """One problem found in a store; `where` names the step / layer / array / chunk, `file` the file or folder
+    it is in (relative to the store's folder, '/'-separated; None: the store itself)."""
 
     step: int | None
     layer: int | None
     array: str | None
     what: str
+    file: str | None = None
 
     @property
     def where(self) -> str:
@@ -60,44 +63,23 @@ class Damage:
     def __str__(self) -> str:
         return f"{self.where}: {self.what}"
 
+    def line(self, store) -> str:
+        """'damaged: <file>: <what>', the file named by its path under `store`."""
+        located = f"{store}/{self.file}" if self.file else str(store)
+        return f"damaged: {located}: {self.what}"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "layer": self.layer, "array": self.array, "what": self.what}
+        return {"step": self.step, "layer": self.layer, "array": self.array, "file": self.file, "what": self.what}
 
 
-def read_metadata(node: Path) -> dict[str, Any]:
-    """The parsed `zarr.json` of a group or array folder; ValueError saying why it cannot be read."""
-    meta_path = node / "zarr.json"
+def relative(path: Path, root: Path | None) -> str:
+    """`path` under the store's folder `root`, '/'-separated (its name alone without a root)."""
+    if root is None:
+        return Path(path).name
     try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise ValueError("zarr.json is missing") from None
-    except IsADirectoryError:
-        raise ValueError("zarr.json is a folder") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"zarr.json cannot be read ({type(exc).__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"zarr.json is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
-        raise ValueError("zarr.json is not a zarr v3 metadata object")
-    return meta
-
-
-# No attention tensor has a dimension this long: a larger one is hostile metadata, refused before any work.
-MAX_DIM = 2**31 - 1
-
-
-def chunk_grid(meta: dict[str, Any]) -> tuple[list[int], str] | None:
-    """(chunks per dimension, key separator) of a regular-grid array under the default key encoding, or None."""
-    try:
-        shape = [int(s) for s in meta["shape"]]
-        chunk_shape = [int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"]]
-        encoding = meta.get("chunk_key_encoding", {"name": "default"})
-        if encoding.get("name") != "default" or len(shape) != len(chunk_shape):
-            return None
-        sep = encoding.get("configuration", {}).get("separator", "/")
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
-    return [-(-s // c) if c > 0 else 0 for s, c in zip(shape, chunk_shape)], str(sep)
+        return Path(os.path.relpath(path, root)).as_posix()
+    except ValueError:
+        return Path(path).as_posix()
 
 
 def chunk_keys(meta: dict[str, Any]) -> Iterator[str] | None:
@@ -151,115 +133,149 @@ def link_leaving(path: Path, root: Path | None) -> str | None:
     return target
 
 
-def _check_layer_attrs(attrs: dict[str, Any], step: int, layer: int) -> list[Damage]:
-    out = []
-    for key in ("n_heads", "head_dim"):
-        value = attrs.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            out.append(Damage(step, layer, None, f"layer attribute {key}={value!r} is not a count"))
-    scale = attrs.get("scale")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        out.append(Damage(step, layer, None, f"layer attribute scale={scale!r} is not a number"))
-    elif scale is not None and not (math.isfinite(scale) and scale > 0):
-        out.append(Damage(step, layer, None, f"layer attribute scale={scale!r} is not a positive finite softmax scale"))
-    causal = attrs.get("causal")
-    if causal is not None and not isinstance(causal, bool):
-        out.append(Damage(step, layer, None, f"layer attribute causal={causal!r} is not true/false"))
-    heads = attrs.get("heads")
-    if heads is not None and (not isinstance(heads, list)
-                              or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads)
-                              or len(set(heads)) != len(heads)):
-        out.append(Damage(step, layer, None, f"layer attribute heads={heads!r} is not a list of distinct head numbers"))
-    arrays = attrs.get("arrays")
-    if arrays is not None and (not isinstance(arrays, list) or not all(a in ARRAY_NAMES for a in arrays)):
-        out.append(Damage(step, layer, None, f"layer attribute arrays={arrays!r} names unknown arrays"))
-    return out
+_HEAD_DIMS = 4  # (B, H, T, D), and a mask (B or 1, H or 1, Tq, Tk)
+MAX_TIMELINE_ROW = 2**20  # values one timeline row may hold ((L, H) statistics of a million layer-heads)
+_ARRAY_TYPES = tuple(sorted(set(STORED_TYPE.values())))
 
 
 def check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any = None,
                 root: Path | None = None) -> list[Damage]:
     """Metadata-level damage of one array: metadata, dtype attribute, shape, chunk files."""
+    return _check_array(array_dir, step, layer, name, n_heads, root)[0]
+
+
+def _check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any,
+                 root: Path | None) -> tuple[list[Damage], list[int] | None]:
+    """(damage, the shape when the metadata is sound) of one array."""
+    def damage(what: str) -> Damage:
+        return Damage(step, layer, name, what, relative(array_dir / "zarr.json", root))
+
     try:
         meta = read_metadata(array_dir)
     except ValueError as exc:
-        return [Damage(step, layer, name, str(exc))]
-    if meta.get("node_type") != "array":
-        return [Damage(step, layer, name, "zarr.json does not describe an array")]
+        return [damage(str(exc))], None
+    dims = _HEAD_DIMS if name in HEAD_TENSORS or name == MASK else 3
+    problems = array_problems(meta, dims, _ARRAY_TYPES)
     stored = str(meta.get("data_type"))
     dname = meta.get("attributes", {}).get("dtype")
     if not isinstance(dname, str) or dname not in STORED_TYPE:
-        return [Damage(step, layer, name, f"dtype attribute {dname!r} is not one of {', '.join(STORED_TYPE)}")]
-    if STORED_TYPE[dname] != stored:
-        return [Damage(step, layer, name, f"dtype attribute {dname!r} does not fit the stored data type {stored} "
-                                          f"({dname} is stored as {STORED_TYPE[dname]})")]
-    shape = meta.get("shape")
-    want_dims = 4 if name in HEAD_TENSORS or name == MASK else 3
-    if not isinstance(shape, list) or len(shape) != want_dims or not all(isinstance(s, int) for s in shape):
-        return [Damage(step, layer, name, f"shape {shape!r} is not {want_dims}-D")]
-    if 0 in shape:
-        return [Damage(step, layer, name, f"array is empty (shape {tuple(shape)})")]
-    if name in HEAD_TENSORS and isinstance(n_heads, int) and name in ("q", "o", "do") and shape[1] != n_heads:
-        return [Damage(step, layer, name, f"holds {shape[1]} heads but the layer attribute n_heads is {n_heads}")]
-    if any(d > MAX_DIM for d in shape):
-        return [Damage(step, layer, name, f"shape {tuple(shape)} is absurd (a dimension above {MAX_DIM}); "
-                                          f"the metadata is hostile or corrupt")]
+        problems.append(f"dtype attribute {dname!r} is not one of {', '.join(STORED_TYPE)}"[:200])
+    elif STORED_TYPE[dname] != stored:
+        problems.append(f"dtype attribute {dname!r} does not fit the stored data type {stored} "
+                        f"({dname} is stored as {STORED_TYPE[dname]})")
+    if problems:
+        return [damage(p) for p in problems], None
+    shape = meta["shape"]
+    if name in ("q", "o", "do") and isinstance(n_heads, int) and not isinstance(n_heads, bool) and shape[1] != n_heads:
+        return [damage(f"holds {shape[1]} heads but the layer attribute n_heads is {n_heads}")], shape
     grid = chunk_grid(meta)
-    if grid is None:
-        return []
-    return _check_chunk_files(array_dir, grid, step, layer, name, root if root is not None else array_dir.parents[2])
+    return _check_chunk_files(array_dir, grid, step, layer, name, root, nbytes=chunk_bytes(meta)), shape
 
 
-def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int, layer: int, name: str,
-                       root: Path | None) -> list[Damage]:
-    """Missing chunks, chunks that are folders, chunk links leaving the store: counted from one streamed
-    listing of the folder (memory bounded by the files present, never by the chunk count the metadata claims)."""
+def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int | None, layer: int | None,
+                       name: str, root: Path | None, missing_ok: bool = False, nbytes: int = 0) -> list[Damage]:
+    """Missing chunks, chunks that are folders or special files, chunk links leaving the store, chunk files too
+    short to ever hold `nbytes` (a chunk's decoded size) however they inflate: counted from one streamed listing
+    of the folder (memory bounded by the files present, never by the chunk count the metadata claims; a file is
+    stat'ed only for chunks of more than a MiB). `missing_ok`: absent chunks are fill values the writer skipped,
+    not damage."""
     counts, sep = grid
     total = math.prod(counts)
-    present, folders, outside = 0, [], []
-    n_folders = n_outside = 0
-    try:
-        entries = os.scandir(array_dir)
-    except OSError:
-        entries = None
-    if entries is not None:
-        with entries:
-            for entry in entries:
-                if _chunk_index(entry.name, counts, sep) is None:
-                    continue
-                if entry.is_dir():
-                    n_folders += 1
-                    if len(folders) < 3:
-                        folders.append(entry.name)
-                    continue
-                target = link_leaving(Path(entry.path), root)
-                if target is not None:
-                    n_outside += 1
-                    if len(outside) < 3:
-                        outside.append(f"{entry.name} -> {target}")
-                if entry.is_file():
-                    present += 1
-    n_missing = total - present - n_folders
-    out = []
-    if n_missing > 0:
-        missing = []
+    present = 0
+    found: dict[str, list[tuple[str, str]]] = {"folder": [], "special": [], "outside": [], "short": []}
+    n = dict.fromkeys(found, 0)
+
+    def note(kind: str, key: str, text: str | None = None) -> None:
+        n[kind] += 1
+        if len(found[kind]) < 3:
+            found[kind].append((key, text or key))
+
+    for key, entry in _grid_entries(array_dir, counts, sep):
+        if entry.is_dir():
+            note("folder", key)
+            continue
+        target = link_leaving(Path(entry.path), root)
+        if target is not None:
+            note("outside", key, f"{key} -> {target}")
+        if entry.is_file():
+            present += 1
+            if nbytes > 2**20 and entry.stat().st_size * MAX_RATIO < nbytes:
+                note("short", key)
+            continue
+        kind = _special(entry.path)
+        if kind is not None:
+            note("special", key, f"{key}: {kind}")
+    missing: list[tuple[str, str]] = []
+    n["missing"] = 0 if missing_ok else total - present - n["folder"] - n["special"]
+    if n["missing"] > 0:
         for idx in grid_indices(counts):  # stops at the third missing key
             key = sep.join(["c", *map(str, idx)])
-            if not (array_dir / key).exists():
-                missing.append(key)
+            if not os.path.lexists(array_dir / key):
+                missing.append((key, key))
                 if len(missing) == 3:
                     break
-        out.append(Damage(step, layer, name, f"{_plural(n_missing, 'chunk')} missing ({_first(missing, n_missing)})"))
-    if n_folders:
-        out.append(Damage(step, layer, name,
-                          f"{_plural(n_folders, 'chunk')} replaced by a folder ({_first(folders, n_folders)})"))
-    if n_outside:
-        verb = "is a link" if n_outside == 1 else "are links"
-        out.append(Damage(step, layer, name, f"{_plural(n_outside, 'chunk')} {verb} leaving the store "
-                                              f"({_first(outside, n_outside)}); a dump holds its own data"))
+    found["missing"] = missing
+    words = {
+        "missing": lambda count, first: f"{_plural(count, 'chunk')} missing ({first})",
+        "folder": lambda count, first: f"{_plural(count, 'chunk')} replaced by a folder ({first})",
+        "special": lambda count, first: f"{_plural(count, 'chunk')} not a regular file ({first})",
+        "short": lambda count, first: (f"{_plural(count, 'chunk file')} too short to hold the chunk's {nbytes} bytes, "
+                                       f"however zstd inflates ({first}); the shape is hostile or the file damaged"),
+        "outside": lambda count, first: (f"{_plural(count, 'chunk')} {'is a link' if count == 1 else 'are links'} "
+                                         f"leaving the store ({first}); a dump holds its own data"),
+    }
+    out = []
+    for kind, say in words.items():
+        count, keys = n[kind], found[kind]
+        if count > 0:
+            folder = relative(array_dir, root)
+            file = f"{folder}/{keys[0][0]}" if count == 1 and keys else folder
+            out.append(Damage(step, layer, name, say(count, _first([text for _, text in keys], count)), file))
     return out
 
 
-def _links_out(paths: list[Path], root: Path | None, step: int, layer: int | None = None,
+def _grid_entries(array_dir: Path, counts: list[int], sep: str) -> Iterator[tuple[str, os.DirEntry]]:
+    """(key, directory entry) of every name in `array_dir` that is a chunk key of the grid, streamed: flat keys
+    ('c.0.1') from one listing, nested keys ('c/0/1') by walking only folders named by grid indices."""
+    if sep != "/":
+        for entry in _scan(array_dir):
+            if _chunk_index(entry.name, counts, sep) is not None:
+                yield entry.name, entry
+        return
+    stack: list[tuple[Path, list[str]]] = [(array_dir, [])]
+    while stack:
+        folder, parts = stack.pop()
+        depth = len(parts)
+        for entry in _scan(folder):
+            if depth == 0:
+                if entry.name != "c":
+                    continue
+            elif not (entry.name.isdigit() and int(entry.name) < counts[depth - 1]):
+                continue
+            key_parts = [*parts, entry.name]
+            if depth == len(counts):
+                yield "/".join(key_parts), entry
+            elif entry.is_dir(follow_symlinks=False):
+                stack.append((Path(entry.path), key_parts))
+
+
+def _scan(folder: Path) -> Iterator[os.DirEntry]:
+    try:
+        with os.scandir(folder) as entries:
+            yield from entries
+    except OSError:
+        return
+
+
+def _special(path: str) -> str | None:
+    """What a path that is neither a file nor a folder is ('a FIFO (named pipe)', ...); None when it is missing."""
+    try:
+        return special_kind(os.stat(path).st_mode)
+    except OSError:
+        return None
+
+
+def _links_out(paths: list[Path], root: Path | None, step: int | None, layer: int | None = None,
                name: str | None = None) -> list[Damage]:
     """A Damage for each of `paths` (folders, zarr.json files) that is a link leaving the store."""
     out = []
@@ -267,71 +283,223 @@ def _links_out(paths: list[Path], root: Path | None, step: int, layer: int | Non
         target = link_leaving(path, root)
         if target is not None:
             out.append(Damage(step, layer, name,
-                              f"{path.name} is a link leaving the store (-> {target}); a dump holds its own data"))
+                              f"{path.name} is a link leaving the store (-> {target}); a dump holds its own data",
+                              relative(path, root)))
     return out
 
 
 def check_step(step_dir: Path, step: int, root: Path | None = None) -> list[Damage]:
-    """Metadata-level damage of one step (see the module docstring); [] when it reads whole.
+    """Metadata-level damage of one step (see the module docstring); [] when it reads whole. Never raises:
+    whatever cannot be checked is damage of that step.
 
     `root`: the store's folder; links (folders, metadata, chunks) that point outside it are damage."""
     if root is None:
         root = step_dir.parent
+    try:
+        return _check_step(Path(step_dir), step, Path(root))
+    except MemoryError:
+        raise
+    except Exception as exc:  # a check that failed on metadata no writer makes: the step is damaged
+        return [Damage(step, None, None, f"cannot be checked ({describe_error(exc)})", relative(step_dir, root))]
+
+
+def _check_step(step_dir: Path, step: int, root: Path) -> list[Damage]:
     leaving = _links_out([step_dir, step_dir / "zarr.json"], root, step)
     if leaving:
         return leaving
-    try:
-        read_metadata(step_dir)
-    except ValueError as exc:
-        return [Damage(step, None, None, str(exc))]
     out: list[Damage] = []
+    step_file = relative(step_dir / "zarr.json", root)
+    try:
+        step_meta = read_metadata(step_dir)
+    except ValueError as exc:
+        out.append(Damage(step, None, None, str(exc), step_file))
+        step_meta = None
+    if step_meta is not None:
+        if step_meta.get("node_type") != "group":
+            out.append(Damage(step, None, None, "zarr.json does not describe a group", step_file))
+        out += [Damage(step, None, None, p, step_file)
+                for p in attribute_problems(step_meta.get("attributes", {}), STEP_ATTRS, "step")]
     layers = sorted(int(m.group(1)) for d in _listdir(step_dir) if (m := LAYER_RE.match(d)) and (step_dir / d).is_dir())
-    step_meta = read_metadata(step_dir)
-    listed_layers = step_meta.get("attributes", {}).get("layers")
+    listed_layers = (step_meta or {}).get("attributes", {}).get("layers")
     if isinstance(listed_layers, list):
-        for l in listed_layers:
-            if isinstance(l, int) and l not in layers:
-                out.append(Damage(step, l, None, "layer folder is missing though the step lists it"))
+        missing = [l for l in dict.fromkeys(listed_layers) if isinstance(l, int) and l not in layers]
+        for l in missing[:3]:
+            out.append(Damage(step, l, None, "layer folder is missing though the step lists it",
+                              relative(step_dir / f"layer_{l:03d}", root)))
+        if len(missing) > 3:
+            out.append(Damage(step, None, None, f"{len(missing) - 3} more layer folders are missing though the step "
+                                                "lists them", relative(step_dir / "zarr.json", root)))
     if not layers and not out:
-        out.append(Damage(step, None, None, "holds no layer"))
+        out.append(Damage(step, None, None, "holds no layer", relative(step_dir, root)))
     for layer in layers:
-        layer_dir = step_dir / f"layer_{layer:03d}"
-        leaving = _links_out([layer_dir, layer_dir / "zarr.json"], root, step, layer)
-        if leaving:
-            out.extend(leaving)
-            continue
-        try:
-            attrs = read_metadata(layer_dir).get("attributes", {})
-        except ValueError as exc:
-            out.append(Damage(step, layer, None, str(exc)))
-            continue
-        out.extend(_check_layer_attrs(attrs, step, layer))
-        present = [n for n in ARRAY_NAMES if (layer_dir / n).is_dir()]
-        listed = attrs.get("arrays")
-        for name in listed if isinstance(listed, list) else []:
-            if name in ARRAY_NAMES and name not in present:
-                out.append(Damage(step, layer, name, "array is missing though the layer lists it"))
-        if not present:
-            out.append(Damage(step, layer, None, "holds no array"))
-        for name in present:
-            leaving = _links_out([layer_dir / name, layer_dir / name / "zarr.json"], root, step, layer, name)
-            out.extend(leaving or check_array(layer_dir / name, step, layer, name, attrs.get("n_heads"), root))
+        out.extend(_check_layer(step_dir / f"layer_{layer:03d}", step, layer, root))
     return out
 
 
-def check_chunk_data(array, step: int, layer: int, name: str) -> list[Damage]:
-    """Decode every chunk of a zarr array one at a time; each chunk that fails is one Damage naming it."""
+def _check_layer(layer_dir: Path, step: int, layer: int, root: Path) -> list[Damage]:
+    leaving = _links_out([layer_dir, layer_dir / "zarr.json"], root, step, layer)
+    if leaving:
+        return leaving
+    out: list[Damage] = []
+    layer_file = f"{relative(layer_dir, root)}/zarr.json"
+    try:
+        meta = read_metadata(layer_dir)
+        attrs = meta.get("attributes", {})
+        if meta.get("node_type") != "group":
+            out.append(Damage(step, layer, None, "zarr.json does not describe a group", layer_file))
+    except ValueError as exc:
+        out.append(Damage(step, layer, None, str(exc), layer_file))
+        attrs = {}
+    out += [Damage(step, layer, None, p, layer_file) for p in layer_attribute_problems(attrs)]
+    present = [n for n in ARRAY_NAMES if (layer_dir / n).is_dir()]
+    listed = attrs.get("arrays")
+    for name in listed if isinstance(listed, list) else []:
+        if name in ARRAY_NAMES and name not in present:
+            out.append(Damage(step, layer, name, "array is missing though the layer lists it",
+                              relative(layer_dir / name, root)))
+    if not present:
+        out.append(Damage(step, layer, None, "holds no array", relative(layer_dir, root)))
+    shapes: dict[str, list[int]] = {}
+    for name in present:
+        leaving = _links_out([layer_dir / name, layer_dir / name / "zarr.json"], root, step, layer, name)
+        if leaving:
+            out.extend(leaving)
+            continue
+        found, shape = _check_array(layer_dir / name, step, layer, name, attrs.get("n_heads"), root)
+        out.extend(found)
+        if shape is not None:
+            shapes[name] = shape
+    heads = attrs.get("heads")
+    stored = next((shapes[n][1] for n in ("q", "o", "do") if n in shapes), None)
+    if isinstance(heads, list) and stored is not None and len(heads) != stored:
+        out.append(Damage(step, layer, None, f"layer attribute heads lists {len(heads)} heads but the arrays hold "
+                                             f"{stored}", layer_file))
+    head_dim = attrs.get("head_dim")
+    width = next((shapes[n][3] for n in ("q", "k", "v", "o", "do") if n in shapes), None)
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and width is not None and head_dim != width:
+        out.append(Damage(step, layer, None, f"layer attribute head_dim={head_dim} but the arrays hold {width} values "
+                                             "per head", layer_file))
+    return out
+
+
+def check_timeline(timeline_dir: Path, root: Path | None = None) -> list[Damage]:
+    """Metadata-level damage of the timeline group: every series an array of numbers with every chunk present
+    (its values read only after this, so a claimed length never drives an allocation). Never raises."""
+    try:
+        return _check_timeline(Path(timeline_dir), root)
+    except MemoryError:
+        raise
+    except Exception as exc:  # a check that failed on metadata no writer makes
+        return [Damage(None, None, "timeline", f"cannot be checked ({describe_error(exc)})",
+                       relative(timeline_dir, root))]
+
+
+def _check_timeline(timeline_dir: Path, root: Path | None) -> list[Damage]:
+    leaving = _links_out([timeline_dir, timeline_dir / "zarr.json"], root, None, None, "timeline")
+    if leaving:
+        return leaving
+    out = []
+    steps_found = False
+    try:
+        read_metadata(timeline_dir)
+    except ValueError as exc:
+        out.append(Damage(None, None, "timeline", str(exc), relative(timeline_dir / "zarr.json", root)))
+    for name in _listdir(timeline_dir):
+        series = timeline_dir / name
+        if not series.is_dir():
+            continue
+        where = f"timeline/{name}"
+        leaving = _links_out([series, series / "zarr.json"], root, None, None, where)
+        if leaving:
+            out.extend(leaving)
+            continue
+        meta_file = relative(series / "zarr.json", root)
+        try:
+            meta = read_metadata(series)
+        except ValueError as exc:
+            out.append(Damage(None, None, where, str(exc), meta_file))
+            continue
+        if meta.get("node_type") == "group":
+            continue
+        problems = array_problems(meta, None, NUMERIC_TYPES)
+        if not problems and not meta["shape"]:
+            problems.append("shape () has no step axis")
+        elif not problems and math.prod(meta["shape"][1:]) > MAX_TIMELINE_ROW:
+            problems.append(f"shape {tuple(meta['shape'])} is absurd (more than {MAX_TIMELINE_ROW} values per "
+                            "step); the metadata is hostile or corrupt")
+        if problems:
+            out.extend(Damage(None, None, where, p, meta_file) for p in problems)
+            continue
+        steps_found = steps_found or name == "step"
+        # the writer skips chunks that hold only the fill value, except in `step` (distinct step numbers): its
+        # chunks, all present, bound the rows a reader takes from every series
+        out.extend(_check_chunk_files(series, chunk_grid(meta), None, None, where, root, missing_ok=name != "step",
+                                      nbytes=chunk_bytes(meta)))
+    if not steps_found and not out and any(_listdir(timeline_dir)):
+        out.append(Damage(None, None, "timeline", "holds no step series", relative(timeline_dir, root)))
+    return out
+
+
+def sound_arrays(step_dir: Path, root: Path | None = None) -> Iterator[tuple[int, str, Path]]:
+    """(layer, array name, folder) of every array of a step whose metadata is sound and that stays in the store:
+    the arrays whose chunks can be decoded, whatever else is wrong with the step."""
+    for d in _listdir(step_dir):
+        m = LAYER_RE.match(d)
+        layer_dir = step_dir / d
+        if not m or not layer_dir.is_dir() or _links_out([step_dir, layer_dir], root, None):
+            continue
+        for name in ARRAY_NAMES:
+            array_dir = layer_dir / name
+            if not array_dir.is_dir() or _links_out([array_dir, array_dir / "zarr.json"], root, None):
+                continue
+            try:
+                meta = read_metadata(array_dir)
+            except ValueError:
+                continue
+            dims = _HEAD_DIMS if name in HEAD_TENSORS or name == MASK else 3
+            if not array_problems(meta, dims, _ARRAY_TYPES):
+                yield int(m.group(1)), name, array_dir
+
+
+def sound_series(timeline_dir: Path, root: Path | None = None) -> Iterator[tuple[str, Path]]:
+    """(name, folder) of every timeline series whose metadata is sound and that stays in the store."""
+    if _links_out([timeline_dir], root, None):
+        return
+    for name in _listdir(timeline_dir):
+        series = timeline_dir / name
+        if not series.is_dir() or _links_out([series, series / "zarr.json"], root, None):
+            continue
+        try:
+            meta = read_metadata(series)
+        except ValueError:
+            continue
+        if meta.get("node_type") == "array" and not array_problems(meta, None, NUMERIC_TYPES) and meta["shape"]:
+            yield name, series
+
+
+def check_chunk_data(array, step: int | None, layer: int | None, name: str,
+                     array_dir: Path | None = None, root: Path | None = None) -> list[Damage]:
+    """Decode every chunk of a zarr array one at a time; each chunk that fails is one Damage naming it. With
+    `array_dir`, only the chunk files present as regular files inside the store are decoded, found by one
+    streamed listing (the others are named by check_step; a grid the metadata claims is never walked)."""
     out = []
     chunks = array.chunks
-    grid = [range(math.ceil(s / c)) for s, c in zip(array.shape, chunks)]
     sep = _separator(array)
-    for idx in itertools.product(*grid):
+    if array_dir is None:
+        keys = (sep.join(["c", *map(str, idx)])
+                for idx in itertools.product(*[range(math.ceil(s / c)) for s, c in zip(array.shape, chunks)]))
+    else:
+        counts = [math.ceil(s / c) for s, c in zip(array.shape, chunks)]
+        keys = (key for key, entry in _grid_entries(array_dir, counts, sep)
+                if entry.is_file() and link_leaving(Path(entry.path), root) is None)
+    for key in keys:
+        idx = [int(i) for i in key.split(sep)[1:]]
         sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks))
         try:
             array[sel]
-        except Exception as exc:  # a codec error: truncated, flipped bits (checksum), not zstd at all
-            key = sep.join(["c", *map(str, idx)])
-            out.append(Damage(step, layer, name, f"chunk {key} cannot be decoded ({describe_error(exc)})"))
+        except Exception as exc:  # a codec error: truncated, flipped bits (checksum), not zstd, a bomb
+            file = relative(array_dir / key, root) if array_dir is not None else None
+            out.append(Damage(step, layer, name, f"chunk {key} cannot be decoded ({describe_error(exc)})", file))
     return out
 
 
@@ -352,14 +520,6 @@ def bad_chunk(array, selection) -> str | None:
         except Exception:
             return sep.join(["c", *map(str, idx)])
     return None
-
-
-def describe_error(exc: BaseException) -> str:
-    """'ZstdError: ...' in one short line."""
-    text = " ".join(str(exc).split())
-    if len(text) > 120:
-        text = text[:117] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _separator(array) -> str:

@@ -21,7 +21,10 @@ import numpy as np
 import torch
 import zarr
 
-from fa_forensics.dump.integrity import MAX_DIM, Damage, bad_chunk, check_step, describe_error
+from fa_forensics.dump.guarded_store import RegularFileStore, bounded
+from fa_forensics.dump.integrity import Damage, bad_chunk, check_step, check_timeline, describe_error, relative
+from fa_forensics.dump.metadata_checks import ROOT_ATTRS, attribute_problems, read_metadata
+from fa_forensics.dump.safe_read import special_kind
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     CALL_ATTR_KEYS,
@@ -54,6 +57,11 @@ def _fmt(values: Iterable[Any], limit: int = 12) -> str:
     return shown + (f", ... ({len(values)} in all)" if len(values) > limit else "")
 
 
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
 def _subdirs(path: Path) -> list[str]:
     """Names of the folders in `path` (a listing of the file system: zarr's would warn on stray files)."""
     try:
@@ -77,24 +85,32 @@ def open_dump(path, rank: int | None = None) -> Dump:
     if not p.exists():
         raise DumpError(f"no dump at {p}: the path does not exist; {hint}")
     if not p.is_dir():
-        raise DumpError(f"{p} is a file, not a dump store (a .zarr folder); {hint}")
+        kind = special_kind(os.stat(p).st_mode)
+        raise DumpError(f"{p} is {'a file' if kind is None else kind}, not a dump store (a .zarr folder); {hint}")
     if not any(p.iterdir()):
         raise DumpError(f"{p} is an empty folder, not a dump; {hint}")
-    if not (p / "zarr.json").is_file():
+    if not os.path.lexists(p / "zarr.json"):
         kind = "a zarr v2 store" if (p / ".zgroup").exists() else "not a zarr store (no zarr.json)"
         raise DumpError(f"{p} is {kind}, not an fa-forensics dump; {hint}")
     try:
-        root = zarr.open_group(str(p), mode="r")
-        attrs = dict(root.attrs)
-    except Exception as exc:
-        raise DumpError(f"{p} cannot be opened as a zarr group ({type(exc).__name__}: {exc}); {hint}") from None
-    meta = attrs.get(ATTRS_KEY)
-    if not isinstance(meta, dict):
+        root_meta = read_metadata(p)
+    except ValueError as exc:
+        raise DumpError(f"damaged: {p}/zarr.json: {exc}; {hint}") from None
+    meta = root_meta.get("attributes", {}).get(ATTRS_KEY)
+    if root_meta.get("node_type") != "group" or not isinstance(meta, dict):
         raise DumpError(f"{p} is a zarr store but not an fa-forensics dump (no '{ATTRS_KEY}' attributes); {hint}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
-        raise DumpError(f"{p} has dump format_version {version!r}, this fa-forensics reads format {FORMAT_VERSION}; "
-                        "use a matching fa-forensics version or re-capture the dump")
+        raise DumpError(f"{p} has dump format_version {_short(version)}, this fa-forensics reads format "
+                        f"{FORMAT_VERSION}; use a matching fa-forensics version or re-capture the dump")
+    problems = attribute_problems(meta, ROOT_ATTRS, "run")
+    if problems:
+        raise DumpError(f"damaged: {p}/zarr.json: {problems[0]}; the dump's run description is malformed, "
+                        "re-capture it")
+    try:
+        root = zarr.open_group(store=RegularFileStore(p, read_only=True), mode="r")
+    except Exception as exc:
+        raise DumpError(f"damaged: {p}/zarr.json: zarr cannot open it ({describe_error(exc)}); {hint}") from None
     return Dump(p, root, meta, rank)
 
 
@@ -120,15 +136,15 @@ class Dump:
                 stacklevel=3,
             )
         if self.damage and self.steps:
-            first = next(iter(self.damage.values()))[0]
-            n = sum(len(v) for v in self.damage.values())
-            warnings.warn(
-                f"{self.path}: step(s) {_fmt(list(self.damage))} are damaged and are skipped ({first}"
-                + (f"; {n - 1} more problem(s)" if n > 1 else "")
-                + f"); run `fa-forensics verify {self.path}` for the list",
-                IncompleteStepWarning,
-                stacklevel=3,
-            )
+            warnings.warn(self._damage_line(), IncompleteStepWarning, stacklevel=3)
+
+    def _damage_line(self, steps: list[int] | None = None) -> str:
+        """'damaged: <file>: <what>; step(s) S are skipped (N more problems; verify lists them)'."""
+        steps = list(self.damage) if steps is None else steps
+        problems = [d for s in steps for d in self.damage[s]]
+        more = len(problems) - 1
+        return (f"{problems[0].line(self.path)}; step(s) {_fmt(steps)} are damaged and are skipped"
+                + (f" ({more} more problem(s): `fa-forensics verify {self.path}` lists them)" if more else ""))
 
     def _rank_tree(self, rank: int) -> zarr.Group:
         root_keys = set(_subdirs(self.path))
@@ -139,10 +155,12 @@ class Dump:
             have = sorted({0, *ranks})
             raise UnknownRank(rank, self.path, _fmt(have))
         try:
+            read_metadata(self.path / rank_key(rank))
             return self._root[rank_key(rank)]
         except Exception as exc:
-            raise DumpError(f"rank {rank} of {self.path} cannot be opened ({describe_error(exc)}); the dump is "
-                            "damaged, re-capture it") from None
+            what = str(exc) if isinstance(exc, ValueError) else f"zarr cannot open it ({describe_error(exc)})"
+            raise DumpError(f"damaged: {self.path}/{rank_key(rank)}/zarr.json: {what}; rank {rank} cannot be read, "
+                            "re-capture it") from None
 
     @property
     def _tree_path(self) -> Path:
@@ -152,7 +170,7 @@ class Dump:
     @cached_property
     def _step_status(self) -> dict[int, bool]:
         """step -> whole? A step is whole when its `complete` flag is set and integrity.check_step
-        finds no damage (metadata only); damaged steps go to `damage`."""
+        finds no damage (metadata only); damaged steps go to `damage`. zarr opens only whole steps."""
         status: dict[int, bool] = {}
         damage: dict[int, list[Damage]] = {}
         tree = self._tree_path
@@ -162,13 +180,19 @@ class Dump:
                 continue
             step = int(m.group(1))
             problems = check_step(tree / key, step, self.path)
-            complete = False
             try:
-                g = self._tree[key]
-                complete = g.attrs.get("complete") is True
-            except Exception:  # metadata cut mid-write or damaged: check_step names it
-                g = None
-            if problems and (complete or g is None):  # unreadable step metadata: damage (or a write cut short)
+                complete = read_metadata(tree / key).get("attributes", {}).get("complete") is True
+                readable = True
+            except ValueError:  # metadata cut mid-write or damaged: check_step names it
+                complete, readable = False, False
+            g = None
+            if complete and not problems:
+                try:
+                    g = self._tree[key]
+                except Exception as exc:  # metadata zarr refuses though it passed the checks
+                    problems = [Damage(step, None, None, f"zarr cannot open it ({describe_error(exc)})",
+                                       relative(tree / key / "zarr.json", self.path))]
+            if problems and (complete or not readable):  # unreadable step metadata: damage (or a write cut short)
                 damage[step] = problems
             status[step] = complete and not problems
             if status[step]:
@@ -197,8 +221,7 @@ class Dump:
         if step in self._step_groups:
             return self._step_groups[step]
         if step in self.damage:
-            raise DumpError(f"step {step} in {self.path} is damaged ({self.damage[step][0]}); complete steps: "
-                            f"{_fmt(self.steps)}; run `fa-forensics verify {self.path}` for the list")
+            raise DumpError(f"{self._damage_line([step])}; whole steps: {_fmt(self.steps)}")
         if step in self.incomplete_steps:
             raise DumpError(f"step {step} in {self.path} is incomplete (cut off while writing); complete steps: "
                             f"{_fmt(self.steps)}")
@@ -260,7 +283,7 @@ class Dump:
         if name not in names:
             raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: "
                             f"{_fmt(names)}")
-        return self._layer(step, layer)[name]
+        return bounded(self._layer(step, layer)[name])
 
     def layer_info(self, step: int, layer: int) -> LayerInfo:
         """Attention settings and array shapes of one layer of one step."""
@@ -339,9 +362,11 @@ class Dump:
             data = arr.oindex[sel] if any(isinstance(s, list) for s in sel) else arr[sel]
         except Exception as exc:  # a chunk that does not decode: name it
             key = bad_chunk(arr, sel)
-            chunk = f"chunk {key}" if key else "a chunk"
-            raise DumpError(f"{where}: {chunk} cannot be decoded ({describe_error(exc)}); the dump is damaged, "
-                            f"run `fa-forensics verify {self.path}` and re-capture the step") from None
+            folder = self._tree_path / f"step_{int(step):09d}" / layer_key(layer) / name
+            located, chunk = (f"{folder}/{key}", f"chunk {key}") if key else (str(folder), "a chunk")
+            raise DumpError(f"damaged: {located}: {chunk} of step {step} layer {layer} array '{name}' cannot be "
+                            f"decoded ({describe_error(exc)}); run `fa-forensics verify {self.path}` and re-capture "
+                            "the step") from None
         return decode(np.asarray(data), dname)
 
     @staticmethod
@@ -389,9 +414,7 @@ class Dump:
 
     def _no_whole_step(self) -> str:
         if self.damage:
-            first = next(iter(self.damage.values()))[0]
-            return (f"{self.path} has no whole step: step(s) {_fmt(list(self.damage))} are damaged ({first}); "
-                    f"run `fa-forensics verify {self.path}` for the list and re-capture")
+            return f"{self._damage_line()}; {self.path} has no whole step, re-capture it"
         return f"{self.path} has no complete step (incomplete: {_fmt(self.incomplete_steps)}); re-capture it"
 
     @property
@@ -401,23 +424,50 @@ class Dump:
         return dict(gt) if isinstance(gt, dict) else None
 
     @cached_property
-    def timeline(self) -> dict[str, np.ndarray] | None:
-        """Per-step series (name -> array with a leading step axis), or None if none were recorded."""
+    def timeline_damage(self) -> list[Damage]:
+        """What is wrong with the timeline's metadata or files ([] when it reads whole, or there is none)."""
+        if TIMELINE_GROUP not in _subdirs(self._tree_path):
+            return []
+        return check_timeline(self._tree_path / TIMELINE_GROUP, self.path)
+
+    def _timeline_arrays(self) -> dict[str, zarr.Array] | None:
         if TIMELINE_GROUP not in _subdirs(self._tree_path):
             return None
-        tl = self._tree[TIMELINE_GROUP]
-        arrays = {k: tl[k] for k in sorted(tl.array_keys())}
-        if not arrays:
+        if self.timeline_damage:
+            more = len(self.timeline_damage) - 1
+            raise DumpError(f"{self.timeline_damage[0].line(self.path)}; the timeline cannot be read"
+                            + (f" ({more} more problem(s): `fa-forensics verify {self.path}` lists them)"
+                               if more else "") + "; re-capture it")
+        try:
+            tl = self._tree[TIMELINE_GROUP]
+            arrays = {k: bounded(tl[k]) for k in sorted(tl.array_keys())}
+        except Exception as exc:  # metadata zarr refuses though it passed the checks
+            raise DumpError(f"damaged: {self._tree_path / TIMELINE_GROUP}: zarr cannot open it "
+                            f"({describe_error(exc)}); re-capture the timeline") from None
+        return arrays or None
+
+    @cached_property
+    def timeline(self) -> dict[str, np.ndarray] | None:
+        """Per-step series (name -> array with a leading step axis), or None if none were recorded."""
+        arrays = self._timeline_arrays()
+        if arrays is None:
             return None
-        for k, a in arrays.items():
-            if any(d > MAX_DIM for d in a.shape):
-                raise DumpError(f"timeline array '{k}' of {self.path} claims shape {tuple(a.shape)}, absurd (a "
-                                f"dimension above {MAX_DIM}); the metadata is hostile or corrupt, re-capture the "
-                                "timeline")
         # Rows are appended array by array: a run killed mid-append leaves one array a row
         # longer. Keep only the rows every array holds, never a half-written row.
         n = min(a.shape[0] for a in arrays.values())
-        return {k: np.asarray(a[:n]) for k, a in arrays.items()}
+        try:
+            return {k: np.asarray(a[:n]) for k, a in arrays.items()}
+        except Exception as exc:  # a chunk that does not decode
+            raise DumpError(f"damaged: {self._tree_path / TIMELINE_GROUP}: a chunk cannot be decoded "
+                            f"({describe_error(exc)}); run `fa-forensics verify {self.path}`") from None
+
+    def timeline_shapes(self) -> dict[str, list[int]] | None:
+        """Shape of each timeline series as `timeline` returns it, from the metadata alone (no value is read)."""
+        arrays = self._timeline_arrays()
+        if arrays is None:
+            return None
+        n = min(a.shape[0] for a in arrays.values())
+        return {k: [n, *a.shape[1:]] for k, a in arrays.items()}
 
     def summary(self, step: int | None = None, layer: int | None = None) -> dict[str, Any]:
         """Everything `fa-forensics info --json` prints (keys documented in docs/json.md).
@@ -448,7 +498,11 @@ class Dump:
         for s in self.steps:
             for l in self.layers(s):
                 self._array_names(s, l)
-        timeline = self.timeline
+        timeline = None
+        try:
+            timeline = self.timeline_shapes()
+        except DumpError as exc:  # the steps are described all the same; the timeline's damage is said
+            warnings.warn(str(exc), IncompleteStepWarning, stacklevel=2)
         return {
             "path": str(self.path),
             "format_version": self.attrs.get("format_version"),
@@ -469,7 +523,7 @@ class Dump:
             "heads": heads,
             "layer_info": layer_infos,
             "arrays": arrays,
-            "timeline": {k: list(v.shape) for k, v in timeline.items()} if timeline else None,
+            "timeline": timeline or None,
             "ground_truth": self.ground_truth,
         }
 

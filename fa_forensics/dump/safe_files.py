@@ -3,12 +3,16 @@
 Dumps and outputs often live in shared places (a scratch folder, a colleague's run) and the tool may run
 as root, so every write goes through these primitives:
 
-- `refuse_link(path, setting)`: a path whose final component is a symbolic link (or a file with several
-  hard links) is refused: writing there would change a file the user did not name.
+- `refuse_link(path, setting)`: a path whose final component is a symbolic link, a file with several hard
+  links, a FIFO, a device or a socket is refused: writing there would change something the user did not
+  name (as root, `--json /dev/null` would replace the device). So is a path through a folder that is a link
+  the kernel's protected_symlinks rule would not follow (`check_parent_links`).
+- `refuse_foreign(path, setting)`: a file or folder owned by another user is never replaced.
 - `open_new(path)`: create a file exclusively, never following a link (O_CREAT | O_EXCL | O_NOFOLLOW).
 - `atomic_write(path, data)`: write to a private temporary file in the target's folder (mkstemp), fsync it
   and rename it over the target: a reader sees the old file or the new one, never a half-written one, and
-  a link planted at the target is replaced, never written through.
+  a link planted at the target is refused, never written through. A file of the user's it replaces keeps
+  its mode.
 - `make_staging_dir(target)`: a fresh hidden folder beside `target` (`.NAME.<random>.tmp`, made by mkdir,
   which never follows a link) where an output is built before it is moved into place.
 - `disk_full(exc, path, needed)`: an ENOSPC / EDQUOT OSError worded as a `DiskFull` error naming the
@@ -23,7 +27,10 @@ import stat
 import tempfile
 from pathlib import Path
 
-from fa_forensics.errors import DiskFull, LinkRefused, TargetUnwritable
+from fa_forensics.dump.safe_read import special_kind
+from fa_forensics.errors import (
+    DiskFull, ForeignOwnerRefused, LinkRefused, ParentLinkRefused, SpecialFileRefused, TargetUnwritable,
+)
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -60,8 +67,10 @@ def unwritable(exc: OSError, path, setting: str, needed: int | None = None):
 
 
 def refuse_link(path, setting: str) -> None:
-    """Refuse to write at `path` when its final component is a symbolic link, or a file with other hard links."""
+    """Refuse to write at `path` when its final component is a symbolic link, a file with other hard links, a FIFO,
+    a device or a socket, or when a folder on the way is a link `check_parent_links` would not follow."""
     p = Path(path)
+    check_parent_links(p, setting)
     try:
         st = os.lstat(p)
     except FileNotFoundError:
@@ -72,6 +81,61 @@ def refuse_link(path, setting: str) -> None:
         raise LinkRefused(p, setting, os.readlink(p))
     if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
         raise LinkRefused(p, setting, None)
+    kind = special_kind(st.st_mode)
+    if kind is not None and not stat.S_ISDIR(st.st_mode):
+        raise SpecialFileRefused(p, setting, kind)
+
+
+def refuse_foreign(path, setting: str) -> os.stat_result | None:
+    """Refuse to replace `path` when it belongs to another user; its lstat (None when it does not exist)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TargetUnwritable(path, setting, str(exc.strerror or exc)) from None
+    if st.st_uid != os.geteuid():
+        raise ForeignOwnerRefused(path, setting, st.st_uid)
+    return st
+
+
+_MAX_LINKS = 40  # links followed in one path before the kernel says ELOOP
+
+
+def check_parent_links(path, setting: str, *, include_last: bool = False) -> None:
+    """Walk the folders of `path` as the kernel does and refuse (ParentLinkRefused) a symbolic link its
+    protected_symlinks rule would not follow: one in a sticky world-writable folder (/tmp, a shared scratch
+    space) owned neither by the user, nor by root, nor by that folder's owner. `include_last`: check the last
+    component too (a folder the tool writes into). Parts that do not exist yet end the walk."""
+    parts = [x for x in str(Path(path).absolute()).split(os.sep) if x not in ("", ".")]
+    if not include_last:
+        parts = parts[:-1]
+    resolved, links = os.sep, 0
+    euid = os.geteuid()
+    while parts:
+        name = parts.pop(0)
+        if name == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, name)
+        try:
+            st = os.lstat(candidate)
+        except OSError:
+            return  # missing (made by the write) or unreadable (the write says so)
+        if not stat.S_ISLNK(st.st_mode):
+            resolved = candidate
+            continue
+        links += 1
+        target = os.readlink(candidate)
+        if links > _MAX_LINKS:
+            raise TargetUnwritable(path, setting, f"its folders hold more than {_MAX_LINKS} symbolic links in a row")
+        folder = os.stat(resolved)
+        sticky_shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
+        if sticky_shared and st.st_uid not in (euid, 0, folder.st_uid):
+            raise ParentLinkRefused(path, setting, candidate, target, st.st_uid)
+        if os.path.isabs(target):
+            resolved = os.sep
+        parts[:0] = [x for x in target.split(os.sep) if x not in ("", ".")]
 
 
 def open_new(path, mode: int = 0o644) -> int:
@@ -93,12 +157,16 @@ def _umask() -> int:
 def atomic_write(path, data: bytes | str, setting: str, *, mode: int | None = None) -> None:
     """Write `data` to `path` via a temporary file in the same folder, fsync, then rename over `path`.
 
-    A link at `path` is refused (LinkRefused); a full disk raises DiskFull naming the bytes needed.
-    The file gets mode 0666 & ~umask unless `mode` is given. Parent folders are created.
+    A link, special file or another user's file at `path` is refused (`refuse_link`, `refuse_foreign`); a full
+    disk raises DiskFull naming the bytes needed. The file gets `mode`, else the mode of the file it replaces,
+    else 0666 & ~umask. Parent folders are created.
     """
     p = Path(path)
     payload = data.encode() if isinstance(data, str) else bytes(data)
     refuse_link(p, setting)
+    replaced = refuse_foreign(p, setting)
+    if mode is None:
+        mode = stat.S_IMODE(replaced.st_mode) & 0o777 if replaced is not None else 0o666 & ~_umask()
     tmp = None
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +175,7 @@ def atomic_write(path, data: bytes | str, setting: str, *, mode: int | None = No
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view):]
-            os.fchmod(fd, (0o666 & ~_umask()) if mode is None else mode)
+            os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -133,6 +201,7 @@ def make_staging_dir(target, setting: str) -> Path:
     """A new empty hidden folder beside `target` (`.NAME.<random>.tmp`) to build an output in. It gets the mode
     a plain mkdir would (0777 & ~umask), not mkdtemp's 0700, since it becomes the output others read."""
     t = Path(target)
+    check_parent_links(t, setting)
     try:
         t.parent.mkdir(parents=True, exist_ok=True)
         staged = Path(tempfile.mkdtemp(prefix=f".{t.name}.", suffix=".tmp", dir=t.parent))
@@ -148,6 +217,7 @@ def move_into_place(staged, target) -> None:
     staged, target = Path(staged), Path(target)
     if target.is_symlink():
         raise LinkRefused(target, "out", os.readlink(target))
+    refuse_foreign(target, "out")
     aside = None
     if target.exists() and (target.is_file() or any(target.iterdir())):
         aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))

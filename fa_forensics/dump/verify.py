@@ -1,19 +1,26 @@
 """`verify`: the full check of a dump store behind `fa-forensics verify`.
 
-It opens the store with the reader (which runs `integrity.check_step` on every complete step and
-skips damaged ones), decodes every chunk of every whole step (`integrity.check_chunk_data`), reads
-the timeline, and lists what killed writers left beside the store (`debris.leftovers`).
+It opens the store with the reader (which runs `integrity.check_step` on every step and skips damaged
+ones), then decodes every chunk file of every array whose metadata is sound, in whole and damaged steps
+alike (`integrity.check_chunk_data`), so a step with a missing chunk and a corrupt one shows both; checks
+and decodes the timeline; and lists what killed writers left beside the store (`debris.leftovers`).
+Every problem is reported, none hides another.
 """
 from __future__ import annotations
 
 import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import zarr
+
 from fa_forensics.dump.debris import leftovers
-from fa_forensics.dump.integrity import Damage, check_chunk_data, describe_error
+from fa_forensics.dump.guarded_store import RegularFileStore, bounded
+from fa_forensics.dump.integrity import Damage, check_chunk_data, relative, sound_arrays, sound_series
 from fa_forensics.dump.reader import open_dump
+from fa_forensics.dump.schema import TIMELINE_GROUP, step_key
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class VerifyReport:
 
 
 def verify(path, rank: int | None = None) -> VerifyReport:
-    """Check a store fully: metadata (check_step) of every step, then every chunk of every whole step decodes.
+    """Check a store fully: metadata (check_step) of every step, then every chunk of every sound array decodes.
 
     Raises DumpError (bad input) when `path` is not a dump at all.
     """
@@ -53,28 +60,43 @@ def verify(path, rank: int | None = None) -> VerifyReport:
     problems: list[Damage] = [d for ds in dump.damage.values() for d in ds]
     arrays = chunks = 0
     whole = []
-    for step in dump.steps:
+    tree = dump._tree_path
+    for step in [*dump.steps, *dump.damage]:
         found = []
-        for layer in dump.layers(step):
-            group = dump._layer(step, layer)
-            for name in dump._array_names(step, layer):
-                array = group[name]
-                arrays += 1
-                chunks += math.prod(math.ceil(s / c) for s, c in zip(array.shape, array.chunks))
-                found.extend(check_chunk_data(array, step, layer, name))
+        for layer, name, array_dir in sound_arrays(tree / step_key(step), dump.path):
+            array = _open(array_dir)
+            if array is None:
+                continue
+            arrays += 1
+            chunks += math.prod(math.ceil(s / c) for s, c in zip(array.shape, array.chunks))
+            found.extend(check_chunk_data(array, step, layer, name, array_dir, dump.path))
         problems.extend(found)
-        if not found:
+        if not found and step not in dump.damage:
             whole.append(step)
-    timeline = _timeline_problems(dump)
-    problems.extend(timeline)
+    problems.extend(_timeline_problems(dump, tree / TIMELINE_GROUP))
     damaged = sorted({d.step for d in problems if d.step is not None})
     cut = [s for s in dump.incomplete_steps if s not in dump.damage]
-    return VerifyReport(str(dump.path), dump.rank, whole, cut, damaged, problems, arrays, chunks, leftovers(dump.path))
+    return VerifyReport(str(dump.path), dump.rank, sorted(whole), cut, damaged, problems, arrays, chunks,
+                        leftovers(dump.path))
 
 
-def _timeline_problems(dump) -> list[Damage]:
+def _open(array_dir: Path) -> zarr.Array | None:
+    """The array at `array_dir`, read through the guarded store and the bounded zstd codec."""
     try:
-        dump.timeline  # noqa: B018 - read only to see whether it can be read
-    except Exception as exc:
-        return [Damage(None, None, "timeline", f"cannot be read ({describe_error(exc)})")]
-    return []
+        return bounded(zarr.open_array(store=RegularFileStore(array_dir, read_only=True), mode="r"))
+    except Exception:  # metadata zarr refuses: check_step has named it
+        return None
+
+
+def _timeline_problems(dump, timeline_dir: Path) -> list[Damage]:
+    """The timeline's metadata damage, and every chunk of its sound series that does not decode."""
+    if not timeline_dir.is_dir():
+        return []
+    out = list(dump.timeline_damage)
+    for name, series in sound_series(timeline_dir, dump.path):
+        array = _open(series)
+        if array is None:
+            out.append(Damage(None, None, f"timeline/{name}", "zarr cannot open it", relative(series, dump.path)))
+            continue
+        out.extend(check_chunk_data(array, None, None, f"timeline/{name}", series, dump.path))
+    return out

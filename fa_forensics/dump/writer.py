@@ -24,6 +24,8 @@ import zarr.codecs
 
 from fa_forensics.dump.identity import check_same_model
 from fa_forensics.dump.lock import StoreLock
+from fa_forensics.dump.metadata_checks import read_metadata
+from fa_forensics.dump.safe_files import check_parent_links
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     CALL_ATTR_KEYS,
@@ -50,10 +52,9 @@ _LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype",
 
 def _existing_format(path: Path) -> int | None:
     """format_version of an existing fa-forensics store at `path`, or None if it is not one."""
-    try:
-        group = zarr.open_group(str(path), mode="r")
-        meta = dict(group.attrs).get(ATTRS_KEY)
-    except Exception:  # not zarr, zarr v2, unreadable: not ours
+    try:  # read as the reader does: a FIFO or device in its place never blocks
+        meta = read_metadata(Path(path)).get("attributes", {}).get(ATTRS_KEY)
+    except ValueError:  # not zarr, zarr v2, unreadable: not ours
         return None
     if not isinstance(meta, Mapping):
         return None
@@ -134,6 +135,7 @@ class DumpWriter:
         self._timeline_arrays: dict[str, zarr.Array] | None = None  # timeline/ arrays, opened at the first row
         self._created: str | None = None  # "new" / "empty folder" when this writer made the store
         self._wrote = False  # anything written (a step, an array, a timeline row)
+        check_parent_links(self.path, "out")  # a folder on the way planted as a link in a shared place
         self._store_lock = StoreLock(self.path, self.rank).acquire()
         try:
             self._root = self._open_root(dict(run_attrs or {}), overwrite)
@@ -339,7 +341,7 @@ class DumpWriter:
                 if key not in arrays:
                     arr = self._timeline_group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
                                                             chunks=(256, *block.shape[1:]),
-                                                            compressors=zarr.codecs.ZstdCodec())
+                                                            compressors=zarr.codecs.ZstdCodec(), config=ARRAY_CONFIG)
                     if n_rows:
                         fill = np.nan if block.dtype.kind == "f" else -1
                         arr.append(np.full((n_rows, *block.shape[1:]), fill, dtype=block.dtype), axis=0)

@@ -9,9 +9,11 @@ The cache directory is $FA_FORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/fa-forensic
 ~/.cache/fa-forensics; FA_FORENSICS_CACHE_DIR=off (or `--match-cache off`) keeps nothing. Files
 are written symlink-safe: a temporary file made in the target directory, then renamed over the
 target (a rename replaces a link, never follows it); a target or `match` directory that is a
-symbolic link is refused with a warning, and reads open the file with O_NOFOLLOW. As ssh refuses a key
-in a folder others control, the cache directory and its `match` folder are refused (nothing read, nothing
-written, one warning) when either is writable by group or others or owned by another user than the one
+symbolic link is refused with a warning, and reads take a regular file only (O_NOFOLLOW, never blocking on
+a FIFO or reading a device: `dump.safe_read`). A folder on the way to the cache directory that is a link
+another user planted in a sticky world-writable folder is refused in one line (`check_parent_links`). As ssh
+refuses a key in a folder others control, the cache directory and its `match` folder are refused (nothing read,
+nothing written, one warning) when either is writable by group or others or owned by another user than the one
 running (or root). What is read is still never believed: `fidelity.stored_match` re-checks it.
 
 A dump may carry a match in its layer groups' attributes (`replay_match`, fingerprinted over the
@@ -31,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.dump.safe_files import atomic_write
+from fa_forensics.dump.safe_files import atomic_write, check_parent_links
+from fa_forensics.dump.safe_read import FileTooLarge, NotRegularFile, read_regular
 from fa_forensics.errors import TargetUnwritable
 
 ENV_DIR = "FA_FORENSICS_CACHE_DIR"
@@ -47,6 +50,7 @@ _IN_DUMP_RECIPES = (
     ("stabilized", "tensor-core"), ("fp32", "ieee"), ("fp8-s1", "ieee"), ("fp8-s256", "ieee"), ("fp8-s448", "ieee"),
 )
 
+_MAX_ENTRY_BYTES = 64 * 2**20  # a match entry is a few kB; a larger file is not one of ours
 _override: Optional[str] = None  # set by the CLI's --match-cache; wins over the environment
 
 
@@ -115,20 +119,21 @@ def read(key: str) -> Optional[dict]:
     if root is None:
         return None
     path = root / f"{key}.json"
+    check_parent_links(root, "match_cache", include_last=True)  # a link planted on the way: one line, exit 2
     if root.is_symlink():
         return None  # refused; `write` says so
     if _refused(root):
         return None
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:  # a regular file only, never blocking on a FIFO or reading a device
+        entry = json.loads(read_regular(path, _MAX_ENTRY_BYTES, follow=False))
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             warn(f"{path} is a symbolic link; not followed, the layer-step is matched again")
         return None
-    try:
-        with os.fdopen(fd, "r") as f:
-            entry = json.load(f)
-    except (OSError, ValueError):
+    except (NotRegularFile, FileTooLarge) as exc:
+        warn(f"{exc}; not read, the layer-step is matched again")
+        return None
+    except (ValueError, RecursionError):
         warn(f"{path} is not readable JSON; the layer-step is matched again")
         return None
     if not isinstance(entry, dict) or entry.get("fingerprint") != key:
@@ -143,6 +148,7 @@ def write(key: str, entry: dict) -> None:
     if root is None:
         return
     target = root / f"{key}.json"
+    check_parent_links(root, "match_cache", include_last=True)  # a link planted on the way: one line, exit 2
     try:
         for folder in (root.parent, root):  # made private; a folder that exists is only checked
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)

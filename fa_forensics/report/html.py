@@ -68,15 +68,18 @@ GLOSSARY: tuple[tuple[str, str, str], ...] = (
      "finding."),
     ("significant", "significant, Holm, α", f"a p-value below α = {ALPHA:g} after Holm's correction over every test "
      f"the selection makes (Σδ items and O cells), and a bias of at least {EFFECT_FLOOR:.0%} of a rounding unit: the "
-     f"chance that the page makes any false claim is at most {ALPHA:.0%}."),
+     f"chance that the page makes any false claim is at most {ALPHA:.0%} where rows err independently. Rows that "
+     "attend mostly to the same key err together, which the tests do not model: on long sequences confirm an O "
+     "claim on other steps (docs/statistics.md)."),
     ("fidelity", "replay fidelity", "the share of the stored O bits the replayed recipe reproduces exactly; below "
      "100 % a sign test of the mismatches says whether they could bias the findings."),
     ("beta-eps", "β, ε", "the stabilized softmax (Algorithm 3): in a row whose maximum r_m repeats within ε, shift by "
      "m = β·r_m (r_m > 0) or 0 instead of r_m, so that no P̄ is exactly 1."),
     ("stable-attention", "stable_attention", "fa_forensics.stable_attention(q, k, v, beta, eps): the fix as a drop-in "
      "attention (Triton kernels on GPU, a torch reference on CPU); plain_attention is the same kernels without it."),
-    ("fp8-s", "S (FP8 P scale)", "an FP8 kernel multiplies P̄ by S before casting it to E4M3; S = 1 zeroes every "
-     "P̄ below 2⁻¹⁰, S = 256 keeps them exactly (the FP8 paper's fix)."),
+    ("fp8-s", "S (FP8 P scale)", "an FP8 kernel multiplies P̄ by S before casting it to E4M3, whose smallest value "
+     "is 2⁻⁹: S = 1 zeroes every P̄ at or below 2⁻¹⁰, S = 256 (a power of two, so the scaling itself rounds nothing) "
+     "only those at or below 2⁻¹⁸ (the FP8 paper's fix)."),
     ("p-collapse", "P-collapse", "a strong attention sink raises the running maximum, so most other P̄ fall below "
      "E4M3's smallest value and are silently zeroed: the probability mass they carried is lost."),
     ("kv-order", "KV order", "the order in which a kernel visits the key blocks (forward or reverse); reverse visits "
@@ -114,6 +117,10 @@ def _card(v: Verdict, e) -> list[str]:
     if v.actions:
         out.append("<dt>What to do</dt><dd><ol>" + "".join(
             f"<li><strong>{e(a.what)}</strong>: {e(a.effect)}.</li>" for a in v.actions) + "</ol></dd>")
+    elif v.untested:
+        out.append("<dt>What to do</dt><dd>Nothing for what was tested: no analysis that ran found a bias, an FP8 "
+                   f"collapse or an alarm; {e(', '.join(v.untested))} could not run (their notes below say why and "
+                   "what a dump needs for them).</dd>")
     else:
         out.append("<dt>What to do</dt><dd>Nothing: no analysis found a bias, an FP8 collapse or an alarm.</dd>")
     if v.disagreements:

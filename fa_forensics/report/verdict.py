@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, rule_text
+from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, REMOVED_SHARE, rule_text
 from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se, text
 
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
@@ -105,6 +105,7 @@ class Verdict:
     alarms: tuple[dict, ...] = ()  # the timeline's alarms
     fidelity: str = ""
     precision: str = ""  # what the run's precision means ('' for a low-precision run)
+    untested: tuple[str, ...] = ()  # the analyses that could not run on this dump (their notes say why)
 
     def line(self) -> str:
         """The one-line verdict of the CLI and the page's technical sentence."""
@@ -289,7 +290,8 @@ def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence]) -> list[str]:
     if o is not None and o.found:
         direction = "too high" if o.sign > 0 else "too low"
         out.append(f"The low-precision attention output O comes out {direction} on average in layer {o.layer} head "
-                   f"{o.head} feature {o.feature}: {o.stats()} (sign test over its rows; {', '.join(o.analyses)}).")
+                   f"{o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its rows, the smaller p; "
+                   f"{', '.join(o.analyses)}).")
     if delta is not None and delta.found:
         direction = "positive" if delta.sign > 0 else "negative"
         out.append(f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "
@@ -390,6 +392,7 @@ def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[d
 def build_verdict(sections) -> Verdict:
     """The report's verdict from its sections (any object with `name` and `data`, the JSON payload or None)."""
     data = {s.name: s.data for s in sections if s.data is not None}
+    untested = tuple(s.name for s in sections if s.data is None)
     by_name = claims(sections)
     evidence = _evidence(by_name, data, "delta") + _evidence(by_name, data, "O")
     delta = next((e for e in evidence if e.quantity == "delta"), None)
@@ -419,11 +422,17 @@ def build_verdict(sections) -> Verdict:
         status, answer = "alarms-only", "The monitor raised alarms; no biased rounding in the captured steps."
     elif not by_name and "pcast" not in data:
         status, answer = "no result", "No analysis produced a result for this dump (see the notes below)."
+    elif untested:
+        status, answer = "not affected", (f"No significant biased rounding in what could be tested; "
+                                          f"{_names(untested)} could not run on this dump (see {_their(untested)} "
+                                          "notes).")
     else:
         status, answer = "not affected", "No: no significant biased rounding, nothing to fix."
     if disagreements and found:
         status = "disagree" if any("disagree" in d for d in disagreements) else status
     confidence = [fidelity[:1].upper() + fidelity[1:] + "."]
+    if untested:
+        confidence.append(f"Not tested: {_names(untested)} could not run on this dump (see {_their(untested)} notes).")
     for e in evidence:
         if e.found:
             confidence.append(f"{'Σδ' if e.quantity == 'delta' else 'O bias'}: {e.stats()}.")
@@ -433,14 +442,23 @@ def build_verdict(sections) -> Verdict:
                           + (f" feature {best.feature}" if best.feature is not None else "")
                           + (f" step {best.step}" if best.step is not None else "") + f", {best.stats()}.")
     actions = _actions(data, found, fp8, alarms)
-    technical = _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision)
+    technical = _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision, untested)
     return Verdict(status=status, answer=answer, where=where, findings=tuple(findings), actions=tuple(actions),
                    confidence=tuple(confidence), disagreements=tuple(disagreements), rule=rule, technical=technical,
                    evidence=tuple(evidence), fp8_heads=tuple(fp8), alarms=tuple(alarms), fidelity=fidelity,
-                   precision=precision)
+                   precision=precision, untested=untested)
 
 
-def _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision) -> str:
+def _names(names: tuple[str, ...]) -> str:
+    """'isolate', 'isolate and pcast', 'isolate, delta-bias and pcast'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _their(names: tuple[str, ...]) -> str:
+    return "its" if len(names) == 1 else "their"
+
+
+def _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision, untested=()) -> str:
     """The one-line verdict: 'VERDICT: …; replay fidelity …'."""
     lead = f"{precision}. " if precision else ""
     parts = []
@@ -452,6 +470,8 @@ def _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, 
         parts.append("no analysis produced a bias claim for this dump (see the notes below)")
     elif not found:
         tail = "nothing to fix" if not fp8 and not alarms else "no fix for rounding bias needed"
+        if untested:
+            tail = f"nothing to fix in what was tested ({_names(untested)} could not run)"
         parts.append(f"no significant bias (sign or t-test, {METHOD}-corrected p < {ALPHA:g} and at least "
                      f"{EFFECT_FLOOR:.0%} of a rounding unit) in {names}: {tail}{collapse}")
     else:
@@ -486,6 +506,8 @@ def _operation(data: dict, o: Optional[Evidence]) -> str:
             if finite(total):
                 text += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that "
                          "feature")
+                if total > 1 or total < 0:  # a signed share of a mean: the rest of the rows push the other way
+                    text += " (a signed share: the other rows' rounding pushes the other way)"
     return text
 
 
@@ -497,10 +519,12 @@ def _fix(data: dict, collapse: str) -> str:
         return collapse
     if not fc.get("has_bias", True):
         return ""
-    text = {"removed": "; the stabilized softmax removes it",
+    fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
+    most = finite(fixed.get("removed_share")) and fixed["removed_share"] < REMOVED_SHARE
+    text = {"removed": ("; the stabilized softmax removes most of it (what is left is not significant)" if most
+                        else "; the stabilized softmax removes it"),
             "inconclusive": "; too few rows to tell whether the stabilized softmax removes it"}.get(
         fc.get("outcome"), "; the stabilized softmax does NOT remove it")
-    fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
     text += (f" (fix-check, {fixed.get('name', 'the fix')}: {share_with_se(fixed.get('removed_share'), None)} removed, "
              f"reduction {number(fc.get('bias_reduction'), '.1f')}x)")
     return text

@@ -468,3 +468,381 @@ def test_synth_and_report_outputs_get_the_mode_a_plain_mkdir_gives(tmp_path):
         assert (tmp_path / "rep").stat().st_mode & 0o777 == 0o755
     finally:
         os.umask(old)
+
+
+# -- outputs: regular files or new names ------------------------------------------------------------------------
+
+
+def test_json_never_replaces_a_fifo_a_device_or_a_socket(tmp_path, make_dump):
+    """A root `info --json /dev/null` replaced the device with a JSON file: every special file is refused (a copy
+    of /dev/null stands in for the real one)."""
+    import socket
+    import stat as stat_
+
+    from tests.helpers.hostile import char_device
+
+    dump = make_dump(steps=(0,))
+    os.mkfifo(tmp_path / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    names = ["fifo", "sock"] + (["null"] if char_device(tmp_path / "null") else [])
+    try:
+        for name in names:
+            before = os.lstat(tmp_path / name)
+            result, lines = _cli("info", dump, "--json", tmp_path / name)
+            _refused(result, lines, "not a file; fa-forensics writes only regular files")
+            assert "- writes to the standard output" in lines[0]
+            after = os.lstat(tmp_path / name)
+            assert (after.st_ino, stat_.S_IFMT(after.st_mode)) == (before.st_ino, stat_.S_IFMT(before.st_mode))
+    finally:
+        sock.close()
+    result, lines = _cli("info", dump, "--json", "-")
+    assert result.exit_code == 0 and lines == [] and json.loads(result.stdout[result.stdout.index("{\n"):])["steps"]
+
+
+def test_json_never_replaces_another_users_file(tmp_path, make_dump):
+    """`--json` over another user's 0600 file left a root-owned 0644 file in its place."""
+    from tests.helpers.hostile import OTHER_UID
+
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text("their results\n")
+    theirs.chmod(0o600)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    _refused(*_cli("info", make_dump(steps=(0,)), "--json", theirs), "belongs to another user (uid 12345)")
+    st = theirs.stat()
+    assert theirs.read_text() == "their results\n" and (st.st_uid, st.st_mode & 0o777) == (OTHER_UID, 0o600)
+
+
+def test_report_out_refuses_a_folder_holding_what_no_report_wrote(tmp_path, make_dump):
+    """A folder with the user's notes, or the user's file inside a folder named after an analysis: refused
+    before any work, every file kept."""
+    dump = make_dump(steps=(0,))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = sorted(os.listdir(tmp_path))
+    _refused(*_cli("report", dump, "--out", out), "holds files no fa-forensics report wrote (notes.txt)")
+    assert (out / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path)) == before
+
+    (out / "notes.txt").unlink()
+    (out / "isolate").mkdir()
+    (out / "isolate" / "my-analysis.py").write_text("mine")
+    _refused(*_cli("report", dump, "--out", out), "holds files no fa-forensics report wrote (isolate)")
+    assert (out / "isolate" / "my-analysis.py").read_text() == "mine"
+
+
+def test_a_report_replaces_an_earlier_report_and_nothing_else(tmp_path):
+    """Publishing over an earlier report (its list of files in MARKER) replaces it whole; a file the user added
+    inside one of its folders makes the folder foreign."""
+    from fa_forensics.errors import NotReportFolder
+    from fa_forensics.report.output import MARKER, staged_report
+
+    out = tmp_path / "rep"
+    for version in ("one", "two"):
+        with staged_report(out, ["isolate"]) as staged:
+            (staged / "index.html").write_text(version)
+            (staged / "isolate").mkdir()
+            (staged / "isolate" / f"{version}.png").write_text(version)
+        assert sorted(os.listdir(out)) == sorted([MARKER, "index.html", "isolate"])
+        assert os.listdir(out / "isolate") == [f"{version}.png"] and (out / "index.html").read_text() == version
+    assert json.loads((out / MARKER).read_text())["files"] == ["index.html", "isolate", "isolate/two.png"]
+    (out / "isolate" / "mine.txt").write_text("mine")
+    with pytest.raises(NotReportFolder, match=r"isolate/mine\.txt"):
+        with staged_report(out, ["isolate"]):
+            pass
+    assert (out / "isolate" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]  # no staging or moved-aside folder left
+
+
+# -- reads bounded by what is on disk -----------------------------------------------------------------------------
+
+
+def test_decompression_bombs_cost_the_chunks_bytes(make_dump):
+    """A 64 KiB chunk of RLE blocks inflating to 2 GiB where the chunk holds 256 bytes, and a frame header claiming
+    10^12 bytes: verify names both chunks, delta-bias and match refuse in one line, memory stays at its baseline."""
+    from tests.helpers.hostile import claiming_frame, lines_of, rle_bomb, run_capped
+
+    dump = make_dump(steps=(0,))
+    (dump / LAYER / "q" / "c.0.1.0.0").write_bytes(rle_bomb(2**31))
+    (dump / LAYER / "k" / "c.0.0.0.0").write_bytes(claiming_frame(10**12))
+    runs = run_capped([["verify", dump], ["delta-bias", dump], ["match", dump]], cap_gb=6)
+    assert runs["max_rss_mb"] < 1500, runs["max_rss_mb"]  # inflated, one chunk would be 2048 MB
+    verify_out = runs["verify"]["stdout"].replace("\n", " ")
+    assert runs["verify"]["code"] == 1
+    assert "inflates past the chunk's 256 bytes" in verify_out and "claims 1000000000000 bytes" in verify_out
+    for command in ("delta-bias", "match"):
+        run = runs[command]
+        assert run["code"] == 2 and len(lines_of(run["stderr"])) == 1, run
+        assert "decompression bomb, or damage" in run["stderr"] and "Traceback" not in run["stderr"]
+
+
+def test_metadata_claiming_what_the_files_do_not_hold_is_refused_before_allocation(make_dump):
+    """A timeline claiming 3·10^8 rows with no chunks, a heads list of 200,000 heads (2 stored), a layer
+    zarr.json of 5,000,000 heads (40 MB): damage, named in one line; the healthy step is analysed."""
+    from fa_forensics.dump import DumpWriter
+    from tests.helpers.hostile import lines_of, run_capped
+
+    dump = make_dump(steps=(0, 1, 2))
+    with DumpWriter(dump, {"model": {"name": "test"}}) as writer:
+        for step in range(3):
+            writer.append_timeline(step, loss=1.0 + step)
+    for series in ("step", "loss"):
+        meta_path = dump / "timeline" / series / "zarr.json"
+        meta = json.loads(meta_path.read_text())
+        meta["shape"][0] = 300_000_000
+        meta_path.write_text(json.dumps(meta))
+    for step, heads in ((1, 200_000), (2, 5_000_000)):
+        meta_path = dump / f"step_00000000{step}" / "layer_000" / "zarr.json"
+        meta = json.loads(meta_path.read_text())
+        meta["attributes"]["heads"] = list(range(heads))
+        meta_path.write_text(json.dumps(meta))
+    runs = run_capped([["info", dump], ["verify", dump], ["timeline", dump], ["delta-bias", dump]], cap_gb=6)
+    assert runs["max_rss_mb"] < 1500, runs["max_rss_mb"]
+    assert runs["info"]["code"] == 0 and "1171874 chunks missing" in runs["info"]["stderr"]
+    problems = runs["verify"]["stdout"].replace("\n", " ")
+    assert runs["verify"]["code"] == 1 and "heads lists 200000 heads but the arrays hold 2" in problems
+    assert "more than the 16777216 a dump's metadata may hold" in problems and "1171874 chunks missing" in problems
+    assert runs["timeline"]["code"] == 2 and len(lines_of(runs["timeline"]["stderr"])) == 1
+    delta = runs["delta-bias"]
+    assert delta["code"] in (0, 1), delta  # step 0 is analysed
+    warning = lines_of(delta["stderr"])
+    assert len(warning) == 1 and warning[0].startswith("warning: damaged: ") and "step(s) 1, 2 are damaged" in \
+        warning[0], delta["stderr"]
+
+
+def test_capture_steps_keeps_a_huge_range_lazy(tmp_path):
+    """`capture --steps 0:10**18` built the set (5.1 GB) and blamed the dump: now the two steps the script runs
+    are recorded and the rest is one warning line giving the range."""
+    from tests.cli.test_capture_cli import SCRIPT
+    from tests.helpers.hostile import lines_of
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    capped = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); "
+              "sys.argv = ['fa-forensics'] + sys.argv[1:]; runpy.run_module('fa_forensics', run_name='__main__')")
+    args = ["capture", "--out", tmp_path / "run.zarr", "--steps", "0:1000000000000000000", "--json",
+            tmp_path / "c.json", "--", sys.executable, script, "2", tmp_path / "seen.pt"]
+    run = subprocess.run([sys.executable, "-c", capped, *map(str, args)], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr  # selected steps never reached
+    summary = json.loads((tmp_path / "c.json").read_text())
+    assert summary["steps"] == [0, 1] and summary["never_reached"][:2] == [2, 3] and len(summary["never_reached"]) \
+        == 1000
+    assert lines_of(run.stderr) == [line for line in lines_of(run.stderr) if "2:1000000000000000000" in line]
+    assert "out of memory" not in run.stderr
+
+
+# -- special files inside a dump, and in the cache ------------------------------------------------------------------
+
+
+def _cli_in_subprocess(*args, timeout: float = 120):
+    """The CLI in its own process, so that a read that blocks fails the test instead of hanging it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fa_forensics", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_special_files_inside_a_dump_are_refused_without_blocking(make_dump):
+    """A layer zarr.json that is a FIFO hung verify; one that is a character device (/dev/zero) was read until
+    memory ran out; a FIFO chunk was '1 chunk missing ()'."""
+    from tests.helpers.hostile import char_device, lines_of
+
+    dump = make_dump(steps=(0, 1, 2))
+    (dump / "step_000000001" / "layer_000" / "zarr.json").unlink()
+    os.mkfifo(dump / "step_000000001" / "layer_000" / "zarr.json")
+    (dump / "step_000000002" / "layer_000" / "q" / "c.0.1.0.0").unlink()
+    os.mkfifo(dump / "step_000000002" / "layer_000" / "q" / "c.0.1.0.0")
+    zero = char_device(dump / "step_000000000" / "layer_000" / "v" / "zero", 1, 5)
+    if zero:
+        (dump / "step_000000000" / "layer_000" / "v" / "c.0.0.0.0").unlink()
+        os.rename(dump / "step_000000000" / "layer_000" / "v" / "zero",
+                  dump / "step_000000000" / "layer_000" / "v" / "c.0.0.0.0")
+    run = _cli_in_subprocess("verify", dump, "--json", dump.parent / "v.json")
+    assert run.returncode == 1 and len(lines_of(run.stderr)) == 1, run.stderr
+    problems = {p["file"]: p["what"] for p in json.loads((dump.parent / "v.json").read_text())["problems"]}
+    assert problems["step_000000001/layer_000/zarr.json"] == "zarr.json is a FIFO (named pipe), not a file"
+    assert problems["step_000000002/layer_000/q/c.0.1.0.0"] == \
+        "1 chunk not a regular file (c.0.1.0.0: a FIFO (named pipe))"
+    if zero:
+        assert problems["step_000000000/layer_000/v/c.0.0.0.0"] == \
+            "1 chunk not a regular file (c.0.0.0.0: a character device)"
+    root_fifo = make_dump(steps=(0,))
+    (root_fifo / "zarr.json").unlink()
+    os.mkfifo(root_fifo / "zarr.json")
+    run = _cli_in_subprocess("info", root_fifo)
+    assert run.returncode == 2 and lines_of(run.stderr) == [
+        f"error: damaged: {root_fifo}/zarr.json: zarr.json is a FIFO (named pipe), not a file; give the path of a "
+        ".zarr dump made by `fa-forensics capture`, `synth` or `import`"], run.stderr
+
+
+def test_a_fifo_in_the_match_cache_is_never_waited_on(tmp_path, make_dump):
+    dump = make_dump(steps=(0,))
+    cache = tmp_path / "cache"
+    assert _cli_in_subprocess("match", dump, "--match-cache", cache).returncode == 0
+    entries = sorted((cache / "match").iterdir())
+    assert entries
+    for entry in entries:
+        entry.unlink()
+        os.mkfifo(entry)
+    run = _cli_in_subprocess("match", dump, "--match-cache", cache)
+    assert run.returncode == 0 and "a FIFO (named pipe), not a regular file; not read" in run.stderr, run.stderr
+
+
+# -- links in the folders on the way --------------------------------------------------------------------------------
+
+
+def test_a_link_planted_in_a_shared_folder_is_never_followed(tmp_path, make_dump):
+    """`results` planted by another user in a sticky world-writable folder: --json, report --out, the match cache
+    and capture --out through it are refused in one line, its target untouched."""
+    from tests.cli.test_capture_cli import SCRIPT
+    from tests.helpers.hostile import OTHER_UID
+
+    dump = make_dump(steps=(0,))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    target = tmp_path / "someone-elses-folder"
+    target.mkdir()
+    (shared / "results").symlink_to(target)
+    os.lchown(shared / "results", OTHER_UID, OTHER_UID)
+    via = shared / "results"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    for args in (["info", dump, "--json", via / "out.json"], ["report", dump, "--out", via / "rep"],
+                 ["isolate", dump, "--match-cache", via / "cache"],
+                 ["capture", "--out", via / "run.zarr", "--steps", "1", "--", sys.executable, script, "2",
+                  tmp_path / "seen.pt"]):
+        _refused(*_cli(*args), "planted by another user (uid 12345) in a sticky world-writable folder")
+    assert os.listdir(target) == []
+    os.lchown(shared / "results", 0, 0)  # the same link made by the user (root here): followed
+    result, _ = _cli("info", dump, "--json", via / "out.json")
+    assert result.exit_code == 0 and json.loads((target / "out.json").read_text())["steps"] == [0]
+
+
+# -- text from a dump on the terminal ---------------------------------------------------------------------------------
+
+
+HOSTILE = "x\x1b]0;pwned\x07\x1b[2J\x1b]8;;https://evil.example\x1b\\click\x1b]8;;\x1b\\\n[bold]fake row[/bold]\u202e"
+
+
+def test_text_from_a_dump_reaches_the_terminal_escaped(tmp_path, make_dump):
+    """Model name, capture source, module names and a leftover folder name with title-setting, screen-clearing
+    and hyperlink escapes, a newline and markup: every line of info, verify, match, an analysis and its warnings
+    holds no control character, and the text shows escaped."""
+    dump = make_dump(steps=(0, 1), run_attrs={"model": {"name": HOSTILE}, "capture": {"source": HOSTILE}})
+    meta_path = dump / LAYER / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["module"] = HOSTILE
+    meta_path.write_text(json.dumps(meta))
+    (dump / "step_000000001" / "layer_000" / "q" / "c.0.1.0.0").unlink()  # a damaged step: a warning line
+    (tmp_path / f".{dump.name}.{HOSTILE[:12]}.old").mkdir()  # a leftover verify lists by its name
+    outputs = []
+    for args in (["info", dump], ["verify", dump], ["match", dump], ["pv-trace", dump]):
+        result, lines = _cli(*args)
+        assert result.exit_code in (0, 1), (args, result.stdout + result.stderr)
+        outputs.append(result.stdout + result.stderr)
+    text = "".join(outputs)
+    for raw in ("\x1b", "\x07", "\u202e"):
+        assert raw not in text
+    assert "\\x1b]0;pwned\\x07" in outputs[0] and "[bold]fake row[/bold]" in outputs[0]  # shown, escaped
+    assert "fake row" not in "".join(line for line in outputs[0].splitlines() if line.lstrip("│ ").startswith("["))
+    assert "\\x1b]0;pwned" in outputs[1]  # the leftover's name
+
+
+# -- malformed metadata: damaged, worded, and the healthy steps still run -----------------------------------------
+
+
+def test_info_says_damaged_steps_are_damaged_not_cut_off(make_dump):
+    dump = make_dump(steps=(0, 1), incomplete=(2,))
+    (dump / "step_000000001" / "layer_000" / "k" / "c.0.0.0.0").unlink()
+    result, _ = _cli("info", dump)
+    assert result.exit_code == 0
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 3}
+    assert "2 (cut off while writing; skipped)" in rows["incomplete steps"]
+    assert "1 (skipped; `fa-forensics verify` lists the problems)" in rows["damaged steps"]
+
+
+# -- Ctrl-C at any moment ---------------------------------------------------------------------------------------------
+
+
+_INTERRUPT_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+TARGET = sys.argv[1]
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == TARGET:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the module starts to import
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["fa-forensics"] + sys.argv[2:]
+from fa_forensics.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("module", ["typer", "zarr", "torch", "scipy", "fa_forensics.dump.verify"])
+def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(make_dump, module):
+    dump = make_dump(steps=(0,))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_IMPORT, module, "verify", str(dump)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 130, run.stderr
+    assert [line for line in run.stderr.splitlines() if line.strip()] == ["interrupted"], run.stderr
+
+
+_INTERRUPT_IN_REPORT = """
+import os, signal, sys
+import fa_forensics.report.run as run
+section = run.run_section
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the report is written in its staging folder
+    return section(*args, **kwargs)
+run.run_section = interrupted
+sys.argv = ["fa-forensics"] + sys.argv[1:]
+from fa_forensics.cli import main
+main()
+"""
+
+
+def test_ctrl_c_during_a_report_leaves_no_debris(tmp_path, make_dump):
+    dump = make_dump(steps=(0,))
+    out = tmp_path / "out"
+    out.mkdir()
+    before = sorted(os.listdir(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_IN_REPORT, "report", str(dump), "--out", str(out)],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 130 and [line for line in run.stderr.splitlines() if line.strip()] == ["interrupted"], \
+        run.stderr
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(out) == []
+
+
+def test_ctrl_c_during_a_capture_leaves_the_store_whole_and_unlocked(tmp_path):
+    """Ctrl-C reaches the whole process group: the training script's capture ends as a failed run (its completed
+    steps kept, its lock released) and the command says "interrupted" once, exit 130, no traceback."""
+    import signal
+    import time
+
+    from tests.cli.test_capture_cli import SCRIPT
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fa_forensics", "capture", "--out", "run.zarr", "--steps", "1,3",
+                             "--", sys.executable, "train.py", "100000", "seen.pt"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while not (tmp_path / "run.zarr" / "step_000000003" / "zarr.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # step 3 is being completed or done; the run goes on (100000 steps)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and [line for line in err.splitlines() if line.strip()] == ["interrupted"], err
+    assert sorted(os.listdir(tmp_path)) == ["run.zarr", "train.py"]  # no lock, no staging folder
+    result, _ = _cli("verify", tmp_path / "run.zarr", "--json", tmp_path / "v.json")
+    assert result.exit_code == 0 and json.loads((tmp_path / "v.json").read_text())["steps"] == [1, 3]

@@ -73,6 +73,43 @@ def _chunk_dir(p):
     c.mkdir()
 
 
+def _special(kind: str):
+    """A metadata file or chunk replaced by a FIFO (or a copy of /dev/zero where mknod is allowed)."""
+    def plant(p: Path) -> None:
+        from tests.helpers.hostile import char_device
+
+        target = p / LAYER / "zarr.json" if kind == "layer-json" else _chunk(p, "q")
+        target.unlink()
+        if kind == "chunk-zero" and char_device(target, 1, 5):
+            return
+        os.mkfifo(target)
+    return plant
+
+
+def _bomb(p):
+    from tests.helpers.hostile import rle_bomb
+
+    _chunk(p, "q").write_bytes(rle_bomb(2**28))
+
+
+def _claims(p):
+    from tests.helpers.hostile import claiming_frame
+
+    _chunk(p, "k").write_bytes(claiming_frame(10**12))
+
+
+def _codec(name: str | None = None, **config):
+    def edit(m):
+        m["codecs"][1] = {"name": name, **({"configuration": config} if config else {})} if name else m["codecs"][1]
+        if not name:
+            m["codecs"][1]["configuration"].update(config)
+    return lambda p: _edit(p / LAYER / "q" / "zarr.json", edit)
+
+
+def _layer_attr(**attrs):
+    return lambda p: _edit(p / LAYER / "zarr.json", lambda m: m["attributes"].update(attrs))
+
+
 DAMAGE: dict[str, Callable[[Path], None]] = {
     "missing-chunk": lambda p: _chunk(p, "x", "c.0.0.0").unlink(),
     "chunk-is-a-folder": _chunk_dir,
@@ -98,6 +135,30 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "shape-claims-1e12-tokens": lambda p:
         _edit(p / LAYER / "q" / "zarr.json", lambda m: m["shape"].__setitem__(2, 10**12)),
     "root-json-truncated": lambda p: (p / "zarr.json").write_text((p / "zarr.json").read_text()[:40]),
+    "negative-shape": lambda p: _edit(p / LAYER / "k" / "zarr.json", lambda m: m["shape"].__setitem__(2, -16)),
+    "zero-chunk-shape": lambda p: _edit(p / LAYER / "q" / "zarr.json",
+                                        lambda m: m["chunk_grid"]["configuration"]["chunk_shape"].__setitem__(2, 0)),
+    "shape-of-floats": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m.update(shape=[1.0, 2, 16, 8])),
+    "unknown-codec": _codec("no-such-codec"),
+    "gzip-codec": _codec("gzip", level=1),
+    "zstd-level-99": _codec(level=99),
+    "v2-key-encoding": lambda p: _edit(p / LAYER / "q" / "zarr.json",
+                                       lambda m: m.update(chunk_key_encoding={"name": "v2"})),
+    "fill-value-text": lambda p: _edit(p / LAYER / "q" / "zarr.json", lambda m: m.update(fill_value="abc")),
+    "nested-layer-json": lambda p: (p / LAYER / "zarr.json").write_text(
+        '{"zarr_format": 3, "node_type": "group", "attributes": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"),
+    "layer-json-not-utf8": lambda p: (p / LAYER / "zarr.json").write_bytes(b"\xff\xfe{}"),
+    "module-is-a-number": _layer_attr(module=7),
+    "dropout-is-text": _layer_attr(dropout_p="lots"),
+    "mask-unknown": _layer_attr(mask="sometimes"),
+    "heads-longer-than-stored": _layer_attr(heads=list(range(50_000))),
+    "loss-is-text": lambda p: _edit(p / "step_000000000" / "zarr.json", lambda m: m["attributes"].update(loss="x")),
+    "model-is-a-list": lambda p: _edit(p / "zarr.json", lambda m: m["attributes"]["fa_forensics"].update(model=[1])),
+    "layer-json-is-a-fifo": _special("layer-json"),
+    "chunk-is-a-fifo": _special("chunk"),
+    "chunk-is-dev-zero": _special("chunk-zero"),
+    "zstd-bomb-chunk": _bomb,
+    "frame-claims-1e12-bytes": _claims,
 }
 
 BAD_SAFETENSORS: dict[str, Callable[[Path], None]] = {
@@ -139,7 +200,8 @@ def _run(args: list[str], tmp: Path):
 
 def _expect_refusal(args, tmp, verify_code=2):
     result, lines, out = _run(args, tmp)
-    want = verify_code if args[0] == "verify" and "root-json" not in args[1] else 2  # no readable root: not a dump (2)
+    whole_store = any(f"/{name}.zarr" in args[1] for name in STORE_DAMAGE)
+    want = verify_code if args[0] == "verify" and not whole_store else 2  # no readable root: not a dump (2)
     if result.exit_code == 0:
         COUNTS["silent_wrong_answers"] += 1
     assert result.exit_code == want, f"{args}: exit {result.exit_code}\n{out}"
@@ -171,7 +233,10 @@ def corpus(tmp_path_factory, dump_builder):
 
 
 # Damage inside chunk bytes: found when values are read (or by verify); `info` reads no values.
-VALUE_DAMAGE = {"truncated-chunk", "flipped-bit", "garbage-chunk", "empty-chunk-file"}
+VALUE_DAMAGE = {"truncated-chunk", "flipped-bit", "garbage-chunk", "empty-chunk-file", "zstd-bomb-chunk",
+                "frame-claims-1e12-bytes"}
+# Damage of the whole store (no step of it can be read): every command refuses the dump itself.
+STORE_DAMAGE = {"root-json-truncated", "model-is-a-list"}
 
 
 @pytest.mark.parametrize("command", DUMP_COMMANDS)
@@ -181,6 +246,36 @@ def test_every_command_refuses_every_damaged_store_in_one_line(command, corpus, 
             continue
         _expect_refusal([command, str(path), *EXTRA.get(command, [])], tmp_path, verify_code=1)
         assert not (tmp_path / "out.safetensors").exists(), name
+
+
+@pytest.fixture(scope="module")
+def two_step_corpus(tmp_path_factory, dump_builder):
+    """Each kind of metadata damage planted in step 0 of a two-step dump; step 1 is healthy."""
+    root = tmp_path_factory.mktemp("fuzz-two-steps")
+    dumps = {}
+    for name, damage in DAMAGE.items():
+        if name in STORE_DAMAGE or name in VALUE_DAMAGE:
+            continue
+        path = dump_builder(root / f"{name}.zarr", steps=(0, 1), heads=2, seq=16, head_dim=8)
+        damage(path)
+        dumps[name] = path
+    return dumps
+
+
+def test_damage_in_one_step_never_blocks_the_healthy_steps(two_step_corpus, tmp_path):
+    """Every kind of metadata damage in step 0: an analysis runs on step 1 and says in one warning line which file
+    of step 0 is damaged; info describes step 1 and lists step 0 as damaged; verify exits 1. (Damage inside chunk
+    bytes is found when the values are read, or by verify.)"""
+    for name, path in two_step_corpus.items():
+        result, lines, out = _run(["isolate", str(path)], tmp_path)
+        assert result.exit_code in (0, 1), f"{name}: exit {result.exit_code}\n{out}"
+        assert "Traceback" not in out and "unexpected" not in out, out
+        assert len(lines) == 1 and lines[0].startswith("warning: damaged: ") and "step_000000000" in lines[0] and \
+            "step(s) 0 are damaged and are skipped" in lines[0], f"{name}: {result.stderr}"
+        info, _, _ = _run(["info", str(path)], tmp_path)
+        assert info.exit_code == 0 and "damaged steps" in info.stdout, f"{name}: {info.stdout}"
+        verified, _, _ = _run(["verify", str(path)], tmp_path)
+        assert verified.exit_code == 1, name
 
 
 @pytest.mark.parametrize("command", ["info", "verify", "export", "isolate", "timeline"])

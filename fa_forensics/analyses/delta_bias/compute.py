@@ -131,6 +131,12 @@ class DeltaBiasResult(RecipeResult):
         return [p for p in self.per_step if p.significant]
 
     @property
+    def focus_items(self) -> list[DeltaItem]:
+        """The focus head's Σδ items, one per selected step, in step order (paper Fig. 5a's series)."""
+        return sorted((p for p in self.per_step if (p.layer, p.head) == (self.focus_layer, self.focus_head)),
+                      key=lambda p: p.step)
+
+    @property
     def focus_total(self) -> Total:
         """The focus head's Σδ over its selected steps."""
         return head_total(self.per_step, self.focus_layer, self.focus_head)
@@ -173,7 +179,7 @@ def run(
     workers: Workers = Workers(),
 ) -> DeltaBiasResult:
     """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
-    and the features that carry it in the focus head (the one with the largest |Σ| over steps).
+    and the features that carry it in the focus head (the most significant item's).
 
     Work items are (step, layer, group of heads) (`fanout.work_items`), each replayed and reduced
     to its part on one thread, in-process or on `workers`; parts are combined in item order, so the

@@ -64,9 +64,10 @@ import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, replay_fidelity
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, delta_items,
-                                              head_total, most_significant, o_cells, o_claim, o_units,
+                                              head_total, most_significant, o_cell, o_cells, o_claim, o_units,
                                               selection_family)
-from fa_forensics.analyses.significance import O_TESTS_PER_CELL, Family, holm, outcome, p_text, significant
+from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE, Family, holm, outcome, p_text,
+                                                significant)
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -359,8 +360,10 @@ class FixCheckResult(RecipeResult):
 
 
 def _cell(parts: list[VariantLayerStep], target: BiasCell) -> BiasCell:
-    cells = o_cells([p.sums for p in parts])
-    return next(c for c in cells if (c.layer, c.head, c.feature) == (target.layer, target.head, target.feature))
+    cell = o_cell([p.sums for p in parts], target.layer, target.head, target.feature)
+    if cell is None:  # summarize_fix measures only variants that ran on every layer-step of the baseline
+        raise RuntimeError(f"fix-check: no measurement of layer {target.layer} head {target.head}")
+    return cell
 
 
 def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCell) -> VariantResult:
@@ -434,8 +437,12 @@ def _fixed_variant(variants: list[FixVariant], parts: dict) -> FixVariant:
 def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayerStep]],
                   family: Optional[Family] = None) -> FixCheckResult:
     """Merge every variant's layer-steps, pick the target cell from the baseline (the O claim's cell in `family`,
-    default: the cells alone), decide each variant's residual and the verdict."""
+    default: the cells alone), decide each variant's residual and the verdict. A variant that did not run on every
+    layer-step the baseline ran on (stable_attention where a layer-step is outside its contract) is left out: its
+    rows would not be the baseline's."""
     base = next(v for v in variants if v.role == "baseline")
+    everywhere = {(p.step, p.layer) for p in parts[base.name]}
+    parts = {name: ps for name, ps in parts.items() if {(p.step, p.layer) for p in ps} == everywhere}
     cells = o_cells([p.sums for p in parts[base.name]], family)
     family = family if family is not None else Family(o_cells=len(cells))
     claim = o_claim(cells, family)
@@ -489,8 +496,11 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"
     tail += _control_clause(fixed, alternatives)
-    if fixed.outcome == "removed":
+    if fixed.outcome == "removed" and fixed.removed_share >= REMOVED_SHARE:
         return "removed", f"FIX REMOVES THE BIAS at {where}: {numbers}{tail}"
+    if fixed.outcome == "removed":  # at least half gone, the rest not significant: the policy's "removes", said so
+        return "removed", (f"FIX REMOVES MOST OF THE BIAS at {where}: {numbers}; what is left is not significant"
+                           f"{tail}")
     if fixed.outcome == "inconclusive":
         return "inconclusive", (f"INCONCLUSIVE at {where}: {numbers}; what is left is not significant either: too "
                                 f"few rows to tell whether the fix removes it (capture more steps or batch rows){tail}")
@@ -508,14 +518,17 @@ def _control_clause(fixed: VariantResult, alternatives: list[VariantResult]) -> 
         (a for a in alternatives if a.name == "stable_attention"), None)
     if control is None or deployed is None:
         return ""
-    text = (f"; as deployed, stable_attention {'removes' if deployed.removes else 'does not remove'} it "
-            f"({_share(deployed.removed_share)})")
+    plain = f"plain_attention, its kernels without the fix ({_share(control.removed_share)})"
+    if deployed.removes and control.removes:
+        return (f"; as deployed, stable_attention removes it ({_share(deployed.removed_share)}) and so does {plain}: "
+                "their fp32 P̄V accumulator alone is enough here")
+    if deployed.removes:
+        return (f"; as deployed, stable_attention removes it ({_share(deployed.removed_share)}); {plain} does not: "
+                "the stabilized softmax is what removes it")
     if control.removes:
-        return text + (f" and so does plain_attention, its kernels without the fix ({_share(control.removed_share)}): "
-                       "their fp32 P̄V accumulator alone is enough here")
-    return text + (f"; plain_attention, its kernels without the fix, leaves {1 - control.removed_share:.0%} of it: the "
-                   "stabilized softmax is what removes it" if math.isfinite(control.removed_share)
-                   else "; plain_attention, its kernels without the fix, does not remove it")
+        return (f"; as deployed, stable_attention does not remove it ({_share(deployed.removed_share)}), though "
+                f"{plain} does: the fix's shift, the only difference between them, brings part of it back")
+    return (f"; as deployed, stable_attention does not remove it ({_share(deployed.removed_share)}), nor does {plain}")
 
 
 def _collapse_summary(fixed: VariantResult, config: ReplayConfig) -> dict:
@@ -572,8 +585,8 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
             not_deployed.setdefault(problem, []).append(f"step {m.step} layer {m.layer}")
     for problem, where in not_deployed.items():
         more = f" and {len(where) - 4} more" if len(where) > 4 else ""
-        warnings.append(f"stable_attention and plain_attention not measured at {', '.join(where[:4])}{more}: "
-                        f"{problem}")
+        warnings.append(f"stable_attention and plain_attention not measured (they cannot run at {', '.join(where[:4])}"
+                        f"{more}: {problem})")
     result = summarize_fix(variants, parts, family)
     note = collapse_warning(result.collapse)
     if note:

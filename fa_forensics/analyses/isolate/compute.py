@@ -31,8 +31,9 @@ it is significant by the statistics policy (`analyses.significance`: Holm over t
 α = 0.01, and the effect floor; items with only noise define no bias). A repair's residual is its own Σδ
 error projected on the baseline's sign per biased item, with its standard error (the items' in quadrature);
 it is a culprit when the residual is at most 10% of the baseline's (reduction ≥ 0.9), or when it removes at
-least half and what is left is not significant (Holm over the repairs tested, α = 0.01): the rule by which
-fix-check says a fix removes a bias. With no biased item there are no culprits.
+least half and what is left is not significant (Holm over the repairs tested, α = 0.01, and the effect floor, in
+the biased items' rounding units): the rule by which fix-check says a fix removes a bias. With no biased item there
+are no culprits.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_key
 from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of, item_text
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, decide_deltas, delta_claim,
                                               delta_units, family_of, flagged, items_of_errors, total_of)
-from fa_forensics.analyses.significance import ALPHA, Family, holm, removes
+from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.analyses.rank1_sim.compute import pk_rows
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
@@ -184,6 +185,7 @@ class RepairResult:
     delta_p_value: float  # sign test over tokens of δ_var − δ_hp
     dq_err: float  # ‖dQ_var − dQ_hp‖_F over the selection (Eq. 1)
     dwq_err: Optional[float]  # ‖dW_Q,var − dW_Q,hp‖_F (per head D x C blocks), None without X
+    residual_effect: float = math.nan  # the residual in rounding units (Σ of the biased items' units)
 
 
 @dataclass(frozen=True)
@@ -344,8 +346,9 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
 
 
 def culprit(r: RepairResult) -> bool:
-    """The repair removes the baseline's bias (`significance.removes`)."""
-    return removes(r.reduction, r.residual_p < ALPHA)
+    """The repair removes the baseline's bias (`significance.removes`; what is left is significant by the one rule:
+    its Holm p over the repairs below α and at least the effect floor)."""
+    return removes(r.reduction, significant(r.residual_p, r.residual_effect))
 
 
 def _decide_residuals(results: list[RepairResult]) -> list[RepairResult]:
@@ -366,6 +369,7 @@ def _combine(v: Repair, hm: list[HeadMeasure], items: list[DeltaItem], dd_all: t
     residual_se = math.sqrt(sum(i.delta_err_se ** 2 for d, i in zip(direction, items) if d and
                                 math.isfinite(i.delta_err_se)))
     residual_p = float(2 * norm.sf(abs(signed) / residual_se)) if residual_se > 0 else math.nan
+    residual_unit = sum(i.unit for d, i in zip(direction, items) if d)
     dwq = None if any(m.dwq_err_sq is None for m in hm) else sum(m.dwq_err_sq for m in hm) ** 0.5
     total = total_of(items)
     return RepairResult(
@@ -374,6 +378,7 @@ def _combine(v: Repair, hm: list[HeadMeasure], items: list[DeltaItem], dd_all: t
         delta_err_residual=abs(signed), reduction=1.0 - abs(signed) / base_bias if base_bias > 0 else float("nan"),
         residual_se=residual_se, residual_p=residual_p,
         delta_p_value=sign_test(dd_all).p_value, dq_err=sum(m.dq_err_sq for m in hm) ** 0.5, dwq_err=dwq,
+        residual_effect=effect(abs(signed), residual_unit),
     )
 
 

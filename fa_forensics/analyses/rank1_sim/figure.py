@@ -78,9 +78,14 @@ def plot_rank1(result, path: Path) -> Path:
     ax[5].set_xlabel("index")
     ax[5].set_ylabel("singular value")
     fig.suptitle(f"rank1-sim: layer {result.focus_layer} head {result.focus_head}")
-    return save_figure(fig, path,
-                       "Reproduces paper Fig. 4 (c, f): the rank-1 matrices (PK)[T]ᵀX[T] of different tokens "
-                                  "and steps are alike and dominated by a few input features (Eq. 2-3).")
+    return save_figure(fig, path, caption(result))
+
+
+def caption(result) -> str:
+    """Paper Fig. 4 (c, f)'s question, with this head's answer (the paper finds the matrices alike)."""
+    return ("Paper Fig. 4 (c, f)'s view (Eq. 2-3): how alike the rank-1 matrices (PK)[T]ᵀX[T] of different tokens and "
+            f"steps are (here mean cosine {number(result.cosine_offdiag_mean, '+.2f')}; alike in the paper's run) and "
+            "which input features dominate them.")
 
 
 def draw(result, out: Path) -> list[Path]:

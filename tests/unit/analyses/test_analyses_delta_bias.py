@@ -60,3 +60,61 @@ def test_planted_head_has_positive_significant_delta_bias_carried_by_planted_fea
     assert r.total > 0 and r.total_p_value < 0.01
     assert r.top_token is not None and r.top_token.delta_err > 0 and len(r.top_token.do) == 16
     assert r.top_token.do[0] < 0 and r.top_token.o_err[0] < 0  # Fig. 5b/c: same sign in the planted feature
+
+
+def test_fig_5a_draws_the_focus_head_and_its_title_quotes_its_total(tmp_path):
+    """The cumulative figure names one head, so it draws that head's Σδ per step and quotes the sum the table gives
+    for it, not the selection's total (here the plain head pulls the selection's total elsewhere)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from fa_forensics.analyses.delta_bias import figure
+
+    r = delta_bias_layers([planted_layer(step=s, seed=s) for s in range(3)])
+    assert [i.step for i in r.focus_items] == [0, 1, 2] and {i.head for i in r.focus_items} == {r.focus_head}
+    head = r.focus_total
+    assert sum(i.delta_err_sum for i in r.focus_items) == pytest.approx(head.value)
+    assert head.value != pytest.approx(r.total, rel=1e-3)  # the two numbers differ: the title must pick the head's
+    title = figure.total_title(r)
+    assert f"layer {r.focus_layer} head {r.focus_head}: {head.value:+.3g} ± {head.se:.2g} over 3 steps" in title
+
+    drawn = {}
+    close = plt.close
+
+    def keep(fig=None):  # read the drawn series before the figure is closed
+        if fig is not None and hasattr(fig, "axes") and fig.axes:
+            lines = fig.axes[0].lines
+            drawn["line"] = next(ln for ln in lines if ln.get_label() == "cumulative over steps").get_ydata()
+        close(fig)
+
+    plt.close = keep
+    try:
+        figure.plot_cumulative(r, tmp_path / "c.png")
+    finally:
+        plt.close = close
+    cumulative = torch.tensor([i.delta_err_sum for i in r.focus_items]).cumsum(0).tolist()
+    assert list(drawn["line"]) == pytest.approx(cumulative)
+
+
+def test_captions_claim_the_mechanism_only_where_the_bias_is_significant():
+    """A figure's caption says what the page may claim: the planted head's mechanism where its Σδ bias is
+    significant, a view of noise on plain heads (no "reproduces the paper" on a dump without the bias)."""
+    from fa_forensics.analyses.delta_bias.figure import top_token_caption
+    from fa_forensics.analyses.isolate.figure import variants_caption
+    from fa_forensics.analyses.rank1_sim.compute import rank1_sim_layers
+    from fa_forensics.analyses.rank1_sim.figure import caption
+
+    planted = planted_layer()
+    plain = LayerTensors(step=0, layer=0, heads=[1], q=planted.q[:, 1:], k=planted.k[:, 1:], v=planted.v[:, 1:],
+                         o=None, do=planted.do[:, 1:], x=planted.x, scale=planted.scale, causal=False)
+    biased, noise = delta_bias_layers([planted]), delta_bias_layers([plain])
+    assert biased.claim.found and biased.claim.sign > 0 and not noise.claim.found
+    assert "share their sign" in top_token_caption(biased) and "positive" in top_token_caption(biased)
+    assert "rounding noise, not a mechanism" in top_token_caption(noise)
+    # isolate's claim is these Σδ items' (analyses.quantities): its caption reads the same claim
+    assert "removes the baseline's positive" in variants_caption(biased)
+    assert "no significant Σ(δ_lp − δ_hp) bias here" in variants_caption(noise)
+    r = rank1_sim_layers([plain])
+    assert f"here mean cosine {r.cosine_offdiag_mean:+.2f}" in caption(r) and "are alike and" not in caption(r)

@@ -85,3 +85,73 @@ def test_unremoved_bias_gives_exit_code_1(result):
     r = summarize_fix(variants, {v.name: part for v in variants})
     assert not r.removed and r.exit_code == 1 and r.bias_reduction == pytest.approx(1.0)
 
+
+
+def _variant(name: str, role: str, removed_share: float, residual_significant: bool):
+    from fa_forensics.analyses.fix_check.compute import VariantResult
+    from fa_forensics.analyses.significance import outcome
+
+    return VariantResult(name=name, role=role, what=name, o_bias=0.0, o_bias_se=0.0, o_bias_p=1.0,
+                         delta_err_sum=None, delta_err_se=None, delta_p=None, max_abs_err=0.0, nan_count=0,
+                         underflow=None, p_one_count=None, triggered_rows=None, repeated_max_rows=None,
+                         max_p_bar=math.nan, still_biased=residual_significant, removed_share=removed_share,
+                         outcome=outcome(removed_share, residual_significant))
+
+
+@pytest.mark.parametrize("deployed_removes", [True, False])
+@pytest.mark.parametrize("control_removes", [True, False])
+def test_the_deployed_fix_and_its_control_are_worded_as_measured(deployed_removes, control_removes):
+    """Each of the four outcomes of stable_attention and plain_attention gets its own words: never "does not remove
+    it ... and so does plain_attention" beside a control that removes 93 %."""
+    from fa_forensics.analyses.fix_check.compute import _control_clause
+
+    deployed = _variant("stable_attention", "fixed", 0.97 if deployed_removes else 0.48, not deployed_removes)
+    control = _variant("plain_attention", "control", 0.93 if control_removes else 0.2, not control_removes)
+    text = _control_clause(deployed, [control])
+    assert ("stable_attention removes it (97%)" in text) == deployed_removes
+    assert ("stable_attention does not remove it (48%)" in text) == (not deployed_removes)
+    control_words = {(True, True): "and so does plain_attention", (True, False): "plain_attention, its kernels "
+                     "without the fix (20%) does not", (False, True): "though plain_attention, its kernels without "
+                     "the fix (93%) does", (False, False): "nor does plain_attention"}
+    assert control_words[(deployed_removes, control_removes)] in text, text
+
+
+def test_a_variant_that_did_not_run_on_every_layer_step_is_left_out():
+    """stable_attention runs only where its contract applies: where it skipped the layer-step of the target cell, the
+    fix check compares the baseline with the variants measured on the same rows, never fails on the missing cell."""
+    variants = fix_variants(beta=2.0, eps=1e-3, offset=1.0)
+    parts: dict = {}
+    for layer, seed in ((0, 0), (1, 5)):
+        q, k, v, do = planted(B=1, seed=seed)
+        scale = 1 / math.sqrt(q.shape[-1])
+        hp = replay(q, k, v, ReplayConfig.preset("fp32"), causal=True, scale=scale)
+        for var in variants:
+            if var.deployed is not None and layer == 0:
+                continue  # outside stable_attention's contract at layer 0
+            out = replay(q, k, v, var.config, causal=True, scale=scale)  # its stand-in: the same replay as baseline
+            parts.setdefault(var.name, []).append(
+                measure_variant(out.o, hp.o, do, out.stats, step=0, layer=layer, heads=[0, 1]))
+    r = summarize_fix(variants, parts)
+    assert r.target["layer"] in (0, 1) and r.has_bias
+    names = {r.fixed.name, *(a.name for a in r.alternatives)}
+    assert not names & {"stable_attention", "plain_attention"} and r.fixed.name == "stabilized"
+
+
+@pytest.mark.parametrize("share,words", [(0.95, "FIX REMOVES THE BIAS at"), (0.59, "FIX REMOVES MOST OF THE BIAS at")])
+def test_a_fix_that_removes_half_of_the_bias_says_most(result, share, words):
+    """The policy's "removes" covers ≥ 90 % gone, or ≥ 50 % with nothing significant left: the second is worded as
+    most of the bias removed, the rest not significant, not as the bias removed."""
+    import dataclasses
+
+    from fa_forensics.analyses.fix_check.compute import _decide
+    from fa_forensics.analyses.quantities import BiasCell
+    from fa_forensics.report.verdict import _fix
+
+    fixed = dataclasses.replace(result.fixed, removed_share=share, outcome="removed", still_biased=False)
+    target = BiasCell(result.target["layer"], result.target["head"], result.target["feature"], 0.0, 0.0, 1.0, 0.5, 1)
+    outcome, verdict = _decide(result.baseline, fixed, result.alternatives, result.claim, result.family, target,
+                               result.collapse, 1 / (1 - share))
+    assert outcome == "removed" and verdict.startswith(words)
+    assert ("what is left is not significant" in verdict) == (share < 0.9)
+    line = _fix({"fix-check": {"outcome": "removed", "fixed": {"name": "stabilized", "removed_share": share}}}, "")
+    assert ("removes most of it" in line) == (share < 0.9) and "removes" in line

@@ -87,3 +87,15 @@ def test_every_kernel_preset_builds_its_repairs(preset):
     assert vs["delta-dp-p"].config.bwd_key_splits is None
     plain = [v.config for v in vs.values() if v.config.softmax.value != "standard"]
     assert plain and all(not c.is_kernel_model for c in plain)
+
+
+@pytest.mark.parametrize("residual_effect,is_culprit", [(0.005, True), (0.05, False)])
+def test_a_repairs_residual_is_significant_by_the_one_rule(residual_effect, is_culprit):
+    """Half the bias removed and a residual with a tiny p: significant (no culprit) only when it is also at least the
+    effect floor, as fix-check decides a fix's residual."""
+    from fa_forensics.analyses.isolate.compute import RepairResult, culprit
+
+    r = RepairResult(name="pv-fp32", description="", o_bias=0.0, o_bias_se=0.0, o_rmse=0.0, delta_err_sum=0.1,
+                     delta_err_se=0.01, delta_err_residual=0.1, reduction=0.6, residual_se=0.01, residual_p=1e-5,
+                     delta_p_value=1.0, dq_err=0.0, dwq_err=None, residual_effect=residual_effect)
+    assert culprit(r) is is_culprit

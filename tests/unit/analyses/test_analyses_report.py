@@ -125,3 +125,50 @@ def test_missing_keys_never_raise_nor_show_raw_values():
     body = page[page.index("<body>"):]
     assert not RAW.search(body), RAW.search(body)
     assert build_verdict(secs).status == "not affected" and build_verdict([]).status == "no result"
+
+
+def test_the_glossary_gives_the_e4m3_thresholds_the_cast_has():
+    """S = 1 zeroes P̄ at or below 2⁻¹⁰ (half of E4M3's smallest value 2⁻⁹, a tie to even), S = 256 those at or
+    below 2⁻¹⁸: the glossary's numbers are the cast's."""
+    import torch
+
+    from fa_forensics.numerics import round_to
+    from fa_forensics.report.html import GLOSSARY
+
+    meaning = next(m for anchor, _, m in GLOSSARY if anchor == "fp8-s")
+    smallest, up = torch.tensor([2.0 ** -9]), 1 + 2.0 ** -20
+    assert float(round_to(smallest, "fp8_e4m3")) == 2.0 ** -9 and "smallest value is 2⁻⁹" in meaning
+    for s, exponent in ((1.0, 10), (256.0, 18)):
+        at, above = torch.tensor([2.0 ** -exponent]), torch.tensor([2.0 ** -exponent * up])
+        assert float(round_to(at * s, "fp8_e4m3")) == 0 and float(round_to(above * s, "fp8_e4m3")) > 0
+        assert f"at or below 2⁻{''.join('⁰¹²³⁴⁵⁶⁷⁸⁹'[int(d)] for d in str(exponent))}" in meaning
+
+
+def test_analyses_that_could_not_run_qualify_a_clean_verdict():
+    """A dump without dO (a GPU capture of the forward): the Σδ analyses cannot run, so the page says no bias was
+    found in what was tested and names what was not, never a bare 'nothing to fix'."""
+    secs = [s for s in _planted_like(delta_found=False, o_found=False) if s.name not in ("isolate", "delta-bias")]
+    note = "step 10 layer 3: the dump has no 'do' array; isolate needs dO to compute δ"
+    secs = [_sec("isolate", None, note=note), _sec("delta-bias", None, note=note), _sec("rank1-sim", None, note=note),
+            *secs]
+    v = build_verdict(secs)
+    assert v.status == "not affected" and v.untested == ("isolate", "delta-bias", "rank1-sim")
+    assert v.answer.startswith("No significant biased rounding in what could be tested; isolate, delta-bias and "
+                               "rank1-sim could not run on this dump")
+    assert "nothing to fix in what was tested (isolate, delta-bias and rank1-sim could not run)" in v.line()
+    assert any(c.startswith("Not tested: isolate, delta-bias and rank1-sim") for c in v.confidence)
+    page = render("d.zarr", secs)
+    assert "Nothing for what was tested" in page and "Nothing: no analysis found" not in page
+    clean = build_verdict(_planted_like(delta_found=False, o_found=False))  # every analysis ran: the plain answer
+    assert clean.answer == "No: no significant biased rounding, nothing to fix." and not clean.untested
+
+
+def test_a_share_above_100_percent_says_it_is_signed():
+    secs = _planted_like()
+    pv = secs[-1].data
+    pv["class_shares"] = {"tie": {"share": 1.05, "se": 0.02, "rows": 700}, "carry": {"share": -0.02, "se": 0.01,
+                                                                                    "rows": 90}}
+    line = build_verdict(secs).line()
+    assert "carries 103% ± 2% of the O bias in that feature (a signed share: the other rows' rounding pushes" in line
+    pv["class_shares"] = {"tie": {"share": 0.97, "se": 0.02, "rows": 700}}
+    assert "signed share" not in build_verdict(secs).line()

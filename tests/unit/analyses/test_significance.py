@@ -80,3 +80,23 @@ def test_bitdiff_fix_check_and_pv_trace_name_the_same_o_cell_and_sigma_delta():
     assert fc.baseline.o_bias == claims[0].value and pv.cell.mean == claims[0].value
     head = db.claim.head
     assert fc.target["head"] == head and fc.baseline.delta_err_sum == db.focus_total.value  # one Σδ of that head
+
+
+def test_one_cell_has_the_statistics_of_that_cell_among_all():
+    """fix-check measures each variant in the target cell alone: the same numbers as that cell among every cell."""
+    from dataclasses import asdict
+
+    import torch
+
+    from fa_forensics.analyses.quantities import cell_sums, o_cell, o_cells
+
+    g = torch.Generator().manual_seed(4)
+    parts = [cell_sums(s, 0, [0, 2], 1e-3 * torch.randn(2, 2, 40, 8, generator=g) + 2e-4 * (s + 1),
+                       torch.full((2, 2, 40, 8), 4e-3)) for s in (0, 1)]
+    every = {(c.layer, c.head, c.feature): c for c in o_cells(parts)}
+    for head, feature in ((0, 0), (2, 7)):
+        one, among = asdict(o_cell(parts, 0, head, feature)), asdict(every[(0, head, feature)])
+        for decided in ("adjusted_p", "significant"):  # Holm needs every cell: one cell alone is undecided
+            one.pop(decided), among.pop(decided)
+        assert one == among and one["n"] == 2 * 2 * 40  # batch × steps × rows
+    assert o_cell(parts, 0, 1, 0) is None and o_cell(parts, 3, 0, 0) is None

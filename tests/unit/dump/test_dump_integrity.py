@@ -94,11 +94,12 @@ def test_metadata_damage_makes_only_its_step_incomplete_and_is_named(case, make_
     damage, text = METADATA_CASES[case]
     path = make_dump(steps=(0, 1))
     damage(path)
-    with pytest.warns(IncompleteStepWarning, match="step\\(s\\) 1 are damaged"):
+    with pytest.warns(IncompleteStepWarning, match="^damaged: .*step_000000001.*; step\\(s\\) 1 are damaged"):
         d = open_dump(path)
     assert d.steps == [0] and list(d.damage) == [1]
     assert text in str(d.damage[1][0])
-    with pytest.raises(DumpError, match="step 1 .*damaged"):
+    assert d.damage[1][0].file.startswith("step_000000001")
+    with pytest.raises(DumpError, match="^damaged: .*step_000000001.*; step\\(s\\) 1 are damaged"):
         d.read(1, 0, "q")
     assert d.read(0, 0, "q").shape == (1, 2, 16, 8)  # the other step reads
 
@@ -109,7 +110,8 @@ def test_undecodable_chunk_is_named_on_read_and_by_verify(case, make_dump):
     path = make_dump(steps=(0, 1))
     damage(path)
     d = open_dump(path)
-    with pytest.raises(DumpError, match=f"step 1 layer 0 array 'q' .*{text}"):
+    with pytest.raises(DumpError, match=r"^damaged: .*step_000000001/layer_000/q/c\.0\.1\.0\.0: chunk c\.0\.1\.0\.0 of "
+                                        r"step 1 layer 0 array 'q' cannot be decoded"):
         d.read(1, 0, "q", heads=1)
     d.read(1, 0, "q", heads=0)  # the head beside it is intact
     report = verify(path)

@@ -1,0 +1,90 @@
+"""Reading files without trusting them: regular files only, never blocking, never past their size.
+
+A dump (or a cache folder) may hold a FIFO, a socket or a device where a file belongs (`tar x` as root
+recreates them): opening a FIFO blocks until a writer comes, reading /dev/zero never ends. Every file
+fa-forensics reads from a dump or a cache goes through `read_regular`: the path is stat'ed first (a special
+file is refused without being opened), then opened non-blocking, checked again on the open descriptor
+(it may have been swapped in between) and read up to the size fstat gave, never more.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from fa_forensics.errors import DumpError
+
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
+
+
+def special_kind(mode: int) -> str | None:
+    """'a FIFO (named pipe)', 'a character device', ... for a file mode that is not a regular file; None for one."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, kind in _KINDS:
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+class NotRegularFile(DumpError):
+    """A path that should be a regular file is a FIFO, a device, a socket or a folder: `.path`, `.kind`."""
+
+    def __init__(self, path, kind: str) -> None:
+        self.path, self.kind = path, kind
+        super().__init__(f"{path} is {kind}, not a regular file")
+
+
+class FileTooLarge(DumpError):
+    """A file larger than what may be read from it: `.path`, `.size`, `.limit` (bytes)."""
+
+    def __init__(self, path, size: int, limit: int) -> None:
+        self.path, self.size, self.limit = path, size, limit
+        super().__init__(f"{path} holds {size} bytes, more than the {limit} bytes such a file may hold")
+
+
+def read_regular(path, limit: int | None = None, *, follow: bool = True) -> bytes:
+    """The bytes of the regular file at `path` (at most `limit`: FileTooLarge beyond it).
+
+    A FIFO, device, socket or folder raises NotRegularFile without blocking; a missing file raises
+    FileNotFoundError; `follow=False` refuses a symbolic link (OSError ELOOP) instead of following it.
+    """
+    p = Path(path)
+    st = os.stat(p) if follow else os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):  # only with follow=False: what O_NOFOLLOW says of a link
+        raise OSError(errno.ELOOP, "Too many levels of symbolic links", str(p))
+    _check(p, st, limit)
+    fd = os.open(p, os.O_RDONLY | _NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW))
+    try:
+        st = os.fstat(fd)  # the file opened may not be the one stat'ed
+        _check(p, st, limit)
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _check(path: Path, st: os.stat_result, limit: int | None) -> None:
+    kind = special_kind(st.st_mode)
+    if kind is not None:
+        raise NotRegularFile(path, kind)
+    if limit is not None and st.st_size > limit:
+        raise FileTooLarge(path, st.st_size, limit)
