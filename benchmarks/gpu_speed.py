@@ -19,7 +19,9 @@ Measures, in this order (bf16; B·T = 8192 tokens, model width 1024: H 16 at D 6
    descriptors (tma), both, Triton's warp specialization; and the plain kernel with TMA.
 4. the monitor's statistics alone, per attention call of the GPT-2 step: every row (the fused kernel),
    a sample of 1/16 of the rows (monitor/sampled.py), and the sample on a side stream
-   (monitor/side_stream.py) that overlaps the backward.
+   (monitor/side_stream.py) that overlaps the backward, and every row's max logit and top-1 (the kernel's
+   first pass alone) with the sample's counts, on the side stream. Among the forward's levers, `row_max`
+   times the forward keeping each row's maximum (max logit and top-1 then come free: monitor/lse_stats.py).
 5. Triton's autotuner beside the table (causal shapes, stabilized forward and backward): time, the
    configs it settles on, and whether it computes the table's bits.
 Parts 3-5 run only while the time budget (--budget-s, counted from the start) has room for them; a part
@@ -55,6 +57,7 @@ from gpu_speed_markdown import render_markdown  # noqa: E402
 
 LEVERS = {"top2": dict(tie_test="top2"), "tma": dict(tma=True), "tma+top2": dict(tma=True, tie_test="top2"),
           "warp_specialize": dict(warp_specialize=True)}
+FORWARD_EXTRAS = {"row_max": dict(row_max=True)}  # forward arguments timed as levers: each row's maximum kept
 SAMPLE_FRACTION = 1 / 16  # of each batch row's query positions, for the sampled monitor
 
 
@@ -200,22 +203,23 @@ def lever_rows(device, dtype, shapes, attention, smoke: bool, budget: Budget) ->
         q, k, v, _ = _inputs(shape, device, dtype)
         scale = D ** -0.5
 
-        def run(options, stable=True):
-            return fast.forward(q, k, v, causal=causal, scale=scale, stable=stable, options=options)
+        def run(options, stable=True, **extra):
+            return fast.forward(q, k, v, causal=causal, scale=scale, stable=stable, options=options, **extra)
 
         default = run(KernelOptions())
         base_ms = bench_ms(functools.partial(run, KernelOptions()), smoke)
         plain_ms = bench_ms(functools.partial(run, KernelOptions(), False), smoke)
         row = {"B": B, "H": H, "T": T, "D": D, "causal": causal,
                "default_ms": base_ms, "plain_ms": plain_ms, "levers": {}}
-        for name, kw in [*LEVERS.items(), ("plain+tma", dict(tma=True))]:
-            options, stable = KernelOptions(**kw), not name.startswith("plain")
+        for name, kw in [*LEVERS.items(), *FORWARD_EXTRAS.items(), ("plain+tma", dict(tma=True))]:
+            extra = FORWARD_EXTRAS.get(name, {})
+            options, stable = KernelOptions(**({} if extra else kw)), not name.startswith("plain")
             if name in unbuilt:
                 row["levers"][name] = {"error": f"not built in a child process: {unbuilt[name]}"}
                 continue
             try:
-                out = run(options, stable)
-                ms = bench_ms(functools.partial(run, options, stable), smoke)
+                out = run(options, stable, **extra)
+                ms = bench_ms(functools.partial(run, options, stable, **extra), smoke)
             except Exception as exc:  # a lever this device's Triton cannot build
                 row["levers"][name] = {"error": _error_text(exc)}
                 continue
@@ -360,7 +364,8 @@ def training_rows(device, smoke: bool, quick: bool, budget: Budget, result: dict
 
 
 def monitor_rows(model, demo, timed, steps, plain_ms, smoke: bool) -> dict:
-    """The statistics alone (no W_Q norms, no timeline): every row, a 1/16 sample, the sample on a side stream."""
+    """The statistics alone (no W_Q norms, no timeline): every row, a 1/16 sample, the sample on a side stream, and
+    every row's max logit and top-1 (the kernel's pass 1) with the counts of the sample, on a side stream."""
     from fa_forensics.monitor.sampled import rows_for_fraction, sample_rows, sampled_rows
     from fa_forensics.monitor.side_stream import SideStream
     from fa_forensics.monitor.stats import head_statistics
@@ -384,6 +389,29 @@ def monitor_rows(model, demo, timed, steps, plain_ms, smoke: bool) -> dict:
             pending.append(side.run(work, q, k) if on_side else work())
         return observe
 
+    def max_top1_every_row_and_sampled(layer, q, k, scale, causal, module):
+        """Max logit and top-1 of every row from the kernel's pass 1 alone, the counts from the sample: what a
+        monitor of an attention that exposes no row maxima (SDPA) can do."""
+        from fa_forensics.replay.triton.monitor_kernel import row_statistics
+
+        rows = sample_rows(q.shape[0], q.shape[2], rows_for_fraction(q.shape[2], SAMPLE_FRACTION), gen)
+        alpha = scale if scale is not None else q.shape[-1] ** -0.5
+
+        def work():
+            rowmax, _, _, rowsum = row_statistics(q, k, scale=alpha, causal=causal, eps=1e-3, p_dtype=torch.bfloat16,
+                                                  score_dtype=torch.bfloat16, counts=False)
+            counts = sampled_rows(q, k, rows, scale=scale, causal=causal, p_dtype=torch.bfloat16,
+                                  score_dtype=torch.bfloat16)
+            return counts, rowmax.amax(dim=(0, 2)), (1.0 / rowsum).nanmean(dim=(0, 2))
+        pending.append(side.run(work, q, k))
+
+    def end_max_top1_and_sampled():
+        side.join()
+        for counts, _, _ in pending:
+            counts.estimate()
+        torch.stack([torch.stack([m, t]) for _, m, t in pending]).cpu()
+        pending.clear()
+
     def end_every_row():
         torch.stack([s.near_max_ties for s in pending]).cpu()  # the step's one synchronization
         pending.clear()
@@ -396,7 +424,9 @@ def monitor_rows(model, demo, timed, steps, plain_ms, smoke: bool) -> dict:
 
     out = {"sample_fraction": SAMPLE_FRACTION, "ms": {}, "ratio_to_plain": {}}
     for name, observe, end in (("every_row", every_row, end_every_row), ("sampled", sampled(False), end_sampled),
-                               ("sampled_side_stream", sampled(True), end_sampled)):
+                               ("sampled_side_stream", sampled(True), end_sampled),
+                               ("max_top1_every_row+sampled_side_stream", max_top1_every_row_and_sampled,
+                                end_max_top1_and_sampled)):
         hook = AttentionHook(model, observe)
         _with_hook(demo, hook)
         try:
@@ -555,12 +585,12 @@ def summary(result) -> dict:
         worst["compiled_capture_graphs_at_recorded_step"] = compiled["compiled_at_recorded_step"]["graphs"]
         worst["compiled_capture_recorded_step_ms"] = compiled["session_steps_ms"][compiled["recorded_step"]]
     if isinstance(result.get("levers"), list):
-        for name in (*LEVERS, "plain+tma"):
+        for name in (*LEVERS, *FORWARD_EXTRAS, "plain+tma"):
             ok = [r["levers"][name] for r in result["levers"] if "ms" in r.get("levers", {}).get(name, {})]
             if ok:
                 worst[f"lever_{name}_speedup_min"] = min(x["speedup_vs_default"] for x in ok)
                 worst[f"lever_{name}_speedup_max"] = max(x["speedup_vs_default"] for x in ok)
-                if name in LEVERS:
+                if name in LEVERS or name in FORWARD_EXTRAS:
                     worst[f"lever_{name}_same_bits"] = all(x["same_bits_as_default"] for x in ok)
     worst["targets"] = {"fwd_vs_sdpa": 0.9, "bwd_vs_sdpa": 0.8, "fix_cost": 0.03, "monitored_step_ratio": 1.03,
                         "compiled_capture_recorded_step_s": 1.0}

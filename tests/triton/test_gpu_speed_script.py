@@ -33,12 +33,14 @@ def test_smoke_run_prints_one_json_with_every_ratio(tmp_path):
     levers = result["levers"]
     assert [(r["T"], r["D"]) for r in levers] == [(64, 16), (64, 32)]
     for row in levers:
-        assert set(row["levers"]) == {"top2", "tma", "tma+top2", "warp_specialize", "plain+tma"}
-        for name in ("top2", "tma", "tma+top2", "warp_specialize"):
+        assert set(row["levers"]) == {"top2", "tma", "tma+top2", "warp_specialize", "row_max", "plain+tma"}
+        for name in ("top2", "tma", "tma+top2", "warp_specialize", "row_max"):
             assert row["levers"][name]["same_bits_as_default"] is True, (name, row["levers"][name])
-    assert all(result["summary"][f"lever_{n}_same_bits"] for n in ("top2", "tma", "tma+top2", "warp_specialize"))
+    assert all(result["summary"][f"lever_{n}_same_bits"]
+               for n in ("top2", "tma", "tma+top2", "warp_specialize", "row_max"))
     monitor = step["monitor_statistics"]
-    assert set(monitor["ratio_to_plain"]) == {"every_row", "sampled", "sampled_side_stream"}
+    assert set(monitor["ratio_to_plain"]) == {"every_row", "sampled", "sampled_side_stream",
+                                              "max_top1_every_row+sampled_side_stream"}
     assert "skipped" in result["autotune"] and "skipped" in step["capture"]["compiled"]
     text = md.read_text()
     headings = ("## Attention", "## Levers of the stabilized forward", "## Training step", "## Against the targets")
