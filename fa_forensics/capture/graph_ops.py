@@ -4,9 +4,11 @@ Why custom ops and not `torch.compiler.disable`: a disabled function is a graph 
 break changes what inductor fuses around it, so a selected step computed other bits than the same
 step without capture. A `torch.library.custom_op` is one opaque node in the graph: dynamo and
 inductor keep everything around it as without capture, and its Python body runs eagerly when the
-compiled graph runs. The hooks insert the ops only when the session's flag is set; dynamo guards
-on that flag, so steps that are not busy run the graph of a run without capture (the busy graph is
-compiled once, at the first busy step).
+compiled graph runs. While a session is installed the hooks insert the ops on every step, and the
+bodies read the session's `busy` flag at run time: traced code reads no session state, so dynamo
+has no guard that changes at a recorded step and the graph compiled at the session's first step
+serves every step (no recompilation when recording starts or stops). On steps that are not busy a
+body only copies its input (a custom op may not return an alias of it).
 
 - `tap_attention(q, k, v, o, mask, ...) -> (o', token)`: reports one SDPA call; o' is a copy of O
   (a custom op may not return an alias of its input) and carries the gradient: its backward runs
@@ -34,7 +36,8 @@ def tap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   autocast_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
     session = current.session
     token = _NO_TOKEN
-    if session is not None and grad_enabled:  # compiled graphs run with grad mode off: the traced mode is passed in
+    # compiled graphs run with grad mode off: the traced mode is passed in
+    if session is not None and grad_enabled and session.busy:
         sinks: list = []
         session.on_attention(q, k, v, o, scale=scale, causal=is_causal, attn_mask=mask, dropout_p=dropout_p,
                              source="sdpa", grad_sink=sinks.append, grad_enabled=True,
@@ -79,7 +82,7 @@ def _(grad, token):
 def tap_input(x: torch.Tensor, name: str, grad_enabled: bool) -> torch.Tensor:
     session = current.session
     if session is not None and grad_enabled:
-        session.take_input(name, x)
+        session.take_input_from_graph(name, x)
     return x.clone()
 
 

@@ -36,8 +36,8 @@ def _watched(fn, name: str):
 
     @functools.wraps(fn)
     def hf_attention(*args, **kwargs):
-        session = current.session
-        if session is None or not session.busy or torch.compiler.is_compiling():
+        session = current.session  # compiled code first: traced code must not read `busy` (a guard)
+        if torch.compiler.is_compiling() or session is None or not session.busy:
             return fn(*args, **kwargs)
         return session.hf_attention_call(name, fn, args, kwargs)
 
@@ -52,7 +52,7 @@ def _wrap_lookup(lookup):
     def watched_lookup(self, *args, **kwargs):
         fn = lookup(self, *args, **kwargs)
         session = current.session
-        if (session is None or not session.busy or torch.compiler.is_compiling() or not callable(fn)
+        if (torch.compiler.is_compiling() or session is None or not session.busy or not callable(fn)
                 or getattr(fn, "_fa_forensics_hf", None) is not None):
             return fn
         name = args[0] if args else kwargs.get("attn_implementation", kwargs.get("key"))

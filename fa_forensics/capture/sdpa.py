@@ -4,10 +4,11 @@ The patched function costs one attribute check when no step is being recorded: i
 original and looks at the active session's `busy` flag. Only on busy steps does it hand
 (Q, K, V, O, attn_mask, dropout_p, is_causal, scale) to the session.
 
-Under torch.compile, dynamo traces this function: the `busy` check becomes a guard, so a step that
-is not busy runs the same graph as a run without capture (no graph break, no extra op); a busy step
-runs a second graph (compiled once, at the first busy step) in which the hand-over is the opaque
-custom op `fa_forensics::tap_attention` (capture/graph_ops.py), not a graph break.
+Under torch.compile, dynamo traces this function. Traced code never reads the session's `busy` flag
+(dynamo would turn the read into a guard, and the first recorded step would recompile): while a
+session is installed, every compiled graph hands each call to the opaque custom op
+`fa_forensics::tap_attention` (capture/graph_ops.py), and the op's body looks at `busy` when the
+graph runs. One graph serves recorded and unrecorded steps alike; it is not a graph break.
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def patched_sdpa(*args, **kwargs):
     """Drop-in for F.scaled_dot_product_attention that reports recorded calls to the active session."""
     out = _ORIGINAL(*args, **kwargs)
     session = current.session
-    if session is not None and session.busy:
-        if torch.compiler.is_compiling():
-            return _tap_in_graph(args, kwargs, out)
+    if session is None:
+        return out
+    if torch.compiler.is_compiling():  # every step: the op decides when the graph runs, so no guard reads `busy`
+        return _tap_in_graph(args, kwargs, out)
+    if session.busy:
         _report(session, args, kwargs, out)
     return out
 

@@ -15,11 +15,11 @@ Hot path: on a step that is not selected, the SDPA patch, the wrappers of the ot
 points (capture/entry_points.py, capture/adapters.py) and every hook check one boolean (`busy`, or
 `_active` for the attention modules' input hooks) and return; nothing is cloned, nothing synchronizes.
 
-torch.compile: the hooks and the SDPA patch are traced by dynamo. Each reads its flag in traced
-code (dynamo turns the read into a guard: a step that is not busy runs exactly the graph of a run
-without capture) and hands over to a `torch.compiler.disable` function only when the flag is set:
-busy steps run a second graph, compiled once, that breaks at the hand-overs. No session state is
-mutated inside traced code.
+torch.compile: the hooks and the SDPA patch are traced by dynamo. In traced code they read no
+session state (dynamo would turn a read into a guard, and the first recorded step would recompile):
+they insert the opaque custom ops of capture/graph_ops.py on every step, and the ops' bodies read
+the flags when the compiled graph runs. One graph, compiled at the session's first step, serves
+recorded and unrecorded steps. No session state is mutated inside traced code.
 
 Monitor (`monitor_every=N`), alarm and ring: `capture/monitoring.py` (StepMonitor); the session
 tells it where steps begin and end, which calls it sees and which losses it is given. A step whose
@@ -513,10 +513,11 @@ class CaptureSession:
         return len(found)
 
     # -- hooks (hot path first) ----------------------------------------------------------
+    @torch.compiler.disable  # never traced: a read of `busy` in traced code would be a guard (`module.compile()`)
     def _on_root_forward(self, module, args) -> None:
         if self.busy:
             self._root_forward_eager()
-            if self._active and not torch.compiler.is_compiling():
+            if self._active:
                 self._chains.enter(module)
 
     def _on_root_forward_end(self, module, args, output) -> None:
@@ -524,7 +525,6 @@ class CaptureSession:
             self._chains.leave()
             self._flush_chain()
 
-    @torch.compiler.disable
     def _root_forward_eager(self) -> None:
         if not torch.is_grad_enabled():
             return
@@ -535,12 +535,12 @@ class CaptureSession:
 
     def _x_hook(self, name: str):
         def hook(module, args, kwargs):
-            if self._active:
-                if torch.compiler.is_compiling():  # inside a compiled graph: X passes through an opaque op
-                    from fa_forensics.capture.graph_ops import tap_input
+            if torch.compiler.is_compiling():  # every step: X passes through an opaque op that looks at `_active`
+                from fa_forensics.capture.graph_ops import tap_input
 
-                    grad_enabled = torch.is_grad_enabled()
-                    return replace_module_input(args, kwargs, lambda x: tap_input(x, name, grad_enabled))
+                grad_enabled = torch.is_grad_enabled()
+                return replace_module_input(args, kwargs, lambda x: tap_input(x, name, grad_enabled))
+            if self._active:
                 self._take_x(name, module_input(args, kwargs))
             return None
 
@@ -549,6 +549,11 @@ class CaptureSession:
     @torch.compiler.disable
     def _take_x(self, name: str, x: Optional[torch.Tensor]) -> None:
         if torch.is_grad_enabled():
+            self.take_input(name, x)
+
+    def take_input_from_graph(self, name: str, x: torch.Tensor) -> None:
+        """X handed over by a compiled graph's tap (it runs on every step): kept when the step needs its calls."""
+        if self._active:
             self.take_input(name, x)
 
     def take_input(self, name: str, x: Optional[torch.Tensor]) -> None:

@@ -14,8 +14,10 @@ FlashAttention-2:
   walks the query blocks for dK and dV, then the same program walks the KV blocks for the dQ of
   one query block (a separate pass: dQ accumulates in fp32 registers and is stored once, no atomics,
   so the backward is deterministic);
-- tiles, warps and pipeline stages autotuned on a GPU (configs for Hopper: 128-row tiles,
-  num_stages 3-4, num_warps 4-8); under the interpreter one fixed config.
+- tiles, warps and pipeline stages from a fixed table per (head dim, dtype), the same for the
+  stabilized and plain kernels; Triton's autotuner, TMA tensor descriptors for the K/V tiles, warp
+  specialization of the KV loop and the one-pass tie test are options (fast_tiles.py); under the
+  interpreter one small fixed config.
 
 Numerics contract (the forward; the CPU reference `replay/stable_reference.py` implements it):
   inputs   Q, K, V in one dtype X (bf16, fp16 or fp32); dots accumulate in fp32 (fp32 inputs:
@@ -26,7 +28,9 @@ Numerics contract (the forward; the CPU reference `replay/stable_reference.py` i
            (BLOCK_M, autotuned) does not change any result: rows are independent.
   shift    per row and block, r = fp32(max(qk) · α·log2 e) (= the block's max s₂). STABLE: when at least
            two scores of the block are within ε of it, qk ≥ fp32(max(qk) − ε_raw) with ε_raw = fp32(ε/α)
-           (the test in the dot's own units: one compare per score), and r > −inf, the block's shift
+           (the test in the dot's own units, on the block maximum the online softmax takes anyway: one
+           compare per score and a row count, or the two largest scores of one reduction, which
+           decide alike), and r > −inf, the block's shift
            is r + e with e = (β − 1)·r for r > 0, e = −r for r ≤ 0 (the paper's β·m and 0), and
            e capped at E₂ = fp32(cap(X)·log2 e) (see `max_extra_shift`); else r. The running
            shift is m ← max(m, block shift).
@@ -53,6 +57,8 @@ import triton.language as tl
 # One definition of the contract's constants, shared with the torch reference (which imports no triton)
 from fa_forensics.numerics.elementary import LOG2E
 from fa_forensics.replay.stable_reference import STABLE_BLOCK_N, max_extra_shift
+from fa_forensics.replay.triton import fast_tiles
+from fa_forensics.replay.triton.fast_tiles import KernelOptions
 
 
 def _interpreting() -> bool:
@@ -75,25 +81,59 @@ def _load_kv(K, V, ptr, offs_n, T, MASK_T: tl.constexpr):
 
 
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1, max_extra2, lo, hi,
-                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_T: tl.constexpr,
-                STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax over the KV blocks [lo, hi), masked only where the constexprs say so."""
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
+def _load_kv_fwd(K, V, base, bh, start_n, offs_n, offs_d, T, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASK_T: tl.constexpr, USE_TMA: tl.constexpr):
+    """The forward's K and V tiles: from (B·H, T, D) tensor descriptors (rows past T arrive as 0), or pointers."""
+    if USE_TMA:
+        k = K.load([bh, start_n, 0]).reshape(BLOCK_N, D)
+        v = V.load([bh, start_n, 0]).reshape(BLOCK_N, D)
+    else:
         k, v = _load_kv(K, V, base + offs_n[:, None] * D + offs_d[None, :], offs_n, T, MASK_T)
+    return k, v
+
+
+@triton.jit
+def _top2(a1, a2, b1, b2):
+    """Combine two rows' (largest, second largest) pairs, duplicates counted: the one-pass tie test."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+
+
+@triton.jit
+def _block_max_and_tie(qk, eps_raw, STABLE: tl.constexpr, TIE_TEST: tl.constexpr):
+    """Per row: the block maximum of qk and (STABLE) whether two of its scores are ≥ fp32(max − ε_raw)."""
+    if STABLE and TIE_TEST == "top2":  # the two largest in one reduction: tie ⇔ the second reaches the threshold
+        r_raw, second = tl.reduce((qk, tl.full(qk.shape, float("-inf"), tl.float32)), 1, _top2)
+        tie = second >= r_raw - eps_raw
+    else:
+        r_raw = tl.max(qk, 1)
+        if STABLE:  # an exact count in fp32 ones and zeros (one compare-to-float and one add per score)
+            tie = tl.sum(tl.where(qk >= (r_raw - eps_raw)[:, None], 1.0, 0.0), 1) > 1.0
+        else:
+            tie = r_raw != r_raw  # unused: the plain kernel has no rule
+    return r_raw, tie
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, base, bh, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1, max_extra2, lo,
+                hi, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_T: tl.constexpr,
+                STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIE_TEST: tl.constexpr, USE_TMA: tl.constexpr,
+                WARP_SPECIALIZE: tl.constexpr, ROW_MAX: tl.constexpr):
+    """Online softmax over the KV blocks [lo, hi), masked only where the constexprs say so. r_i: the running row
+    maximum of s₂ (kept only with ROW_MAX; the stabilized shift m_i can exceed it)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        offs_n = start_n + offs_n0
+        k, v = _load_kv_fwd(K, V, base, bh, start_n, offs_n, offs_d, T, D, BLOCK_N, MASK_T, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32, unscaled
         if MASK_CAUSAL:
             qk = tl.where(offs_m[:, None] >= offs_n[None, :], qk, float("-inf"))
         if MASK_T:
             qk = tl.where(offs_n[None, :] < T, qk, float("-inf"))
-        r_raw = tl.max(qk, 1)
+        r_raw, tie = _block_max_and_tie(qk, eps_raw, STABLE, TIE_TEST)
         r = r_raw * qk_scale  # = max of the scaled scores (a positive scale commutes with max)
         if STABLE:  # the paper's rule, in this pass: ties within ε of the block max move the shift up
-            n_near = tl.sum((qk >= (r_raw - eps_raw)[:, None]).to(tl.int32), 1)  # one compare per score
             extra = tl.minimum(tl.where(r > 0.0, beta_m1 * r, -r), max_extra2)
-            m_blk = tl.where((n_near > 1) & (r > float("-inf")), r + extra, r)
+            m_blk = tl.where(tie & (r > float("-inf")), r + extra, r)
         else:
             m_blk = r
         m_new = tl.maximum(m_i, m_blk)
@@ -103,16 +143,22 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_r
         l_i = l_i * a + tl.sum(p, 1)
         acc = tl.dot(p.to(q.dtype), v, acc * a[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+        if ROW_MAX:
+            r_i = tl.maximum(r_i, r)
+    return acc, l_i, m_i, r_i
 
 
 @triton.jit
-def fast_attn_fwd(Q, K, V, O, LSE2, T, qk_scale, eps_raw, beta_m1, max_extra2,
+def fast_attn_fwd(Q, K, V, O, LSE2, MAX2, T, qk_scale, eps_raw, beta_m1, max_extra2,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  EVEN: tl.constexpr, STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One program: BLOCK_M query rows of one (batch, head). Q, K, V, O contiguous (B, H, T, D)."""
+                  EVEN: tl.constexpr, STABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIE_TEST: tl.constexpr,
+                  USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROW_MAX: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, head). Q, K, V, O contiguous (B, H, T, D); with USE_TMA,
+    K and V are tensor descriptors over (B·H, T, D) with blocks (1, BLOCK_N, D). With ROW_MAX, MAX2 (B, H, T)
+    receives each row's maximum of s₂ (log2 units; the monitor's top-1 probability is exp2(MAX2 − LSE2))."""
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    bh32 = tl.program_id(1)
+    bh = bh32.to(tl.int64)
     base = bh * T * D
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -124,20 +170,18 @@ def fast_attn_fwd(Q, K, V, O, LSE2, T, qk_scale, eps_raw, beta_m1, max_extra2,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:
-        # blocks left of the diagonal: no mask; then the diagonal blocks (BLOCK_M is a multiple of BLOCK_N)
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
-                                    max_extra2, 0, start_m, D, BLOCK_N, False, False, STABLE, DOT_PRECISION)
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
-                                    max_extra2, start_m, tl.minimum(start_m + BLOCK_M, T), D, BLOCK_N, True,
-                                    not EVEN, STABLE, DOT_PRECISION)
-    else:
-        full = (T // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
-                                    max_extra2, 0, full, D, BLOCK_N, False, False, STABLE, DOT_PRECISION)
-        if not EVEN:
-            acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, base, offs_m, offs_d, T, qk_scale, eps_raw, beta_m1,
-                                        max_extra2, full, T, D, BLOCK_N, False, True, STABLE, DOT_PRECISION)
+    if CAUSAL:  # blocks left of the diagonal: no mask; then the diagonal blocks (BLOCK_M is a multiple of BLOCK_N)
+        lo, mid, hi, MASK_MID = 0, start_m, tl.minimum(start_m + BLOCK_M, T), not EVEN
+    else:  # full blocks; then, for T not a multiple of BLOCK_N, the last one masked
+        lo, mid, hi, MASK_MID = 0, (T // BLOCK_N) * BLOCK_N, T, True
+    r_i = m_i
+    acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, base, bh32, offs_m, offs_d, T, qk_scale, eps_raw,
+                                     beta_m1, max_extra2, lo, mid, D, BLOCK_N, False, False, STABLE, DOT_PRECISION,
+                                     TIE_TEST, USE_TMA, WARP_SPECIALIZE, ROW_MAX)
+    if CAUSAL or not EVEN:
+        acc, l_i, m_i, r_i = _fwd_blocks(acc, l_i, m_i, r_i, q, K, V, base, bh32, offs_m, offs_d, T, qk_scale, eps_raw,
+                                         beta_m1, max_extra2, mid, hi, D, BLOCK_N, CAUSAL, MASK_MID, STABLE,
+                                         DOT_PRECISION, TIE_TEST, USE_TMA, WARP_SPECIALIZE, ROW_MAX)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # rows past T only
     o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     o_ptr = O + base + offs_m[:, None] * D + offs_d[None, :]
@@ -145,9 +189,13 @@ def fast_attn_fwd(Q, K, V, O, LSE2, T, qk_scale, eps_raw, beta_m1, max_extra2,
     if EVEN:
         tl.store(o_ptr, o)
         tl.store(lse_ptr, m_i + tl.log2(l_safe))
+        if ROW_MAX:
+            tl.store(MAX2 + bh * T + offs_m, r_i)
     else:
         tl.store(o_ptr, o, mask=offs_m[:, None] < T)
         tl.store(lse_ptr, m_i + tl.log2(l_safe), mask=offs_m < T)
+        if ROW_MAX:
+            tl.store(MAX2 + bh * T + offs_m, r_i, mask=offs_m < T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,26 +325,18 @@ def fast_attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE2, DELTA, T, sm_scale, qk_scale,
 
 
 # ---------------------------------------------------------------------------------------------
-# Tuning and launches
+# Launches: tiles from the table (or the autotuner), the options of fast_tiles.KernelOptions
 # ---------------------------------------------------------------------------------------------
-def _fwd_configs() -> list:
-    """Hopper-sized forward tiles (BLOCK_N is fixed by the contract; BLOCK_M a multiple of it)."""
-    shapes = ((128, 8, 3), (128, 4, 3), (128, 8, 4), (64, 4, 4))
-    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s) for m, w, s in shapes]
+def _config(tiles) -> triton.Config:
+    return triton.Config(tiles.meta(), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def _bwd_configs() -> list:
-    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2): dK/dV walks thin query blocks, dQ thin KV blocks."""
-    shapes = ((32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 4))
-    return [triton.Config({"BLOCK_M1": a, "BLOCK_N1": b, "BLOCK_M2": c, "BLOCK_N2": d}, num_warps=w, num_stages=s)
-            for a, b, c, d, w, s in shapes]
-
-
-_FWD_TUNED = triton.autotune(configs=_fwd_configs(), key=["T", "D", "CAUSAL", "STABLE", "EVEN"])(fast_attn_fwd)
-_BWD_TUNED = triton.autotune(configs=_bwd_configs(), key=["T", "D", "CAUSAL", "EVEN"])(fast_attn_bwd)
-# Under the interpreter: one small config (each tl.dot is evaluated in numpy).
-_INTERPRETER_FWD = dict(BLOCK_M=64)
-_INTERPRETER_BWD = dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16)
+_FWD_TUNED = triton.autotune(configs=[_config(t) for t in fast_tiles.fwd_autotune_set()],
+                             key=["T", "D", "CAUSAL", "STABLE", "EVEN", "TIE_TEST", "USE_TMA",
+                                  "WARP_SPECIALIZE", "ROW_MAX"])(fast_attn_fwd)
+_BWD_TUNED = triton.autotune(configs=[_config(t) for t in fast_tiles.bwd_autotune_set()],
+                             key=["T", "D", "CAUSAL", "EVEN"])(fast_attn_bwd)
+_AUTOTUNE_EVEN = 128  # every autotuned tile divides 128: T a multiple of it needs no sequence-end masks
 
 
 def _check(q: torch.Tensor) -> None:
@@ -312,34 +352,80 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32: exact products, no TF32; 16-bit: tensor cores
 
 
-def forward(q, k, v, *, causal: bool, scale: float, stable: bool, beta: float = 2.0, eps: float = 1e-3):
-    """O (B, H, T, D) in q's dtype and LSE₂ (B, H, T) fp32 (log2 units). q, k, v contiguous, one dtype."""
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor):
+    """TMA descriptors over K and V viewed as (B·H, T, D), blocks (1, BLOCK_N, D)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fa_forensics.errors import ConfigError
+
+    B, H, T, D = k.shape
+    if any(x.data_ptr() % 16 for x in (k, v)) or (D * k.element_size()) % 16:
+        raise ConfigError("stable_attention: TMA needs K and V 16-byte aligned with rows of a multiple of 16 bytes; "
+                          f"got K at {k.data_ptr() % 16} bytes past 16, D {D}; run without the tma option")
+    return tuple(TensorDescriptor(x, shape=[B * H, T, D], strides=[T * D, D, 1], block_shape=[1, STABLE_BLOCK_N, D])
+                 for x in (k, v))
+
+
+def forward(q, k, v, *, causal: bool, scale: float, stable: bool, beta: float = 2.0, eps: float = 1e-3,
+            options: KernelOptions | None = None, row_max: bool = False):
+    """O (B, H, T, D) in q's dtype and LSE₂ (B, H, T) fp32 (log2 units); with row_max also each row's maximum
+    of s₂ = α·log2 e·q·k (B, H, T) fp32, log2 units. q, k, v contiguous, one dtype."""
     _check(q)
+    options = options or KernelOptions.from_env()
     B, H, T, D = q.shape
     o = torch.empty_like(q)
     lse2 = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse2, T, scale * LOG2E, eps / scale, beta - 1.0, max_extra_shift(q.dtype) * LOG2E)
-    consts = dict(D=D, BLOCK_N=STABLE_BLOCK_N, CAUSAL=causal, EVEN=T % 128 == 0, STABLE=stable,
-                  DOT_PRECISION=_dot_precision(q.dtype))
-    if _interpreting():
-        consts["EVEN"] = T % _INTERPRETER_FWD["BLOCK_M"] == 0
-        fast_attn_fwd[(triton.cdiv(T, _INTERPRETER_FWD["BLOCK_M"]), B * H)](*args, **consts, **_INTERPRETER_FWD)
-    else:
-        _FWD_TUNED[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](*args, **consts)
-    return o, lse2
+    max2 = torch.empty_like(lse2) if row_max else lse2  # not written without ROW_MAX
+    kk, vv = _kv_descriptors(k, v) if options.tma else (k, v)
+    args = (q, kk, vv, o, lse2, max2, T, scale * LOG2E, eps / scale, beta - 1.0, max_extra_shift(q.dtype) * LOG2E)
+    consts = dict(D=D, BLOCK_N=STABLE_BLOCK_N, CAUSAL=causal, STABLE=stable, DOT_PRECISION=_dot_precision(q.dtype),
+                  TIE_TEST=options.tie_test, USE_TMA=options.tma, WARP_SPECIALIZE=options.warp_specialize,
+                  ROW_MAX=row_max)
+    try:
+        if options.tuning == "autotune" and not _interpreting():
+            _FWD_TUNED[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](*args, **consts,
+                                                                              EVEN=T % _AUTOTUNE_EVEN == 0)
+        else:
+            tiles = fast_tiles.INTERPRETER_FWD if _interpreting() else fast_tiles.fwd_tiles(D, causal, q.dtype)
+            fast_attn_fwd[(triton.cdiv(T, tiles.block_m), B * H)](*args, **consts, **tiles.meta(),
+                                                                  EVEN=T % tiles.block_m == 0,
+                                                                  num_warps=tiles.num_warps,
+                                                                  num_stages=tiles.num_stages)
+    except RuntimeError as exc:  # Triton's warp specialization is partial: say so in one line
+        if not options.warp_specialize:
+            raise
+        from fa_forensics.errors import ConfigError
+
+        raise ConfigError(f"stable_attention: Triton {triton.__version__} could not warp-specialize the forward on "
+                          f"this GPU ({str(exc).splitlines()[0]}); run without the warp_specialize option") from exc
+    return (o, lse2, max2) if row_max else (o, lse2)
 
 
-def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float):
+def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, options: KernelOptions | None = None):
     """dq, dk, dv (B, H, T, D) in q's dtype. do contiguous in q's dtype."""
+    options = options or KernelOptions.from_env()
     B, H, T, D = q.shape
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     fast_attn_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, T, D=D, BLOCK_M=64)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = (q, k, v, do, dq, dk, dv, lse2, delta, T, scale, scale * LOG2E)
-    consts = dict(D=D, CAUSAL=causal, EVEN=T % 128 == 0, DOT_PRECISION=_dot_precision(q.dtype))
-    if _interpreting():
-        consts["EVEN"] = T % _INTERPRETER_BWD["BLOCK_N1"] == 0
-        fast_attn_bwd[(triton.cdiv(T, _INTERPRETER_BWD["BLOCK_N1"]), B * H)](*args, **consts, **_INTERPRETER_BWD)
-    else:
-        _BWD_TUNED[lambda meta: (triton.cdiv(T, meta["BLOCK_N1"]), B * H)](*args, **consts)
+    consts = dict(D=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
+    if options.tuning == "autotune" and not _interpreting():
+        _BWD_TUNED[lambda meta: (triton.cdiv(T, meta["BLOCK_N1"]), B * H)](*args, **consts,
+                                                                           EVEN=T % _AUTOTUNE_EVEN == 0)
+        return dq, dk, dv
+    tiles = fast_tiles.INTERPRETER_BWD if _interpreting() else fast_tiles.bwd_tiles(D, causal, q.dtype)
+    fast_attn_bwd[(triton.cdiv(T, tiles.block_n1), B * H)](*args, **consts, **tiles.meta(),
+                                                           EVEN=T % tiles.block_n1 == 0, num_warps=tiles.num_warps,
+                                                           num_stages=tiles.num_stages)
     return dq, dk, dv
+
+
+def autotuned_picks() -> dict[str, list[dict]]:
+    """The configs the autotuner settled on so far, per kernel: [{key, config}] (for the device benchmark)."""
+    picks = {}
+    for name, tuner in (("fwd", _FWD_TUNED), ("bwd", _BWD_TUNED)):
+        picks[name] = [{"key": [str(x) for x in key], "config": {**cfg.kwargs, "num_warps": cfg.num_warps,
+                                                                  "num_stages": cfg.num_stages}}
+                       for key, cfg in tuner.cache.items()]
+    return picks
