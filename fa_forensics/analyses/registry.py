@@ -29,7 +29,8 @@ class Option:
     """One option of an analysis command, in --help order.
 
     `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --accumulation, --backend,
-    --workers, --scheduler, --out, --json, --debug), with this default; flag, type and help are the CLI's.
+    --workers, --scheduler, --out, --json, --debug): flag, type, help and default are the CLI's one table's
+    (commands/options.py).
     `argument`: a positional argument instead of a --flag. `keyword`: the compute's keyword for the value
     (default: `name`). `check(value)`: why a value is refused (None: accepted)."""
 
@@ -55,9 +56,9 @@ class Option:
         return f"{self.flag} {value} {reason}" if reason else None
 
 
-def shared(name: str, default: Any = None) -> Option:
-    """The CLI's shared option `name` with `default`."""
-    return Option(name, default=default, shared=True)
+def shared(name: str) -> Option:
+    """The CLI's shared option `name`, as its table declares it."""
+    return Option(name, shared=True)
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,8 @@ BITDIFF = Analysis(
         Option("a", "--a", str, "auto", metavar="PRESET",
                help="Tensor mode: replay preset of the first O (auto: the recipe that reproduces the stored O best)."),
         Option("b", "--b", str, "fp32", metavar="PRESET", help="Tensor mode: replay preset of the second O."),
-        shared("step"), shared("layer"), shared("head"), shared("accumulation", "auto"), shared("backend", "emulate"),
-        shared("workers", 1), shared("scheduler"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("step"), shared("layer"), shared("head"), shared("accumulation"), shared("backend"),
+        shared("workers"), shared("scheduler"), shared("out"), shared("json_path"), shared("debug"),
     ),
     json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
                "biased_features", "alpha", "n_cells", "family", "largest", "input_cast", "bias", "accumulation",
@@ -280,7 +281,7 @@ PCAST = Analysis(
         Option("seed", "--seed", int, 0, help="Base random seed of the simulation."),
         Option("step", "--step", Optional[int], None,
                help="Training step to analyse in dump mode (default: the last complete step)."),
-        shared("layer"), shared("head"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("layer"), shared("head"), shared("out"), shared("json_path"), shared("debug"),
     ),
     json_keys=("mode", "dump", "n_sinks", "block", "delta_k", "scales", "orders", "heads", "dp", "warnings",
                "replay_fidelity", "verdict", "figures"),
@@ -303,7 +304,7 @@ TIMELINE = Analysis(
                help="Trailing values of the rule's robust z-score (default: the capture's, else 20)."),
         Option("alarm_z", "--alarm-z", Optional[float], None, metavar="Z",
                help="Robust z-score a value must exceed (default: the capture's, else 6)."),
-        shared("debug", False),
+        shared("debug"),
     ),
     json_keys=("steps", "loss", "n_layers", "n_heads", "series", "ties_loss_spearman", "ties_loss_p_value",
                "top_wq_head", "alarm_steps", "alarm_rule", "rule_alarms", "verdict", "warnings"),

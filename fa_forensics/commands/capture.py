@@ -14,8 +14,9 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.common import console, err_console, run_cli, write_json
 from fa_forensics.commands.info import do_missing_text
+from fa_forensics.commands.options import DebugOpt, JsonOpt
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fa_forensics.commands.common import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt, console, run_cli, write_json
+from fa_forensics.commands.common import console, run_cli, write_json
+from fa_forensics.commands.options import DebugOpt, DumpArg, JsonOpt, LayerOpt, StepOpt
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the destination if it exists.")]
 

@@ -1,16 +1,13 @@
 """`fa-forensics match`: which recipe reproduces the stored O bit for bit (replay fidelity)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from fa_forensics.commands.common import (
-    BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, SchedulerOpt, StepOpt, WorkersOpt,
-    console, print_warnings, progress_bar, run_cli, use_match_cache, write_json,
-)
-from fa_forensics.enums import Backend
+from fa_forensics.commands.common import console, print_warnings, progress_bar, run_cli, use_match_cache, write_json
+from fa_forensics.commands.options import SELECTION, signature
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, whatever the recorded facts, on every element, "
                                                     "also after one reproduces the stored O 100 %.")]
@@ -254,27 +251,20 @@ def run(dump_path, step, layer, head, try_all: bool, backend: str, json_path, wo
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("match",
-                 help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under the "
-                      "recipes the recorded facts admit (precision, softmax, device and kernel; each preset with its "
-                      "own tiling, the GPU kernels' recipes with each of their tiles, every accumulation model), "
-                      "screened on a row sample and confirmed on every element; the share of O elements reproduced, "
-                      "per layer-step.")
-    def command(
-        dump: DumpArg,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        try_all: AllOpt = False,
-        backend: BackendOpt = Backend.EMULATE,
-        match_cache: MatchCacheOpt = None,
-        workers: WorkersOpt = 1,
-        scheduler: SchedulerOpt = None,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
+    def command(**options: Any) -> None:
+        debug = options.pop("debug")
+
         def body():
-            use_match_cache(match_cache)
-            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler)
+            use_match_cache(options.pop("match_cache"))
+            return run(options.pop("dump"), **options)
 
         run_cli(debug, body)
+
+    command.__signature__ = signature([*SELECTION, ("try_all", AllOpt, False), "backend", "match_cache", "workers",
+                                       "scheduler", "json_path", "debug"])
+    app.command("match",
+                help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under the "
+                     "recipes the recorded facts admit (precision, softmax, device and kernel; each preset with its "
+                     "own tiling, the GPU kernels' recipes with each of their tiles, every accumulation model), "
+                     "screened on a row sample and confirmed on every element; the share of O elements reproduced, "
+                     "per layer-step.")(command)

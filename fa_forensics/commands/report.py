@@ -4,17 +4,16 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.commands.common import (
-    AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt, StepOpt,
-    SchedulerOpt, WorkersOpt, build_backend, build_recipe, build_workers, console, err_console, run_cli,
-    use_match_cache, write_json,
+    build_backend, build_recipe, build_workers, console, err_console, run_cli, use_match_cache, write_json,
 )
+from fa_forensics.commands.options import RECIPE, REQUIRED, SELECTION, signature
 from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
@@ -92,25 +91,16 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("report",
-                 help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
-    def report(
-        dump: DumpArg,
-        out: ReportOutOpt,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        preset: PresetOpt = "auto",
-        accumulation: AccumulationOpt = AccumulationOrAuto.AUTO,
-        backend: BackendOpt = Backend.EMULATE,
-        match_cache: MatchCacheOpt = None,
-        workers: WorkersOpt = 1,
-        scheduler: SchedulerOpt = None,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
+    def report(**options: Any) -> None:
+        debug = options.pop("debug")
+
         def body():
-            use_match_cache(match_cache)
-            return run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler)
+            use_match_cache(options.pop("match_cache"))
+            return run(options.pop("dump"), **options)
 
         run_cli(debug, body)
+
+    report.__signature__ = signature(["dump", ("out", ReportOutOpt, REQUIRED), *SELECTION[1:],
+                                      *(n for n in RECIPE if n != "out")])
+    app.command("report",
+                help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")(report)

@@ -6,9 +6,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from fa_forensics.commands.common import (
-    DebugOpt, DumpArg, JsonOpt, console, err_console, exit_code, run_cli, write_json,
-)
+from fa_forensics.commands.common import console, err_console, exit_code, run_cli, write_json
+from fa_forensics.commands.options import DebugOpt, DumpArg, JsonOpt
 from fa_forensics.dump.terminal_text import shown
 
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="Rank of a multi-rank dump to check (default 0).")]
