@@ -169,7 +169,7 @@ def write_json(path: Optional[Path], payload: Any) -> None:
     """
     if path is None:
         return
-    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.jsonable import to_jsonable
 
     data = to_jsonable(payload)
     diagnostics = _DIAGNOSTICS.get()

@@ -29,7 +29,7 @@ def run(dump_path: Path, out: Path, step, layer, head, preset: str, accumulation
     from fa_forensics.dump import open_dump
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
-    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.jsonable import to_jsonable
     from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all
     from fa_forensics.report.verdict import build_verdict
 
