@@ -9,6 +9,8 @@
 replay(q, k, v, config)` works whatever was imported before). The engine's names are imported on first
 use, so that the light `replay.config` (the presets, which the CLI's help lists) is imported alone.
 """
+from typing import TYPE_CHECKING
+
 from fa_forensics import lazy_exports, make_callable
 from fa_forensics.enums import (  # noqa: F401
     Accumulation,
@@ -22,6 +24,11 @@ from fa_forensics.enums import (  # noqa: F401
     Softmax,
 )
 from fa_forensics.replay.config import PRESETS, ReplayConfig  # noqa: F401
+
+if TYPE_CHECKING:  # the same names, for readers of the source (type checkers, the API docs)
+    from fa_forensics.numerics.engines import use_engine  # noqa: F401
+    from fa_forensics.replay.api import BackendUnavailable, replay  # noqa: F401
+    from fa_forensics.replay.out import PBarStats, ReplayOut  # noqa: F401
 
 __getattr__ = lazy_exports(__name__, {
     "use_engine": "fa_forensics.numerics.engines",
