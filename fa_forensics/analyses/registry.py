@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
 from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS
 
 # The formats bitdiff --add can store a sum into.
@@ -32,8 +31,8 @@ class Option:
     """One option of an analysis command, in --help order.
 
     `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --rank, --accumulation, --backend,
-    --workers, --scheduler, --worker-wait, --out, --json, --debug), with this default; flag, type and help are the
-    CLI's.
+    --workers, --scheduler, --worker-wait, --out, --json, --debug): flag, type, help and default are the CLI's one
+    table's (commands/options.py).
     `argument`: a positional argument instead of a --flag. `keyword`: the compute's keyword for the value
     (default: `name`). `check(value)`: why a value is refused (None: accepted)."""
 
@@ -59,9 +58,9 @@ class Option:
         return f"{self.flag} {value} {reason}" if reason else None
 
 
-def shared(name: str, default: Any = None) -> Option:
-    """The CLI's shared option `name` with `default`."""
-    return Option(name, default=default, shared=True)
+def shared(name: str) -> Option:
+    """The CLI's shared option `name`, as its table declares it."""
+    return Option(name, shared=True)
 
 
 @dataclass(frozen=True)
@@ -225,10 +224,9 @@ BITDIFF = Analysis(
         Option("a", "--a", str, "auto", metavar="PRESET",
                help="Tensor mode: replay preset of the first O (auto: the recipe that reproduces the stored O best)."),
         Option("b", "--b", str, "fp32", metavar="PRESET", help="Tensor mode: replay preset of the second O."),
-        shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation", "auto"),
-        shared("backend", "emulate"),
-        shared("workers", 1), shared("scheduler"), shared("worker_wait", WORKER_WAIT_SECONDS), shared("out"),
-        shared("json_path"), shared("debug", False),
+        shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation"), shared("backend"),
+        shared("workers"), shared("scheduler"), shared("worker_wait"), shared("out"), shared("json_path"),
+        shared("debug"),
     ),
     json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
                "biased_features", "alpha", "n_cells", "family", "largest", "input_cast", "bias", "accumulation",
@@ -289,7 +287,7 @@ PCAST = Analysis(
         Option("seed", "--seed", int, 0, help="Base random seed of the simulation."),
         Option("step", "--step", Optional[int], None,
                help="Training step to analyse in dump mode (default: the last complete step)."),
-        shared("layer"), shared("head"), shared("rank"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("layer"), shared("head"), shared("rank"), shared("out"), shared("json_path"), shared("debug"),
     ),
     json_keys=("mode", "dump", "n_sinks", "block", "delta_k", "scales", "orders", "heads", "dp", "warnings",
                "replay_fidelity", "verdict", "figures"),
@@ -318,7 +316,7 @@ TIMELINE = Analysis(
                     "--alarm-set trend_z=4."),
         Option("tensorboard", "--tensorboard", Optional[Path], None, metavar="DIR",
                help="Also write the timeline as TensorBoard event files into DIR (needs the tensorboard extra)."),
-        shared("debug", False),
+        shared("debug"),
     ),
     json_keys=("steps", "loss", "n_layers", "n_heads", "series", "ties_loss_spearman", "ties_loss_p_value",
                "top_wq_head", "alarm_steps", "alarms", "capture_alarm_rule", "alarm_rule", "rule_alarms", "verdict",

@@ -15,10 +15,9 @@ import warnings
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zarr
 
 from fa_forensics.dump.guarded_store import RegularFileStore, bounded
@@ -44,6 +43,9 @@ from fa_forensics.dump.schema import (
     supported_dtype_names,
 )
 from fa_forensics.errors import DumpError, UnknownRank
+
+if TYPE_CHECKING:
+    import torch
 
 
 class IncompleteStepWarning(UserWarning):

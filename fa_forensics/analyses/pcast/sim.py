@@ -19,7 +19,7 @@ from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_
 from fa_forensics.analyses.pcast.theory import (
     LN_UNDERFLOW, closed_form_fraction, closed_form_reverse, closed_form_spread, expected_max_normal, std_max_normal,
 )
-from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.jsonable import to_jsonable
 from fa_forensics.analyses.stats import PairedTTest, Ratio, holm_tests, mean_se, paired_ratio, paired_ttest
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.enums import KVOrder
