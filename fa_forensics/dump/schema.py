@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMAT_VERSION = 1
 ATTRS_KEY = "fa_forensics"  # root attribute holding the run description
@@ -75,7 +78,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return _BY_NAME[name]
 
 
-def encode(tensor: torch.Tensor):
+def encode(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     """Tensor -> (numpy array to store, dtype attribute). Bit-exact for every supported dtype."""
     if tensor.dtype not in _STORED:
         raise ValueError(f"dtype {tensor.dtype} cannot be stored; supported: {', '.join(supported_dtype_names())}")
@@ -86,7 +89,7 @@ def encode(tensor: torch.Tensor):
     return t.numpy().view(stored), dtype_name(tensor.dtype)
 
 
-def decode(array, name: str) -> torch.Tensor:
+def decode(array: np.ndarray, name: str) -> torch.Tensor:
     """Stored numpy array + dtype attribute -> tensor in the original dtype (no copy of values)."""
     import numpy as np
 
