@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+if TYPE_CHECKING:
+    import numpy as np
+
 FORMAT_VERSION = 1
 ATTRS_KEY = "fa_forensics"  # root attribute holding the run description
 TENSOR_NAMES = ("q", "k", "v", "o", "do", "x")  # what every recorded attention call has
@@ -80,7 +83,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def encode(tensor: torch.Tensor):
+def encode(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     """Tensor -> (numpy array to store, dtype attribute). Bit-exact for every supported dtype."""
     import torch
 
@@ -94,7 +97,7 @@ def encode(tensor: torch.Tensor):
     return t.numpy().view(stored), name
 
 
-def decode(array, name: str) -> torch.Tensor:
+def decode(array: np.ndarray, name: str) -> torch.Tensor:
     """Stored numpy array + dtype attribute -> tensor in the original dtype (no copy of values)."""
     import numpy as np
     import torch

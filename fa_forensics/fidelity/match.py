@@ -26,9 +26,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
-from fa_forensics.enums import Accumulation
+from fa_forensics.enums import Accumulation, Backend
 from fa_forensics.errors import DumpError
 from fa_forensics.fidelity import match_cache
 from fa_forensics.fidelity.candidates import (  # noqa: F401  (candidate_recipes: the catalogue, for callers)
@@ -83,7 +83,7 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: 
     the candidates the layer's recorded facts admit."""
     if t.o is None:
         raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
-    dump = t.source
+    dump: Any = t.source  # the Dump the layer-step was read from (LayerTensors.source), or None
     lm = None
     if cached and dump is not None and list(t.heads) == list(dump.heads(t.step, t.layer)):
         lm = best_recipe(dump, t.step, t.layer, backend=backend)
@@ -218,7 +218,10 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
     fp32 run) with the reason; `run_precision` is the recorded precision (fp32, bf16, ...; None:
     not recorded). None when no layer stores O, unless `auto` had to fall back there or a layer is
     unverifiable (then o_bits_equal is None)."""
-    per_layer, unmatched, unverifiable, tallies, facts_seen = [], [], [], [], []
+    per_layer: list[dict[str, Any]] = []
+    unmatched: list[dict[str, Any]] = []
+    unverifiable: list[dict[str, Any]] = []
+    tallies, facts_seen = [], []
     equal, total = 0.0, 0
     try:
         shares = _O_SHARES.setdefault(dump, {})
@@ -240,7 +243,7 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
             if t.o is None:
                 shares[key] = None
             else:
-                o = replay_layer(t, config, backward=False, backend=backend).o
+                o = replay_layer(t, config, backward=False, backend=Backend(backend)).o
                 shares[key] = (compare_o(o, t.o), tally(sel.step, sel.layer, sel.heads, o, t.o))
         if shares[key] is None:
             unmatched.append({"step": sel.step, "layer": sel.layer, "preset": preset})

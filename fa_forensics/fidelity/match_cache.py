@@ -180,7 +180,7 @@ def in_dump_attrs(dump, step: int, layer: int) -> dict:
         attrs = dict(dump._layer(step, layer).attrs)
     except Exception:  # a stand-in without zarr groups
         return {}
-    out = {}
+    out: dict[Optional[str], object] = {}
     for name, value in attrs.items():
         if name == IN_DUMP_ATTR:
             out[None] = value

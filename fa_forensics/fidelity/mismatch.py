@@ -97,6 +97,8 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
         if worst is None or float(p[hi, f]) < worst["p"]:
             worst = {"step": t.step, "layer": t.layer, "head": t.heads[hi], "feature": f,
                      "positive": int(t.positive[hi, f]), "n": int(n_cell[hi, f]), "p": float(p[hi, f])}
+    if worst is None:  # n > 0: some cell was tested
+        return None
     p_feature = min(1.0, worst["p"] * cells)
     share = worst["positive"] / worst["n"]
     worst.update(share_positive=share, share_se=math.sqrt(share * (1 - share) / worst["n"]))
