@@ -297,15 +297,9 @@ def matmul(
     engine = resolve_engine(engine)
     if a.shape[-1] != b.shape[-2]:
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     params = tensor_core_params(gpu, in_format, mma_k) if model == "tensor-core" else None
-    L = 1
-    for d in lead:
-        L *= d
-    a3 = a.expand(*lead, M, K).reshape(L, M, K)  # (L, M, K)
-    b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
-    acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)  # (L, M, N)
+    lead, a3, b3, acc3 = _batched(a, b, acc)
+    L, M, N = a3.shape[0], a3.shape[1], b3.shape[-1]
     if band is not None and params is not None and result_bits(params.neab) < 24 and acc3 is not None:
         band = Band(n_hi=band.n_hi)  # a group of zero terms still cuts the starting accumulator: run every group
     if engine is Engine.COMPILED:
@@ -321,6 +315,20 @@ def matmul(
     if band is not None and band.n_hi is not None:
         out = _zero_unwanted(out, band.n_hi)
     return out.reshape(*lead, M, N)
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor]):
+    """The broadcast leading shape of a and b, and a (L, M, K), b (L, K, N), acc (L, M, N) (or None) with the
+    leading dimensions broadcast and flattened into one of L entries."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    L = 1
+    for d in lead:
+        L *= d
+    a3 = a.expand(*lead, M, K).reshape(L, M, K)
+    b3 = b.expand(*lead, K, N).reshape(L, K, N)
+    acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)
+    return lead, a3, b3, acc3
 
 
 def _zero_unwanted(out: torch.Tensor, n_hi: int) -> torch.Tensor:
