@@ -25,9 +25,10 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
+from fa_forensics.analyses.primitives import delta_error
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, Total, count_text, decide_deltas, delta_claim,
-                                              delta_items, family_of, flagged, head_total, total_of)
-from fa_forensics.analyses.significance import Family, p_text
+                                              delta_items, family_of, flagged, head_total, item_text, total_of)
+from fa_forensics.analyses.significance import Family
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
@@ -40,16 +41,6 @@ Progress = Optional[Callable[[str], None]]
 
 
 # ---- pure tensor functions ---------------------------------------------------------------------
-
-def delta_of(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """δ = rowsum(dO ∘ O) in float64.  (B, h, T, D) x2 -> (B, h, T)"""
-    return (as_f64(do) * as_f64(o)).sum(-1)
-
-
-def delta_error(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tensor) -> torch.Tensor:
-    """(δ_lp − δ_hp)[T] = Σ_i dO[T,i]·(O_lp − O_hp)[T,i] in float64.  -> (B, h, T)"""
-    return (as_f64(do) * (as_f64(o_lp) - as_f64(o_hp))).sum(-1)
-
 
 def feature_contributions(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tensor):
     """Per head and feature: contribution Σ_{B,T} dO·(O_lp − O_hp), and sign-agreement counts.
@@ -290,12 +281,6 @@ def _top_token(tokens, sign: float) -> Optional[TopToken]:
         return None
     _, step, b, T, value, do_row, err_row = best
     return TopToken(step, b, T, value, do_row, err_row)
-
-
-def item_text(i: DeltaItem, n_tests: int) -> str:
-    """'step 0 layer 0 head 1: +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over 280 tests)'."""
-    return (f"step {i.step} layer {i.layer} head {i.head}: {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
-            f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")
 
 
 def verdict(r: DeltaBiasResult) -> str:

@@ -63,6 +63,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, delta_items,
                                               head_total, most_significant, o_cell, o_cells, o_claim, o_units,
                                               selection_family)
@@ -196,22 +197,6 @@ def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Te
         max_p_bar_repeated=max_p_bar_repeated, repeated_rows=repeated_rows,
         collapsed_rows=n_collapsed, collapse_max_score=top_score, collapse_min_ratio=min_ratio,
     )
-
-
-def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32",
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """S = α·q·kᵀ (B, h, T, T) held in fp32, formed as the replay forms them
-    (`replay.emulate.forward.scaled_scores`, ieee accumulation, one block); causal positions −inf,
-    and the recorded attn_mask `mask` (broadcastable to (B, h, T, T)) applied as the replay applies it.
-    Exact ties (identical keys) stay exact ties.
-
-    With s_dtype below fp32 (bf16-autocast: "bf16") the scores are read as that preset computes
-    them: S = round(q·kᵀ), s = round(S·α), nearest-even (values exact in s_dtype).
-    """
-    from fa_forensics.replay.emulate.forward import scaled_scores
-
-    config = ReplayConfig(s_dtype=s_dtype)
-    return scaled_scores(q.to(torch.float32), k.to(torch.float32), config, scale, causal, 0, 0, mask=mask)
 
 
 def repeated_within_eps(s: torch.Tensor, config: ReplayConfig) -> torch.Tensor:

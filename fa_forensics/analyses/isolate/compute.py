@@ -46,12 +46,12 @@ import torch
 from scipy.stats import norm
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
-from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of, item_text
+from fa_forensics.analyses.primitives import delta_error, delta_of, pk_rows
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, decide_deltas, delta_claim,
-                                              delta_units, family_of, flagged, items_of_errors, total_of)
+                                              delta_units, family_of, flagged, item_text, items_of_errors,
+                                              total_of)
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
-from fa_forensics.analyses.rank1_sim.compute import pk_rows
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
 from fa_forensics.enums import Backend
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer

@@ -52,7 +52,7 @@ from fa_forensics.analyses.quantities import (BiasClaim, cell_sums, most_signifi
                                               selection_family)
 from fa_forensics.analyses.significance import Family, holm
 from fa_forensics.layers.fanout import Workers, map_layers
-from fa_forensics.analyses.fix_check.compute import scores_fp32
+from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
                                                    counterfactual, nudge, split_rows)
 from fa_forensics.enums import Backend
