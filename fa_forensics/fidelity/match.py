@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from fa_forensics.enums import Accumulation
+from fa_forensics.enums import Accumulation, Backend
 from fa_forensics.errors import DumpError
 from fa_forensics.fidelity import match_cache
 from fa_forensics.fidelity.candidates import (  # noqa: F401  (candidate_recipes: the catalogue, for callers)
@@ -206,18 +206,69 @@ def _precision_name(facts_list: Sequence[RunFacts]) -> Optional[str]:
     return names.pop() if len(names) == 1 else ("mixed" if len(names) > 1 else None)
 
 
-def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate", *,
-             alpha: float) -> Optional[dict]:
+@dataclass(frozen=True)
+class LayerFidelity:
+    """The share of one layer-step's stored O elements the preset replayed there reproduces bit for bit."""
+
+    step: int
+    layer: int
+    preset: str
+    accumulation: str
+    o_bits_equal: float
+
+
+@dataclass(frozen=True)
+class UnmatchedLayer:
+    """A layer-step with no stored O to compare with, and the preset replayed there."""
+
+    step: int
+    layer: int
+    preset: str
+
+
+@dataclass(frozen=True)
+class UnverifiableLayer:
+    """A layer-step whose stored O cannot tell whether the replay computes what training computed, and why."""
+
+    step: int
+    layer: int
+    preset: str
+    accumulation: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplayFidelity:
+    """Every analysis's `replay_fidelity` (its JSON keys, in this order: docs/json.md).
+
+    `preset` / `accumulation` name the replayed recipe ("per layer" where they differ between layer-steps),
+    `requested` the one asked for; `o_bits_equal` the share of stored-O elements reproduced, pooled (None where
+    nothing could be compared); `run_precision` the recorded precision (fp32, bf16, ..., "mixed"; None: not
+    recorded); `mismatch` the sign test of the elements not reproduced (`fidelity.mismatch.sign_test`; None when
+    every element matches)."""
+
+    preset: str
+    accumulation: str
+    requested: str
+    o_bits_equal: Optional[float]
+    per_layer: tuple[LayerFidelity, ...]
+    unmatched: tuple[UnmatchedLayer, ...]
+    unverifiable: tuple[UnverifiableLayer, ...]
+    verifiable: bool
+    run_precision: Optional[str]
+    mismatch: Optional[dict]
+
+
+def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: Backend = Backend.EMULATE, *,
+             alpha: float) -> Optional[ReplayFidelity]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
     low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
     over the selected layer-steps and heads, and per layer-step with the preset replayed there;
     `mismatch`: the sign test of the elements it does not reproduce at level `alpha` (`fidelity.mismatch`).
-    `preset` / `accumulation` name the replayed recipe ("per layer" where they differ between
-    layer-steps), `requested` the one asked for; `unmatched` lists the layer-steps with no stored O
-    to compare with, `unverifiable` those whose stored O cannot be compared (attention dropout, an
-    fp32 run) with the reason; `run_precision` is the recorded precision (fp32, bf16, ...; None:
-    not recorded). None when no layer stores O, unless `auto` had to fall back there or a layer is
-    unverifiable (then o_bits_equal is None)."""
+    `unmatched` lists the layer-steps with no stored O to compare with, `unverifiable` those whose stored O
+    cannot be compared (attention dropout, an fp32 run) with the reason. None when no layer stores O, unless
+    `auto` had to fall back there or a layer is unverifiable (then o_bits_equal is None)."""
+    backend = Backend(backend)
     per_layer, unmatched, unverifiable, tallies, facts_seen = [], [], [], [], []
     equal, total = 0.0, 0
     try:
@@ -231,8 +282,7 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
         preset = preset_at(dump, sel.step, sel.layer, recipe)
         reason = unverifiable_reason(facts)
         if reason is not None:
-            unverifiable.append({"step": sel.step, "layer": sel.layer, "preset": preset,
-                                 "accumulation": config.accumulation.value, "reason": reason})
+            unverifiable.append(UnverifiableLayer(sel.step, sel.layer, preset, config.accumulation.value, reason))
             continue
         key = (sel.step, sel.layer, tuple(sel.heads), config, backend)
         if key not in shares:  # the analyses of one report share a dump: replay each layer-step once
@@ -243,23 +293,21 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
                 o = replay_layer(t, config, backward=False, backend=backend).o
                 shares[key] = (compare_o(o, t.o), tally(sel.step, sel.layer, sel.heads, o, t.o))
         if shares[key] is None:
-            unmatched.append({"step": sel.step, "layer": sel.layer, "preset": preset})
+            unmatched.append(UnmatchedLayer(sel.step, sel.layer, preset))
             continue
         (share, _, n), counts = shares[key]
         tallies.append(counts)
-        per_layer.append({"step": sel.step, "layer": sel.layer, "preset": preset,
-                          "accumulation": config.accumulation.value, "o_bits_equal": share})
+        per_layer.append(LayerFidelity(sel.step, sel.layer, preset, config.accumulation.value, share))
         equal, total = equal + share * n, total + n
     if not total and not ((recipe.is_auto and unmatched) or unverifiable):
         return None
     shown = per_layer or unverifiable
-    presets = {p["preset"] for p in shown}
-    accumulations = {p["accumulation"] for p in shown}
+    presets = {p.preset for p in shown}
+    accumulations = {p.accumulation for p in shown}
     preset = presets.pop() if len(presets) == 1 else "per layer"
     accumulation = accumulations.pop() if len(accumulations) == 1 else "per layer"
     if not shown:
-        preset, accumulation = unmatched[0]["preset"], recipe.accumulation_name
-    return {"preset": preset, "accumulation": accumulation, "requested": recipe.preset,
-            "o_bits_equal": equal / total if total else None, "per_layer": per_layer, "unmatched": unmatched,
-            "unverifiable": unverifiable, "verifiable": not unverifiable,
-            "run_precision": _precision_name(facts_seen), "mismatch": sign_test(tallies, alpha)}
+        preset, accumulation = unmatched[0].preset, recipe.accumulation_name
+    return ReplayFidelity(preset, accumulation, recipe.preset, equal / total if total else None, tuple(per_layer),
+                          tuple(unmatched), tuple(unverifiable), not unverifiable, _precision_name(facts_seen),
+                          sign_test(tallies, alpha))

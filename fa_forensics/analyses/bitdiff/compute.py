@@ -28,6 +28,7 @@ from fa_forensics.analyses.significance import ALPHA, Family, p_text
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.layers.selection import as_seen_by, replay_layer
 from fa_forensics.errors import DumpError
@@ -115,7 +116,7 @@ class BitdiffResult:
     # the recipe's input cast alone (fp32 O of rounded vs stored inputs), None if no-op
     input_cast: Optional[dict] = None
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
 
 def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: int, heads: list[int],

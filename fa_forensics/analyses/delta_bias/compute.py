@@ -32,6 +32,7 @@ from fa_forensics.analyses.significance import Family
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.analyses.stats import sign_test
@@ -101,7 +102,7 @@ class DeltaBiasResult(RecipeResult):
     backend: Backend
     family: Family = Family()
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
     @property
     def no_difference(self) -> bool:

@@ -72,6 +72,7 @@ from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE,
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
 from fa_forensics.fidelity.pair import lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
@@ -331,7 +332,7 @@ class FixCheckResult(RecipeResult):
     backend: Backend = Backend.EMULATE
     settings: dict = dataclasses.field(default_factory=dict)  # beta, eps, offset
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
     # rows where the fix's row sum is below the row-sum floor: {rows, max_score, threshold, floor,
     # applies (the preset's own floor: O collapses), min_ratio (|O|/|O_fp32|, measured)}
     collapse: dict = dataclasses.field(default_factory=dict)

@@ -53,6 +53,7 @@ from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, 
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.enums import Backend
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
@@ -209,7 +210,7 @@ class IsolateResult(RecipeResult):
     input_cast: Optional[RepairResult] = None  # the recipe's input cast alone (None when it changes nothing)
     family: Family = Family()
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
     @property
     def biased(self) -> list[DeltaItem]:

@@ -30,6 +30,7 @@ from fa_forensics.analyses.stats import mean_se
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.enums import KVOrder
 from fa_forensics.replay.emulate.forward import scaled_scores
+from fa_forensics.fidelity.match import ReplayFidelity
 
 MIN_NONSINK_KEYS = 16  # rows with fewer non-sink keys give no sink-strength estimate
 FIX_MASS_ZEROED = 0.005  # a head needs a fix when the default cast silently drops this fraction of the probability mass
@@ -85,7 +86,7 @@ class PcastDumpResult:
     heads: tuple[HeadPcast, ...]
     dp: tuple[DpPoint, ...] = ()  # dp(S) at the studied scales and the defaults
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None  # the study casts the dump's own scores: no recipe is replayed
+    replay_fidelity: Optional[ReplayFidelity] = None  # the study casts the dump's own scores: no recipe is replayed
 
 
 def sink_gap_stats(z: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[float, float, float, float]:

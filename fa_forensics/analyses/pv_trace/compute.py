@@ -57,6 +57,7 @@ from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Cou
                                                    counterfactual, nudge, split_rows)
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe, preset_at
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.auto import resolve
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
@@ -354,7 +355,7 @@ class PVTraceReport(RecipeResult):
     recipe: Recipe = Recipe()  # the low-precision side traced against fp32
     backend: Backend = Backend.EMULATE
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
 
 def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,

@@ -34,6 +34,7 @@ from fa_forensics.analyses.primitives import delta_error, pk_rows
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
@@ -128,7 +129,7 @@ class Rank1Result(RecipeResult):
     claim: Optional[BiasClaim] = None  # the Σδ claim whose (layer, head) is the focus
     family: Family = Family()
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------

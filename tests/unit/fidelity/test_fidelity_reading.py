@@ -160,8 +160,9 @@ def test_layers_that_differ_only_in_accumulation_name_the_preset(make_dump):
     recipe = Recipe(choices=(((0, 0), Choice("bf16", Accumulation.IEEE, 1.0)),
                              ((1, 0), Choice("bf16", Accumulation.TENSOR_CORE, 1.0))))
     fid = fidelity(dump, sels, recipe, alpha=ALPHA)
-    assert (fid["preset"], fid["accumulation"]) == ("bf16", "per layer")
-    assert fid["run_precision"] == "bf16" and fid["verifiable"]
+    assert (fid.preset, fid.accumulation) == ("bf16", "per layer")
+    assert fid.run_precision == "bf16" and fid.verifiable
+    assert [(p.step, p.accumulation) for p in fid.per_layer] == [(0, "ieee"), (1, "tensor-core")]
 
 
 def test_facts_are_read_defensively(make_dump):
