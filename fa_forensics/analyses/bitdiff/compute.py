@@ -25,6 +25,7 @@ from fa_forensics.analyses.contract import common_keys, replay_fidelity
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, o_cells, o_claim, o_units,
                                               selection_family)
 from fa_forensics.analyses.significance import ALPHA, Family, p_text
+from fa_forensics.analyses.payloads import BitdiffPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -275,7 +276,7 @@ def bias_claim(r: BitdiffResult) -> BiasClaim:
     return o_claim(r.mean_signed_error, r.family)
 
 
-def payload(r: BitdiffResult) -> dict:
+def payload(r: BitdiffResult) -> BitdiffPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "a": r.a, "b": r.b, "format": r.fmt, "steps": r.steps, "n_elements": r.n_elements,

@@ -36,6 +36,7 @@ from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.analyses.stats import sign_test
+from fa_forensics.analyses.payloads import DeltaBiasPayload
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -311,7 +312,7 @@ def bias_claim(r: DeltaBiasResult) -> BiasClaim:
     return r.claim
 
 
-def payload(r: DeltaBiasResult) -> dict:
+def payload(r: DeltaBiasResult) -> DeltaBiasPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,

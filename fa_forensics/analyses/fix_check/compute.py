@@ -69,6 +69,7 @@ from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cel
                                               selection_family)
 from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE, Family, holm, outcome, p_text,
                                                 significant)
+from fa_forensics.analyses.payloads import FixCheckPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
@@ -599,7 +600,7 @@ def deployment(r: FixCheckResult) -> Optional[dict]:
             "control_removed_share": None if control is None else control.removed_share}
 
 
-def payload(r: FixCheckResult) -> dict:
+def payload(r: FixCheckResult) -> FixCheckPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,

@@ -58,6 +58,7 @@ from fa_forensics.enums import Backend
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.analyses.stats import sign_test
+from fa_forensics.analyses.payloads import IsolatePayload
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.enums import (
     BackwardKernel, DeltaSource, Precision, Rounding, Softmax,
@@ -411,7 +412,7 @@ def bias_claim(r: IsolateResult) -> BiasClaim:
     return r.claim
 
 
-def payload(r: IsolateResult) -> dict:
+def payload(r: IsolateResult) -> IsolatePayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,

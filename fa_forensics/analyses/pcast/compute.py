@@ -27,6 +27,7 @@ from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_
 from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW, expected_max_normal
 from fa_forensics.layers.selection import load
 from fa_forensics.analyses.stats import mean_se
+from fa_forensics.analyses.payloads import PcastDumpPayload
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.enums import KVOrder
 from fa_forensics.replay.emulate.forward import scaled_scores
@@ -244,7 +245,7 @@ def verdict(res: PcastDumpResult) -> str:
             f"{h.layer} head {h.head}{lost}); use {use}")
 
 
-def payload(res: PcastDumpResult) -> dict:
+def payload(res: PcastDumpResult) -> PcastDumpPayload:
     """The --json payload of the dump mode (keys documented in docs/json.md)."""
     return {
         "mode": "dump", "dump": res.path, "n_sinks": res.n_sinks, "block": res.block, "delta_k": res.delta_k,

@@ -63,6 +63,7 @@ from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.analyses.wording import finite, share_with_se
+from fa_forensics.analyses.payloads import PVTracePayload
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
 from fa_forensics.enums import Softmax
@@ -535,7 +536,7 @@ def bias_claim(r: PVTraceReport) -> BiasClaim:
                      r.cell.p_value, r.n_cells, feature=r.trace.feature, adjusted_p=r.cell.adjusted_p)
 
 
-def payload(r: PVTraceReport) -> dict:
+def payload(r: PVTraceReport) -> PVTracePayload:
     """The --json payload (keys documented in docs/json.md)."""
     tr = r.trace
     return {

@@ -31,6 +31,7 @@ from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_key
 from fa_forensics.analyses.quantities import BiasClaim, decide_deltas, delta_claim, delta_items, family_of, flagged
 from fa_forensics.analyses.significance import Family, p_text
 from fa_forensics.analyses.primitives import delta_error, pk_rows
+from fa_forensics.analyses.payloads import Rank1SimPayload
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
@@ -357,7 +358,7 @@ def verdict(r: Rank1Result) -> str:
             f"accumulation exponent {_fmt(expo, 'n/a')} over {len(r.steps)} steps ({trend})")
 
 
-def payload(r: Rank1Result) -> dict:
+def payload(r: Rank1Result) -> Rank1SimPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "has_x": r.has_x, "focus": {"layer": r.focus_layer, "head": r.focus_head}, "tokens": r.tokens,

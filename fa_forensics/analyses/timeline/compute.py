@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 from scipy import stats as sps
 
+from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.errors import NoTimeline
 from fa_forensics.monitor.stats import TIMELINE_METRICS
 
@@ -99,7 +100,7 @@ def replay_alarm(result: TimelineResult, rule) -> AlarmReplay:
     return AlarmReplay(settings=rule.settings(), alarms=tuple(alarms), monitored_steps=len(result.steps))
 
 
-def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float = 0.01) -> str:
+def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float = ALPHA) -> str:
     """One sentence: does the alarm rule fire on this run (where, or why it cannot), and do repeated
     maxima track the loss (Spearman, at level alpha)."""
     s = replay.settings
