@@ -55,14 +55,15 @@ class MatchResult:
     overridden: dict  # --all: (step, layer) -> {fact: number of recipes it would have excluded}
 
 
-def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
+def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: Backend = Backend.EMULATE,
           recipes: Optional[Sequence[CandidateRecipe]] = None, progress: Optional[Callable[..., None]] = None,
           workers=None) -> MatchResult:
     """The match of every selected layer-step (all selected heads at once), each a work item on
     `workers`. A whole layer-step (every stored head) under the default candidates is `best_recipe`'s:
     read from the match cache (re-checked) and kept there, so `match` and `--preset auto` share one result.
     `try_all`: every recipe, whatever the recorded facts, on every element."""
-    cached = recipes is None and not try_all and backend == "emulate"
+    backend = Backend(backend)
+    cached = recipes is None and not try_all and backend is Backend.EMULATE
     parts = map_layers(_match_part, dump, selections, workers or Workers(), progress,
                        args=(None if recipes is None else list(recipes), cached, try_all, backend), whole_layers=True)
     overridden = {(lm.step, lm.layer): over for lm, _, over in parts if over}
@@ -78,7 +79,8 @@ def _overridden(admission: Admission) -> dict:
     return out
 
 
-def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: str) -> tuple[LayerMatch, str, dict]:
+def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool,
+                backend: Backend) -> tuple[LayerMatch, str, dict]:
     """(the match of one layer-step, the stored O's dtype, the facts `try_all` overrode); without given recipes,
     the candidates the layer's recorded facts admit."""
     if t.o is None:
@@ -117,7 +119,7 @@ def fingerprint(t: LayerTensors, recipes: Sequence[CandidateRecipe]) -> str:
 
 
 def _kept(t: LayerTensors, dump, key: str, admission: Admission, facts: RunFacts,
-          acc: Optional[str], backend: str) -> Optional[LayerMatch]:
+          acc: Optional[str], backend: Backend) -> Optional[LayerMatch]:
     """The match kept for this layer-step (the cache's, else the dump's own), when it is well formed and the
     stored bits agree with it; every other is set aside with one warning."""
     sources = (("the match cache's entry", match_cache.read(key), False),
@@ -143,7 +145,7 @@ def _kept(t: LayerTensors, dump, key: str, admission: Admission, facts: RunFacts
 
 
 def _with_missing(t: LayerTensors, lm: LayerMatch, missing: Sequence[CandidateRecipe], admission: Admission,
-                  backend: str) -> Optional[LayerMatch]:
+                  backend: Backend) -> Optional[LayerMatch]:
     """A kept match completed with the admitted recipes it did not try (searched now); None when one of those
     reproduces every element (a search now stops there: the kept match does not answer)."""
     if not missing:
@@ -157,7 +159,7 @@ def _with_missing(t: LayerTensors, lm: LayerMatch, missing: Sequence[CandidateRe
 
 
 def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulation] = None,
-                backend: str = "emulate") -> Optional[LayerMatch]:
+                backend: Backend = Backend.EMULATE) -> Optional[LayerMatch]:
     """The match of one whole layer-step (every stored head) over the candidate recipes the dump's
     recorded facts admit (those under `accumulation` only, when given), or None when the layer stores
     no O. Read from the match cache (or the match a dump carries in its attributes) when its fingerprint
@@ -168,6 +170,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
         memo = {}
     acc = None if accumulation is None else Accumulation(accumulation).value
+    backend = Backend(backend)
     if (step, layer, acc) in memo:
         return memo[(step, layer, acc)]
     t = load(dump, LayerSelection(step, layer, dump.heads(step, layer)))
