@@ -87,7 +87,7 @@ def fidelity_warnings(fid: Optional[ReplayFidelity]) -> list[str]:
             f"stored O (worst step {worst.step} layer {worst.layer}: {100 * worst.o_bits_equal:.1f} %)")
     mismatch = fid.mismatch
     if share >= MISMATCH_TEST_ABOVE and mismatch:
-        return out + [f"{head}; {mismatch['verdict']}"]
+        return out + [f"{head}; {mismatch.verdict}"]
     return out + [f"{head}: the findings describe that recipe, not the kernel that trained; `fa-forensics match` names "
                   f"the recipe that does"]
 

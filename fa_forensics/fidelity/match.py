@@ -37,7 +37,7 @@ from fa_forensics.fidelity.candidates import (  # noqa: F401  (candidate_recipes
 from fa_forensics.fidelity.layer_match import (  # noqa: F401  (the result types, for callers)
     Candidate, CandidateRecipe, ExcludedWinner, LayerMatch, MalformedEntry, to_entry,
 )
-from fa_forensics.fidelity.mismatch import sign_test, tally
+from fa_forensics.fidelity.mismatch import MismatchTest, sign_test, tally
 from fa_forensics.fidelity.recipe import lp_config_for, preset_at
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.fidelity.sample import compare_o, row_sample  # noqa: F401  (compare_o: the bit comparison)
@@ -259,7 +259,7 @@ class ReplayFidelity:
     unverifiable: tuple[UnverifiableLayer, ...]
     verifiable: bool
     run_precision: Optional[str]
-    mismatch: Optional[dict]
+    mismatch: Optional[MismatchTest]
 
 
 def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: Backend = Backend.EMULATE, *,
