@@ -67,11 +67,12 @@ def stored_o(t: LayerTensors) -> torch.Tensor:
     return t.o
 
 
-def replay_rows(t: LayerTensors, config: ReplayConfig, sample: RowSample, backend: str = "emulate") -> torch.Tensor:
+def replay_rows(t: LayerTensors, config: ReplayConfig, sample: RowSample,
+                backend: Backend = Backend.EMULATE) -> torch.Tensor:
     """The replayed O (in config's O dtype) of the sampled rows of every batch row and head, (B, h, R, D): the
     same bits as those rows of `replay_layer(t, config)`. A whole sample (or another backend) replays the layer."""
-    if sample.whole or backend != "emulate":
-        o = replay_layer(t, config, backward=False, backend=Backend(backend)).o
+    if sample.whole or Backend(backend) is not Backend.EMULATE:
+        o = replay_layer(t, config, backward=False, backend=backend).o
         return o if sample.whole else o.index_select(2, sample.index())
     from fa_forensics.replay.emulate.forward import forward
     from fa_forensics.replay.emulate.ops import torch_dtype

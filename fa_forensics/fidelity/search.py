@@ -24,10 +24,10 @@ from typing import Optional
 
 import torch
 
+from fa_forensics.enums import Backend
 from fa_forensics.fidelity.candidates import exclusions, pick_best
 from fa_forensics.fidelity.layer_match import Candidate, CandidateRecipe, ExcludedWinner, LayerMatch
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts
-from fa_forensics.enums import Backend
 from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled, stored_o
 from fa_forensics.layers.selection import LayerTensors, replay_layer
 
@@ -39,7 +39,7 @@ EXCLUDED_CONFIRMED = 3  # at most this many excluded recipes are replayed whole,
 class _Screen:
     """The sampled rows of one layer-step and what each candidate did on them."""
 
-    def __init__(self, t: LayerTensors, sample: RowSample, backend: str):
+    def __init__(self, t: LayerTensors, sample: RowSample, backend: Backend):
         self.t, self.sample, self.backend = t, sample, backend
         self.o = stored_o(t)
         self.stored = sampled(self.o, sample)
@@ -70,12 +70,13 @@ class _Screen:
 
 
 def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all: bool = False,
-                backend: str = "emulate", facts: RunFacts = UNKNOWN,
+                backend: Backend = Backend.EMULATE, facts: RunFacts = UNKNOWN,
                 excluded: Sequence[CandidateRecipe] = (), relaxed: tuple[str, ...] = ()) -> LayerMatch:
     """Search `recipes` (the candidates the recorded facts admit, in order) for the one that reproduces the stored
     O of `t`; `excluded`: the recipes the facts ruled out (checked when no candidate reproduces every element)."""
     stored_o(t)  # a layer-step without O cannot be matched: DumpError
-    exhaustive = try_all or backend != "emulate"
+    backend = Backend(backend)
+    exhaustive = try_all or backend is not Backend.EMULATE
     sample = RowSample(t.q.shape[2], ((0, t.q.shape[2]),)) if exhaustive else row_sample(t.q.shape[2])
     screen = _Screen(t, sample, backend)
     tried: list[Candidate] = []
@@ -91,7 +92,7 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
     best = pick_best([c for c in tried if not c.sampled], facts)
     lm = LayerMatch(t.step, t.layer, list(t.heads), best, tried, n_admitted=len(recipes), relaxed=relaxed,
                     sample_rows=sample.to_list())
-    if backend != "emulate":  # the checks below replay recipes other backends may not run
+    if backend is not Backend.EMULATE:  # the checks below replay recipes other backends may not run
         return lm
     if best.o_bits_equal < 1.0 and not try_all and excluded:
         lm = replace(lm, excluded_winner=_excluded_winner(screen, best, excluded, facts))
@@ -100,7 +101,8 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
     return lm
 
 
-def screen_only(t: LayerTensors, recipes: Sequence[CandidateRecipe], backend: str = "emulate") -> list[Candidate]:
+def screen_only(t: LayerTensors, recipes: Sequence[CandidateRecipe],
+                backend: Backend = Backend.EMULATE) -> list[Candidate]:
     """`recipes` screened on the layer's row sample, those that reproduce every sampled element confirmed on every
     element: what completes a kept match with recipes it did not try."""
     screen = _Screen(t, row_sample(t.q.shape[2]), backend)
@@ -137,7 +139,7 @@ def _excluded_winner(screen: _Screen, best: Candidate, excluded: Sequence[Candid
 
 
 def layout_misfit(t: LayerTensors, recipes: Sequence[CandidateRecipe], best: Candidate,
-                  backend: str = "emulate") -> Optional[str]:
+                  backend: Backend = Backend.EMULATE) -> Optional[str]:
     """Why the stored layout does not fit, when q, k, v, o read as (B, T, H, D) are reproduced (at least half of
     a row sample, and twice what the stored reading gets) by one of `recipes`; None otherwise (or when the arrays
     cannot be read the other way: a mask, or keys of another length)."""

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from fa_forensics.dump.integrity import Damage
+from fa_forensics.enums import Backend
 from fa_forensics.errors import DumpError
 from fa_forensics.fidelity import match_cache
 from fa_forensics.fidelity.candidates import layer_candidates, pick_best
@@ -74,7 +75,7 @@ def _agrees(c: Candidate, got, n_all: int) -> bool:
     return abs(got.share - c.o_bits_equal) <= CLAIM_Z * se + 2.0 / rows.numel()
 
 
-def recheck(t: LayerTensors, lm: LayerMatch, backend: str = "emulate") -> Optional[str]:
+def recheck(t: LayerTensors, lm: LayerMatch, backend: Backend = Backend.EMULATE) -> Optional[str]:
     """None when the kept match agrees with the stored bits of `t`; else what it claims that they contradict."""
     sample = row_sample(t.q.shape[2])
     if lm.sample_rows and lm.sample_rows != sample.to_list():

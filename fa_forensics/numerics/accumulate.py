@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.enums import Engine
+from fa_forensics.enums import ACCUMULATIONS, Accumulation, Engine
 from fa_forensics.numerics.engines import EngineLike, available, resolve_engine
 from fa_forensics.numerics.formats import FormatLike, get_format
 from fa_forensics.numerics.rounding import round_to
@@ -65,8 +65,6 @@ from fa_forensics.numerics.accumulate_tiles import (
     sum_round_to_odd,
     tensor_core_tile_fp32,
 )
-
-ACCUMULATIONS = ("ieee", "tensor-core")
 
 
 @dataclass(frozen=True)
@@ -116,14 +114,14 @@ def _name(x) -> str:
     return (x.value if isinstance(x, enum.Enum) else str(x)).strip().lower()
 
 
-def normalize_accumulation(accumulation) -> str:
-    """Resolve "ieee" / "tensor-core" (or an `Accumulation` enum)."""
+def normalize_accumulation(accumulation) -> Accumulation:
+    """The `Accumulation` a name ("ieee", "tensor-core", "tensor_core", "tensorcore") or an enum stands for."""
     name = _name(accumulation).replace("_", "-")
     if name == "tensorcore":
         name = "tensor-core"
     if name not in ACCUMULATIONS:
         raise ConfigError(f"unknown accumulation model {accumulation!r}; use one of {', '.join(ACCUMULATIONS)}")
-    return name
+    return Accumulation(name)
 
 
 def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16",
@@ -297,7 +295,7 @@ def matmul(
     engine = resolve_engine(engine)
     if a.shape[-1] != b.shape[-2]:
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
-    params = tensor_core_params(gpu, in_format, mma_k) if model == "tensor-core" else None
+    params = tensor_core_params(gpu, in_format, mma_k) if model is Accumulation.TENSOR_CORE else None
     lead, a3, b3, acc3 = _batched(a, b, acc)
     L, M, N = a3.shape[0], a3.shape[1], b3.shape[-1]
     if band is not None and params is not None and result_bits(params.neab) < 24 and acc3 is not None:
@@ -535,7 +533,7 @@ def dot_trace(
     leads = lead_pow2(p) * lead_pow2(v)
     K = prods.shape[0]
     trace = torch.empty(K, dtype=torch.float64)
-    params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
+    params = tensor_core_params(gpu, in_format) if model is Accumulation.TENSOR_CORE else None
     acc = torch.zeros((), dtype=torch.float64)
     if params is None:
         for k in range(K):
