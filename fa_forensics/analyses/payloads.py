@@ -3,7 +3,7 @@
 Each analysis's `payload(result)` returns its type; the registry's key lists (`registry.Analysis.json_keys`,
 `other_json_keys`) are `keys_of` these types, and a test runs every analysis and compares what it writes with
 them, so a key is added or renamed in one place. docs/json.md documents each key. Values that are dataclasses
-or enums in the payload (`Obj`) are written as JSON objects and strings by `contract.to_jsonable`.
+or enums in the payload (`Obj`) are written as JSON objects and strings by `jsonable.to_jsonable`.
 
 This module imports nothing heavy: the registry reads it when the CLI lists its commands.
 """
