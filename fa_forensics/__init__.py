@@ -44,6 +44,21 @@ def make_callable(module_name: str) -> None:
     sys.modules[module_name].__class__ = CallableModule
 
 
+def lazy_exports(module_name: str, exports: dict[str, str]):
+    """The `__getattr__` (PEP 562) of a package whose names `exports` maps to the module defining each: the
+    module is imported when a name is first used, so importing the package (or a light module inside it)
+    does not import what its heavy modules import (torch, zarr)."""
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        setattr(sys.modules[module_name], name, value)
+        return value
+
+    return __getattr__
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         module_name, attr = _LAZY[name]

@@ -4,11 +4,12 @@ No analysis logic lives here: each module in fa_forensics/commands/ registers it
 on the app, parses options, calls one library function and renders the result; the analysis
 commands are generated from the registry of analyses (commands/analysis.py).
 
-Importing this module is cheap: the app (and with it torch, scipy, zarr) is built on first use of
-`app` or in `main`, after `main` has installed the Ctrl-C handler. So Ctrl-C at any moment, also
-during the first seconds while those import, ends in one line "interrupted" and exit code 130,
-never a traceback; the first Ctrl-C unwinds the command (its staging folders and temporary files
-are removed on the way out), and a second one cannot cut that cleanup short.
+Importing this module is cheap: the app (typer, rich and the command modules, which import torch, scipy
+and zarr only inside the bodies that compute) is built on first use of `app` or in `main`, after `main`
+has installed the Ctrl-C handler. So Ctrl-C at any moment, also while those import, ends in one
+line "interrupted" and exit code 130, never a traceback; the first Ctrl-C unwinds the command (its
+staging folders and temporary files are removed on the way out), and a second one cannot cut that
+cleanup short.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def make_null(path: Path, seed: int, shapes: tuple[dict, ...] = NULL_SHAPES) -> 
 def alarms(path: Path, analyses: tuple[str, ...] = CLAIMING) -> dict[str, bool]:
     """{analysis: its verdict claims something} on the dump at `path`, each run as the report runs it, and
     {"report": any of them}; fix-check also gives "fix-check exit 1"."""
-    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.jsonable import to_jsonable
     from fa_forensics.analyses.registry import BY_NAME
     from fa_forensics.dump import open_dump
     from fa_forensics.enums import Backend

@@ -5,8 +5,8 @@ dataclass with `warnings` and `replay_fidelity` fields) and `payload(result) -> 
 payload starts from `common_keys(result)`, so the shared keys have one spelling and one source:
 
   warnings         list of one-line strings (from the layer checks of `selection.load`), [] if none
-  replay_fidelity  what share of the stored O the replayed recipe reproduces (`replay_fidelity`),
-                   or null where it is not measured
+  replay_fidelity  what share of the stored O the replayed recipe reproduces (`replay_fidelity`, a
+                   `fidelity.match.ReplayFidelity`), or null where it is not measured
   preset, accumulation, backend   the recipe and where it ran
   bias             the analysis's claim in one shape (`quantities.BiasClaim`): whether a bias exists by
                    the statistics policy (`significance`: Holm over the selection's family at α, and the
@@ -16,15 +16,12 @@ payload starts from `common_keys(result)`, so the shared keys have one spelling 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
-from fa_forensics.fidelity.match import fidelity
+from fa_forensics.fidelity.match import ReplayFidelity, UnmatchedLayer, UnverifiableLayer, fidelity
 from fa_forensics.layers.fanout import map_layers
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.analyses.significance import ALPHA
@@ -35,62 +32,59 @@ FIDELITY_WARN_BELOW = 0.99  # o_bits_equal under which every analysis warns
 MISMATCH_TEST_ABOVE = 0.88  # from this o_bits_equal on, the mismatches' sign test replaces the blanket caveat
 
 
-def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[dict]:
-    """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`:
-    {preset, accumulation, requested, o_bits_equal, per_layer[] {step, layer, preset, accumulation,
-    o_bits_equal}, unmatched[], unverifiable[] {step, layer, preset, accumulation, reason}, verifiable,
-    run_precision, mismatch} (fidelity.match.fidelity: one forward replay per layer-step), or None for
-    in-memory layers and dumps without O. An analysis stores what this returns in its Result's
-    `replay_fidelity` and never computes it elsewhere.
+def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[ReplayFidelity]:
+    """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`
+    (`fidelity.match.ReplayFidelity`: one forward replay per layer-step), or None for in-memory layers and
+    dumps without O. An analysis stores what this returns in its Result's `replay_fidelity` and never computes
+    it elsewhere.
     """
     if dump is None:
         return None
     return fidelity(dump, selections, recipe, alpha=ALPHA)
 
 
-def _where(items: Sequence[dict]) -> str:
-    where = ", ".join(f"step {u['step']} layer {u['layer']}" for u in items[:4])
+def _where(items: Sequence[UnmatchedLayer | UnverifiableLayer]) -> str:
+    where = ", ".join(f"step {u.step} layer {u.layer}" for u in items[:4])
     return where + (f" and {len(items) - 4} more" if len(items) > 4 else "")
 
 
-def precision_line(fid: Optional[dict]) -> Optional[str]:
+def precision_line(run_precision: Optional[str], preset: Optional[str]) -> Optional[str]:
     """What the run's recorded precision means for the findings, when it is not a low-precision run."""
-    if not fid or fid.get("run_precision") != "fp32":
+    if run_precision != "fp32":
         return None
-    if fid.get("preset") == "fp32":
+    if preset == "fp32":
         return "trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides"
-    return (f"trained in fp32: no low-precision rounding to analyse; the findings show what {fid.get('preset')} "
+    return (f"trained in fp32: no low-precision rounding to analyse; the findings show what {preset} "
             f"would do on these inputs")
 
 
-def fidelity_warnings(fid: Optional[dict]) -> list[str]:
+def fidelity_warnings(fid: Optional[ReplayFidelity]) -> list[str]:
     """One line each: the run's precision when it is fp32; the layer-steps whose fidelity cannot be
     verified and why; `auto` finding no stored O somewhere; and, under 99 % fidelity, either the
     mismatches' sign test (from 88 %) or that the findings describe the replayed recipe only."""
     if not fid:
         return []
-    out = [line for line in (precision_line(fid),) if line]
-    fp32_run = fid.get("run_precision") == "fp32"  # said once, by precision_line
-    reasons = [u["reason"] for u in fid.get("unverifiable") or []
-               if not (fp32_run and u["reason"].startswith("trained in fp32"))]
+    out = [line for line in (precision_line(fid.run_precision, fid.preset),) if line]
+    fp32_run = fid.run_precision == "fp32"  # said once, by precision_line
+    reasons = [u.reason for u in fid.unverifiable if not (fp32_run and u.reason.startswith("trained in fp32"))]
     for reason in dict.fromkeys(reasons):
-        items = [u for u in fid["unverifiable"] if u["reason"] == reason]
-        why = "the recipe the recorded settings imply" if fid.get("requested") == "auto" else "as asked"
+        items = [u for u in fid.unverifiable if u.reason == reason]
+        why = "the recipe the recorded settings imply" if fid.requested == "auto" else "as asked"
         out.append(f"replay fidelity unverifiable at {_where(items)}: {reason}; analysed with preset "
-                   f"{items[0]['preset']} / {items[0]['accumulation']}, {why}")
-    if fid.get("unmatched") and fid.get("requested") == "auto":
-        out.append(f"preset auto: no stored O to match at {_where(fid['unmatched'])}; replayed preset "
-                   f"{fid['unmatched'][0]['preset']} there, which may not be the kernel that trained (a named preset "
+                   f"{items[0].preset} / {items[0].accumulation}, {why}")
+    if fid.unmatched and fid.requested == "auto":
+        out.append(f"preset auto: no stored O to match at {_where(fid.unmatched)}; replayed preset "
+                   f"{fid.unmatched[0].preset} there, which may not be the kernel that trained (a named preset "
                    f"replays that recipe instead)")
-    share = fid.get("o_bits_equal")
+    share = fid.o_bits_equal
     if share is None or share >= FIDELITY_WARN_BELOW:
         return out
-    worst = min(fid["per_layer"], key=lambda p: p["o_bits_equal"])
-    head = (f"replay fidelity: preset {fid['preset']} / {fid['accumulation']} reproduces {bit_share(share)} of the "
-            f"stored O (worst step {worst['step']} layer {worst['layer']}: {100 * worst['o_bits_equal']:.1f} %)")
-    mismatch = fid.get("mismatch")
+    worst = min(fid.per_layer, key=lambda p: p.o_bits_equal)
+    head = (f"replay fidelity: preset {fid.preset} / {fid.accumulation} reproduces {bit_share(share)} of the "
+            f"stored O (worst step {worst.step} layer {worst.layer}: {100 * worst.o_bits_equal:.1f} %)")
+    mismatch = fid.mismatch
     if share >= MISMATCH_TEST_ABOVE and mismatch:
-        return out + [f"{head}; {mismatch['verdict']}"]
+        return out + [f"{head}; {mismatch.verdict}"]
     return out + [f"{head}: the findings describe that recipe, not the kernel that trained; `fa-forensics match` names "
                   f"the recipe that does"]
 
@@ -129,28 +123,3 @@ def common_keys(result) -> dict:
             "replay_fidelity": result.replay_fidelity}
 
 
-def to_jsonable(obj: Any) -> Any:
-    """Convert dataclasses, enums, numpy/torch scalars and arrays, and paths into JSON types.
-
-    Non-finite floats become None (JSON has no NaN), so files stay valid for every reader.
-    """
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, (bool, int, str)) or obj is None:
-        return obj
-    # numpy and torch without importing them eagerly
-    if hasattr(obj, "tolist"):
-        return to_jsonable(obj.tolist())
-    if hasattr(obj, "item"):
-        return to_jsonable(obj.item())
-    return str(obj)

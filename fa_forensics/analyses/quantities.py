@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.significance import Family, effect, holm, significant
+from fa_forensics.analyses.significance import Family, effect, holm, p_text, significant
 from fa_forensics.analyses.stats import MeanSE, sign_test, sum_se
 
 
@@ -133,6 +133,12 @@ def count_text(items: Iterable[DeltaItem]) -> str:
     steps = {i.step for i in items}
     return (f"{len(heads)} head{'s' if len(heads) != 1 else ''} over {len(steps)} step{'s' if len(steps) != 1 else ''}"
             if items else "no head")
+
+
+def item_text(i: DeltaItem, n_tests: int) -> str:
+    """'step 0 layer 0 head 1: +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over 280 tests)'."""
+    return (f"step {i.step} layer {i.layer} head {i.head}: {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
+            f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")
 
 
 # ---- O bias per (layer, head, feature) ---------------------------------------------------------------

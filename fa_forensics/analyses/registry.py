@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
+from fa_forensics.analyses.payloads import (BitdiffAddPayload, BitdiffPayload, DeltaBiasPayload, FixCheckPayload,
+                                            IsolatePayload, PcastDumpPayload, PcastSimulationPayload, PVTracePayload,
+                                            Rank1SimPayload, TimelinePayload, keys_of)
 from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS
 
 # The formats bitdiff --add can store a sum into.
 INTO_CHOICES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp32")
 
-# The keys every replaying analysis adds to its own: the recipe it replayed and how faithfully.
-RECIPE_KEYS = ("preset", "accumulation", "backend", "warnings", "replay_fidelity")
+# The key the command adds to an analysis's payload: the figures it drew.
+FIGURES = ("figures",)
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,8 @@ class Option:
     """One option of an analysis command, in --help order.
 
     `shared`: the CLI's own option of that name (DUMP, --step, --layer, --head, --rank, --accumulation, --backend,
-    --workers, --scheduler, --worker-wait, --out, --json, --debug), with this default; flag, type and help are the
-    CLI's.
+    --workers, --scheduler, --worker-wait, --out, --json, --debug): flag, type, help and default are the CLI's one
+    table's (commands/options.py).
     `argument`: a positional argument instead of a --flag. `keyword`: the compute's keyword for the value
     (default: `name`). `check(value)`: why a value is refused (None: accepted)."""
 
@@ -59,9 +61,9 @@ class Option:
         return f"{self.flag} {value} {reason}" if reason else None
 
 
-def shared(name: str, default: Any = None) -> Option:
-    """The CLI's shared option `name` with `default`."""
-    return Option(name, default=default, shared=True)
+def shared(name: str) -> Option:
+    """The CLI's shared option `name`, as its table declares it."""
+    return Option(name, shared=True)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Section:
 @dataclass(frozen=True)
 class Analysis:
     """One analysis: its room, its command, its --json keys and its report section.
+
+    `json_keys`: the keys of its --json in order, derived from its payload type (`analyses.payloads`).
 
     `replays`: the command takes the shared selection and recipe options (DUMP, --step/--layer/--head,
     --preset, --accumulation, --backend, --match-cache, --workers, --scheduler, --out, --json, --debug)
@@ -165,8 +169,7 @@ def _finite_positive(value: float) -> Optional[str]:
 ISOLATE = Analysis(
     "isolate", "isolate",
     "Replay under single repairs to localize the failing operation (paper §3.2, Claim 1).",
-    json_keys=("variants", "heads", "layers", "culprits", "baseline_block", "baseline_tiles", "n_biased_heads",
-               "input_cast", "bias", "family", *RECIPE_KEYS, "verdict", "figures"),
+    json_keys=keys_of(IsolatePayload, then=FIGURES),
     progress="isolate",
     section=Section("isolate: which precision choice causes the error (paper §3.2)"),
 )
@@ -174,8 +177,7 @@ ISOLATE = Analysis(
 DELTA_BIAS = Analysis(
     "delta-bias", "delta_bias",
     "Sign and origin of Σ_T(δ_lp − δ_hp): per step/layer/head, cumulative, per feature (paper §3.3, Fig. 5).",
-    json_keys=("per_step", "steps", "step_sums", "cumulative", "top_features", "focus", "total", "top_token",
-               "cumulative_tokens", "bias", "family", *RECIPE_KEYS, "verdict", "figures"),
+    json_keys=keys_of(DeltaBiasPayload, then=FIGURES),
     progress="delta-bias",
     section=Section("delta-bias: is Σ(δ_lp − δ_hp) biased, and through which features (§3.3.1-3.3.2, Fig. 5)"),
 )
@@ -185,10 +187,7 @@ RANK1_SIM = Analysis(
     "Similar rank-1 matrices (PK)[T]ᵀX[T] and the accumulation of the W_Q gradient error (paper §3.3.1, Fig. 4).",
     options=(Option("tokens", "--tokens", int, 4, min=1, keyword="tokens_per_step",
                     help="Tokens per step whose rank-1 matrices are compared (largest |δ error| first)."),),
-    json_keys=("has_x", "focus", "tokens", "cosine_offdiag_mean", "pk_cosine_offdiag_mean", "x_cosine_offdiag_mean",
-               "cosine", "top_columns", "singular_values", "effective_rank", "top_sv_ratio", "cross_step_alignment",
-               "steps", "step_norms", "cumulative_norms", "accumulation_exponent", "claim", "family", *RECIPE_KEYS,
-               "verdict", "figures"),
+    json_keys=keys_of(Rank1SimPayload, then=FIGURES),
     progress="rank1-sim",
     section=Section("rank1-sim: structurally similar rank-1 error terms (§3.3.1, Fig. 4)"),
 )
@@ -202,10 +201,7 @@ PV_TRACE = Analysis(
         Option("feature", "--feature", Optional[int], None,
                help="Feature i of V / O to trace (default: the feature with the largest mean O bias)."),
     ),
-    json_keys=("step", "layer", "head", "batch", "row", "feature", "pv_format", *RECIPE_KEYS, "verdict",
-               "final_error", "o_error", "o_bias", "row_choice", "bias_split", "p_one_positions", "jumps",
-               "frac_error_from_p_one", "attribution", "class_shares", "rows_attributed", "counterfactual", "bias",
-               "family", "largest_jump", "explanation", "figures"),
+    json_keys=keys_of(PVTracePayload, then=FIGURES),
     progress="replaying ({recipe} vs fp32)",
     per_layer_step=True,
     hint="use --preset fp8-s1, or `fa-forensics pcast` for the scale study",
@@ -225,20 +221,12 @@ BITDIFF = Analysis(
         Option("a", "--a", str, "auto", metavar="PRESET",
                help="Tensor mode: replay preset of the first O (auto: the recipe that reproduces the stored O best)."),
         Option("b", "--b", str, "fp32", metavar="PRESET", help="Tensor mode: replay preset of the second O."),
-        shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation", "auto"),
-        shared("backend", "emulate"),
-        shared("workers", 1), shared("scheduler"), shared("worker_wait", WORKER_WAIT_SECONDS), shared("out"),
-        shared("json_path"), shared("debug", False),
+        shared("step"), shared("layer"), shared("head"), shared("rank"), shared("accumulation"), shared("backend"),
+        shared("workers"), shared("scheduler"), shared("worker_wait"), shared("out"), shared("json_path"),
+        shared("debug"),
     ),
-    json_keys=("a", "b", "format", "steps", "n_elements", "mismatch_rate", "ulp_hist", "mean_signed_error",
-               "biased_features", "alpha", "n_cells", "family", "largest", "input_cast", "bias", "accumulation",
-               "backend",
-               "warnings", "replay_fidelity", "verdict", "figures"),
-    other_json_keys={"add": ("input_a", "input_b", "a", "b", "a_bits", "b_bits", "operands_exact", "exact",
-                             "exact_fits_acc", "exact_bits", "acc_sum", "acc_sum_bits", "rounded", "rounded_bits",
-                             "error", "guard", "round", "sticky", "direction", "into", "acc", "exponent", "a_aligned",
-                             "b_aligned", "sum_aligned", "shift", "sum_exponent", "normalized", "kept",
-                             "round_and_rest", "rounded_significand", "warnings")},
+    json_keys=keys_of(BitdiffPayload, then=FIGURES),
+    other_json_keys={"add": keys_of(BitdiffAddPayload, then=("warnings",))},
     section=Section("bitdiff: O replayed in low precision vs fp32, bit by bit (the bias map)",
                     recipe_flags=(("--a", "PRESET"), ("--b", "fp32"))),
 )
@@ -256,11 +244,7 @@ FIX_CHECK = Analysis(
         Option("offset", "--offset", float, 1.0, check=_finite_positive,
                help="Offset of App. C's fixed-offset alternative: m = rowmax + offset."),
     ),
-    json_keys=("target", "baseline", "fixed", "alternatives", "bias_reduction", "max_p_bar", "triggered_rows",
-               "nan_count", "removed", "verdict", "exit_code", "collapse", "bias", "has_bias", "outcome", "deployment",
-               "family",
-               "beta", "eps", "offset",
-               *RECIPE_KEYS, "figures"),
+    json_keys=keys_of(FixCheckPayload, then=FIGURES),
     progress="replaying variants",
     pass_fail=True,
     section=Section("fix-check: does the stabilized softmax remove the bias (§4, App. C)"),
@@ -289,12 +273,10 @@ PCAST = Analysis(
         Option("seed", "--seed", int, 0, help="Base random seed of the simulation."),
         Option("step", "--step", Optional[int], None,
                help="Training step to analyse in dump mode (default: the last complete step)."),
-        shared("layer"), shared("head"), shared("rank"), shared("out"), shared("json_path"), shared("debug", False),
+        shared("layer"), shared("head"), shared("rank"), shared("out"), shared("json_path"), shared("debug"),
     ),
-    json_keys=("mode", "dump", "n_sinks", "block", "delta_k", "scales", "orders", "heads", "dp", "warnings",
-               "replay_fidelity", "verdict", "figures"),
-    other_json_keys={"simulation": ("mode", "config", "delta_k", "sigma_k", "n_main", "rows", "dp", "ratio",
-                                    "ratio_448", "ttest", "notes", "figures", "warnings")},
+    json_keys=keys_of(PcastDumpPayload, then=FIGURES),
+    other_json_keys={"simulation": keys_of(PcastSimulationPayload, then=("figures", "warnings"))},
     section=Section("pcast: FP8 P-cast collapse per head (the P-Cast paper)", recipe_flags=(), whole_dump=True),
 )
 
@@ -318,11 +300,9 @@ TIMELINE = Analysis(
                     "--alarm-set trend_z=4."),
         Option("tensorboard", "--tensorboard", Optional[Path], None, metavar="DIR",
                help="Also write the timeline as TensorBoard event files into DIR (needs the tensorboard extra)."),
-        shared("debug", False),
+        shared("debug"),
     ),
-    json_keys=("steps", "loss", "n_layers", "n_heads", "series", "ties_loss_spearman", "ties_loss_p_value",
-               "top_wq_head", "alarm_steps", "alarms", "capture_alarm_rule", "alarm_rule", "rule_alarms", "verdict",
-               "warnings", "figures"),
+    json_keys=keys_of(TimelinePayload, then=FIGURES),
     section=Section("timeline: the run as it trained, and the alarms the capture raised (paper Fig. 2, 3, 11, 13)",
                     recipe_flags=(), whole_dump=True, needs="timeline"),
 )

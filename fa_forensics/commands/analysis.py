@@ -10,7 +10,6 @@ commands/bitdiff.py, commands/pcast.py and commands/timeline.py.
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -18,15 +17,10 @@ import typer
 
 from fa_forensics.analyses.registry import ANALYSES, Analysis, Option
 from fa_forensics.commands.common import (
-    AccumulationOpt, AnalysisArgs, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, OutOpt, RankOpt,
-    SchedulerOpt, StepOpt, WorkersOpt, WorkerWaitOpt, accumulation_option, exit_code, progress_bar,
-    register_analysis_command, show_result,
+    AnalysisArgs, exit_code, progress_bar, register_analysis_command, show_result,
 )
+from fa_forensics.commands.options import SHARED, accumulation_option, signature
 from fa_forensics.errors import InvalidSetting, OutOfRange, UserError
-
-SHARED = {"dump": DumpArg, "step": StepOpt, "layer": LayerOpt, "head": HeadOpt, "rank": RankOpt,
-          "accumulation": AccumulationOpt, "backend": BackendOpt, "workers": WorkersOpt, "scheduler": SchedulerOpt,
-          "worker_wait": WorkerWaitOpt, "out": OutOpt, "json_path": JsonOpt, "debug": DebugOpt}
 
 
 def preset_flags(analysis: Analysis) -> tuple[str, ...]:
@@ -41,7 +35,7 @@ def annotation(option: Option, analysis: Analysis) -> Any:
     if option.shared and option.name == "accumulation":
         return accumulation_option(preset_flags(analysis))
     if option.shared:
-        return SHARED[option.name]
+        return SHARED[option.name].type
     if option.argument:
         return Annotated[option.type, typer.Argument(help=option.help, show_default=False)]
     settings: dict[str, Any] = {"help": option.help}
@@ -50,6 +44,11 @@ def annotation(option: Option, analysis: Analysis) -> Any:
     if option.min is not None:
         settings["min"] = option.min
     return Annotated[option.type, typer.Option(option.flag, **settings)]
+
+
+def default(option: Option) -> Any:
+    """The command-line default of a registered option: a shared one's is the table's (commands/options.py)."""
+    return SHARED[option.name].default if option.shared else option.default
 
 
 def replay_body(analysis: Analysis) -> Callable[..., Any]:
@@ -87,18 +86,13 @@ def replay_body(analysis: Analysis) -> Callable[..., Any]:
 
 def own_command(analysis: Analysis) -> Callable[..., None]:
     """A command whose options are all registered: its signature is theirs, its body the command module's `run`."""
-    body = importlib.import_module(f"fa_forensics.commands.{analysis.room}").run
 
     def command(**values: Any) -> None:
-        code = body(**values)
+        code = importlib.import_module(f"fa_forensics.commands.{analysis.room}").run(**values)
         if isinstance(code, int):
             exit_code(code)
 
-    command.__signature__ = inspect.Signature([
-        inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(o, analysis),
-                          default=inspect.Parameter.empty if o.name == "dump" and o.shared else o.default)
-        for o in analysis.options
-    ])
+    command.__signature__ = signature([(o.name, annotation(o, analysis), default(o)) for o in analysis.options])
     command.__name__ = analysis.room
     return command
 
@@ -107,7 +101,7 @@ def register(app: typer.Typer) -> None:
     """Add every registered analysis's command to the app, in the registry's order."""
     for analysis in ANALYSES:
         if analysis.replays:
-            extra = [(o.name, annotation(o, analysis), o.default) for o in analysis.options]
+            extra = [(o.name, annotation(o, analysis), default(o)) for o in analysis.options]
             register_analysis_command(app, analysis.name, analysis.help, replay_body(analysis), extra=extra)
         else:
             app.command(analysis.name, help=analysis.help)(own_command(analysis))

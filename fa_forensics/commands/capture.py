@@ -14,9 +14,9 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fa_forensics.capture.command_line import check_target, rewrite_command
-from fa_forensics.commands.common import DebugOpt, JsonOpt, console, err_console, run_cli, write_json
+from fa_forensics.commands.common import console, err_console, run_cli, write_json
 from fa_forensics.commands.info import do_missing_text
+from fa_forensics.commands.options import DebugOpt, JsonOpt
 from fa_forensics.commands.errors import option as option_name
 from fa_forensics.errors import InvalidSetting, UserError
 from fa_forensics.monitor.alarm_settings import DEFAULTS as ALARM_DEFAULTS, WATCHED
@@ -316,6 +316,8 @@ def register(app: typer.Typer) -> None:
                 require("tensorboard", "--monitor-tensorboard (TensorBoard event files of the monitor's timeline)")
             selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
                                                allow_no_steps=monitor_every is not None)
+            from fa_forensics.capture.command_line import check_target, rewrite_command
+
             argv = rewrite_command(list(command), same_python=same_python)
             check_target(argv)
             from fa_forensics.dump.safe_files import refuse_link

@@ -9,7 +9,6 @@ that tells bad input (2) from a finding (1) keeps working when it is debugged.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import json
 import sys
 import traceback
@@ -18,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -29,14 +28,15 @@ try:  # typer >= 0.26 carries its own copy of click
 except ImportError:
     from click import exceptions as click_exceptions
 
-from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.commands.options import ALL_RANKS, OutOpt, RECIPE, SELECTION, signature
+from fa_forensics.layers.cluster_wait import WORKER_WAIT_SECONDS
 from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AUTO, BACKENDS, Accumulation, AccumulationOrAuto, Backend
 from fa_forensics.errors import UserError
-from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
-from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
-from fa_forensics.replay.config import PRESETS
+
+if TYPE_CHECKING:
+    from fa_forensics.fidelity.recipe import Recipe
 
 REDIRECTED_WIDTH = 200  # columns of tables written to a file or pipe: whole numbers, never cells cut to 80 columns
 
@@ -70,65 +70,6 @@ def _console(stderr: bool = False) -> Console:
 
 console = _console()
 err_console = _console(stderr=True)
-
-# Shared option types (huggingface_hub style): one definition, used by every command.
-DumpArg = Annotated[Path, typer.Argument(help="Path of a dump store (a .zarr directory).", show_default=False)]
-JsonOpt = Annotated[Optional[Path],
-                    typer.Option("--json", help="Write the result as JSON to FILE (keys documented in docs/json.md); "
-                                                "- writes it to the standard output.",
-                                 metavar="FILE")]
-OutOpt = Annotated[Optional[Path],
-                   typer.Option("--out", help="Directory for figures (PNG) and other files.", metavar="DIR")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
-StepOpt = Annotated[Optional[int],
-                    typer.Option("--step", help="Training step to analyse (default: every complete step).")]
-LayerOpt = Annotated[Optional[int], typer.Option("--layer", help="Layer to analyse (default: every layer).")]
-HeadOpt = Annotated[Optional[int], typer.Option("--head", help="Head to analyse (default: every head).")]
-RankOpt = Annotated[Optional[int], typer.Option("--rank", metavar="R", min=0,
-                                                help="Rank of a multi-rank dump to read (default 0).")]
-RanksOpt = Annotated[Optional[str], typer.Option("--rank", metavar="R|all",
-                                                 help="Rank of a multi-rank dump to read (default 0), or all: one "
-                                                      "result per rank.")]
-ALL_RANKS = "all"
-WorkersOpt = Annotated[int,
-                       typer.Option("--workers",
-                                    help="Worker processes (a local dask.distributed cluster); 1 = in-process. The "
-                                         "output does not depend on it.")]
-SchedulerOpt = Annotated[Optional[str],
-                         typer.Option("--scheduler",
-                                      help="Address of a running Dask scheduler (tcp://HOST:PORT) to run on instead; "
-                                           "the dump must be on storage its workers see.", metavar="ADDRESS")]
-WorkerWaitOpt = Annotated[float, typer.Option(
-    "--worker-wait", metavar="SECONDS",
-    help="How long --workers / --scheduler may have no worker (none at the start, or all lost during the run) "
-         "before the command fails.")]
-
-
-def accumulation_option(preset_flags: Sequence[str] = ("--preset",)) -> Any:
-    """--accumulation, its help naming the command's own options that take a preset (`--preset`, or bitdiff's
-    `--a` and `--b`): the default follows what each of them resolved to."""
-    if len(preset_flags) == 1:
-        default = f"the one {preset_flags[0]} auto matched, ieee for a named preset"
-    else:
-        default = f"for each of {' and '.join(preset_flags)}, the one it matched when auto, ieee for a named preset"
-    return Annotated[AccumulationOrAuto, typer.Option(
-        "--accumulation", help=f"Accumulation model of every matrix product (default: {default}).")]
-
-
-AccumulationOpt = accumulation_option()
-MatchCacheOpt = Annotated[Optional[str], typer.Option(
-    "--match-cache", metavar="DIR|off",
-    help="Where `match` results are kept (never in the dump): a directory, or off (default: $FA_FORENSICS_CACHE_DIR, "
-         "else $XDG_CACHE_HOME/fa-forensics, else ~/.cache/fa-forensics).")]
-BackendOpt = Annotated[Backend, typer.Option("--backend", help="Replay backend: emulate is the CPU reference, "
-                                                                "triton runs the GPU kernels.")]
-PresetOpt = Annotated[str, typer.Option(
-    "--preset", metavar="NAME",
-    help=f"Low-precision reading replayed against fp32: {AUTO} (default: per layer-step, the recipe that reproduces "
-         "the dump's stored O best among the recipes its recorded precision allows, as `fa-forensics match` finds "
-         f"it; kept in the match cache, never in the dump) | a replay preset: {' | '.join(PRESETS)}. --accumulation "
-         "still applies.")]
-
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Show library warnings (e.g. incomplete steps in a dump) as one yellow line, not two."""
@@ -229,6 +170,8 @@ def write_json(path: Optional[Path], payload: Any) -> None:
     """
     if path is None:
         return
+    from fa_forensics.analyses.jsonable import to_jsonable
+
     data = to_jsonable(payload)
     diagnostics = _DIAGNOSTICS.get()
     if isinstance(data, dict):
@@ -391,6 +334,8 @@ def build_accumulation(accumulation: AccumulationOrAuto | str) -> Optional[Accum
 
 def build_recipe(preset: str, accumulation: AccumulationOrAuto | str) -> Recipe:
     """The recipe of --preset and --accumulation; a bad value is one line naming the option."""
+    from fa_forensics.fidelity.recipe import Recipe, UnknownPreset
+
     acc = build_accumulation(accumulation)
     try:
         return Recipe(preset, acc)
@@ -422,27 +367,6 @@ def build_backend(backend: Backend | str) -> Backend:
         raise UserError(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}") from None
 
 
-_SHARED_OPTIONS = (
-    ("dump", DumpArg, inspect.Parameter.empty),
-    ("step", StepOpt, None),
-    ("layer", LayerOpt, None),
-    ("head", HeadOpt, None),
-    ("rank", RankOpt, None),
-)
-_RECIPE_OPTIONS = (
-    ("preset", PresetOpt, AUTO),
-    ("accumulation", AccumulationOpt, AccumulationOrAuto.AUTO),
-    ("backend", BackendOpt, Backend.EMULATE),
-    ("match_cache", MatchCacheOpt, None),
-    ("workers", WorkersOpt, 1),
-    ("scheduler", SchedulerOpt, None),
-    ("worker_wait", WorkerWaitOpt, WORKER_WAIT_SECONDS),
-    ("out", OutOpt, None),
-    ("json_path", JsonOpt, None),
-    ("debug", DebugOpt, False),
-)
-
-
 def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: Callable[..., Any],
                               extra: Sequence[tuple[str, Any, Any]] = (), out_opt: Any = OutOpt) -> None:
     """Add an analysis command with the shared options (DUMP, --step/--layer/--head, --rank, --preset,
@@ -469,14 +393,8 @@ def register_analysis_command(app: typer.Typer, name: str, help_text: str, run: 
         if isinstance(code, int):
             exit_code(code)
 
-    options = [*_SHARED_OPTIONS, *extra, *_RECIPE_OPTIONS]
-    options = [(n, out_opt if n == "out" else t, d) for n, t, d in options]
-    command.__signature__ = inspect.Signature([
-        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY
-                          if d is not inspect.Parameter.empty else inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          default=d, annotation=t)
-        for n, t, d in options
-    ])
+    command.__signature__ = signature([*SELECTION, *extra,
+                                       *(("out", out_opt, None) if n == "out" else n for n in RECIPE)])
     command.__name__ = name.replace("-", "_")
     app.command(name, help=help_text)(command)
 

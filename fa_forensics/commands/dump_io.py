@@ -6,10 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fa_forensics.analyses.contract import to_jsonable
-from fa_forensics.commands.common import (
-    DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt, console, open_rank, ranks_line, run_cli, write_json,
-)
+from fa_forensics.commands.common import console, open_rank, ranks_line, run_cli, write_json
+from fa_forensics.commands.options import DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the destination if it exists.")]
 
@@ -90,6 +88,7 @@ def export_cmd(
     """Export a dump store's complete steps to a safetensors file with the same tensor names, dtypes kept."""
 
     def body() -> None:
+        from fa_forensics.analyses.jsonable import to_jsonable
         from fa_forensics.dump.safetensors_io import export_safetensors
 
         d = open_rank(dump, rank, "--rank R exports another")

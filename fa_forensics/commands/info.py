@@ -7,10 +7,8 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from fa_forensics.commands.common import (
-    DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt, console, err_console, exit_code, open_rank, run_cli,
-    write_json,
-)
+from fa_forensics.commands.common import console, err_console, exit_code, open_rank, run_cli, write_json
+from fa_forensics.commands.options import DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt
 from fa_forensics.dump.terminal_text import shown
 
 

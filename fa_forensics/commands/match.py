@@ -1,18 +1,16 @@
 """`fa-forensics match`: which recipe reproduces the stored O bit for bit (replay fidelity)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    ALL_RANKS, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, RanksOpt, SchedulerOpt,
-    StepOpt, WorkersOpt, WorkerWaitOpt, console, open_rank, parse_ranks, print_warnings, progress_bar, run_cli,
-    use_match_cache, write_json,
+    console, open_rank, parse_ranks, print_warnings, progress_bar, run_cli, use_match_cache, write_json,
 )
-from fa_forensics.enums import Backend
-from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
+from fa_forensics.commands.options import ALL_RANKS, RanksOpt, shared, signature
+from fa_forensics.layers.cluster_wait import WORKER_WAIT_SECONDS
 
 AllOpt = Annotated[bool, typer.Option("--all", help="Try every recipe, whatever the recorded facts, on every element, "
                                                     "also after one reproduces the stored O 100 %.")]
@@ -292,29 +290,21 @@ def _match_rank(dump, step, layer, head, try_all: bool, backend: str, fan_out, s
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("match",
-                 help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under the "
-                      "recipes the recorded facts admit (precision, softmax, device and kernel; each preset with its "
-                      "own tiling, the GPU kernels' recipes with each of their tiles, every accumulation model), "
-                      "screened on a row sample and confirmed on every element; the share of O elements reproduced, "
-                      "per layer-step.")
-    def command(
-        dump: DumpArg,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        rank: RanksOpt = None,
-        try_all: AllOpt = False,
-        backend: BackendOpt = Backend.EMULATE,
-        match_cache: MatchCacheOpt = None,
-        workers: WorkersOpt = 1,
-        scheduler: SchedulerOpt = None,
-        worker_wait: WorkerWaitOpt = WORKER_WAIT_SECONDS,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
+    def command(**options: Any) -> None:
+        debug = options.pop("debug")
+
         def body():
-            use_match_cache(match_cache)
-            return run(dump, step, layer, head, try_all, backend, json_path, workers, scheduler, rank, worker_wait)
+            use_match_cache(options.pop("match_cache"))
+            return run(options.pop("dump"), **options)
 
         run_cli(debug, body)
+
+    command.__signature__ = signature(["dump", "step", "layer", "head", shared("rank", RanksOpt),
+                                       ("try_all", AllOpt, False), "backend", "match_cache", "workers", "scheduler",
+                                       "worker_wait", "json_path", "debug"])
+    app.command("match",
+                help="Which recipe reproduces the dump's stored O bit for bit: replays the stored Q, K, V under the "
+                     "recipes the recorded facts admit (precision, softmax, device and kernel; each preset with its "
+                     "own tiling, the GPU kernels' recipes with each of their tiles, every accumulation model), "
+                     "screened on a row sample and confirmed on every element; the share of O elements reproduced, "
+                     "per layer-step.")(command)

@@ -4,21 +4,21 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.commands.common import (
-    ALL_RANKS, AccumulationOpt, BackendOpt, DebugOpt, DumpArg, HeadOpt, JsonOpt, LayerOpt, MatchCacheOpt, PresetOpt,
-    RanksOpt, StepOpt, SchedulerOpt, WorkersOpt, WorkerWaitOpt, build_backend, build_recipe, build_workers, console,
-    err_console, open_rank, parse_ranks, run_cli, use_match_cache, write_json,
+    build_backend, build_recipe, build_workers, console, err_console, open_rank, parse_ranks, run_cli, use_match_cache,
+    write_json,
 )
+from fa_forensics.commands.options import ALL_RANKS, RECIPE, REQUIRED, RanksOpt, shared, signature
 from fa_forensics.dump.schema import rank_key
 from fa_forensics.dump.terminal_text import shown
 from fa_forensics.enums import AccumulationOrAuto, Backend
-from fa_forensics.layers.fanout import WORKER_WAIT_SECONDS
+from fa_forensics.layers.cluster_wait import WORKER_WAIT_SECONDS
 from fa_forensics.errors import UserError
 
 ReportOutOpt = Annotated[Path, typer.Option(  # no default: required, and --help says so
@@ -74,7 +74,7 @@ def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: st
     (`run.zarr/rank_r`) in the page and its commands."""
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
-    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.jsonable import to_jsonable
     from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all
     from fa_forensics.report.verdict import build_verdict
     from fa_forensics.layers.selection import select
@@ -139,28 +139,16 @@ def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: st
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("report",
-                 help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")
-    def report(
-        dump: DumpArg,
-        out: ReportOutOpt,
-        step: StepOpt = None,
-        layer: LayerOpt = None,
-        head: HeadOpt = None,
-        rank: RanksOpt = None,
-        preset: PresetOpt = "auto",
-        accumulation: AccumulationOpt = AccumulationOrAuto.AUTO,
-        backend: BackendOpt = Backend.EMULATE,
-        match_cache: MatchCacheOpt = None,
-        workers: WorkersOpt = 1,
-        scheduler: SchedulerOpt = None,
-        worker_wait: WorkerWaitOpt = WORKER_WAIT_SECONDS,
-        json_path: JsonOpt = None,
-        debug: DebugOpt = False,
-    ) -> None:
+    def report(**options: Any) -> None:
+        debug = options.pop("debug")
+
         def body():
-            use_match_cache(match_cache)
-            return run(dump, out, step, layer, head, preset, accumulation, backend, json_path, workers, scheduler,
-                       rank, worker_wait)
+            use_match_cache(options.pop("match_cache"))
+            return run(options.pop("dump"), **options)
 
         run_cli(debug, body)
+
+    report.__signature__ = signature(["dump", ("out", ReportOutOpt, REQUIRED), "step", "layer", "head",
+                                      shared("rank", RanksOpt), *(n for n in RECIPE if n != "out")])
+    app.command("report",
+                help="Run every analysis with its defaults and write one HTML page (index.html) with figures.")(report)

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from fa_forensics.commands.common import DebugOpt, JsonOpt, console, run_cli, write_json
+from fa_forensics.commands.common import console, run_cli, write_json
+from fa_forensics.commands.options import DebugOpt, JsonOpt
 from fa_forensics.errors import ConfigError
 
 

@@ -7,9 +7,9 @@ import typer
 from rich.table import Table
 
 from fa_forensics.commands.common import (
-    ALL_RANKS, DebugOpt, DumpArg, JsonOpt, RanksOpt, add_warning, console, err_console, exit_code, parse_ranks,
-    ranks_line, run_cli, write_json,
+    add_warning, console, err_console, exit_code, parse_ranks, ranks_line, run_cli, write_json,
 )
+from fa_forensics.commands.options import ALL_RANKS, DebugOpt, DumpArg, JsonOpt, RanksOpt
 from fa_forensics.dump.terminal_text import shown
 
 
@@ -98,9 +98,14 @@ def _with_stored_match(report):
     import dataclasses
 
     from fa_forensics.dump import open_dump
+    from fa_forensics.fidelity.match_cache import in_dump_attrs
+
+    dump = open_dump(report.path, rank=report.rank)
+    if not any(in_dump_attrs(dump, step, layer) for step in report.steps for layer in dump.layers(step)):
+        return report  # no match kept: nothing to replay (and the replay's libraries are not imported)
     from fa_forensics.fidelity.stored_match import check_stored_match
 
-    found = check_stored_match(open_dump(report.path, rank=report.rank), report.steps) if report.steps else []
+    found = check_stored_match(dump, report.steps)
     return dataclasses.replace(report, problems=[*report.problems, *found]) if found else report
 
 

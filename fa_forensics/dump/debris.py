@@ -17,6 +17,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from fa_forensics.dump.safe_read import StrPath
+
 _HOLDER_RE = re.compile(r"^pid (\d+) on (\S+?),")
 
 
@@ -107,7 +109,7 @@ def clean_staging(store: Path) -> list[Path]:
     return removed
 
 
-def leftovers(store) -> list[Leftover]:
+def leftovers(store: StrPath) -> list[Leftover]:
     """Files beside `store` left by writers that are not running (for `verify`)."""
     store = Path(store)
     out = []

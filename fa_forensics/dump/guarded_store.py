@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zarr
@@ -28,6 +30,11 @@ from zarr.storage import LocalStore
 
 from fa_forensics.dump.metadata_checks import MAX_RATIO
 from fa_forensics.dump.safe_read import read_regular
+
+if TYPE_CHECKING:
+    from zarr.abc.store import ByteRequest
+    from zarr.core.array_spec import ArraySpec
+    from zarr.core.buffer import Buffer, BufferPrototype
 
 _ZSTD_MAGIC = 0xFD2FB528
 _SKIPPABLE_MAGIC = 0x184D2A50  # the 16 values 0x184D2A50..5F mark skippable frames
@@ -42,7 +49,8 @@ class ChunkSizeError(ValueError):
 def frame_content_size(data: bytes | memoryview | np.ndarray) -> int | None:
     """The content size the first zstd frame of `data` declares in its header (RFC 8878, 3.1.1.1), or None when
     it declares none (a streamed frame) or `data` is not a zstd frame (the decoder then says what is wrong)."""
-    buf = memoryview(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8))
+    octets = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)
+    buf = memoryview(octets.data)
     pos = 0
     while len(buf) - pos >= 8 and int.from_bytes(buf[pos:pos + 4], "little") & ~0xF == _SKIPPABLE_MAGIC:
         pos += 8 + int.from_bytes(buf[pos + 4:pos + 8], "little")
@@ -60,7 +68,7 @@ def frame_content_size(data: bytes | memoryview | np.ndarray) -> int | None:
     return value + 256 if fcs_bytes == 2 else value
 
 
-def chunk_nbytes(chunk_spec) -> int | None:
+def chunk_nbytes(chunk_spec: ArraySpec) -> int | None:
     """The byte size of one decoded chunk (shape times item size), None for a variable-size data type."""
     try:
         itemsize = chunk_spec.dtype.to_native_dtype().itemsize
@@ -99,14 +107,14 @@ def bounded_decode(data: np.ndarray, expected: int) -> np.ndarray:
 class BoundedZstdCodec(ZstdCodec):
     """zarr's zstd codec, decoding into the chunk's byte size and never past it (see the module docstring)."""
 
-    def _decode_sync(self, chunk_bytes, chunk_spec):
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
         expected = chunk_nbytes(chunk_spec)
         if expected is None:  # variable-size items: no byte size to bound by (dump arrays never have them)
             return super()._decode_sync(chunk_bytes, chunk_spec)
         out = bounded_decode(chunk_bytes.as_numpy_array(), expected)
-        return chunk_spec.prototype.buffer.from_bytes(out)
+        return chunk_spec.prototype.buffer.from_bytes(out.data)
 
-    async def _decode_single(self, chunk_bytes, chunk_spec):
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
         return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
 
 
@@ -123,14 +131,14 @@ def bounded(array: zarr.Array) -> zarr.Array:
     return zarr.Array(AsyncArray(metadata=swapped, store_path=array.store_path, config=array.async_array.config))
 
 
-def _get_regular(path: Path, prototype, byte_range):
+def _get_regular(path: Path, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer:
     data = read_regular(path)
     if byte_range is not None:
         data = _byte_range(data, byte_range)
     return prototype.buffer.from_bytes(data)
 
 
-def _byte_range(data: bytes, byte_range) -> bytes:
+def _byte_range(data: bytes, byte_range: ByteRequest) -> bytes:
     from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 
     if isinstance(byte_range, RangeByteRequest):
@@ -145,7 +153,8 @@ def _byte_range(data: bytes, byte_range) -> bytes:
 class RegularFileStore(LocalStore):
     """zarr's LocalStore reading regular files only, without blocking (see the module docstring)."""
 
-    async def get(self, key, prototype=None, byte_range=None):
+    async def get(self, key: str, prototype: BufferPrototype | None = None,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
         if prototype is None:
             from zarr.core.buffer import default_buffer_prototype
 
@@ -157,5 +166,6 @@ class RegularFileStore(LocalStore):
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    async def get_partial_values(self, prototype, key_ranges):
+    async def get_partial_values(self, prototype: BufferPrototype,
+                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
         return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]

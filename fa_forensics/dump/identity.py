@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fa_forensics.dump.safe_read import StrPath
 from fa_forensics.errors import OtherModel
 
+if TYPE_CHECKING:
+    import torch
 
-def model_fingerprint(model) -> str:
+
+def model_fingerprint(model: torch.nn.Module) -> str:
     """16 hex digits of SHA-256 over the model's parameter names, shapes and dtypes."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
@@ -35,14 +39,15 @@ def describe(model_attrs: Mapping[str, Any]) -> str:
     return f"{parts[0]} ({', '.join(extra)})"
 
 
-def check_same_model(path, stored: Mapping[str, Any] | None, new: Mapping[str, Any] | None,
+def check_same_model(path: StrPath, stored: Mapping[str, Any] | None, new: Mapping[str, Any] | None,
                      allow_other_model: bool) -> bool:
     """True if the store has no fingerprint yet and `new` brings one (the caller records it).
 
     Raises OtherModel (a DumpError) when both have fingerprints that differ, unless allow_other_model.
     """
-    stored_fp = (stored or {}).get("fingerprint") if isinstance(stored, Mapping) else None
-    new_fp = (new or {}).get("fingerprint") if isinstance(new, Mapping) else None
+    stored = stored if isinstance(stored, Mapping) else {}
+    new = new if isinstance(new, Mapping) else {}
+    stored_fp, new_fp = stored.get("fingerprint"), new.get("fingerprint")
     if new_fp is None:
         return False
     if stored_fp is None:

@@ -24,14 +24,17 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fa_forensics.dump.metadata_checks import (
     MAX_DIM, MAX_RATIO, NUMERIC_TYPES, STEP_ATTRS, STORED_TYPE, array_problems, attribute_problems, chunk_bytes,
     chunk_grid, describe_error, layer_attribute_problems, read_metadata,
 )
-from fa_forensics.dump.safe_read import special_kind
+from fa_forensics.dump.safe_read import StrPath, special_kind
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, LAYER_RE, MASK
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["MAX_DIM", "STORED_TYPE", "Damage", "bad_chunk", "check_array", "check_chunk_data", "check_step",
            "check_timeline", "chunk_grid", "chunk_keys", "describe_error", "grid_indices", "link_leaving",
@@ -63,7 +66,7 @@ class Damage:
     def __str__(self) -> str:
         return f"{self.where}: {self.what}"
 
-    def line(self, store) -> str:
+    def line(self, store: StrPath) -> str:
         """'damaged: <file>: <what>', the file named by its path under `store`."""
         located = f"{store}/{self.file}" if self.file else str(store)
         return f"damaged: {located}: {self.what}"
@@ -172,13 +175,15 @@ def _check_array(array_dir: Path, step: int, layer: int, name: str, n_heads: Any
     return _check_chunk_files(array_dir, grid, step, layer, name, root, nbytes=chunk_bytes(meta)), shape
 
 
-def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str], step: int | None, layer: int | None,
+def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str] | None, step: int | None, layer: int | None,
                        name: str, root: Path | None, missing_ok: bool = False, nbytes: int = 0) -> list[Damage]:
     """Missing chunks, chunks that are folders or special files, chunk links leaving the store, chunk files too
     short to ever hold `nbytes` (a chunk's decoded size) however they inflate: counted from one streamed listing
     of the folder (memory bounded by the files present, never by the chunk count the metadata claims; a file is
     stat'ed only for chunks of more than a MiB). `missing_ok`: absent chunks are fill values the writer skipped,
     not damage."""
+    if grid is None:  # metadata that passed array_problems always has a regular grid
+        return [Damage(step, layer, name, "chunk grid cannot be read", relative(array_dir / "zarr.json", root))]
     counts, sep = grid
     total = math.prod(counts)
     present = 0
@@ -477,7 +482,7 @@ def sound_series(timeline_dir: Path, root: Path | None = None) -> Iterator[tuple
             yield name, series
 
 
-def check_chunk_data(array, step: int | None, layer: int | None, name: str,
+def check_chunk_data(array: zarr.Array, step: int | None, layer: int | None, name: str,
                      array_dir: Path | None = None, root: Path | None = None) -> list[Damage]:
     """Decode every chunk of a zarr array one at a time; each chunk that fails is one Damage naming it. With
     `array_dir`, only the chunk files present as regular files inside the store are decoded, found by one
@@ -503,7 +508,7 @@ def check_chunk_data(array, step: int | None, layer: int | None, name: str,
     return out
 
 
-def bad_chunk(array, selection) -> str | None:
+def bad_chunk(array: zarr.Array, selection: tuple[Any, ...]) -> str | None:
     """Key of the first chunk in `selection` (a tuple of slices / index lists) that fails to decode."""
     import numpy as np
 
@@ -522,11 +527,10 @@ def bad_chunk(array, selection) -> str | None:
     return None
 
 
-def _separator(array) -> str:
-    try:
-        return array.metadata.chunk_key_encoding.separator
-    except AttributeError:
-        return "/"
+def _separator(array: zarr.Array) -> str:
+    encoding = getattr(array.metadata, "chunk_key_encoding", None)  # zarr v2 metadata has none
+    separator = getattr(encoding, "separator", "/")
+    return separator if isinstance(separator, str) else "/"
 
 
 def _listdir(path: Path) -> list[str]:

@@ -17,13 +17,17 @@ import stat
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from fa_forensics.dump.debris import clean_staging
 from fa_forensics.dump.safe_files import open_nofollow
+from fa_forensics.dump.safe_read import StrPath
 from fa_forensics.errors import DumpError
 
+fcntl: ModuleType | None
 try:
-    import fcntl
+    import fcntl as _fcntl
+    fcntl = _fcntl
 except ImportError:  # not POSIX: no advisory locks; the store is then unguarded
     fcntl = None
 
@@ -37,7 +41,7 @@ def lock_path(store: Path, rank: int = 0) -> Path:
 class StoreLock:
     """An exclusive, non-blocking lock on a store path; `acquire()` raises DumpError naming the holder."""
 
-    def __init__(self, store, rank: int = 0):
+    def __init__(self, store: StrPath, rank: int = 0) -> None:
         self.store = Path(store)
         self.path = lock_path(self.store, rank)
         self._fd: int | None = None
@@ -120,7 +124,7 @@ class StoreLock:
     def __enter__(self) -> StoreLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ def nesting(value: Any) -> int:
     depth, stack = 0, [(value, 1)]
     while stack:
         node, level = stack.pop()
+        children: Iterable[Any]
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, list):

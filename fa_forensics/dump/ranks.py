@@ -23,6 +23,7 @@ from typing import Optional
 
 from fa_forensics.dump.lock import lock_path
 from fa_forensics.dump.safe_files import open_nofollow
+from fa_forensics.dump.safe_read import StrPath
 from fa_forensics.dump.schema import ATTRS_KEY, RANK_RE, rank_key
 from fa_forensics.errors import DumpError
 
@@ -30,7 +31,7 @@ READY = "ready"
 POLL_SECONDS = 0.05
 
 
-def store_ranks(path) -> list[int]:
+def store_ranks(path: StrPath) -> list[int]:
     """The ranks whose trees the store at `path` holds: 0 (the root) and every r of a `rank_r/` folder."""
     try:
         names = [e.name for e in os.scandir(path) if e.is_dir()]
@@ -39,7 +40,7 @@ def store_ranks(path) -> list[int]:
     return sorted({0, *(int(m.group(1)) for n in names if (m := RANK_RE.match(n)))})
 
 
-def rank_tree_of(path) -> Optional[tuple[Path, int]]:
+def rank_tree_of(path: StrPath) -> Optional[tuple[Path, int]]:
     """(store, r) when `path` is the `rank_r/` folder of a dump store (one rank's tree, not a store of its own),
     else None."""
     p = Path(path)
@@ -88,7 +89,7 @@ def _holder_alive(holder: str) -> bool:
     return True
 
 
-def rank0_ready(store, run_id: Optional[str]) -> bool:
+def rank0_ready(store: StrPath, run_id: Optional[str]) -> bool:
     """True once rank 0 of the run `run_id` holds the store open (its lock file says `ready RUN_ID`)."""
     lines = _lock_lines(Path(store))
     if len(lines) < 2 or not lines[1].startswith(READY + " "):
@@ -99,7 +100,7 @@ def rank0_ready(store, run_id: Optional[str]) -> bool:
     return _holder_alive(lines[0])
 
 
-def wait_for_rank0(store, rank: int, run_id: Optional[str], timeout: float) -> None:
+def wait_for_rank0(store: StrPath, rank: int, run_id: Optional[str], timeout: float) -> None:
     """Return once rank 0 of this run has opened the store; a DumpError after `timeout` seconds."""
     deadline = time.monotonic() + float(timeout)
     while not rank0_ready(store, run_id):
@@ -110,6 +111,6 @@ def wait_for_rank0(store, rank: int, run_id: Optional[str], timeout: float) -> N
         time.sleep(POLL_SECONDS)
 
 
-def other_rank_trees(store) -> list[str]:
+def other_rank_trees(store: StrPath) -> list[str]:
     """The `rank_r/` folders (r > 0) in a store: trees other ranks wrote."""
     return [rank_key(r) for r in store_ranks(store) if r > 0]

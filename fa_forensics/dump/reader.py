@@ -15,17 +15,17 @@ import warnings
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
-import torch
 import zarr
 
 from fa_forensics.dump.guarded_store import RegularFileStore, bounded
 from fa_forensics.dump.integrity import Damage, bad_chunk, check_step, check_timeline, describe_error, relative
 from fa_forensics.dump.metadata_checks import ROOT_ATTRS, attribute_problems, read_metadata
+from fa_forensics.dump.nodes import child_array, child_group
 from fa_forensics.dump.ranks import rank_tree_of, store_ranks
-from fa_forensics.dump.safe_read import special_kind
+from fa_forensics.dump.safe_read import StrPath, special_kind
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     CALL_ATTR_KEYS,
@@ -44,6 +44,9 @@ from fa_forensics.dump.schema import (
     supported_dtype_names,
 )
 from fa_forensics.errors import DumpError, UnknownRank
+
+if TYPE_CHECKING:
+    import torch
 
 
 class IncompleteStepWarning(UserWarning):
@@ -72,7 +75,20 @@ def _subdirs(path: Path) -> list[str]:
         return []
 
 
-def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
+# Steps, layers, heads or batch rows: one, several, or None (all of them).
+Selection = int | Sequence[int] | None
+
+
+def _attrs(node: zarr.Group | zarr.Array) -> dict[str, Any]:
+    """A node's attributes: JSON that integrity.check_step has checked (metadata_checks) before zarr opens the step."""
+    return dict(node.attrs)
+
+
+@overload
+def _as_list(sel: None) -> None: ...
+@overload
+def _as_list(sel: int | Sequence[int]) -> list[int]: ...
+def _as_list(sel: Selection) -> list[int] | None:
     if sel is None:
         return None
     if isinstance(sel, (int, np.integer)):
@@ -80,7 +96,7 @@ def _as_list(sel: int | Sequence[int] | None) -> list[int] | None:
     return [int(s) for s in sel]
 
 
-def open_dump(path, rank: int | None = None) -> Dump:
+def open_dump(path: StrPath, rank: int | None = None) -> Dump:
     """Open a dump store lazily (root metadata only). `rank`: which rank's tree (default 0). A rank's folder of a
     multi-rank store (`run.zarr/rank_1`) opens that rank of the store."""
     p = Path(path)
@@ -126,7 +142,7 @@ def open_dump(path, rank: int | None = None) -> Dump:
 class Dump:
     """One rank's tree of a dump store. Steps, layers and heads are ints; arrays come back as torch tensors."""
 
-    def __init__(self, path: Path, root: zarr.Group, attrs: dict[str, Any], rank: int | None = None):
+    def __init__(self, path: StrPath, root: zarr.Group, attrs: dict[str, Any], rank: int | None = None) -> None:
         self.path = Path(path)
         self.attrs = attrs
         self._root = root
@@ -165,7 +181,7 @@ class Dump:
             raise UnknownRank(rank, self.path, _listed(have))
         try:
             read_metadata(self.path / rank_key(rank))
-            return self._root[rank_key(rank)]
+            return child_group(self._root, rank_key(rank))
         except Exception as exc:
             what = str(exc) if isinstance(exc, ValueError) else f"zarr cannot open it ({describe_error(exc)})"
             raise DumpError(f"damaged: {self.path}/{rank_key(rank)}/zarr.json: {what}; rank {rank} cannot be read, "
@@ -199,17 +215,17 @@ class Dump:
                 readable = True
             except ValueError:  # metadata cut mid-write or damaged: check_step names it
                 complete, readable = False, False
-            g = None
+            g: zarr.Group | None = None
             if complete and not problems:
                 try:
-                    g = self._tree[key]
+                    g = child_group(self._tree, key)
                 except Exception as exc:  # metadata zarr refuses though it passed the checks
                     problems = [Damage(step, None, None, f"zarr cannot open it ({describe_error(exc)})",
                                        relative(tree / key / "zarr.json", self.path))]
             if problems and (complete or not readable):  # unreadable step metadata: damage (or a write cut short)
                 damage[step] = problems
             status[step] = complete and not problems
-            if status[step]:
+            if status[step] and g is not None:
                 self._step_groups[step] = g
         self._damage = damage
         return dict(sorted(status.items()))
@@ -265,7 +281,7 @@ class Dump:
             if lk not in sg:
                 raise DumpError(f"layer {layer} is not in step {step} of {self.path}; layers: "
                                 f"{_listed(self.layers(step))}")
-            self._layer_groups[key] = sg[lk]
+            self._layer_groups[key] = child_group(sg, lk)
         return self._layer_groups[key]
 
     def _array_names(self, step: int, layer: int) -> list[str]:
@@ -273,7 +289,7 @@ class Dump:
         folder = set(_subdirs(self._tree_path / f"step_{int(step):09d}" / layer_key(layer)))
         present = [n for n in ARRAY_NAMES if n in folder]
         if (int(step), int(layer)) not in self._checked:
-            listed = g.attrs.get("arrays", present)
+            listed = _attrs(g).get("arrays", present)
             missing = [n for n in listed if n not in present]
             if missing:
                 raise DumpError(
@@ -297,12 +313,11 @@ class Dump:
         if name not in names:
             raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: "
                             f"{_listed(names)}")
-        return bounded(self._layer(step, layer)[name])
+        return bounded(child_array(self._layer(step, layer), name))
 
     def layer_info(self, step: int, layer: int) -> LayerInfo:
         """Attention settings and array shapes of one layer of one step."""
-        g = self._layer(step, layer)
-        a = dict(g.attrs)
+        a = _attrs(self._layer(step, layer))
         arrays = {n: tuple(int(s) for s in self._array(step, layer, n).shape) for n in self._array_names(step, layer)}
         head_shape = next((arrays[n] for n in HEAD_TENSORS if n in arrays), None)
         n_heads = int(a.get("n_heads") or (head_shape[1] if head_shape else 0))
@@ -330,12 +345,12 @@ class Dump:
         A capture restricted with --heads records them in the layer attribute `heads`; without
         it the stored heads are the model's heads 0 .. n_heads-1.
         """
-        stored = self._layer(step, layer).attrs.get("heads")
+        stored = _attrs(self._layer(step, layer)).get("heads")
         if stored is not None:
             return [int(h) for h in stored]
         return list(range(self.layer_info(step, layer).n_heads))
 
-    def _head_positions(self, step: int, layer: int, heads, where: str):
+    def _head_positions(self, step: int, layer: int, heads: Selection | slice, where: str) -> slice | list[int]:
         """Storage positions (dim 1) of the requested model head numbers."""
         have = self.heads(step, layer)
         if heads is None:
@@ -353,7 +368,8 @@ class Dump:
         return [have.index(h) for h in wanted]
 
     # -- values ---------------------------------------------------------------------------
-    def read(self, step: int, layer: int, name: str, heads=None, batch=None) -> torch.Tensor:
+    def read(self, step: int, layer: int, name: str, heads: Selection | slice = None,
+             batch: Selection | slice = None) -> torch.Tensor:
         """One array as a torch tensor in its original dtype (bf16 / fp8 bit-exact).
 
         heads: int | list[int] | slice | None: the model's head numbers (see `heads()`; dim 1 of
@@ -385,7 +401,7 @@ class Dump:
         return decode(np.asarray(data), dname)
 
     @staticmethod
-    def _index(sel, size: int, what: str, where: str):
+    def _index(sel: Selection | slice, size: int, what: str, where: str) -> slice | list[int]:
         if sel is None:
             return slice(None)
         if isinstance(sel, slice):
@@ -400,7 +416,8 @@ class Dump:
         return idx
 
     # -- selections and summaries ---------------------------------------------------------
-    def select(self, steps=None, layers=None, heads=None) -> list[tuple[int, int, list[int]]]:
+    def select(self, steps: Selection = None, layers: Selection = None,
+               heads: Selection = None) -> list[tuple[int, int, list[int]]]:
         """(step, layer, heads) triples for the selection; None = everything that exists.
 
         Raises DumpError naming what is missing and what exists.
@@ -454,8 +471,8 @@ class Dump:
                             + (f" ({more} more problem(s): `fa-forensics verify {self.path}` lists them)"
                                if more else "") + "; re-capture it")
         try:
-            tl = self._tree[TIMELINE_GROUP]
-            arrays = {k: bounded(tl[k]) for k in sorted(tl.array_keys())}
+            tl = child_group(self._tree, TIMELINE_GROUP)
+            arrays = {k: bounded(child_array(tl, k)) for k in sorted(tl.array_keys())}
         except Exception as exc:  # metadata zarr refuses though it passed the checks
             raise DumpError(f"damaged: {self._tree_path / TIMELINE_GROUP}: zarr cannot open it "
                             f"({describe_error(exc)}); re-capture the timeline") from None
@@ -505,8 +522,8 @@ class Dump:
             heads[str(l)] = self.heads(s, l)
             layer_infos[str(l)] = {k: v for k, v in info.to_dict().items() if k != "arrays"}
             arrays[str(l)] = {
-                n: {"shape": list(shape), "dtype": self._layer(s, l)[n].attrs.get("dtype"),
-                    "chunks": list(self._layer(s, l)[n].chunks)}
+                n: {"shape": list(shape), "dtype": child_array(self._layer(s, l), n).attrs.get("dtype"),
+                    "chunks": list(child_array(self._layer(s, l), n).chunks)}
                 for n, shape in info.arrays.items()
             }
         # every complete step is checked for damage, not only the first of each layer

@@ -27,7 +27,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from fa_forensics.dump.safe_read import special_kind
+from fa_forensics.dump.safe_read import StrPath, special_kind
 from fa_forensics.errors import (
     DiskFull, ForeignOwnerRefused, LinkRefused, ParentLinkRefused, SpecialFileRefused, TargetUnwritable,
 )
@@ -41,7 +41,7 @@ def is_no_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in NO_SPACE
 
 
-def free_bytes(path) -> int | None:
+def free_bytes(path: StrPath) -> int | None:
     """Bytes free to this user on the file system holding `path` (its nearest existing ancestor)."""
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
@@ -53,20 +53,20 @@ def free_bytes(path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def disk_full(exc: OSError, path, setting: str, needed: int | None = None) -> DiskFull:
+def disk_full(exc: OSError, path: StrPath, setting: str, needed: int | None = None) -> DiskFull:
     """The typed error for an ENOSPC / EDQUOT that happened while writing `path`."""
     quota = exc.errno == errno.EDQUOT
     return DiskFull(path, setting, needed, free_bytes(path), quota=quota)
 
 
-def unwritable(exc: OSError, path, setting: str, needed: int | None = None):
+def unwritable(exc: OSError, path: StrPath, setting: str, needed: int | None = None) -> DiskFull | TargetUnwritable:
     """A worded error for an OSError met while writing `path`: DiskFull when it is about space."""
     if is_no_space(exc):
         return disk_full(exc, path, setting, needed)
     return TargetUnwritable(path, setting, str(exc.strerror or exc))
 
 
-def refuse_link(path, setting: str) -> None:
+def refuse_link(path: StrPath, setting: str) -> None:
     """Refuse to write at `path` when its final component is a symbolic link, a file with other hard links, a FIFO,
     a device or a socket, or when a folder on the way is a link `check_parent_links` would not follow."""
     p = Path(path)
@@ -86,7 +86,7 @@ def refuse_link(path, setting: str) -> None:
         raise SpecialFileRefused(p, setting, kind)
 
 
-def refuse_foreign(path, setting: str) -> os.stat_result | None:
+def refuse_foreign(path: StrPath, setting: str) -> os.stat_result | None:
     """Refuse to replace `path` when it belongs to another user; its lstat (None when it does not exist)."""
     try:
         st = os.lstat(path)
@@ -102,7 +102,7 @@ def refuse_foreign(path, setting: str) -> os.stat_result | None:
 _MAX_LINKS = 40  # links followed in one path before the kernel says ELOOP
 
 
-def check_parent_links(path, setting: str, *, include_last: bool = False) -> None:
+def check_parent_links(path: StrPath, setting: str, *, include_last: bool = False) -> None:
     """Walk the folders of `path` as the kernel does and refuse (ParentLinkRefused) a symbolic link its
     protected_symlinks rule would not follow: one in a sticky world-writable folder (/tmp, a shared scratch
     space) owned neither by the user, nor by root, nor by that folder's owner. `include_last`: check the last
@@ -138,12 +138,12 @@ def check_parent_links(path, setting: str, *, include_last: bool = False) -> Non
         parts[:0] = [x for x in target.split(os.sep) if x not in ("", ".")]
 
 
-def open_new(path, mode: int = 0o644) -> int:
+def open_new(path: StrPath, mode: int = 0o644) -> int:
     """A file descriptor of a file created here and now (O_EXCL: never an existing file, never through a link)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
 
 
-def open_nofollow(path, flags: int, mode: int = 0o644) -> int:
+def open_nofollow(path: StrPath, flags: int, mode: int = 0o644) -> int:
     """os.open with O_NOFOLLOW: a symbolic link at `path` fails with ELOOP instead of being followed."""
     return os.open(path, flags | _NOFOLLOW, mode)
 
@@ -154,7 +154,7 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path, data: bytes | str, setting: str, *, mode: int | None = None) -> None:
+def atomic_write(path: StrPath, data: bytes | str, setting: str, *, mode: int | None = None) -> None:
     """Write `data` to `path` via a temporary file in the same folder, fsync, then rename over `path`.
 
     A link, special file or another user's file at `path` is refused (`refuse_link`, `refuse_foreign`); a full
@@ -189,7 +189,7 @@ def atomic_write(path, data: bytes | str, setting: str, *, mode: int | None = No
         _discard(tmp)
 
 
-def _discard(tmp) -> None:
+def _discard(tmp: str | None) -> None:
     if tmp is not None:
         try:
             os.unlink(tmp)
@@ -197,7 +197,7 @@ def _discard(tmp) -> None:
             pass
 
 
-def make_staging_dir(target, setting: str) -> Path:
+def make_staging_dir(target: StrPath, setting: str) -> Path:
     """A new empty hidden folder beside `target` (`.NAME.<random>.tmp`) to build an output in. It gets the mode
     a plain mkdir would (0777 & ~umask), not mkdtemp's 0700, since it becomes the output others read."""
     t = Path(target)
@@ -211,7 +211,7 @@ def make_staging_dir(target, setting: str) -> Path:
         raise unwritable(exc, t, setting) from None
 
 
-def move_into_place(staged, target) -> None:
+def move_into_place(staged: StrPath, target: StrPath) -> None:
     """Rename a complete staged folder to `target`. An existing `target` (already checked replaceable) is first
     renamed aside (`.NAME.<random>.old`) and deleted only once the new one is in place. OSError propagates."""
     staged, target = Path(staged), Path(target)
@@ -227,7 +227,7 @@ def move_into_place(staged, target) -> None:
         remove_tree(aside)
 
 
-def remove_tree(path) -> None:
+def remove_tree(path: StrPath) -> None:
     """Delete a folder the tool made (links inside are removed, never followed); a missing one is fine."""
     p = Path(path)
     try:

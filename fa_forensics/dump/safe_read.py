@@ -12,8 +12,12 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import TypeAlias
 
 from fa_forensics.errors import DumpError
+
+# A path as callers give it: a str or any os.PathLike (pathlib.Path).
+StrPath: TypeAlias = "str | os.PathLike[str]"
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -42,7 +46,7 @@ def special_kind(mode: int) -> str | None:
 class NotRegularFile(DumpError):
     """A path that should be a regular file is a FIFO, a device, a socket or a folder: `.path`, `.kind`."""
 
-    def __init__(self, path, kind: str) -> None:
+    def __init__(self, path: StrPath, kind: str) -> None:
         self.path, self.kind = path, kind
         super().__init__(f"{path} is {kind}, not a regular file")
 
@@ -50,12 +54,12 @@ class NotRegularFile(DumpError):
 class FileTooLarge(DumpError):
     """A file larger than what may be read from it: `.path`, `.size`, `.limit` (bytes)."""
 
-    def __init__(self, path, size: int, limit: int) -> None:
+    def __init__(self, path: StrPath, size: int, limit: int) -> None:
         self.path, self.size, self.limit = path, size, limit
         super().__init__(f"{path} holds {size} bytes, more than the {limit} bytes such a file may hold")
 
 
-def read_regular(path, limit: int | None = None, *, follow: bool = True) -> bytes:
+def read_regular(path: StrPath, limit: int | None = None, *, follow: bool = True) -> bytes:
     """The bytes of the regular file at `path` (at most `limit`: FileTooLarge beyond it).
 
     A FIFO, device, socket or folder raises NotRegularFile without blocking; a missing file raises

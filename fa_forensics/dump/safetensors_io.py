@@ -20,16 +20,21 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
 from fa_forensics.dump.safe_files import atomic_write, refuse_link
+from fa_forensics.dump.safe_read import StrPath
 from fa_forensics.dump.staging import staged_store
-from fa_forensics.dump.reader import open_dump
+from fa_forensics.dump.reader import Dump, open_dump
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
 from fa_forensics.dump.writer import DumpWriter, _existing_format
 from fa_forensics.errors import DumpError, InvalidSetting, TargetExists
+
+_Parsed = TypeVar("_Parsed")
 
 NAME_RE = re.compile(r"^step(\d+)\.layer(\d+)\.(" + "|".join(ARRAY_NAMES) + r")$")
 NAME_PATTERN = "step{S}.layer{L}.{q,k,v,o,do,x,mask}"
@@ -79,7 +84,8 @@ def check_fact(name: str, value: str, where: str) -> str:
     raise DumpError(f"{where}: {name}={text!r} is not {accepted} (or unknown); fix it")
 
 
-def _facts_of(metadata: dict, options: dict, layers, src: Path) -> dict[int, dict[str, str]]:
+def _facts_of(metadata: dict[str, str], options: dict[str, Any], layers: Iterable[int],
+              src: Path) -> dict[int, dict[str, str]]:
     """layer -> {fact: value} from the file's metadata (`<fact>`, `layer{L}.<fact>`) and the importer's options
     (which apply to every layer); an option that disagrees with the file is an error, never a choice."""
     out = {}
@@ -144,10 +150,10 @@ MAX_LAYER = 999  # layer_{L:03d}
 
 def _check_shapes(tensors: dict[str, torch.Tensor], step: int, layer: int, src: Path) -> None:
     """One layer's tensors must fit together: q, k, v, o, do (B, H, T, D) as attention needs them, x (B, T, C)."""
-    def shape(t):
+    def shape(t: str) -> tuple[int, ...]:
         return tuple(tensors[t].shape)
 
-    def bad(t, why):
+    def bad(t: str, why: str) -> NoReturn:
         raise DumpError(f"{src}: step{step}.layer{layer}.{t} has shape {shape(t)}, {why}; fix or drop the tensor")
 
     heads = [t for t in HEAD_TENSORS if t in tensors]
@@ -167,7 +173,8 @@ def _check_shapes(tensors: dict[str, torch.Tensor], step: int, layer: int, src: 
             bad(MASK, f"but {ref} has B={B}, H={H}, T={T} (a mask is (B or 1, H or 1, T, T))")
 
 
-def _setting(name: str, option, metadata: dict, parse, src: Path):
+def _setting(name: str, option: Any, metadata: dict[str, str], parse: Callable[[str | None, str], _Parsed],
+             src: Path) -> _Parsed | None:
     """causal / scale from the importer's option or the file's metadata (an option that disagrees is an error)."""
     said = parse(metadata.get(name), f"{src}: metadata") if name in metadata else None
     if option is None:
@@ -179,7 +186,8 @@ def _setting(name: str, option, metadata: dict, parse, src: Path):
     return wanted
 
 
-def import_safetensors(src, dst, *, overwrite: bool = False, facts: dict | None = None) -> ConvertResult:
+def import_safetensors(src: StrPath, dst: StrPath, *, overwrite: bool = False,
+                       facts: dict[str, Any] | None = None) -> ConvertResult:
     """Read FILE.safetensors into a new dump store at `dst` (written aside, then moved in place). `facts`: the
     importer's options (device, kernel, autocast_dtype, softmax, causal, scale), for every layer; None or absent:
     what the file's metadata says, else unknown (causal and scale: their defaults, recorded as assumed)."""
@@ -199,7 +207,8 @@ def import_safetensors(src, dst, *, overwrite: bool = False, facts: dict | None 
         with safe_open(str(src), framework="pt") as f:
             metadata = f.metadata() or {}
             names = list(f.keys())
-            bad = [n for n in names if not NAME_RE.match(n)]
+            parsed = {n: m.groups() for n in names if (m := NAME_RE.match(n))}
+            bad = [n for n in names if n not in parsed]
             if bad:
                 raise DumpError(f"{src}: tensor name {bad[0]!r} does not match {NAME_PATTERN} (e.g. step100.layer1.q); "
                                 "rename the tensors")
@@ -211,8 +220,7 @@ def import_safetensors(src, dst, *, overwrite: bool = False, facts: dict | None 
             causal = True if causal is None else causal
             by_step: dict[int, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
             first_name: dict[tuple[int, int, str], str] = {}
-            for n in names:
-                s, l, t = NAME_RE.match(n).groups()
+            for n, (s, l, t) in parsed.items():
                 key = (int(s), int(l), t)
                 if key in first_name:
                     raise DumpError(f"{src}: tensors {first_name[key]!r} and {n!r} both name step {key[0]} layer "
@@ -263,9 +271,9 @@ def import_safetensors(src, dst, *, overwrite: bool = False, facts: dict | None 
                          {name: uniform.get(name, "per layer") for name in FACTS}, assumed)
 
 
-def _fact_attrs(facts: dict[str, str]) -> dict:
+def _fact_attrs(facts: dict[str, str]) -> dict[str, str | bool]:
     """The layer attributes that record an import's facts (unknown ones are not written)."""
-    attrs = {}
+    attrs: dict[str, str | bool] = {}
     if facts["device"] != UNKNOWN:
         attrs["device_type"] = facts["device"].split(":")[0]
     if facts["kernel"] != UNKNOWN:
@@ -278,13 +286,14 @@ def _fact_attrs(facts: dict[str, str]) -> dict:
     return attrs
 
 
-def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
-                 heads_by_layer: dict[int, list[int]], layer_facts: dict[int, dict[str, str]]) -> None:
+def _write_steps(writer: DumpWriter, by_step: Mapping[int, Mapping[int, Mapping[str, torch.Tensor]]], causal: bool,
+                 scale: float | None, heads_by_layer: dict[int, list[int]],
+                 layer_facts: dict[int, dict[str, str]]) -> None:
     for s in sorted(by_step):
         for l in sorted(by_step[s]):
             tensors = by_step[s][l]
             head = next((tensors[t] for t in HEAD_TENSORS if t in tensors), None)
-            attrs = {"causal": causal, **_fact_attrs(layer_facts[l])}
+            attrs: dict[str, Any] = {"causal": causal, **_fact_attrs(layer_facts[l])}
             if MASK in tensors:
                 attrs["mask"] = "bool" if tensors[MASK].dtype == torch.bool else "additive"
             if l in heads_by_layer:
@@ -298,7 +307,8 @@ def _write_steps(writer: DumpWriter, by_step, causal: bool, scale: float | None,
         writer.complete_step(s)
 
 
-def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bool = False,
+def export_safetensors(dump_path: StrPath, dst: StrPath, *, steps: int | Sequence[int] | None = None,
+                       layers: int | Sequence[int] | None = None, overwrite: bool = False,
                        rank: int | None = None) -> ConvertResult:
     """Write the complete steps of a dump (or a selection) to one safetensors file, dtypes kept."""
     from safetensors.torch import save
@@ -314,7 +324,7 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
     tensors: dict[str, torch.Tensor] = {}
     settings = set()
     head_numbers: dict[int, list[int]] = {}
-    facts_by_layer: dict[int, set] = defaultdict(set)
+    facts_by_layer: dict[int, set[tuple[tuple[str, str], ...]]] = defaultdict(set)
     for s, l, _heads in triples:
         facts_by_layer[l].add(tuple(_recorded_facts(dump, s, l).items()))
         info = dump.layer_info(s, l)
@@ -353,7 +363,7 @@ def export_safetensors(dump_path, dst, *, steps=None, layers=None, overwrite: bo
 
 
 
-def _recorded_facts(dump, step: int, layer: int) -> dict[str, str]:
+def _recorded_facts(dump: Dump, step: int, layer: int) -> dict[str, str]:
     """The run's facts a layer-step records (what `import` reads back), "unknown" where it records none."""
     run = dict(dump.attrs or {})
     try:
@@ -361,7 +371,7 @@ def _recorded_facts(dump, step: int, layer: int) -> dict[str, str]:
     except Exception:  # a stand-in without zarr groups
         attrs = {}
 
-    def text(value) -> str:
+    def text(value: Any) -> str:
         return value.strip() if isinstance(value, str) and value.strip() else UNKNOWN
 
     autocast = text(attrs.get("autocast_dtype"))
@@ -379,7 +389,7 @@ def _recorded_facts(dump, step: int, layer: int) -> dict[str, str]:
     return out
 
 
-def _facts_metadata(dump, facts_by_layer: dict[int, set]) -> dict[str, str]:
+def _facts_metadata(dump: Dump, facts_by_layer: dict[int, set[tuple[tuple[str, str], ...]]]) -> dict[str, str]:
     """The metadata that records the exported layers' facts: once for the file where every layer agrees, per layer
     (`layer{L}.<fact>`) where they differ; DumpError where one layer's steps disagree (a file has one per layer)."""
     per_layer = {}

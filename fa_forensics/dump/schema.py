@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMAT_VERSION = 1
 ATTRS_KEY = "fa_forensics"  # root attribute holding the run description
@@ -48,17 +52,17 @@ def rank_key(rank: int) -> str:
     return f"rank_{int(rank)}"
 
 
-# torch dtype <-> (stored numpy dtype, attribute name). bf16 / fp8 go through same-width ints.
+# torch dtype name <-> (stored numpy dtype, carrier dtype name). bf16 / fp8 go through same-width ints. Keyed by
+# name, so that reading a dump's metadata (info, verify) does not import torch.
 _STORED = {
-    torch.float32: ("float32", None),
-    torch.float64: ("float64", None),
-    torch.float16: ("float16", None),
-    torch.bfloat16: ("uint16", torch.int16),
-    torch.float8_e4m3fn: ("uint8", torch.uint8),
-    torch.float8_e5m2: ("uint8", torch.uint8),
-    torch.bool: ("bool", None),
+    "float32": ("float32", None),
+    "float64": ("float64", None),
+    "float16": ("float16", None),
+    "bfloat16": ("uint16", "int16"),
+    "float8_e4m3fn": ("uint8", "uint8"),
+    "float8_e5m2": ("uint8", "uint8"),
+    "bool": ("bool", None),
 }
-_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _STORED}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -67,36 +71,43 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def supported_dtype_names() -> list[str]:
-    return sorted(_BY_NAME)
+    return sorted(_STORED)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype named by an array's `dtype` attribute; KeyError if unknown."""
-    return _BY_NAME[name]
+    import torch
+
+    if name not in _STORED:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
-def encode(tensor: torch.Tensor):
+def encode(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     """Tensor -> (numpy array to store, dtype attribute). Bit-exact for every supported dtype."""
-    if tensor.dtype not in _STORED:
+    import torch
+
+    name = dtype_name(tensor.dtype)
+    if name not in _STORED:
         raise ValueError(f"dtype {tensor.dtype} cannot be stored; supported: {', '.join(supported_dtype_names())}")
-    stored, carrier = _STORED[tensor.dtype]
+    stored, carrier = _STORED[name]
     t = tensor.detach().to("cpu").contiguous()
     if carrier is not None:
-        t = t.view(carrier)
-    return t.numpy().view(stored), dtype_name(tensor.dtype)
+        t = t.view(getattr(torch, carrier))
+    return t.numpy().view(stored), name
 
 
-def decode(array, name: str) -> torch.Tensor:
+def decode(array: np.ndarray, name: str) -> torch.Tensor:
     """Stored numpy array + dtype attribute -> tensor in the original dtype (no copy of values)."""
     import numpy as np
+    import torch
 
     dtype = torch_dtype(name)
-    stored, carrier = _STORED[dtype]
+    stored, carrier = _STORED[name]
     a = np.ascontiguousarray(array)
     if carrier is None:
         return torch.from_numpy(a.astype(stored, copy=False))
-    carrier_np = {torch.int16: "int16", torch.uint8: "uint8"}[carrier]
-    return torch.from_numpy(a.view(carrier_np)).view(dtype)
+    return torch.from_numpy(a.view(carrier)).view(dtype)
 
 
 # layer attributes that say how the attention call was made (written by capture): precision facts,

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.safe_files import make_staging_dir, move_into_place, refuse_link, remove_tree, unwritable
+from fa_forensics.dump.safe_read import StrPath
 
 
 @contextmanager
-def staged_store(dst, setting: str, needed: int | None = None) -> Iterator[Path]:
+def staged_store(dst: StrPath, setting: str, needed: int | None = None) -> Iterator[Path]:
     """Yield a staging folder for a new store at `dst`; see the module docstring."""
     dst = Path(dst)
     refuse_link(dst, setting)

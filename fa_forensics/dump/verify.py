@@ -19,7 +19,8 @@ import zarr
 from fa_forensics.dump.debris import leftovers
 from fa_forensics.dump.guarded_store import RegularFileStore, bounded
 from fa_forensics.dump.integrity import Damage, check_chunk_data, relative, sound_arrays, sound_series
-from fa_forensics.dump.reader import open_dump
+from fa_forensics.dump.reader import Dump, open_dump
+from fa_forensics.dump.safe_read import StrPath
 from fa_forensics.dump.schema import TIMELINE_GROUP, step_key
 
 
@@ -49,7 +50,7 @@ class VerifyReport:
                 "leftovers": [x.to_dict() for x in self.leftovers]}
 
 
-def verify(path, rank: int | None = None) -> VerifyReport:
+def verify(path: StrPath, rank: int | None = None) -> VerifyReport:
     """Check a store fully: metadata (check_step) of every step, then every chunk of every sound array decodes.
 
     Raises DumpError (bad input) when `path` is not a dump at all.
@@ -88,7 +89,7 @@ def _open(array_dir: Path) -> zarr.Array | None:
         return None
 
 
-def _timeline_problems(dump, timeline_dir: Path) -> list[Damage]:
+def _timeline_problems(dump: Dump, timeline_dir: Path) -> list[Damage]:
     """The timeline's metadata damage, and every chunk of its sound series that does not decode."""
     if not timeline_dir.is_dir():
         return []

@@ -15,7 +15,7 @@ import shutil
 import threading
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,8 +25,10 @@ import zarr.codecs
 from fa_forensics.dump.identity import check_same_model
 from fa_forensics.dump.lock import StoreLock
 from fa_forensics.dump.metadata_checks import read_metadata
+from fa_forensics.dump.nodes import child_array, child_group
 from fa_forensics.dump.ranks import other_rank_trees, ready_line, wait_for_rank0
 from fa_forensics.dump.safe_files import check_parent_links
+from fa_forensics.dump.safe_read import StrPath
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
     CALL_ATTR_KEYS,
@@ -43,10 +45,14 @@ from fa_forensics.dump.schema import (
 )
 from fa_forensics.errors import DumpError
 
+if TYPE_CHECKING:
+    from zarr.core.array_spec import ArrayConfigParams
+    from zarr.core.chunk_key_encodings import ChunkKeyEncodingParams
+
 # Flat chunk files ("c.0.1.0.0") instead of nested folders: one file per head, no folder per index.
-CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
+CHUNK_KEY_ENCODING: ChunkKeyEncodingParams = {"name": "default", "separator": "."}
 # Every chunk on disk (zarr skips all-zero chunks by default, which would make a lost chunk read as zeros).
-ARRAY_CONFIG = {"write_empty_chunks": True}
+ARRAY_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 _LAYER_ATTR_KEYS = ("module", "n_heads", "head_dim", "scale", "causal", "dtype", "heads", "dropout_p", "mask",
                     "autocast", "input_dtype", *CALL_ATTR_KEYS)
 
@@ -65,7 +71,7 @@ def _existing_format(path: Path) -> int | None:
 def _default_run_attrs(run_attrs: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     from fa_forensics import __version__
 
-    attrs = {
+    attrs: dict[str, Any] = {
         "tool_version": __version__,
         "torch_version": torch.__version__,
         "device": "cpu",
@@ -125,9 +131,9 @@ class DumpWriter:
     thread per rank; a lock makes concurrent calls from several threads safe, not fast.
     """
 
-    def __init__(self, path, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False, rank: int = 0,
-                 world_size: int = 1,
-                 allow_other_model: bool = False, run_id: str | None = None, rank0_wait: float | None = None):
+    def __init__(self, path: StrPath, run_attrs: Mapping[str, Any] | None = None, *, overwrite: bool = False,
+                 rank: int = 0, world_size: int = 1, allow_other_model: bool = False, run_id: str | None = None,
+                 rank0_wait: float | None = None) -> None:
         self.path = Path(path)
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -135,7 +141,8 @@ class DumpWriter:
         self._lock = threading.Lock()
         self._closed = False
         self._replaced: Path | None = None  # the dump that `overwrite` replaces, kept until close()
-        self._timeline_arrays: dict[str, zarr.Array] | None = None  # timeline/ arrays, opened at the first row
+        self._timeline_group: zarr.Group | None = None  # timeline/ and its arrays, opened at the first row
+        self._timeline_arrays: dict[str, zarr.Array] | None = None
         self._created: str | None = None  # "new" / "empty folder" when this writer made the store
         self._wrote = False  # anything written (a step, an array, a timeline row)
         check_parent_links(self.path, "out")  # a folder on the way planted as a link in a shared place
@@ -189,9 +196,9 @@ class DumpWriter:
 
     def _check_model(self, root: zarr.Group, model: Mapping[str, Any] | None) -> None:
         """Refuse another model's steps (identity.py); record the fingerprint if the store has none."""
-        meta = dict(root.attrs.get(ATTRS_KEY) or {})
+        meta = _mapping(root.attrs.get(ATTRS_KEY))
         if check_same_model(self.path, meta.get("model"), model, self.allow_other_model) and self.rank == 0:
-            meta["model"] = {**dict(meta.get("model") or {}), **dict(model)}
+            meta["model"] = {**_mapping(meta.get("model")), **(model or {})}
             root.attrs[ATTRS_KEY] = meta
 
     def set_model(self, model: Mapping[str, Any]) -> None:
@@ -212,7 +219,7 @@ class DumpWriter:
         if step not in self._steps:
             key = step_key(step)
             if key in self._tree:
-                g = self._tree[key]
+                g = child_group(self._tree, key)
                 if g.attrs.get("complete") is True:
                     raise DumpError(f"step {step} is already complete in {self.path}; write to a new store or pass "
                                     "overwrite")
@@ -233,9 +240,9 @@ class DumpWriter:
             lk = layer_key(layer)
             self._step_layers.setdefault(step, set()).add(int(layer))
             if lk in sg:
-                self._layers[key] = sg[lk]
+                self._layers[key] = child_group(sg, lk)
             else:
-                attrs = {"module": None, "causal": True, "arrays": []}
+                attrs: dict[str, Any] = {"module": None, "causal": True, "arrays": []}
                 if name in HEAD_TENSORS:
                     B, H, T, D = tensor.shape
                     attrs.update(n_heads=int(H), head_dim=int(D), scale=1.0 / math.sqrt(D),
@@ -286,7 +293,8 @@ class DumpWriter:
                 config=ARRAY_CONFIG,
             )
             arr[...] = data
-            names = sorted(set(lg.attrs.get("arrays", [])) | {name}, key=ARRAY_NAMES.index)
+            listed = lg.attrs.get("arrays", [])
+            names = sorted(set(listed if isinstance(listed, list) else []) | {name}, key=ARRAY_NAMES.index)
             lg.attrs["arrays"] = names
 
     def complete_step(self, step: int, loss: float | None = None, **attrs: Any) -> None:
@@ -313,7 +321,7 @@ class DumpWriter:
             return
         with self._lock:
             self._check_open()
-            meta = dict(self._root.attrs[ATTRS_KEY])
+            meta = _mapping(self._root.attrs[ATTRS_KEY])
             for key, value in attrs.items():
                 merge = isinstance(value, Mapping) and isinstance(meta.get(key), Mapping)
                 meta[key] = {**meta.get(key, {}), **value} if merge else value
@@ -338,10 +346,10 @@ class DumpWriter:
         with self._lock:
             self._check_open()
             self._wrote = True
-            if self._timeline_arrays is None:
-                self._timeline_group = self._tree.require_group(TIMELINE_GROUP)
-                self._timeline_arrays = {k: self._timeline_group[k] for k in self._timeline_group.array_keys()}
-            arrays = self._timeline_arrays
+            if self._timeline_group is None or self._timeline_arrays is None:
+                group = self._timeline_group = self._tree.require_group(TIMELINE_GROUP)
+                self._timeline_arrays = {k: child_array(group, k) for k in group.array_keys()}
+            group, arrays = self._timeline_group, self._timeline_arrays
             n_rows = arrays["step"].shape[0] if "step" in arrays else 0
             for key, arr in arrays.items():
                 if key not in batch:  # a series this batch lacks: NaN (an integer series: -1)
@@ -349,9 +357,9 @@ class DumpWriter:
                                          dtype=arr.dtype)
             for key, block in batch.items():
                 if key not in arrays:
-                    arr = self._timeline_group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
-                                                            chunks=(256, *block.shape[1:]),
-                                                            compressors=zarr.codecs.ZstdCodec(), config=ARRAY_CONFIG)
+                    arr = group.create_array(key, shape=(0, *block.shape[1:]), dtype=block.dtype,
+                                             chunks=(256, *block.shape[1:]),
+                                             compressors=zarr.codecs.ZstdCodec(), config=ARRAY_CONFIG)
                     if n_rows:
                         fill = np.nan if block.dtype.kind == "f" else -1
                         arr.append(np.full((n_rows, *block.shape[1:]), fill, dtype=block.dtype), axis=0)
@@ -398,14 +406,19 @@ class DumpWriter:
     def __enter__(self) -> DumpWriter:
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=exc_type is not None)
 
 
-def _timeline_block(rows: list) -> dict[str, np.ndarray]:
+def _mapping(value: Any) -> dict[str, Any]:
+    """A copy of a mapping attribute; {} for one that is absent (None) or not a mapping."""
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def _timeline_block(rows: list[tuple[int, Mapping[str, Any]]]) -> dict[str, np.ndarray]:
     """{"step": (K,) int64, name: (K, ...) float64 with NaN where a row lacks the series}."""
     n_new = len(rows)
-    columns: dict[str, list] = {}  # name -> per row: float64 array or None
+    columns: dict[str, list[np.ndarray | None]] = {}  # name -> per row: float64 array or None
     for i, (_, series) in enumerate(rows):
         for key, value in series.items():
             if key == "step":
@@ -416,8 +429,8 @@ def _timeline_block(rows: list) -> dict[str, np.ndarray]:
     for key, values in columns.items():
         shape = next(v.shape for v in values if v is not None)
         block = np.full((n_new, *shape), np.nan)  # (K, ...) float64
-        for i, v in enumerate(values):
-            if v is not None:
-                block[i] = v
+        for i, row in enumerate(values):
+            if row is not None:
+                block[i] = row
         batch[key] = block
     return batch

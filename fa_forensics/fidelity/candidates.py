@@ -24,15 +24,14 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, TypeVar
+from typing import Optional
 
 from fa_forensics.enums import Accumulation, Precision
-from fa_forensics.fidelity.layer_match import CandidateRecipe
+from fa_forensics.fidelity.layer_match import Candidate, CandidateRecipe
 from fa_forensics.fidelity.run_facts import RunFacts
 from fa_forensics.replay.config import PRESETS, ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES, kernel_presets
 
-R = TypeVar("R")
 
 # The other accumulation model is chosen only when it reproduces this share more of the stored O
 # (or reproduces all of it where the preferred model does not).
@@ -145,7 +144,7 @@ class Admission:
     relaxed: tuple[str, ...] = ()
 
 
-def admit(recipes: Sequence[R], facts: RunFacts) -> Admission:
+def admit(recipes: Sequence[CandidateRecipe], facts: RunFacts) -> Admission:
     """The recipes the recorded precision, softmax variant, device and kernel allow (all of them when nothing is
     recorded); where none is left, the facts relaxed in `_RELAX_ORDER` until some are."""
     for n in range(len(_RELAX_ORDER) + 1):
@@ -160,7 +159,7 @@ def admit(recipes: Sequence[R], facts: RunFacts) -> Admission:
     return Admission(list(recipes), [])
 
 
-def admissible(recipes: Sequence[R], facts: RunFacts) -> list[R]:
+def admissible(recipes: Sequence[CandidateRecipe], facts: RunFacts) -> list[CandidateRecipe]:
     """`admit(recipes, facts).recipes`."""
     return admit(recipes, facts).recipes
 
@@ -194,23 +193,27 @@ def _rank(c, order: int) -> tuple:
     return c.o_bits_equal, -err, -order
 
 
-def _best(cands: Sequence[R]) -> Optional[R]:
+def _best(cands: Sequence[Candidate]) -> Optional[Candidate]:
     if not cands:
         return None
     return max(zip(cands, range(len(cands))), key=lambda pair: _rank(pair[0], pair[1]))[0]
 
 
-def pick_best(tried: Sequence[R], facts: RunFacts) -> R:
+def pick_best(tried: Sequence[Candidate], facts: RunFacts) -> Candidate:
     """The candidate to name: the best under the preferred accumulation model, unless the best under
     the other model reproduces all of the stored O where it does not, or CLEAR_MARGIN more of it. Without a
-    preferred model (the device not recorded) the best of all; ties go to the candidate tried first."""
+    preferred model (the device not recorded) the best of all; ties go to the candidate tried first.
+    `tried` holds at least one candidate measured on every element."""
+    best = _best(tried)
+    if best is None:
+        raise ValueError("pick_best: no candidate was tried")
     preferred = preferred_accumulation(facts)
     if preferred is None:
-        return _best(tried)
+        return best
     mine = _best([c for c in tried if Accumulation(c.accumulation) is preferred])
     other = _best([c for c in tried if Accumulation(c.accumulation) is not preferred])
-    if mine is None or other is None:
-        return mine or other
+    if mine is None or other is None:  # one accumulation model only: its best is the best of all
+        return best
     exact = other.o_bits_equal == 1.0 and mine.o_bits_equal < 1.0
     return other if exact or other.o_bits_equal - mine.o_bits_equal >= CLEAR_MARGIN else mine
 

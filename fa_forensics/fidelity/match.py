@@ -26,9 +26,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
-from fa_forensics.enums import Accumulation
+from fa_forensics.enums import Accumulation, Backend
 from fa_forensics.errors import DumpError
 from fa_forensics.fidelity import match_cache
 from fa_forensics.fidelity.candidates import (  # noqa: F401  (candidate_recipes: the catalogue, for callers)
@@ -37,7 +37,7 @@ from fa_forensics.fidelity.candidates import (  # noqa: F401  (candidate_recipes
 from fa_forensics.fidelity.layer_match import (  # noqa: F401  (the result types, for callers)
     Candidate, CandidateRecipe, ExcludedWinner, LayerMatch, MalformedEntry, to_entry,
 )
-from fa_forensics.fidelity.mismatch import sign_test, tally
+from fa_forensics.fidelity.mismatch import MismatchTest, sign_test, tally
 from fa_forensics.fidelity.recipe import lp_config_for, preset_at
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.fidelity.sample import compare_o, row_sample  # noqa: F401  (compare_o: the bit comparison)
@@ -55,14 +55,15 @@ class MatchResult:
     overridden: dict  # --all: (step, layer) -> {fact: number of recipes it would have excluded}
 
 
-def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: str = "emulate",
+def match(dump, selections: Sequence[LayerSelection], *, try_all: bool = False, backend: Backend = Backend.EMULATE,
           recipes: Optional[Sequence[CandidateRecipe]] = None, progress: Optional[Callable[..., None]] = None,
           workers=None) -> MatchResult:
     """The match of every selected layer-step (all selected heads at once), each a work item on
     `workers`. A whole layer-step (every stored head) under the default candidates is `best_recipe`'s:
     read from the match cache (re-checked) and kept there, so `match` and `--preset auto` share one result.
     `try_all`: every recipe, whatever the recorded facts, on every element."""
-    cached = recipes is None and not try_all and backend == "emulate"
+    backend = Backend(backend)
+    cached = recipes is None and not try_all and backend is Backend.EMULATE
     parts = map_layers(_match_part, dump, selections, workers or Workers(), progress,
                        args=(None if recipes is None else list(recipes), cached, try_all, backend), whole_layers=True)
     overridden = {(lm.step, lm.layer): over for lm, _, over in parts if over}
@@ -78,12 +79,13 @@ def _overridden(admission: Admission) -> dict:
     return out
 
 
-def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool, backend: str) -> tuple[LayerMatch, str, dict]:
+def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool,
+                backend: Backend) -> tuple[LayerMatch, str, dict]:
     """(the match of one layer-step, the stored O's dtype, the facts `try_all` overrode); without given recipes,
     the candidates the layer's recorded facts admit."""
     if t.o is None:
         raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
-    dump = t.source
+    dump: Any = t.source  # the Dump the layer-step was read from (LayerTensors.source), or None
     lm = None
     if cached and dump is not None and list(t.heads) == list(dump.heads(t.step, t.layer)):
         lm = best_recipe(dump, t.step, t.layer, backend=backend)
@@ -117,7 +119,7 @@ def fingerprint(t: LayerTensors, recipes: Sequence[CandidateRecipe]) -> str:
 
 
 def _kept(t: LayerTensors, dump, key: str, admission: Admission, facts: RunFacts,
-          acc: Optional[str], backend: str) -> Optional[LayerMatch]:
+          acc: Optional[str], backend: Backend) -> Optional[LayerMatch]:
     """The match kept for this layer-step (the cache's, else the dump's own), when it is well formed and the
     stored bits agree with it; every other is set aside with one warning."""
     sources = (("the match cache's entry", match_cache.read(key), False),
@@ -143,7 +145,7 @@ def _kept(t: LayerTensors, dump, key: str, admission: Admission, facts: RunFacts
 
 
 def _with_missing(t: LayerTensors, lm: LayerMatch, missing: Sequence[CandidateRecipe], admission: Admission,
-                  backend: str) -> Optional[LayerMatch]:
+                  backend: Backend) -> Optional[LayerMatch]:
     """A kept match completed with the admitted recipes it did not try (searched now); None when one of those
     reproduces every element (a search now stops there: the kept match does not answer)."""
     if not missing:
@@ -157,7 +159,7 @@ def _with_missing(t: LayerTensors, lm: LayerMatch, missing: Sequence[CandidateRe
 
 
 def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulation] = None,
-                backend: str = "emulate") -> Optional[LayerMatch]:
+                backend: Backend = Backend.EMULATE) -> Optional[LayerMatch]:
     """The match of one whole layer-step (every stored head) over the candidate recipes the dump's
     recorded facts admit (those under `accumulation` only, when given), or None when the layer stores
     no O. Read from the match cache (or the match a dump carries in its attributes) when its fingerprint
@@ -168,6 +170,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
         memo = {}
     acc = None if accumulation is None else Accumulation(accumulation).value
+    backend = Backend(backend)
     if (step, layer, acc) in memo:
         return memo[(step, layer, acc)]
     t = load(dump, LayerSelection(step, layer, dump.heads(step, layer)))
@@ -206,18 +209,69 @@ def _precision_name(facts_list: Sequence[RunFacts]) -> Optional[str]:
     return names.pop() if len(names) == 1 else ("mixed" if len(names) > 1 else None)
 
 
-def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = "emulate", *,
-             alpha: float) -> Optional[dict]:
+@dataclass(frozen=True)
+class LayerFidelity:
+    """The share of one layer-step's stored O elements the preset replayed there reproduces bit for bit."""
+
+    step: int
+    layer: int
+    preset: str
+    accumulation: str
+    o_bits_equal: float
+
+
+@dataclass(frozen=True)
+class UnmatchedLayer:
+    """A layer-step with no stored O to compare with, and the preset replayed there."""
+
+    step: int
+    layer: int
+    preset: str
+
+
+@dataclass(frozen=True)
+class UnverifiableLayer:
+    """A layer-step whose stored O cannot tell whether the replay computes what training computed, and why."""
+
+    step: int
+    layer: int
+    preset: str
+    accumulation: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplayFidelity:
+    """Every analysis's `replay_fidelity` (its JSON keys, in this order: docs/json.md).
+
+    `preset` / `accumulation` name the replayed recipe ("per layer" where they differ between layer-steps),
+    `requested` the one asked for; `o_bits_equal` the share of stored-O elements reproduced, pooled (None where
+    nothing could be compared); `run_precision` the recorded precision (fp32, bf16, ..., "mixed"; None: not
+    recorded); `mismatch` the sign test of the elements not reproduced (`fidelity.mismatch.sign_test`; None when
+    every element matches)."""
+
+    preset: str
+    accumulation: str
+    requested: str
+    o_bits_equal: Optional[float]
+    per_layer: tuple[LayerFidelity, ...]
+    unmatched: tuple[UnmatchedLayer, ...]
+    unverifiable: tuple[UnverifiableLayer, ...]
+    verifiable: bool
+    run_precision: Optional[str]
+    mismatch: Optional[MismatchTest]
+
+
+def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: Backend = Backend.EMULATE, *,
+             alpha: float) -> Optional[ReplayFidelity]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
     low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
     over the selected layer-steps and heads, and per layer-step with the preset replayed there;
     `mismatch`: the sign test of the elements it does not reproduce at level `alpha` (`fidelity.mismatch`).
-    `preset` / `accumulation` name the replayed recipe ("per layer" where they differ between
-    layer-steps), `requested` the one asked for; `unmatched` lists the layer-steps with no stored O
-    to compare with, `unverifiable` those whose stored O cannot be compared (attention dropout, an
-    fp32 run) with the reason; `run_precision` is the recorded precision (fp32, bf16, ...; None:
-    not recorded). None when no layer stores O, unless `auto` had to fall back there or a layer is
-    unverifiable (then o_bits_equal is None)."""
+    `unmatched` lists the layer-steps with no stored O to compare with, `unverifiable` those whose stored O
+    cannot be compared (attention dropout, an fp32 run) with the reason. None when no layer stores O, unless
+    `auto` had to fall back there or a layer is unverifiable (then o_bits_equal is None)."""
+    backend = Backend(backend)
     per_layer, unmatched, unverifiable, tallies, facts_seen = [], [], [], [], []
     equal, total = 0.0, 0
     try:
@@ -231,8 +285,7 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
         preset = preset_at(dump, sel.step, sel.layer, recipe)
         reason = unverifiable_reason(facts)
         if reason is not None:
-            unverifiable.append({"step": sel.step, "layer": sel.layer, "preset": preset,
-                                 "accumulation": config.accumulation.value, "reason": reason})
+            unverifiable.append(UnverifiableLayer(sel.step, sel.layer, preset, config.accumulation.value, reason))
             continue
         key = (sel.step, sel.layer, tuple(sel.heads), config, backend)
         if key not in shares:  # the analyses of one report share a dump: replay each layer-step once
@@ -240,26 +293,24 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: str = 
             if t.o is None:
                 shares[key] = None
             else:
-                o = replay_layer(t, config, backward=False, backend=backend).o
+                o = replay_layer(t, config, backward=False, backend=Backend(backend)).o
                 shares[key] = (compare_o(o, t.o), tally(sel.step, sel.layer, sel.heads, o, t.o))
         if shares[key] is None:
-            unmatched.append({"step": sel.step, "layer": sel.layer, "preset": preset})
+            unmatched.append(UnmatchedLayer(sel.step, sel.layer, preset))
             continue
         (share, _, n), counts = shares[key]
         tallies.append(counts)
-        per_layer.append({"step": sel.step, "layer": sel.layer, "preset": preset,
-                          "accumulation": config.accumulation.value, "o_bits_equal": share})
+        per_layer.append(LayerFidelity(sel.step, sel.layer, preset, config.accumulation.value, share))
         equal, total = equal + share * n, total + n
     if not total and not ((recipe.is_auto and unmatched) or unverifiable):
         return None
     shown = per_layer or unverifiable
-    presets = {p["preset"] for p in shown}
-    accumulations = {p["accumulation"] for p in shown}
+    presets = {p.preset for p in shown}
+    accumulations = {p.accumulation for p in shown}
     preset = presets.pop() if len(presets) == 1 else "per layer"
     accumulation = accumulations.pop() if len(accumulations) == 1 else "per layer"
     if not shown:
-        preset, accumulation = unmatched[0]["preset"], recipe.accumulation_name
-    return {"preset": preset, "accumulation": accumulation, "requested": recipe.preset,
-            "o_bits_equal": equal / total if total else None, "per_layer": per_layer, "unmatched": unmatched,
-            "unverifiable": unverifiable, "verifiable": not unverifiable,
-            "run_precision": _precision_name(facts_seen), "mismatch": sign_test(tallies, alpha)}
+        preset, accumulation = unmatched[0].preset, recipe.accumulation_name
+    return ReplayFidelity(preset, accumulation, recipe.preset, equal / total if total else None, tuple(per_layer),
+                          tuple(unmatched), tuple(unverifiable), not unverifiable, _precision_name(facts_seen),
+                          sign_test(tallies, alpha))

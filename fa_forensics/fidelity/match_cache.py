@@ -31,8 +31,6 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from fa_forensics.dump.safe_files import atomic_write, check_parent_links
 from fa_forensics.dump.safe_read import FileTooLarge, NotRegularFile, read_regular
 from fa_forensics.errors import TargetUnwritable
@@ -75,6 +73,8 @@ def cache_dir() -> Optional[Path]:
 
 def data_hash(t, extra: object) -> str:
     """sha256 of the stored q, k, v, o (and mask) bytes of a layer-step and `extra` (a repr'd tuple)."""
+    import torch  # here: setting the cache directory (every command's end) stays light
+
     h = hashlib.sha256()
     for x in (t.q, t.k, t.v, t.o, t.mask):
         if x is None:
@@ -180,7 +180,7 @@ def in_dump_attrs(dump, step: int, layer: int) -> dict:
         attrs = dict(dump._layer(step, layer).attrs)
     except Exception:  # a stand-in without zarr groups
         return {}
-    out = {}
+    out: dict[Optional[str], object] = {}
     for name, value in attrs.items():
         if name == IN_DUMP_ATTR:
             out[None] = value

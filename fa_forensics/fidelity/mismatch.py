@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -75,17 +75,48 @@ def _binom_p(k, n):
     return np.where(n > 0, p, 1.0)
 
 
-def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
-    """{n_mismatched, positive, share_positive, share_se, p_pooled, n_features, p_feature (Bonferroni),
-    worst {step, layer, head, feature, positive, n, share_positive, share_se}, ulp_histogram, biased,
-    verdict}, or None when nothing mismatches. biased: the corrected per-feature p or the pooled p is
-    below `alpha` / 2 (two tests: a sign of its own in one feature, or in all of them together)."""
+@dataclass(frozen=True)
+class WorstFeature:
+    """The (layer-step, head, feature) whose mismatches have the most one-sided sign."""
+
+    step: int
+    layer: int
+    head: int
+    feature: int
+    positive: int  # mismatches where stored > replayed
+    n: int  # mismatches in the feature
+    share_positive: float
+    share_se: float
+
+
+@dataclass(frozen=True)
+class MismatchTest:
+    """The sign test of the stored-O elements a replay does not reproduce (`replay_fidelity.mismatch`; its JSON
+    keys in this order). `p_feature` is Bonferroni-corrected over the `n_features` features tested; `biased`: it
+    or the pooled p is below α / 2 (two tests: a sign of its own in one feature, or in all of them together)."""
+
+    n_mismatched: int
+    positive: int
+    share_positive: float
+    share_se: float
+    p_pooled: float
+    n_features: int
+    p_feature: float
+    worst: WorstFeature
+    ulp_histogram: dict[str, int]
+    biased: bool
+    verdict: str
+
+
+def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[MismatchTest]:
+    """The sign test of the mismatching elements at level `alpha`, or None when nothing mismatches."""
     n_pos = sum(int(t.positive.sum()) for t in tallies)
     n_neg = sum(int(t.negative.sum()) for t in tallies)
     n = n_pos + n_neg
     if not n:
         return None
-    cells, worst = 0, None
+    cells = 0
+    worst: Optional[dict[str, Any]] = None  # the most one-sided cell so far, with its p-value
     for t in tallies:
         n_cell = t.positive + t.negative  # (h, D)
         tested = n_cell > 0
@@ -97,6 +128,8 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
         if worst is None or float(p[hi, f]) < worst["p"]:
             worst = {"step": t.step, "layer": t.layer, "head": t.heads[hi], "feature": f,
                      "positive": int(t.positive[hi, f]), "n": int(n_cell[hi, f]), "p": float(p[hi, f])}
+    if worst is None:  # n > 0: some cell was tested
+        return None
     p_feature = min(1.0, worst["p"] * cells)
     share = worst["positive"] / worst["n"]
     worst.update(share_positive=share, share_se=math.sqrt(share * (1 - share) / worst["n"]))
@@ -124,7 +157,5 @@ def sign_test(tallies: Sequence[MismatchTally], alpha: float) -> Optional[dict]:
     else:
         verdict = (f"the mismatches are unbiased (p = {min(1.0, 2 * min(p_feature, p_pooled)):.2g}, sign tests per "
                    f"feature, Bonferroni over {cells}, and pooled; {pooled}): bias findings stand")
-    return {"n_mismatched": n, "positive": n_pos, "share_positive": pooled_share,
-            "share_se": pooled_se, "p_pooled": p_pooled,
-            "n_features": cells, "p_feature": p_feature, "worst": worst, "ulp_histogram": hist, "biased": biased,
-            "verdict": verdict}
+    return MismatchTest(n, n_pos, pooled_share, pooled_se, p_pooled, cells, p_feature, WorstFeature(**worst), hist,
+                        biased, verdict)

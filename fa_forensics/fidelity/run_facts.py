@@ -167,7 +167,7 @@ def read_facts(dump, step: int, layer: int) -> RunFacts:
     if softmax is not None and softmax.startswith("stabil"):
         softmax = "stabilized"
     kernel = next((_text(layer_attrs.get(k)) for k in _KERNEL_KEYS if _text(layer_attrs.get(k))), None)
-    capture = run_attrs.get("capture") if isinstance(run_attrs.get("capture"), dict) else {}
+    capture = recorded if isinstance(recorded := run_attrs.get("capture"), dict) else {}
     score_mod = layer_attrs.get("score_mod")
     return RunFacts(_precision(dtype, autocast, autocast_dtype), autocast, _device(layer_attrs, run_attrs),
                     dropout, softmax, kernel,

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from fa_forensics.enums import Backend
+from fa_forensics.errors import DumpError
 from fa_forensics.layers.selection import LayerTensors, replay_layer
 from fa_forensics.replay.config import ReplayConfig
 
@@ -58,10 +60,18 @@ def row_sample(n_rows: int) -> RowSample:
     return RowSample(n_rows, tuple((b * SAMPLE_BLOCK, min((b + 1) * SAMPLE_BLOCK, n_rows)) for b in picks))
 
 
-def replay_rows(t: LayerTensors, config: ReplayConfig, sample: RowSample, backend: str = "emulate") -> torch.Tensor:
+def stored_o(t: LayerTensors) -> torch.Tensor:
+    """The layer-step's stored O, which a match compares replays with; DumpError when the dump has none."""
+    if t.o is None:
+        raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
+    return t.o
+
+
+def replay_rows(t: LayerTensors, config: ReplayConfig, sample: RowSample,
+                backend: Backend = Backend.EMULATE) -> torch.Tensor:
     """The replayed O (in config's O dtype) of the sampled rows of every batch row and head, (B, h, R, D): the
     same bits as those rows of `replay_layer(t, config)`. A whole sample (or another backend) replays the layer."""
-    if sample.whole or backend != "emulate":
+    if sample.whole or Backend(backend) is not Backend.EMULATE:
         o = replay_layer(t, config, backward=False, backend=backend).o
         return o if sample.whole else o.index_select(2, sample.index())
     from fa_forensics.replay.emulate.forward import forward

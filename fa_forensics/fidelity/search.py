@@ -24,11 +24,11 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.errors import DumpError
+from fa_forensics.enums import Backend
 from fa_forensics.fidelity.candidates import exclusions, pick_best
 from fa_forensics.fidelity.layer_match import Candidate, CandidateRecipe, ExcludedWinner, LayerMatch
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts
-from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled
+from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled, stored_o
 from fa_forensics.layers.selection import LayerTensors, replay_layer
 
 CONTENDER_Z = 5.0  # a candidate within this many standard errors of the sample's leader is replayed whole
@@ -39,9 +39,10 @@ EXCLUDED_CONFIRMED = 3  # at most this many excluded recipes are replayed whole,
 class _Screen:
     """The sampled rows of one layer-step and what each candidate did on them."""
 
-    def __init__(self, t: LayerTensors, sample: RowSample, backend: str):
+    def __init__(self, t: LayerTensors, sample: RowSample, backend: Backend):
         self.t, self.sample, self.backend = t, sample, backend
-        self.stored = sampled(t.o, sample)
+        self.o = stored_o(t)
+        self.stored = sampled(self.o, sample)
         self.per_row: dict[tuple[str, str], torch.Tensor] = {}
 
     def screen(self, recipe: CandidateRecipe) -> Candidate:
@@ -55,7 +56,7 @@ class _Screen:
         if not screened.sampled:
             return screened
         recipe = CandidateRecipe(screened.preset, screened.accumulation)
-        c = compare(replay_layer(self.t, recipe.config(), backward=False, backend=self.backend).o, self.t.o)
+        c = compare(replay_layer(self.t, recipe.config(), backward=False, backend=Backend(self.backend)).o, self.o)
         return Candidate(recipe.preset, recipe.accumulation, c.share, c.max_abs_err, c.n, sampled=False,
                          sample_equal=screened.sample_equal, max_ulp=c.max_ulp)
 
@@ -69,13 +70,13 @@ class _Screen:
 
 
 def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all: bool = False,
-                backend: str = "emulate", facts: RunFacts = UNKNOWN,
+                backend: Backend = Backend.EMULATE, facts: RunFacts = UNKNOWN,
                 excluded: Sequence[CandidateRecipe] = (), relaxed: tuple[str, ...] = ()) -> LayerMatch:
     """Search `recipes` (the candidates the recorded facts admit, in order) for the one that reproduces the stored
     O of `t`; `excluded`: the recipes the facts ruled out (checked when no candidate reproduces every element)."""
-    if t.o is None:
-        raise DumpError(f"{t.where}: the dump has no 'o' array; match compares replays with the stored O")
-    exhaustive = try_all or backend != "emulate"
+    stored_o(t)  # a layer-step without O cannot be matched: DumpError
+    backend = Backend(backend)
+    exhaustive = try_all or backend is not Backend.EMULATE
     sample = RowSample(t.q.shape[2], ((0, t.q.shape[2]),)) if exhaustive else row_sample(t.q.shape[2])
     screen = _Screen(t, sample, backend)
     tried: list[Candidate] = []
@@ -91,7 +92,7 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
     best = pick_best([c for c in tried if not c.sampled], facts)
     lm = LayerMatch(t.step, t.layer, list(t.heads), best, tried, n_admitted=len(recipes), relaxed=relaxed,
                     sample_rows=sample.to_list())
-    if backend != "emulate":  # the checks below replay recipes other backends may not run
+    if backend is not Backend.EMULATE:  # the checks below replay recipes other backends may not run
         return lm
     if best.o_bits_equal < 1.0 and not try_all and excluded:
         lm = replace(lm, excluded_winner=_excluded_winner(screen, best, excluded, facts))
@@ -100,7 +101,8 @@ def match_layer(t: LayerTensors, recipes: Sequence[CandidateRecipe], *, try_all:
     return lm
 
 
-def screen_only(t: LayerTensors, recipes: Sequence[CandidateRecipe], backend: str = "emulate") -> list[Candidate]:
+def screen_only(t: LayerTensors, recipes: Sequence[CandidateRecipe],
+                backend: Backend = Backend.EMULATE) -> list[Candidate]:
     """`recipes` screened on the layer's row sample, those that reproduce every sampled element confirmed on every
     element: what completes a kept match with recipes it did not try."""
     screen = _Screen(t, row_sample(t.q.shape[2]), backend)
@@ -128,7 +130,7 @@ def _excluded_winner(screen: _Screen, best: Candidate, excluded: Sequence[Candid
     """The excluded recipe that reproduces the most of the stored O, where that is more than `best` does: those
     within reach of `best` on the sample are confirmed, the most promising first (EXCLUDED_CONFIRMED of them)."""
     screened = [screen.screen(r) for r in excluded]
-    reach = sorted((c for c in screened if screen.within_reach(best, c)), key=lambda c: -c.sample_equal)
+    reach = sorted((c for c in screened if screen.within_reach(best, c)), key=lambda c: -(c.sample_equal or 0))
     for c in reach[:EXCLUDED_CONFIRMED]:
         whole = screen.confirm(c)
         if whole.o_bits_equal > best.o_bits_equal:
@@ -137,11 +139,11 @@ def _excluded_winner(screen: _Screen, best: Candidate, excluded: Sequence[Candid
 
 
 def layout_misfit(t: LayerTensors, recipes: Sequence[CandidateRecipe], best: Candidate,
-                  backend: str = "emulate") -> Optional[str]:
+                  backend: Backend = Backend.EMULATE) -> Optional[str]:
     """Why the stored layout does not fit, when q, k, v, o read as (B, T, H, D) are reproduced (at least half of
     a row sample, and twice what the stored reading gets) by one of `recipes`; None otherwise (or when the arrays
     cannot be read the other way: a mask, or keys of another length)."""
-    if t.mask is not None or not (t.q.shape == t.k.shape == t.v.shape == t.o.shape) or t.q.shape[1] < 2:
+    if t.mask is not None or t.o is None or not (t.q.shape == t.k.shape == t.v.shape == t.o.shape) or t.q.shape[1] < 2:
         return None
     swapped = replace(t, q=t.q.transpose(1, 2), k=t.k.transpose(1, 2), v=t.v.transpose(1, 2), o=t.o.transpose(1, 2),
                       heads=list(range(t.q.shape[2])), launch=None)

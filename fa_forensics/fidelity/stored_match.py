@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from fa_forensics.dump.integrity import Damage
+from fa_forensics.enums import Backend
 from fa_forensics.errors import DumpError
 from fa_forensics.fidelity import match_cache
 from fa_forensics.fidelity.candidates import layer_candidates, pick_best
@@ -23,7 +24,7 @@ from fa_forensics.fidelity.layer_match import (
     Candidate, CandidateRecipe, LayerMatch, MalformedEntry, candidates_from, extras_from,
 )
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
-from fa_forensics.fidelity.sample import compare, replay_rows, row_sample, sampled
+from fa_forensics.fidelity.sample import compare, replay_rows, row_sample, sampled, stored_o
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, load
 
 CLAIM_Z = 6.0  # a share claimed for every element may differ from the sample's by this many standard errors
@@ -74,16 +75,17 @@ def _agrees(c: Candidate, got, n_all: int) -> bool:
     return abs(got.share - c.o_bits_equal) <= CLAIM_Z * se + 2.0 / rows.numel()
 
 
-def recheck(t: LayerTensors, lm: LayerMatch, backend: str = "emulate") -> Optional[str]:
+def recheck(t: LayerTensors, lm: LayerMatch, backend: Backend = Backend.EMULATE) -> Optional[str]:
     """None when the kept match agrees with the stored bits of `t`; else what it claims that they contradict."""
     sample = row_sample(t.q.shape[2])
     if lm.sample_rows and lm.sample_rows != sample.to_list():
         return f"it names the row sample {lm.sample_rows}, not the layer's {sample.to_list()}"
-    stored = sampled(t.o, sample)
+    o = stored_o(t)
+    stored = sampled(o, sample)
     checks = [lm.best] + ([c for c in lm.candidates if c.name != lm.best.name] if lm.best.o_bits_equal < 1.0 else [])
     for c in checks:
         got = compare(replay_rows(t, CandidateRecipe(c.preset, c.accumulation).config(), sample, backend), stored)
-        if not _agrees(c, got, t.o.numel()):
+        if not _agrees(c, got, o.numel()):
             claim = "100 %" if c.o_bits_equal == 1.0 else f"{100 * c.o_bits_equal:.2f} %"
             return (f"it says {c.preset} / {c.accumulation} reproduces {claim} of the stored O, but it reproduces "
                     f"{100 * got.share:.2f} % of a sample of {got.n} elements")

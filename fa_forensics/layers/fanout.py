@@ -38,6 +38,7 @@ from typing import Optional, TypeVar
 
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import ClusterUnreachable, DumpError, InvalidSetting, NoWorkers, WorkerEnvironment
+from fa_forensics.layers.cluster_wait import WORKER_WAIT_SECONDS
 from fa_forensics.layers.selection import load
 from fa_forensics.optional import require
 
@@ -45,7 +46,6 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 HEADS_PER_ITEM = 4  # heads per work item: the unit of fan-out and of an analysis' peak memory
-WORKER_WAIT_SECONDS = 60.0  # how long a cluster may have no worker (at the start, or after losing them) before it fails
 POLL_SECONDS = 1.0  # how often a running fan-out with nothing finishing looks at the cluster's workers
 WAKE_SECONDS = 0.02  # how often it looks for finished items
 DASK_LOGGERS = ("distributed", "tornado", "bokeh")

@@ -10,8 +10,27 @@
   and their defaults in `alarm_settings.AlarmSettings`.
 - `tensorboard.TimelineBoard`: the timeline as TensorBoard event files (the `tensorboard` extra).
 """
-from fa_forensics.monitor.alarm import Alarm, AlarmRule  # noqa: F401
-from fa_forensics.monitor.alarm_settings import AlarmSettings  # noqa: F401
-from fa_forensics.monitor.spectral import find_query_weights, head_spectral_norms  # noqa: F401
-from fa_forensics.monitor.stats import HeadStats, head_statistics  # noqa: F401
-from fa_forensics.monitor.collector import StepCollector  # noqa: F401,E402
+from typing import TYPE_CHECKING
+
+from fa_forensics import lazy_exports
+
+if TYPE_CHECKING:  # the same names, for readers of the source (type checkers, the API docs)
+    from fa_forensics.monitor.alarm import Alarm, AlarmRule
+    from fa_forensics.monitor.alarm_settings import AlarmSettings
+    from fa_forensics.monitor.collector import StepCollector
+    from fa_forensics.monitor.spectral import find_query_weights, head_spectral_norms
+    from fa_forensics.monitor.stats import HeadStats, head_statistics
+
+__all__ = ["Alarm", "AlarmRule", "AlarmSettings", "StepCollector", "find_query_weights", "head_spectral_norms",
+           "HeadStats", "head_statistics"]
+
+__getattr__ = lazy_exports(__name__, {
+    "Alarm": "fa_forensics.monitor.alarm",
+    "AlarmRule": "fa_forensics.monitor.alarm",
+    "AlarmSettings": "fa_forensics.monitor.alarm_settings",
+    "find_query_weights": "fa_forensics.monitor.spectral",
+    "head_spectral_norms": "fa_forensics.monitor.spectral",
+    "HeadStats": "fa_forensics.monitor.stats",
+    "head_statistics": "fa_forensics.monitor.stats",
+    "StepCollector": "fa_forensics.monitor.collector",
+})

@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.enums import Engine
+from fa_forensics.enums import ACCUMULATIONS, Accumulation, Engine
 from fa_forensics.numerics.engines import EngineLike, available, resolve_engine
 from fa_forensics.numerics.formats import FormatLike, get_format
 from fa_forensics.numerics.rounding import round_to
@@ -65,8 +65,6 @@ from fa_forensics.numerics.accumulate_tiles import (
     sum_round_to_odd,
     tensor_core_tile_fp32,
 )
-
-ACCUMULATIONS = ("ieee", "tensor-core")
 
 
 @dataclass(frozen=True)
@@ -116,14 +114,14 @@ def _name(x) -> str:
     return (x.value if isinstance(x, enum.Enum) else str(x)).strip().lower()
 
 
-def normalize_accumulation(accumulation) -> str:
-    """Resolve "ieee" / "tensor-core" (or an `Accumulation` enum)."""
+def normalize_accumulation(accumulation) -> Accumulation:
+    """The `Accumulation` a name ("ieee", "tensor-core", "tensor_core", "tensorcore") or an enum stands for."""
     name = _name(accumulation).replace("_", "-")
     if name == "tensorcore":
         name = "tensor-core"
     if name not in ACCUMULATIONS:
         raise ConfigError(f"unknown accumulation model {accumulation!r}; use one of {', '.join(ACCUMULATIONS)}")
-    return name
+    return Accumulation(name)
 
 
 def tensor_core_params(gpu="h100", in_format: FormatLike = "bf16",
@@ -297,15 +295,9 @@ def matmul(
     engine = resolve_engine(engine)
     if a.shape[-1] != b.shape[-2]:
         raise ConfigError(f"matmul: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    params = tensor_core_params(gpu, in_format, mma_k) if model == "tensor-core" else None
-    L = 1
-    for d in lead:
-        L *= d
-    a3 = a.expand(*lead, M, K).reshape(L, M, K)  # (L, M, K)
-    b3 = b.expand(*lead, K, N).reshape(L, K, N)  # (L, K, N)
-    acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)  # (L, M, N)
+    params = tensor_core_params(gpu, in_format, mma_k) if model is Accumulation.TENSOR_CORE else None
+    lead, a3, b3, acc3 = _batched(a, b, acc)
+    L, M, N = a3.shape[0], a3.shape[1], b3.shape[-1]
     if band is not None and params is not None and result_bits(params.neab) < 24 and acc3 is not None:
         band = Band(n_hi=band.n_hi)  # a group of zero terms still cuts the starting accumulator: run every group
     if engine is Engine.COMPILED:
@@ -321,6 +313,20 @@ def matmul(
     if band is not None and band.n_hi is not None:
         out = _zero_unwanted(out, band.n_hi)
     return out.reshape(*lead, M, N)
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor]):
+    """The broadcast leading shape of a and b, and a (L, M, K), b (L, K, N), acc (L, M, N) (or None) with the
+    leading dimensions broadcast and flattened into one of L entries."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    L = 1
+    for d in lead:
+        L *= d
+    a3 = a.expand(*lead, M, K).reshape(L, M, K)
+    b3 = b.expand(*lead, K, N).reshape(L, K, N)
+    acc3 = None if acc is None else acc.expand(*lead, M, N).reshape(L, M, N)
+    return lead, a3, b3, acc3
 
 
 def _zero_unwanted(out: torch.Tensor, n_hi: int) -> torch.Tensor:
@@ -527,7 +533,7 @@ def dot_trace(
     leads = lead_pow2(p) * lead_pow2(v)
     K = prods.shape[0]
     trace = torch.empty(K, dtype=torch.float64)
-    params = tensor_core_params(gpu, in_format) if model == "tensor-core" else None
+    params = tensor_core_params(gpu, in_format) if model is Accumulation.TENSOR_CORE else None
     acc = torch.zeros((), dtype=torch.float64)
     if params is None:
         for k in range(K):

@@ -29,7 +29,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.jsonable import to_jsonable
 from fa_forensics.layers.fanout import Workers, connected
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe

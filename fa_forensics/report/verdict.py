@@ -159,7 +159,8 @@ def _precision(sections) -> str:
     from fa_forensics.analyses.contract import precision_line
 
     for s in sections:
-        line = precision_line(None if s.data is None else s.data.get("replay_fidelity"))
+        fid = None if s.data is None else s.data.get("replay_fidelity")
+        line = precision_line(fid.get("run_precision"), fid.get("preset")) if isinstance(fid, dict) else None
         if line:
             return line
     return ""

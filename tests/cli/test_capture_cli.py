@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from fa_forensics.commands.capture import rewrite_command
+from fa_forensics.capture.command_line import rewrite_command
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import UserError
 

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fa_forensics.analyses.payloads import IsolatePayload
+from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 
@@ -26,6 +28,7 @@ def planted_result(planted_dump, tmp_path_factory):
 
 def test_isolate_json_keys_and_claim1_culprits(planted_result):
     r, out, head = planted_result
+    assert list(r) == [*IsolatePayload.__annotations__, "figures"] == list(BY_NAME["isolate"].json_keys)
     for v in r["variants"]:
         assert {"name", "o_bias", "o_bias_se", "o_rmse", "delta_err_sum", "dq_err", "dwq_err"} <= v.keys()
     assert {h["head"] for h in r["heads"]} == {head} and r["heads"][0]["delta_err_sum"] > 0

@@ -53,6 +53,7 @@ def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
                      "timeline_wq_heads.png", "timeline_wq_heatmap.png"]
     assert all((figs / n).stat().st_size > 10_000 for n in names)
     payload = json.loads(js.read_text())
+    assert list(payload) == list(BY_NAME["timeline"].json_keys)  # the keys of its payload type, then figures
     tl = open_dump(out).timeline
     assert payload["steps"] == list(range(N_STEPS)) and payload["loss"] == losses
     assert payload["n_layers"] == 2 and payload["n_heads"] == 2

@@ -134,6 +134,21 @@ def test_json_page_names_every_key_info_writes(planted_dump):
     assert not _undocumented(keys, _json_section("info")), "info --json keys missing from docs/json.md"
 
 
+def test_json_page_names_every_key_of_every_analysis():
+    """Every key of every analysis's --json (the registry's, derived from the payload types of
+    analyses/payloads.py) is named in its section of the page or in the keys every analysis carries."""
+    from fa_forensics.analyses.registry import ANALYSES
+
+    common = _json_section("common")
+    missing = []
+    for analysis in ANALYSES:
+        for mode, keys in [(analysis.name, analysis.json_keys), *analysis.other_json_keys.items()]:
+            anchor = "bitdiff-add" if mode == "add" else analysis.name
+            section = _json_section(anchor) + common
+            missing += [f"{analysis.name} ({mode}): {key}" for key in _undocumented(keys, section)]
+    assert not missing, "--json keys missing from docs/json.md:\n" + "\n".join(missing)
+
+
 def test_json_page_names_every_key_bitdiff_add_writes():
     import dataclasses
 

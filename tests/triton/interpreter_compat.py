@@ -179,13 +179,11 @@ def uninstall() -> None:
     _ORIGINAL.clear()
 
 
-LOG2E = 1.4426950408889634
-
-
 def aligned_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) evaluated as the kernels do: exp2(fp32(x · log2 e)) (fp32 in, fp32 out), 2ˣ rounded once
     (`numerics.exp2_fp32`, the interpreter's tl.exp2 here)."""
     from fa_forensics.numerics import exp2_fp32
+    from fa_forensics.numerics.elementary import LOG2E
 
     return exp2_fp32(x * torch.tensor(LOG2E, dtype=x.dtype))
 

@@ -139,6 +139,31 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+ANALYSES = "fa_forensics.analyses"
+
+
+def analysis_folder(module: str) -> str | None:
+    """The analysis folder (a subpackage of `analyses`, e.g. fa_forensics.analyses.isolate) a module lies in, or
+    None for the shared modules directly in `analyses` (contract, quantities, primitives, significance, ...)."""
+    if not module.startswith(ANALYSES + "."):
+        return None
+    parts = module.split(".")
+    folder = ".".join(parts[:3])
+    return folder if (ROOT / "analyses" / parts[2]).is_dir() or module != folder else None
+
+
+def analysis_cross_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for every import from one analysis folder into another: an analysis reads only the shared
+    modules of `analyses` (and lower layers), so that each can be read, changed and tested alone."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        folder = analysis_folder(module)
+        if folder is None:
+            continue
+        out += [f"{module} -> {dep}" for dep in sorted(deps) if analysis_folder(dep) not in (None, folder)]
+    return out
+
+
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
     found = [f"{' -> '.join(_closed_path(graph, set(c)))} (circle among {', '.join(c)})" for c in components(graph)]
@@ -148,6 +173,26 @@ def test_the_package_has_no_import_cycle():
 def test_every_import_points_down_the_layer_order():
     bad = upward_imports(import_graph())
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_analysis_folders_import_only_shared_modules():
+    bad = analysis_cross_imports(import_graph())
+    assert not bad, ("analysis folders importing another analysis folder (move what they share into a shared module "
+                     "of fa_forensics/analyses, e.g. primitives.py):\n" + "\n".join(bad))
+
+
+def test_an_analysis_importing_another_analysis_is_named():
+    """The folder check rests on `analysis_folder`: an import into a sibling folder is named, one into a shared
+    module or the folder's own modules is not."""
+    graph = {
+        "fa_forensics.analyses.isolate.compute": {"fa_forensics.analyses.delta_bias.compute",
+                                                  "fa_forensics.analyses.primitives",
+                                                  "fa_forensics.analyses.isolate.table"},
+        "fa_forensics.analyses.primitives": {"fa_forensics.layers.selection"},
+        "fa_forensics.analyses.pv_trace.p_one": {"fa_forensics.analyses.pv_trace"},
+    }
+    assert analysis_cross_imports(graph) == [
+        "fa_forensics.analyses.isolate.compute -> fa_forensics.analyses.delta_bias.compute"]
 
 
 def test_the_reader_sees_function_level_and_relative_imports(tmp_path):

@@ -25,9 +25,11 @@ from fa_forensics.analyses.contract import common_keys, replay_fidelity
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, o_cells, o_claim, o_units,
                                               selection_family)
 from fa_forensics.analyses.significance import ALPHA, Family, p_text
+from fa_forensics.analyses.payloads import BitdiffPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.layers.selection import as_seen_by, replay_layer
 from fa_forensics.errors import DumpError
@@ -111,11 +113,11 @@ class BitdiffResult:
     family: Family = Family()  # the tests the claims are corrected over (`significance`)
     steps: list[int] = field(default_factory=list)
     accumulation: str = "ieee"
-    backend: str = "emulate"
+    backend: Backend = Backend.EMULATE
     # the recipe's input cast alone (fp32 O of rounded vs stored inputs), None if no-op
     input_cast: Optional[dict] = None
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
 
 def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: int, heads: list[int],
@@ -200,7 +202,8 @@ def side_name(side) -> str:
     return "dump" if side is None else side.label
 
 
-def run(dump, selections, a, b, backend="emulate", *, progress=None, workers: Workers = Workers()) -> BitdiffResult:
+def run(dump, selections, a, b, backend: Backend = Backend.EMULATE, *, progress=None,
+        workers: Workers = Workers()) -> BitdiffResult:
     """Compare side `a` against side `b` on every selected layer-step (one batched replay per side).
 
     A side is a `Recipe` (O replayed under its config at each layer-step) or None (the O stored in
@@ -217,7 +220,7 @@ def run(dump, selections, a, b, backend="emulate", *, progress=None, workers: Wo
     recipe = a if a is not None else b
     return replace(summarize(parts, side_name(a), side_name(b), family=selection_family(dump, selections)),
                    accumulation=recipe.accumulation_name if recipe is not None else "ieee",
-                   backend=Backend(backend).value, input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
+                   backend=Backend(backend), input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
                    replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
 
 
@@ -274,7 +277,7 @@ def bias_claim(r: BitdiffResult) -> BiasClaim:
     return o_claim(r.mean_signed_error, r.family)
 
 
-def payload(r: BitdiffResult) -> dict:
+def payload(r: BitdiffResult) -> BitdiffPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "a": r.a, "b": r.b, "format": r.fmt, "steps": r.steps, "n_elements": r.n_elements,
@@ -282,5 +285,5 @@ def payload(r: BitdiffResult) -> dict:
         "mean_signed_error": r.mean_signed_error, "biased_features": r.biased_features,
         "alpha": r.alpha, "n_cells": r.n_cells, "family": r.family.as_dict(), "largest": r.largest,
         "input_cast": r.input_cast, "bias": bias_claim(r),
-        "accumulation": r.accumulation, "backend": r.backend, **common_keys(r), "verdict": verdict(r),
+        "accumulation": r.accumulation, "backend": r.backend.value, **common_keys(r), "verdict": verdict(r),
     }

@@ -25,31 +25,24 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
+from fa_forensics.analyses.primitives import delta_error
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, Total, count_text, decide_deltas, delta_claim,
-                                              delta_items, family_of, flagged, head_total, total_of)
-from fa_forensics.analyses.significance import Family, p_text
+                                              delta_items, family_of, flagged, head_total, item_text, total_of)
+from fa_forensics.analyses.significance import Family
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.analyses.stats import sign_test
+from fa_forensics.analyses.payloads import DeltaBiasPayload
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
 
 
 # ---- pure tensor functions ---------------------------------------------------------------------
-
-def delta_of(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """δ = rowsum(dO ∘ O) in float64.  (B, h, T, D) x2 -> (B, h, T)"""
-    return (as_f64(do) * as_f64(o)).sum(-1)
-
-
-def delta_error(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tensor) -> torch.Tensor:
-    """(δ_lp − δ_hp)[T] = Σ_i dO[T,i]·(O_lp − O_hp)[T,i] in float64.  -> (B, h, T)"""
-    return (as_f64(do) * (as_f64(o_lp) - as_f64(o_hp))).sum(-1)
-
 
 def feature_contributions(do: torch.Tensor, o_lp: torch.Tensor, o_hp: torch.Tensor):
     """Per head and feature: contribution Σ_{B,T} dO·(O_lp − O_hp), and sign-agreement counts.
@@ -110,7 +103,7 @@ class DeltaBiasResult(RecipeResult):
     backend: Backend
     family: Family = Family()
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
     @property
     def no_difference(self) -> bool:
@@ -292,12 +285,6 @@ def _top_token(tokens, sign: float) -> Optional[TopToken]:
     return TopToken(step, b, T, value, do_row, err_row)
 
 
-def item_text(i: DeltaItem, n_tests: int) -> str:
-    """'step 0 layer 0 head 1: +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over 280 tests)'."""
-    return (f"step {i.step} layer {i.layer} head {i.head}: {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
-            f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")
-
-
 def verdict(r: DeltaBiasResult) -> str:
     """One sentence: where Σ(δ_lp − δ_hp) is significantly one-signed (what the count counts), the most
     significant item, its head over the steps, the features that carry it, and the selection's total."""
@@ -325,7 +312,7 @@ def bias_claim(r: DeltaBiasResult) -> BiasClaim:
     return r.claim
 
 
-def payload(r: DeltaBiasResult) -> dict:
+def payload(r: DeltaBiasResult) -> DeltaBiasPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,

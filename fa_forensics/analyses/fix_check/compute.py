@@ -63,14 +63,17 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, replay_fidelity
+from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cell_sums, delta_items,
                                               head_total, most_significant, o_cell, o_cells, o_claim, o_units,
                                               selection_family)
 from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE, Family, holm, outcome, p_text,
                                                 significant)
+from fa_forensics.analyses.payloads import FixCheckPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
 from fa_forensics.fidelity.pair import lp_of
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
@@ -196,22 +199,6 @@ def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Te
         max_p_bar_repeated=max_p_bar_repeated, repeated_rows=repeated_rows,
         collapsed_rows=n_collapsed, collapse_max_score=top_score, collapse_min_ratio=min_ratio,
     )
-
-
-def scores_fp32(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32",
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """S = α·q·kᵀ (B, h, T, T) held in fp32, formed as the replay forms them
-    (`replay.emulate.forward.scaled_scores`, ieee accumulation, one block); causal positions −inf,
-    and the recorded attn_mask `mask` (broadcastable to (B, h, T, T)) applied as the replay applies it.
-    Exact ties (identical keys) stay exact ties.
-
-    With s_dtype below fp32 (bf16-autocast: "bf16") the scores are read as that preset computes
-    them: S = round(q·kᵀ), s = round(S·α), nearest-even (values exact in s_dtype).
-    """
-    from fa_forensics.replay.emulate.forward import scaled_scores
-
-    config = ReplayConfig(s_dtype=s_dtype)
-    return scaled_scores(q.to(torch.float32), k.to(torch.float32), config, scale, causal, 0, 0, mask=mask)
 
 
 def repeated_within_eps(s: torch.Tensor, config: ReplayConfig) -> torch.Tensor:
@@ -346,7 +333,7 @@ class FixCheckResult(RecipeResult):
     backend: Backend = Backend.EMULATE
     settings: dict = dataclasses.field(default_factory=dict)  # beta, eps, offset
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
     # rows where the fix's row sum is below the row-sum floor: {rows, max_score, threshold, floor,
     # applies (the preset's own floor: O collapses), min_ratio (|O|/|O_fp32|, measured)}
     collapse: dict = dataclasses.field(default_factory=dict)
@@ -613,7 +600,7 @@ def deployment(r: FixCheckResult) -> Optional[dict]:
             "control_removed_share": None if control is None else control.removed_share}
 
 
-def payload(r: FixCheckResult) -> dict:
+def payload(r: FixCheckResult) -> FixCheckPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "target": r.target, "baseline": r.baseline, "fixed": r.fixed, "alternatives": r.alternatives,

@@ -46,17 +46,19 @@ import torch
 from scipy.stats import norm
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
-from fa_forensics.analyses.delta_bias.compute import delta_error, delta_of, item_text
+from fa_forensics.analyses.primitives import delta_error, delta_of, pk_rows
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, decide_deltas, delta_claim,
-                                              delta_units, family_of, flagged, items_of_errors, total_of)
+                                              delta_units, family_of, flagged, item_text, items_of_errors,
+                                              total_of)
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
-from fa_forensics.analyses.rank1_sim.compute import pk_rows
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.enums import Backend
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.analyses.stats import sign_test
+from fa_forensics.analyses.payloads import IsolatePayload
 from fa_forensics.errors import DumpError, UserError
 from fa_forensics.enums import (
     BackwardKernel, DeltaSource, Precision, Rounding, Softmax,
@@ -209,7 +211,7 @@ class IsolateResult(RecipeResult):
     input_cast: Optional[RepairResult] = None  # the recipe's input cast alone (None when it changes nothing)
     family: Family = Family()
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
     @property
     def biased(self) -> list[DeltaItem]:
@@ -410,7 +412,7 @@ def bias_claim(r: IsolateResult) -> BiasClaim:
     return r.claim
 
 
-def payload(r: IsolateResult) -> dict:
+def payload(r: IsolateResult) -> IsolatePayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "variants": r.variants, "heads": r.heads, "layers": r.layers, "culprits": r.culprits,

@@ -27,9 +27,11 @@ from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_
 from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW, expected_max_normal
 from fa_forensics.layers.selection import load
 from fa_forensics.analyses.stats import mean_se
+from fa_forensics.analyses.payloads import PcastDumpPayload
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.enums import KVOrder
 from fa_forensics.replay.emulate.forward import scaled_scores
+from fa_forensics.fidelity.match import ReplayFidelity
 
 MIN_NONSINK_KEYS = 16  # rows with fewer non-sink keys give no sink-strength estimate
 FIX_MASS_ZEROED = 0.005  # a head needs a fix when the default cast silently drops this fraction of the probability mass
@@ -85,7 +87,7 @@ class PcastDumpResult:
     heads: tuple[HeadPcast, ...]
     dp: tuple[DpPoint, ...] = ()  # dp(S) at the studied scales and the defaults
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None  # the study casts the dump's own scores: no recipe is replayed
+    replay_fidelity: Optional[ReplayFidelity] = None  # the study casts the dump's own scores: no recipe is replayed
 
 
 def sink_gap_stats(z: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[float, float, float, float]:
@@ -243,7 +245,7 @@ def verdict(res: PcastDumpResult) -> str:
             f"{h.layer} head {h.head}{lost}); use {use}")
 
 
-def payload(res: PcastDumpResult) -> dict:
+def payload(res: PcastDumpResult) -> PcastDumpPayload:
     """The --json payload of the dump mode (keys documented in docs/json.md)."""
     return {
         "mode": "dump", "dump": res.path, "n_sinks": res.n_sinks, "block": res.block, "delta_k": res.delta_k,

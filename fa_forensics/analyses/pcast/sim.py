@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,8 +19,9 @@ from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_
 from fa_forensics.analyses.pcast.theory import (
     LN_UNDERFLOW, closed_form_fraction, closed_form_reverse, closed_form_spread, expected_max_normal, std_max_normal,
 )
-from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.jsonable import to_jsonable
 from fa_forensics.analyses.stats import PairedTTest, Ratio, holm_tests, mean_se, paired_ratio, paired_ttest
+from fa_forensics.analyses.payloads import PcastSimulationPayload
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.enums import KVOrder
 
@@ -232,7 +233,7 @@ def _with_comparisons(res: PcastSimResult) -> PcastSimResult:
                           notes=tuple(notes))
 
 
-def payload(res: PcastSimResult) -> dict[str, Any]:
+def payload(res: PcastSimResult) -> PcastSimulationPayload:
     """The --json payload of the simulation (keys documented in docs/json.md)."""
     cfg = res.config
     return {

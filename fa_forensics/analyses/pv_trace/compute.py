@@ -52,16 +52,18 @@ from fa_forensics.analyses.quantities import (BiasClaim, cell_sums, most_signifi
                                               selection_family)
 from fa_forensics.analyses.significance import Family, holm
 from fa_forensics.layers.fanout import Workers, map_layers
-from fa_forensics.analyses.fix_check.compute import scores_fp32
+from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
                                                    counterfactual, nudge, split_rows)
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe, preset_at
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.auto import resolve
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import mean_se, sign_test
 from fa_forensics.analyses.wording import finite, share_with_se
+from fa_forensics.analyses.payloads import PVTracePayload
 from fa_forensics.errors import InvalidSetting, OutOfRange
 from fa_forensics.numerics import dot_trace, exp_fp32, explain_add, matmul, round_to
 from fa_forensics.enums import Softmax
@@ -354,7 +356,7 @@ class PVTraceReport(RecipeResult):
     recipe: Recipe = Recipe()  # the low-precision side traced against fp32
     backend: Backend = Backend.EMULATE
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
 
 def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
@@ -534,7 +536,7 @@ def bias_claim(r: PVTraceReport) -> BiasClaim:
                      r.cell.p_value, r.n_cells, feature=r.trace.feature, adjusted_p=r.cell.adjusted_p)
 
 
-def payload(r: PVTraceReport) -> dict:
+def payload(r: PVTraceReport) -> PVTracePayload:
     """The --json payload (keys documented in docs/json.md)."""
     tr = r.trace
     return {

@@ -30,10 +30,12 @@ import torch
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
 from fa_forensics.analyses.quantities import BiasClaim, decide_deltas, delta_claim, delta_items, family_of, flagged
 from fa_forensics.analyses.significance import Family, p_text
-from fa_forensics.analyses.delta_bias.compute import delta_error
+from fa_forensics.analyses.primitives import delta_error, pk_rows
+from fa_forensics.analyses.payloads import Rank1SimPayload
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.errors import DumpError
@@ -42,31 +44,6 @@ Progress = Optional[Callable[[str], None]]
 
 
 # ---- pure tensor functions ---------------------------------------------------------------------
-
-def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """P = softmax(α Q Kᵀ) in float64 (causal: key t' > query t masked; `mask`, the recorded attn_mask
-    broadcastable to (B, h, T, T), applied as SDPA does: bool False removes a key, additive is added;
-    a row that sees no key has P = 0, as SDPA's O).  (B, h, T, D) -> (B, h, T, T)"""
-    s = scale * (as_f64(q) @ as_f64(k).transpose(-1, -2))  # (B, h, T, T)
-    if causal:
-        T = s.shape[-1]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + as_f64(mask)
-    p = torch.softmax(s, dim=-1)
-    return p.nan_to_num(0.0) if mask is not None else p
-
-
-def pk_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-            mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PK, one batch element at a time to bound memory.  (B, h, T, D) -> (B, h, T, D) float64"""
-    def mask_b(b: int) -> Optional[torch.Tensor]:
-        return None if mask is None else mask[b : b + 1] if mask.shape[0] > 1 else mask
-
-    return torch.cat([attention_probs(q[b : b + 1], k[b : b + 1], scale, causal, mask_b(b)) @ as_f64(k[b : b + 1])
-                      for b in range(q.shape[0])])
-
 
 def gradient_error(dd: torch.Tensor, pk: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     """E = α Σ_B Σ_T (δ_lp − δ_hp)[T] (PK)[T]ᵀ X[T] = dW_Q,hp − dW_Q,lp per head (Eq. 2).
@@ -153,7 +130,7 @@ class Rank1Result(RecipeResult):
     claim: Optional[BiasClaim] = None  # the Σδ claim whose (layer, head) is the focus
     family: Family = Family()
     warnings: tuple[str, ...] = ()
-    replay_fidelity: Optional[dict] = None
+    replay_fidelity: Optional[ReplayFidelity] = None
 
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
@@ -383,7 +360,7 @@ def verdict(r: Rank1Result) -> str:
             f"accumulation exponent {two_places(expo, 'n/a')} over {len(r.steps)} steps ({trend})")
 
 
-def payload(r: Rank1Result) -> dict:
+def payload(r: Rank1Result) -> Rank1SimPayload:
     """The --json payload (keys documented in docs/json.md)."""
     return {
         "has_x": r.has_x, "focus": {"layer": r.focus_layer, "head": r.focus_head}, "tokens": r.tokens,

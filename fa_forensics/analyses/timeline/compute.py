@@ -15,11 +15,10 @@ from typing import Any, Optional
 import numpy as np
 from scipy import stats as sps
 
+from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.errors import NoTimeline
 from fa_forensics.monitor.alarm import WATCHED, alarm_series, describe, readable, recorded_alarms
 from fa_forensics.monitor.stats import TIMELINE_METRICS
-
-ALPHA = 0.01  # level of the Spearman test of repeated maxima against the loss
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.analyses.style import COLORS, new_figure, save_figure, styled
 from fa_forensics.analyses.timeline.compute import TimelineResult, lead_indicator
 from fa_forensics.monitor.alarm import readable
@@ -200,7 +201,7 @@ def ties_vs_loss(r: TimelineResult, path: Path) -> Path:
     _legend_outside(fig, [ax, ax2])
     if r.ties_loss_spearman is None:
         what = "too few measured steps to relate them"
-    elif r.ties_loss_p_value < 0.01:
+    elif r.ties_loss_p_value < ALPHA:
         what = (f"they move together (Spearman ρ = {r.ties_loss_spearman:+.2f}); both follow training, so this "
                 "alone does not show that ties lead the loss")
     else:

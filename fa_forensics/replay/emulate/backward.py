@@ -29,6 +29,10 @@ config.backward_kernel other than "reference": the named kernel's backward inste
 
 Steps 1, 4 and (for dp-p) 3 run as compiled passes per row (`fused.backward_probs`,
 `fused.backward_ds`) where `fused.eligible` says so, bit for bit the torch code's.
+
+The code follows these steps: `backward` runs, per block of query rows, steps 1-4 (`_row_block` in torch,
+`_compiled_row_block` compiled; step 3 is `_delta`), then steps 5-6 (`_accumulate_grads`, or
+`_add_block_products` for grad_dtype below fp32); `_finish` applies α and 1/S once.
 """
 from __future__ import annotations
 
@@ -67,6 +71,37 @@ def query_blocks(n_rows: int, block_m: int | None) -> list[tuple[int, int]]:
     return [(i0, min(i0 + size, n_rows)) for i0 in range(0, n_rows, size)]
 
 
+@dataclass
+class _BackwardState:
+    """One backward call: its inputs and the gradients the query blocks fill (dQ, δ per row) or carry
+    from block to block (dK, dV: Σ over the rows so far of dSᵀ Q and P̄ᵀ dO, before α and 1/S)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    lse: torch.Tensor
+    config: ReplayConfig
+    causal: bool
+    scale: float
+    o_for_delta: torch.Tensor | None
+    mask: torch.Tensor | None
+    use_fused: bool  # steps 1, 4 (and 3 for dp-p) compiled
+    reference_blocks: bool  # grad_dtype below fp32: per (query block, KV block) products in grad_dtype buffers
+    delta: torch.Tensor  # (B, H, T)
+    dq: torch.Tensor  # (B, H, T, D)
+    dk: torch.Tensor | None = None  # (B, H, T, D)
+    dv: torch.Tensor | None = None
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return torch.tensor(self.scale, dtype=torch.float32)
+
+    @property
+    def p_scale(self) -> torch.Tensor:
+        return torch.tensor(float(self.config.p_scale), dtype=torch.float32)
+
+
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              config: ReplayConfig, *, causal: bool, scale: float, o_for_delta: torch.Tensor | None,
              block_m: int | None = None, mask: torch.Tensor | None = None) -> Backward:
@@ -86,71 +121,119 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         delta, dq, dk, dv = kernel_backward(q, k, v, do, o_for_delta, lse, config, causal=causal, scale=scale,
                                             mask=mask)
         return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
-    acc_model, gpu, x_fmt = config.accumulation, config.gpu, config.input_dtype
     reference_blocks = config.grad_dtype is not Precision.FP32
     if reference_blocks:  # the bf16 buffers are added to per (query block, KV block) of the config
         block_m = config.block_m
     elif block_m is not None and block_m % _MAX_GROUP:
         raise ValueError(f"block_m={block_m} must be a multiple of {_MAX_GROUP} (the tensor-core groups)")
-    alpha = torch.tensor(scale, dtype=torch.float32)
-    use_fused = fused.eligible(config, q, k, v, do, scale=scale, mask=mask)
-    S_t = torch.tensor(float(config.p_scale), dtype=torch.float32)
-    qk_fmt = wider(config.ds_dtype, x_fmt)
-    delta = torch.empty(lse.shape)  # (B, H, T)
-    dq = torch.empty(q.shape)  # (B, H, T, D)
-    dk = dv = None  # (B, H, T, D) Σ over the rows so far of dSᵀ Q and P̄ᵀ dO, before α and 1/S
+    st = _BackwardState(q=q, k=k, v=v, do=do, lse=lse, config=config, causal=causal, scale=scale,
+                        o_for_delta=o_for_delta, mask=mask, reference_blocks=reference_blocks,
+                        use_fused=fused.eligible(config, q, k, v, do, scale=scale, mask=mask),
+                        delta=torch.empty(lse.shape), dq=torch.empty(q.shape))
     if reference_blocks:
-        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)  # grad_dtype buffers
+        st.dk, st.dv = torch.zeros(k.shape), torch.zeros(v.shape)  # grad_dtype buffers
     for i0, i1 in query_blocks(q.shape[-2], block_m):
-        rows = slice(i0, i1)
-        mask_r = None if mask is None else mask.expand(*q.shape[:3], k.shape[-2])[..., rows, :]
-        do_r = do[..., rows, :]  # (B, H, R, D)
-        sees = i0 + 1 if causal else None  # row i sees keys j < i + sees; P, P̄ and dS are ±0 beyond
-        if use_fused:  # steps 1 and 4 compiled (and 3 for dp-p): the same operations, one pass per row
-            S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=sees),
-                   finite_operands=True, mma_k=config.mma_k)  # (B, H, R, T) raw q kᵀ, 0 for unseen keys
-            P = fused.backward_probs(S, lse[..., rows], mask_r, config, scale=scale, row0=i0, causal=causal)
-            delta_r = None if config.delta is DeltaSource.DP_P else _delta(P, do_r, v, o_for_delta, rows, config, None)
-            # dP in full: the sign of a zero dS (P · (dP − δ) with P = +0) is dP's, and the chains of
-            # dQ and dK read it where they end at ±0
-            dP_raw = mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, finite_operands=True,
-                        mma_k=config.mma_k)  # (B, H, R, T)
-            dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=scale)
+        if st.use_fused:
+            dS, p_bar = _compiled_row_block(st, i0, i1)
         else:
-            s = scaled_scores(q[..., rows, :], k, config, scale, causal, i0, 0, mask_r)  # (B, H, R, T)
-            P = exp_fp32(s - lse[..., rows].unsqueeze(-1))  # (B, H, R, T) fp32, normalized
-            if mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
-                P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
-            dP = cast(mm(do_r, v.transpose(-1, -2), acc_model, gpu, x_fmt, mma_k=config.mma_k),
-                      config.dp_dtype)  # (B, H, R, T)
-            delta_r = _delta(P, do_r, v, o_for_delta, rows, config, dP)
-            P_ds = P * alpha if config.ds_alpha else P
-            dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # (B, H, R, T)
-            p_bar = cast(P * S_t if config.p_scale != 1.0 else P, config.p_dtype)
-        delta[..., rows] = delta_r
-
-        pv_fmt = wider(config.p_dtype, x_fmt)
+            dS, p_bar = _row_block(st, i0, i1)
         if reference_blocks:
-            dq[..., rows, :] = _add_block_products(q, k, do_r, dS, p_bar, dk, dv, config, i0, i1,
-                                                   causal=causal, qk_fmt=qk_fmt, pv_fmt=pv_fmt)
-        else:  # with the compiled stages: dS and P̄ are 0 for the keys a row cannot see, those terms skipped
-            row_band = Band(k_hi=sees) if use_fused else None  # dQ row i: keys k < i + sees
-            # dK, dV row j: rows ≥ j − i0
-            key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None
-            ds_finite = use_fused and config.ds_dtype in _FP32_RANGE  # |dS| ≤ |dP − δ| < 2^101 (`fused.eligible`)
-            dq[..., rows, :] = mm(dS, k, acc_model, gpu, qk_fmt, band=row_band, finite_operands=ds_finite,
-                                  mma_k=config.mma_k)
-            dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, qk_fmt, acc=dk, band=key_band,
-                    finite_operands=ds_finite, mma_k=config.mma_k)
-            dv = mm(p_bar.transpose(-1, -2), do_r, acc_model, gpu, pv_fmt, acc=dv, band=key_band,
-                    finite_operands=use_fused, mma_k=config.mma_k)
+            st.dq[..., i0:i1, :] = _add_block_products(q, k, do[..., i0:i1, :], dS, p_bar, st.dk, st.dv, config,
+                                                       i0, i1, causal=causal, qk_fmt=_qk_format(config),
+                                                       pv_fmt=_pv_format(config))
+        else:
+            _accumulate_grads(st, i0, i1, dS, p_bar)
+    return _finish(st)
+
+
+def _qk_format(config: ReplayConfig) -> Precision:
+    """The in_format of dS K and dSᵀ Q."""
+    return wider(config.ds_dtype, config.input_dtype)
+
+
+def _pv_format(config: ReplayConfig) -> Precision:
+    """The in_format of P̄ᵀ dO."""
+    return wider(config.p_dtype, config.input_dtype)
+
+
+def _rows_mask(st: _BackwardState, i0: int, i1: int) -> torch.Tensor | None:
+    """The attn_mask of query rows i0:i1 over every key, or None."""
+    if st.mask is None:
+        return None
+    return st.mask.expand(*st.q.shape[:3], st.k.shape[-2])[..., i0:i1, :]
+
+
+def _sees(st: _BackwardState, i0: int) -> int | None:
+    """Row i of the block at i0 sees keys j < i + sees (None: not causal); P, P̄ and dS are ±0 beyond."""
+    return i0 + 1 if st.causal else None
+
+
+def _row_block(st: _BackwardState, i0: int, i1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-4 and step 6's P̄ in torch for query rows i0:i1: P, dP, δ (stored), dS -> (dS, P̄)."""
+    config, rows = st.config, slice(i0, i1)
+    do_r = st.do[..., rows, :]
+    s = scaled_scores(st.q[..., rows, :], st.k, config, st.scale, st.causal, i0, 0, _rows_mask(st, i0, i1))
+    P = exp_fp32(s - st.lse[..., rows].unsqueeze(-1))  # step 1: (B, H, R, T) fp32, normalized
+    if st.mask is not None:  # rows with no allowed key (lse -inf): no probability, no gradient
+        P = torch.where(torch.isneginf(st.lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)
+    dP = cast(mm(do_r, st.v.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
+                 mma_k=config.mma_k), config.dp_dtype)  # step 2: (B, H, R, T)
+    delta_r = _delta(P, do_r, st.v, st.o_for_delta, rows, config, dP)  # step 3
+    P_ds = P * st.alpha if config.ds_alpha else P
+    dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # step 4: (B, H, R, T)
+    st.delta[..., rows] = delta_r
+    return dS, cast(P * st.p_scale if config.p_scale != 1.0 else P, config.p_dtype)
+
+
+def _compiled_row_block(st: _BackwardState, i0: int, i1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1 and 4 (and 3 for dp-p) as compiled passes per row (`fused.backward_probs`, `fused.backward_ds`:
+    the same operations, bit for bit) for query rows i0:i1 -> (dS, P̄); δ stored."""
+    config, rows = st.config, slice(i0, i1)
+    acc_model, gpu, x_fmt = config.accumulation, config.gpu, config.input_dtype
+    do_r = st.do[..., rows, :]
+    S = mm(st.q[..., rows, :], st.k.transpose(-1, -2), acc_model, gpu, x_fmt, band=Band(n_hi=_sees(st, i0)),
+           finite_operands=True, mma_k=config.mma_k)  # (B, H, R, T) raw q kᵀ, 0 for unseen keys
+    P = fused.backward_probs(S, st.lse[..., rows], _rows_mask(st, i0, i1), config, scale=st.scale, row0=i0,
+                             causal=st.causal)
+    delta_r = None if config.delta is DeltaSource.DP_P else _delta(P, do_r, st.v, st.o_for_delta, rows, config,
+                                                                   None)
+    # dP in full: the sign of a zero dS (P · (dP − δ) with P = +0) is dP's, and the chains of
+    # dQ and dK read it where they end at ±0
+    dP_raw = mm(do_r, st.v.transpose(-1, -2), acc_model, gpu, x_fmt, finite_operands=True,
+                mma_k=config.mma_k)  # (B, H, R, T)
+    dS, p_bar, delta_r = fused.backward_ds(P, dP_raw, delta_r, config, scale=st.scale)
+    st.delta[..., rows] = delta_r
+    return dS, p_bar
+
+
+def _accumulate_grads(st: _BackwardState, i0: int, i1: int, dS: torch.Tensor, p_bar: torch.Tensor) -> None:
+    """Steps 5-6 with fp32 gradients for query rows i0:i1: dQ rows = mm(dS, K); dK += mm(dSᵀ, Q) and
+    dV += mm(P̄ᵀ, dO) carried in row order (α and 1/S applied at the end). With the compiled stages, dS and
+    P̄ are 0 for the keys a row cannot see: those terms are skipped (the same bits)."""
+    config, rows = st.config, slice(i0, i1)
+    acc_model, gpu, mk = config.accumulation, config.gpu, config.mma_k
+    sees, use_fused = _sees(st, i0), st.use_fused
+    row_band = Band(k_hi=sees) if use_fused else None  # dQ row i: keys k < i + sees
+    key_band = Band(k_lo=None if sees is None else 1 - sees) if use_fused else None  # dK, dV row j: rows ≥ j − i0
+    ds_finite = use_fused and config.ds_dtype in _FP32_RANGE  # |dS| ≤ |dP − δ| < 2^101 (`fused.eligible`)
+    qk_fmt = _qk_format(config)
+    st.dq[..., rows, :] = mm(dS, st.k, acc_model, gpu, qk_fmt, band=row_band, finite_operands=ds_finite, mma_k=mk)
+    st.dk = mm(dS.transpose(-1, -2), st.q[..., rows, :], acc_model, gpu, qk_fmt, acc=st.dk, band=key_band,
+               finite_operands=ds_finite, mma_k=mk)
+    st.dv = mm(p_bar.transpose(-1, -2), st.do[..., rows, :], acc_model, gpu, _pv_format(config), acc=st.dv,
+               band=key_band, finite_operands=use_fused, mma_k=mk)
+
+
+def _finish(st: _BackwardState) -> Backward:
+    """Step 5's α (unless ds_alpha put it in dS) and step 6's 1/S, applied once to the summed gradients."""
+    dq, dk, dv = st.dq, st.dk, st.dv
     if dk is None:  # no query rows
-        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
-    if not config.ds_alpha:
-        dq, dk = dq * alpha, dk * alpha
-    if config.p_scale != 1.0:
-        dv = dv / S_t
-    return Backward(delta=delta, dq=dq, dk=dk, dv=dv)
+        dk, dv = torch.zeros(st.k.shape), torch.zeros(st.v.shape)
+    if not st.config.ds_alpha:
+        dq, dk = dq * st.alpha, dk * st.alpha
+    if st.config.p_scale != 1.0:
+        dv = dv / st.p_scale
+    return Backward(delta=st.delta, dq=dq, dk=dk, dv=dv)
 
 
 def _delta(P: torch.Tensor, do_r: torch.Tensor, v: torch.Tensor, o_for_delta: torch.Tensor | None, rows: slice,

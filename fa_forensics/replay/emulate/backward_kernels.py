@@ -175,22 +175,14 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     placed by it); dK and dV are then these rows' contributions only, δ and dQ those of these rows.
     num_queries: the query rows of the launch (default row0 + T), which place the memory-efficient kernel's
     walk over the query blocks."""
-    if mask is not None:
-        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
-                          "attn_mask; use backward_kernel=reference (on the command line: a --preset without a "
-                          "kernel backward, such as bf16-hw)")
-    if config.input_dtype not in (Precision.BF16, Precision.FP16):
-        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
-                          f"fp16 inputs, not input_dtype={config.input_dtype.value}")
+    _check_supported(config, mask)
     model = MODELS[config.backward_kernel]
     exp_form = model.exp_form
-    unit = kernel_ops.unit_functions(config.exp_unit)
     if exp_form == "exp2-folded" and config.exp_form is ExpForm.EXP2_MUL:
         exp_form = "exp2-folded-mul"  # a build with the FMA unfused (PyTorch's) unfuses it here too
-    fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
+    fmt = config.input_dtype
     mma_k = config.mma_k if config.mma_k is not None else model.mma_k  # the config's, else the kernel's own
-    (B, H, T, D), N = q.shape, k.shape[-2]
-    bm, bn = model.tiles(D)
+    T, D = q.shape[-2:]
     alpha = torch.tensor(scale, dtype=torch.float32)
     delta = row_delta(do, o, model.delta_threads(D), model.butterfly_descending)  # (B, H, T)
     if model.cta_schedule:
@@ -199,35 +191,71 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
                                           scale=scale, row0=row0, num_queries=launch)
         return delta, cast(dq, fmt), cast(dk, fmt), cast(dv, fmt)
     dq = torch.zeros(q.shape)
-    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)  # (B, H, N, D) fp32 accumulators
-    for a0, a1 in _blocks(row0, row0 + T, bm, model.query_blocks_descending):  # absolute rows of one tile
-        i0, i1 = a0 - row0, a1 - row0
-        rows = slice(i0, i1)
-        S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
-        P = _probs(S, lse[..., rows], scale, exp_form, unit.exp2, unit.exp)
-        if causal:
-            hidden = torch.arange(N).unsqueeze(0) > torch.arange(a0, a1).unsqueeze(-1)  # (R, N)
-            P = P.masked_fill(hidden, 0.0)
-        P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)  # rows that see no key
-        dP = mm(do[..., rows, :], v.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
-        p_bar = cast(P, fmt)
-        diff = dP - delta[..., rows].unsqueeze(-1)
-        ds = diff * p_bar if model.ds_reads_p_bar else P * diff
-        dS = cast(ds * alpha if model.scale_in_ds else ds, fmt)  # (B, H, R, N)
-        dv = mm(p_bar.transpose(-1, -2), do[..., rows, :], acc_model, gpu, fmt, acc=dv, mma_k=mma_k)
-        dk = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, fmt, acc=dk, mma_k=mma_k)
-        dq_r = torch.zeros(B, H, i1 - i0, D)
-        for j0, j1 in _blocks(0, N, bn, model.dq_keys_descending):
-            if causal and j0 >= a1:
-                continue  # a tile the mask hides entirely: the kernels skip it
-            if model.dq_chained:
-                dq_r = mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, acc=dq_r, mma_k=mma_k)
-            else:
-                dq_r = dq_r + mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, mma_k=mma_k)
-        dq[..., rows, :] = dq_r
+    grads = [torch.zeros(k.shape), torch.zeros(v.shape)]  # dK, dV (B, H, N, D) fp32 accumulators
+    for a0, a1 in _blocks(row0, row0 + T, model.tiles(D)[0], model.query_blocks_descending):  # one tile's rows
+        tile = _QueryTile(a0, a1, row0)
+        dq[..., tile.rows, :] = _query_tile_gradients(tile, q, k, v, do, lse, delta, grads, config, model,
+                                                      exp_form, mma_k, causal=causal, scale=scale)
+    dk, dv = grads
     if not model.scale_in_ds:
         dq, dk = dq * alpha, dk * alpha
     return delta, cast(dq, fmt), cast(dk, fmt), cast(dv, fmt)
+
+
+def _check_supported(config: ReplayConfig, mask: Optional[torch.Tensor]) -> None:
+    """Refuse, in one line, what the kernel backward models do not model: a mask, inputs other than bf16/fp16."""
+    if mask is not None:
+        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} does not model SDPA's "
+                          "attn_mask; use backward_kernel=reference (on the command line: a --preset without a "
+                          "kernel backward, such as bf16-hw)")
+    if config.input_dtype not in (Precision.BF16, Precision.FP16):
+        raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} models a kernel of bf16 or "
+                          f"fp16 inputs, not input_dtype={config.input_dtype.value}")
+
+
+@dataclass(frozen=True)
+class _QueryTile:
+    """One tile of query rows: absolute rows [a0, a1) of the attention, rows a0 − row0 .. of this call."""
+
+    a0: int
+    a1: int
+    row0: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.a0 - self.row0, self.a1 - self.row0)
+
+
+def _query_tile_gradients(tile: _QueryTile, q, k, v, do, lse, delta, grads: list, config: ReplayConfig,
+                          model, exp_form: str, mma_k: Optional[int], *, causal: bool, scale: float) -> torch.Tensor:
+    """One query tile: P, dP, P̄ and dS of its rows; dV and dK (grads, in place) accumulate P̄ᵀ dO and dSᵀ Q;
+    returns the tile's dQ rows, dS K over the key tiles in the kernel's order (chained or added)."""
+    fmt, acc_model, gpu = config.input_dtype, config.accumulation, config.gpu
+    rows, N = tile.rows, k.shape[-2]
+    alpha = torch.tensor(scale, dtype=torch.float32)
+    unit = kernel_ops.unit_functions(config.exp_unit)
+    S = mm(q[..., rows, :], k.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
+    P = _probs(S, lse[..., rows], scale, exp_form, unit.exp2, unit.exp)
+    if causal:
+        hidden = torch.arange(N).unsqueeze(0) > torch.arange(tile.a0, tile.a1).unsqueeze(-1)  # (R, N)
+        P = P.masked_fill(hidden, 0.0)
+    P = torch.where(torch.isneginf(lse[..., rows]).unsqueeze(-1), torch.zeros_like(P), P)  # rows that see no key
+    dP = mm(do[..., rows, :], v.transpose(-1, -2), acc_model, gpu, fmt, mma_k=mma_k)  # (B, H, R, N)
+    p_bar = cast(P, fmt)
+    diff = dP - delta[..., rows].unsqueeze(-1)
+    ds = diff * p_bar if model.ds_reads_p_bar else P * diff
+    dS = cast(ds * alpha if model.scale_in_ds else ds, fmt)  # (B, H, R, N)
+    grads[1] = mm(p_bar.transpose(-1, -2), do[..., rows, :], acc_model, gpu, fmt, acc=grads[1], mma_k=mma_k)
+    grads[0] = mm(dS.transpose(-1, -2), q[..., rows, :], acc_model, gpu, fmt, acc=grads[0], mma_k=mma_k)
+    dq_r = torch.zeros(*dS.shape[:-1], k.shape[-1])
+    for j0, j1 in _blocks(0, N, model.tiles(k.shape[-1])[1], model.dq_keys_descending):
+        if causal and j0 >= tile.a1:
+            continue  # a tile the mask hides entirely: the kernels skip it
+        if model.dq_chained:
+            dq_r = mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, acc=dq_r, mma_k=mma_k)
+        else:
+            dq_r = dq_r + mm(dS[..., j0:j1], k[..., j0:j1, :], acc_model, gpu, fmt, mma_k=mma_k)
+    return dq_r
 
 
 def _blocked(x: torch.Tensor, row0: int, rows: int, size: int) -> torch.Tensor:

@@ -51,6 +51,11 @@ and combine (split_kv.py). These run on the torch path only.
 
 Steps 1-7 run as one compiled pass per row (`fused.ForwardBlock`) where `fused.eligible` says so
 (the same operations, bit for bit); the torch code below is the reference and the fallback.
+
+The code follows these steps: `forward` sets up the running state (`_start`) and, per KV block, runs steps 1-7
+on one of three paths (`_exp_block`: the torch reference, one function per step: `_block_scores` 1,
+`_shift` 2, 3-4 inline, `_exact_row_sum` 5, `_apply_p_scale` 6, `_cast_p_bar` 7; `_exp2_block`: the exp2
+kernel models; `_compiled_block`: the compiled pass), then step 8 (`_accumulate_pv`); `_epilogue` last.
 """
 from __future__ import annotations
 
@@ -161,6 +166,70 @@ class _RowMaxTracker:
         self.max[..., row0:] = torch.maximum(old_max, b_max)
 
 
+@dataclass
+class _ForwardState:
+    """One forward call: its inputs, the constants the steps share, and the running per-row state
+    (m, ℓ, the accumulator, the P̄ statistics) that each KV block updates in place."""
+
+    q: Optional[torch.Tensor]
+    k: Optional[torch.Tensor]
+    v: torch.Tensor
+    config: ReplayConfig
+    causal: bool
+    scale: float
+    generator: Optional[torch.Generator]
+    row0: int
+    mask: Optional[torch.Tensor]  # (B, H, T, N) or None
+    scores: Optional[torch.Tensor]
+    observe: Optional[Callable[[BlockCast], None]]
+    n_keys: int
+    visit: bool  # masked_blocks visit: every row visits every block
+    mask_value: float  # masked scores and the initial m
+    m: torch.Tensor  # (B, H, T) running shift m_i
+    l: torch.Tensor  # (B, H, T) running ℓ_i, or (B, H, T, LANES) per-thread partials
+    acc: torch.Tensor  # (B, H, T, D) running unnormalized O (pv_dtype values)
+    tracker: _RowMaxTracker
+    p_one: torch.Tensor  # (B, H)
+    p_zeroed: torch.Tensor  # (B, H)
+    fired: torch.Tensor  # (B, H, T) the stabilized rule fired on a row that sees a key
+    compiled: Optional[fused.ForwardBlock]  # steps 1-7 compiled, when fused.eligible
+
+    @property
+    def rows(self) -> int:
+        return self.m.shape[-1]
+
+    @property
+    def base2(self) -> bool:
+        return self.config.exp_form is not ExpForm.EXP
+
+    @property
+    def low_exp(self) -> bool:
+        return self.config.exp_dtype is not Precision.FP32
+
+    @property
+    def lanes(self) -> bool:
+        return self.config.row_sum in (RowSum.MMA_LANES, RowSum.LANES_FMA)
+
+    @property
+    def p_scale(self) -> torch.Tensor:
+        return torch.tensor(float(self.config.p_scale), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """What steps 1-7 of one KV block hand to step 8: rows r0.. and keys [j0, j1), the rescale alpha
+    (B, H, R, 1), the cast P̄ (B, H, R, N), the new shift (None where the compiled stage stored it) and the
+    causal band of the compiled path (row i sees keys j < i + sees; None: no band)."""
+
+    r0: int
+    j0: int
+    j1: int
+    alpha: torch.Tensor
+    p_bar: torch.Tensor
+    m_new: Optional[torch.Tensor]
+    sees: Optional[int] = None
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *,
             causal: bool, scale: float, generator: Optional[torch.Generator], row0: int = 0,
             mask: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None,
@@ -177,153 +246,231 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     if config.kv_splits > 1 and not split_part:
         return _forward_split_kv(q, k, v, config, causal=causal, scale=scale, generator=generator, row0=row0,
                                  mask=mask, scores=scores, observe=observe)
+    st = _start(q, k, v, config, causal=causal, scale=scale, generator=generator, row0=row0, mask=mask,
+                scores=scores, observe=observe)
+    for j0, j1 in kv_blocks(st.n_keys, config.block_n, config.kv_order, keys):
+        r0 = max(j0 - row0, 0) if causal and not st.visit else 0  # rows before j0 see nothing of this block
+        if r0 >= st.rows:
+            continue  # masked_blocks skip: no row of this call sees a key of the block
+        if st.compiled is not None:
+            block = _compiled_block(st, j0, j1, r0)
+        elif st.base2:
+            block = _exp2_block(st, j0, j1, r0)
+        else:
+            block = _exp_block(st, j0, j1, r0)
+        _accumulate_pv(st, block)
+    return _epilogue(st, split_part)
+
+
+def _start(q, k, v, config: ReplayConfig, *, causal: bool, scale: float, generator, row0: int, mask, scores,
+           observe) -> _ForwardState:
+    """The state before the first block: m = mask_value (-inf, or -finfo.max when visiting), ℓ = 0, acc = 0;
+    the compiled stage where `fused.eligible` says the inputs allow it."""
     if scores is not None:
         (B, H, T), D, n_keys = scores.shape[:3], v.shape[-1], scores.shape[-1]
     else:
         (B, H, T, D), n_keys = q.shape, k.shape[-2]
     if mask is not None:
         mask = mask.expand(B, H, T, n_keys)
-    S_scale = float(config.p_scale)
-    ln_S = torch.tensor(math.log(S_scale), dtype=torch.float32)
-    S_t = torch.tensor(S_scale, dtype=torch.float32)
-    pv_format = wider(config.p_dtype, config.input_dtype)
-    sub_dtype = promote(config.s_dtype, config.stats_dtype)  # dtype of s − m
-
     visit = config.masked_blocks is MaskedBlocks.VISIT
-    mask_value = -finfo_max(config.s_dtype) if visit else _NEG_INF  # masked scores and the initial m
-    row_sum_floor = torch.tensor(config.row_sum_floor, dtype=torch.float32)
-    m = torch.full((B, H, T), mask_value)  # running shift m_i
+    mask_value = -finfo_max(config.s_dtype) if visit else _NEG_INF
     lanes = config.row_sum in (RowSum.MMA_LANES, RowSum.LANES_FMA)
-    l = torch.zeros((B, H, T, kernel_ops.LANES) if lanes else (B, H, T))  # running ℓ_i (per-thread partials)
-    base2 = config.exp_form is not ExpForm.EXP
-    c_log2 = kernel_ops.scale_log2(scale)
-    scale_f = torch.tensor(scale, dtype=torch.float32)
-    acc = torch.zeros((B, H, T, D))  # running unnormalized O (pv_dtype values)
-    tracker = _RowMaxTracker(m.shape)
-    p_one = torch.zeros((B, H), dtype=torch.int64)
-    p_zeroed = torch.zeros((B, H), dtype=torch.int64)
-    fired_any = torch.zeros((B, H, T), dtype=torch.bool)
-
-    fused_block = None
-    low_exp = config.exp_dtype is not Precision.FP32
-    if (scores is None and observe is None and not low_exp and not config.is_kernel_model
+    compiled = None
+    if (scores is None and observe is None and config.exp_dtype is Precision.FP32 and not config.is_kernel_model
             and fused.eligible(config, q, k, v, scale=scale, mask=mask)):
-        fused_block = fused.ForwardBlock(config, scale, mask_value, m.shape)
-    for j0, j1 in kv_blocks(n_keys, config.block_n, config.kv_order, keys):
-        r0 = max(j0 - row0, 0) if causal and not visit else 0  # rows before j0 see nothing of this block
-        if r0 >= T:
-            continue
-        mask_block = None if mask is None else mask[..., r0:, j0:j1]
-        if fused_block is not None:  # steps 1-7 compiled: the same operations, one pass per row
-            sees = row0 + r0 - j0 + 1 if causal and not visit else None  # row i sees keys j < i + sees
-            S = mm(q[..., r0:, :], k[..., j0:j1, :].transpose(-1, -2), config.accumulation, config.gpu,
-                   config.input_dtype, band=Band(n_hi=sees), finite_operands=True)
-            p, p_bar, alpha = fused_block.run(S, mask_block, row0=row0, j0=j0, causal=causal, m=m, r0=r0,
-                                              tracker_max=tracker.max, tracker_count=tracker.count, fired=fired_any)
-            row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
-            if config.row_sum_floor > 0:
-                row_sum = torch.maximum(row_sum, row_sum_floor)
-            l[..., r0:] = cast(alpha.squeeze(-1) * l[..., r0:] + row_sum, config.stats_dtype)
-        elif base2:  # the exp2 kernels: max of raw S, P̄ and the rescale as kernel_ops.exp2_block
-            S_raw = raw_scores(q[..., r0:, :], k[..., j0:j1, :], config, causal, row0 + r0, j0, mask_block)
-            tracker.update(S_raw, r0)
-            visible = ~torch.isneginf(S_raw)
-            m_prev = m[..., r0:]
-            m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
-            m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-            alpha, p = kernel_ops.exp2_block(S_raw, m_prev, m_use, c_log2, scale_f, config.exp_form,
-                                             config.exp_unit)
-            _add_row_sum(l, r0, alpha, p, config)
-            p_bar = cast(p, config.p_dtype, config.rounding, generator)
-            p_one += ((p_bar == 1.0) & visible).sum(dim=(-1, -2))
-            p_zeroed += ((p > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
-            if observe is not None:
-                observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p, p_cast=p_bar, visible=visible))
-        else:
-            if scores is not None:
-                s = scores[..., r0:, j0:j1]  # (B, H, R, N)
-            else:
-                s = scaled_scores(q[..., r0:, :], k[..., j0:j1, :], config, scale, causal, row0 + r0, j0, mask_block)
-            tracker.update(s, r0)
-            visible = ~torch.isneginf(s)  # (B, H, R, N)
-            sees_key = visible.any(dim=-1)  # (B, H, R)
-            if visit:
-                s = s.masked_fill(~visible, mask_value)
-            m_prev = m[..., r0:]
-            shift = block_shift(m_prev, s, config)
-            fired_any[..., r0:] |= shift.fired & sees_key
-            m_new = cast(shift.m, config.stats_dtype)  # (B, H, R)
-            m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # (B, H, R)
-            alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # (B, H, R, 1)
-            s_minus_m = cast(s - m_use.unsqueeze(-1), sub_dtype)  # (B, H, R, N)
-            p = exp_fp32(s_minus_m)  # pre-cast fp32 P̄
-            if low_exp:
-                alpha, p = cast(alpha, config.exp_dtype), cast(p, config.exp_dtype)
-            if config.row_sum is not RowSum.EXACT:
-                _add_row_sum(l, r0, alpha, p, config)
-            else:
-                row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
-                if low_exp:
-                    row_sum = cast(row_sum, config.exp_dtype)
-                if config.row_sum_floor > 0:
-                    row_sum = torch.maximum(row_sum, row_sum_floor)
-                l_new = alpha.squeeze(-1) * l[..., r0:]
-                l_new = cast(l_new, config.exp_dtype) + row_sum if low_exp else l_new + row_sum
-                l[..., r0:] = cast(l_new, config.stats_dtype)
-            if S_scale == 1.0:
-                p_scaled = p
-            elif config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
-                p_scaled = exp_fp32(s_minus_m + ln_S)
-            else:
-                p_scaled = p * S_t
-            p_bar = cast(p_scaled, config.p_dtype, config.rounding, generator)  # (B, H, R, N)
-            p_one += ((p_bar == S_t) & visible).sum(dim=(-1, -2))
-            p_zeroed += ((p_scaled > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
-            if observe is not None:
-                observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
-        acc_scaled = cast(alpha * acc[..., r0:, :], config.rescale_dtype, config.rounding, generator)  # (B, H, R, D)
-        v_j = v[..., j0:j1, :]
-        compiled = fused_block is not None
-        pv_band = Band(k_hi=sees) if compiled else None  # P̄ of a key the row cannot see is 0
-        finite = compiled and fused.p_bar_bounded(config)
-        if config.pv_dtype is Precision.FP32:
-            acc[..., r0:, :] = mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, acc=acc_scaled, band=pv_band,
-                                  finite_operands=finite, mma_k=config.mma_k)
-        else:
-            pv = cast(mm(p_bar, v_j, config.accumulation, config.gpu, pv_format, band=pv_band, finite_operands=finite,
-                         mma_k=config.mma_k),
-                      config.pv_dtype, config.rounding, generator)
-            acc[..., r0:, :] = cast(acc_scaled + pv, config.pv_dtype, config.rounding, generator)
-        if fused_block is None:
-            m[..., r0:] = m_new
+        compiled = fused.ForwardBlock(config, scale, mask_value, torch.Size((B, H, T)))
+    return _ForwardState(
+        q=q, k=k, v=v, config=config, causal=causal, scale=scale, generator=generator, row0=row0, mask=mask,
+        scores=scores, observe=observe, n_keys=n_keys, visit=visit, mask_value=mask_value,
+        m=torch.full((B, H, T), mask_value),
+        l=torch.zeros((B, H, T, kernel_ops.LANES) if lanes else (B, H, T)),
+        acc=torch.zeros((B, H, T, D)), tracker=_RowMaxTracker(torch.Size((B, H, T))),
+        p_one=torch.zeros((B, H), dtype=torch.int64), p_zeroed=torch.zeros((B, H), dtype=torch.int64),
+        fired=torch.zeros((B, H, T), dtype=torch.bool), compiled=compiled)
 
-    m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+def _mask_block(st: _ForwardState, j0: int, j1: int, r0: int) -> Optional[torch.Tensor]:
+    """The attn_mask of rows r0.. and keys [j0, j1), or None."""
+    return None if st.mask is None else st.mask[..., r0:, j0:j1]
+
+
+def _compiled_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
+    """Steps 1-7 as one compiled pass per row (`fused.ForwardBlock`: the same operations, bit for bit), then
+    step 5's ℓ update on the pre-cast P̄ it returns. The product S = q kᵀ skips the causally hidden keys."""
+    config = st.config
+    sees = st.row0 + r0 - j0 + 1 if st.causal and not st.visit else None  # row i sees keys j < i + sees
+    S = mm(st.q[..., r0:, :], st.k[..., j0:j1, :].transpose(-1, -2), config.accumulation, config.gpu,
+           config.input_dtype, band=Band(n_hi=sees), finite_operands=True)
+    p, p_bar, alpha = st.compiled.run(S, _mask_block(st, j0, j1, r0), row0=st.row0, j0=j0, causal=st.causal,
+                                      m=st.m, r0=r0, tracker_max=st.tracker.max,
+                                      tracker_count=st.tracker.count, fired=st.fired)
+    _exact_row_sum(st, r0, alpha, p)
+    return _Block(r0=r0, j0=j0, j1=j1, alpha=alpha, p_bar=p_bar, m_new=None, sees=sees)
+
+
+def _exp2_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
+    """Steps 1-7 of the exp2 kernels: the running max of the raw scores S, P̄ and the rescale as
+    `kernel_ops.exp2_block` forms them, ℓ per the row_sum model, P̄ cast (no P scale)."""
+    config = st.config
+    S_raw = raw_scores(st.q[..., r0:, :], st.k[..., j0:j1, :], config, st.causal, st.row0 + r0, j0,
+                       _mask_block(st, j0, j1, r0))
+    st.tracker.update(S_raw, r0)
+    m_prev = st.m[..., r0:]
+    m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
+    alpha, p = kernel_ops.exp2_block(S_raw, m_prev, _shift_in_use(m_new), kernel_ops.scale_log2(st.scale),
+                                     torch.tensor(st.scale, dtype=torch.float32), config.exp_form, config.exp_unit)
+    _add_row_sum(st.l, r0, alpha, p, config)
+    p_bar = _cast_p_bar(st, r0, j0, j1, alpha, p, ~torch.isneginf(S_raw), one=torch.tensor(1.0))
+    return _Block(r0=r0, j0=j0, j1=j1, alpha=alpha, p_bar=p_bar, m_new=m_new)
+
+
+def _exp_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
+    """Steps 1-7 of the module docstring in torch: the specification of the reference path."""
+    config = st.config
+    s = _block_scores(st, j0, j1, r0)  # step 1
+    st.tracker.update(s, r0)
+    visible = ~torch.isneginf(s)  # (B, H, R, N)
+    if st.visit:
+        s = s.masked_fill(~visible, st.mask_value)
+    m_prev = st.m[..., r0:]
+    m_new = _shift(st, r0, m_prev, s, visible.any(dim=-1))  # step 2
+    m_use = _shift_in_use(m_new)
+    alpha = exp_fp32(cast(m_prev - m_use, config.stats_dtype)).unsqueeze(-1)  # step 3, (B, H, R, 1)
+    s_minus_m = cast(s - m_use.unsqueeze(-1), promote(config.s_dtype, config.stats_dtype))  # (B, H, R, N)
+    p = exp_fp32(s_minus_m)  # step 4: the pre-cast fp32 P̄
+    if st.low_exp:
+        alpha, p = cast(alpha, config.exp_dtype), cast(p, config.exp_dtype)
+    if config.row_sum is RowSum.EXACT:  # step 5
+        _exact_row_sum(st, r0, alpha, p)
+    else:
+        _add_row_sum(st.l, r0, alpha, p, config)
+    p_scaled = _apply_p_scale(st, p, s_minus_m)  # step 6
+    p_bar = _cast_p_bar(st, r0, j0, j1, alpha, p_scaled, visible, one=st.p_scale)  # step 7
+    return _Block(r0=r0, j0=j0, j1=j1, alpha=alpha, p_bar=p_bar, m_new=m_new)
+
+
+def _block_scores(st: _ForwardState, j0: int, j1: int, r0: int) -> torch.Tensor:
+    """Step 1: the scaled, masked scores s (B, H, R, N) of rows r0.. and keys [j0, j1) (given, or formed)."""
+    if st.scores is not None:
+        return st.scores[..., r0:, j0:j1]
+    return scaled_scores(st.q[..., r0:, :], st.k[..., j0:j1, :], st.config, st.scale, st.causal, st.row0 + r0, j0,
+                         _mask_block(st, j0, j1, r0))
+
+
+def _shift(st: _ForwardState, r0: int, m_prev: torch.Tensor, s: torch.Tensor, sees_key: torch.Tensor) -> torch.Tensor:
+    """Step 2: m_new = cast(shift rule, stats_dtype) (softmax.block_shift); records the rows where the
+    stabilized rule fired."""
+    shift = block_shift(m_prev, s, st.config)
+    st.fired[..., r0:] |= shift.fired & sees_key
+    return cast(shift.m, st.config.stats_dtype)  # (B, H, R)
+
+
+def _shift_in_use(m_new: torch.Tensor) -> torch.Tensor:
+    """m_use: m_new, or 0 where it is -inf (nothing visible yet) so that exp never sees -inf - -inf."""
+    return torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+
+
+def _exact_row_sum(st: _ForwardState, r0: int, alpha: torch.Tensor, p: torch.Tensor) -> None:
+    """Step 5 (row_sum exact): ℓ = cast(fp32(fp32(α·ℓ) + max(ΣP̄, floor)), stats_dtype), ΣP̄ summed exactly
+    and rounded once; exp_dtype below fp32: ΣP̄ and α·ℓ rounded to it first."""
+    config = st.config
+    row_sum = p.double().sum(dim=-1).float()  # (B, H, R)
+    if st.low_exp:
+        row_sum = cast(row_sum, config.exp_dtype)
+    if config.row_sum_floor > 0:
+        row_sum = torch.maximum(row_sum, torch.tensor(config.row_sum_floor, dtype=torch.float32))
+    l_new = alpha.squeeze(-1) * st.l[..., r0:]
+    l_new = cast(l_new, config.exp_dtype) + row_sum if st.low_exp else l_new + row_sum
+    st.l[..., r0:] = cast(l_new, config.stats_dtype)
+
+
+def _apply_p_scale(st: _ForwardState, p: torch.Tensor, s_minus_m: torch.Tensor) -> torch.Tensor:
+    """Step 6: P̄·S, by an exponent offset exp(fp32(s − m) + ln S) or a multiply (P̄ itself when S = 1)."""
+    config = st.config
+    if float(config.p_scale) == 1.0:
+        return p
+    if config.p_scale_mode is PScaleMode.EXPONENT_OFFSET:
+        return exp_fp32(s_minus_m + torch.tensor(math.log(float(config.p_scale)), dtype=torch.float32))
+    return p * st.p_scale
+
+
+def _cast_p_bar(st: _ForwardState, r0: int, j0: int, j1: int, alpha: torch.Tensor, p_scaled: torch.Tensor,
+                visible: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """Step 7: P̄_c = cast(P̄·S, p_dtype, rounding); counts the visible entries cast to exactly `one` (S) and
+    those flushed to 0, and shows the block to the observer."""
+    p_bar = cast(p_scaled, st.config.p_dtype, st.config.rounding, st.generator)  # (B, H, R, N)
+    st.p_one += ((p_bar == one) & visible).sum(dim=(-1, -2))
+    st.p_zeroed += ((p_scaled > 0) & (p_bar == 0) & visible).sum(dim=(-1, -2))
+    if st.observe is not None:
+        st.observe(BlockCast(r0=r0, j0=j0, j1=j1, alpha=alpha, p_scaled=p_scaled, p_cast=p_bar, visible=visible))
+    return p_bar
+
+
+def _accumulate_pv(st: _ForwardState, block: _Block) -> None:
+    """Step 8: acc = mm(P̄_c, V_j, acc=cast(α·acc, rescale_dtype)) with an fp32 accumulator, or
+    cast(cast(α·acc) + cast(P̄_c V_j, pv_dtype), pv_dtype) for a lower pv_dtype; then m = m_new."""
+    config, r0 = st.config, block.r0
+    acc_scaled = cast(block.alpha * st.acc[..., r0:, :], config.rescale_dtype, config.rounding, st.generator)
+    compiled = st.compiled is not None
+    pv = dict(band=Band(k_hi=block.sees) if compiled else None,  # P̄ of a key the row cannot see is 0
+              finite_operands=compiled and fused.p_bar_bounded(config), mma_k=config.mma_k)
+    args = (block.p_bar, st.v[..., block.j0:block.j1, :], config.accumulation, config.gpu,
+            wider(config.p_dtype, config.input_dtype))
+    if config.pv_dtype is Precision.FP32:
+        st.acc[..., r0:, :] = mm(*args, acc=acc_scaled, **pv)
+    else:
+        product = cast(mm(*args, **pv), config.pv_dtype, config.rounding, st.generator)
+        st.acc[..., r0:, :] = cast(acc_scaled + product, config.pv_dtype, config.rounding, st.generator)
+    if block.m_new is not None:
+        st.m[..., r0:] = block.m_new
+
+
+def _epilogue(st: _ForwardState, split_part: bool) -> Forward:
+    """O = cast(acc / fp32(S·ℓ), o_dtype) (or acc · fp32(1/ℓ)), lse = m + log ℓ (the kernels' forms for exp2),
+    the lane partials of ℓ reduced first; rows with no allowed key get O = 0. A split part keeps O in fp32
+    and its lse -inf where ℓ = 0."""
+    config = st.config
     if config.row_sum is RowSum.LANES_FMA:
-        l = kernel_ops.reduce_lane_pairs(l)
-    elif lanes:
-        l = kernel_ops.reduce_lanes(l)
+        l = kernel_ops.reduce_lane_pairs(st.l)
+    elif st.lanes:
+        l = kernel_ops.reduce_lanes(st.l)
+    else:
+        l = st.l
     if config.normalize is Normalize.RECIPROCAL:
-        o32 = acc * kernel_ops.reciprocal(l).unsqueeze(-1)
+        o32 = st.acc * kernel_ops.reciprocal(l).unsqueeze(-1)
     else:
-        o32 = acc / (S_t * l).unsqueeze(-1)
-    if mask is not None or split_part:
+        o32 = st.acc / (st.p_scale * l).unsqueeze(-1)
+    if st.mask is not None or split_part:
         o32 = torch.where((l == 0).unsqueeze(-1), torch.zeros_like(o32), o32)  # rows with no allowed key
-    if base2:
-        lse = kernel_ops.kernel_lse(m_use, l, scale_f, c_log2, config.exp_form, config.lse_form,
-                                    config.exp_unit)
-    else:
-        lse = m_use + torch.log(l)
+    lse = _lse(st, l)
     if split_part:
         lse = torch.where(l == 0, torch.full_like(lse, _NEG_INF), lse)
-    o = o32 if split_part else cast(o32, config.o_dtype, config.rounding, generator)
-    stats = PBarStats(
-        repeated_max_rows=(tracker.count > 1).sum(dim=-1),
-        p_one_count=p_one if fused_block is None else fused_block.p_one.sum(dim=-1),
-        stabilized_rows=fired_any.sum(dim=-1),
-        p_zeroed=p_zeroed if fused_block is None else fused_block.p_zeroed.sum(dim=-1),
+    o = o32 if split_part else cast(o32, config.o_dtype, config.rounding, st.generator)
+    return Forward(o=o, lse=lse, stats=_stats(st))
+
+
+def _lse(st: _ForwardState, l: torch.Tensor) -> torch.Tensor:
+    """lse = fp32(m_use + fp32(log ℓ)), or as the exp2 kernels form it (kernel_ops.kernel_lse)."""
+    m_use = _shift_in_use(st.m)
+    if not st.base2:
+        return m_use + torch.log(l)
+    config = st.config
+    return kernel_ops.kernel_lse(m_use, l, torch.tensor(st.scale, dtype=torch.float32),
+                                 kernel_ops.scale_log2(st.scale), config.exp_form, config.lse_form, config.exp_unit)
+
+
+def _stats(st: _ForwardState) -> PBarStats:
+    """The P̄ statistics per (B, H): rows whose maximum is attained more than once, P̄ cast to exactly S,
+    rows where the stabilized rule fired, P̄ flushed to 0."""
+    B, H, T = st.m.shape
+    compiled = st.compiled
+    return PBarStats(
+        repeated_max_rows=(st.tracker.count > 1).sum(dim=-1),
+        p_one_count=st.p_one if compiled is None else compiled.p_one.sum(dim=-1),
+        stabilized_rows=st.fired.sum(dim=-1),
+        p_zeroed=st.p_zeroed if compiled is None else compiled.p_zeroed.sum(dim=-1),
         rows=torch.full((B, H), T, dtype=torch.int64),
     )
-    return Forward(o=o, lse=lse, stats=stats)
 
 
 def _add_row_sum(l: torch.Tensor, r0: int, alpha: torch.Tensor, p: torch.Tensor, config: ReplayConfig) -> None:

@@ -100,30 +100,9 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
         l = r // R
         i = r % R
         row = buf[l, i]
-        gi = row_base + i
-        # 1. scaled, masked scores; the block's row max and how often it is attained
-        b_max = neg_inf
-        b_count = 0
-        n_vis = min(max(gi - j0 + 1, 0), N) if causal else N  # keys j ≥ n_vis are causally masked
-        for j in range(n_vis, N):
-            row[j] = neg_inf
-        for j in range(n_vis):
-            x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
-            x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
-            if has_mask:
-                if mask_bool:
-                    if mask[l, i, j] == 0:
-                        x = neg_inf
-                else:
-                    x = round_ne(np.float32(x + mask[l, i, j]), s_man, s_emin, s_max, s_sat)
-            row[j] = x
-            if x > b_max:
-                b_max = x
-                b_count = 1
-            elif x == b_max:
-                b_count += 1
-        if b_max == neg_inf:
-            b_count = 0
+        n_vis = min(max(row_base + i - j0 + 1, 0), N) if causal else N  # keys j ≥ n_vis are causally masked
+        b_max, b_count = _row_scores(row, mask[l, i] if has_mask else mask[0, 0], n_vis, has_mask, mask_bool,
+                                     scale, s_man, s_emin, s_max, s_sat)
         old_max = trk_max[l, i]
         if b_max > old_max:
             trk_count[l, i] = b_count
@@ -131,78 +110,123 @@ def _forward_block(buf, mask, has_mask, mask_bool, scale, row_base, j0, causal,
             trk_count[l, i] += b_count
         trk_max[l, i] = max(old_max, b_max)
         sees_key = b_max > neg_inf
-        # 2. the shift rule on the scores as the loop sees them (masked = mask_value when visiting)
-        r_m = b_max if sees_key else (mask_value if visit else neg_inf)
+        r_m = b_max if sees_key else (mask_value if visit else neg_inf)  # the row max as the loop sees it
         m_prev = m[l, i]
-        if softmax == _STANDARD:
-            m_rule = max(m_prev, r_m)
-        elif softmax == _FIXED:
-            m_rule = max(m_prev, np.float32(r_m + offset))
-        else:
-            r_s = 0
-            if s_man >= 23:
-                for j in range(N):
-                    s = row[j]
-                    if visit and s == neg_inf:
-                        s = mask_value
-                    if np.float32(r_m - s) <= eps:
-                        r_s += 1
-            else:
-                threshold = round_ne(np.float32(r_m - eps), s_man, s_emin, s_max, s_sat)
-                for j in range(N):
-                    s = row[j]
-                    if visit and s == neg_inf:
-                        s = mask_value
-                    if s >= threshold:
-                        r_s += 1
-            repeated = r_s > 1
-            m_1 = np.float32(beta * r_m) if (r_m > 0 and repeated) else r_m
-            m_2 = np.float32(0.0) if (r_m < 0 and repeated) else m_1
-            if repeated and r_m != 0 and abs(r_m) < np.inf and sees_key:
-                fired[l, i] = True
-            m_rule = max(m_prev, m_2)
+        m_rule, repeated = _row_shift(row, r_m, m_prev, visit, mask_value, softmax, beta, eps, offset,
+                                      s_man, s_emin, s_max, s_sat)
+        if repeated and r_m != 0 and abs(r_m) < np.inf and sees_key:
+            fired[l, i] = True
         m_new = round_ne(m_rule, st_man, st_emin, st_max, st_sat)
         m_use = np.float32(0.0) if m_new == neg_inf else m_new
         alpha[l, i] = exp32(round_ne(np.float32(m_prev - m_use), st_man, st_emin, st_max, st_sat))
         m[l, i] = m_new
-        # 3. P̄ = exp(s − m), its scaled and cast forms, the counts (a −inf score gives P̄ = 0
-        # whatever the finite m and format; the causally masked keys are written as such)
-        n_one = 0
-        n_zeroed = 0
-        pb_row = pbar[l, i]
-        n_exp = N if visit else n_vis
-        if p_scale == 1.0 and not visit:  # the common case, in loops without branches (they vectorize)
-            for j in range(n_exp):
-                p = exp32(round_ne(np.float32(row[j] - m_use), sub_man, sub_emin, sub_max, sub_sat))
-                row[j] = p
-                pb_row[j] = round_ne(p, p_man, p_emin, p_max, p_sat)
-            for j in range(n_exp):  # a masked key has P̄ = 0 here, so the counts need no mask
-                n_one += np.int64(pb_row[j] == 1.0)
-                n_zeroed += np.int64((row[j] > 0) & (pb_row[j] == 0))
-        else:
-            for j in range(n_exp):
-                s = row[j]
-                visible = s != neg_inf
-                if visit and not visible:
-                    s = mask_value
-                sm = round_ne(np.float32(s - m_use), sub_man, sub_emin, sub_max, sub_sat)
-                p = exp32(sm)
-                if p_scale == 1.0:
-                    ps = p
-                elif exponent_offset:
-                    ps = exp32(np.float32(sm + ln_s))
-                else:
-                    ps = np.float32(p * p_scale)
-                pb = round_ne(ps, p_man, p_emin, p_max, p_sat)
-                row[j] = p
-                pb_row[j] = pb
-                n_one += np.int64(visible & (pb == p_scale))
-                n_zeroed += np.int64(visible & (ps > 0) & (pb == 0))
-        for j in range(n_exp, N):
-            row[j] = 0.0
-            pb_row[j] = 0.0
+        n_one, n_zeroed = _row_p_bar(row, pbar[l, i], N if visit else n_vis, m_use, visit, mask_value, p_scale,
+                                     exponent_offset, ln_s, sub_man, sub_emin, sub_max, sub_sat,
+                                     p_man, p_emin, p_max, p_sat)
         p_one[l, i] += n_one
         p_zeroed[l, i] += n_zeroed
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_scores(row, mask_row, n_vis, has_mask, mask_bool, scale, s_man, s_emin, s_max, s_sat):
+    """Step 1 of one row: s = cast(fp32(cast(S) · α)), masked (-inf beyond n_vis, bool mask; additive: cast(s +
+    mask)), written over the raw S; returns the row max and how often it is attained (0 when all masked)."""
+    neg_inf = np.float32(-np.inf)
+    b_max = neg_inf
+    b_count = 0
+    for j in range(n_vis, row.shape[0]):
+        row[j] = neg_inf
+    for j in range(n_vis):
+        x = round_ne(row[j], s_man, s_emin, s_max, s_sat)
+        x = round_ne(np.float32(x * scale), s_man, s_emin, s_max, s_sat)
+        if has_mask:
+            if mask_bool:
+                if mask_row[j] == 0:
+                    x = neg_inf
+            else:
+                x = round_ne(np.float32(x + mask_row[j]), s_man, s_emin, s_max, s_sat)
+        row[j] = x
+        if x > b_max:
+            b_max = x
+            b_count = 1
+        elif x == b_max:
+            b_count += 1
+    if b_max == neg_inf:
+        b_count = 0
+    return b_max, b_count
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_shift(row, r_m, m_prev, visit, mask_value, softmax, beta, eps, offset, s_man, s_emin, s_max, s_sat):
+    """Step 2 of one row (softmax.block_shift): the shift rule on the scores as the loop sees them (masked =
+    mask_value when visiting); returns (max(m_prev, shift), whether the block's max is repeated within ε)."""
+    if softmax == _STANDARD:
+        return max(m_prev, r_m), False
+    if softmax == _FIXED:
+        return max(m_prev, np.float32(r_m + offset)), False
+    neg_inf = np.float32(-np.inf)
+    r_s = 0
+    if s_man >= 23:
+        for j in range(row.shape[0]):
+            s = row[j]
+            if visit and s == neg_inf:
+                s = mask_value
+            if np.float32(r_m - s) <= eps:
+                r_s += 1
+    else:
+        threshold = round_ne(np.float32(r_m - eps), s_man, s_emin, s_max, s_sat)
+        for j in range(row.shape[0]):
+            s = row[j]
+            if visit and s == neg_inf:
+                s = mask_value
+            if s >= threshold:
+                r_s += 1
+    repeated = r_s > 1
+    m_1 = np.float32(beta * r_m) if (r_m > 0 and repeated) else r_m
+    m_2 = np.float32(0.0) if (r_m < 0 and repeated) else m_1
+    return max(m_prev, m_2), repeated
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_p_bar(row, pb_row, n_exp, m_use, visit, mask_value, p_scale, exponent_offset, ln_s,
+               sub_man, sub_emin, sub_max, sub_sat, p_man, p_emin, p_max, p_sat):
+    """Steps 4, 6 and 7 of one row: P̄ = exp(cast(s − m)) over row (in place), P̄·S and its cast into pb_row;
+    returns the counts of visible P̄ cast to exactly S and flushed to 0. A −inf score gives P̄ = 0 whatever
+    the finite m and format; keys from n_exp on are written as such."""
+    neg_inf = np.float32(-np.inf)
+    n_one = 0
+    n_zeroed = 0
+    if p_scale == 1.0 and not visit:  # the common case, in loops without branches (they vectorize)
+        for j in range(n_exp):
+            p = exp32(round_ne(np.float32(row[j] - m_use), sub_man, sub_emin, sub_max, sub_sat))
+            row[j] = p
+            pb_row[j] = round_ne(p, p_man, p_emin, p_max, p_sat)
+        for j in range(n_exp):  # a masked key has P̄ = 0 here, so the counts need no mask
+            n_one += np.int64(pb_row[j] == 1.0)
+            n_zeroed += np.int64((row[j] > 0) & (pb_row[j] == 0))
+    else:
+        for j in range(n_exp):
+            s = row[j]
+            visible = s != neg_inf
+            if visit and not visible:
+                s = mask_value
+            sm = round_ne(np.float32(s - m_use), sub_man, sub_emin, sub_max, sub_sat)
+            p = exp32(sm)
+            if p_scale == 1.0:
+                ps = p
+            elif exponent_offset:
+                ps = exp32(np.float32(sm + ln_s))
+            else:
+                ps = np.float32(p * p_scale)
+            pb = round_ne(ps, p_man, p_emin, p_max, p_sat)
+            row[j] = p
+            pb_row[j] = pb
+            n_one += np.int64(visible & (pb == p_scale))
+            n_zeroed += np.int64(visible & (ps > 0) & (pb == 0))
+    for j in range(n_exp, row.shape[0]):
+        row[j] = 0.0
+        pb_row[j] = 0.0
+    return n_one, n_zeroed
 
 
 class ForwardBlock:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from fa_forensics.numerics import exp2_fp32, exp_fp32, fma_fp32, libdevice, log_fp32, sfu
+from fa_forensics.numerics.elementary import LOG2E
 from fa_forensics.enums import ExpForm, ExpUnit, LseForm
 
 LANES = 4  # threads of an MMA quad that share one accumulator row
@@ -32,7 +33,7 @@ _PAIR = 2  # adjacent columns a thread holds in each 8-column MMA tile
 def scale_log2(scale: float) -> torch.Tensor:
     """c = fp32(α · log2 e), formed in double on the host as FlashAttention-2 sets `scale_softmax_log2`."""
     alpha = float(torch.tensor(scale, dtype=torch.float32))
-    return torch.tensor(alpha * math.log2(math.e), dtype=torch.float64).float()
+    return torch.tensor(alpha * LOG2E, dtype=torch.float64).float()
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def unit_functions(unit: ExpUnit) -> UnitFunctions:
     return _UNIT_FUNCTIONS[unit]
 
 
-_LOG2E = torch.tensor(math.log2(math.e), dtype=torch.float32)  # fp32(log2 e), the kernels' kLog2e
+_LOG2E = torch.tensor(LOG2E, dtype=torch.float32)  # fp32(log2 e), the kernels' kLog2e
 _SCALED_FORMS = (ExpForm.EXP2_SCALED, ExpForm.EXP2_SCALED_TWICE)
 _LN2 = torch.tensor(math.log(2.0), dtype=torch.float32)  # fp32(ln 2)
 

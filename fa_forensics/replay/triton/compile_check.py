@@ -47,6 +47,14 @@ def compile_all(arch: int = 90) -> list[str]:
         done.append(f"{fn.__name__:14s} {label}: sm_{arch} ok ({len(ptx)} chars of PTX, {bf16_roundings(ptx)} bf16 "
                     "roundings)")
 
+    _build_forward(build, tl, kernels)
+    _build_delta(build, tl, kernels)
+    _build_backward(build, tl, kernels)
+    return done
+
+
+def _build_forward(build, tl, kernels) -> None:
+    """The forward kernel's variants: bf16 hardware and paper recipes, stabilized, autocast, fp8 P."""
     fwd_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "STATS": "*i32",
                "T": "i32", "H": "i32", "scale": "fp32", "beta": "fp32", "eps": "fp32", "offset": "fp32",
                "p_scale": "fp32", "log2_p_scale": "fp32"}
@@ -68,6 +76,10 @@ def compile_all(arch: int = 90) -> list[str]:
     for mode in ("exponent-offset", "multiply"):
         build(kernels.attn_fwd, fp8_sig, base | dict(P_DTYPE=tl.float8e4nv, DOT_PV_DTYPE=tl.float32, O_DTYPE=tl.float32,
                                                      P_SCALED=True, P_SCALE_MODE=mode), f"fp8 P, S via {mode}")
+
+
+def _build_delta(build, tl, kernels) -> None:
+    """The δ kernel, for each δ source (and dp-p on bf16 scores)."""
     delta_sig = {"O": "*bf16", "DO": "*bf16", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "LSE": "*fp32",
                  "DELTA": "*fp32", "T": "i32", "scale": "fp32"}
     for source in ("o", "dp-p", "o-recomputed"):
@@ -77,6 +89,10 @@ def compile_all(arch: int = 90) -> list[str]:
     build(kernels.attn_delta, delta_sig,
           dict(D=64, BLOCK_D=64, BLOCK_M=32, BLOCK_N=64, CAUSAL=True, DELTA_SOURCE="dp-p",
                                               S_DTYPE=tl.bfloat16), "δ from dp-p, bf16 S")
+
+
+def _build_backward(build, tl, kernels) -> None:
+    """The dK/dV and dQ kernels, on fp32 and bf16 scores."""
     bwd = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}
     dkdv_sig = bwd | {"DK": "*fp32", "DV": "*fp32", "T": "i32", "scale": "fp32", "p_scale": "fp32"}
     dq_sig = bwd | {"DQ": "*fp32", "T": "i32", "scale": "fp32"}
@@ -87,7 +103,6 @@ def compile_all(arch: int = 90) -> list[str]:
                            DOT_DS_DTYPE=tl.bfloat16, S_DTYPE=s_dtype), f"bf16 dS, {s_label}")
         build(kernels.attn_bwd_dq, dq_sig, tiles | dict(DS_DTYPE=tl.float32, DOT_DS_DTYPE=tl.float32, S_DTYPE=s_dtype),
               f"fp32 dS (ieee dot), {s_label}")
-    return done
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fa_forensics.numerics.elementary import LOG2E
+
+_LOG2E = tl.constexpr(LOG2E)  # log2 e as the kernels' exp(x) = exp2(x · log2 e) reads it
 
 
 @triton.jit
@@ -63,10 +66,10 @@ def _row_shift(s, m_i, beta, eps, offset, SOFTMAX: tl.constexpr, S_DTYPE: tl.con
 def _scaled_p(s_minus_m, p_scale, log2_p_scale, P_SCALED: tl.constexpr, P_SCALE_MODE: tl.constexpr):
     """P = exp(s − m) in fp32 and S·P as it is rounded by the P̄ cast (fp8 P scale S);
     s_minus_m (BLOCK_M, BLOCK_N) is the (already rounded) difference x = s − m."""
-    p = tl.exp2(s_minus_m * 1.4426950408889634)  # (BLOCK_M, BLOCK_N) fp32, unscaled
+    p = tl.exp2(s_minus_m * _LOG2E)  # (BLOCK_M, BLOCK_N) fp32, unscaled
     if P_SCALED:
         if P_SCALE_MODE == "exponent-offset":  # FlashAttention-3: exp2(x·log2 e + log2 S)
-            p_s = tl.exp2(s_minus_m * 1.4426950408889634 + log2_p_scale)
+            p_s = tl.exp2(s_minus_m * _LOG2E + log2_p_scale)
         else:  # FlashInfer: exp2(x·log2 e) · S
             p_s = p * p_scale
     else:
@@ -170,7 +173,7 @@ def attn_fwd(
         m_new = m_new.to(STATS_DTYPE).to(tl.float32)
         fired_any = fired_any | fired.to(tl.int32)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        r = tl.exp2((m_i - m_sub).to(STATS_DTYPE).to(tl.float32) * 1.4426950408889634)  # rescale of ℓ, acc
+        r = tl.exp2((m_i - m_sub).to(STATS_DTYPE).to(tl.float32) * _LOG2E)  # rescale of ℓ, acc
         s_minus_m = (s - m_sub[:, None]).to(SUB_DTYPE).to(tl.float32)  # (BLOCK_M, BLOCK_N)
         p, p_s = _scaled_p(s_minus_m, p_scale, log2_p_scale, P_SCALED, P_SCALE_MODE)
         l_i = (l_i * r + tl.sum(p.to(L_SUM_DTYPE), 1).to(tl.float32)).to(STATS_DTYPE).to(tl.float32)
@@ -281,7 +284,7 @@ def attn_delta(
             k = tl.load(K + base + offs_n[:, None] * D + offs_d[None, :], mask=nd, other=0.0)
             v = tl.load(V + base + offs_n[:, None] * D + offs_d[None, :], mask=nd, other=0.0)
             s, lse_sub = _recompute_s(q, k, lse, offs_m, offs_n, T, scale, CAUSAL, S_DTYPE)
-            p = tl.exp2((s - lse_sub[:, None]) * 1.4426950408889634)  # (BLOCK_M, BLOCK_N) fp32
+            p = tl.exp2((s - lse_sub[:, None]) * _LOG2E)  # (BLOCK_M, BLOCK_N) fp32
             if DELTA_SOURCE == "dp-p":
                 dp = tl.dot(do, tl.trans(v), input_precision="ieee")
                 delta = _row_dot(dp, p, delta, BLOCK_M)
@@ -334,7 +337,7 @@ def attn_bwd_dkdv(
         lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
         s, lse_sub = _recompute_s(q, k, lse, offs_m, offs_n, T, scale, CAUSAL, S_DTYPE)  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2((s - lse_sub[:, None]) * 1.4426950408889634)
+        p = tl.exp2((s - lse_sub[:, None]) * _LOG2E)
         if P_SCALED:
             p_bar = (p * p_scale).to(P_DTYPE).to(DOT_DV_DTYPE)
         else:
@@ -383,7 +386,7 @@ def attn_bwd_dq(
         k = tl.load(K + base + offs_n[:, None] * D + offs_d[None, :], mask=nd, other=0.0)
         v = tl.load(V + base + offs_n[:, None] * D + offs_d[None, :], mask=nd, other=0.0)
         s, lse_sub = _recompute_s(q, k, lse, offs_m, offs_n, T, scale, CAUSAL, S_DTYPE)
-        p = tl.exp2((s - lse_sub[:, None]) * 1.4426950408889634)
+        p = tl.exp2((s - lse_sub[:, None]) * _LOG2E)
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = (p * (dp - delta[:, None])).to(DS_DTYPE).to(DOT_DS_DTYPE)
         dq = tl.dot(ds, k.to(DOT_DS_DTYPE), dq, input_precision="ieee")

@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fa_forensics.numerics.elementary import LOG2E
+
+_LOG2E = tl.constexpr(LOG2E)
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -72,8 +75,8 @@ def monitor_rows(Q, K, ROWS, ROWMAX, NEAR, ONES, ROWSUM, T, Tk, H, n_rows, scale
         s = _scores(q, K, k_base, offs_m, offs_n, offs_d, T, Tk, scale, D, CAUSAL, SCORE_DTYPE, DOT_PRECISION)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        ell = ell * tl.exp2((m - m_sub) * 1.4426950408889634) + tl.sum(
-            tl.exp2((s - m_sub[:, None]) * 1.4426950408889634), 1)
+        ell = ell * tl.exp2((m - m_sub) * _LOG2E) + tl.sum(
+            tl.exp2((s - m_sub[:, None]) * _LOG2E), 1)
         m = m_new
     out = bh * n_rows + i
     if COUNTS:
@@ -84,7 +87,7 @@ def monitor_rows(Q, K, ROWS, ROWMAX, NEAR, ONES, ROWSUM, T, Tk, H, n_rows, scale
             s = _scores(q, K, k_base, offs_m, offs_n, offs_d, T, Tk, scale, D, CAUSAL, SCORE_DTYPE, DOT_PRECISION)
             d = s - m[:, None]  # NaN for a row with no visible key: never near, never 1
             near += tl.sum((d >= -eps).to(tl.int32), 1)
-            p_bar = tl.exp2(d * 1.4426950408889634).to(P_DTYPE).to(tl.float32)
+            p_bar = tl.exp2(d * _LOG2E).to(P_DTYPE).to(tl.float32)
             ones += tl.sum((p_bar == 1.0).to(tl.int32), 1)
         tl.store(NEAR + out, near, mask=row_ok)
         tl.store(ONES + out, ones, mask=row_ok)

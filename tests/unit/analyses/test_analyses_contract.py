@@ -8,6 +8,8 @@ from typer.testing import CliRunner
 from fa_forensics.layers import checks, selection
 from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.enums import Backend
+from fa_forensics.analyses.jsonable import to_jsonable
+from fa_forensics.fidelity.match import LayerFidelity
 from fa_forensics.fidelity.recipe import Recipe, lp_config_for
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
@@ -46,7 +48,9 @@ def test_layer_check_warnings_reach_the_result_and_its_json(planted_dump, odd_he
     d = delta_bias.payload(r)
     assert d["warnings"] == ["step 1 layer 0: head 1 selected"]
     fid = d["replay_fidelity"]  # the planted O is the bf16 replay: auto finds it, reproduced in full
-    assert fid["preset"] == "bf16" and fid["o_bits_equal"] == 1.0 and fid["per_layer"] == [
+    assert fid.preset == "bf16" and fid.o_bits_equal == 1.0 and fid.per_layer == (
+        LayerFidelity(step=1, layer=0, preset="bf16", accumulation="ieee", o_bits_equal=1.0),)
+    assert to_jsonable(fid)["per_layer"] == [  # the JSON keeps its keys
         {"step": 1, "layer": 0, "preset": "bf16", "accumulation": "ieee", "o_bits_equal": 1.0}]
     assert (d["preset"], d["accumulation"], d["backend"]) == ("auto", "auto", "emulate")
     assert d["per_step"][0].head == 1 and d["total"]["delta_err_sum"] > 0  # the planted head's positive bias

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from fa_forensics.analyses.delta_bias.compute import delta_bias_layers, delta_error, feature_contributions
+from fa_forensics.analyses.delta_bias.compute import delta_bias_layers, feature_contributions
+from fa_forensics.analyses.primitives import delta_error
 from fa_forensics.layers.selection import LayerTensors
 
 

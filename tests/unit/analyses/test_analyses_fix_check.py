@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from fa_forensics.analyses.fix_check.compute import (
-    fix_variants, max_p_bar_in_repeated_rows, measure_variant, scores_fp32, summarize_fix,
+    fix_variants, max_p_bar_in_repeated_rows, measure_variant, summarize_fix,
 )
+from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.replay import ReplayConfig, replay
 
 FEATURE = 3

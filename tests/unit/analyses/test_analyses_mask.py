@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fa_forensics.analyses.fix_check.compute import max_p_bar_in_repeated_rows, scores_fp32
+from fa_forensics.analyses.fix_check.compute import max_p_bar_in_repeated_rows
+from fa_forensics.analyses.primitives import attention_probs, scores_fp32
 from fa_forensics.analyses.pv_trace.compute import p_bar_rows, repeated_max_rows
-from fa_forensics.analyses.rank1_sim.compute import attention_probs
 from fa_forensics.layers.selection import mask_of
 from fa_forensics.replay.config import ReplayConfig
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from fa_forensics.analyses.fix_check.compute import fix_variants, scores_fp32
+from fa_forensics.analyses.fix_check.compute import fix_variants
+from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.analyses.isolate.compute import isolate_layers, variants
 from fa_forensics.analyses.pv_trace.compute import p_bar_row, repeated_max_rows, trace_pv
 from fa_forensics.dump import open_dump
@@ -97,7 +98,7 @@ def test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias():
 
 
 def test_bf16_row_sum_is_the_rest_of_the_autocast_delta_bias():
-    from fa_forensics.analyses.delta_bias.compute import delta_of
+    from fa_forensics.analyses.primitives import delta_of
     from fa_forensics.fidelity.recipe import hp_config
     from fa_forensics.layers.selection import replay_layer
 

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
+from fa_forensics.analyses.primitives import attention_probs
 from fa_forensics.analyses.rank1_sim.compute import (
-    attention_probs, column_weights, effective_rank, gradient_error, growth_exponent, rank1_cosines, rank1_sim_layers,
+    column_weights, effective_rank, gradient_error, growth_exponent, rank1_cosines, rank1_sim_layers,
 )
 from test_analyses_delta_bias import planted_layer
 

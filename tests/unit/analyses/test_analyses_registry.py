@@ -1,10 +1,16 @@
 """The registry of analyses is the one place an analysis is declared: the CLI's commands and the report's
 sections are generated from it, and its --json keys are what the analyses really write."""
+import typing
+
+import pytest
 import typer.main
+
+from fa_forensics.analyses.payloads import PcastSimulationPayload, TimelinePayload, keys_of
 
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.analyses.registry import ANALYSES, BY_NAME, REPORTED
+from fa_forensics.layers.fanout import Workers
 from fa_forensics.layers.selection import select
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
@@ -53,15 +59,33 @@ def test_an_option_check_refuses_in_one_line_naming_the_flag():
     assert beta.problem(0.5) == "--beta 0.5 must be > 1 (the paper uses 2 to 8)"
 
 
-def test_registered_json_keys_are_the_payload_keys_of_a_real_run(planted_dump):
+@pytest.mark.parametrize("name", [a.name for a in REPORTED if a.name not in ("isolate", "timeline")])
+def test_registered_json_keys_are_the_payload_keys_of_a_real_run(planted_dump, name):
+    """Every reported analysis, run as the report runs it on the planted dump: its payload has exactly the keys of
+    its payload type (analyses/payloads.py), in order, and the registry's key list is that type's plus `figures`.
+    isolate's written JSON is checked where the planted head is isolated once (tests/cli/test_cli_isolate.py), and
+    timeline (it needs a monitored run, which the planted dump is not) on a monitored capture
+    (tests/cli/test_cli_timeline.py)."""
+    analysis = BY_NAME[name]
     dump = open_dump(planted_dump)
-    pcast = BY_NAME["pcast"]
-    sels = select(dump, dump.steps[-1], 0, 1)
-    result = pcast.report_run(dump, sels, Recipe("bf16"), Backend.EMULATE, None)
-    assert [*pcast.payload(result), "figures"] == list(pcast.json_keys)
-    delta_bias = BY_NAME["delta-bias"]
-    result = delta_bias.compute(dump, select(dump, 1, 0, 1), Recipe("bf16"), Backend.EMULATE, **delta_bias.defaults())
-    assert [*delta_bias.payload(result), "figures"] == list(delta_bias.json_keys)
+    result = analysis.report_run(dump, select(dump, 1, 0, 1), Recipe("bf16"), Backend.EMULATE, Workers())
+    payload = analysis.payload(result)
+    payload_type = typing.get_type_hints(analysis.module("compute").payload)["return"]
+    assert typing.is_typeddict(payload_type)
+    assert list(payload) == list(payload_type.__annotations__)
+    assert list(analysis.json_keys) == [*payload, "figures"]
+
+
+def test_json_keys_follow_the_payload_type():
+    """The registry's key lists are derived from the payload types: a key added to a type is a key of the list."""
+    class Probe(typing.TypedDict):
+        first: int
+        second: str
+
+    assert keys_of(Probe) == ("first", "second")
+    assert keys_of(Probe, then=("figures",)) == ("first", "second", "figures")
+    assert BY_NAME["timeline"].json_keys == keys_of(TimelinePayload, then=("figures",))
+    assert BY_NAME["pcast"].other_json_keys["simulation"][:-2] == keys_of(PcastSimulationPayload)
 
 
 def test_registered_json_keys_of_the_other_modes_are_what_they_write(tmp_path):

@@ -134,21 +134,21 @@ def test_the_sign_test_tells_unbiased_from_biased_mismatches(make_dump):
     noisy = _bumped(t.o, where, random_signs)
     assert (ulp_difference(noisy, replayed).abs() <= 1).all()
     fair = sign_test([tally(0, 0, sel.heads, replayed, noisy)], ALPHA)
-    assert not fair["biased"] and fair["verdict"].startswith("the mismatches are unbiased (p = ")
-    assert fair["n_mismatched"] == int(where.sum()) and set(fair["ulp_histogram"]) == {"-1", "+1"}
+    assert not fair.biased and fair.verdict.startswith("the mismatches are unbiased (p = ")
+    assert fair.n_mismatched == int(where.sum()) and set(fair.ulp_histogram) == {"-1", "+1"}
 
     feature = torch.zeros_like(where)
     feature[..., 5] = True  # in feature 5 a third of the elements mismatch, every one upwards (stored > replayed)
     where = where | (feature & (torch.rand(t.o.shape, generator=g) < 0.3))
     skewed = _bumped(t.o, where, torch.where(feature, positive, random_signs))
     biased = sign_test([tally(0, 0, sel.heads, replayed, skewed)], ALPHA)
-    assert biased["biased"] and biased["worst"]["feature"] == 5 and biased["worst"]["share_positive"] == 1.0
-    assert "do not trust the bias findings" in biased["verdict"] and biased["p_feature"] < ALPHA
+    assert biased.biased and biased.worst.feature == 5 and biased.worst.share_positive == 1.0
+    assert "do not trust the bias findings" in biased.verdict and biased.p_feature < ALPHA
 
     thin = _bumped(t.o, torch.rand(t.o.shape, generator=g) < 0.03, positive)  # every mismatch upwards, few per feature
     overall = sign_test([tally(0, 0, sel.heads, replayed, thin)], ALPHA)
-    assert overall["biased"] and overall["p_feature"] >= ALPHA / 2 and overall["p_pooled"] < 1e-10
-    assert overall["verdict"].startswith("the mismatches are biased overall (p = ")
+    assert overall.biased and overall.p_feature >= ALPHA / 2 and overall.p_pooled < 1e-10
+    assert overall.verdict.startswith("the mismatches are biased overall (p = ")
 
     assert sign_test([tally(0, 0, sel.heads, replayed, t.o)], ALPHA) is None  # nothing mismatches: nothing to test
 
@@ -160,8 +160,9 @@ def test_layers_that_differ_only_in_accumulation_name_the_preset(make_dump):
     recipe = Recipe(choices=(((0, 0), Choice("bf16", Accumulation.IEEE, 1.0)),
                              ((1, 0), Choice("bf16", Accumulation.TENSOR_CORE, 1.0))))
     fid = fidelity(dump, sels, recipe, alpha=ALPHA)
-    assert (fid["preset"], fid["accumulation"]) == ("bf16", "per layer")
-    assert fid["run_precision"] == "bf16" and fid["verifiable"]
+    assert (fid.preset, fid.accumulation) == ("bf16", "per layer")
+    assert fid.run_precision == "bf16" and fid.verifiable
+    assert [(p.step, p.accumulation) for p in fid.per_layer] == [(0, "ieee"), (1, "tensor-core")]
 
 
 def test_facts_are_read_defensively(make_dump):

@@ -107,7 +107,7 @@ def test_a_store_held_by_a_writer_is_analysed_and_not_written(make_dump, counted
     path = make_dump(steps=(0,), seq=32, head_dim=16)
     with StoreLock(path).acquire():
         r = delta_bias.run(open_dump(path), select(open_dump(path)), Recipe())
-    assert r.replay_fidelity["preset"] == "bf16" and len(counted_matches) == 1
+    assert r.replay_fidelity.preset == "bf16" and len(counted_matches) == 1
     assert CACHE_ATTR not in open_dump(path)._layer(0, 0).attrs
 
 

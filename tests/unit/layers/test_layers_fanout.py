@@ -77,7 +77,7 @@ def _payloads(dump, sels, workers):
     from fa_forensics.analyses.isolate import compute as isolate
     from fa_forensics.analyses.pv_trace import compute as pv_trace
     from fa_forensics.analyses.rank1_sim import compute as rank1_sim
-    from fa_forensics.analyses.contract import to_jsonable
+    from fa_forensics.analyses.jsonable import to_jsonable
     from fa_forensics.fidelity.recipe import Recipe
 
     runs = {
