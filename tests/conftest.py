@@ -24,51 +24,9 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(1)
 
 
-# The fast loop (`python -m pytest -q -m "not slow"`, docs/developing.md) leaves out what runs real training
-# or Triton's interpreter, and the CLI files whose tests start training scripts or worker processes. CI runs all.
-SLOW_DIRECTORIES = ("integration", "triton")
-SLOW_FILES = (
-    "cli/test_alarm_options.py",
-    "cli/test_capture_cli.py",
-    "cli/test_capture_custom_cli.py",
-    "cli/test_dask_cluster.py",
-    "cli/test_fanout.py",
-    "cli/test_hostile.py",
-    "cli/test_monitor_cli.py",
-    "cli/test_monitor_failures.py",
-    "cli/test_optional_extras.py",
-    "cli/test_cli_isolate.py",  # its module fixture runs isolate on the planted dump (≈ 10 s of CPU)
-)
-# single tests of about 3 s of CPU or more (measured with --durations); a parametrized one by its full id
-SLOW_TESTS = (
-    "test_isolate_keeps_the_input_cast_out_of_the_kernel_verdict",
-    "test_replay_runs_the_kernel_backward_on_its_own_forward[flash-attention-2]",
-    "test_the_avx2_register_tiles_equal_the_torch_kernels",
-    "test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties[p_scale=256.0,p_scale_mode=multiply,"
-    "p_dtype=fp8_e4m3]",
-    "test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties[softmax=stabilized]",
-    "test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias",
-    "test_fp32_replay_under_a_mask_is_sdpa[bool]",
-    "test_error_after_the_progress_bar_started_is_still_one_line",
-    "test_real_flex_attention_block_mask_and_score_mod",
-    "test_simulation_mode_json_keys_and_figures",
-    "test_exp_one_threshold_is_exact_for_the_correctly_rounded_exp",
-    "test_match_names_cudnn_and_its_tile_on_the_training_capture",
-    "test_timeline_prints_table_writes_figures_and_json",
-    "test_a_dump_holding_only_a_timeline_gets_a_report_led_by_it",
-    "test_rank1_figure_without_gradient_error_raises_no_log_scale_warning",
-    "test_report_every_rank_writes_one_report_per_rank",
-    "test_every_reader_takes_rank_and_says_the_store_holds_several[report]",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    here = Path(__file__).resolve().parent
-    for item in items:
-        where = Path(str(item.fspath)).resolve().relative_to(here)
-        if (where.parts[0] in SLOW_DIRECTORIES or where.as_posix() in SLOW_FILES
-                or item.name in SLOW_TESTS or item.originalname in SLOW_TESTS):
-            item.add_marker(pytest.mark.slow)
+# Slow tests (real training, Triton's interpreter, subprocesses, about 3 s of CPU or more) are marked where they are
+# defined: `pytestmark = pytest.mark.slow` in a file, `@pytest.mark.slow` on a test, a directory's conftest.py for
+# tests/integration and tests/triton. The fast loop (`python -m pytest -q -m "not slow"`) leaves them out; CI runs all.
 
 
 PLANTED_DUMP = REPO / "sample_dumps" / "planted.zarr"

@@ -53,7 +53,8 @@ class IncompleteStepWarning(UserWarning):
     """A step of the dump was cut off (no `complete` flag) or is damaged; it is skipped."""
 
 
-def _fmt(values: Iterable[Any], limit: int = 12) -> str:
+def _listed(values: Iterable[Any], limit: int = 12) -> str:
+    """Steps, layers or names for a message: the first `limit`, comma-separated, and how many in all."""
     values = list(values)
     if not values:
         return "none"
@@ -155,7 +156,7 @@ class Dump:
         cut = [s for s in self.incomplete_steps if s not in self.damage] if self.steps else []
         if cut:
             warnings.warn(
-                f"{self.path}: step(s) {_fmt(cut)} are incomplete (cut off while writing) and are skipped",
+                f"{self.path}: step(s) {_listed(cut)} are incomplete (cut off while writing) and are skipped",
                 IncompleteStepWarning,
                 stacklevel=3,
             )
@@ -167,7 +168,7 @@ class Dump:
         steps = list(self.damage) if steps is None else steps
         problems = [d for s in steps for d in self.damage[s]]
         more = len(problems) - 1
-        return (f"{problems[0].line(self.path)}; step(s) {_fmt(steps)} are damaged and are skipped"
+        return (f"{problems[0].line(self.path)}; step(s) {_listed(steps)} are damaged and are skipped"
                 + (f" ({more} more problem(s): `fa-forensics verify {self.path}` lists them)" if more else ""))
 
     def _rank_tree(self, rank: int) -> zarr.Group:
@@ -177,7 +178,7 @@ class Dump:
             return self._root
         if rank_key(rank) not in root_keys:
             have = sorted({0, *ranks})
-            raise UnknownRank(rank, self.path, _fmt(have))
+            raise UnknownRank(rank, self.path, _listed(have))
         try:
             read_metadata(self.path / rank_key(rank))
             return child_group(self._root, rank_key(rank))
@@ -250,11 +251,11 @@ class Dump:
         if step in self._step_groups:
             return self._step_groups[step]
         if step in self.damage:
-            raise DumpError(f"{self._damage_line([step])}; whole steps: {_fmt(self.steps)}")
+            raise DumpError(f"{self._damage_line([step])}; whole steps: {_listed(self.steps)}")
         if step in self.incomplete_steps:
             raise DumpError(f"step {step} in {self.path} is incomplete (cut off while writing); complete steps: "
-                            f"{_fmt(self.steps)}")
-        raise DumpError(f"step {step} is not in {self.path}; complete steps: {_fmt(self.steps)}")
+                            f"{_listed(self.steps)}")
+        raise DumpError(f"step {step} is not in {self.path}; complete steps: {_listed(self.steps)}")
 
     def step_attrs(self, step: int) -> dict[str, Any]:
         """The step's attributes: step, complete, loss (if recorded), ..."""
@@ -279,7 +280,7 @@ class Dump:
             lk = layer_key(layer)
             if lk not in sg:
                 raise DumpError(f"layer {layer} is not in step {step} of {self.path}; layers: "
-                                f"{_fmt(self.layers(step))}")
+                                f"{_listed(self.layers(step))}")
             self._layer_groups[key] = child_group(sg, lk)
         return self._layer_groups[key]
 
@@ -292,8 +293,8 @@ class Dump:
             missing = [n for n in listed if n not in present]
             if missing:
                 raise DumpError(
-                    f"step {step} layer {layer} of {self.path} lists array(s) {_fmt(missing)} that are missing from "
-                    f"the store (damaged dump; present: {_fmt(present)}); re-capture or re-import it"
+                    f"step {step} layer {layer} of {self.path} lists array(s) {_listed(missing)} that are missing from "
+                    f"the store (damaged dump; present: {_listed(present)}); re-capture or re-import it"
                 )
             self._checked.add((int(step), int(layer)))
         return present
@@ -311,7 +312,7 @@ class Dump:
         names = self._array_names(step, layer)
         if name not in names:
             raise DumpError(f"array '{name}' is not in step {step} layer {layer} of {self.path}; arrays there: "
-                            f"{_fmt(names)}")
+                            f"{_listed(names)}")
         return bounded(child_array(self._layer(step, layer), name))
 
     def layer_info(self, step: int, layer: int) -> LayerInfo:
@@ -357,12 +358,13 @@ class Dump:
         if isinstance(heads, slice):
             wanted = have[heads]
             if not wanted:
-                raise DumpError(f"head selection {heads.start}:{heads.stop} is empty for {where} (heads: {_fmt(have)})")
+                raise DumpError(f"head selection {heads.start}:{heads.stop} is empty for {where} "
+                                f"(heads: {_listed(have)})")
             return [have.index(h) for h in wanted]
         wanted = _as_list(heads)
         bad = [h for h in wanted if h not in have]
         if bad:
-            raise DumpError(f"head {_fmt(bad)} not in {where}; heads stored: {_fmt(have)}")
+            raise DumpError(f"head {_listed(bad)} not in {where}; heads stored: {_listed(have)}")
         return [have.index(h) for h in wanted]
 
     # -- values ---------------------------------------------------------------------------
@@ -410,7 +412,7 @@ class Dump:
         idx = _as_list(sel)
         bad = [i for i in idx if not 0 <= i < size]
         if bad:
-            raise DumpError(f"{what} {_fmt(bad)} not in {where}; it has {size} {what}s: 0..{size - 1}")
+            raise DumpError(f"{what} {_listed(bad)} not in {where}; it has {size} {what}s: 0..{size - 1}")
         return idx
 
     # -- selections and summaries ---------------------------------------------------------
@@ -437,15 +439,15 @@ class Dump:
                     head_list = have
                 bad = [h for h in head_list if h not in have]
                 if bad:
-                    raise DumpError(f"head {_fmt(bad)} not in step {s} layer {l} of {self.path}; heads stored: "
-                                    f"{_fmt(have)}")
+                    raise DumpError(f"head {_listed(bad)} not in step {s} layer {l} of {self.path}; heads stored: "
+                                    f"{_listed(have)}")
                 out.append((s, l, head_list))
         return out
 
     def _no_whole_step(self) -> str:
         if self.damage:
             return f"{self._damage_line()}; {self.path} has no whole step, re-capture it"
-        return f"{self.path} has no complete step (incomplete: {_fmt(self.incomplete_steps)}); re-capture it"
+        return f"{self.path} has no complete step (incomplete: {_listed(self.incomplete_steps)}); re-capture it"
 
     @property
     def ground_truth(self) -> dict[str, Any] | None:

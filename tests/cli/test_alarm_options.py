@@ -13,6 +13,8 @@ from fa_forensics.cli import app
 
 from test_monitor_cli import SCRIPT  # the unmodified training script with planted ties from step tie_from on
 
+pytestmark = pytest.mark.slow  # starts monitored training scripts
+
 runner = CliRunner()
 STEPS, TIE_FROM = 20, 12
 

@@ -13,6 +13,8 @@ from fa_forensics.capture.command_line import rewrite_command
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import UserError
 
+pytestmark = pytest.mark.slow  # starts training scripts under capture
+
 # An unmodified training script: nothing in it knows about fa-forensics. It binds SDPA at import
 # time (the launcher patches before the script runs), runs an eval forward under no_grad each
 # iteration (never recorded), and trains with bf16 autocast. It saves what training computed.

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from fa_forensics.dump import open_dump
+
+pytestmark = pytest.mark.slow  # starts training scripts under capture
 
 SCRIPT = Path(__file__).resolve().parents[1] / "data" / "custom_attention" / "train_tiny.py"
 

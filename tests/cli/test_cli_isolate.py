@@ -10,6 +10,8 @@ from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 
+pytestmark = pytest.mark.slow  # its module fixture runs isolate on the planted dump (about 10 s of CPU)
+
 DEMO = Path(__file__).resolve().parents[2] / "sample_dumps" / "demo.zarr"
 runner = CliRunner()
 

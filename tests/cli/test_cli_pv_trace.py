@@ -81,6 +81,7 @@ def test_p_scale_preset_is_refused_in_one_line():
     assert res.exit_code == 2 and "fp8-s1" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_error_after_the_progress_bar_started_is_still_one_line():
     import subprocess
     import sys

@@ -40,6 +40,7 @@ def monitored(tmp_path_factory):
     return out, losses
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
     out, losses = monitored
     figs, js = tmp_path / "figs", tmp_path / "t.json"

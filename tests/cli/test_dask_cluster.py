@@ -19,6 +19,8 @@ import pytest
 from fa_forensics.errors import NoWorkers
 from fa_forensics.layers.fanout import Workers, map_in_order
 
+pytestmark = pytest.mark.slow  # starts a Dask scheduler and worker processes
+
 SMALL = dict(steps=(0,), layers=(0,), heads=4, seq=32, head_dim=8)
 BARE_WORKER = textwrap.dedent('''
     """A dask worker in an environment where fa-forensics cannot be imported."""

@@ -21,6 +21,8 @@ from typer.testing import CliRunner
 
 from fa_forensics.cli import app
 
+pytestmark = pytest.mark.slow  # starts and kills writer processes
+
 LAYER = Path("step_000000000") / "layer_000"
 REPO = Path(__file__).resolve().parents[2]
 

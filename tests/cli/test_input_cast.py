@@ -79,6 +79,7 @@ def test_preset_auto_calls_an_fp32_dump_an_fp32_run(fp32_dump, tmp_path):
     assert not any(w.startswith("replay fidelity") for w in d["warnings"])
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_isolate_keeps_the_input_cast_out_of_the_kernel_verdict(fp32_dump, tmp_path):
     res = runner.invoke(app, ["isolate", str(fp32_dump), "--preset", "bf16", "--json", str(tmp_path / "i.json")])
     assert res.exit_code == 0, res.output

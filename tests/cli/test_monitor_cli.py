@@ -12,6 +12,8 @@ import pytest
 
 from fa_forensics.dump import open_dump
 
+pytestmark = pytest.mark.slow  # starts monitored training scripts
+
 # An unmodified training script (nothing in it knows about fa-forensics): a 2-layer attention
 # model on a copy task, bf16 autocast, SDPA. From step TIE_FROM on, every odd key is replaced by
 # the key before it, so many rows attain their maximum twice (the paper's trigger, App. E.1).

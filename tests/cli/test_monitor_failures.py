@@ -18,6 +18,8 @@ from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 from fa_forensics.monitor.alarm import describe
 
+pytestmark = pytest.mark.slow  # starts monitored training scripts
+
 SCRIPT = Path(__file__).resolve().parents[1] / "data" / "monitor_scenarios" / "gpt_scenarios.py"
 AT, STEPS = 20, 26
 OPTIONS = ["--monitor-every", "1", "--alarm", "--alarm-warmup", "10", "--alarm-steps", "2", "--ring", "3",

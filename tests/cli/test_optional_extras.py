@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts the CLI in subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 PLANTED = REPO / "sample_dumps" / "planted.zarr"
 

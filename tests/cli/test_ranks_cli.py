@@ -46,7 +46,8 @@ def _invoke(tmp_path, command: str, dump, *extra: str):
     return res, (json.loads(js.read_text()) if js.exists() else None)
 
 
-@pytest.mark.parametrize("command", list(READERS))
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c == "report" else c
+                                     for c in READERS])  # report: about 3 s of CPU or more
 def test_every_reader_takes_rank_and_says_the_store_holds_several(command, stores, tmp_path):
     two, _ = stores
     res, payload = _invoke(tmp_path, command, two, "--rank", "1")
@@ -102,6 +103,7 @@ def test_match_and_verify_every_rank_name_the_rank_in_each_line(stores, tmp_path
     assert res.exit_code == 2 and "--rank 'one' is not a rank" in res.stderr
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_report_every_rank_writes_one_report_per_rank(stores, tmp_path):
     two, _ = stores
     res, payload = _invoke(tmp_path, "report", two, "--rank", "all")

@@ -7,6 +7,7 @@ import json
 import math
 import warnings
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -40,6 +41,7 @@ def _timeline_only(tmp_path):
     return out
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_a_dump_holding_only_a_timeline_gets_a_report_led_by_it(tmp_path):
     out = _timeline_only(tmp_path)
     assert open_dump(out).steps == []

@@ -8,6 +8,7 @@ import re
 import warnings
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fa_forensics.cli import app
@@ -78,6 +79,7 @@ def test_delta_bias_title_follows_the_sign_test(make_dump, tmp_path):
     assert rp.total_p_value < 0.01 and rp.total > 0 and total_title(rp).startswith("Positively-biased δ error")
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_rank1_figure_without_gradient_error_raises_no_log_scale_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "Data has no positive values ... log-scaled" would fail here

@@ -15,6 +15,12 @@ import pytest  # noqa: E402
 _TRITON_TOO_EARLY = "triton" in sys.modules
 
 
+def pytest_itemcollected(item) -> None:
+    """Triton's interpreter is slow: every test here is marked slow, left out of the fast loop. Called through
+    this directory's hooks only (pytest scopes it by path), so it marks the tests of this folder."""
+    item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
     """Stop the run, saying why, if triton was imported before TRITON_INTERPRET=1 took effect: the kernels
     would then need a GPU, and skipping this directory would hide every kernel test."""

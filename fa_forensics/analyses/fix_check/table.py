@@ -9,7 +9,8 @@ from fa_forensics.analyses.fix_check.compute import FixCheckResult, collapse_tex
 from fa_forensics.analyses.wording import number, p_value, percent, place, pm, text, yes_no
 
 
-def _fmt(v, se=None, p=None) -> str:
+def _estimate_text(v, se=None, p=None) -> str:
+    """An estimate with its standard error and p-value, as the table shows it."""
     if v is None:
         return "—"
     s = f"{v:+.3e}"
@@ -38,8 +39,8 @@ def tables(r: FixCheckResult) -> list:
         removed = "—" if v.role == "baseline" else (f"{v.removed_share:.0%}" if math.isfinite(v.removed_share)
                                                     else "n/a")
         table.add_row(v.name + (" (the fix)" if v is r.fixed else ""), v.what,
-                      _fmt(v.o_bias, v.o_bias_se, v.o_bias_p), number(v.o_bias_adjusted_p, ".2g"), removed,
-                      _fmt(v.delta_err_sum, v.delta_err_se, v.delta_p),
+                      _estimate_text(v.o_bias, v.o_bias_se, v.o_bias_p), number(v.o_bias_adjusted_p, ".2g"), removed,
+                      _estimate_text(v.delta_err_sum, v.delta_err_se, v.delta_p),
                       f"{v.max_abs_err:.2e}", _count(v.p_one_count), _count(v.triggered_rows), _count(v.underflow),
                       str(v.nan_count), "—" if v.role == "baseline" else ("yes" if v.still_biased else "no"))
     table.caption = ("bias removed: 1 − |O bias| / |baseline's O bias|; a fix removes the bias when ≥ 90 % of it is "

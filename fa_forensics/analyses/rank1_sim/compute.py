@@ -315,7 +315,8 @@ def _cross_step_alignment(Es: Sequence[torch.Tensor]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def _fmt(x: float, missing: str) -> str:
+def two_places(x: float, missing: str) -> str:
+    """x with two decimals, or `missing` where it is NaN (not measured)."""
     return missing if x != x else f"{x:.2f}"
 
 
@@ -348,14 +349,15 @@ def verdict(r: Rank1Result) -> str:
     if expo != expo:
         trend = ("not measured: fewer than 3 steps" if len(r.cumulative_norms) < 3
                  else "not measured: the summed error is 0 at some step")
-        return f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, accumulation exponent {trend}"
+        return (f"{head}; gradient error effective rank {two_places(r.effective_rank, 'n/a')}, "
+                f"accumulation exponent {trend}")
     if not found:
-        return (f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, accumulation exponent "
-                f"{_fmt(expo, 'n/a')} over {len(r.steps)} steps (not interpreted: without a significant Σδ bias "
+        return (f"{head}; gradient error effective rank {two_places(r.effective_rank, 'n/a')}, accumulation exponent "
+                f"{two_places(expo, 'n/a')} over {len(r.steps)} steps (not interpreted: without a significant Σδ bias "
                 "there is nothing to compound)")
     trend = "compounds" if expo > 0.75 else "washes out" if expo < 0.65 else "in between"
-    return (f"{head}; gradient error effective rank {_fmt(r.effective_rank, 'n/a')}, "
-            f"accumulation exponent {_fmt(expo, 'n/a')} over {len(r.steps)} steps ({trend})")
+    return (f"{head}; gradient error effective rank {two_places(r.effective_rank, 'n/a')}, "
+            f"accumulation exponent {two_places(expo, 'n/a')} over {len(r.steps)} steps ({trend})")
 
 
 def payload(r: Rank1Result) -> Rank1SimPayload:

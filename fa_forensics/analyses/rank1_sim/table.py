@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.rank1_sim.compute import Rank1Result, _fmt
+from fa_forensics.analyses.rank1_sim.compute import Rank1Result, two_places
 from fa_forensics.analyses.wording import number, percent, place
 
 
@@ -24,12 +24,13 @@ def tables(r: Rank1Result) -> list[Table]:
         no_error = "n/a (no gradient error)"
         has_error = any(x > 0 for x in r.cumulative_norms)
         table.add_row("effective rank / top σ² share",
-                      f"{_fmt(r.effective_rank, 'n/a')} / {_fmt(r.top_sv_ratio, 'n/a')}" if has_error else no_error)
+                      f"{two_places(r.effective_rank, 'n/a')} / {two_places(r.top_sv_ratio, 'n/a')}"
+                      if has_error else no_error)
         table.add_row("cross-step alignment of top singular vectors",
-                      _fmt(r.cross_step_alignment, "needs ≥ 2 steps") if has_error else no_error)
+                      two_places(r.cross_step_alignment, "needs ≥ 2 steps") if has_error else no_error)
         steps_short = "needs ≥ 3 steps" if len(r.cumulative_norms) < 3 else "n/a (zero error at some step)"
         table.add_row("accumulation exponent (1 compounds, 0.5 washes out)",
-                      _fmt(r.accumulation_exponent, steps_short) if has_error else no_error)
+                      two_places(r.accumulation_exponent, steps_short) if has_error else no_error)
     return [table]
 
 

@@ -65,7 +65,8 @@ def p_bar_bounded(config: ReplayConfig) -> bool:
     return config.softmax is Softmax.STANDARD or config.offset >= 0.0
 
 
-def _fmt(p: Precision):
+def _code_of(p: Precision):
+    """The compiled kernels' arguments that name a precision (its format code)."""
     return format_code(p.value)
 
 
@@ -236,7 +237,8 @@ class ForwardBlock:
         self.scale = np.float32(scale)
         self.mask_value = np.float32(mask_value)
         sub = config.s_dtype if config.s_dtype is config.stats_dtype else Precision.FP32
-        self.formats = (*_fmt(config.s_dtype), *_fmt(config.stats_dtype), *_fmt(sub), *_fmt(config.p_dtype))
+        self.formats = (*_code_of(config.s_dtype), *_code_of(config.stats_dtype), *_code_of(sub),
+                        *_code_of(config.p_dtype))
         self.p_one = torch.zeros(shape, dtype=torch.int64)  # (B, H, T) per row, summed at the end
         self.p_zeroed = torch.zeros(shape, dtype=torch.int64)
 
@@ -344,7 +346,7 @@ def backward_probs(S: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tens
         mask_np = _mask_array(mk, mask_bool)
     lse2 = lse.reshape(L, R).contiguous()
     _backward_probs(_np(buf), mask_np, mask is not None, mask_bool, np.float32(scale), row0, causal,
-                    *_fmt(config.s_dtype), _np(lse2))
+                    *_code_of(config.s_dtype), _np(lse2))
     return buf.view(B, H, R, N)
 
 
@@ -357,6 +359,6 @@ def backward_ds(P: torch.Tensor, dP_raw: torch.Tensor, delta: Optional[torch.Ten
     buf, p = dP_raw.reshape(L, R, N), P.reshape(L, R, N)
     compute = delta is None
     d = torch.empty(L, R) if compute else delta.reshape(L, R).contiguous().clone()
-    _backward_ds(_np(p), _np(buf), _np(d), compute, *_fmt(config.dp_dtype), *_fmt(config.ds_dtype),
-                 config.ds_alpha, np.float32(scale), np.float32(config.p_scale), *_fmt(config.p_dtype))
+    _backward_ds(_np(p), _np(buf), _np(d), compute, *_code_of(config.dp_dtype), *_code_of(config.ds_dtype),
+                 config.ds_alpha, np.float32(scale), np.float32(config.p_scale), *_code_of(config.p_dtype))
     return buf.view(B, H, R, N), p.view(B, H, R, N), d.view(B, H, R)

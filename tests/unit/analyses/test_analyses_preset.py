@@ -83,6 +83,7 @@ def test_isolate_repairs_are_single_changes_of_the_preset(preset):
     assert same == expected
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_isolate_under_autocast_reports_the_preset_and_finds_the_planted_bias():
     r = isolate_layers([planted_layer(step=0, seed=0, T=128)], Recipe("bf16-autocast"))
     by = {v.name: v for v in r.variants}

@@ -70,6 +70,7 @@ def test_dump_mode_measures_the_planted_sink_and_recommends_s256(sink_dump, tmp_
     assert (tmp_path / "figs" / "pcast_heads.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_simulation_mode_json_keys_and_figures(tmp_path):
     out = tmp_path / "sim.json"
     r = runner.invoke(app, ["pcast", "--seq", "256,512", "--sink-strength", "6,7", "--seeds", "3", "--queries", "4",

@@ -255,6 +255,7 @@ def test_xformers_attn_bias_kinds(tmp_path, standins, bias):
 
 
 # -- flex_attention (torch's own; its backward does not run on CPU: forward-only calls) -----------------
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_real_flex_attention_block_mask_and_score_mod(tmp_path):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

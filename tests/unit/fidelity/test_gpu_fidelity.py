@@ -171,6 +171,7 @@ def _training_dump(dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_match_names_cudnn_and_its_tile_on_the_training_capture(tmp_path):
     dump = _training_dump(tmp_path / "gpu.zarr")
     out = tmp_path / "match.json"

@@ -29,6 +29,7 @@ def test_cast_to_one_threshold_and_floor_count_over_every_fp32_in_quarter_to_one
     assert int(count_p_one(top, p_dtype)) == int(is_one.sum()) == int((top.to(p_dtype) == 1).sum()) > 0
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 @pytest.mark.parametrize("p_dtype", DTYPES)
 def test_exp_one_threshold_is_exact_for_the_correctly_rounded_exp(p_dtype):
     """Every fp32 x in a window of 4 binades around ln(1 − u): dtype(exp_fp32(x)) == 1 ⇔ x ≥ EXP_ONE_MIN.

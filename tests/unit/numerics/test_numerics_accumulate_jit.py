@@ -188,6 +188,7 @@ def test_a_band_turns_a_negative_zero_start_into_plus_zero_as_skipped_leading_te
         assert torch.equal(_bits(got), _bits(whole)), (model, k_lo)
 
 
+@pytest.mark.slow  # about 3 s of CPU or more
 def test_the_avx2_register_tiles_equal_the_torch_kernels(tmp_path):
     """The tile shapes of an AVX2 host, run here in a process of their own."""
     import os

@@ -115,8 +115,13 @@ _KNOBS = [
 ]
 
 
-@pytest.mark.parametrize("knob_index", range(len(_KNOBS)), ids=[",".join(f"{k}={v}" for k,
-                                                                         v in kn.items()) for kn in _KNOBS])
+# about 3 s of CPU or more each
+_SLOW_KNOBS = (dict(softmax="stabilized"), dict(p_scale=256.0, p_scale_mode="multiply", p_dtype="fp8_e4m3"))
+
+
+@pytest.mark.parametrize("knob_index", [
+    pytest.param(i, id=",".join(f"{k}={v}" for k, v in kn.items()), marks=pytest.mark.slow if kn in _SLOW_KNOBS else ())
+    for i, kn in enumerate(_KNOBS)])
 def test_fused_stages_equal_the_torch_path_for_every_knob_with_masks_and_ties(knob_index):
     knobs = _KNOBS[knob_index]
     g = torch.Generator().manual_seed(7)

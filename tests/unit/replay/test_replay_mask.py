@@ -29,7 +29,7 @@ def _sdpa_grads(q, k, v, do, mask):
     return o.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("kind", [pytest.param("bool", marks=pytest.mark.slow), "additive"])  # bool: about 3 s
 def test_fp32_replay_under_a_mask_is_sdpa(kind):
     q, k, v, do, mask = _inputs()
     if kind == "additive":  # a bias on allowed keys, -inf elsewhere

@@ -12,6 +12,8 @@ from fa_forensics.cli import app
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import InvalidSetting
 
+pytestmark = pytest.mark.slow  # starts Dask worker processes
+
 runner = CliRunner()
 
 
