@@ -75,7 +75,7 @@ def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: st
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
     from fa_forensics.analyses.jsonable import to_jsonable
-    from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all
+    from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all, sections_of
     from fa_forensics.report.verdict import build_verdict
     from fa_forensics.layers.selection import select
 
@@ -87,7 +87,8 @@ def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: st
         select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
     t0 = time.perf_counter()
     done = []
-    log = ProgressLines(f"{who}report".strip(), len(ANALYSES), interval=progress_interval())
+    total = len(sections_of(dump))  # the analyses that run on this dump
+    log = ProgressLines(f"{who}report".strip(), total, interval=progress_interval())
 
     def on_start(name: str) -> None:
         if done:
@@ -95,7 +96,7 @@ def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: st
         done.append(name)
         log.now(name)
         if err_console.is_terminal:  # a line per analysis for a person; a log gets `log`'s lines every few seconds
-            err_console.print(f"{who}[{len(done)}/{len(ANALYSES)}] {name} …", highlight=False)
+            err_console.print(f"{who}[{len(done)}/{total}] {name} …", highlight=False)
 
     with staged_report(out, ANALYSES) as staged:  # built aside, moved into --out only when complete
         with log if not err_console.is_terminal else contextlib.nullcontext():

@@ -148,6 +148,11 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
                          _text(renderables, payload.get("verdict")), time.perf_counter() - t0)
 
 
+def sections_of(dump, sections=SECTIONS) -> list:
+    """The report's sections that apply to `dump`: a section that needs a timeline only when it has one."""
+    return [s for s in sections if s.section.needs != "timeline" or dump.timeline is not None]
+
+
 def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head=None, recipe: Recipe = Recipe(),
             backend: Backend = Backend.EMULATE, sections=SECTIONS,
             on_start: Optional[Callable[[str], None]] = None, workers: Workers = Workers(),
@@ -155,7 +160,7 @@ def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head
     """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`, the
     work items of each on `workers` (one cluster for all)."""
     selection = {"step": step, "layer": layer, "head": head}
-    sections = [s for s in sections if s.section.needs != "timeline" or dump.timeline is not None]
+    sections = sections_of(dump, sections)
     results = []
     with contextlib.ExitStack() as stack:
         if not workers.in_process:
