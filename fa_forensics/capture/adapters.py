@@ -18,7 +18,7 @@ capture/entry_points.py), so a run without the library pays nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,34 +30,40 @@ def _bthd(t: torch.Tensor) -> torch.Tensor:
     return to_bhtd(t, "BTHD")
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
-def _output(out) -> Optional[torch.Tensor]:
+def _output(out: Any) -> Optional[torch.Tensor]:
     o = out[0] if isinstance(out, (tuple, list)) and out else out
     return o if isinstance(o, torch.Tensor) else None
 
 
-def causal_mask(tq: int, tk: int, device) -> torch.Tensor:
+def causal_mask(tq: int, tk: int, device: torch.device) -> torch.Tensor:
     """(tq, tk) bool, True where query i may see key j: j <= i + (tk - tq) (bottom-right aligned)."""
     i = torch.arange(tq, device=device).unsqueeze(1)
     j = torch.arange(tk, device=device).unsqueeze(0)
     return j <= i + (tk - tq)
 
 
-def block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, device) -> torch.Tensor:
+def block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, device: torch.device) -> torch.Tensor:
     """(1, 1, Nq, Nk) bool: query rows of sequence s see the keys of sequence s only (causal inside)."""
-    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool, device=device)
-    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
+    starts_q: list[int] = cu_q.tolist()
+    starts_k: list[int] = cu_k.tolist()
+    mask = torch.zeros(starts_q[-1], starts_k[-1], dtype=torch.bool, device=device)
+    for (q0, q1), (k0, k1) in zip(zip(starts_q[:-1], starts_q[1:]), zip(starts_k[:-1], starts_k[1:])):
         mask[q0:q1, k0:k1] = causal_mask(q1 - q0, k1 - k0, device) if causal else True
     return mask.view(1, 1, *mask.shape)
 
 
 # -- flash_attn ----------------------------------------------------------------------------------
-def _flash_facts(q, k, v, o, where: str, *, dropout_p, scale, causal, cu=None, rest: dict) -> CallFacts:
-    """q (B, T, H, D) etc. (varlen: (N, H, D) with cu = (cu_seqlens_q, cu_seqlens_k))."""
+def _flash_facts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Optional[torch.Tensor], where: str, *,
+                 dropout_p: Optional[float], scale: Optional[float], causal: bool,
+                 cu: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rest: dict) -> Optional[CallFacts]:
+    """q (B, T, H, D) etc. (varlen: (N, H, D) with cu = (cu_seqlens_q, cu_seqlens_k)); None when the call
+    returned no tensor."""
+    if o is None:
+        return None
     grad_sink = o_grad_sink(o, (lambda g: _bthd(g.unsqueeze(0))) if cu is not None else _bthd)  # on the O autograd saw
     if cu is not None:
         q, k, v, o = (t.unsqueeze(0) for t in (q, k, v, o))
@@ -78,7 +84,7 @@ def _flash_facts(q, k, v, o, where: str, *, dropout_p, scale, causal, cu=None, r
     if unreplayed:
         warning = (f"fa-forensics capture: {where} was called with {', '.join(unreplayed)}, which replays do not "
                    "model; Q, K, V, O are recorded, but a replay of these layers will not reproduce O")
-    attrs = {"layout": "BTHD", "varlen": cu is not None}
+    attrs: dict[str, Any] = {"layout": "BTHD", "varlen": cu is not None}
     if unreplayed:
         attrs["not_replayed"] = unreplayed
     return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale),
@@ -97,35 +103,40 @@ def _flash_kwargs(args: tuple, kwargs: dict, first: int) -> dict:
             "rest": {n: values[n] for n in _FLASH_TAIL}}
 
 
-def flash_attn_func(args, kwargs, out, where="flash_attn_func"):
+def flash_attn_func(args: tuple, kwargs: dict, out: Any, where: str = "flash_attn_func") -> Optional[CallFacts]:
     q, k, v, o = _arg(args, kwargs, 0, "q"), _arg(args, kwargs, 1, "k"), _arg(args, kwargs, 2, "v"), _output(out)
     return _flash_facts(q, k, v, o, where, **_flash_kwargs(args, kwargs, 3))
 
 
-def flash_attn_qkvpacked_func(args, kwargs, out, where="flash_attn_qkvpacked_func"):
+def flash_attn_qkvpacked_func(args: tuple, kwargs: dict, out: Any,
+                              where: str = "flash_attn_qkvpacked_func") -> Optional[CallFacts]:
     qkv = _arg(args, kwargs, 0, "qkv")  # (B, T, 3, H, D)
     return _flash_facts(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], _output(out), where, **_flash_kwargs(args, kwargs, 1))
 
 
-def flash_attn_kvpacked_func(args, kwargs, out, where="flash_attn_kvpacked_func"):
+def flash_attn_kvpacked_func(args: tuple, kwargs: dict, out: Any,
+                             where: str = "flash_attn_kvpacked_func") -> Optional[CallFacts]:
     q, kv = _arg(args, kwargs, 0, "q"), _arg(args, kwargs, 1, "kv")  # kv (B, Tk, 2, Hk, D)
     return _flash_facts(q, kv[:, :, 0], kv[:, :, 1], _output(out), where, **_flash_kwargs(args, kwargs, 2))
 
 
-def flash_attn_varlen_func(args, kwargs, out, where="flash_attn_varlen_func"):
+def flash_attn_varlen_func(args: tuple, kwargs: dict, out: Any,
+                           where: str = "flash_attn_varlen_func") -> Optional[CallFacts]:
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("q", "k", "v")))
     cu = (_arg(args, kwargs, 3, "cu_seqlens_q"), _arg(args, kwargs, 4, "cu_seqlens_k"))
     return _flash_facts(q, k, v, _output(out), where, cu=cu, **_flash_kwargs(args, kwargs, 7))
 
 
-def flash_attn_varlen_qkvpacked_func(args, kwargs, out, where="flash_attn_varlen_qkvpacked_func"):
+def flash_attn_varlen_qkvpacked_func(args: tuple, kwargs: dict, out: Any,
+                                     where: str = "flash_attn_varlen_qkvpacked_func") -> Optional[CallFacts]:
     qkv = _arg(args, kwargs, 0, "qkv")  # (N, 3, H, D)
     cu = _arg(args, kwargs, 1, "cu_seqlens")
     return _flash_facts(qkv[:, 0], qkv[:, 1], qkv[:, 2], _output(out), where, cu=(cu, cu),
                         **_flash_kwargs(args, kwargs, 3))
 
 
-def flash_attn_varlen_kvpacked_func(args, kwargs, out, where="flash_attn_varlen_kvpacked_func"):
+def flash_attn_varlen_kvpacked_func(args: tuple, kwargs: dict, out: Any,
+                                    where: str = "flash_attn_varlen_kvpacked_func") -> Optional[CallFacts]:
     q, kv = _arg(args, kwargs, 0, "q"), _arg(args, kwargs, 1, "kv")  # kv (Nk, 2, Hk, D)
     cu = (_arg(args, kwargs, 2, "cu_seqlens_q"), _arg(args, kwargs, 3, "cu_seqlens_k"))
     return _flash_facts(q, kv[:, 0], kv[:, 1], _output(out), where, cu=cu, **_flash_kwargs(args, kwargs, 6))
@@ -136,10 +147,13 @@ _FLASH = (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func, 
 
 
 # -- xformers ------------------------------------------------------------------------------------
-def memory_efficient_attention(args, kwargs, out, where="xformers.ops.memory_efficient_attention"):
+def memory_efficient_attention(args: tuple, kwargs: dict, out: Any,
+                               where: str = "xformers.ops.memory_efficient_attention") -> Optional[CallFacts]:
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
     bias, p, scale = _arg(args, kwargs, 3, "attn_bias"), _arg(args, kwargs, 4, "p", 0.0), _arg(args, kwargs, 5, "scale")
     o = _output(out)
+    if o is None:
+        return None
     grad_sink = o_grad_sink(o, (lambda g: _bthd(g.unsqueeze(2))) if o.dim() == 3 else _bthd)  # on the O autograd saw
     if q.dim() == 3:  # (B, M, K): one head
         q, k, v, o = (t.unsqueeze(2) for t in (q, k, v, o))
@@ -162,14 +176,16 @@ def memory_efficient_attention(args, kwargs, out, where="xformers.ops.memory_eff
 
 
 # -- flex_attention ------------------------------------------------------------------------------
-def flex_attention(args, kwargs, out, where="flex_attention"):
+def flex_attention(args: tuple, kwargs: dict, out: Any, where: str = "flex_attention") -> Optional[CallFacts]:
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
     score_mod, block_mask = _arg(args, kwargs, 3, "score_mod"), _arg(args, kwargs, 4, "block_mask")
     scale = _arg(args, kwargs, 5, "scale")
     o = _output(out)
+    if o is None:
+        return None
     check_attention_shapes(q, k, v, o, "BHTD", where)
     mask = None
-    attrs = {"layout": "BHTD"}
+    attrs: dict[str, Any] = {"layout": "BHTD"}
     if block_mask is not None:
         from torch.nn.attention.flex_attention import create_mask
 

@@ -16,6 +16,8 @@ import torch
 
 from fa_forensics.capture.torch_ops import MaskTerm, PlainCall
 
+TensorMap = Callable[[torch.Tensor], torch.Tensor]
+
 
 def _collapse_broadcast(t: torch.Tensor) -> torch.Tensor:
     """`t` with each expanded dim (stride 0) taken back to size 1: a mask expanded for an op is stored once."""
@@ -27,7 +29,8 @@ def _broadcast_lead(*tensors: torch.Tensor) -> tuple[int, ...]:
     return tuple(torch.broadcast_shapes(*(t.shape[:-2] for t in tensors)))
 
 
-def to_heads(call: PlainCall, batch: Optional[int], heads: Optional[int]):
+def to_heads(call: PlainCall, batch: Optional[int], heads: Optional[int]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, TensorMap, TensorMap]:
     """Q, K, V, O of a chain as (B, H, T, D) tensors, and a function giving any (…, T, S) tensor of the
     chain (a mask) the same (B or 1, H or 1, T, S) form, and a converter for dO.
 
@@ -79,7 +82,7 @@ def to_heads(call: PlainCall, batch: Optional[int], heads: Optional[int]):
     return q4, kv(call.k), kv(call.v), o4, shape4, grad4
 
 
-def combine_mask(call: PlainCall, shape4: Callable[[torch.Tensor], torch.Tensor]):
+def combine_mask(call: PlainCall, shape4: TensorMap) -> tuple[Optional[torch.Tensor], bool]:
     """(mask, causal) of a chain: mask None, bool (True = may attend) or additive (B', H', T, S).
 
     The terms are applied in their order to zeros (a bias adds, blocked positions take their fill
@@ -111,6 +114,7 @@ def combine_mask(call: PlainCall, shape4: Callable[[torch.Tensor], torch.Tensor]
         mask = torch.zeros((), dtype=torch.float32, device=terms[0][1].device)
         for term, t in terms:
             mask = mask + t.float() if term.kind == "bias" else mask.masked_fill(t, term.value)
+    allowed: Optional[torch.Tensor]
     if mask.dtype == torch.bool:
         allowed = mask
     else:

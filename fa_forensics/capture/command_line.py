@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, NoReturn, Optional
 
 from fa_forensics.errors import UserError
+
+if TYPE_CHECKING:
+    import argparse
 
 LAUNCHER = "fa_forensics.capture.launch"
 DISTRIBUTED_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
@@ -69,7 +73,7 @@ def rewrite_command(command: list[str], same_python: bool = True) -> list[str]:
                     "`SCRIPT.py ...`")
 
 
-def _launcher_arguments(name: str, args: list[str]):
+def _launcher_arguments(name: str, args: list[str]) -> argparse.Namespace:
     """`args` read by the distributed launcher's own parser; a UserError instead of its usage text and exit."""
     from torch.distributed.run import get_args_parser
 
@@ -77,12 +81,16 @@ def _launcher_arguments(name: str, args: list[str]):
     if name == "torch.distributed.launch":  # its one option of its own
         parser.add_argument("--use-env", "--use_env", default=False, action="store_true")
 
-    def refuse(message: str = "", *_args) -> None:
+    def refuse(message: Optional[str] = "", *_args: object) -> NoReturn:
         message = " ".join(str(message or "it asks for its help").split())
         raise UserError(f"cannot read the {name} command ({message}); check its options and the training script")
 
-    parser.error = refuse
-    parser.exit = lambda status=0, message=None: refuse(message)
+    def exit_(status: int = 0, message: Optional[str] = None) -> NoReturn:
+        refuse(message)
+
+    # argparse has no hook for its usage errors and exits: this parser's own methods are replaced
+    parser.error = refuse  # type: ignore[method-assign]
+    parser.exit = exit_  # type: ignore[method-assign]
     return parser.parse_args(args)
 
 

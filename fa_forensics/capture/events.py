@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, TextIO
 
 import sys
 import warnings
@@ -25,12 +25,13 @@ class AlarmWarning(CaptureWarning):
     """The monitor's alarm rule fired; the message is one line naming step, layer, head and metric."""
 
 
-def show_capture_warnings_as_lines(collect: Optional[list] = None, prefix: str = "") -> None:
+def show_capture_warnings_as_lines(collect: Optional[list[str]] = None, prefix: str = "") -> None:
     """Show every CaptureWarning as its message alone (after `prefix`, e.g. "rank 1: "), one line on stderr
     (for command-line runs), also appended to `collect` when given; other warnings keep Python's format."""
     shown = warnings.showwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Optional[TextIO] = None,
+             line: Optional[str] = None) -> None:
         if issubclass(category, CaptureWarning):
             print(prefix + str(message), file=sys.stderr if file is None else file, flush=True)
             if collect is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -49,15 +49,17 @@ def tap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 
 
 @tap_attention.register_fake
-def _(q, k, v, o, mask, dropout_p, is_causal, scale, grad_enabled, autocast_dtype):
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, mask: Optional[torch.Tensor],
+      dropout_p: float, is_causal: bool, scale: Optional[float], grad_enabled: bool,
+      autocast_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(o), torch.empty((), dtype=torch.int64)
 
 
-def _tap_attention_setup(ctx, inputs, output) -> None:
+def _tap_attention_setup(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     ctx.save_for_backward(output[1])
 
 
-def _tap_attention_backward(ctx, grad_o, grad_token):
+def _tap_attention_backward(ctx: Any, grad_o: torch.Tensor, grad_token: Optional[torch.Tensor]) -> tuple:
     (token,) = ctx.saved_tensors
     return None, None, None, tap_grad(grad_o, token), None, None, None, None, None, None
 
@@ -74,7 +76,7 @@ def tap_grad(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
 
 
 @tap_grad.register_fake
-def _(grad, token):
+def _(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(grad)
 
 
@@ -87,11 +89,11 @@ def tap_input(x: torch.Tensor, name: str, grad_enabled: bool) -> torch.Tensor:
 
 
 @tap_input.register_fake
-def _(x, name, grad_enabled):
+def _(x: torch.Tensor, name: str, grad_enabled: bool) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _tap_input_backward(ctx, grad):
+def _tap_input_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
     return grad, None, None
 
 

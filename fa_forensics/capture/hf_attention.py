@@ -19,7 +19,8 @@ a 2-D padding mask, or a flex BlockMask), scaling, dropout and is_causal (else t
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -31,25 +32,25 @@ from fa_forensics.capture.layouts import check_attention_shapes, o_grad_sink, to
 _MODULE = "transformers.modeling_utils"
 
 
-def _watched(fn, name: str):
+def _watched(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """`fn` reporting to the active session as a frame named `name` (see the module docstring)."""
 
     @functools.wraps(fn)
-    def hf_attention(*args, **kwargs):
+    def hf_attention(*args: Any, **kwargs: Any) -> Any:
         session = current.session  # compiled code first: traced code must not read `busy` (a guard)
         if torch.compiler.is_compiling() or session is None or not session.busy:
             return fn(*args, **kwargs)
         return session.hf_attention_call(name, fn, args, kwargs)
 
-    hf_attention._fa_forensics_hf = name
+    hf_attention._fa_forensics_hf = name  # type: ignore[attr-defined]  # a mark on the function object, read with getattr
     return hf_attention
 
 
-def _wrap_lookup(lookup):
+def _wrap_lookup(lookup: Callable[..., Any]) -> Callable[..., Any]:
     """A registry lookup (`get_interface(name, default)` or `[name]`) that returns watched functions on busy steps."""
 
     @functools.wraps(lookup)
-    def watched_lookup(self, *args, **kwargs):
+    def watched_lookup(self: Any, *args: Any, **kwargs: Any) -> Any:
         fn = lookup(self, *args, **kwargs)
         session = current.session
         if (torch.compiler.is_compiling() or session is None or not session.busy or not callable(fn)
@@ -68,7 +69,7 @@ def hf_entry_points() -> list[EntryPoint]:
             for lookup in ("get_interface", "__getitem__")]
 
 
-def _block_mask(mask, q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+def _block_mask(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
     from torch.nn.attention.flex_attention import create_mask
 
     bB, bH = mask.kv_num_blocks.shape[:2]
@@ -77,13 +78,14 @@ def _block_mask(mask, q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor
     return None if bool(dense.all()) else dense
 
 
-def hf_call_facts(name: str, args: tuple, kwargs: dict, out) -> Optional[CallFacts]:
+def hf_call_facts(name: str, args: tuple, kwargs: dict, out: Any) -> Optional[CallFacts]:
     """One call of a registry function read by HF's convention; None when it did not pass tensors."""
     bound = dict(zip(("module", "query", "key", "value", "attention_mask"), args))
     bound.update(kwargs)
     q, k, v, module, mask = (bound.get(n) for n in ("query", "key", "value", "module", "attention_mask"))
     o = out[0] if isinstance(out, (tuple, list)) and out else out
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, o)):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(o, torch.Tensor)):
         return None
     where = f"transformers attention function {name!r}"
     check_attention_shapes(q, k, v, o, "BHTD", where, o_layout="BTHD")
@@ -91,7 +93,7 @@ def hf_call_facts(name: str, args: tuple, kwargs: dict, out) -> Optional[CallFac
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)  # HF's own default (its sdpa function)
     T, S = q.shape[2], k.shape[2]
-    attrs = {"layout": "BHTD", "o_layout": "BTHD", "hf_attention": name}
+    attrs: dict[str, Any] = {"layout": "BHTD", "o_layout": "BTHD", "hf_attention": name}
     causal, stored, warning = False, None, None
     if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         causal = bool(is_causal) and T > 1

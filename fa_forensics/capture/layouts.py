@@ -9,8 +9,9 @@ the input X of the attention module (its length and width) and the head count th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -68,13 +69,17 @@ def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
         fail(f"q's {qb.shape[1]} heads are not a multiple of k's {kb.shape[1]}")
 
 
-def o_grad_sink(o: torch.Tensor, convert) -> Optional[callable]:
+GradHook = Callable[[torch.Tensor], Any]  # the session's dO hook
+
+
+def o_grad_sink(o: torch.Tensor,
+                convert: Callable[[torch.Tensor], torch.Tensor]) -> Optional[Callable[[GradHook], None]]:
     """A grad_sink for a call whose O was converted: the dO hook sits on the O autograd saw and gets
     dO converted the same way (a hook on a converted view would never fire). None when O has no grad."""
     if not o.requires_grad:
         return None
 
-    def sink(hook) -> None:
+    def sink(hook: GradHook) -> None:
         o.register_hook(lambda grad: hook(convert(grad)))
 
     return sink
@@ -132,9 +137,9 @@ def check_call_context(q: torch.Tensor, readings: tuple[Reading, ...], where: st
         others = [o.length_fits(x) for o in readings if o is not r] if x is not None else []
         ambiguous = length is True and any(o is True for o in others)
         why = []
-        if length is False:
+        if x is not None and length is False:
             why.append(f"X {tuple(x.shape)} of {x_name} has another batch or length")
-        if width is False and ambiguous:
+        if x is not None and width is False and ambiguous:
             why.append(f"X {tuple(x.shape)} of {x_name} is {x.shape[-1]} wide, not heads × head_dim = "
                        f"{r.H * r.D}")
         if fit_heads is False:

@@ -12,22 +12,35 @@ report the loss with `cap.step(loss)` in that case.
 from __future__ import annotations
 
 import functools
+from typing import Any, Optional, Protocol
 
 import torch
 
+
+class BackwardListener(Protocol):
+    """The session as the loss tap sees it."""
+
+    @property
+    def busy(self) -> bool:
+        """This step is watched: report backward calls."""
+
+    def on_backward(self, tensors: Any, grad_tensors: Any) -> None:
+        """`torch.autograd.backward(tensors, grad_tensors)` was called."""
+
+
 _ORIGINAL = torch.autograd.backward
-_session = None
+_session: Optional[BackwardListener] = None
 
 
 @functools.wraps(_ORIGINAL)
-def tapped_backward(tensors, grad_tensors=None, *args, **kwargs):
+def tapped_backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> None:
     session = _session
     if session is not None and session.busy:
         session.on_backward(tensors, grad_tensors)
     return _ORIGINAL(tensors, grad_tensors, *args, **kwargs)
 
 
-def scalar_loss(tensors, grad_tensors):
+def scalar_loss(tensors: Any, grad_tensors: Any) -> Optional[torch.Tensor]:
     """The one-element tensor being differentiated from, or None (several outputs, explicit gradient)."""
     if isinstance(tensors, (tuple, list)):
         if len(tensors) != 1:
@@ -40,13 +53,13 @@ def scalar_loss(tensors, grad_tensors):
     return tensors.detach().reshape(()).float()
 
 
-def install(session) -> None:
+def install(session: BackwardListener) -> None:
     global _session
     _session = session
     torch.autograd.backward = tapped_backward
 
 
-def uninstall(session) -> None:
+def uninstall(session: BackwardListener) -> None:
     global _session
     if _session is session:
         _session = None

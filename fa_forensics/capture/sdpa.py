@@ -13,7 +13,8 @@ graph runs. One graph serves recorded and unrecorded steps alike; it is not a gr
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ _ORIGINAL = F.scaled_dot_product_attention
 
 
 @functools.wraps(_ORIGINAL)
-def patched_sdpa(*args, **kwargs):
+def patched_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
     """Drop-in for F.scaled_dot_product_attention that reports recorded calls to the active session."""
     out = _ORIGINAL(*args, **kwargs)
     session = current.session
@@ -37,7 +38,7 @@ def patched_sdpa(*args, **kwargs):
     return out
 
 
-def _tap_in_graph(args: tuple, kwargs: dict, out):
+def _tap_in_graph(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
     """The hand-over inside a compiled graph: one custom op whose output (a copy of O) replaces O."""
     from fa_forensics.capture.graph_ops import tap_attention
 
@@ -51,7 +52,7 @@ def _tap_in_graph(args: tuple, kwargs: dict, out):
 
 
 @torch.compiler.disable
-def _report(session, args: tuple, kwargs: dict, out) -> None:
+def _report(session: current.ActiveSession, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
     """Hand one SDPA call to the session (eager, outside any compiled graph)."""
     bound = _bind(args, kwargs)
     session.on_attention(bound["query"], bound["key"], bound["value"], out, scale=bound["scale"],
@@ -74,13 +75,13 @@ def _bind(args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def install(session) -> None:
+def install(session: current.ActiveSession) -> None:
     """Route SDPA calls to `session` (patching F.scaled_dot_product_attention if not yet patched)."""
     current.session = session
     F.scaled_dot_product_attention = patched_sdpa
 
 
-def uninstall(session, keep_patch: bool = False) -> None:
+def uninstall(session: current.ActiveSession, keep_patch: bool = False) -> None:
     """Stop routing to `session`; restore the original function unless `keep_patch` (the launcher keeps it)."""
     if current.session is session:
         current.session = None
@@ -88,10 +89,10 @@ def uninstall(session, keep_patch: bool = False) -> None:
         F.scaled_dot_product_attention = _ORIGINAL
 
 
-def active_session() -> Optional[object]:
+def active_session() -> Optional[current.ActiveSession]:
     return current.session
 
 
-def original_sdpa():
+def original_sdpa() -> Callable[..., torch.Tensor]:
     """The unpatched function (for reference computations in tests and the demo)."""
     return _ORIGINAL

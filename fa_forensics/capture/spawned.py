@@ -13,9 +13,11 @@ children run unwrapped.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,22 +29,27 @@ class SpawnedRank:
     nprocs: int
     runner: Callable
 
-    def __call__(self, index: int, *args):
+    def __call__(self, index: int, *args: Any) -> Any:
         return self.runner(self.fn, index, self.nprocs, args)
+
+
+def _patched_module(name: str) -> Any:
+    """The module `name`, imported if need be, as a namespace whose `start_processes` is replaced (typed loosely:
+    torch.multiprocessing's stubs do not export it)."""
+    return importlib.import_module(name)
 
 
 class SpawnPatch:
     """Wraps torch.multiprocessing's start_processes (and so spawn) while installed; `remove()` restores it."""
 
-    def __init__(self, hand_over: Callable[[], bool], runner: Callable):
-        import torch.multiprocessing as mp
-
-        self._spawn_module = sys.modules["torch.multiprocessing.spawn"]
-        self._package = mp
-        self._original = self._spawn_module.start_processes
+    def __init__(self, hand_over: Callable[[], bool], runner: Callable) -> None:
+        self._spawn_module = _patched_module("torch.multiprocessing.spawn")
+        self._package = _patched_module("torch.multiprocessing")
+        self._original: Callable[..., Any] = self._spawn_module.start_processes
         self._hand_over, self._runner = hand_over, runner
 
-        def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+        def start_processes(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+                            start_method: str = "spawn") -> Any:
             if self._hand_over():
                 fn = SpawnedRank(fn, int(nprocs), self._runner)
             return self._original(fn, args, nprocs, join, daemon, start_method)
@@ -58,7 +65,7 @@ class SpawnPatch:
             self._package.start_processes = self._original
 
 
-def point_bindings_at(original, replacement) -> list[str]:
+def point_bindings_at(original: object, replacement: object) -> list[str]:
     """Point every module-level name bound to `original` at `replacement`, in the modules of the program (not
     torch's or fa-forensics' own); returns the names changed ("module.name")."""
     changed = []

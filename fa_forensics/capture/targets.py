@@ -155,12 +155,12 @@ class TargetAdapter:
     def with_parameters(self, params: list[str]) -> TargetAdapter:
         return replace(self, params=tuple(params))
 
-    def __call__(self, args: tuple, kwargs: dict, out) -> Optional[CallFacts]:
+    def __call__(self, args: tuple, kwargs: dict, out: Any) -> Optional[CallFacts]:
         spec = self.spec
         bound = dict(zip(self.params, args))
         bound.update(kwargs)
 
-        def read(arg: Optional[Argument], names: tuple[str, ...] = ()):
+        def read(arg: Optional[Argument], names: tuple[str, ...] = ()) -> Any:
             if isinstance(arg, int):
                 return args[arg] if arg < len(args) else None
             if arg is not None:

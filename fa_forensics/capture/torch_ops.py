@@ -109,7 +109,7 @@ def _in_place(name: str) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
 
 
-def _number(value) -> Optional[float]:
+def _number(value: object) -> Optional[float]:
     """A plain number, or the value of a one-element tensor; None for anything else."""
     if isinstance(value, bool):
         return None
@@ -120,9 +120,10 @@ def _number(value) -> Optional[float]:
     return None
 
 
-def _blocking(value) -> bool:
+def _blocking_value(value: object) -> Optional[float]:
+    """The number `value` stands for when it blocks its position (at or below BLOCKING), else None."""
     number = _number(value)
-    return number is not None and number <= BLOCKING
+    return number if number is not None and number <= BLOCKING else None
 
 
 def _dtype_arg(args: tuple, kwargs: dict) -> Optional[torch.dtype]:
@@ -169,7 +170,10 @@ def _permute_to(t: torch.Tensor, have: str, want: str) -> torch.Tensor:
     return t.permute([have.index(c) for c in want])
 
 
-def _einsum_product(args: tuple, kwargs: dict):
+_EinsumProduct = tuple[torch.Tensor, torch.Tensor, str, str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _einsum_product(args: tuple, kwargs: dict) -> Optional[_EinsumProduct]:
     """(A as (…, T, D), B as (…, S, D), the output's letters, them in canonical order, the operands) of a
     two-operand einsum with one contracted index and one free index on each side; None otherwise."""
     parsed = _einsum_operands(args, kwargs)
@@ -205,7 +209,8 @@ class ChainMode(TorchFunctionMode):
         self.paused = 0  # > 0 while capture's own code runs with the mode on the stack
         self.broken = False  # a bug in following a chain: stop following, never stop training
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # traced by dynamo (a compiled function called in the forward pass)
             return func(*args, **kwargs)
@@ -229,10 +234,10 @@ class ChainMode(TorchFunctionMode):
         return out
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _node(self, t) -> Any:
+    def _node(self, t: object) -> Any:
         return self.nodes.get(t) if isinstance(t, torch.Tensor) else None
 
-    def _set(self, out, node) -> None:
+    def _set(self, out: object, node: _Scores | _Probs) -> None:
         if isinstance(out, torch.Tensor):
             self.nodes[out] = node
 
@@ -286,7 +291,7 @@ def _operand_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 # -- handlers: (mode, func, args, kwargs, out) ---------------------------------------------------------------
-def _matmul(mode: ChainMode, func, args, kwargs, out) -> None:
+def _matmul(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
     if func is torch.Tensor.__rmatmul__:
         a, b = b, a
@@ -295,13 +300,14 @@ def _matmul(mode: ChainMode, func, args, kwargs, out) -> None:
                       operands=(a, b))
 
 
-def _baddbmm(mode: ChainMode, func, args, kwargs, out) -> None:
+def _baddbmm(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     names = ("input", "batch1", "batch2")
     bound = dict(zip(names, args))
     bound.update(kwargs)
     base, a, b = bound.get("input"), bound.get("batch1"), bound.get("batch2")
     beta, alpha = _number(bound.get("beta", 1)), _number(bound.get("alpha", 1))
-    if not all(isinstance(t, torch.Tensor) for t in (base, a, b)) or beta is None or alpha is None:
+    if (not (isinstance(base, torch.Tensor) and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+            or beta is None or alpha is None):
         return
     mode._product(a, b.transpose(-1, -2), out, "baddbmm", operands=(a, b))
     node = mode._node(out)
@@ -310,14 +316,14 @@ def _baddbmm(mode: ChainMode, func, args, kwargs, out) -> None:
         mode.nodes[out] = replace(node, scale=alpha, terms=terms)
 
 
-def _einsum(mode: ChainMode, func, args, kwargs, out) -> None:
+def _einsum(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     pieces = _einsum_product(args, kwargs)
     if pieces is not None:
         a, b_t, have, want, operands = pieces
         mode._product(a, b_t, out, "einsum", canonical_out=(have, want), operands=operands)
 
 
-def _scale(mode: ChainMode, func, args, kwargs, out) -> None:
+def _scale(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     if len(args) < 2:
         return
     divide = func in _DIVIDES
@@ -341,7 +347,7 @@ def _scale(mode: ChainMode, func, args, kwargs, out) -> None:
                 mode.scaled[out] = 1.0 / number if divide else number
 
 
-def _add(mode: ChainMode, func, args, kwargs, out) -> None:
+def _add(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     if len(args) < 2:
         return
     subtract = func in _SUBTRACTS
@@ -358,20 +364,21 @@ def _add(mode: ChainMode, func, args, kwargs, out) -> None:
                            ops=(*node.ops, "sub" if subtract else "add")))
 
 
-def _masked_fill(mode: ChainMode, func, args, kwargs, out) -> None:
+def _masked_fill(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     names = ("input", "mask", "value")
     bound = dict(zip(names, args))
     bound.update(kwargs)
     node = mode._node(bound.get("input"))
     mask = bound.get("mask")
-    if isinstance(node, _Scores) and isinstance(mask, torch.Tensor) and _blocking(bound.get("value")):
-        term = MaskTerm("blocked", mask.bool(), tuple(out.shape), _number(bound.get("value")))
+    if (isinstance(node, _Scores) and isinstance(mask, torch.Tensor)
+            and (value := _blocking_value(bound.get("value"))) is not None):
+        term = MaskTerm("blocked", mask.bool(), tuple(out.shape), value)
         mode._set(out, replace(node, terms=(*node.terms, term), ops=(*node.ops, "masked_fill")))
     elif node is not None and func is torch.Tensor.masked_fill_:
         del mode.nodes[bound["input"]]
 
 
-def _where(mode: ChainMode, func, args, kwargs, out) -> None:
+def _where(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     if func is torch.Tensor.where:  # self.where(condition, other) = torch.where(condition, self, other)
         args = (args[1], args[0], *args[2:]) if len(args) >= 2 else args
     if len(args) < 3:
@@ -379,17 +386,17 @@ def _where(mode: ChainMode, func, args, kwargs, out) -> None:
     cond, a, b = args[0], args[1], args[2]
     if not isinstance(cond, torch.Tensor):
         return
-    if isinstance(mode._node(a), _Scores) and _blocking(b):
-        node, blocked, value = mode._node(a), ~cond.bool(), _number(b)
-    elif isinstance(mode._node(b), _Scores) and _blocking(a):
-        node, blocked, value = mode._node(b), cond.bool(), _number(a)
+    if isinstance(mode._node(a), _Scores) and (value := _blocking_value(b)) is not None:
+        node, blocked = mode._node(a), ~cond.bool()
+    elif isinstance(mode._node(b), _Scores) and (value := _blocking_value(a)) is not None:
+        node, blocked = mode._node(b), cond.bool()
     else:
         return
     mode._set(out, replace(node, terms=(*node.terms, MaskTerm("blocked", blocked, tuple(out.shape), value)),
                            ops=(*node.ops, "where")))
 
 
-def _setitem(mode: ChainMode, func, args, kwargs, out) -> None:
+def _setitem(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     if len(args) < 3:
         return
     target, index, value = args[0], args[1], args[2]
@@ -397,14 +404,14 @@ def _setitem(mode: ChainMode, func, args, kwargs, out) -> None:
     if node is None:
         return
     if (isinstance(node, _Scores) and isinstance(index, torch.Tensor) and index.dtype == torch.bool
-            and _blocking(value)):
-        term = MaskTerm("blocked", index, tuple(target.shape), _number(value))
+            and (blocking := _blocking_value(value)) is not None):
+        term = MaskTerm("blocked", index, tuple(target.shape), blocking)
         mode.nodes[target] = replace(node, terms=(*node.terms, term), ops=(*node.ops, "setitem"))
     else:
         del mode.nodes[target]
 
 
-def _pass_through(mode: ChainMode, func, args, kwargs, out) -> None:
+def _pass_through(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     """A cast or a reshape keeping the last two dims: the chain goes on through its result."""
     node = mode._node(args[0]) if args else None
     if node is None or not isinstance(out, torch.Tensor):
@@ -416,19 +423,19 @@ def _pass_through(mode: ChainMode, func, args, kwargs, out) -> None:
     mode._set(out, replace(node, ops=(*node.ops, name)) if name in _NAMED_CASTS and out.dtype != src.dtype else node)
 
 
-def _softmax(mode: ChainMode, func, args, kwargs, out) -> None:
+def _softmax(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     names = ("input", "dim")
     bound = dict(zip(names, args))
     bound.update(kwargs)
     x = bound.get("input")
     node = mode._node(x)
     dim = bound.get("dim")
-    if isinstance(node, _Scores) and isinstance(dim, int) and dim in (-1, x.dim() - 1) and isinstance(out,
-                                                                                                     torch.Tensor):
+    if (isinstance(node, _Scores) and isinstance(x, torch.Tensor) and isinstance(dim, int) and dim in (-1, x.dim() - 1)
+            and isinstance(out, torch.Tensor)):
         mode._set(out, _Probs(node, tuple(x.shape), out.dtype, ops=("softmax",)))
 
 
-def _dropout(mode: ChainMode, func, args, kwargs, out) -> None:
+def _dropout(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     names = ("input", "p", "training", "inplace") if func is F.dropout else ("input", "p", "train")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -448,32 +455,31 @@ _DIVIDES = {torch.Tensor.div, torch.div, torch.Tensor.div_, torch.Tensor.__trued
 _SUBTRACTS = {torch.Tensor.sub, torch.sub, torch.Tensor.sub_, torch.Tensor.__sub__, torch.Tensor.__isub__}
 _NAMED_CASTS = {"to", "type", "float", "half", "bfloat16", "double"}
 
-_HANDLERS: dict[Any, Callable] = {}
-for _f in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
-           torch.Tensor.bmm):
-    _HANDLERS[_f] = _matmul
-for _f in (torch.baddbmm, torch.Tensor.baddbmm):
-    _HANDLERS[_f] = _baddbmm
-_HANDLERS[torch.einsum] = _einsum
-for _f in (torch.Tensor.mul, torch.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-           torch.Tensor.__imul__, *_DIVIDES):
-    _HANDLERS[_f] = _scale
-for _f in (torch.Tensor.add, torch.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__radd__,
-           torch.Tensor.__iadd__, *_SUBTRACTS):
-    _HANDLERS[_f] = _add
-for _f in (torch.Tensor.masked_fill, torch.Tensor.masked_fill_, torch.masked_fill):
-    _HANDLERS[_f] = _masked_fill
-for _f in (torch.where, torch.Tensor.where):
-    _HANDLERS[_f] = _where
-_HANDLERS[torch.Tensor.__setitem__] = _setitem
-for _f in (torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
-           torch.Tensor.double, torch.Tensor.contiguous, torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
-           torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten):
-    _HANDLERS[_f] = _pass_through
-for _f in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
-    _HANDLERS[_f] = _softmax
-for _f in (F.dropout, torch.dropout):
-    _HANDLERS[_f] = _dropout
+_Handler = Callable[[ChainMode, Callable[..., Any], tuple, dict, Any], None]
+_HANDLERS: dict[Any, _Handler] = {}  # keys: torch functions and Tensor methods, of many signatures
+
+
+def _register(handler: _Handler, *funcs: Any) -> None:
+    for func in funcs:
+        _HANDLERS[func] = handler
+
+
+_register(_matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
+          torch.Tensor.bmm)
+_register(_baddbmm, torch.baddbmm, torch.Tensor.baddbmm)
+_register(_einsum, torch.einsum)
+_register(_scale, torch.Tensor.mul, torch.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+          torch.Tensor.__imul__, *_DIVIDES)
+_register(_add, torch.Tensor.add, torch.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__radd__,
+          torch.Tensor.__iadd__, *_SUBTRACTS)
+_register(_masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_, torch.masked_fill)
+_register(_where, torch.where, torch.Tensor.where)
+_register(_setitem, torch.Tensor.__setitem__)
+_register(_pass_through, torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.half,
+          torch.Tensor.bfloat16, torch.Tensor.double, torch.Tensor.contiguous, torch.Tensor.view, torch.Tensor.reshape,
+          torch.reshape, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten)
+_register(_softmax, torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
+_register(_dropout, F.dropout, torch.dropout)
 
 
 # -- the scope: a mode for the length of one forward pass --------------------------------------------------

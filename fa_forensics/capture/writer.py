@@ -35,13 +35,18 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 from fa_forensics.capture.events import CaptureWarning
 from fa_forensics.capture.selection import CaptureError
+
+if TYPE_CHECKING:
+    from fa_forensics.capture.ring import RingArray
+    from fa_forensics.dump import DumpWriter
 
 
 @dataclass
@@ -77,7 +82,12 @@ class _RunAttrs:
     attrs: dict
 
 
-_STOP = object()
+class _Stop:
+    """The writer thread ends."""
+
+
+_STOP = _Stop()
+_Item = Union[_Array, _Register, _Complete, _TimelineRows, _RunAttrs]
 
 
 def offload(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -95,8 +105,8 @@ def offload(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
 class BackgroundWriter:
     """Owns a `DumpWriter` and the thread that feeds it."""
 
-    def __init__(self, dump_writer, max_queue: int = 64, timeline_rows: int = 16, timeline_seconds: float = 30.0,
-                 held_bytes: int = 256 << 20, duty: float = 0.1):
+    def __init__(self, dump_writer: DumpWriter, max_queue: int = 64, timeline_rows: int = 16,
+                 timeline_seconds: float = 30.0, held_bytes: int = 256 << 20, duty: float = 0.1) -> None:
         if int(timeline_rows) < 1:
             raise CaptureError(f"timeline_rows must be >= 1 (rows appended at a time), got {timeline_rows}")
         if not 0 < float(duty) <= 1:
@@ -109,7 +119,7 @@ class BackgroundWriter:
         self.timeline_seconds = float(timeline_seconds)
         self._rows: list = []  # timeline rows not yet queued: [(step, series)]
         self._rows_since = 0.0  # time.monotonic() of the oldest buffered row
-        self._items: deque = deque()
+        self._items: deque[_Item | _Stop] = deque()
         self._cond = threading.Condition()
         self._waiting = 0  # arrays of selected steps queued, not yet written
         self._holding = 0  # bytes of held steps queued, not yet written
@@ -124,7 +134,7 @@ class BackgroundWriter:
         self._thread.start()
 
     # -- training side -------------------------------------------------------------------
-    def put_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, ready=None,
+    def put_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, ready: Any = None,
                   layer_attrs: Optional[dict] = None) -> None:
         """Queue one array of a selected step (waits while `max_queue` arrays wait: never dropped)."""
         self._check_open()
@@ -141,7 +151,7 @@ class BackgroundWriter:
             self._enqueue(_Array(step, layer, name, tensor, layer_attrs, ready), waiting=1)
         self._raise_if_failed()
 
-    def put_held_step(self, step: int, arrays: list, **complete_attrs) -> bool:
+    def put_held_step(self, step: int, arrays: Sequence[RingArray], **complete_attrs: Any) -> bool:
         """Queue a whole step held in host memory (arrays: objects with layer, name, tensor, ready, layer_attrs)
         and its completion; False, queuing nothing, when its bytes do not fit in what `held_bytes` leaves."""
         self._check_open()
@@ -161,14 +171,14 @@ class BackgroundWriter:
         """Bytes of held steps waiting to be written."""
         return self._holding
 
-    def put_complete(self, step: int, loss: Optional[float] = None, **attrs) -> None:
+    def put_complete(self, step: int, loss: Optional[float] = None, **attrs: Any) -> None:
         self._put(_Complete(step, loss, attrs))
 
     def put_run_attrs(self, attrs: dict) -> None:
         """Merge attrs into the store's run description (see DumpWriter.update_run_attrs)."""
         self._put(_RunAttrs(dict(attrs)))
 
-    def put_timeline(self, step: int, **series) -> None:
+    def put_timeline(self, step: int, **series: Any) -> None:
         """Add one monitor row (the step's scalars and (L, H) arrays) to the store's timeline/ (buffered, see above)."""
         now = time.monotonic()
         if not self._rows:
@@ -239,7 +249,7 @@ class BackgroundWriter:
         if self._closed:
             raise CaptureError("capture session is closed; record inside the `with fa_forensics.capture(...)` block")
 
-    def _put(self, item) -> None:
+    def _put(self, item: _Item) -> None:
         self._check_open()
         with self._cond:
             self._enqueue(item)
@@ -248,7 +258,7 @@ class BackgroundWriter:
         """Seconds since the first item was queued (the time the writer had for its work)."""
         return 0.0 if self._first_item is None else time.perf_counter() - self._first_item
 
-    def _enqueue(self, item, waiting: int = 0) -> None:
+    def _enqueue(self, item: _Item | _Stop, waiting: int = 0) -> None:
         """Append under the lock."""
         if self._first_item is None:
             self._first_item = time.perf_counter()
@@ -276,7 +286,7 @@ class BackgroundWriter:
                 while not self._items:
                     self._cond.wait()
                 item = self._items.popleft()
-            if item is _STOP:
+            if isinstance(item, _Stop):
                 with self._cond:
                     self._unfinished -= 1
                     self._cond.notify_all()
@@ -307,7 +317,7 @@ class BackgroundWriter:
                     return
                 self._cond.wait(left)
 
-    def _write(self, item) -> None:
+    def _write(self, item: _Item) -> None:
         if self._error is None:  # after a failure, drain without writing: a failed store is never half-written further
             try:
                 if isinstance(item, _Array):

@@ -193,6 +193,22 @@ def test_flash_attn_dense_forms(tmp_path, standins, form):
     assert info["source"] == "flash_attn.flash_attn_" + ("func" if form == "func" else f"{form}_func")
 
 
+def test_built_in_adapters_read_a_call_that_returned_no_tensor_as_unread():
+    """A watched function that returned no tensor for O: each built-in adapter says the call was not read (None,
+    which the session reports as such) instead of failing inside the training step."""
+    from fa_forensics.capture.adapters import (flash_attn_func, flash_attn_varlen_func, flex_attention,
+                                               memory_efficient_attention)
+
+    q = torch.randn(1, 6, 2, 8)  # (B, T, H, D); (B, H, T, D) for flex_attention
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    for adapter, args in ((flash_attn_func, (q, q, q)), (flash_attn_varlen_func, (q[0], q[0], q[0], cu, cu, 6, 6)),
+                          (memory_efficient_attention, (q, q, q)), (flex_attention, (q, q, q))):
+        o = q[0] if adapter is flash_attn_varlen_func else q
+        assert adapter(args, {}, o) is not None
+        assert adapter(args, {}, None) is None
+        assert adapter(args, {}, ("not a tensor", None)) is None
+
+
 @pytest.mark.parametrize("form", ["varlen", "varlen_qkvpacked", "varlen_kvpacked"])
 def test_flash_attn_varlen_forms_store_a_block_diagonal_mask(tmp_path, standins, form):
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
