@@ -27,12 +27,14 @@ from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attenti
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, parse_batch, parse_index_list, parse_steps,
 )
-from fa_forensics.capture.session import CaptureSession, active
+from fa_forensics.capture.session import CaptureSession, StepCallback, active
+from fa_forensics.capture.settings import CaptureSettings
 
 __all__ = [
     "capture",
     "record",
     "CaptureSession",
+    "CaptureSettings",
     "CaptureSelection",
     "CaptureError",
     "InvalidCaptureSetting",
@@ -45,32 +47,21 @@ __all__ = [
 ]
 
 
-def capture(
-    model: Optional[torch.nn.Module] = None,
-    out="run.zarr",
-    steps=(0,),
-    layers=None,
-    heads=None,
-    batch=slice(0, 2),
-    micro_batch: int = 0,
-    attention_modules: str = DEFAULT_ATTENTION_PATTERN,
-    **options,
-) -> CaptureSession:
+def capture(model: Optional[torch.nn.Module] = None, *args, on_step: Optional[StepCallback] = None,
+            run_attrs: Optional[dict] = None, **options) -> CaptureSession:
     """A context manager recording the selected steps of training into the store `out`.
 
     model: the model (its attention modules give X; its forward marks micro-batches); None works
-      for SDPA/record-only capture. steps: iterable of step numbers or text "100,200:300:10".
-    layers / heads: indices (None = all). batch: slice of the batch dimension (None = whole batch).
-    micro_batch: which forward pass of a step is recorded under gradient accumulation.
-    attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
-    options: step_by ("optimizer" | "manual"), overwrite, max_queue (arrays of selected steps that may wait for
-      the disk before training waits), max_held_mb (memory the ring's and an alarm's steps may hold waiting for the
-      disk; a step past it is dropped whole and said), writer_duty (the share of time the writer thread may write
-      while little waits, default 0.1; 1 writes at full speed), on_step, run_attrs; attention: custom
-      entry points to watch (`"MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"`); softmax: the variant
-      custom attention computes ("standard", "stabilized" or "ENV=VALUE", see capture/softmax_variant.py).
+      for SDPA/record-only capture. args / options: the fields of `CaptureSettings` (positional in its order:
+      out, steps, layers, heads, batch, micro_batch, attention_modules), each with its default there:
+      steps: iterable of step numbers or text "100,200:300:10"; layers / heads: indices (None = all);
+      batch: slice of the batch dimension (None = whole batch); micro_batch: which forward pass of a step is
+      recorded under gradient accumulation; attention_modules: regex over module names (default covers nanoGPT,
+      HF GPT-2 and Llama); step_by ("optimizer" | "manual"), overwrite, max_queue, max_held_mb, writer_duty, the
+      monitor's settings, attention (custom entry points to watch), softmax (the variant custom attention
+      computes). on_step: fn(session, step, loss) after every step boundary; run_attrs: store attributes.
     """
-    return CaptureSession(model, out, steps, layers, heads, batch, micro_batch, attention_modules, **options)
+    return CaptureSession(model, CaptureSettings(*args, **options), on_step=on_step, run_attrs=run_attrs)
 
 
 def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,

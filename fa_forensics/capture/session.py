@@ -40,19 +40,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.adapters import WATCHED, built_in_entry_points
 from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher
-from fa_forensics.capture.targets import TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
 from fa_forensics.capture.layouts import Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
-    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_heads, module_input,
-    replace_module_input,
+    describe_model, find_attention_modules, module_heads, module_input, replace_module_input,
 )
-from fa_forensics.capture.selection import (
-    CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
-)
-from fa_forensics.capture.monitoring import StepMonitor, check_tensorboard_option
-from fa_forensics.capture.softmax_variant import SoftmaxVariant
+from fa_forensics.capture.selection import CaptureError, InvalidCaptureSetting
+from fa_forensics.capture.monitoring import StepMonitor
+from fa_forensics.capture.settings import CaptureSettings
 from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.chain_call import combine_mask, to_heads
 from fa_forensics.capture.torch_ops import ChainScope, PlainCall
@@ -108,71 +104,26 @@ class CaptureSession:
     `current_step` (the step in progress), `selection`, `rank`, `world_size`, `recorded_steps`.
     """
 
-    def __init__(
-        self,
-        model: Optional[torch.nn.Module],
-        out,
-        steps,
-        layers=None,
-        heads=None,
-        batch=None,
-        micro_batch: int = 0,
-        attention_modules: str = DEFAULT_ATTENTION_PATTERN,
-        *,
-        step_by: str = "optimizer",
-        overwrite: bool = False,
-        allow_other_model: bool = False,
-        max_queue: int = 64,
-        max_held_mb: float = 256.0,
-        writer_duty: float = 0.1,
-        on_step: Optional[StepCallback] = None,
-        run_attrs: Optional[dict] = None,
-        keep_sdpa_patch: bool = False,
-        monitor_every: Optional[int] = None,
-        alarm=False,
-        alarm_steps: int = 3,
-        ring: int = 0,
-        monitor_tensorboard=None,
-        monitor_eps: float = 1e-3,
-        timeline_flush_rows: int = 16,
-        attention=(),
-        softmax: Optional[str] = None,
-        process_rank: Optional[tuple[int, int]] = None,
-        run_id: Optional[str] = None,
-    ):
-        if step_by not in ("optimizer", "manual"):
-            raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
-        check_monitor_options(monitor_every, alarm, alarm_steps, ring)
-        check_tensorboard_option(monitor_every, monitor_tensorboard)
-        if int(timeline_flush_rows) < 1:
-            raise CaptureError("timeline_flush_rows must be >= 1 (timeline rows appended at a time), got "
-                               f"{timeline_flush_rows}")
-        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
-                                                allow_no_steps=bool(monitor_every))
-        check_attention_pattern(attention_modules)
-        self.targets = [t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (attention or ())]
+    def __init__(self, model: Optional[torch.nn.Module], settings: CaptureSettings, *,
+                 on_step: Optional[StepCallback] = None, run_attrs: Optional[dict] = None,
+                 process_rank: Optional[tuple[int, int]] = None):
+        """model: bound at start (None: the launcher binds one at its first forward, or SDPA/record-only capture);
+        settings: what to record and how (checked when they were made); on_step: a step callback; run_attrs: store
+        attributes merged into the run's; process_rank: (rank, world size) the launcher gave, else found at start()."""
+        self.settings = settings
+        self.selection = settings.selection
+        self.targets = list(settings.attention)
         self._target_names = {t.to_text() for t in self.targets}
-        self.softmax = SoftmaxVariant.parse(softmax)
+        self.softmax = settings.softmax
         self._patcher: Optional[EntryPointPatcher] = None
         self._tapped_loss: Optional[torch.Tensor] = None  # sum of the scalars backward() ran on in a recorded step
         self._entry_depth = 0  # > 0 inside a watched entry point's call: attention calls within it are its own
         self.attention_calls_seen = 0  # attention calls seen with gradients enabled on busy steps
-        self.out = os.fspath(out)
+        self.out = settings.out
         self.model = model
-        self.pattern = attention_modules
-        self.step_by = step_by
-        self.overwrite = overwrite
-        self.allow_other_model = allow_other_model
-        self.max_queue = max_queue
-        if not float(max_held_mb) > 0:
-            raise CaptureError(f"max_held_mb must be a positive number of megabytes, got {max_held_mb}")
-        self.max_held_mb = float(max_held_mb)
-        if not 0 < float(writer_duty) <= 1:
-            raise CaptureError(f"writer_duty must be in (0, 1] (the share of time the writer may write), got "
-                               f"{writer_duty}")
-        self.writer_duty = float(writer_duty)
+        self.pattern = settings.attention_modules
+        self.step_by = settings.step_by
         self.run_attrs = dict(run_attrs or {})
-        self.keep_sdpa_patch = keep_sdpa_patch
         self._callbacks: list[StepCallback] = [on_step] if on_step else []
         self._recorder = Recorder(self.selection, self._queue_array, self._mark_backward)
         # step state
@@ -192,13 +143,10 @@ class CaptureSession:
         self._registered: set[int] = set()  # steps put in the store (as incomplete) when their first array was queued
         self.rank, self.world_size = 0, 1
         self._process_rank = process_rank  # (rank, world size) the launcher gave, else found at start()
-        self.run_id = run_id or _launcher_run_id()  # shared by the ranks of one run: orders their store opening
+        self.run_id = settings.run_id or _launcher_run_id()  # shared by a run's ranks: orders their store opening
         self.attention_module_names: list[str] = []
         self._modules_by_name: dict[str, torch.nn.Module] = {}
-        self.timeline_flush_rows = int(timeline_flush_rows)
-        self._monitor: Optional[StepMonitor] = (
-            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps, ring=ring,
-                        tensorboard=monitor_tensorboard) if monitor_every else None)
+        self._monitor: Optional[StepMonitor] = StepMonitor(settings) if settings.monitor_every else None
         self._ring_hot = False  # the current step's selected layers go to the monitor's ring
         self._active = False  # the current step needs its attention calls (recorded or monitored)
         # attention written as torch ops: a mode on the stack for the root's forward passes of active steps
@@ -420,9 +368,9 @@ class CaptureSession:
         if ordered and self.rank != 0:
             dist.barrier()  # rank 0 creates (or replaces) the store first; then every rank adds rank_{r}/
         try:  # without a process group the ranks order themselves through rank 0's lock file (dump/ranks.py)
-            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank,
-                                     world_size=self.world_size,
-                                     allow_other_model=self.allow_other_model, run_id=self.run_id,
+            dump_writer = DumpWriter(self.out, attrs, overwrite=self.settings.overwrite and self.rank == 0,
+                                     rank=self.rank, world_size=self.world_size,
+                                     allow_other_model=self.settings.allow_other_model, run_id=self.run_id,
                                      rank0_wait=None if ordered or self.world_size == 1 else RANK0_WAIT_SECONDS)
         except OSError as exc:
             raise InvalidCaptureSetting("out",
@@ -431,8 +379,10 @@ class CaptureSession:
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
-        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows,
-                                        held_bytes=int(self.max_held_mb * 2 ** 20), duty=self.writer_duty)
+        settings = self.settings
+        self._writer = BackgroundWriter(dump_writer, max_queue=settings.max_queue,
+                                        timeline_rows=settings.timeline_flush_rows,
+                                        held_bytes=int(settings.max_held_mb * 2 ** 20), duty=settings.writer_duty)
         try:
             if self.model is not None:
                 self.bind(self.model)
@@ -456,7 +406,7 @@ class CaptureSession:
         self._chains.leave()
         self._held_chain = None
         self._remove_hooks()
-        sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
+        sdpa.uninstall(self, keep_patch=self.settings.keep_sdpa_patch)
         self._uninstall_entry_points()
         loss_tap.uninstall(self)
         _set_active(None)
@@ -870,7 +820,8 @@ class CaptureSession:
                          "attention": [t.to_text() for t in self.targets], "softmax": self.softmax.to_text() or "none",
                          **self.run_attrs.get("capture", {})}
         if self._monitor is not None:
-            capture_attrs["monitor"] = {**self._monitor.attrs(), "timeline_flush_rows": self.timeline_flush_rows}
+            capture_attrs["monitor"] = {**self._monitor.attrs(),
+                                        "timeline_flush_rows": self.settings.timeline_flush_rows}
         return {
             **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},
             "tool_version": __version__,
