@@ -95,10 +95,6 @@ class StepMonitor:
         if self.hot:
             self.collector.begin(step)
 
-    def holds_ring(self, recording: bool) -> bool:
-        """The current step's selected layers go to the ring (monitored, not recorded)."""
-        return self.ring is not None and self.hot and not recording
-
     def ring_step_for(self, step: int) -> RingStep:
         """The ring entry collecting the arrays of `step` (made at its first array)."""
         if self.ring_step is None:
