@@ -61,7 +61,7 @@ class CaptureSettings:
     writer_duty: float = 0.1
     keep_sdpa_patch: bool = False
     monitor_every: Optional[int] = None
-    alarm: Any = None
+    alarm: Any = False
     alarm_steps: int = 3
     ring: int = 0
     monitor_tensorboard: Optional[str] = None
