@@ -18,17 +18,19 @@ attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-
-from fa_forensics import make_callable
-from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules
+from fa_forensics import lazy_exports, make_callable
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, parse_batch, parse_index_list, parse_steps,
 )
-from fa_forensics.capture.session import CaptureSession, StepCallback, active
-from fa_forensics.capture.settings import CaptureSettings
+from fa_forensics.capture.settings import DEFAULT_ATTENTION_PATTERN, CaptureSettings
+
+if TYPE_CHECKING:  # the same names, for readers of the source (type checkers, the API docs)
+    import torch
+
+    from fa_forensics.capture.modules import find_attention_modules
+    from fa_forensics.capture.session import CaptureSession, StepCallback, active
 
 __all__ = [
     "capture",
@@ -61,6 +63,8 @@ def capture(model: Optional[torch.nn.Module] = None, *args, on_step: Optional[St
       monitor's settings, attention (custom entry points to watch), softmax (the variant custom attention
       computes). on_step: fn(session, step, loss) after every step boundary; run_attrs: store attributes.
     """
+    from fa_forensics.capture.session import CaptureSession
+
     return CaptureSession(model, CaptureSettings(*args, **options), on_step=on_step, run_attrs=run_attrs)
 
 
@@ -73,9 +77,17 @@ def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, s
     the shapes are checked against it and against X and the module (InvalidCaptureSetting naming the shapes)
     and stored as (B, H, T, D). softmax: "standard" or "stabilized", what this code computes (default: the
     session's `softmax` rule, else recorded as unknown)."""
+    from fa_forensics.capture.session import active
+
     session = active()
     if session is not None and session.busy:
         session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask, softmax=softmax)
 
+
+__getattr__ = lazy_exports(__name__, {  # torch is imported when a session is first needed
+    "CaptureSession": "fa_forensics.capture.session",
+    "active": "fa_forensics.capture.session",
+    "find_attention_modules": "fa_forensics.capture.modules",
+})
 
 make_callable(__name__)  # `fa_forensics.capture(...)` is this package called as its function `capture`

@@ -2,6 +2,7 @@
 
 `CaptureSettings` is what `fa_forensics.capture(**options)`, `fa-forensics capture`, `demo-train` and the
 launcher's processes (through the environment variable, `to_json` / `from_json`) hand to a `CaptureSession`.
+Importing it is light (no torch): the commands read their option defaults from it.
 Values are given in any form the library accepts (text like "100:200:10" or Python values) and kept
 normalized: steps a `StepSet`, layers and heads tuples, batch a slice, the alarm its `AlarmSettings`, custom
 attention its `TargetSpec`s, softmax a `SoftmaxVariant`. A value that cannot work raises
@@ -14,15 +15,17 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, check_attention_pattern, check_monitor_options, format_batch,
 )
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
-from fa_forensics.capture.targets import TargetSpec
 
 if TYPE_CHECKING:
     from fa_forensics.monitor.alarm_settings import AlarmSettings
+
+# Attention modules by name: `<blocks>.<i>.<attn>` (nanoGPT, Hugging Face GPT-2 / Llama / Mistral / Qwen,
+# TransformerLens, also under DDP's `module.` and torch.compile's `_orig_mod.`; capture/modules.py).
+DEFAULT_ATTENTION_PATTERN = r"(^|\.)(h|layers|blocks|layer)\.\d+\.(attn|self_attn|attention|self_attention)$"
 
 STEP_BY = ("optimizer", "manual")
 
@@ -86,6 +89,8 @@ class CaptureSettings:
             raise CaptureError("timeline_flush_rows must be >= 1 (timeline rows appended at a time), got "
                                f"{self.timeline_flush_rows}")
         check_attention_pattern(self.attention_modules)
+        from fa_forensics.capture.targets import TargetSpec  # imports torch: only when settings are made
+
         targets = tuple(t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (self.attention or ()))
         softmax = self.softmax if isinstance(self.softmax, SoftmaxVariant) else SoftmaxVariant.parse(self.softmax)
         selection = CaptureSelection.build(self.steps, self.layers, self.heads, self.batch, self.micro_batch,
