@@ -34,15 +34,6 @@ if TYPE_CHECKING:
 WriteHeld = Callable[[RingStep, int], bool]
 
 
-def check_tensorboard_option(monitor_every, tensorboard) -> None:
-    """InvalidCaptureSetting for TensorBoard output without the monitor that fills it."""
-    from fa_forensics.capture.selection import InvalidCaptureSetting
-
-    if tensorboard is not None and not monitor_every:
-        raise InvalidCaptureSetting("monitor_tensorboard", "TensorBoard gets the monitor's timeline rows",
-                                    needs=("monitor_every",))
-
-
 class StepMonitor:
     """Monitor, alarm and ring of one capture session (see the module docstring)."""
 

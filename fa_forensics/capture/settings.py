@@ -16,7 +16,8 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from fa_forensics.capture.selection import (
-    CaptureError, CaptureSelection, check_attention_pattern, check_monitor_options, format_batch,
+    CaptureError, CaptureSelection, check_attention_pattern, check_monitor_options, check_tensorboard_option,
+    format_batch,
 )
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
 
@@ -82,8 +83,6 @@ class CaptureSettings:
         if self.step_by not in STEP_BY:
             raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {self.step_by!r}")
         check_monitor_options(self.monitor_every, self.alarm, self.alarm_steps, self.ring)
-        from fa_forensics.capture.monitoring import check_tensorboard_option
-
         check_tensorboard_option(self.monitor_every, self.monitor_tensorboard)
         if int(self.timeline_flush_rows) < 1:
             raise CaptureError("timeline_flush_rows must be >= 1 (timeline rows appended at a time), got "
