@@ -85,3 +85,13 @@ def test_the_library_call_takes_the_same_options_positionally_and_by_name(tmp_pa
     assert by_name.settings == positional.settings and by_name.selection.batch is None
     with pytest.raises(CaptureError, match="writer_duty"):
         capture(None, out=tmp_path / "b.zarr", writer_duty=2)
+
+
+def test_the_commands_read_the_defaults_without_importing_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys; from fa_forensics.capture.settings import default_of; import fa_forensics.commands.capture; "
+             "print(default_of('alarm_steps'), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["3", "False"], done.stderr[-2000:]
