@@ -45,7 +45,7 @@ class CaptureSettings:
     keep_sdpa_patch: leave the SDPA patch in place after the session (the launcher's processes).
     monitor_every / alarm / alarm_steps / ring / monitor_tensorboard / monitor_eps / timeline_flush_rows: the
       training monitor (capture/monitoring.py, docs/monitor.md).
-    attention: custom entry points to watch ("MODULE:QUALNAME[,layout=BTHD][,...]"); softmax: the variant
+    attention: custom entry points to watch (`MODULE:QUALNAME,layout=BTHD,...`); softmax: the variant
       custom attention computes ("standard", "stabilized" or "ENV=VALUE").
     run_id: shared by the ranks of one run; orders their opening of the store.
     """
