@@ -18,21 +18,25 @@ attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-
-from fa_forensics import make_callable
-from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN, find_attention_modules
+from fa_forensics import lazy_exports, make_callable
 from fa_forensics.capture.selection import (
     CaptureError, CaptureSelection, InvalidCaptureSetting, parse_batch, parse_index_list, parse_steps,
 )
-from fa_forensics.capture.session import CaptureSession, active
+from fa_forensics.capture.settings import DEFAULT_ATTENTION_PATTERN, CaptureSettings
+
+if TYPE_CHECKING:  # the same names, for readers of the source (type checkers, the API docs)
+    import torch
+
+    from fa_forensics.capture.modules import find_attention_modules
+    from fa_forensics.capture.session import CaptureSession, StepCallback, active
 
 __all__ = [
     "capture",
     "record",
     "CaptureSession",
+    "CaptureSettings",
     "CaptureSelection",
     "CaptureError",
     "InvalidCaptureSetting",
@@ -45,32 +49,23 @@ __all__ = [
 ]
 
 
-def capture(
-    model: Optional[torch.nn.Module] = None,
-    out="run.zarr",
-    steps=(0,),
-    layers=None,
-    heads=None,
-    batch=slice(0, 2),
-    micro_batch: int = 0,
-    attention_modules: str = DEFAULT_ATTENTION_PATTERN,
-    **options,
-) -> CaptureSession:
+def capture(model: Optional[torch.nn.Module] = None, *args, on_step: Optional[StepCallback] = None,
+            run_attrs: Optional[dict] = None, **options) -> CaptureSession:
     """A context manager recording the selected steps of training into the store `out`.
 
     model: the model (its attention modules give X; its forward marks micro-batches); None works
-      for SDPA/record-only capture. steps: iterable of step numbers or text "100,200:300:10".
-    layers / heads: indices (None = all). batch: slice of the batch dimension (None = whole batch).
-    micro_batch: which forward pass of a step is recorded under gradient accumulation.
-    attention_modules: regex over module names (default covers nanoGPT, HF GPT-2 and Llama).
-    options: step_by ("optimizer" | "manual"), overwrite, max_queue (arrays of selected steps that may wait for
-      the disk before training waits), max_held_mb (memory the ring's and an alarm's steps may hold waiting for the
-      disk; a step past it is dropped whole and said), writer_duty (the share of time the writer thread may write
-      while little waits, default 0.1; 1 writes at full speed), on_step, run_attrs; attention: custom
-      entry points to watch (`"MODULE:QUALNAME[,layout=BTHD][,causal=..][,scale=..]"`); softmax: the variant
-      custom attention computes ("standard", "stabilized" or "ENV=VALUE", see capture/softmax_variant.py).
+      for SDPA/record-only capture. args / options: the fields of `CaptureSettings` (positional in its order:
+      out, steps, layers, heads, batch, micro_batch, attention_modules), each with its default there:
+      steps: iterable of step numbers or text "100,200:300:10"; layers / heads: indices (None = all);
+      batch: slice of the batch dimension (None = whole batch); micro_batch: which forward pass of a step is
+      recorded under gradient accumulation; attention_modules: regex over module names (default covers nanoGPT,
+      HF GPT-2 and Llama); step_by ("optimizer" | "manual"), overwrite, max_queue, max_held_mb, writer_duty, the
+      monitor's settings, attention (custom entry points to watch), softmax (the variant custom attention
+      computes). on_step: fn(session, step, loss) after every step boundary; run_attrs: store attributes.
     """
-    return CaptureSession(model, out, steps, layers, heads, batch, micro_batch, attention_modules, **options)
+    from fa_forensics.capture.session import CaptureSession
+
+    return CaptureSession(model, CaptureSettings(*args, **options), on_step=on_step, run_attrs=run_attrs)
 
 
 def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
@@ -82,9 +77,17 @@ def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, s
     the shapes are checked against it and against X and the module (InvalidCaptureSetting naming the shapes)
     and stored as (B, H, T, D). softmax: "standard" or "stabilized", what this code computes (default: the
     session's `softmax` rule, else recorded as unknown)."""
+    from fa_forensics.capture.session import active
+
     session = active()
     if session is not None and session.busy:
         session.record(q, k, v, o, scale=scale, causal=causal, x=x, layout=layout, mask=mask, softmax=softmax)
 
+
+__getattr__ = lazy_exports(__name__, {  # torch is imported when a session is first needed
+    "CaptureSession": "fa_forensics.capture.session",
+    "active": "fa_forensics.capture.session",
+    "find_attention_modules": "fa_forensics.capture.modules",
+})
 
 make_callable(__name__)  # `fa_forensics.capture(...)` is this package called as its function `capture`

@@ -1,9 +1,8 @@
 """Run an unmodified training script with capture active: `python -m fa_forensics.capture.launch SCRIPT ARGS...`.
 
 Settings come as JSON in the environment variable FA_FORENSICS_CAPTURE (written by
-`fa-forensics capture`): {"out", "steps", "layers", "heads", "batch", "micro_batch", "overwrite",
-"allow_other_model", "attention_modules", "monitor_every", "alarm", "alarm_steps", "ring", "monitor_tensorboard",
-"attention", "softmax", "command", "run_id", "report"} in their text forms. At exit each capturing process writes
+`fa-forensics capture`): {"settings": CaptureSettings.to_dict() (capture/settings.py), "command", "report"}
+(capture/launched.py's LaunchOrder). At exit each capturing process writes
 {"rank", "world_size", "steps_run", "steps_without_attention", "attention_calls_seen", "warnings"} as JSON to
 `rank_<r>.json` in the folder "report" names (when given), for the command.
 
@@ -30,7 +29,7 @@ import runpy
 import sys
 
 from fa_forensics.capture.launched import (
-    auto_binder, build_session, rank_prefix, run_spawned_rank, settings_from_env, write_report,
+    auto_binder, build_session, order_from_env, rank_prefix, run_spawned_rank, write_report,
 )
 
 LOCAL_RANK_ARGUMENTS = ("--local-rank=", "--local_rank=")
@@ -78,8 +77,8 @@ def main(argv: list[str]) -> int:
             return 2
     session = None
     try:
-        cfg = settings_from_env()
-        session = build_session(cfg, [target, *script_args])
+        order = order_from_env()
+        session = build_session(order, [target, *script_args])
         session.start()
     except UserError as exc:
         print(f"error: {rank_prefix(session) if session is not None else ''}{exc}", file=sys.stderr)
@@ -91,7 +90,7 @@ def main(argv: list[str]) -> int:
         return _run(session, target, script_args, module_mode, handed_over)
     finally:
         if not handed_over:
-            write_report(cfg.get("report"), session, said)
+            write_report(order.report, session, said)
 
 
 def _hand_over(session, binder, handed_over: list[bool]):

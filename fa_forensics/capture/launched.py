@@ -1,32 +1,61 @@
 """What runs in each process the capture launcher trains in: its session, the model binder, its report.
 
-`build_session` makes the session of the settings in FA_FORENSICS_CAPTURE (capture/launch.py lists
-them); `auto_binder` binds the model at its first forward; `write_report` leaves the process's report
-(rank_<r>.json) for the command. `run_spawned_rank` runs a rank the training script spawned
-(capture/spawned.py) under a session of its own: this module is importable by name in the spawned
-process, which the launcher (run as __main__) is not.
+`build_session` makes the session of the `LaunchOrder` in FA_FORENSICS_CAPTURE (the capture's settings,
+the training command, the report folder); `auto_binder` binds the model at its first forward;
+`write_report` leaves the process's report (rank_<r>.json) for the command. `run_spawned_rank` runs a
+rank the training script spawned (capture/spawned.py) under a session of its own: this module is importable
+by name in the spawned process, which the launcher (run as __main__) is not.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from fa_forensics.capture.settings import CaptureSettings
 
 ENV_VAR = "FA_FORENSICS_CAPTURE"
 
 
-def settings_from_env() -> dict:
+@dataclass(frozen=True)
+class LaunchOrder:
+    """What `fa-forensics capture` hands each capturing process through ENV_VAR: the capture's settings, the
+    training command (recorded in the store) and the folder each process writes its report into."""
+
+    settings: CaptureSettings
+    command: tuple[str, ...] = ()
+    report: Optional[str] = None
+
+    def to_json(self) -> str:
+        return json.dumps({"settings": self.settings.to_dict(), "command": list(self.command), "report": self.report})
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchOrder:
+        """The order in `text`; CaptureError (one line) for text that is not one."""
+        from fa_forensics.capture.selection import CaptureError
+
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); "
+                               "start training through `fa-forensics capture`") from None
+        if not isinstance(values, dict) or set(values) - {"settings", "command", "report"}:
+            raise CaptureError(f"{ENV_VAR} is not a capture order ({{\"settings\", \"command\", \"report\"}}); "
+                               "start training through `fa-forensics capture`")
+        return cls(CaptureSettings.from_dict(values.get("settings") or {}), tuple(values.get("command") or ()),
+                   values.get("report"))
+
+
+def order_from_env() -> LaunchOrder:
     from fa_forensics.capture.selection import CaptureError
 
     text = os.environ.get(ENV_VAR)
     if not text:
         raise CaptureError(f"{ENV_VAR} is not set; start training through `fa-forensics capture --out ... --steps ... "
                            "-- python train.py`")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CaptureError(f"{ENV_VAR} is not valid JSON ({exc}); "
-                           "start training through `fa-forensics capture`") from None
+    return LaunchOrder.from_json(text)
 
 
 def auto_binder(session):
@@ -76,25 +105,14 @@ def auto_binder(session):
     return Binder()
 
 
-def build_session(cfg: dict, command: list[str], process_rank=None):
-    """The capture session the settings `cfg` describe (its store not yet opened)."""
-    from fa_forensics.capture.modules import DEFAULT_ATTENTION_PATTERN
+def build_session(order: LaunchOrder, command: list[str], process_rank=None):
+    """The capture session the order describes (its store not yet opened); `command` is recorded when the order
+    names none."""
     from fa_forensics.capture.session import CaptureSession
-    from fa_forensics.monitor.alarm import rule_from_settings
 
-    return CaptureSession(
-        None, cfg["out"], cfg["steps"], cfg.get("layers"), cfg.get("heads"), cfg.get("batch"),
-        int(cfg.get("micro_batch", 0)),
-        cfg.get("attention_modules") or DEFAULT_ATTENTION_PATTERN,
-        overwrite=bool(cfg.get("overwrite", False)), allow_other_model=bool(cfg.get("allow_other_model", False)),
-        keep_sdpa_patch=True,
-        monitor_every=cfg.get("monitor_every"), alarm=rule_from_settings(cfg.get("alarm")) or False,
-        alarm_steps=int(cfg.get("alarm_steps", 3)), ring=int(cfg.get("ring", 0)),
-        monitor_tensorboard=cfg.get("monitor_tensorboard"),
-        run_attrs={"capture": {"command": cfg.get("command") or command}},
-        attention=cfg.get("attention") or (), softmax=cfg.get("softmax"),
-        process_rank=process_rank, run_id=cfg.get("run_id"),
-    )
+    return CaptureSession(None, order.settings.replace(keep_sdpa_patch=True),
+                          run_attrs={"capture": {"command": list(order.command) or command}},
+                          process_rank=process_rank)
 
 
 def rank_prefix(session) -> str:
@@ -123,8 +141,8 @@ def run_spawned_rank(fn, index: int, nprocs: int, args: tuple):
     from fa_forensics.capture.spawned import point_bindings_at
     from fa_forensics.errors import UserError
 
-    cfg = settings_from_env()
-    session = build_session(cfg, list(sys.argv), process_rank=(int(index), int(nprocs)))
+    order = order_from_env()
+    session = build_session(order, list(sys.argv), process_rank=(int(index), int(nprocs)))
     try:
         session.start()
     except UserError as exc:
@@ -146,7 +164,7 @@ def run_spawned_rank(fn, index: int, nprocs: int, args: tuple):
         except UserError as exc:
             print(f"error: rank {index}: {exc}", file=sys.stderr)
             failed = True
-        write_report(cfg.get("report"), session, said)
+        write_report(order.report, session, said)
         if failed and sys.exc_info()[0] is None:
             raise SystemExit(2)
 

@@ -1,10 +1,11 @@
 """Finding the attention modules of a model by name, and reading their input X.
 
-The default pattern matches a module whose qualified name ends in `<blocks>.<i>.<attn>` where
-<blocks> is one of h | layers | blocks | layer and <attn> one of attn | self_attn | attention |
-self_attention. It covers nanoGPT and Hugging Face GPT-2 (`transformer.h.{i}.attn`), Hugging Face
-Llama / Mistral / Qwen (`model.layers.{i}.self_attn`), TransformerLens (`blocks.{i}.attn`), and
-the same names under wrappers (DDP's `module.`, torch.compile's `_orig_mod.`).
+The default pattern (capture/settings.py, where every capture default is) matches a module whose qualified
+name ends in `<blocks>.<i>.<attn>` where <blocks> is one of h | layers | blocks | layer and <attn> one of
+attn | self_attn | attention | self_attention. It covers nanoGPT and Hugging Face GPT-2
+(`transformer.h.{i}.attn`), Hugging Face Llama / Mistral / Qwen (`model.layers.{i}.self_attn`),
+TransformerLens (`blocks.{i}.attn`), and the same names under wrappers (DDP's `module.`, torch.compile's
+`_orig_mod.`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-DEFAULT_ATTENTION_PATTERN = r"(^|\.)(h|layers|blocks|layer)\.\d+\.(attn|self_attn|attention|self_attention)$"
+from fa_forensics.capture.settings import DEFAULT_ATTENTION_PATTERN
 
 
 def find_attention_modules(model: torch.nn.Module,

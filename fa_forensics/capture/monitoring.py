@@ -20,40 +20,31 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from fa_forensics.capture.events import AlarmWarning, AttentionCall, TimelineRow
 from fa_forensics.capture.ring import RingStep, StepRing
 
+if TYPE_CHECKING:
+    from fa_forensics.capture.settings import CaptureSettings
+
 # (held ring step, the alarm's step) -> whether the step was written (False: it is recorded already)
 WriteHeld = Callable[[RingStep, int], bool]
-
-
-def check_tensorboard_option(monitor_every, tensorboard) -> None:
-    """InvalidCaptureSetting for TensorBoard output without the monitor that fills it."""
-    from fa_forensics.capture.selection import InvalidCaptureSetting
-
-    if tensorboard is not None and not monitor_every:
-        raise InvalidCaptureSetting("monitor_tensorboard", "TensorBoard gets the monitor's timeline rows",
-                                    needs=("monitor_every",))
 
 
 class StepMonitor:
     """Monitor, alarm and ring of one capture session (see the module docstring)."""
 
-    def __init__(self, every: int, *, eps: float, alarm=False, alarm_steps: int = 3, ring: int = 0,
-                 tensorboard=None):
-        from fa_forensics.monitor.alarm import rule_from_settings
-
-        self.every = int(every)
-        self.eps = eps
-        self.alarm_steps = int(alarm_steps)
-        self.rule = rule_from_settings(alarm)  # None without an alarm
-        self.tensorboard = None if tensorboard is None else str(tensorboard)
+    def __init__(self, settings: CaptureSettings):
+        self.every = int(settings.monitor_every)
+        self.eps = settings.monitor_eps
+        self.alarm_steps = settings.alarm_steps
+        self.rule = settings.alarm_rule()  # None without an alarm
+        self.tensorboard = settings.monitor_tensorboard
         self.board = None  # a TimelineBoard from `start` on, with `tensorboard`
-        self.ring: Optional[StepRing] = StepRing(ring) if ring else None
+        self.ring: Optional[StepRing] = StepRing(settings.ring) if settings.ring else None
         self.collector = None  # a StepCollector from `start` on
         self.hot = False  # the current step is monitored
         self.ring_step: Optional[RingStep] = None  # the current step's arrays, held for the ring
@@ -94,10 +85,6 @@ class StepMonitor:
         self.reported_loss = None
         if self.hot:
             self.collector.begin(step)
-
-    def holds_ring(self, recording: bool) -> bool:
-        """The current step's selected layers go to the ring (monitored, not recorded)."""
-        return self.ring is not None and self.hot and not recording
 
     def ring_step_for(self, step: int) -> RingStep:
         """The ring entry collecting the arrays of `step` (made at its first array)."""

@@ -303,3 +303,10 @@ def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
     if ring and not alarm:
         raise InvalidCaptureSetting("ring", "the ring keeps recent steps for the alarm to write",
                                     needs=("alarm", "monitor_every"))
+
+
+def check_tensorboard_option(monitor_every, tensorboard) -> None:
+    """InvalidCaptureSetting for TensorBoard output without the monitor that fills it."""
+    if tensorboard is not None and not monitor_every:
+        raise InvalidCaptureSetting("monitor_tensorboard", "TensorBoard gets the monitor's timeline rows",
+                                    needs=("monitor_every",))

@@ -12,8 +12,10 @@ Conventions (also in docs/capture.md):
   the block raises; steps that ended before the error are completed, the cut one is not.
 
 Hot path: on a step that is not selected, the SDPA patch, the wrappers of the other watched entry
-points (capture/entry_points.py, capture/adapters.py) and every hook check one boolean (`busy`, or
-`_active` for the attention modules' input hooks) and return; nothing is cloned, nothing synchronizes.
+points (capture/entry_points.py, capture/adapters.py) and every hook check one boolean (`busy`, or the
+step plan's `active` for the attention modules' input hooks) and return; nothing is cloned, nothing synchronizes.
+What a step does (recorded in full, monitored, held in the ring, nothing) is its `StepPlan`
+(capture/step_plan.py), decided when it begins and again when an alarm asks for it.
 
 torch.compile: the hooks and the SDPA patch are traced by dynamo. In traced code they read no
 session state (dynamo would turn a read into a guard, and the first recorded step would recompile):
@@ -40,23 +42,20 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.adapters import WATCHED, built_in_entry_points
 from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher
-from fa_forensics.capture.targets import TargetSpec
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
 from fa_forensics.capture.layouts import Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd
 from fa_forensics.capture.modules import (
-    DEFAULT_ATTENTION_PATTERN, describe_model, find_attention_modules, module_heads, module_input,
-    replace_module_input,
+    describe_model, find_attention_modules, module_heads, module_input, replace_module_input,
 )
-from fa_forensics.capture.selection import (
-    CaptureError, CaptureSelection, InvalidCaptureSetting, check_attention_pattern, check_monitor_options,
-)
-from fa_forensics.capture.monitoring import StepMonitor, check_tensorboard_option
-from fa_forensics.capture.softmax_variant import SoftmaxVariant
+from fa_forensics.capture.selection import CaptureError, InvalidCaptureSetting
+from fa_forensics.capture.monitoring import StepMonitor
+from fa_forensics.capture.settings import CaptureSettings
 from fa_forensics.capture.recorder import Recorder
 from fa_forensics.capture.chain_call import combine_mask, to_heads
 from fa_forensics.capture.torch_ops import ChainScope, PlainCall
 from fa_forensics.capture.ring import RingArray, RingStep
+from fa_forensics.capture.step_plan import StepPlan
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
 StepCallback = Callable[["CaptureSession", int, Optional[float]], None]
@@ -108,77 +107,32 @@ class CaptureSession:
     `current_step` (the step in progress), `selection`, `rank`, `world_size`, `recorded_steps`.
     """
 
-    def __init__(
-        self,
-        model: Optional[torch.nn.Module],
-        out,
-        steps,
-        layers=None,
-        heads=None,
-        batch=None,
-        micro_batch: int = 0,
-        attention_modules: str = DEFAULT_ATTENTION_PATTERN,
-        *,
-        step_by: str = "optimizer",
-        overwrite: bool = False,
-        allow_other_model: bool = False,
-        max_queue: int = 64,
-        max_held_mb: float = 256.0,
-        writer_duty: float = 0.1,
-        on_step: Optional[StepCallback] = None,
-        run_attrs: Optional[dict] = None,
-        keep_sdpa_patch: bool = False,
-        monitor_every: Optional[int] = None,
-        alarm=False,
-        alarm_steps: int = 3,
-        ring: int = 0,
-        monitor_tensorboard=None,
-        monitor_eps: float = 1e-3,
-        timeline_flush_rows: int = 16,
-        attention=(),
-        softmax: Optional[str] = None,
-        process_rank: Optional[tuple[int, int]] = None,
-        run_id: Optional[str] = None,
-    ):
-        if step_by not in ("optimizer", "manual"):
-            raise CaptureError(f"step_by must be 'optimizer' or 'manual', got {step_by!r}")
-        check_monitor_options(monitor_every, alarm, alarm_steps, ring)
-        check_tensorboard_option(monitor_every, monitor_tensorboard)
-        if int(timeline_flush_rows) < 1:
-            raise CaptureError("timeline_flush_rows must be >= 1 (timeline rows appended at a time), got "
-                               f"{timeline_flush_rows}")
-        self.selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
-                                                allow_no_steps=bool(monitor_every))
-        check_attention_pattern(attention_modules)
-        self.targets = [t if isinstance(t, TargetSpec) else TargetSpec.parse(t) for t in (attention or ())]
+    def __init__(self, model: Optional[torch.nn.Module], settings: CaptureSettings, *,
+                 on_step: Optional[StepCallback] = None, run_attrs: Optional[dict] = None,
+                 process_rank: Optional[tuple[int, int]] = None):
+        """model: bound at start (None: the launcher binds one at its first forward, or SDPA/record-only capture);
+        settings: what to record and how (checked when they were made); on_step: a step callback; run_attrs: store
+        attributes merged into the run's; process_rank: (rank, world size) the launcher gave, else found at start()."""
+        self.settings = settings
+        self.selection = settings.selection
+        self.targets = list(settings.attention)
         self._target_names = {t.to_text() for t in self.targets}
-        self.softmax = SoftmaxVariant.parse(softmax)
+        self.softmax = settings.softmax
         self._patcher: Optional[EntryPointPatcher] = None
         self._tapped_loss: Optional[torch.Tensor] = None  # sum of the scalars backward() ran on in a recorded step
         self._entry_depth = 0  # > 0 inside a watched entry point's call: attention calls within it are its own
         self.attention_calls_seen = 0  # attention calls seen with gradients enabled on busy steps
-        self.out = os.fspath(out)
+        self.out = settings.out
         self.model = model
-        self.pattern = attention_modules
-        self.step_by = step_by
-        self.overwrite = overwrite
-        self.allow_other_model = allow_other_model
-        self.max_queue = max_queue
-        if not float(max_held_mb) > 0:
-            raise CaptureError(f"max_held_mb must be a positive number of megabytes, got {max_held_mb}")
-        self.max_held_mb = float(max_held_mb)
-        if not 0 < float(writer_duty) <= 1:
-            raise CaptureError(f"writer_duty must be in (0, 1] (the share of time the writer may write), got "
-                               f"{writer_duty}")
-        self.writer_duty = float(writer_duty)
+        self.pattern = settings.attention_modules
+        self.step_by = settings.step_by
         self.run_attrs = dict(run_attrs or {})
-        self.keep_sdpa_patch = keep_sdpa_patch
         self._callbacks: list[StepCallback] = [on_step] if on_step else []
         self._recorder = Recorder(self.selection, self._queue_array, self._mark_backward)
         # step state
         self.current_step = 0
         self.busy = False  # the one flag every hook checks: this step is selected, or a step awaits completion
-        self._hot = False  # the current step is selected
+        self._plan = StepPlan(0)  # what the step in progress does (recorded, monitored, held in the ring)
         self._now = StepProgress()
         self._pending: Optional[PendingStep] = None
         self._pending_x: Optional[ModuleInput] = None
@@ -192,15 +146,10 @@ class CaptureSession:
         self._registered: set[int] = set()  # steps put in the store (as incomplete) when their first array was queued
         self.rank, self.world_size = 0, 1
         self._process_rank = process_rank  # (rank, world size) the launcher gave, else found at start()
-        self.run_id = run_id or _launcher_run_id()  # shared by the ranks of one run: orders their store opening
+        self.run_id = settings.run_id or _launcher_run_id()  # shared by a run's ranks: orders their store opening
         self.attention_module_names: list[str] = []
         self._modules_by_name: dict[str, torch.nn.Module] = {}
-        self.timeline_flush_rows = int(timeline_flush_rows)
-        self._monitor: Optional[StepMonitor] = (
-            StepMonitor(monitor_every, eps=monitor_eps, alarm=alarm, alarm_steps=alarm_steps, ring=ring,
-                        tensorboard=monitor_tensorboard) if monitor_every else None)
-        self._ring_hot = False  # the current step's selected layers go to the monitor's ring
-        self._active = False  # the current step needs its attention calls (recorded or monitored)
+        self._monitor: Optional[StepMonitor] = StepMonitor(settings) if settings.monitor_every else None
         # attention written as torch ops: a mode on the stack for the root's forward passes of active steps
         self._chains = ChainScope(self._on_plain_call, self._on_chain_error)
         self._held_chain: Optional[HeldChain] = None
@@ -221,9 +170,6 @@ class CaptureSession:
     def monitored_steps(self) -> list[int]:
         """Steps whose timeline row was written."""
         return [] if self._monitor is None else self._monitor.monitored_steps
-
-    def _monitor_hot(self) -> bool:
-        return self._monitor is not None and self._monitor.hot
 
     def _row_waiting(self) -> bool:
         return self._monitor is not None and self._monitor.row is not None
@@ -256,9 +202,9 @@ class CaptureSession:
             self._flush_row(loss)
         if self._pending is not None:
             self._flush_pending(loss)
-        elif self._hot and self._now.recorded:  # called before optimizer.step(): the loss of the current step
+        elif self._plan.record and self._now.recorded:  # called before optimizer.step(): the loss of the current step
             self._now.loss = loss
-        if not row_waiting and self._monitor_hot():
+        if not row_waiting and self._plan.monitor:
             self._monitor.reported_loss = loss
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
@@ -420,9 +366,9 @@ class CaptureSession:
         if ordered and self.rank != 0:
             dist.barrier()  # rank 0 creates (or replaces) the store first; then every rank adds rank_{r}/
         try:  # without a process group the ranks order themselves through rank 0's lock file (dump/ranks.py)
-            dump_writer = DumpWriter(self.out, attrs, overwrite=self.overwrite and self.rank == 0, rank=self.rank,
-                                     world_size=self.world_size,
-                                     allow_other_model=self.allow_other_model, run_id=self.run_id,
+            dump_writer = DumpWriter(self.out, attrs, overwrite=self.settings.overwrite and self.rank == 0,
+                                     rank=self.rank, world_size=self.world_size,
+                                     allow_other_model=self.settings.allow_other_model, run_id=self.run_id,
                                      rank0_wait=None if ordered or self.world_size == 1 else RANK0_WAIT_SECONDS)
         except OSError as exc:
             raise InvalidCaptureSetting("out",
@@ -431,8 +377,10 @@ class CaptureSession:
         finally:
             if ordered and self.rank == 0:
                 dist.barrier()
-        self._writer = BackgroundWriter(dump_writer, max_queue=self.max_queue, timeline_rows=self.timeline_flush_rows,
-                                        held_bytes=int(self.max_held_mb * 2 ** 20), duty=self.writer_duty)
+        settings = self.settings
+        self._writer = BackgroundWriter(dump_writer, max_queue=settings.max_queue,
+                                        timeline_rows=settings.timeline_flush_rows,
+                                        held_bytes=int(settings.max_held_mb * 2 ** 20), duty=settings.writer_duty)
         try:
             if self.model is not None:
                 self.bind(self.model)
@@ -456,7 +404,7 @@ class CaptureSession:
         self._chains.leave()
         self._held_chain = None
         self._remove_hooks()
-        sdpa.uninstall(self, keep_patch=self.keep_sdpa_patch)
+        sdpa.uninstall(self, keep_patch=self.settings.keep_sdpa_patch)
         self._uninstall_entry_points()
         loss_tap.uninstall(self)
         _set_active(None)
@@ -466,7 +414,8 @@ class CaptureSession:
             self._flush_waiting()
             if self._monitor is not None:
                 self._monitor.close()
-            self.busy = self._hot = self._active = self._ring_hot = False
+            self._plan = StepPlan(self.current_step)
+            self.busy = False
         finally:
             writer, self._writer = self._writer, None
             try:
@@ -497,10 +446,7 @@ class CaptureSession:
         self._root = model
         # bound by the launcher: check the store's identity, describe the model
         if self.model is None and self._writer is not None:
-            from fa_forensics.dump.identity import model_fingerprint
-
-            described = describe_model(model)
-            described["model"]["fingerprint"] = model_fingerprint(model)
+            described = _identified(model)
             self._writer.set_model(described["model"])
             self._writer.put_run_attrs(described)
         found = find_attention_modules(model, self.pattern)
@@ -517,7 +463,7 @@ class CaptureSession:
     def _on_root_forward(self, module, args) -> None:
         if self.busy:
             self._root_forward_eager()
-            if self._active:
+            if self._plan.active:
                 self._chains.enter(module)
 
     def _on_root_forward_end(self, module, args, output) -> None:
@@ -540,7 +486,7 @@ class CaptureSession:
 
                 grad_enabled = torch.is_grad_enabled()
                 return replace_module_input(args, kwargs, lambda x: tap_input(x, name, grad_enabled))
-            if self._active:
+            if self._plan.active:
                 self._take_x(name, module_input(args, kwargs))
             return None
 
@@ -553,7 +499,7 @@ class CaptureSession:
 
     def take_input_from_graph(self, name: str, x: torch.Tensor) -> None:
         """X handed over by a compiled graph's tap (it runs on every step): kept when the step needs its calls."""
-        if self._active:
+        if self._plan.active:
             self.take_input(name, x)
 
     def take_input(self, name: str, x: Optional[torch.Tensor]) -> None:
@@ -598,7 +544,7 @@ class CaptureSession:
         if autocast_dtype == "ambient":
             autocast_dtype = sdpa.autocast_dtype(q)
         self._flush_waiting()
-        if not self._active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
+        if not self._plan.active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
             return
         self.attention_calls_seen += 1
         self._now.calls += 1
@@ -624,11 +570,11 @@ class CaptureSession:
                              mask=attn_mask,
                              dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
                              grad_sink=grad_sink, extra=extra)
-        if self._monitor_hot():
+        if self._plan.monitor:
             name = self._module_name(call)
             self._monitor.observe(call, self.selection.batch, name, self._modules_by_name.get(name))
-        if (self._hot or self._ring_hot) and self.selection.wants_layer(layer):
-            if not self._hot:
+        if (self._plan.record or self._plan.ring) and self.selection.wants_layer(layer):
+            if not self._plan.record:
                 self._monitor.ring_step_for(call.step)
             if self._recorder.record(call):
                 self._now.recorded = True
@@ -712,7 +658,7 @@ class CaptureSession:
             tapped = self._monitor.take_tapped_loss()
         else:
             tapped, self._tapped_loss = self._tapped_loss, None
-        if self._hot:
+        if self._plan.record:
             if self._now.recorded:
                 self._pending = PendingStep(ended, loss if loss is not None else self._now.loss, tapped)
                 if self._pending.loss is not None or self.step_by == "manual":
@@ -725,7 +671,7 @@ class CaptureSession:
                                                   "against the model); nothing recorded for it")
                 else:
                     self._warn_once("empty", self.no_attention_message(ended))
-        if not self._hot:
+        if not self._plan.record:
             self._recorder.missing_do(ended)  # a step held for the ring only: nothing to say about it
         if self._monitor is not None:
             self._monitor.end_step(ended, loss, tapped)
@@ -749,17 +695,22 @@ class CaptureSession:
         if self._monitor is not None and pending.step in self._monitor.extra_steps:
             attrs["recorded_by"] = "alarm"
         held = self._held_alarm.pop(pending.step, None)
-        if held is not None:
-            if not self._writer.put_held_step(pending.step, held.arrays, loss=loss, **attrs):
-                self._say_dropped(held, "recorded after an alarm")
-                self._recorder.missing_do(pending.step)
-                self._update_busy()
-                return
+        if self._complete(pending.step, held, loss, **attrs):
+            self._say_missing_do(pending.step)
         else:
-            self._writer.put_complete(pending.step, loss=loss, **attrs)
-        bisect.insort(self.recorded_steps, pending.step)
-        self._say_missing_do(pending.step)
+            self._say_dropped(held, "recorded after an alarm")
+            self._recorder.missing_do(pending.step)
         self._update_busy()
+
+    def _complete(self, step: int, held: Optional[RingStep], loss: Optional[float], **attrs) -> bool:
+        """Mark `step` complete in the store: its arrays were queued as they came, or, `held`, are handed to the
+        writer whole now (False, nothing written, when the writer has no room for them)."""
+        if held is None:
+            self._writer.put_complete(step, loss=loss, **attrs)
+        elif not self._writer.put_held_step(step, held.arrays, loss=loss, **attrs):
+            return False
+        bisect.insort(self.recorded_steps, step)
+        return True
 
     def _say_dropped(self, held: RingStep, what: str) -> None:
         """One line naming a held step the writer had no room for (training never waits for an alarm's steps)."""
@@ -780,39 +731,40 @@ class CaptureSession:
                             f"of step {step} (and of later steps alike): {reason}; analyses of the backward pass "
                             "skip these layers (`info` lists them)")
 
-    def _set_hot(self, hot: bool) -> None:
-        self._hot = hot
-        step = self.current_step
-        asked = hot and self._monitor is not None and step in self._monitor.extra_steps
-        if asked and not self.selection.wants_step(step) and step not in self._held_alarm:
+    def _plan_step(self, step: int) -> None:
+        """Decide what the step in progress does (when it begins, and again when an alarm asks for it); a step an
+        alarm asked for that the selection did not is held in memory until it ends."""
+        monitor = self._monitor
+        selected = self.selection.wants_step(step)
+        asked = monitor is not None and step in monitor.extra_steps
+        monitored = monitor is not None and monitor.hot
+        self._plan = StepPlan.decide(step, selected=selected, asked=asked, monitored=monitored,
+                                     ring_kept=monitor is not None and monitor.ring is not None)
+        if asked and not selected and step not in self._held_alarm:
             self._held_alarm[step] = RingStep(step)
         self._update_busy()
 
     def _update_busy(self) -> None:
-        monitor_hot = self._monitor_hot()
-        self._ring_hot = self._monitor is not None and self._monitor.holds_ring(self._hot)
-        self._active = self._hot or monitor_hot
-        self.busy = self._active or self._pending is not None or self._row_waiting()
+        """The one flag every hook checks: the step's calls are needed, or an ended step waits for its loss."""
+        self.busy = self._plan.active or self._pending is not None or self._row_waiting()
 
     def _begin_step(self, step: int) -> None:
-        """Decide what the step that starts now does: record (selected or asked for by an alarm), monitor, ring."""
-        asked = False
+        """Plan the step that starts now: record (selected or asked for by an alarm), monitor, ring."""
         if self._monitor is not None:
             self._monitor.begin_step(step)
-            asked = step in self._monitor.extra_steps
-        self._set_hot(self.selection.wants_step(step) or asked)
+        self._plan_step(step)
 
     # -- monitor ---------------------------------------------------------------------------
     def on_backward(self, tensors, grad_tensors) -> None:
         """Called by the loss tap on busy steps: add a scalar loss to the step's sum (no synchronization)."""
-        if not self._active:
+        if not self._plan.active:
             return
         value = loss_tap.scalar_loss(tensors, grad_tensors)
         if value is None:
             return
         if self._monitor is not None:
             self._monitor.add_tapped_loss(value)
-        elif self._hot:
+        elif self._plan.record:
             self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
 
     def _module_name(self, call: AttentionCall) -> str:
@@ -826,8 +778,8 @@ class CaptureSession:
     def _flush_row(self, loss: Optional[float]) -> None:
         """Write the monitor's waiting timeline row; an alarm it raises may ask for the current step."""
         self._monitor.flush_row(loss, self._writer, self._write_held, self._warn_once)
-        if self.current_step in self._monitor.extra_steps and not self._hot:
-            self._set_hot(True)
+        if self.current_step in self._monitor.extra_steps and not self._plan.record:
+            self._plan_step(self.current_step)
         self._update_busy()
 
     def _write_held(self, held: RingStep, alarm_step: int) -> bool:
@@ -835,12 +787,10 @@ class CaptureSession:
         then it is dropped and said); True when queued."""
         if held.step in self.recorded_steps or not held.arrays:
             return False
-        if not self._writer.put_held_step(held.step, held.arrays, loss=held.loss, rank=self.rank,
-                                          micro_batch=self.selection.micro_batch, recorded_by="ring",
-                                          alarm_step=int(alarm_step)):
+        if not self._complete(held.step, held, held.loss, rank=self.rank, micro_batch=self.selection.micro_batch,
+                              recorded_by="ring", alarm_step=int(alarm_step)):
             self._say_dropped(held, f"held by the ring for the alarm at step {alarm_step}")
             return False
-        bisect.insort(self.recorded_steps, held.step)
         return True
 
     # -- helpers -------------------------------------------------------------------------
@@ -860,17 +810,16 @@ class CaptureSession:
         model_attrs = dict(self.run_attrs.get("model", {}))
         device = self.run_attrs.get("device")
         if self.model is not None:
-            from fa_forensics.dump.identity import model_fingerprint
-
-            described = describe_model(self.model)
-            model_attrs = {**described["model"], "fingerprint": model_fingerprint(self.model), **model_attrs}
+            described = _identified(self.model)
+            model_attrs = {**described["model"], **model_attrs}
             device = device or described["device"]
         capture_attrs = {**self.selection.to_attrs(), "attention_modules": self.pattern, "step_by": self.step_by,
                          "rank": self.rank, "world_size": self.world_size,
                          "attention": [t.to_text() for t in self.targets], "softmax": self.softmax.to_text() or "none",
                          **self.run_attrs.get("capture", {})}
         if self._monitor is not None:
-            capture_attrs["monitor"] = {**self._monitor.attrs(), "timeline_flush_rows": self.timeline_flush_rows}
+            capture_attrs["monitor"] = {**self._monitor.attrs(),
+                                        "timeline_flush_rows": self.settings.timeline_flush_rows}
         return {
             **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},
             "tool_version": __version__,
@@ -899,6 +848,16 @@ class HeldChain:
     x: Optional[ModuleInput]  # X when the chain formed
     qk: tuple  # its Q and K as the product got them
     call: dict  # the arguments of on_attention
+
+
+def _identified(model: torch.nn.Module) -> dict:
+    """The model's description for the store's attributes (capture/modules.py), its fingerprint included: what a
+    later capture into the same store is checked against."""
+    from fa_forensics.dump.identity import model_fingerprint
+
+    described = describe_model(model)
+    described["model"]["fingerprint"] = model_fingerprint(model)
+    return described
 
 
 def _same_storage(a, b) -> bool:

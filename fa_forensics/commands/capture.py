@@ -1,12 +1,7 @@
 """`fa-forensics capture` (run an unmodified training script with capture) and `fa-forensics demo-train`."""
 from __future__ import annotations
 
-import itertools
-import json
 import math
-import os
-import subprocess
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from fa_forensics.capture.settings import default_of
 from fa_forensics.commands.common import console, err_console, run_cli, write_json
 from fa_forensics.commands.info import do_missing_text
 from fa_forensics.commands.options import DebugOpt, JsonOpt
@@ -108,13 +104,12 @@ def warn_if_warmup_covers_run(rule, monitored_steps: int) -> str | None:
     """Warn (and return the line, for --json) when the alarm was in its warm-up for every monitored step."""
     import warnings
 
-    if rule is not None and 0 < monitored_steps <= rule.warmup:
-        line = (f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "
-                f"steps, so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup "
-                f"{max(monitored_steps // 4, 1)}")
+    from fa_forensics.capture.run_script import warmup_covered_line
+
+    line = warmup_covered_line(rule, monitored_steps)
+    if line:
         warnings.warn(line, stacklevel=1)
-        return line
-    return None
+    return line
 
 
 @contextmanager
@@ -130,119 +125,13 @@ def worded_settings(option_of: dict[str, str] = OPTION_OF):
         raise UserError(f"{option}: {exc.reason}") from None
 
 
-NEVER_LISTED = 1000  # never_reached in --json lists at most this many steps (the warning gives them all as ranges)
-
-
-def _span_text(steps: list[int], limit: int = 10) -> str:
-    shown = ", ".join(map(str, steps[:limit]))
-    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
-
-
-CTRL_C_GRACE = 60.0  # seconds a training script that got Ctrl-C has to end (its capture writer finishes its queue)
-
-
-def _wait_for(training: subprocess.Popen) -> int:
-    """The training script's exit code. On Ctrl-C (which the script, in the same process group, gets too) it is
-    given CTRL_C_GRACE seconds to end as it handles the interrupt, so its store is left whole and unlocked,
-    then terminated; the interrupt then goes on."""
-    try:
-        return training.wait()
-    except KeyboardInterrupt:
-        try:
-            training.wait(timeout=CTRL_C_GRACE)
-        except subprocess.TimeoutExpired:
-            training.terminate()
-            try:
-                training.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                training.kill()
-                training.wait()
-        raise
-
-
-def _store_summary(out: Path, rank: int = 0) -> dict:
-    """What rank `rank`'s tree of the store holds (empty when there is no such store or tree)."""
-    from fa_forensics.commands.info import do_missing
-    from fa_forensics.dump import open_dump
-    from fa_forensics.monitor.alarm import recorded_alarms
-
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dump = open_dump(out, rank=rank)
-            timeline = dump.timeline or {}
-            alarms = timeline.get("alarms")
-            return {"steps": dump.steps, "incomplete_steps": dump.incomplete_steps,
-                    "layers": dump.layers() if dump.steps else [],
-                    "monitored_steps": int(len(timeline.get("step", []))),
-                    "alarm_steps": [] if alarms is None
-                    else [int(s) for s, n in zip(timeline["step"], alarms) if n > 0],
-                    "alarms": recorded_alarms(timeline),
-                    "do_missing": do_missing(dump)}
-    except UserError:
-        return {"steps": [], "incomplete_steps": [], "layers": [], "monitored_steps": 0, "alarm_steps": [],
-                "alarms": [], "do_missing": {}}
-
-
-def _launcher_reports(folder: str) -> dict[int, dict]:
-    """Each capturing process's report (steps run, warnings said) by rank; a rank whose launcher did not get to
-    write one is missing."""
-    reports = {}
-    for path in sorted(Path(folder).glob("rank_*.json")):
-        try:
-            with open(path) as fh:
-                report = json.load(fh)
-            reports[int(report["rank"])] = report
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return reports
-
-
-def rank_outcomes(out: Path, selected_steps, reports: dict[int, dict]) -> list[dict]:
-    """Per rank of the run (every rank of its world size, those in the store and those that reported): what its
-    tree holds, how far it ran, which selected steps (a `StepSet`, walked lazily: it may be endless) it never
-    reached (the first NEVER_LISTED; `never_reached_text` names them all) and which it ran without an attention
-    call."""
-    from fa_forensics.dump.ranks import store_ranks
-
-    world = max([1] + [int(r.get("world_size") or 1) for r in reports.values()])
-    ranks = sorted(set(store_ranks(out) if Path(out).is_dir() else [0]) | set(reports) | set(range(world)))
-    outcomes = []
-    for rank in ranks:
-        summary = _store_summary(out, rank)
-        recorded = set(summary["steps"]) | set(summary["incomplete_steps"])
-        ran = reports.get(rank, {}).get("steps_run")
-        without_attention = [] if ran is None else [s for s in selected_steps.below(ran) if s not in recorded]
-        unreached = selected_steps if ran is None else selected_steps.from_step(ran)
-        never = list(itertools.islice((s for s in unreached if s not in recorded), NEVER_LISTED + 1))
-        never_text = _span_text(never) if len(never) <= NEVER_LISTED else unreached.to_text()
-        outcomes.append({"rank": rank, **summary, "never_reached": never[:NEVER_LISTED], "steps_run": ran,
-                         "ran_without_attention": without_attention, "never_reached_text": never_text})
-    return outcomes
-
-
-def _json_of(outcome: dict, *left_out: str) -> dict:
-    """A rank's outcome as `--json` gives it (its never-reached steps as a list only)."""
-    return {k: v for k, v in outcome.items() if k not in ("never_reached_text", *left_out)}
-
-
-def _never_reached_line(outcome: dict, several: bool) -> str:
-    ran = outcome["steps_run"]
-    who = f"rank {outcome['rank']}" if several else "the run"
-    return ((f"rank {outcome['rank']}: " if several else "")
-            + f"selected step(s) {outcome['never_reached_text']} were never reached ({who} made "
-            f"{'fewer' if ran is None else ran} optimizer.step() calls); nothing recorded for them. Check --steps "
-            "against the run's length")
-
-
-def _summary_line(out: Path, outcome: dict, several: bool) -> str:
-    return (f"capture: {out}: " + (f"rank {outcome['rank']}: " if several else "") + f"steps {outcome['steps']}"
-            + (f", incomplete {outcome['incomplete_steps']}" if outcome["incomplete_steps"] else "")
-            + (f", {outcome['monitored_steps']} monitored steps in the timeline" if outcome["monitored_steps"] else "")
-            + (f", alarms at steps {outcome['alarm_steps']}" if outcome["alarm_steps"] else "")
-            + (f"; no dO for {do_missing_text(outcome['do_missing'])}" if outcome["do_missing"] else ""))
+def _summary_line(out: Path, outcome, several: bool) -> str:
+    """One rank's line of what the store holds."""
+    return (f"capture: {out}: " + (f"rank {outcome.rank}: " if several else "") + f"steps {outcome.steps}"
+            + (f", incomplete {outcome.incomplete_steps}" if outcome.incomplete_steps else "")
+            + (f", {outcome.monitored_steps} monitored steps in the timeline" if outcome.monitored_steps else "")
+            + (f", alarms at steps {outcome.alarm_steps}" if outcome.alarm_steps else "")
+            + (f"; no dO for {do_missing_text(outcome.do_missing)}" if outcome.do_missing else ""))
 
 
 def register(app: typer.Typer) -> None:
@@ -259,14 +148,15 @@ def register(app: typer.Typer) -> None:
         layers: LayersOpt = None,
         heads: HeadsOpt = None,
         batch: BatchOpt = None,
-        micro_batch: Annotated[int,
-                               typer.Option("--micro-batch",
-                                            help="Forward pass of a step to record under gradient accumulation.")] = 0,
+        micro_batch: Annotated[int, typer.Option(
+            "--micro-batch", help="Forward pass of a step to record under gradient accumulation.")
+        ] = default_of("micro_batch"),
         attention_modules: Annotated[Optional[str],
                                      typer.Option("--attention-modules",
                                                   help="Regex over module names that marks attention modules (their "
                                                        "input is X).")] = None,
-        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --out.")] = False,
+        overwrite: Annotated[bool, typer.Option("--overwrite",
+                                                help="Replace an existing dump at --out.")] = default_of("overwrite"),
         same_python: Annotated[bool,
                                typer.Option("--same-python/--path-python",
                                             help="Run a bare `python`/`python3` command as the interpreter "
@@ -274,15 +164,15 @@ def register(app: typer.Typer) -> None:
         allow_other_model: Annotated[bool,
                                      typer.Option("--allow-other-model",
                                                   help="Add steps to a dump at --out that holds another "
-                                                       "model's steps.")] = False,
+                                                       "model's steps.")] = default_of("allow_other_model"),
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
-        alarm_steps: AlarmStepsOpt = 3,
+        alarm_steps: AlarmStepsOpt = default_of("alarm_steps"),
         alarm_warmup: AlarmWarmupOpt = None,
         alarm_window: AlarmWindowOpt = None,
         alarm_z: AlarmZOpt = None,
         alarm_set: AlarmSetOpt = None,
-        ring: RingOpt = 0,
+        ring: RingOpt = default_of("ring"),
         monitor_tensorboard: MonitorTensorBoardOpt = None,
         attention: AttentionOpt = None,
         softmax: SoftmaxOpt = None,
@@ -290,90 +180,39 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         def body():
-            import tempfile
-
-            from fa_forensics.capture.launched import ENV_VAR
-            from fa_forensics.capture.targets import TargetSpec
-            from fa_forensics.capture.softmax_variant import SoftmaxVariant
-            from fa_forensics.capture.selection import CaptureSelection
-
-            from fa_forensics.capture.monitoring import check_tensorboard_option
-            from fa_forensics.capture.selection import check_attention_pattern, check_monitor_options
+            from fa_forensics.capture.run_script import run_script
+            from fa_forensics.capture.settings import CaptureSettings
 
             if steps is None and monitor_every is None:
                 raise UserError("nothing to capture: give --steps (e.g. 100,200) or --monitor-every N")
             with worded_settings():  # one-line errors before launching
-                check_monitor_options(monitor_every, alarm, alarm_steps, ring)
-                check_tensorboard_option(monitor_every, monitor_tensorboard)
                 rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z, alarm_set)
-                if attention_modules is not None:
-                    check_attention_pattern(attention_modules)
-                targets = [TargetSpec.parse(t).to_text() for t in attention or ()]
-                softmax_rule = SoftmaxVariant.parse(softmax).to_text()
+                settings = CaptureSettings(
+                    out=out, steps=steps, layers=layers, heads=heads, batch=batch, micro_batch=micro_batch,
+                    overwrite=overwrite, allow_other_model=allow_other_model, monitor_every=monitor_every,
+                    alarm=rule or False, alarm_steps=alarm_steps, ring=ring, monitor_tensorboard=monitor_tensorboard,
+                    attention=tuple(attention or ()), softmax=softmax,
+                    **({} if attention_modules is None else {"attention_modules": attention_modules}))
             if monitor_tensorboard is not None:  # before the run: a missing extra is one line, not a failed run
                 from fa_forensics.optional import require
 
                 require("tensorboard", "--monitor-tensorboard (TensorBoard event files of the monitor's timeline)")
-            selection = CaptureSelection.build(steps, layers, heads, batch, micro_batch,
-                                               allow_no_steps=monitor_every is not None)
-            from fa_forensics.capture.command_line import check_target, rewrite_command
-
-            argv = rewrite_command(list(command), same_python=same_python)
-            check_target(argv)
-            from fa_forensics.dump.safe_files import refuse_link
-
-            refuse_link(out, "out")  # resolving --out would follow a planted link; the writer refuses one too
-            settings = {"out": str(Path(out).resolve()), **selection.to_text(), "overwrite": overwrite,
-                        "allow_other_model": allow_other_model,
-                        "attention_modules": attention_modules, "command": list(command),
-                        "monitor_every": monitor_every, "alarm": rule.settings() if rule else False,
-                        "alarm_steps": alarm_steps, "ring": ring, "attention": targets, "softmax": softmax_rule,
-                        "monitor_tensorboard": None if monitor_tensorboard is None
-                        else str(Path(monitor_tensorboard).resolve())}
-            with tempfile.TemporaryDirectory(prefix="fa-forensics-capture-") as tmp:
-                settings["report"] = tmp  # each capturing process (one per rank) writes rank_<r>.json there
-                settings["run_id"] = uuid.uuid4().hex  # the ranks of this run open the store in order by it
-                env = {**os.environ, ENV_VAR: json.dumps(settings)}
-                try:
-                    training = subprocess.Popen(argv, env=env)
-                except OSError as exc:
-                    raise UserError(f"cannot start {argv[0]!r}: {exc.strerror or exc}; "
-                                    "check the training command") from exc
-                code = _wait_for(training)
-                reports = _launcher_reports(tmp)
-            outcomes = rank_outcomes(out, selection.steps, reports)
-            several = len(outcomes) > 1
-            first = outcomes[0]
-            warnings_said = [w for r in sorted(reports) for w in reports[r].get("warnings", [])]
-            said_by_launchers = len(warnings_said)
-            warnings_said += [_never_reached_line(o, several) for o in outcomes if o["never_reached"]]
-            warmup_line = warn_if_warmup_covers_run(rule, first["monitored_steps"])
-            if warmup_line:
-                warnings_said.append(warmup_line)
-            never = any(o["never_reached"] for o in outcomes)
-            without_attention = any(o["ran_without_attention"] for o in outcomes)
-            write_json(json_out, {"out": str(out), "returncode": code, "command": list(command),
-                                  **_json_of(first, "rank"), "world_size": len(outcomes),
-                                  "ranks": [_json_of(o) for o in outcomes], "warnings": warnings_said})
-            recorded = any(o["steps"] or o["incomplete_steps"] or o["monitored_steps"] for o in outcomes)
-            if code == 2 and not recorded:  # the launcher or the script said why, in its own line
+            run = run_script(settings, list(command), same_python=same_python, alarm_rule=rule)
+            if run.warmup_line:
+                warn_if_warmup_covers_run(rule, run.outcomes[0].monitored_steps)
+            write_json(json_out, run.to_json())
+            if run.silent:  # the launcher or the script said why, in its own line
                 raise typer.Exit(code=2)
-            if recorded or Path(out).exists():
-                for o in outcomes:
-                    console.print(escape(_summary_line(out, o, several)), highlight=False, soft_wrap=True)
-            for line in warnings_said[said_by_launchers:said_by_launchers + sum(bool(o["never_reached"])
-                                                                                 for o in outcomes)]:
+            if run.shows_summary:
+                for o in run.outcomes:
+                    console.print(escape(_summary_line(out, o, run.several)), highlight=False, soft_wrap=True)
+            for line in run.never_reached_lines:
                 err_console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
-            if code != 0:
-                monitored = sum(o["monitored_steps"] for o in outcomes)
-                kept = [what for what, there in (("the steps completed before it", any(o["steps"] for o in outcomes)),
-                                                 (f"its timeline ({monitored} monitored steps)", monitored)) if there]
-                kept = f"{' and '.join(kept)} are kept in {out}" if kept else "nothing was recorded"
-                err_console.print(f"[bold red]error:[/] the training command exited with code {code}; {kept}",
-                                  highlight=False, soft_wrap=True)
-                raise typer.Exit(code=code if 0 < code < 256 else 1)
-            if never or without_attention:  # a step that ran without attention was said by the launcher, in one line
-                raise typer.Exit(code=1)
+            failure = run.failure_line()
+            if failure:
+                err_console.print(f"[bold red]error:[/] {escape(failure)}", highlight=False, soft_wrap=True)
+            if run.exit_code:
+                raise typer.Exit(code=run.exit_code)
 
         run_cli(debug, body)
 
@@ -397,16 +236,18 @@ def register(app: typer.Typer) -> None:
                                   typer.Option("--capture-layers", help="Layers to record (default: all).")] = None,
         capture_heads: Annotated[Optional[str],
                                  typer.Option("--capture-heads", help="Heads to record (default: all).")] = None,
-        capture_batch: Annotated[str, typer.Option("--capture-batch", help="Batch slice to record.")] = "0:2",
-        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --capture.")] = False,
+        capture_batch: Annotated[str, typer.Option("--capture-batch",
+                                                   help="Batch slice to record.")] = default_of("batch"),
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing dump at --capture.")
+                             ] = default_of("overwrite"),
         monitor_every: MonitorEveryOpt = None,
         alarm: AlarmOpt = False,
-        alarm_steps: AlarmStepsOpt = 3,
+        alarm_steps: AlarmStepsOpt = default_of("alarm_steps"),
         alarm_warmup: AlarmWarmupOpt = None,
         alarm_window: AlarmWindowOpt = None,
         alarm_z: AlarmZOpt = None,
         alarm_set: AlarmSetOpt = None,
-        ring: RingOpt = 0,
+        ring: RingOpt = default_of("ring"),
         monitor_tensorboard: MonitorTensorBoardOpt = None,
         log_every: Annotated[int, typer.Option("--log-every", help="Print the loss every N steps.")] = 1,
         threads: Annotated[int, typer.Option("--threads",
@@ -419,6 +260,7 @@ def register(app: typer.Typer) -> None:
             import torch
 
             from fa_forensics.capture.events import show_capture_warnings_as_lines
+            from fa_forensics.capture.settings import CaptureSettings
             from fa_forensics.demo.train import DemoConfig, train
 
             show_capture_warnings_as_lines()
@@ -440,13 +282,11 @@ def register(app: typer.Typer) -> None:
                 raise UserError("--capture DUMP needs --capture-steps (e.g. 5,6,7) or --monitor-every N")
             with worded_settings(DEMO_OPTION_OF):
                 rule = alarm_rule(alarm, alarm_warmup, alarm_window, alarm_z, alarm_set)
-            config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr,
-                                capture_out=capture_out,
-                                capture_steps=capture_steps or "", capture_layers=capture_layers,
-                                capture_heads=capture_heads,
-                                capture_batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every,
-                                alarm=rule or False, alarm_steps=alarm_steps, ring=ring,
-                                monitor_tensorboard=monitor_tensorboard)
+                capture = None if capture_out is None else CaptureSettings(
+                    out=capture_out, steps=capture_steps, layers=capture_layers, heads=capture_heads,
+                    batch=capture_batch, overwrite=overwrite, monitor_every=monitor_every, alarm=rule or False,
+                    alarm_steps=alarm_steps, ring=ring, monitor_tensorboard=monitor_tensorboard)
+            config = DemoConfig(steps=steps, seed=seed, device=device, batch_size=batch_size, lr=lr, capture=capture)
 
             def log(info, model):
                 if info.step % max(1, log_every) == 0 or info.step == steps - 1:

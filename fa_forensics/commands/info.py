@@ -105,12 +105,7 @@ def render(summary: dict[str, Any]) -> None:
 
 def do_missing(d) -> dict[str, list[int]]:
     """{layer: [complete steps whose recorded layer has no dO]} (the layers a capture saw no gradient of)."""
-    missing: dict[str, list[int]] = {}
-    for s in d.steps:
-        for l in d.layers(s):
-            if not d.has(s, l, "do"):
-                missing.setdefault(str(l), []).append(int(s))
-    return missing
+    return d.do_missing()
 
 
 def do_missing_text(missing: dict[str, list[int]]) -> str:

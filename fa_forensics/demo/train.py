@@ -9,15 +9,17 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from collections.abc import Callable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from fa_forensics.demo.data import random_batch, stdlib_corpus
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.errors import InvalidSetting
+
+if TYPE_CHECKING:
+    from fa_forensics.capture.settings import CaptureSettings
 
 
 @dataclass(frozen=True)
@@ -33,19 +35,7 @@ class DemoConfig:
     grad_clip: float = 1.0
     model: GPTConfig = GPTConfig()
     corpus_bytes: int = 2_000_000
-    # capture (None = no capture)
-    capture_out: Optional[Path] = None
-    capture_steps: str = ""
-    capture_layers: Optional[str] = None
-    capture_heads: Optional[str] = None
-    capture_batch: Optional[str] = "0:2"
-    overwrite: bool = False
-    # monitor (needs capture_out: the timeline is written into that store)
-    monitor_every: Optional[int] = None
-    alarm: object = False  # False, True (the defaults), an AlarmRule or AlarmSettings
-    alarm_steps: int = 3
-    ring: int = 0
-    monitor_tensorboard: Optional[Path] = None  # TensorBoard event files of the timeline
+    capture: Optional[CaptureSettings] = None  # what to record (None = no capture); the monitor writes there too
 
 
 @dataclass(frozen=True)
@@ -99,18 +89,15 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y:
 
 
 def train(config: DemoConfig, on_step: Optional[StepHook] = None) -> TrainResult:
-    """Run the demo training; capture the selected steps (and monitor every N-th) if `config.capture_out` is set."""
+    """Run the demo training; capture the selected steps (and monitor every N-th) if `config.capture` is set."""
     model, optimizer, tokens, generator = build(config)
     device = next(model.parameters()).device
     session = contextlib.nullcontext()
-    if config.capture_out is not None:
-        from fa_forensics.capture import capture
+    if config.capture is not None:
+        from fa_forensics.capture import CaptureSession
 
-        session = capture(
-            model, out=config.capture_out, steps=config.capture_steps, layers=config.capture_layers,
-            heads=config.capture_heads, batch=config.capture_batch, overwrite=config.overwrite,
-            monitor_every=config.monitor_every, alarm=config.alarm, alarm_steps=config.alarm_steps, ring=config.ring,
-            monitor_tensorboard=config.monitor_tensorboard,
+        session = CaptureSession(
+            model, config.capture,
             run_attrs={"amp_dtype": "bfloat16", "device": str(device),
                        "model": {"name": "fa-forensics demo GPT", **config.model.__dict__},
                        "capture": {"command": "demo-train", "seed": config.seed, "train_steps": config.steps}},

@@ -306,6 +306,15 @@ class Dump:
         except DumpError:
             return False
 
+    def do_missing(self) -> dict[str, list[int]]:
+        """{layer: [complete steps whose recorded layer has no dO]} (the layers a capture saw no gradient of)."""
+        missing: dict[str, list[int]] = {}
+        for s in self.steps:
+            for l in self.layers(s):
+                if not self.has(s, l, "do"):
+                    missing.setdefault(str(l), []).append(int(s))
+        return missing
+
     def _array(self, step: int, layer: int, name: str) -> zarr.Array:
         if name not in ARRAY_NAMES:
             raise DumpError(f"unknown array name {name!r}; dump arrays are {', '.join(ARRAY_NAMES)}")

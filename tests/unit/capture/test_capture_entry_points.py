@@ -338,8 +338,9 @@ def test_sdpa_inside_a_watched_callable_is_recorded_once_and_unresolved_names_ar
 def test_launcher_binds_a_compiled_model_without_a_global_hook_alive_at_compile(tmp_path):
     from fa_forensics.capture.launched import auto_binder as _auto_binder
     from fa_forensics.capture.session import CaptureSession
+    from fa_forensics.capture.settings import CaptureSettings
 
-    session = CaptureSession(None, tmp_path / "run.zarr", [0])
+    session = CaptureSession(None, CaptureSettings(tmp_path / "run.zarr", [0]))
     session.start()
     original = torch.compile
     binder = _auto_binder(session)
@@ -556,8 +557,10 @@ def test_layers_whose_o_has_no_gradient_are_said_and_info_lists_them(tmp_path):
 
 def test_the_no_attention_hint_lists_what_is_watched_readably(tmp_path):
     from fa_forensics.capture.session import CaptureSession
+    from fa_forensics.capture.settings import CaptureSettings
 
-    session = CaptureSession(None, tmp_path / "run.zarr", [0], attention=["attentionx:FlashAttentionFunction"])
+    session = CaptureSession(None, CaptureSettings(tmp_path / "run.zarr", [0],
+                                                   attention=["attentionx:FlashAttentionFunction"]))
     line = session.no_attention_message(3)
     assert "Watched: torch's scaled_dot_product_attention; flash_attn" in line
     assert "; fa_forensics.capture.record; and --attention attentionx:FlashAttentionFunction,layout=BHTD." in line
