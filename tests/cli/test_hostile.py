@@ -784,11 +784,15 @@ main()
 """
 
 
-@pytest.mark.parametrize("module", ["typer", "zarr", "torch", "scipy", "fa_forensics.dump.verify"])
-def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(make_dump, module):
+@pytest.mark.parametrize("module, command", [
+    ("typer", "verify"), ("zarr", "verify"), ("fa_forensics.dump.verify", "verify"),
+    ("torch", "delta-bias"), ("scipy", "delta-bias"),  # verify starts without them: an analysis imports both
+])
+def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(make_dump, module, command):
     dump = make_dump(steps=(0,))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_IMPORT, module, "verify", str(dump)],
+    args = [command, str(dump), *(["--preset", "bf16"] if command == "delta-bias" else [])]
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_IMPORT, module, *args],
                          capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 130, run.stderr
     assert [line for line in run.stderr.splitlines() if line.strip()] == ["interrupted"], run.stderr
