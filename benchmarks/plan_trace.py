@@ -21,7 +21,7 @@ import fa_forensics
 ROOT = str(Path(fa_forensics.__file__).parent) + "/"
 WATCHED = ("fidelity/", "analyses/contract.py")
 COUNTED = {("run_facts.py", "read_facts"), ("run_facts.py", "facts_at"), ("auto.py", "resolve"),
-           ("auto.py", "choose"), ("plan.py", "plan_for")}
+           ("auto.py", "choose"), ("planner.py", "plan_for")}
 
 
 def _module(filename: str) -> str | None:

@@ -22,7 +22,8 @@ from typing import Optional
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.match import ReplayFidelity, UnmatchedLayer, UnverifiableLayer, fidelity
 from fa_forensics.layers.fanout import map_layers
-from fa_forensics.fidelity.plan import Plan, plan_for
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.analyses.wording import bit_share
@@ -104,7 +105,7 @@ class RecipeResult:
 def run_over_items(part: Callable, combine: Callable, dump, selections: Sequence, recipe: Recipe | Plan,
                    backend: Backend, *, workers, progress, args: tuple = ()):
     """The `run` of an analysis made of per-item parts: the plan of the recipe over the selected layer-steps built
-    once (`fidelity.plan.plan_for`; a Plan given is used as it is), `part(t, plan, backend, *args)` on each work
+    once (`fidelity.planner.plan_for`; a Plan given is used as it is), `part(t, plan, backend, *args)` on each work
     item (step, layer, head group) on `workers`, in item order (the same result for any number of workers),
     `combine(parts, resolved recipe)` into the Result, and the stored O's `replay_fidelity` attached."""
     plan = plan_for(dump, selections, recipe)

@@ -297,7 +297,7 @@ class AnalysisArgs:
 
     def open(self):
         """(dump, selections, plan): open the store (the rank's tree), select what to analyse (one-line errors)
-        and build the plan of the recipe once for every selected layer-step (`fidelity.plan.plan_for`: the facts
+        and build the plan of the recipe once for every selected layer-step (`fidelity.planner.plan_for`: the facts
         read, `auto` resolved). Every analysis of the command replays the returned plan."""
         from fa_forensics.layers.selection import select  # lazy, as every heavy import here: the CLI starts fast
 
@@ -307,9 +307,9 @@ class AnalysisArgs:
 
 
 def build_plan(dump, selections, recipe: Recipe):
-    """`fidelity.plan.plan_for`, with a progress line where `auto` is matched (matching a dump the first time
+    """`fidelity.planner.plan_for`, with a progress line where `auto` is matched (matching a dump the first time
     replays its forward under every candidate recipe; later runs read the result from the match cache)."""
-    from fa_forensics.fidelity.plan import plan_for
+    from fa_forensics.fidelity.planner import plan_for
 
     if not recipe.is_auto:
         return plan_for(dump, selections, recipe)

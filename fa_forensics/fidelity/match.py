@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from fa_forensics.enums import Accumulation, Backend
 from fa_forensics.errors import DumpError
@@ -38,15 +38,13 @@ from fa_forensics.fidelity.layer_match import (  # noqa: F401  (the result types
     Candidate, CandidateRecipe, ExcludedWinner, LayerMatch, MalformedEntry, to_entry,
 )
 from fa_forensics.fidelity.mismatch import MismatchTest, sign_test, tally
+from fa_forensics.fidelity.plan import Plan
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.fidelity.sample import compare_o, row_sample  # noqa: F401  (compare_o: the bit comparison)
 from fa_forensics.fidelity.search import match_layer, screen_only
 from fa_forensics.fidelity.stored_match import answer, recheck
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, load, replay_layer
-
-if TYPE_CHECKING:  # fidelity.plan builds on this module
-    from fa_forensics.fidelity.plan import Plan
 
 
 @dataclass(frozen=True)

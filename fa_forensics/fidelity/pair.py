@@ -1,7 +1,7 @@
 """The comparison every analysis makes: the recipe's low-precision replay of a layer-step against the
 high-precision replay (preset "fp32", ieee) of the same inputs as the recipe sees them (`as_seen_by`).
 
-The plan is built before it gets here (`fidelity.plan.plan_for`): these functions only read the configs it
+The plan is built before it gets here (`fidelity.planner.plan_for`): these functions only read the configs it
 holds per layer-step.
 """
 from __future__ import annotations

@@ -1,20 +1,20 @@
 """A layer-step's replay decided once: its recorded facts, the recipe resolved there, the configs it replays.
 
-An analysis run reads each selected layer-step's facts and resolves its recipe at the edge (`plan_for`: the
-CLI's `AnalysisArgs.open`, or an analysis's `run` for a library caller) into one frozen `Plan`. Fidelity, replay
-and the analyses' work items read the plan (`Plan.at`) and never the dump's attributes again, nor resolve the
-recipe again. A Plan is plain frozen data: the work items sent to other processes carry it.
+An analysis run reads each selected layer-step's facts and resolves its recipe at the edge
+(`fidelity.planner.plan_for`: the CLI's `AnalysisArgs.open`, or an analysis's `run` for a library caller) into
+one frozen `Plan`. Fidelity, replay and the analyses' work items read the plan (`Plan.at`) and never the dump's
+attributes again, nor resolve the recipe again. A Plan is plain frozen data: the work items sent to other
+processes carry it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.fidelity.auto import resolve
-from fa_forensics.fidelity.recipe import Recipe, hp_config, lp_config_for, preset_at
-from fa_forensics.fidelity.run_facts import RunFacts, facts_at
+from fa_forensics.fidelity.recipe import Recipe
+from fa_forensics.fidelity.run_facts import RunFacts
 from fa_forensics.replay.config import ReplayConfig
 
 
@@ -50,51 +50,8 @@ class Plan:
         found = self.find(step, layer)
         if found is None:
             raise ConfigError(f"the replay plan has no step {step} layer {layer}: build it over the selections "
-                              f"replayed (fidelity.plan.plan_for)")
+                              f"replayed (fidelity.planner.plan_for)")
         return found
 
     def covers(self, selections: Sequence) -> bool:
         return all(self.find(sel.step, sel.layer) is not None for sel in selections)
-
-
-def _keys(selections: Sequence) -> list[tuple[int, int]]:
-    return list(dict.fromkeys((sel.step, sel.layer) for sel in selections))
-
-
-def plan_for(dump, selections: Sequence, recipe: Union[Recipe, Plan], *, known: Optional[Plan] = None,
-             advance: Optional[Callable[..., None]] = None) -> Plan:
-    """The Plan of `recipe` over the selected layer-steps of `dump` (None: layers built in memory). Each
-    layer-step's facts are read once (taken from `known`, another plan of the same dump, where it has them) and
-    `auto` is resolved once; a Plan that already covers the selections is returned as it is. `advance(text)` is
-    called after each layer-step is resolved (a progress line)."""
-    if isinstance(recipe, Plan):
-        if recipe.covers(selections):
-            return recipe
-        known, recipe = known or recipe, recipe.recipe
-    facts: dict[tuple[int, int], RunFacts] = {}
-    for step, layer in _keys(selections):
-        kept = None if known is None else known.find(step, layer)
-        facts[(step, layer)] = kept.facts if kept is not None else facts_at(dump, step, layer)
-        if dump is not None:  # layers built in memory replay what their (unknown) facts imply: nothing to match
-            recipe = resolve(dump, [_Key(step, layer)], recipe, facts=facts)
-        if advance is not None:
-            advance(f"step {step} layer {layer}")
-    return Plan(recipe, tuple(_layer_step(dump, step, layer, fact, recipe) for (step, layer), fact in facts.items()))
-
-
-def plan_for_layers(layers: Sequence, recipe: Union[Recipe, Plan]) -> Plan:
-    """`plan_for` over layer-steps already loaded (`LayerTensors`): of the dump they were read from when they
-    share one, else of layers built in memory (no dump)."""
-    sources = {id(t.source): t.source for t in layers}
-    return plan_for(next(iter(sources.values())) if len(sources) == 1 else None, layers, recipe)
-
-
-@dataclass(frozen=True)
-class _Key:
-    step: int
-    layer: int
-
-
-def _layer_step(dump, step: int, layer: int, facts: RunFacts, recipe: Recipe) -> LayerStepPlan:
-    return LayerStepPlan(step, layer, facts, preset_at(dump, step, layer, recipe),
-                         lp_config_for(dump, step, layer, recipe), hp_config())

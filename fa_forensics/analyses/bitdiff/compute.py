@@ -28,7 +28,7 @@ from fa_forensics.analyses.significance import ALPHA, Family, p_text
 from fa_forensics.analyses.payloads import BitdiffPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.plan import plan_for
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.layers.selection import as_seen_by, replay_layer

@@ -73,7 +73,8 @@ from fa_forensics.analyses.payloads import FixCheckPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.match import ReplayFidelity
-from fa_forensics.fidelity.plan import Plan, plan_for
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.enums import Precision, Rounding, Softmax
@@ -556,7 +557,7 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe | Plan = Reci
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
     the fp32 replay; δ errors from the stored dO (when present). Work items are (step, layer, head
     group) on `workers`, reduced in item order (the same result for any N). `recipe`: a Recipe, or its Plan over
-    the selections (`fidelity.plan.plan_for`)."""
+    the selections (`fidelity.planner.plan_for`)."""
     plan = plan_for(dump, selections, recipe)
     family = selection_family(dump, selections)
     items = map_layers(layer_part, dump, selections, workers, progress, args=(plan, backend, beta, eps, offset))

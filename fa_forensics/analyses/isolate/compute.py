@@ -52,7 +52,8 @@ from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, 
                                               total_of)
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
-from fa_forensics.fidelity.plan import Plan, plan_for_layers
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for_layers
 from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.enums import Backend

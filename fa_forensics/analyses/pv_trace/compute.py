@@ -58,7 +58,8 @@ from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Cou
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.match import ReplayFidelity
-from fa_forensics.fidelity.plan import Plan, plan_for
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import mean_se, sign_test

@@ -38,7 +38,8 @@ from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
-from fa_forensics.fidelity.plan import Plan, plan_for_layers
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for_layers
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]

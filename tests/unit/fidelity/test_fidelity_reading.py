@@ -13,7 +13,7 @@ from fa_forensics.fidelity.candidates import (
 from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.fidelity.match import candidate_recipes, fidelity
 from fa_forensics.fidelity.mismatch import sign_test, tally, ulp_difference
-from fa_forensics.fidelity.plan import plan_for
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.recipe import Choice, Recipe
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts, facts_at
 from fa_forensics.layers.selection import load, replay_layer, select

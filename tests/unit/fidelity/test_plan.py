@@ -14,7 +14,7 @@ from fa_forensics.dump import open_dump
 from fa_forensics.errors import ConfigError
 from fa_forensics.fidelity import run_facts
 from fa_forensics.fidelity.auto import choose
-from fa_forensics.fidelity.plan import plan_for
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.recipe import Recipe, hp_config, lp_config_for
 from fa_forensics.layers.selection import select
 
