@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from fa_forensics.layers import checks, selection
 from fa_forensics.analyses.delta_bias import compute as delta_bias
 from fa_forensics.enums import Backend
-from fa_forensics.analyses.contract import to_jsonable
+from fa_forensics.analyses.jsonable import to_jsonable
 from fa_forensics.fidelity.match import LayerFidelity
 from fa_forensics.fidelity.recipe import Recipe, lp_config_for
 from fa_forensics.cli import app
