@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.match import ReplayFidelity, UnmatchedLayer, UnverifiableLayer, fidelity
 from fa_forensics.layers.fanout import map_layers
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.analyses.wording import bit_share
@@ -32,15 +33,15 @@ FIDELITY_WARN_BELOW = 0.99  # o_bits_equal under which every analysis warns
 MISMATCH_TEST_ABOVE = 0.88  # from this o_bits_equal on, the mismatches' sign test replaces the blanket caveat
 
 
-def replay_fidelity(dump, selections: Sequence, recipe: Recipe) -> Optional[ReplayFidelity]:
-    """Share of the stored O that the recipe's replay reproduces bit for bit over `selections`
+def replay_fidelity(dump, selections: Sequence, plan: Plan) -> Optional[ReplayFidelity]:
+    """Share of the stored O that the plan's replay reproduces bit for bit over `selections`
     (`fidelity.match.ReplayFidelity`: one forward replay per layer-step), or None for in-memory layers and
     dumps without O. An analysis stores what this returns in its Result's `replay_fidelity` and never computes
     it elsewhere.
     """
     if dump is None:
         return None
-    return fidelity(dump, selections, recipe, alpha=ALPHA)
+    return fidelity(dump, selections, plan, alpha=ALPHA)
 
 
 def _where(items: Sequence[UnmatchedLayer | UnverifiableLayer]) -> str:
@@ -101,15 +102,15 @@ class RecipeResult:
         return self.recipe.accumulation_name
 
 
-def run_over_items(part: Callable, combine: Callable, dump, selections: Sequence, recipe: Recipe, backend: Backend,
-                   *, workers, progress, args: tuple = ()):
-    """The `run` of an analysis made of per-item parts: the recipe resolved once for every selected layer-step,
-    `part(t, recipe, backend, *args)` on each work item (step, layer, head group) on `workers`, in item order (the
-    same result for any number of workers), `combine(parts, recipe)` into the Result, and the stored O's
-    `replay_fidelity` attached."""
-    recipe = resolve(dump, selections, recipe)
-    parts = map_layers(part, dump, selections, workers, progress, args=(recipe, backend, *args))
-    return dataclasses.replace(combine(parts, recipe), replay_fidelity=replay_fidelity(dump, selections, recipe))
+def run_over_items(part: Callable, combine: Callable, dump, selections: Sequence, recipe: Recipe | Plan,
+                   backend: Backend, *, workers, progress, args: tuple = ()):
+    """The `run` of an analysis made of per-item parts: the plan of the recipe over the selected layer-steps built
+    once (`fidelity.planner.plan_for`; a Plan given is used as it is), `part(t, plan, backend, *args)` on each work
+    item (step, layer, head group) on `workers`, in item order (the same result for any number of workers),
+    `combine(parts, resolved recipe)` into the Result, and the stored O's `replay_fidelity` attached."""
+    plan = plan_for(dump, selections, recipe)
+    parts = map_layers(part, dump, selections, workers, progress, args=(plan, backend, *args))
+    return dataclasses.replace(combine(parts, plan.recipe), replay_fidelity=replay_fidelity(dump, selections, plan))
 
 
 def recipe_keys(recipe: Recipe, backend: Backend) -> dict:

@@ -62,11 +62,11 @@ def replay_body(analysis: Analysis) -> Callable[..., Any]:
             if problem:
                 raise UserError(problem)
         keywords = {o.compute_keyword: values[o.name] for o in analysis.options}
-        dump, sels, recipe = args.open()  # the recipe resolved once for every selected layer-step
+        dump, sels, plan = args.open()  # the facts read and the recipe resolved once for every layer-step
         total = len(sels) if analysis.per_layer_step else n_items(sels)
         try:
-            with progress_bar(analysis.progress.format(recipe=recipe.label), total) as advance:
-                r = analysis.compute(dump, sels, recipe, args.backend, progress=advance, workers=args.workers,
+            with progress_bar(analysis.progress.format(recipe=plan.label), total) as advance:
+                r = analysis.compute(dump, sels, plan, args.backend, progress=advance, workers=args.workers,
                                      **keywords)
         except OutOfRange as exc:
             if exc.what not in values:

@@ -43,7 +43,8 @@ def _run(dump_path, a, b, step, layer, head, accumulation, backend, out, json_pa
     side_a, side_b = side(a, acc), side(b, acc)  # bad sides fail here, before any work
     args = AnalysisArgs(dump_path, step, layer, head, side_a or side_b or Recipe(), build_backend(backend),
                         ensure_out_dir(out), json_path, build_workers(workers, scheduler, worker_wait), rank)
-    dump, sels, _ = args.open()  # each side is resolved by bitdiff.run
+    dump, sels, plan = args.open()  # the plan of the first replayed side; bitdiff.run plans the other from it
+    side_a, side_b = (plan if s is args.recipe else s for s in (side_a, side_b))
     with progress_bar(f"replaying {a} and {b}", n_items(sels)) as advance:
         r = bitdiff.run(dump, sels, side_a, side_b, args.backend, progress=advance, workers=args.workers)
     show_result(args, r, bitdiff.payload(r), tables(r), draw)

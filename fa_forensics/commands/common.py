@@ -296,27 +296,25 @@ class AnalysisArgs:
     rank: Optional[int] = None  # --rank (None: rank 0)
 
     def open(self):
-        """(dump, selections, recipe): open the store (the rank's tree), select what to analyse (one-line errors)
-        and resolve the recipe once for every selected layer-step (`fidelity.auto.resolve`; a named preset is
-        itself). Every analysis of the command replays the returned recipe."""
+        """(dump, selections, plan): open the store (the rank's tree), select what to analyse (one-line errors)
+        and build the plan of the recipe once for every selected layer-step (`fidelity.planner.plan_for`: the facts
+        read, `auto` resolved). Every analysis of the command replays the returned plan."""
         from fa_forensics.layers.selection import select  # lazy, as every heavy import here: the CLI starts fast
 
         dump = open_rank(self.dump_path, self.rank)
         selections = select(dump, self.step, self.layer, self.head)
-        recipe = resolve_recipe(dump, selections, self.recipe) if self.recipe.is_auto else self.recipe
-        return dump, selections, recipe
+        return dump, selections, build_plan(dump, selections, self.recipe)
 
 
-def resolve_recipe(dump, selections, recipe: Recipe) -> Recipe:
-    """`fidelity.auto.resolve` with a progress line (matching a dump the first time replays its forward
-    under every candidate recipe; later runs read the result from the match cache)."""
-    from fa_forensics.fidelity.auto import resolve
+def build_plan(dump, selections, recipe: Recipe):
+    """`fidelity.planner.plan_for`, with a progress line where `auto` is matched (matching a dump the first time
+    replays its forward under every candidate recipe; later runs read the result from the match cache)."""
+    from fa_forensics.fidelity.planner import plan_for
 
-    with progress_bar("preset auto: matching the stored O", len(selections)) as advance:
-        for sel in selections:
-            recipe = resolve(dump, [sel], recipe)
-            advance(f"step {sel.step} layer {sel.layer}")
-    return recipe
+    if not recipe.is_auto:
+        return plan_for(dump, selections, recipe)
+    with progress_bar("preset auto: matching the stored O", len({(s.step, s.layer) for s in selections})) as advance:
+        return plan_for(dump, selections, recipe, advance=advance)
 
 
 def build_accumulation(accumulation: AccumulationOrAuto | str) -> Optional[Accumulation]:

@@ -38,7 +38,7 @@ from fa_forensics.fidelity.layer_match import (  # noqa: F401  (the result types
     Candidate, CandidateRecipe, ExcludedWinner, LayerMatch, MalformedEntry, to_entry,
 )
 from fa_forensics.fidelity.mismatch import MismatchTest, sign_test, tally
-from fa_forensics.fidelity.recipe import lp_config_for, preset_at
+from fa_forensics.fidelity.plan import Plan
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.fidelity.sample import compare_o, row_sample  # noqa: F401  (compare_o: the bit comparison)
 from fa_forensics.fidelity.search import match_layer, screen_only
@@ -159,12 +159,12 @@ def _with_missing(t: LayerTensors, lm: LayerMatch, missing: Sequence[CandidateRe
 
 
 def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulation] = None,
-                backend: Backend = Backend.EMULATE) -> Optional[LayerMatch]:
+                backend: Backend = Backend.EMULATE, facts: Optional[RunFacts] = None) -> Optional[LayerMatch]:
     """The match of one whole layer-step (every stored head) over the candidate recipes the dump's
     recorded facts admit (those under `accumulation` only, when given), or None when the layer stores
     no O. Read from the match cache (or the match a dump carries in its attributes) when its fingerprint
     fits and the stored bits agree with it, else computed and kept in the cache (`fidelity.match_cache`);
-    the dump is never written."""
+    the dump is never written. `facts`: the layer-step's facts when already read."""
     try:
         memo = _BEST.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
@@ -177,7 +177,7 @@ def best_recipe(dump, step: int, layer: int, *, accumulation: Optional[Accumulat
     if t.o is None:
         memo[(step, layer, acc)] = None
         return None
-    facts = facts_at(dump, step, layer)
+    facts = facts_at(dump, step, layer) if facts is None else facts
     admission = layer_candidates(t, facts, acc)
     key = fingerprint(t, admission.recipes)
     lm = _kept(t, dump, key, admission, facts, acc, backend)
@@ -262,10 +262,10 @@ class ReplayFidelity:
     mismatch: Optional[MismatchTest]
 
 
-def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: Backend = Backend.EMULATE, *,
+def fidelity(dump, selections: Sequence[LayerSelection], plan: Plan, backend: Backend = Backend.EMULATE, *,
              alpha: float) -> Optional[ReplayFidelity]:
     """The `replay_fidelity` of every analysis JSON: the share of stored-O elements the recipe's
-    low-precision config (per layer-step, `recipe.lp_config_for`) reproduces bit for bit, pooled
+    low-precision config (per layer-step, as the `fidelity.plan.Plan` gives it) reproduces bit for bit, pooled
     over the selected layer-steps and heads, and per layer-step with the preset replayed there;
     `mismatch`: the sign test of the elements it does not reproduce at level `alpha` (`fidelity.mismatch`).
     `unmatched` lists the layer-steps with no stored O to compare with, `unverifiable` those whose stored O
@@ -278,11 +278,11 @@ def fidelity(dump, selections: Sequence[LayerSelection], recipe, backend: Backen
         shares = _O_SHARES.setdefault(dump, {})
     except TypeError:  # not weak-referenceable (an in-memory stand-in): no reuse
         shares = {}
+    recipe = plan.recipe
     for sel in selections:
-        facts = facts_at(dump, sel.step, sel.layer)
+        planned = plan.at(sel.step, sel.layer)
+        facts, config, preset = planned.facts, planned.lp, planned.preset
         facts_seen.append(facts)
-        config = lp_config_for(dump, sel.step, sel.layer, recipe)
-        preset = preset_at(dump, sel.step, sel.layer, recipe)
         reason = unverifiable_reason(facts)
         if reason is not None:
             unverifiable.append(UnverifiableLayer(sel.step, sel.layer, preset, config.accumulation.value, reason))

@@ -1,29 +1,30 @@
 """The comparison every analysis makes: the recipe's low-precision replay of a layer-step against the
 high-precision replay (preset "fp32", ieee) of the same inputs as the recipe sees them (`as_seen_by`).
 
-The recipe is resolved before it gets here (`fidelity.auto.resolve`): these functions only read the
-config it names per layer-step (`recipe.lp_config_for`).
+The plan is built before it gets here (`fidelity.planner.plan_for`): these functions only read the configs it
+holds per layer-step.
 """
 from __future__ import annotations
 
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.recipe import Recipe, hp_config, lp_config_for
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.recipe import hp_config
 from fa_forensics.layers.selection import LayerTensors, as_seen_by, replay_layer
 from fa_forensics.replay.config import ReplayConfig
 
 
-def lp_of(t: LayerTensors, recipe: Recipe) -> ReplayConfig:
-    """The recipe's low-precision config at this layer-step (see `recipe.lp_config_for`)."""
-    return lp_config_for(t.source, t.step, t.layer, recipe)
+def lp_of(t: LayerTensors, plan: Plan) -> ReplayConfig:
+    """The plan's low-precision config at this layer-step (see `recipe.lp_config_for`)."""
+    return plan.at(t.step, t.layer).lp
 
 
-def lp_hp_pair(t: LayerTensors, recipe: Recipe, backend: Backend = Backend.EMULATE, *, backward: bool = True):
-    """(low-precision replay, high-precision replay) of identical inputs (`as_seen_by`): the recipe's
+def lp_hp_pair(t: LayerTensors, plan: Plan, backend: Backend = Backend.EMULATE, *, backward: bool = True):
+    """(low-precision replay, high-precision replay) of identical inputs (`as_seen_by`): the plan's
     config at this layer-step against preset "fp32" (ieee)."""
-    lp_cfg = lp_of(t, recipe)
-    seen = as_seen_by(t, lp_cfg)
-    lp = replay_layer(seen, lp_cfg, backward=backward, backend=backend)
-    hp = replay_layer(seen, hp_config(), backward=backward, backend=backend)
+    planned = plan.at(t.step, t.layer)
+    seen = as_seen_by(t, planned.lp)
+    lp = replay_layer(seen, planned.lp, backward=backward, backend=backend)
+    hp = replay_layer(seen, planned.hp, backward=backward, backend=backend)
     return lp, hp
 
 

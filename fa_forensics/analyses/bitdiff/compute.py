@@ -28,7 +28,7 @@ from fa_forensics.analyses.significance import ALPHA, Family, p_text
 from fa_forensics.analyses.payloads import BitdiffPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.layers.selection import as_seen_by, replay_layer
@@ -206,22 +206,23 @@ def run(dump, selections, a, b, backend: Backend = Backend.EMULATE, *, progress=
         workers: Workers = Workers()) -> BitdiffResult:
     """Compare side `a` against side `b` on every selected layer-step (one batched replay per side).
 
-    A side is a `Recipe` (O replayed under its config at each layer-step) or None (the O stored in
-    the dump). Both recipes share one accumulation model. Work items are (step, layer, head group) on
+    A side is a `Recipe` or its `Plan` (O replayed under its config at each layer-step) or None (the O stored
+    in the dump). Both recipes share one accumulation model. Work items are (step, layer, head group) on
     `workers`, reduced in item order (the same result for any N).
     """
-    a, b = (None if side is None else resolve(dump, selections, side) for side in (a, b))
+    a = None if a is None else plan_for(dump, selections, a)
+    b = None if b is None else plan_for(dump, selections, b, known=a)
     items = map_layers(layer_part, dump, selections, workers, progress, args=(a, b, backend))
     warnings: list[str] = []
     for warns, _, _ in items:
         warnings.extend(w for w in warns if w not in warnings)
     parts = [part for _, part, _ in items]
     cast_parts = [cast for _, _, cast in items if cast is not None]
-    recipe = a if a is not None else b
+    plan = a if a is not None else b
     return replace(summarize(parts, side_name(a), side_name(b), family=selection_family(dump, selections)),
-                   accumulation=recipe.accumulation_name if recipe is not None else "ieee",
+                   accumulation=plan.recipe.accumulation_name if plan is not None else "ieee",
                    backend=Backend(backend), input_cast=_input_cast_summary(cast_parts), warnings=tuple(warnings),
-                   replay_fidelity=None if recipe is None else replay_fidelity(dump, selections, recipe))
+                   replay_fidelity=None if plan is None else replay_fidelity(dump, selections, plan))
 
 
 def layer_part(t, a, b, backend):

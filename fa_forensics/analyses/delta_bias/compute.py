@@ -34,6 +34,8 @@ from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for_layers
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.analyses.stats import sign_test
 from fa_forensics.analyses.payloads import DeltaBiasPayload
@@ -149,10 +151,10 @@ class _LayerPart:
     o_err: torch.Tensor  # (B, h, T, D) float32
 
 
-def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> _LayerPart:
+def _layer_part(t: LayerTensors, plan: Plan, backend: Backend) -> _LayerPart:
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; delta-bias needs the upstream gradient dO")
-    lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
+    lp, hp = lp_hp_pair(t, plan, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)
     items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value)
     contribution, agree, both = feature_contributions(t.do, lp.o, hp.o)
@@ -164,7 +166,7 @@ def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> _LayerPart
 def run(
     dump,
     selections: Sequence[LayerSelection],
-    recipe: Recipe = Recipe(),
+    recipe: Recipe | Plan = Recipe(),
     backend: Backend = Backend.EMULATE,
     *,
     top_k: int = 8,
@@ -193,14 +195,15 @@ def delta_bias_layers(
 ) -> DeltaBiasResult:
     """`run` on layer-steps already loaded (or built in memory)."""
     layers = list(layers)
-    return _combine(layer_parts(_seen_part, layers, (recipe, backend), progress), recipe, backend,
+    plan = plan_for_layers(layers, recipe)
+    return _combine(layer_parts(_seen_part, layers, (plan, backend), progress), plan.recipe, backend,
                     family_of(None, (), layers), top_k=top_k)
 
 
-def _seen_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> tuple[tuple[str, ...], _LayerPart]:
+def _seen_part(t: LayerTensors, plan: Plan, backend: Backend) -> tuple[tuple[str, ...], _LayerPart]:
     """(warnings, part) of one layer-step; both sides replay the inputs as the recipe sees them."""
-    t = as_seen_by(t, lp_of(t, recipe))
-    return t.warnings, _layer_part(t, recipe, backend)
+    t = as_seen_by(t, lp_of(t, plan))
+    return t.warnings, _layer_part(t, plan, backend)
 
 
 def _join_head_groups(parts: Sequence[tuple[tuple[str, ...], _LayerPart]]) -> list[tuple[tuple[str, ...], _LayerPart]]:

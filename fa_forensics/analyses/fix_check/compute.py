@@ -72,10 +72,10 @@ from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE,
 from fa_forensics.analyses.payloads import FixCheckPayload
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.auto import resolve
 from fa_forensics.fidelity.match import ReplayFidelity
-from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
-from fa_forensics.fidelity.pair import lp_of
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for
+from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
 from fa_forensics.enums import Precision, Rounding, Softmax
 from fa_forensics.replay.config import ReplayConfig
@@ -382,13 +382,14 @@ def _variant_result(v: FixVariant, parts: list[VariantLayerStep], target: BiasCe
     )
 
 
-def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, beta: float, eps: float, offset: float):
+def layer_part(t: LayerTensors, plan: Plan, backend: Backend, beta: float, eps: float, offset: float):
     """(warnings, the variants, [(variant name, VariantLayerStep)], why stable_attention could not run here or None)
     of one layer-step (its selected heads)."""
-    lp = lp_of(t, recipe)
+    planned = plan.at(t.step, t.layer)
+    lp = planned.lp
     t = as_seen_by(t, lp)  # both sides replay the inputs as the recipe sees them
-    variants = fix_variants(lp, preset_at(t.source, t.step, t.layer, recipe), beta=beta, eps=eps, offset=offset)
-    hp = replay_layer(t, hp_config(), backward=False, backend=backend)
+    variants = fix_variants(lp, planned.preset, beta=beta, eps=eps, offset=offset)
+    hp = replay_layer(t, planned.hp, backward=False, backend=backend)
     s = scores_fp32(t.q, t.k, t.scale, t.causal, variants[0].config.s_dtype.value, t.mask)  # (B, h, T, T)
     stabilized = next(v for v in variants if v.name == "stabilized")
     repeated = repeated_within_eps(s, stabilized.config)
@@ -550,15 +551,16 @@ def collapse_warning(c: dict) -> Optional[str]:
             "this preset has no floor, so its replay does not")
 
 
-def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
-        beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None,
+def run(dump, selections: Sequence[LayerSelection], recipe: Recipe | Plan = Recipe(),
+        backend: Backend = Backend.EMULATE, *, beta: float = 2.0, eps: float = 1e-3, offset: float = 1.0, progress=None,
         workers: Workers = Workers()) -> FixCheckResult:
     """Run the fix check on every selected layer-step: one batched forward replay per variant plus
     the fp32 replay; δ errors from the stored dO (when present). Work items are (step, layer, head
-    group) on `workers`, reduced in item order (the same result for any N)."""
-    recipe = resolve(dump, selections, recipe)
+    group) on `workers`, reduced in item order (the same result for any N). `recipe`: a Recipe, or its Plan over
+    the selections (`fidelity.planner.plan_for`)."""
+    plan = plan_for(dump, selections, recipe)
     family = selection_family(dump, selections)
-    items = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, beta, eps, offset))
+    items = map_layers(layer_part, dump, selections, workers, progress, args=(plan, backend, beta, eps, offset))
     variants: list[FixVariant] = []
     parts: dict[str, list[VariantLayerStep]] = {}
     warnings: list[str] = []
@@ -578,9 +580,9 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
     note = collapse_warning(result.collapse)
     if note:
         warnings.append(note)
-    return dataclasses.replace(result, recipe=recipe, backend=Backend(backend),
+    return dataclasses.replace(result, recipe=plan.recipe, backend=Backend(backend),
                                settings={"beta": beta, "eps": eps, "offset": offset}, warnings=tuple(warnings),
-                               replay_fidelity=replay_fidelity(dump, selections, recipe))
+                               replay_fidelity=replay_fidelity(dump, selections, plan))
 
 
 def bias_claim(r: FixCheckResult) -> BiasClaim:

@@ -52,11 +52,13 @@ from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, 
                                               total_of)
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.layers.fanout import Workers, layer_parts
-from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config, preset_at
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for_layers
+from fa_forensics.fidelity.recipe import FALLBACK_PRESET, Recipe, hp_config
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.enums import Backend
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, replay_layer
-from fa_forensics.fidelity.pair import input_cast_error, lp_of
+from fa_forensics.fidelity.pair import input_cast_error
 from fa_forensics.analyses.stats import sign_test
 from fa_forensics.analyses.payloads import IsolatePayload
 from fa_forensics.errors import DumpError, UserError
@@ -225,7 +227,7 @@ class IsolateResult(RecipeResult):
 def run(
     dump,
     selections: Sequence[LayerSelection],
-    recipe: Recipe = Recipe(),
+    recipe: Recipe | Plan = Recipe(),
     backend: Backend = Backend.EMULATE,
     *,
     progress: Progress = None,
@@ -249,7 +251,8 @@ def isolate_layers(
 ) -> IsolateResult:
     """`run` on layer-steps already loaded (or built in memory)."""
     layers = list(layers)
-    return combine_parts(layer_parts(layer_part, layers, (recipe, backend), progress), recipe, backend,
+    plan = plan_for_layers(layers, recipe)
+    return combine_parts(layer_parts(layer_part, layers, (plan, backend), progress), plan.recipe, backend,
                          family_of(None, (), layers))
 
 
@@ -269,11 +272,12 @@ class IsolatePart:
     cast_items: list
 
 
-def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart:
+def layer_part(t: LayerTensors, plan: Plan, backend: Backend) -> IsolatePart:
     """Replay one layer-step (its selected heads) under the baseline and every single repair."""
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; isolate needs dO to compute δ")
-    lp = lp_of(t, recipe)
+    planned = plan.at(t.step, t.layer)
+    lp = planned.lp
     pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D) from the stored inputs
     cast_only = input_cast_error(t, lp, backend)  # (O_fp32 stored inputs, O_fp32 cast inputs) or None
     fmt = lp.o_dtype.value
@@ -285,9 +289,9 @@ def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend) -> IsolatePart
         cast_sign = dd_cast.reshape(-1)
         cast_items = items_of_errors(t.step, t.layer, t.heads, dd_cast, delta_units(t.do, o_raw, fmt))
     t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
-    vs = variants(t.q.shape[2], lp, preset_at(t.source, t.step, t.layer, recipe))
+    vs = variants(t.q.shape[2], lp, planned.preset)
     tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
-    hp = replay_layer(t, hp_config(), backward=False, backend=backend)
+    hp = replay_layer(t, planned.hp, backward=False, backend=backend)
     delta_hp = delta_of(t.do, hp.o)  # (B, h, T)
     units = delta_units(t.do, hp.o, fmt)  # (B, h, T): every variant's Σδ in the baseline's rounding units
     base_o, measures, signs, items = None, {}, {}, {}

@@ -56,9 +56,10 @@ from fa_forensics.analyses.primitives import scores_fp32
 from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
                                                    counterfactual, nudge, split_rows)
 from fa_forensics.enums import Backend
-from fa_forensics.fidelity.recipe import Recipe, preset_at
+from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.match import ReplayFidelity
-from fa_forensics.fidelity.auto import resolve
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
 from fa_forensics.analyses.stats import mean_se, sign_test
@@ -359,20 +360,20 @@ class PVTraceReport(RecipeResult):
     replay_fidelity: Optional[ReplayFidelity] = None
 
 
-def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), backend: Backend = Backend.EMULATE, *,
-        row: Optional[int] = None, feature: Optional[int] = None, progress=None,
+def run(dump, selections: Sequence[LayerSelection], recipe: Recipe | Plan = Recipe(),
+        backend: Backend = Backend.EMULATE, *, row: Optional[int] = None, feature: Optional[int] = None, progress=None,
         workers: Workers = Workers()) -> PVTraceReport:
     """Trace the O claim's cell (`quantities.o_claim`: the (layer, head, feature) whose O bias, pooled over every
     selected step and batch entry, is most significant in the selection's family; the same cell bitdiff and
     fix-check name), or with `feature` the most significant cell of that feature; in it the (step, batch, row)
     with the largest error in the bias direction (a row with a repeated maximum when there is one). One batched
     forward replay per layer-step and precision; the layer-steps are work items on `workers` (the pick and the
-    trace run here, on their results in order)."""
-    recipe = resolve(dump, selections, recipe)
+    trace run here, on their results in order). `recipe`: a Recipe, or its Plan over the selections."""
+    plan = plan_for(dump, selections, recipe)
     warnings: list[str] = []
     pooled: dict[tuple[int, tuple[int, ...]], list] = {}  # (layer, heads) -> [(sel, err (B, h, T, D), config, rep)]
     sums = []
-    parts = map_layers(layer_part, dump, selections, workers, progress, args=(recipe, backend, row, feature),
+    parts = map_layers(layer_part, dump, selections, workers, progress, args=(plan, backend, row, feature),
                        whole_layers=True)  # a cell is picked across every head of a layer
     for warns, sel, err, config, rep, cs in parts:
         warnings.extend(w for w in warns if w not in warnings)
@@ -417,8 +418,8 @@ def run(dump, selections: Sequence[LayerSelection], recipe: Recipe = Recipe(), b
                          o_error_replay=cell.row_error, l_hp=float(p_hp.to(torch.float64).sum()),
                          row_choice=best.row_choice, bias_split=best.bias_split, class_shares=shares,
                          rows_attributed=n_rows, counterfactual=cf, n_cells=len(cells),
-                         claim=o_claim(cells, family), family=family, recipe=recipe, backend=Backend(backend),
-                         warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, recipe))
+                         claim=o_claim(cells, family), family=family, recipe=plan.recipe, backend=Backend(backend),
+                         warnings=tuple(warnings), replay_fidelity=replay_fidelity(dump, selections, plan))
 
 
 @dataclass(frozen=True)
@@ -433,20 +434,20 @@ class _Pick:
     bias_split: dict
 
 
-def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, row: Optional[int], feature: Optional[int]):
+def layer_part(t: LayerTensors, plan: Plan, backend: Backend, row: Optional[int], feature: Optional[int]):
     """(warnings, selection, O_lp − O_hp (B, h, T, D) float64, the lp config, repeated-maximum rows (B, h, T), the
     O cells' sums) of one layer-step; both sides replay the inputs as the recipe sees them."""
-    lp_cfg = lp_of(t, recipe)
+    lp_cfg = lp_of(t, plan)
     if lp_cfg.p_scale != 1.0:
         raise InvalidSetting("p_scale", f"pv-trace does not trace the fp8 P scale (preset "
-                             f"{preset_at(t.source, t.step, t.layer, recipe)} has S = {lp_cfg.p_scale:g})")
+                             f"{plan.at(t.step, t.layer).preset} has S = {lp_cfg.p_scale:g})")
     t = as_seen_by(t, lp_cfg)
     B, h, T, D = t.q.shape
     if feature is not None and not 0 <= feature < D:
         raise OutOfRange("feature", feature, t.where, D - 1)
     if row is not None and not 0 <= row < T:
         raise OutOfRange("row", row, t.where, T - 1)
-    lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
+    lp, hp = lp_hp_pair(t, plan, backend, backward=False)
     rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value, t.mask)  # (B, h, T)
     sel = LayerSelection(t.step, t.layer, list(t.heads))
     err = lp.o.to(torch.float64) - hp.o.to(torch.float64)

@@ -38,6 +38,8 @@ from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_f64, as_seen_by
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
+from fa_forensics.fidelity.plan import Plan
+from fa_forensics.fidelity.planner import plan_for_layers
 from fa_forensics.errors import DumpError
 
 Progress = Optional[Callable[[str], None]]
@@ -135,10 +137,10 @@ class Rank1Result(RecipeResult):
 
 # ---- per layer-step, then combined ---------------------------------------------------------------
 
-def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, k_tokens: int):
+def _layer_part(t: LayerTensors, plan: Plan, backend: Backend, k_tokens: int):
     if t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
-    lp, hp = lp_hp_pair(t, recipe, backend, backward=False)
+    lp, hp = lp_hp_pair(t, plan, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
     items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value)
     pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D)
@@ -159,7 +161,7 @@ def _layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, k_tokens: int
 def run(
     dump,
     selections: Sequence[LayerSelection],
-    recipe: Recipe = Recipe(),
+    recipe: Recipe | Plan = Recipe(),
     backend: Backend = Backend.EMULATE,
     *,
     tokens_per_step: int = 4,
@@ -188,8 +190,9 @@ def rank1_sim_layers(
 ) -> Rank1Result:
     """`run` on layer-steps already loaded (or built in memory)."""
     layers = list(layers)
-    parts = layer_parts(layer_part, layers, (recipe, backend, tokens_per_step), progress)
-    return combine_parts(parts, recipe, backend, family_of(None, (), layers), tokens_per_step=tokens_per_step)
+    plan = plan_for_layers(layers, recipe)
+    parts = layer_parts(layer_part, layers, (plan, backend, tokens_per_step), progress)
+    return combine_parts(parts, plan.recipe, backend, family_of(None, (), layers), tokens_per_step=tokens_per_step)
 
 
 @dataclass(frozen=True)
@@ -208,10 +211,10 @@ class Rank1Part:
     chosen: list  # per head: [(ChosenToken, pk row, x row)]
 
 
-def layer_part(t: LayerTensors, recipe: Recipe, backend: Backend, tokens_per_step: int) -> Rank1Part:
+def layer_part(t: LayerTensors, plan: Plan, backend: Backend, tokens_per_step: int) -> Rank1Part:
     """Replay one layer-step (its selected heads); both sides see the inputs as the recipe sees them."""
-    t = as_seen_by(t, lp_of(t, recipe))
-    dd, E, chosen, items = _layer_part(t, recipe, backend, tokens_per_step)
+    t = as_seen_by(t, lp_of(t, plan))
+    dd, E, chosen, items = _layer_part(t, plan, backend, tokens_per_step)
     dsums = [float(dd[:, j].sum()) for j in range(len(t.heads))]
     return Rank1Part(t.warnings, t.step, t.layer, list(t.heads), t.x is not None, dsums, items, E, chosen)
 

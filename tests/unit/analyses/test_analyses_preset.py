@@ -11,6 +11,7 @@ from fa_forensics.analyses.pv_trace.compute import p_bar_row, repeated_max_rows,
 from fa_forensics.dump import open_dump
 from fa_forensics.fidelity.recipe import Choice, Recipe, UnknownPreset, lp_config_for
 from fa_forensics.fidelity.pair import lp_hp_pair
+from fa_forensics.fidelity.planner import plan_for_layers
 from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import matmul
 from fa_forensics.enums import Accumulation, Precision, Softmax
@@ -53,9 +54,9 @@ def test_unknown_preset_is_one_line_listing_the_presets():
 
 def test_lp_hp_pair_replays_the_chosen_preset():
     t = planted_layer(T=64)
-    lp_a, hp_a = lp_hp_pair(t, Recipe("bf16-autocast"), backward=False)
-    lp_b, hp_b = lp_hp_pair(t, Recipe("bf16"), backward=False)
-    lp_c, _ = lp_hp_pair(t, Recipe("fp32"), backward=False)
+    lp_a, hp_a = lp_hp_pair(t, plan_for_layers([t], Recipe("bf16-autocast")), backward=False)
+    lp_b, hp_b = lp_hp_pair(t, plan_for_layers([t], Recipe("bf16")), backward=False)
+    lp_c, _ = lp_hp_pair(t, plan_for_layers([t], Recipe("fp32")), backward=False)
     assert lp_a.config.s_dtype is BF16 and lp_b.config.s_dtype is FP32
     assert torch.equal(hp_a.o, hp_b.o)  # the fp32 side does not depend on the preset
     assert not torch.equal(lp_a.o, lp_b.o)  # bf16 scores and m, ℓ give other bits

@@ -13,6 +13,7 @@ from fa_forensics.fidelity.candidates import (
 from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.fidelity.match import candidate_recipes, fidelity
 from fa_forensics.fidelity.mismatch import sign_test, tally, ulp_difference
+from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.recipe import Choice, Recipe
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts, facts_at
 from fa_forensics.layers.selection import load, replay_layer, select
@@ -159,7 +160,7 @@ def test_layers_that_differ_only_in_accumulation_name_the_preset(make_dump):
     sels = select(dump)
     recipe = Recipe(choices=(((0, 0), Choice("bf16", Accumulation.IEEE, 1.0)),
                              ((1, 0), Choice("bf16", Accumulation.TENSOR_CORE, 1.0))))
-    fid = fidelity(dump, sels, recipe, alpha=ALPHA)
+    fid = fidelity(dump, sels, plan_for(dump, sels, recipe), alpha=ALPHA)
     assert (fid.preset, fid.accumulation) == ("bf16", "per layer")
     assert fid.run_precision == "bf16" and fid.verifiable
     assert [(p.step, p.accumulation) for p in fid.per_layer] == [(0, "ieee"), (1, "tensor-core")]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fa_forensics.fidelity.pair import lp_hp_pair
+from fa_forensics.fidelity.planner import plan_for_layers
 from fa_forensics.layers.selection import LayerSelection, load, replay_layer, select
 from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.errors import DumpError, UserError
@@ -51,7 +52,7 @@ def test_replay_layer_uses_the_dump_scale_and_pair_differs_only_by_precision(sma
     q, k, v = (a.double() for a in (t.q, t.k, t.v))
     ref = torch.softmax(0.3 * q @ k.transpose(-1, -2), -1) @ v  # non-causal, α = 0.3 from the dump
     torch.testing.assert_close(hp.o.double(), ref, atol=1e-5, rtol=1e-5)
-    lp, hp2 = lp_hp_pair(t, Recipe("bf16"), backward=False)
+    lp, hp2 = lp_hp_pair(t, plan_for_layers([t], Recipe("bf16")), backward=False)
     assert lp.o.dtype == torch.bfloat16 and torch.equal(hp2.o, hp.o)
     err = (lp.o.double() - ref).abs().max()
     assert 0 < err < 0.05
