@@ -18,7 +18,7 @@ attention:FlashAttentionFunction --softmax STABLE=1] -- python train.py`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fa_forensics import lazy_exports, make_callable
 from fa_forensics.capture.selection import (
@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 
-def capture(model: Optional[torch.nn.Module] = None, *args, on_step: Optional[StepCallback] = None,
-            run_attrs: Optional[dict] = None, **options) -> CaptureSession:
+def capture(model: Optional[torch.nn.Module] = None, *args: Any, on_step: Optional[StepCallback] = None,
+            run_attrs: Optional[dict] = None, **options: Any) -> CaptureSession:
     """A context manager recording the selected steps of training into the store `out`.
 
     model: the model (its attention modules give X; its forward marks micro-batches); None works

@@ -20,7 +20,9 @@ import importlib.util
 import inspect
 import sys
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any, Optional
 
 import torch
@@ -64,7 +66,7 @@ class EntryPoint:
         return self.label or f"{self.module}:{self.qualname}"
 
 
-def parameter_names(target) -> list[str]:
+def parameter_names(target: Callable[..., Any]) -> list[str]:
     """Parameter names of a function, or of an autograd Function's forward without `ctx`."""
     if isinstance(target, type) and issubclass(target, torch.autograd.Function):
         params = list(inspect.signature(target.forward).parameters)
@@ -122,9 +124,9 @@ class EntryPointPatcher:
         """Names of the given entry points whose module loaded but whose callable was not found."""
         return [ep.name for ep in entry_points if ep.module in sys.modules and ep.name not in self.patched]
 
-    def _patch(self, module, ep: EntryPoint) -> None:
+    def _patch(self, module: ModuleType, ep: EntryPoint) -> None:
         *path, leaf = ep.qualname.split(".")
-        owner = module
+        owner: Any = module
         for part in path:
             owner = getattr(owner, part, None)
             if owner is None:
@@ -138,7 +140,8 @@ class EntryPointPatcher:
             self._replace(owner, leaf, target, ep.wrap(target), ep.name)
             return
         adapter = ep.adapter
-        if hasattr(adapter, "with_parameters"):  # an adapter that reads calls by the callable's signature
+        # an adapter that reads calls by the callable's signature
+        if adapter is not None and hasattr(adapter, "with_parameters"):
             adapter = adapter.with_parameters(parameter_names(target))
         bound_ep = EntryPoint(ep.module, ep.qualname, adapter, ep.name)
         if isinstance(target, type) and issubclass(target, torch.autograd.Function):
@@ -150,24 +153,24 @@ class EntryPointPatcher:
             return
         self.patched.append(ep.name)
 
-    def _replace(self, owner, leaf: str, target, replacement, name: str) -> None:
+    def _replace(self, owner: object, leaf: str, target: object, replacement: Callable[..., Any], name: str) -> None:
         """Put `replacement` at owner.leaf; restored on uninstall (a class attribute it inherited is deleted again)."""
         inherited = isinstance(owner, type) and leaf not in vars(owner)
-        replacement._fa_forensics_entry_point = name
+        replacement._fa_forensics_entry_point = name  # type: ignore[attr-defined]  # a mark on the function object, read with getattr
         setattr(owner, leaf, replacement)
         self._restore.append((lambda: delattr(owner, leaf)) if inherited else (lambda: setattr(owner, leaf, target)))
         self.patched.append(name)
 
-    def _patch_function_class(self, cls: type, ep: EntryPoint) -> None:
+    def _patch_function_class(self, cls: type[torch.autograd.Function], ep: EntryPoint) -> None:
         had_own = "apply" in cls.__dict__
         own = cls.__dict__.get("apply")
         wrapper = self._wrap(cls.apply, ep)
-        wrapper._fa_forensics_entry_point = ep.name
-        cls.apply = staticmethod(wrapper)
+        wrapper._fa_forensics_entry_point = ep.name  # type: ignore[attr-defined]  # a mark on the function object, read with getattr
+        cls.apply = staticmethod(wrapper)  # type: ignore[method-assign]  # the patch: models call cls.apply
 
         def restore() -> None:
             if had_own:
-                cls.apply = own
+                cls.apply = own  # type: ignore[method-assign, assignment]  # the class's own apply, put back
             else:
                 del cls.apply
 
@@ -179,7 +182,7 @@ class EntryPointPatcher:
         session (`from flash_attn import flash_attn_func`) reports to the current one."""
 
         @functools.wraps(original)
-        def watched(*args, **kwargs):
+        def watched(*args: Any, **kwargs: Any) -> Any:
             patcher = _active
             if patcher is None or not patcher._is_busy():
                 return original(*args, **kwargs)
@@ -204,7 +207,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         self.waiting = waiting
         self.patch = patch
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]],
+                  target: Optional[ModuleType] = None) -> Optional[ModuleSpec]:
         if fullname not in self.waiting:
             return None
         for finder in sys.meta_path:
@@ -222,18 +226,18 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, entry_points: list[EntryPoint], patch: Callable) -> None:
+    def __init__(self, loader: importlib.abc.Loader, entry_points: list[EntryPoint], patch: Callable) -> None:
         self._loader = loader
         self._entry_points = entry_points
         self._patch = patch
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         for ep in self._entry_points:
             self._patch(module, ep)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

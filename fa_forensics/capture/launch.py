@@ -27,10 +27,15 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Optional
 
 from fa_forensics.capture.launched import (
-    auto_binder, build_session, order_from_env, rank_prefix, run_spawned_rank, write_report,
+    Removable, auto_binder, build_session, order_from_env, rank_prefix, run_spawned_rank, write_report,
 )
+
+if TYPE_CHECKING:
+    from fa_forensics.capture.session import CaptureSession
 
 LOCAL_RANK_ARGUMENTS = ("--local-rank=", "--local_rank=")
 
@@ -38,7 +43,7 @@ LOCAL_RANK_ARGUMENTS = ("--local-rank=", "--local_rank=")
 def script_argv(argv: list[str]) -> list[str]:
     """`argv` with the `--local-rank=N` that torch.distributed.launch (without --use-env) puts in front of the
     launcher's arguments moved behind the script or module: it is the script's argument."""
-    given = []
+    given: list[str] = []
     while argv and argv[0].startswith(LOCAL_RANK_ARGUMENTS):
         given, argv = [*given, argv[0]], argv[1:]
     if not given:
@@ -75,7 +80,7 @@ def main(argv: list[str]) -> int:
             print(f"error: no module named {target!r} to run; check the training command (python -m MODULE)",
                   file=sys.stderr)
             return 2
-    session = None
+    session: Optional[CaptureSession] = None
     try:
         order = order_from_env()
         session = build_session(order, [target, *script_args])
@@ -93,7 +98,7 @@ def main(argv: list[str]) -> int:
             write_report(order.report, session, said)
 
 
-def _hand_over(session, binder, handed_over: list[bool]):
+def _hand_over(session: CaptureSession, binder: Removable, handed_over: list[bool]) -> Callable[[], bool]:
     """The launcher process's part when the script spawns its ranks: stop capturing here (nothing recorded yet),
     so that each spawned rank captures; True when it did."""
     def hand_over() -> bool:
@@ -116,7 +121,8 @@ def _hand_over(session, binder, handed_over: list[bool]):
     return hand_over
 
 
-def _run(session, target: str, script_args: list[str], module_mode: bool, handed_over: list[bool]) -> int:
+def _run(session: CaptureSession, target: str, script_args: list[str], module_mode: bool,
+         handed_over: list[bool]) -> int:
     from fa_forensics.capture.spawned import SpawnPatch
     from fa_forensics.errors import UserError
 

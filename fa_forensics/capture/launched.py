@@ -11,12 +11,24 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from fa_forensics.capture.settings import CaptureSettings
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from fa_forensics.capture.session import CaptureSession
+
 ENV_VAR = "FA_FORENSICS_CAPTURE"
+
+
+class Removable(Protocol):
+    """What `auto_binder` returns: `remove()` undoes what it installed."""
+
+    def remove(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,7 @@ def order_from_env() -> LaunchOrder:
     return LaunchOrder.from_json(text)
 
 
-def auto_binder(session):
+def auto_binder(session: CaptureSession) -> Removable:
     """Bind the first module containing attention modules: a global forward pre-hook that binds it at its
     first forward and then removes itself, and a wrapper of torch.compile that binds a compiled module at
     once (the global hook is removed before torch.compile(module) runs: a global hook alive there would
@@ -69,10 +81,10 @@ def auto_binder(session):
     from fa_forensics.capture.modules import find_attention_modules
 
     seen: set[int] = set()
-    state = {"handle": None}
+    state: dict[str, RemovableHandle] = {}  # "handle": the global hook, registered below
     original_compile = torch.compile
 
-    def hook(module, args):
+    def hook(module: torch.nn.Module, args: tuple) -> None:
         if session._root is not None or id(module) in seen:
             return None
         seen.add(id(module))
@@ -82,12 +94,12 @@ def auto_binder(session):
             session._on_root_forward(module, args)  # the root's own hook was added during this very call
         return None
 
-    def compile_and_bind(model=None, *args, **kwargs):
+    def compile_and_bind(model: Any = None, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(model, torch.nn.Module) or session._root is not None:
             return original_compile(model, *args, **kwargs)
         state["handle"].remove()
         compiled = original_compile(model, *args, **kwargs)
-        if find_attention_modules(compiled, session.pattern):
+        if isinstance(compiled, torch.nn.Module) and find_attention_modules(compiled, session.pattern):
             session.bind(compiled)
         else:
             state["handle"] = register_module_forward_pre_hook(hook)
@@ -105,7 +117,8 @@ def auto_binder(session):
     return Binder()
 
 
-def build_session(order: LaunchOrder, command: list[str], process_rank=None):
+def build_session(order: LaunchOrder, command: list[str],
+                  process_rank: Optional[tuple[int, int]] = None) -> CaptureSession:
     """The capture session the order describes (its store not yet opened); `command` is recorded when the order
     names none."""
     from fa_forensics.capture.session import CaptureSession
@@ -115,12 +128,12 @@ def build_session(order: LaunchOrder, command: list[str], process_rank=None):
                           process_rank=process_rank)
 
 
-def rank_prefix(session) -> str:
+def rank_prefix(session: CaptureSession) -> str:
     """"rank R: " in front of the lines of a multi-rank run, "" for one process."""
     return f"rank {session.rank}: " if session.world_size > 1 else ""
 
 
-def write_report(folder, session, said: list[str]) -> None:
+def write_report(folder: Optional[str], session: CaptureSession, said: list[str]) -> None:
     """What the command cannot read from the store: how far this rank's run got and what was said."""
     if not folder:
         return
@@ -134,7 +147,7 @@ def write_report(folder, session, said: list[str]) -> None:
         pass
 
 
-def run_spawned_rank(fn, index: int, nprocs: int, args: tuple):
+def run_spawned_rank(fn: Callable[..., Any], index: int, nprocs: int, args: tuple) -> Any:
     """`fn(index, *args)` in a process the script spawned, under a capture session of its own (rank = index)."""
     from fa_forensics.capture import sdpa
     from fa_forensics.capture.events import show_capture_warnings_as_lines

@@ -53,7 +53,7 @@ def replace_module_input(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor],
 _HEAD_COUNT_NAMES = ("num_heads", "n_head", "n_heads", "num_attention_heads")
 
 
-def module_heads(module: Optional[torch.nn.Module]) -> Optional[int]:
+def module_heads(module: object) -> Optional[int]:
     """The query head count an attention module states (num_heads, n_head, n_heads, num_attention_heads,
     or its config's num_attention_heads / n_head), or None."""
     if module is None:

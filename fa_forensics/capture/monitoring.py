@@ -29,6 +29,9 @@ from fa_forensics.capture.ring import RingStep, StepRing
 
 if TYPE_CHECKING:
     from fa_forensics.capture.settings import CaptureSettings
+    from fa_forensics.capture.writer import BackgroundWriter
+    from fa_forensics.monitor.collector import StepCollector
+    from fa_forensics.monitor.tensorboard import TimelineBoard
 
 # (held ring step, the alarm's step) -> whether the step was written (False: it is recorded already)
 WriteHeld = Callable[[RingStep, int], bool]
@@ -38,14 +41,16 @@ class StepMonitor:
     """Monitor, alarm and ring of one capture session (see the module docstring)."""
 
     def __init__(self, settings: CaptureSettings):
+        if settings.monitor_every is None:
+            raise ValueError("a StepMonitor needs settings with monitor_every (the session makes one only then)")
         self.every = int(settings.monitor_every)
         self.eps = settings.monitor_eps
         self.alarm_steps = settings.alarm_steps
         self.rule = settings.alarm_rule()  # None without an alarm
         self.tensorboard = settings.monitor_tensorboard
-        self.board = None  # a TimelineBoard from `start` on, with `tensorboard`
+        self.board: Optional[TimelineBoard] = None  # from `start` on, with `tensorboard`
         self.ring: Optional[StepRing] = StepRing(settings.ring) if settings.ring else None
-        self.collector = None  # a StepCollector from `start` on
+        self.collector: Optional[StepCollector] = None  # from `start` on
         self.hot = False  # the current step is monitored
         self.ring_step: Optional[RingStep] = None  # the current step's arrays, held for the ring
         self.reported_loss: Optional[float] = None  # cap.step(loss) before the boundary
@@ -84,7 +89,7 @@ class StepMonitor:
         self.hot = step % self.every == 0
         self.reported_loss = None
         if self.hot:
-            self.collector.begin(step)
+            self._started().begin(step)
 
     def ring_step_for(self, step: int) -> RingStep:
         """The ring entry collecting the arrays of `step` (made at its first array)."""
@@ -92,7 +97,8 @@ class StepMonitor:
             self.ring_step = RingStep(step)
         return self.ring_step
 
-    def observe(self, call: AttentionCall, batch: Optional[slice], module_name: str, module) -> None:
+    def observe(self, call: AttentionCall, batch: Optional[slice], module_name: str,
+                module: Optional[torch.nn.Module]) -> None:
         """Feed one attention call of a monitored step to the statistics (on the capture's batch slice)."""
         if call.q.dim() != 4:
             return
@@ -100,7 +106,7 @@ class StepMonitor:
 
         try:
             q, k = (call.q, call.k) if batch is None else (call.q[batch], call.k[batch])
-            self.collector.observe_call(call.layer, q, k, scale=call.scale, causal=call.causal,
+            self._started().observe_call(call.layer, q, k, scale=call.scale, causal=call.causal,
                                         p_dtype=p_bar_dtype(call.kernel_dtype), score_dtype=call.score_dtype,
                                         module=module, module_name=module_name)
         except Exception as exc:  # the monitor never stops training
@@ -119,15 +125,18 @@ class StepMonitor:
         """The monitored step ended: its ring entry is pushed and its row waits for its loss."""
         if self.hot:
             given = loss if loss is not None else self.reported_loss
-            if self.ring_step is not None:
+            if self.ring_step is not None and self.ring is not None:  # a ring step is only asked for with a ring
                 self.ring_step.loss = given
                 self.ring.push(self.ring_step)
-            self.row = TimelineRow(step, self.collector.finish(), given, tapped)
+            self.row = TimelineRow(step, self._started().finish(), given, tapped)
         self.ring_step = None
 
-    def flush_row(self, loss: Optional[float], writer, write_held: WriteHeld, warn: Callable[[str, str], None]) -> None:
-        """Write the waiting row (its loss: given now, else reported, else tapped) and run the alarm rule."""
+    def flush_row(self, loss: Optional[float], writer: BackgroundWriter, write_held: WriteHeld,
+                  warn: Callable[[str, str], None]) -> None:
+        """Write the waiting row, if any (its loss: given now, else reported, else tapped), and run the alarm rule."""
         row, self.row = self.row, None
+        if row is None:
+            return
         series = row.series
         if loss is None:
             loss = row.given_loss
@@ -172,6 +181,12 @@ class StepMonitor:
                   f"fa-forensics monitor: {what} could not be monitored ({type(exc).__name__}: {exc}); its "
                   "statistics are NaN and training goes on")
 
+    def _started(self) -> StepCollector:
+        """The statistics' collector (made by `start`)."""
+        if self.collector is None:
+            raise RuntimeError("the monitor was not started (StepMonitor.start)")
+        return self.collector
+
     def close(self) -> None:
         self.ring_step = None
         self.hot = False
@@ -181,7 +196,7 @@ class StepMonitor:
             self.board.close()
 
     # -- alarm -------------------------------------------------------------------------------
-    def _raise_alarm(self, step: int, alarms: list, writer, write_held: WriteHeld) -> None:
+    def _raise_alarm(self, step: int, alarms: list, writer: BackgroundWriter, write_held: WriteHeld) -> None:
         """One AlarmWarning (one line); the next alarm_steps steps are asked for; the ring's steps are written."""
         self.alarms.extend(alarms)
         follow = range(step + 1, step + 1 + self.alarm_steps)

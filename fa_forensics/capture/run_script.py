@@ -17,13 +17,16 @@ import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from fa_forensics.capture.command_line import check_target, rewrite_command
 from fa_forensics.capture.launched import ENV_VAR, LaunchOrder
 from fa_forensics.capture.selection import StepSet
 from fa_forensics.capture.settings import CaptureSettings
 from fa_forensics.errors import UserError
+
+if TYPE_CHECKING:
+    from fa_forensics.monitor.alarm import AlarmRule
 
 NEVER_LISTED = 1000  # never_reached in --json lists at most this many steps (the warning gives them all as ranges)
 CTRL_C_GRACE = 60.0  # seconds a training script that got Ctrl-C has to end (its capture writer finishes its queue)
@@ -122,7 +125,7 @@ class ScriptRun:
 
 
 def run_script(settings: CaptureSettings, command: list[str], same_python: bool = True,
-               alarm_rule=None) -> ScriptRun:
+               alarm_rule: Optional[AlarmRule] = None) -> ScriptRun:
     """Run `command` under capture with `settings`; UserError (one line) for a command that cannot start.
     alarm_rule: the rule the settings' alarm was built from, for the warm-up warning."""
     from fa_forensics.dump.safe_files import refuse_link
@@ -151,7 +154,7 @@ def run_script(settings: CaptureSettings, command: list[str], same_python: bool 
                      warmup_covered_line(rule, outcomes[0].monitored_steps))
 
 
-def warmup_covered_line(rule, monitored_steps: int) -> Optional[str]:
+def warmup_covered_line(rule: Optional[AlarmRule], monitored_steps: int) -> Optional[str]:
     """The warning for an alarm whose warm-up covered every monitored step (None when it did not)."""
     if rule is not None and 0 < monitored_steps <= rule.warmup:
         return (f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "

@@ -183,6 +183,7 @@ def format_batch(batch: Optional[slice]) -> Optional[str]:
 
 
 Indices = Union[None, int, Iterable[int]]
+Steps = Union[None, str, int, StepSet, Iterable[int]]  # what `CaptureSelection.build` reads as steps
 LISTED_STEPS = 4096  # a selection of more steps is recorded in the store by its text form
 
 
@@ -217,7 +218,8 @@ class CaptureSelection:
     micro_batch: int = 0
 
     @classmethod
-    def build(cls, steps, layers: Indices = None, heads: Indices = None, batch=None, micro_batch: int = 0,
+    def build(cls, steps: Steps, layers: Indices = None, heads: Indices = None,
+              batch: Union[None, str, int, slice] = None, micro_batch: int = 0,
               allow_no_steps: bool = False) -> CaptureSelection:
         """Normalize user values (text or Python) into a selection, with one-line errors.
 
@@ -289,7 +291,7 @@ def check_attention_pattern(pattern: str) -> None:
                                     f"{pattern!r} is not a valid regular expression ({exc}); e.g. 'attn$'") from None
 
 
-def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
+def check_monitor_options(monitor_every: Optional[int], alarm: object, alarm_steps: int, ring: int) -> None:
     """InvalidCaptureSetting for monitor settings that cannot work (together)."""
     if monitor_every is not None and (not isinstance(monitor_every, int) or monitor_every < 1):
         raise InvalidCaptureSetting("monitor_every", f"must be a step interval >= 1, got {monitor_every!r}")
@@ -305,7 +307,7 @@ def check_monitor_options(monitor_every, alarm, alarm_steps, ring) -> None:
                                     needs=("alarm", "monitor_every"))
 
 
-def check_tensorboard_option(monitor_every, tensorboard) -> None:
+def check_tensorboard_option(monitor_every: Optional[int], tensorboard: Optional[str]) -> None:
     """InvalidCaptureSetting for TensorBoard output without the monitor that fills it."""
     if tensorboard is not None and not monitor_every:
         raise InvalidCaptureSetting("monitor_tensorboard", "TensorBoard gets the monitor's timeline rows",

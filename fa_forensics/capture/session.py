@@ -34,14 +34,15 @@ import os
 import warnings
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Optional, Union
+from types import TracebackType
+from typing import Any, Optional, SupportsFloat, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fa_forensics.capture import loss_tap, sdpa
 from fa_forensics.capture.adapters import WATCHED, built_in_entry_points
-from fa_forensics.capture.entry_points import EntryPoint, EntryPointPatcher
+from fa_forensics.capture.entry_points import CallFacts, EntryPoint, EntryPointPatcher
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
 from fa_forensics.capture.layouts import Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd
@@ -59,6 +60,8 @@ from fa_forensics.capture.step_plan import StepPlan
 from fa_forensics.capture.writer import BackgroundWriter, offload
 
 StepCallback = Callable[["CaptureSession", int, Optional[float]], None]
+GradHook = Callable[[torch.Tensor], None]  # the recorder's dO hook, handed a gradient as (B, H, T, D)
+Loss = Union[torch.Tensor, SupportsFloat, None]  # a loss as scripts give it
 
 
 @dataclass
@@ -155,7 +158,7 @@ class CaptureSession:
         self._held_chain: Optional[HeldChain] = None
         self._held_alarm: dict[int, RingStep] = {}  # steps an alarm asked for, held until they end
         self._frames: list[HFFrame] = []  # Hugging Face attention functions running now (innermost last)
-        self._frame_module = None  # the module of the Hugging Face call being recorded from its own arguments
+        self._frame_module: object = None  # the module of the Hugging Face call being recorded from its own arguments
 
     @property
     def monitor_every(self) -> Optional[int]:
@@ -179,7 +182,8 @@ class CaptureSession:
         self.start()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         self.stop(failed=exc_type is not None)
 
     def add_step_callback(self, fn: StepCallback) -> None:
@@ -187,7 +191,7 @@ class CaptureSession:
         statistics."""
         self._callbacks.append(fn)
 
-    def step(self, loss=None) -> None:
+    def step(self, loss: Loss = None) -> None:
         """Mark the end of a step (`step_by="manual"`), or give the loss of the step just ended ("optimizer").
 
         With step_by="optimizer", call it after optimizer.step() (the loss goes to the step that just
@@ -204,7 +208,7 @@ class CaptureSession:
             self._flush_pending(loss)
         elif self._plan.record and self._now.recorded:  # called before optimizer.step(): the loss of the current step
             self._now.loss = loss
-        if not row_waiting and self._plan.monitor:
+        if not row_waiting and self._plan.monitor and self._monitor is not None:
             self._monitor.reported_loss = loss
 
     def record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float] = None,
@@ -220,23 +224,28 @@ class CaptureSession:
             self._record_eager(q, k, v, o, scale, causal, x, check_layout(layout), mask, softmax)
 
     @torch.compiler.disable
-    def _record_eager(self, q, k, v, o, scale, causal, x, layout, mask, softmax=None) -> None:
+    def _record_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: Optional[float],
+                      causal: bool, x: Optional[torch.Tensor], layout: str, mask: Optional[torch.Tensor],
+                      softmax: Optional[str] = None) -> None:
         check_attention_shapes(q, k, v, o, layout, "fa_forensics.capture.record")
         chain_facts = self._flush_chain(described_by=(q, k))
         if x is not None:
             self._pending_x = ModuleInput("record", x)
-        grad_sink = None
+        grad_sink: Optional[Callable[[GradHook], None]] = None
         if layout != "BHTD" and o.requires_grad:
-            def grad_sink(hook, o=o):
+            def sink(hook: GradHook, o: torch.Tensor = o) -> None:
                 o.register_hook(lambda grad: hook(to_bhtd(grad, layout)))
+            grad_sink = sink
         self.on_attention(to_bhtd(q, layout), to_bhtd(k, layout), to_bhtd(v, layout), to_bhtd(o, layout), scale=scale,
                           causal=causal, attn_mask=mask, dropout_p=0.0, source="record", grad_sink=grad_sink,
                           extra={**_chain_facts(chain_facts), "layout": layout,
                                  **({"softmax": softmax, "softmax_rule": "record(softmax=...)"} if softmax else {})})
 
     @torch.compiler.disable
-    def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out) -> None:
+    def _on_entry_point(self, ep: EntryPoint, args: tuple, kwargs: dict, out: Any) -> None:
         """A watched entry point returned on a busy step: read the call with its adapter and record it."""
+        if ep.adapter is None:
+            return  # an entry point patched with `wrap` reports no call
         self._chains.pause(1)
         try:
             facts = ep.adapter(args, kwargs, out)
@@ -249,7 +258,7 @@ class CaptureSession:
             return
         self._record_facts(facts, ep.name)
 
-    def _record_facts(self, facts, source: str) -> None:
+    def _record_facts(self, facts: CallFacts, source: str) -> None:
         if facts.warning:
             self._warn_once(f"call:{source}:{facts.warning}", facts.warning)
         self.on_attention(facts.q, facts.k, facts.v, facts.o, scale=facts.scale, causal=facts.causal,
@@ -257,7 +266,7 @@ class CaptureSession:
                           extra=facts.attrs)
 
     @torch.compiler.disable
-    def hf_attention_call(self, name: str, fn: Callable, args: tuple, kwargs: dict):
+    def hf_attention_call(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A Hugging Face attention function called on a busy step (capture/hf_attention.py): the calls inside it
         are recorded as its; when none was seen, the call itself is read in HF's layouts."""
         frame = HFFrame(name, args[0] if args else kwargs.get("module"))
@@ -294,10 +303,11 @@ class CaptureSession:
         q, k, v, o, shape4, grad4 = to_heads(call, batch, module_heads(module))
         mask, causal = combine_mask(call, shape4)
         o_raw = call.o_raw
-        grad_sink = None
+        grad_sink: Optional[Callable[[GradHook], None]] = None
         if o_raw.requires_grad:
-            def grad_sink(hook, o_raw=o_raw):
+            def sink(hook: GradHook, o_raw: torch.Tensor = o_raw) -> None:
                 o_raw.register_hook(lambda grad: hook(grad4(grad)))
+            grad_sink = sink
         extra = {**frame_facts, "layout": call.layout, "chain": " ".join(call.ops),
                  "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
                  "p_dtype": _dtype_name(call.p_dtype)}
@@ -460,13 +470,13 @@ class CaptureSession:
 
     # -- hooks (hot path first) ----------------------------------------------------------
     @torch.compiler.disable  # never traced: a read of `busy` in traced code would be a guard (`module.compile()`)
-    def _on_root_forward(self, module, args) -> None:
+    def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if self.busy:
             self._root_forward_eager()
             if self._plan.active:
                 self._chains.enter(module)
 
-    def _on_root_forward_end(self, module, args, output) -> None:
+    def _on_root_forward_end(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._chains.mode is not None:
             self._chains.leave()
             self._flush_chain()
@@ -479,8 +489,8 @@ class CaptureSession:
         self._now.layer = 0
         self._pending_x = None
 
-    def _x_hook(self, name: str):
-        def hook(module, args, kwargs):
+    def _x_hook(self, name: str) -> Callable[[torch.nn.Module, tuple, dict], Optional[tuple[tuple, dict]]]:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
             if torch.compiler.is_compiling():  # every step: X passes through an opaque op that looks at `_active`
                 from fa_forensics.capture.graph_ops import tap_input
 
@@ -508,14 +518,15 @@ class CaptureSession:
             self._flush_chain()
         self._pending_x = None if x is None else ModuleInput(name, x)
 
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._optimizer_id is None:
             self._optimizer_id = id(optimizer)
         elif id(optimizer) != self._optimizer_id:
             return  # a second optimizer of the same run (e.g. Muon + AdamW): count steps once
         self._end_step(None)
 
-    def on_attention(self, q, k, v, o, *, scale, causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float,
+    def on_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
+                     scale: Optional[float], causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float,
                      source: str,
                      grad_sink: Optional[Callable] = None, grad_enabled: Optional[bool] = None,
                      autocast_dtype: Union[torch.dtype, None, str] = "ambient", extra: Optional[dict] = None) -> None:
@@ -533,15 +544,17 @@ class CaptureSession:
         finally:
             self._chains.pause(-1)
 
-    def _on_attention(self, q, k, v, o, *, scale, causal, attn_mask, dropout_p, source, grad_sink, grad_enabled,
-                      autocast_dtype, extra) -> None:
+    def _on_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
+                      scale: Optional[float], causal: bool, attn_mask: Optional[torch.Tensor], dropout_p: float,
+                      source: str, grad_sink: Optional[Callable], grad_enabled: Optional[bool],
+                      autocast_dtype: Union[torch.dtype, None, str], extra: Optional[dict]) -> None:
         if source != "torch_ops" and self._held_chain is not None:
             self._flush_chain()
         if self._entry_depth > 0:
             return  # inside a watched entry point: its own call is recorded when it returns
         if self._frames and source != "torch_ops":  # a chain was counted when it formed
             extra = self._in_frame(extra)
-        if autocast_dtype == "ambient":
+        if isinstance(autocast_dtype, str):  # "ambient": the one in effect now
             autocast_dtype = sdpa.autocast_dtype(q)
         self._flush_waiting()
         if not self._plan.active or not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
@@ -570,11 +583,11 @@ class CaptureSession:
                              mask=attn_mask,
                              dropout_p=dropout_p, autocast_dtype=autocast_dtype, source=source, x=x,
                              grad_sink=grad_sink, extra=extra)
-        if self._plan.monitor:
+        if self._plan.monitor and self._monitor is not None:
             name = self._module_name(call)
             self._monitor.observe(call, self.selection.batch, name, self._modules_by_name.get(name))
         if (self._plan.record or self._plan.ring) and self.selection.wants_layer(layer):
-            if not self._plan.record:
+            if not self._plan.record and self._monitor is not None:  # held for the ring: the monitor keeps it
                 self._monitor.ring_step_for(call.step)
             if self._recorder.record(call):
                 self._now.recorded = True
@@ -596,7 +609,7 @@ class CaptureSession:
         shapes show to be wrong ends the run before anything of the call is stored."""
         if q.dim() != 4 or layout not in ("BHTD", "BTHD"):
             return  # (B·H, T, D) chains are split with X's batch: nothing else to read them as
-        module = self._modules_by_name.get(x.name) if x is not None else None
+        module: object = self._modules_by_name.get(x.name) if x is not None else None
         if module is None:
             module = self._frames[-1].module if self._frames else self._frame_module
         heads = module_heads(module)
@@ -635,10 +648,10 @@ class CaptureSession:
         else:
             if step not in self._registered:
                 self._registered.add(step)
-                self._writer.register_step(step)
-            self._writer.put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
+                self._open_writer().register_step(step)
+            self._open_writer().put_array(step, layer, name, host, ready=ready, layer_attrs=layer_attrs)
 
-    def _mark_backward(self, grad=None) -> None:
+    def _mark_backward(self, grad: Optional[torch.Tensor] = None) -> None:
         self._now.backward_seen = True
 
     # -- step boundaries -----------------------------------------------------------------
@@ -678,47 +691,52 @@ class CaptureSession:
         self.current_step = ended + 1
         self._now = StepProgress()
         self._begin_step(self.current_step)
-        if self._row_waiting():
+        row = self._monitor.row if self._monitor is not None else None
+        if row is not None:  # the monitored step's row waits for its loss
             self._update_busy()
-            if self._monitor.row.given_loss is not None or self.step_by == "manual":
+            if row.given_loss is not None or self.step_by == "manual":
                 self._flush_row(None)
         for fn in self._callbacks:
             fn(self, ended, loss)
 
     def _flush_pending(self, loss: Optional[float]) -> None:
         pending, self._pending = self._pending, None
+        if pending is None:
+            return
         if loss is None:
             loss = pending.loss
         if loss is None and pending.tapped is not None:
             loss = float(pending.tapped)
-        attrs = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
+        attrs: dict[str, object] = {"rank": self.rank, "micro_batch": self.selection.micro_batch}
         if self._monitor is not None and pending.step in self._monitor.extra_steps:
             attrs["recorded_by"] = "alarm"
         held = self._held_alarm.pop(pending.step, None)
         if self._complete(pending.step, held, loss, **attrs):
             self._say_missing_do(pending.step)
-        else:
+        elif held is not None:  # only a held step can find no room in the writer
             self._say_dropped(held, "recorded after an alarm")
             self._recorder.missing_do(pending.step)
         self._update_busy()
 
-    def _complete(self, step: int, held: Optional[RingStep], loss: Optional[float], **attrs) -> bool:
+    def _complete(self, step: int, held: Optional[RingStep], loss: Optional[float], **attrs: Any) -> bool:
         """Mark `step` complete in the store: its arrays were queued as they came, or, `held`, are handed to the
         writer whole now (False, nothing written, when the writer has no room for them)."""
+        writer = self._open_writer()
         if held is None:
-            self._writer.put_complete(step, loss=loss, **attrs)
-        elif not self._writer.put_held_step(step, held.arrays, loss=loss, **attrs):
+            writer.put_complete(step, loss=loss, **attrs)
+        elif not writer.put_held_step(step, held.arrays, loss=loss, **attrs):
             return False
         bisect.insort(self.recorded_steps, step)
         return True
 
     def _say_dropped(self, held: RingStep, what: str) -> None:
         """One line naming a held step the writer had no room for (training never waits for an alarm's steps)."""
-        waiting = self._writer.held_waiting_bytes / 2 ** 20
+        writer = self._open_writer()
+        waiting = writer.held_waiting_bytes / 2 ** 20
         self._warn_once(f"dropped:{held.step}",
                         f"fa-forensics capture: step {held.step} ({what}, {held.nbytes / 2 ** 20:.1f} MB) was dropped: "
                         f"{waiting:.0f} MB of held steps still wait for the disk and the bound is "
-                        f"{self._writer.held_bytes / 2 ** 20:.0f} MB (max_held_mb); training goes on. To keep such "
+                        f"{writer.held_bytes / 2 ** 20:.0f} MB (max_held_mb); training goes on. To keep such "
                         "steps record fewer layers or heads or a smaller batch slice (--layers, --heads, --batch), "
                         "fewer steps after an alarm (--alarm-steps) or a smaller --ring")
 
@@ -755,7 +773,7 @@ class CaptureSession:
         self._plan_step(step)
 
     # -- monitor ---------------------------------------------------------------------------
-    def on_backward(self, tensors, grad_tensors) -> None:
+    def on_backward(self, tensors: Any, grad_tensors: Any) -> None:
         """Called by the loss tap on busy steps: add a scalar loss to the step's sum (no synchronization)."""
         if not self._plan.active:
             return
@@ -777,8 +795,11 @@ class CaptureSession:
 
     def _flush_row(self, loss: Optional[float]) -> None:
         """Write the monitor's waiting timeline row; an alarm it raises may ask for the current step."""
-        self._monitor.flush_row(loss, self._writer, self._write_held, self._warn_once)
-        if self.current_step in self._monitor.extra_steps and not self._plan.record:
+        monitor = self._monitor
+        if monitor is None:
+            return  # no monitor, no row
+        monitor.flush_row(loss, self._open_writer(), self._write_held, self._warn_once)
+        if self.current_step in monitor.extra_steps and not self._plan.record:
             self._plan_step(self.current_step)
         self._update_busy()
 
@@ -794,6 +815,12 @@ class CaptureSession:
         return True
 
     # -- helpers -------------------------------------------------------------------------
+    def _open_writer(self) -> BackgroundWriter:
+        """The store's writer, open from start() to stop()."""
+        if self._writer is None:
+            raise CaptureError("the capture session is not running: steps are recorded inside `with capture(...)`")
+        return self._writer
+
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -837,7 +864,7 @@ class HFFrame:
     """A Hugging Face attention function running: its registry name, its module, the calls seen inside."""
 
     name: str
-    module: object
+    module: object  # the module the function was called with (its first argument), read for its head count
     seen: int = 0
 
 
@@ -860,7 +887,7 @@ def _identified(model: torch.nn.Module) -> dict:
     return described
 
 
-def _same_storage(a, b) -> bool:
+def _same_storage(a: object, b: object) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
@@ -875,7 +902,7 @@ def _dtype_name(dtype: Optional[torch.dtype]) -> str:
     return "unknown" if dtype is None else str(dtype).replace("torch.", "")
 
 
-def _as_float(loss) -> Optional[float]:
+def _as_float(loss: Loss) -> Optional[float]:
     if loss is None:
         return None
     if isinstance(loss, torch.Tensor):

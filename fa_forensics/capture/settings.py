@@ -22,6 +22,7 @@ from fa_forensics.capture.selection import (
 from fa_forensics.capture.softmax_variant import SoftmaxVariant
 
 if TYPE_CHECKING:
+    from fa_forensics.monitor.alarm import AlarmRule
     from fa_forensics.monitor.alarm_settings import AlarmSettings
 
 # Attention modules by name: `<blocks>.<i>.<attn>` (nanoGPT, Hugging Face GPT-2 / Llama / Mistral / Qwen,
@@ -77,7 +78,7 @@ class CaptureSettings:
 
     def __post_init__(self) -> None:
         """Check every value and keep it normalized (the one place capture settings are checked)."""
-        def keep(name: str, value) -> None:
+        def keep(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
         if self.step_by not in STEP_BY:
@@ -124,13 +125,13 @@ class CaptureSettings:
         """Which attention calls are recorded, and which part of each."""
         return CaptureSelection(self.steps, self.layers, self.heads, self.batch, self.micro_batch)
 
-    def alarm_rule(self):
+    def alarm_rule(self) -> Optional[AlarmRule]:
         """A fresh alarm rule of these settings (None without an alarm)."""
         from fa_forensics.monitor.alarm import AlarmRule
 
         return None if self.alarm is None else AlarmRule(self.alarm)
 
-    def replace(self, **changes) -> CaptureSettings:
+    def replace(self, **changes: Any) -> CaptureSettings:
         """A checked copy with `changes`."""
         return replace(self, **changes)
 
@@ -174,7 +175,7 @@ def default_of(name: str) -> Any:
     return next(f.default for f in fields(CaptureSettings) if f.name == name)
 
 
-def _alarm_settings(alarm) -> Optional[AlarmSettings]:
+def _alarm_settings(alarm: object) -> Optional[AlarmSettings]:
     """The alarm's settings: False/None = no alarm, True = the defaults, an AlarmRule, AlarmSettings or a dict of
     settings (as `AlarmRule.settings()` gives; checked)."""
     if alarm is None or alarm is False:
