@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from fa_forensics.cli import app
+from fa_forensics.commands.progress import INTERVAL_ENV
 
 pytestmark = pytest.mark.slow  # starts and kills writer processes
 
@@ -28,7 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args):
-    result = CliRunner().invoke(app, [str(a) for a in args])
+    """The command's result and its stderr lines, with progress lines off (they come every few seconds on a busy
+    machine, and these tests read the error line)."""
+    result = CliRunner().invoke(app, [str(a) for a in args], env={INTERVAL_ENV: "0"})
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     return result, lines
 
