@@ -14,6 +14,7 @@ from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.cli import app
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
+from tiny_training import train_step
 
 runner = CliRunner()
 N_STEPS = 16
@@ -30,12 +31,7 @@ def monitored(tmp_path_factory):
     losses = []
     with fa_forensics.capture(model, out=out, steps=[N_STEPS - 1], layers=[0], monitor_every=1):
         for _ in range(N_STEPS):
-            idx = torch.randint(0, 256, (2, 32), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            loss = train_step(model, opt, gen)
             losses.append(loss.item())
     return out, losses
 

@@ -16,6 +16,7 @@ from fa_forensics.cli import app
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
 from fa_forensics.report.run import NO_STEP_NOTE, SECTIONS, run_all
+from tiny_training import train_step
 
 STEPS, NAN_AT = 10, 7
 
@@ -31,12 +32,7 @@ def _timeline_only(tmp_path):
         warnings.simplefilter("ignore")
         with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=True, alarm_steps=0) as cap:
             for step in range(STEPS):
-                idx = torch.randint(0, 256, (2, 32), generator=gen)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    _, loss = model(idx, idx)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                loss = train_step(model, opt, gen)
                 cap.step(math.nan if step == NAN_AT else loss)
     return out
 

@@ -23,6 +23,7 @@ from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.layers.fanout import Workers
 from fa_forensics.layers.selection import select
 from fa_forensics.planted import SynthSpec, synth
+from tiny_training import train_step
 
 REPO = Path(__file__).resolve().parents[3]
 PAGE_PX = style.PAGE_WIDTH_IN * style.DPI
@@ -125,12 +126,7 @@ def monitored_timeline(tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     with fa_forensics.capture(model, out=out, steps=[11], layers=[0], monitor_every=1):
         for _ in range(12):
-            idx = torch.randint(0, 256, (2, 32), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, gen)
     return analyse_timeline(open_dump(out).timeline)
 
 

@@ -10,6 +10,7 @@ from toolchain import NEEDS_CXX
 import fa_forensics
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
+from tiny_training import train_step
 
 TINY = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, attention="sdpa")
 
@@ -46,12 +47,7 @@ def _compiled_run(schedule, tmp_path=None):
             sessions.append(session)
         try:
             for _ in range(n_steps):
-                idx = torch.randint(0, 256, (2, 16), generator=gen)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    _, loss = compiled(idx, idx)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                loss = train_step(compiled, opt, gen, seq=16)
                 losses.append(loss.detach().clone())
                 work.append(_compile_work())
                 if session is not None:

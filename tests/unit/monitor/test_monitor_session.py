@@ -12,6 +12,7 @@ from fa_forensics.capture import CaptureError
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
 from fa_forensics.monitor import find_query_weights, head_statistics
+from tiny_training import train_step
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -24,12 +25,7 @@ def _train(model, cap, n_steps, report_loss=False, seed=1):
     for _ in range(n_steps):
         w_q = [find_query_weights(b.attn, 2) for b in model.transformer.h]  # (H, D, C) or None
         norms.append([None if w is None else torch.linalg.matrix_norm(w.float(), ord=2) for w in w_q])
-        idx = torch.randint(0, 256, (3, 32), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(idx, idx)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = train_step(model, opt, gen, batch=3)
         if report_loss:
             cap.step(loss * 0 + 7.0)  # a reported loss wins over the tapped one
         losses.append(loss.item())

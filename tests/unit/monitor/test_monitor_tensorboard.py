@@ -19,6 +19,7 @@ from fa_forensics.dump import open_dump
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tiny_training import train_step
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, NAN_AT = 8, 6
@@ -36,12 +37,7 @@ def _run(tmp_path: Path) -> tuple[Path, Path]:
         with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=True, alarm_steps=0,
                                   monitor_tensorboard=board) as cap:
             for step in range(STEPS):
-                idx = torch.randint(0, 256, (2, 32), generator=gen)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    _, loss = model(idx, idx)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                loss = train_step(model, opt, gen)
                 cap.step(math.nan if step == NAN_AT else loss)
     return out, board
 
