@@ -44,6 +44,8 @@ def test_a_capture_alarm_in_its_warmup_for_the_whole_run_is_said_so(tmp_path):
                                       "covers all 12 monitored steps, so only a non-finite value could fire it; "
                                       "give --alarm-warmup below 12"), covered.verdict
     assert finding(payload(covered)).endswith("covers the whole run, so only a non-finite value could fire it.")
+    replayed = run(_monitored_dump(tmp_path / "replayed.zarr", 12, warmup=50), alarm_warmup=4)
+    assert "could fire it; replayed, " in replayed.verdict and "give --alarm-warmup" not in replayed.verdict
     watched = run(_monitored_dump(tmp_path / "watched.zarr", 12, warmup=4))
     assert watched.verdict.startswith("the capture's alarm raised no alarm in 12 monitored steps;"), watched.verdict
     assert finding(payload(watched)) == "timeline: 12 monitored steps; the capture's alarm raised no alarm."
