@@ -13,6 +13,7 @@ cleanup short.
 """
 from __future__ import annotations
 
+import inspect
 import signal
 import sys
 
@@ -79,6 +80,9 @@ def build_app():
     # Order here is the order in --help; `analysis` adds every registered analysis (fa_forensics.analyses.registry).
     for module in (capture, info, verify, synth, dump_io, match, analysis, report):
         module.register(app)
+    for command in app.registered_commands:  # one paragraph each: rich help keeps a docstring's line breaks
+        text = command.help if command.help is not None else inspect.getdoc(command.callback)
+        command.help = " ".join(text.split()) if text else text
 
     def version_callback(value: bool) -> None:
         if value:

@@ -286,7 +286,7 @@ TIMELINE = Analysis(
     "Fig. 2, 3, 11, 13), the alarms the capture recorded, and the alarm rule replayed over them.",
     replays=False,
     options=(
-        shared("dump"), shared("rank"), shared("out"), shared("json_path"),
+        shared("dump"), shared("rank"),
         Option("alarm_warmup", "--alarm-warmup", Optional[int], None, metavar="N",
                help="Monitored steps before the replayed rule's jump or trend may fire "
                     f"(default: the capture's setting, else {ALARM_DEFAULTS.warmup})."),
@@ -300,7 +300,7 @@ TIMELINE = Analysis(
                     "--alarm-set trend_z=4."),
         Option("tensorboard", "--tensorboard", Optional[Path], None, metavar="DIR",
                help="Also write the timeline as TensorBoard event files into DIR (needs the tensorboard extra)."),
-        shared("debug"),
+        shared("out"), shared("json_path"), shared("debug"),
     ),
     json_keys=keys_of(TimelinePayload, then=FIGURES),
     section=Section("timeline: the run as it trained, and the alarms the capture raised (paper Fig. 2, 3, 11, 13)",

@@ -113,7 +113,7 @@ def do_missing_text(missing: dict[str, list[int]]) -> str:
     return "; ".join(f"layer {l} (step{'s' if len(s) > 1 else ''} {_ranges(s)})" for l, s in missing.items())
 
 
-def info(dump: DumpArg, json_out: JsonOpt = None, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None,
+def info(dump: DumpArg, step: StepOpt = None, layer: LayerOpt = None, rank: RankOpt = None, json_out: JsonOpt = None,
          debug: DebugOpt = False) -> None:
     """Describe a dump: steps (incomplete ones apart), layers, heads, shapes, dtypes, capture settings."""
 

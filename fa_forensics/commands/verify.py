@@ -13,7 +13,7 @@ from fa_forensics.commands.options import ALL_RANKS, DebugOpt, DumpArg, JsonOpt,
 from fa_forensics.dump.terminal_text import shown
 
 
-def verify(dump: DumpArg, json_out: JsonOpt = None, rank: RanksOpt = None, debug: DebugOpt = False) -> None:
+def verify(dump: DumpArg, rank: RanksOpt = None, json_out: JsonOpt = None, debug: DebugOpt = False) -> None:
     """Check a dump: complete steps, every chunk present and decoding (zstd checksums), dtype attributes, links leaving
     the store; list what killed writers left beside it. Exit 0 whole, 1 damage or incomplete steps, 2 not a dump."""
 

@@ -170,3 +170,28 @@ def test_an_unexpected_error_exits_2_with_or_without_debug(debug, planted_dump, 
     assert res.exit_code == 2, res.output
     assert ("Traceback" in res.stderr) is debug and "RuntimeError: a bug in the reader" in res.stderr
     assert ("run again with --debug" in res.stderr) is not debug
+
+
+def test_every_command_ends_its_options_with_out_json_debug():
+    """The options that say where results go come last, in one order, in every command's --help: --out (where a
+    command has one), --json, --debug."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        flags = [p.opts[0] for p in command.params if getattr(p, "opts", [""])[0].startswith("--")]
+        assert flags[-2:] == ["--json", "--debug"], (name, flags)
+        if "--out" in flags and name not in ("capture", "synth", "report"):  # there --out is the required target
+            assert flags[-3:] == ["--out", "--json", "--debug"], (name, flags)
+
+
+def test_every_command_help_is_one_paragraph():
+    """A command's help is one paragraph whatever its docstring's line breaks (rich help would keep them, breaking
+    the summary mid-sentence in `fa-forensics --help`)."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        assert command.help and "\n" not in command.help, (name, command.help)
+    r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "250"})
+    assert "dtype attributes, links leaving the store; list what" in r.output, r.output

@@ -169,6 +169,12 @@ def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float =
         elif result.alarm_steps:
             parts.append(f"the capture's alarm fired at steps {list(result.alarm_steps)} (this dump does not record "
                          "which series)")
+        elif 0 < n <= result.capture_rule.get("warmup", 0):
+            hint = (f"; give --alarm-warmup below {n} to replay the rule over this run"
+                    if replay.warmup_covers_run else "")
+            parts.append(f"the capture's alarm raised no alarm, but its warm-up ({result.capture_rule['warmup']} "
+                         f"monitored steps) covers all {n} monitored steps, so only a non-finite value could fire "
+                         f"it{hint}")
         else:
             parts.append(f"the capture's alarm raised no alarm in {n} monitored steps")
     same = result.capture_rule is not None and _same_settings(result.capture_rule, replay.settings)

@@ -59,7 +59,11 @@ def finding(d: dict) -> str:
         first = alarms[0]
         more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
         return f"{head}; the capture's alarm fired at {describe(first)}{more}."
-    if d.get("capture_alarm_rule") is not None:
+    rule = d.get("capture_alarm_rule")
+    if rule is not None:
+        if 0 < len(steps) <= (rule.get("warmup") or 0):
+            return (f"{head}; the capture's alarm raised no alarm, but its warm-up ({rule['warmup']} monitored "
+                    "steps) covers the whole run, so only a non-finite value could fire it.")
         return f"{head}; the capture's alarm raised no alarm."
     fired = d.get("rule_alarms") or []
     if fired:
