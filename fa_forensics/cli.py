@@ -47,6 +47,9 @@ def _said_interrupted() -> bool:
 
 def _run(prog_name: str | None) -> int:
     """Build the app and run the command line; its exit code."""
+    from fa_forensics.commands.common import keep_stdout_for_json
+
+    keep_stdout_for_json(sys.argv[1:])
     try:
         __getattr__("app")(prog_name=prog_name)
     except SystemExit as exc:

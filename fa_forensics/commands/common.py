@@ -160,6 +160,30 @@ def say_interrupted() -> None:
         err_console.print("[bold red]interrupted[/]")
 
 
+def json_goes_to_stdout(argv: Sequence[str]) -> bool:
+    """True when the command line sends its --json to the standard output (`--json -`, `--json=-`,
+    `/dev/stdout`); a training command after `--` (capture's) is not read."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return False
+        if arg == "--json" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--json="):
+            value = arg.partition("=")[2]
+        else:
+            continue
+        if value in ("-", "/dev/stdout"):
+            return True
+    return False
+
+
+def keep_stdout_for_json(argv: Sequence[str]) -> None:
+    """With --json on the standard output, every other line the command prints goes to stderr, so that the
+    standard output is the one JSON object a pipe (`| jq`) reads."""
+    if json_goes_to_stdout(argv):
+        console.file = sys.stderr
+
+
 def write_json(path: Optional[Path], payload: Any) -> None:
     """Write `payload` as JSON to `path` (if given), creating parent folders; `-` (or /dev/stdout, /dev/stderr)
     writes the stream. Anything else is a regular file: a device, FIFO or socket there is refused, so is a link,
