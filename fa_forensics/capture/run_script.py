@@ -158,8 +158,8 @@ def warmup_covered_line(rule: Optional[AlarmRule], monitored_steps: int) -> Opti
     """The warning for an alarm whose warm-up covered every monitored step (None when it did not)."""
     if rule is not None and 0 < monitored_steps <= rule.warmup:
         return (f"the alarm's warm-up ({rule.warmup} monitored steps) covered all {monitored_steps} monitored "
-                f"steps, so it could not fire; give a short run a short warm-up, e.g. --alarm-warmup "
-                f"{max(monitored_steps // 4, 1)}")
+                "steps, so only a non-finite value could fire it; give a short run a short warm-up, e.g. "
+                f"--alarm-warmup {max(monitored_steps // 4, 1)}")
     return None
 
 

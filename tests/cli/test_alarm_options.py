@@ -57,7 +57,8 @@ def test_timeline_replays_the_rule_and_says_when_the_warmup_covers_the_run(short
     r = runner.invoke(app, ["timeline", str(out), "--alarm-warmup", "50", "--json", str(js)])
     d = json.loads(js.read_text())
     assert r.exit_code == 0 and d["rule_alarms"] == [], r.output
-    assert "none was possible: the rule's warm-up (50 monitored steps) covers all 20 monitored steps" in d["verdict"]
+    assert ("only a non-finite value was possible: the rule's warm-up (50 monitored steps) covers all 20 monitored "
+            "steps") in d["verdict"]
     assert d["alarms"][0]["step"] == TIE_FROM + 2  # the capture's decision stays what it was
 
 
@@ -93,5 +94,5 @@ def test_a_run_inside_the_warmup_is_warned_about():
     from fa_forensics.commands.capture import warn_if_warmup_covers_run
     from fa_forensics.monitor.alarm import AlarmRule
 
-    with pytest.warns(UserWarning, match=r"warm-up \(50 monitored steps\) covered all 20 monitored steps, so it"):
+    with pytest.warns(UserWarning, match=r"covered all 20 monitored steps, so only a non-finite value could fire"):
         warn_if_warmup_covers_run(AlarmRule(), 20)

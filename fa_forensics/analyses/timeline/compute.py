@@ -189,9 +189,9 @@ def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float =
             parts.append(f"{prefix}replayed, {rule} fires at step {first.step}{first.where()}: {first.metric} = "
                          f"{readable(first.value)} ({first.detail()}){more}")
         elif replay.warmup_covers_run:
-            parts.append(f"{prefix}replayed, no alarm, and none was possible: the rule's warm-up ({s['warmup']} "
-                         f"monitored steps) covers all {n} monitored steps; give --alarm-warmup below {n} to watch "
-                         "this run")
+            parts.append(f"{prefix}replayed, no alarm, and only a non-finite value was possible: the rule's "
+                         f"warm-up ({s['warmup']} monitored steps) covers all {n} monitored steps; give "
+                         f"--alarm-warmup below {n} to watch this run")
         else:
             parts.append(f"{prefix}replayed, no alarm in {n} monitored steps under {rule}")
     rho, p = result.ties_loss_spearman, result.ties_loss_p_value
