@@ -337,6 +337,7 @@ def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[d
         out.append(Action(f"Capture and analyse the step(s) the monitor flagged ({', '.join(map(str, steps[:6]))})",
                           "the analyses below only see the captured steps"))
     fc = data.get("fix-check") or {}
+    fp32_pv_said = False  # the fp32 P̄V action already given (then isolate's repair does not repeat it)
     settings = f"beta={number(fc.get('beta'), 'g')}, eps={number(fc.get('eps'), 'g')}"
     if found and fc:
         deployed = fc.get("deployment") if isinstance(fc.get("deployment"), dict) else None
@@ -353,6 +354,17 @@ def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[d
         if _collapse_clause(fc):
             out.append(Action(f"Do not use the stabilized softmax with this row-sum floor (β = "
                               f"{number(fc.get('beta'), 'g')})", _collapse_clause(fc).removeprefix("; ")))
+        elif deployed and deployed.get("removes") and deployed.get("control_removes") \
+                and fc.get("outcome") != "removed":
+            out.append(Action(
+                "Keep the P̄V product and its accumulator in fp32 (the kernels of fa_forensics.stable_attention "
+                "do, with or without the fix)",
+                f"as deployed, stable_attention removes {share_with_se(deployed.get('removed_share'), None)} of the "
+                f"bias and its kernels without the fix (plain_attention) "
+                f"{share_with_se(deployed.get('control_removed_share'), None)}, while the stabilized softmax alone "
+                f"removes {share_with_se(fixed.get('removed_share'), None)} in this dump's kernel (fix-check): the "
+                "fp32 P̄V accumulator is what helps here, not the fix"))
+            fp32_pv_said = True
         elif deployed and deployed.get("removes"):
             share = share_with_se(deployed.get("removed_share"), None)
             effect = (f"it removes {share} of the bias in the replay of this dump "
@@ -375,7 +387,7 @@ def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[d
                               f"it removes {share_with_se(fixed.get('removed_share'), None)} of the bias "
                               f"({change(fixed)})"))
     iso = data.get("isolate") or {}
-    if found and iso.get("culprits"):
+    if found and iso.get("culprits") and not fp32_pv_said:
         by = {v.get("name"): v for v in iso.get("variants") or [] if isinstance(v, dict)}
         for name, what in (("pv-fp32", "Keep the P̄V product and its accumulator in fp32"),
                            ("o-fp32", "Keep the whole O path in fp32 (P̄V, accumulator, stored O)")):

@@ -172,3 +172,21 @@ def test_a_share_above_100_percent_says_it_is_signed():
     assert "carries 103% ± 2% of the O bias in that feature (a signed share: the other rows' rounding pushes" in line
     pv["class_shares"] = {"tie": {"share": 0.97, "se": 0.02, "rows": 700}}
     assert "signed share" not in build_verdict(secs).line()
+
+
+def test_when_the_kernels_without_the_fix_remove_the_bias_the_card_says_fp32_pv_not_the_fix():
+    """fix-check: the stabilized softmax alone removes 1 % in the dump's kernel, stable_attention 80 % and its kernels
+    without the fix 81 %: what helps is their fp32 P̄V accumulator, and the first action says so."""
+    secs = _planted_like()
+    fc = next(s for s in secs if s.name == "fix-check").data
+    fc.update(outcome="remains", removed=False, exit_code=1,
+              fixed={"name": "stabilized", "o_bias": -1.39e-3, "removed_share": 0.01},
+              deployment={"removes": True, "removed_share": 0.80, "control_removes": True,
+                          "control_removed_share": 0.81})
+    v = build_verdict(secs)
+    first = v.actions[0]
+    assert first.what.startswith("Keep the P̄V product and its accumulator in fp32")
+    assert "stable_attention removes 80%" in first.effect and "(plain_attention) 81%" in first.effect
+    assert "the stabilized softmax alone removes 1%" in first.effect
+    assert not any(a.what.startswith("Replace the attention") for a in v.actions)
+    assert sum("fp32" in a.what for a in v.actions) == 1  # isolate's pv-fp32 repair not repeated
