@@ -29,7 +29,7 @@ def test_every_registered_analysis_is_a_command_with_its_help_and_options_in_ord
     commands = _commands()
     for analysis in ANALYSES:
         command = commands[analysis.name]
-        assert command.help == analysis.help
+        assert command.help == " ".join(analysis.help.split())  # the registered help, as one paragraph
         names = [p.name for p in command.params]
         own = [o.name for o in analysis.options]
         assert names == (SHARED_BEFORE + own + SHARED_AFTER if analysis.replays else own), analysis.name
