@@ -7,7 +7,6 @@ import os
 import pytest
 import zarr
 
-import fa_forensics.fidelity.match as match_mod
 from fa_forensics.fidelity import match_cache
 from fa_forensics.fidelity.match import best_recipe
 from fa_forensics.dump import open_dump
@@ -18,14 +17,6 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv(match_cache.ENV_DIR, str(root))
     return root / "match"
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    calls = []
-    real = match_mod.match_layer
-    monkeypatch.setattr(match_mod, "match_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
 
 
 def _snapshot(path):

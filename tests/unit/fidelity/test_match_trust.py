@@ -35,14 +35,6 @@ def cache(tmp_path, monkeypatch):
     return root / "match"
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    calls = []
-    real = match_mod.match_layer
-    monkeypatch.setattr(match_mod, "match_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def _entry(cache: Path) -> tuple[Path, dict]:
     (path,) = cache.glob("*.json")
     return path, json.loads(path.read_text())
