@@ -28,7 +28,9 @@ try:  # typer >= 0.26 carries its own copy of click
 except ImportError:
     from click import exceptions as click_exceptions
 
-from fa_forensics.commands.options import ALL_RANKS, OutOpt, RECIPE, SELECTION, signature
+from fa_forensics.commands.options import (
+    ALL_RANKS, INPUT_ARGUMENTS, OUTPUT_OPTIONS, RECIPE, REPLACED_OUTPUTS, SELECTION, OutOpt, signature,
+)
 from fa_forensics.layers.cluster_wait import WORKER_WAIT_SECONDS
 from fa_forensics.commands.progress import ProgressLines, progress_interval
 from fa_forensics.dump.terminal_text import shown
@@ -464,6 +466,66 @@ def missing_line(exc: Exception) -> Optional[str]:
     return f"missing {param.param_type_name} {name}: {' '.join(param.help.split()).rstrip('.')}"
 
 
+def command_paths(command: Any, values: dict[str, Any]) -> tuple[list[tuple[str, Path]], list[tuple[str, Path, bool]]]:
+    """(inputs, outputs) of a parsed command line: inputs as (argument, path), outputs as (option, path, replaced
+    whole). The match cache a command with --match-cache writes is an output even when it comes from the
+    environment."""
+    inputs: list[tuple[str, Path]] = []
+    outputs: list[tuple[str, Path, bool]] = []
+    for param in command.params:
+        value = values.get(param.name)
+        flag = param.opts[0] if param.opts else param.name
+        if param.param_type_name == "argument" and param.name in INPUT_ARGUMENTS and value is not None:
+            inputs.append((param.name.upper(), Path(value)))
+        elif param.param_type_name == "option" and flag in OUTPUT_OPTIONS:
+            if flag == "--match-cache":
+                from fa_forensics.fidelity.match_cache import OFF, cache_dir
+
+                if value is not None and str(value).strip().lower() in (OFF, ""):
+                    continue
+                where = Path(str(value)).expanduser() if value is not None else cache_dir()
+                if where is not None:
+                    outputs.append((flag if value is not None else "the match cache", where, False))
+            elif value is not None and str(value) not in STREAMS:
+                outputs.append((flag, Path(value), (command.name, flag) in REPLACED_OUTPUTS))
+    return inputs, outputs
+
+
+def refuse_outputs_in_inputs(command: Any, values: dict[str, Any]) -> None:
+    """UserError when a path the command would write is one of its inputs, lies inside one or is another name of
+    one of its files, or when an output lies inside another output the command replaces whole (dump/output_overlap.py).
+    Checked before the command runs: nothing is read or written first."""
+    from fa_forensics.dump.output_overlap import overlap
+
+    inputs, outputs = command_paths(command, values)
+    whole = [(flag, path) for flag, path, replaced in outputs if replaced]
+    for flag, path, replaced in outputs:
+        for name, source in inputs:
+            why = overlap(path, source, replaced=replaced)
+            if why is not None:
+                raise UserError(f"cannot write {path} ({flag}): {why}; {source} is the {name} this command reads, "
+                                f"and an output never goes into an input; choose a {flag} outside it")
+        for other_flag, other in whole:
+            if other_flag != flag and overlap(path, other) is not None:
+                raise UserError(f"cannot write {path} ({flag}): it lies inside {other}, which {other_flag} replaces "
+                                f"whole; choose a {flag} outside it")
+
+
+def guard_outputs(command: Any) -> Any:
+    """`command` (a click command) checking its outputs against its inputs before it runs (one line, exit 2)."""
+    if getattr(command, "_outputs_guarded", False) or not hasattr(command, "params"):
+        return command
+    invoke = command.invoke
+
+    def guarded(ctx):
+        run_cli(bool(ctx.params.get("debug")), lambda: refuse_outputs_in_inputs(command, ctx.params))
+        return invoke(ctx)
+
+    command.invoke = guarded
+    command._outputs_guarded = True
+    return command
+
+
 class OneLineErrorsGroup(TyperGroup):
     """The app's command group: a usage error (unknown option, `--step abc`) is one line on stderr
     and exit code 2, like every other error, instead of click's usage text and box."""
@@ -482,6 +544,11 @@ class OneLineErrorsGroup(TyperGroup):
             err_console.print(f"[bold red]error:[/] {shown(message)}{shown(where)}", highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def resolve_command(self, ctx, args):
+        """The command named first on the command line, its outputs checked against its inputs when it runs."""
+        name, command, rest = super().resolve_command(ctx, args)
+        return name, (guard_outputs(command) if command is not None else None), rest
 
     def invoke(self, ctx):
         """Run the command; Ctrl-C outside a command's body is "interrupted" and exit 130 as inside it."""

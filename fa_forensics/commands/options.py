@@ -112,6 +112,17 @@ RECIPE = ("preset", "accumulation", "backend", "match_cache", "workers", "schedu
           "debug")
 
 
+# The options whose value is a path a command writes (a file, a folder it writes into, a store or page it replaces)
+# and the arguments that name what it reads. `common.refuse_outputs_in_inputs` checks every command's outputs
+# against its inputs before the command runs, whatever module registered it.
+OUTPUT_OPTIONS = ("--json", "--out", "--to", "--tensorboard", "--monitor-tensorboard", "--capture", "--match-cache")
+INPUT_ARGUMENTS = ("dump", "file")
+# (command, option) of outputs replaced whole: an input inside one would be deleted with it, and no other output of
+# the command may lie inside it.
+REPLACED_OUTPUTS = frozenset({("import", "--to"), ("export", "--to"), ("synth", "--out"), ("capture", "--out"),
+                              ("demo-train", "--capture"), ("report", "--out")})
+
+
 def shared(name: str, type_: Any = None) -> tuple[str, Any, Any]:
     """(name, type, default) of the shared option `name` (`type_`: a command's own wording of it)."""
     option = SHARED[name]
