@@ -485,7 +485,7 @@ def command_paths(command: Any, values: dict[str, Any]) -> tuple[list[tuple[str,
                     continue
                 where = Path(str(value)).expanduser() if value is not None else cache_dir()
                 if where is not None:
-                    outputs.append((flag if value is not None else "the match cache", where, False))
+                    outputs.append((flag, where, False))
             elif value is not None and str(value) not in STREAMS:
                 outputs.append((flag, Path(value), (command.name, flag) in REPLACED_OUTPUTS))
     return inputs, outputs
