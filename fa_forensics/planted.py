@@ -255,7 +255,7 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
     # Written aside and renamed into place: an --overwrite that fails midway (disk full, Ctrl-C)
     # leaves the old dump as it was, never a half-written one in its place.
     needed = sum(t.numel() * t.element_size() for ps in steps for t in ps.tensors.values())
-    with staged_store(out, "out", needed) as tmp, DumpWriter(tmp, run_attrs) as writer:
+    with staged_store(out, "out", needed, overwrite=overwrite) as tmp, DumpWriter(tmp, run_attrs) as writer:
         it = iter(steps)
         for s in range(spec.steps):
             for l in range(spec.layers):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fa_forensics.dump.safe_read import StrPath, special_kind
 from fa_forensics.errors import (
-    DiskFull, ForeignOwnerRefused, LinkRefused, ParentLinkRefused, SpecialFileRefused, TargetUnwritable,
+    DiskFull, ForeignOwnerRefused, LinkRefused, ParentLinkRefused, SpecialFileRefused, TargetExists, TargetUnwritable,
 )
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -154,12 +154,15 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: StrPath, data: bytes | str, setting: str, *, mode: int | None = None) -> None:
+def atomic_write(path: StrPath, data: bytes | str, setting: str, *, mode: int | None = None,
+                 exclusive: bool = False) -> None:
     """Write `data` to `path` via a temporary file in the same folder, fsync, then rename over `path`.
 
     A link, special file or another user's file at `path` is refused (`refuse_link`, `refuse_foreign`); a full
     disk raises DiskFull naming the bytes needed. The file gets `mode`, else the mode of the file it replaces,
-    else 0666 & ~umask. Parent folders are created.
+    else 0666 & ~umask. Parent folders are created. `exclusive`: `path` must not exist when the file is put in
+    place (a hard link made with link(2), which fails on any existing name), so of two writers of one new path only
+    one succeeds (TargetExists for the other).
     """
     p = Path(path)
     payload = data.encode() if isinstance(data, str) else bytes(data)
@@ -179,8 +182,14 @@ def atomic_write(path: StrPath, data: bytes | str, setting: str, *, mode: int | 
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, p)
-        tmp = None
+        if exclusive:
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                raise TargetExists(p, setting) from None
+        else:
+            os.replace(tmp, p)
+            tmp = None
     except OSError as exc:
         _discard(tmp)  # first, so that the space it held counts as free in the message
         tmp = None
@@ -211,18 +220,35 @@ def make_staging_dir(target: StrPath, setting: str) -> Path:
         raise unwritable(exc, t, setting) from None
 
 
-def move_into_place(staged: StrPath, target: StrPath) -> None:
-    """Rename a complete staged folder to `target`. An existing `target` (already checked replaceable) is first
-    renamed aside (`.NAME.<random>.old`) and deleted only once the new one is in place. OSError propagates."""
+def move_into_place(staged: StrPath, target: StrPath, *, replace: bool = True) -> None:
+    """Rename a complete staged folder to `target`. With `replace`, an existing `target` (already checked
+    replaceable) is first renamed aside (`.NAME.<random>.old`), put back if the rename fails, and deleted only once
+    the new one is in place. Without it the rename itself refuses anything but a missing or empty `target`
+    (TargetExists), so no other writer's store is ever replaced. OSError propagates."""
     staged, target = Path(staged), Path(target)
     if target.is_symlink():
         raise LinkRefused(target, "out", os.readlink(target))
     refuse_foreign(target, "out")
+    if not replace:
+        try:
+            os.rename(staged, target)  # fails on a file or a folder that is not empty
+        except (FileExistsError, NotADirectoryError, IsADirectoryError):
+            raise TargetExists(target, "out") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise TargetExists(target, "out") from None
+            raise
+        return
     aside = None
     if target.exists() and (target.is_file() or any(target.iterdir())):
         aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
         os.replace(target, aside)  # a directory replaces the empty one mkdtemp made
-    os.replace(staged, target)
+    try:
+        os.replace(staged, target)
+    except OSError:
+        if aside is not None:
+            os.replace(aside, target)
+        raise
     if aside is not None:
         remove_tree(aside)
 

@@ -264,7 +264,7 @@ def import_safetensors(src: StrPath, dst: StrPath, *, overwrite: bool = False,
     devices = {f["device"] for f in layer_facts.values()}
     run_attrs = {"device": devices.pop() if len(devices) == 1 else UNKNOWN, "model": {},
                  "capture": {"source": "safetensors", "file": src.name, "assumed": assumed}}
-    with staged_store(dst, "to", needed) as tmp:  # built aside, renamed into place once whole
+    with staged_store(dst, "to", needed, overwrite=overwrite) as tmp:  # built aside, renamed into place once whole
         with DumpWriter(tmp, run_attrs) as writer:
             _write_steps(writer, by_step, causal, scale, heads_by_layer, layer_facts)
     return ConvertResult(str(src), str(dst), sorted(by_step), layers, len(names), causal, scale,
@@ -356,7 +356,7 @@ def export_safetensors(dump_path: StrPath, dst: StrPath, *, steps: int | Sequenc
     except MemoryError:
         raise DumpError(f"the selection of {dump.path} is too large to export in memory; export fewer steps or layers "
                         f"(--step, --layer)") from None
-    atomic_write(dst, data, "to")
+    atomic_write(dst, data, "to", exclusive=not overwrite)
     return ConvertResult(str(dump.path), str(dst), sorted({s for s, _, _ in triples}), sorted({l for _, l,
                                                                                                _ in triples}),
                          len(tensors), causal_value, scale)
