@@ -1,6 +1,8 @@
 """`fa-forensics info`: describe a dump: steps, layers, heads, shapes, dtypes, capture settings."""
 from __future__ import annotations
 
+import itertools
+import reprlib
 import warnings
 from typing import Any
 
@@ -37,9 +39,27 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(parts)
 
 
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxset = _BRIEF.maxdict = 16
+_BRIEF.maxstring = _BRIEF.maxother = _BRIEF.maxlong = 200
+_BRIEF.maxlevel = 4
+
+
+def _brief(value: Any) -> str:
+    """A value from a dump as a short cell: at most 16 items of a list or object, 200 characters of a text (a
+    hostile attribute of a million values costs what its first few cost to show)."""
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + f"... ({len(value)} characters)"
+    return _BRIEF.repr(value)
+
+
 def _kv(d: dict[str, Any]) -> str:
     """'k=v, ...' as text for a table cell (metadata from a dump is never read as rich markup)."""
-    return shown(", ".join(f"{k}={v}" for k, v in d.items())) if d else "-"
+    if not d:
+        return "-"
+    items = list(itertools.islice(d.items(), 32))
+    more = f", ... ({len(d)} keys)" if len(d) > len(items) else ""
+    return shown(", ".join(f"{k}={_brief(v)}" for k, v in items) + more)
 
 
 def render(summary: dict[str, Any]) -> None:
@@ -49,7 +69,7 @@ def render(summary: dict[str, Any]) -> None:
     run.add_column("value")
     for key in ("format_version", "tool_version", "torch_version", "device", "amp_dtype", "world_size", "rank",
                 "ranks"):
-        run.add_row(key, shown(str(summary.get(key))))
+        run.add_row(key, shown(_brief(summary.get(key))))
     run.add_row("model", _kv(summary.get("model") or {}))
     run.add_row("capture", _kv(summary.get("capture") or {}))
     run.add_row("steps", f"{_ranges(summary['steps'])} ({len(summary['steps'])} complete)")
@@ -96,7 +116,7 @@ def render(summary: dict[str, Any]) -> None:
         gt.add_column("value")
         for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength",
                     "sink_heads", "seed"):
-            gt.add_row(key, shown(str(truth.get(key))))
+            gt.add_row(key, shown(_brief(truth.get(key))))
         gt.add_row("tied rows",
                    f"{sum(v['n_tied_rows'] for v in truth.get('ties_layout', {}).values())} in "
                    f"{len(truth.get('ties_layout', {}))} (step, layer, batch, head) slices")

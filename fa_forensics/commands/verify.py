@@ -75,15 +75,16 @@ def _show(report, several: bool) -> int:
     elsewhere = len(report.problems) - len(in_steps)
     parts, redo = [], []
     if in_steps:
-        parts.append(f"{len(in_steps)} problem(s) in step(s) {report.damaged_steps}")
+        steps = sorted({d.step for d in in_steps})
+        parts.append(f"{_count(len(in_steps), 'problem')} in {_steps(steps)}")
         redo.append("those steps")
     if elsewhere:
-        parts.append(f"{elsewhere} problem(s) in the timeline" if all(
+        parts.append(f"{_count(elsewhere, 'problem')} in the timeline" if all(
             (d.array or "").startswith("timeline") for d in report.problems if d.step is None)
-            else f"{elsewhere} problem(s)")
+            else _count(elsewhere, "problem"))
         redo.append("the timeline")
     if report.incomplete_steps:
-        parts.append(f"step(s) {report.incomplete_steps} incomplete (cut off while writing)")
+        parts.append(f"{_steps(report.incomplete_steps)} incomplete (cut off while writing)")
         if not in_steps:
             redo.insert(0, "those steps")
     what = shown(f"{where}: {'; '.join(parts)}")
@@ -91,6 +92,19 @@ def _show(report, several: bool) -> int:
     err_console.print(f"[bold red]damaged:[/] {what}; re-capture {' and '.join(redo)}{whole}",
                       highlight=False, soft_wrap=True)
     return 1
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 problem', '3 problems'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _steps(steps) -> str:
+    """'step 4', 'steps 0, 2 and 7'."""
+    steps = [str(s) for s in steps]
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    return f"steps {', '.join(steps[:-1])} and {steps[-1]}"
 
 
 def _with_stored_match(report):

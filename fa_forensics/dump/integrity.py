@@ -30,7 +30,7 @@ from fa_forensics.dump.metadata_checks import (
     MAX_DIM, MAX_RATIO, NUMERIC_TYPES, STEP_ATTRS, STORED_TYPE, array_problems, attribute_problems, chunk_bytes,
     chunk_grid, describe_error, layer_attribute_problems, read_metadata,
 )
-from fa_forensics.dump.safe_read import StrPath, special_kind
+from fa_forensics.dump.safe_read import StrPath, allocated_bytes, is_sparse, special_kind
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, LAYER_RE, MASK
 
 if TYPE_CHECKING:
@@ -187,7 +187,8 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str] | None, step
     counts, sep = grid
     total = math.prod(counts)
     present = 0
-    found: dict[str, list[tuple[str, str]]] = {"folder": [], "special": [], "outside": [], "short": []}
+    found: dict[str, list[tuple[str, str]]] = {kind: [] for kind in (
+        "folder", "special", "outside", "short", "sparse", "long", "dangling", "unreadable")}
     n = dict.fromkeys(found, 0)
 
     def note(kind: str, key: str, text: str | None = None) -> None:
@@ -204,12 +205,26 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str] | None, step
             note("outside", key, f"{key} -> {target}")
         if entry.is_file():
             present += 1
-            if nbytes > 2**20 and entry.stat().st_size * MAX_RATIO < nbytes:
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            if is_sparse(st):
+                note("sparse", key, f"{key}: {st.st_size} bytes claimed, {allocated_bytes(st)} on disk")
+            elif nbytes and st.st_size > max_chunk_file(nbytes):
+                note("long", key, f"{key}: {st.st_size} bytes")
+            elif nbytes > 2**20 and st.st_size * MAX_RATIO < nbytes:
                 note("short", key)
             continue
         kind = _special(entry.path)
         if kind is not None:
             note("special", key, f"{key}: {kind}")
+        elif os.path.islink(entry.path):
+            present += 1
+            note("dangling", key, f"{key} -> {_readlink(entry.path)}")
+        else:
+            present += 1
+            note("unreadable", key)
     missing: list[tuple[str, str]] = []
     n["missing"] = 0 if missing_ok else total - present - n["folder"] - n["special"]
     if n["missing"] > 0:
@@ -219,6 +234,8 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str] | None, step
                 missing.append((key, key))
                 if len(missing) == 3:
                     break
+    if n["missing"] > 0 and not missing:  # present in no listing, yet named by none: say so rather than "()"
+        missing.append(("", "their keys could not be listed"))
     found["missing"] = missing
     words = {
         "missing": lambda count, first: f"{_plural(count, 'chunk')} missing ({first})",
@@ -228,6 +245,14 @@ def _check_chunk_files(array_dir: Path, grid: tuple[list[int], str] | None, step
                                        f"however zstd inflates ({first}); the shape is hostile or the file damaged"),
         "outside": lambda count, first: (f"{_plural(count, 'chunk')} {'is a link' if count == 1 else 'are links'} "
                                          f"leaving the store ({first}); a dump holds its own data"),
+        "sparse": lambda count, first: (f"{_plural(count, 'chunk file')} sparse, claiming far more bytes than "
+                                        f"{'its blocks hold' if count == 1 else 'their blocks hold'} ({first}); "
+                                        "the file is hostile or damaged"),
+        "long": lambda count, first: (f"{_plural(count, 'chunk file')} longer than any encoding of the chunk's "
+                                      f"{nbytes} bytes ({first}); the file is hostile or damaged"),
+        "dangling": lambda count, first: (f"{_plural(count, 'chunk')} {'is a link' if count == 1 else 'are links'} "
+                                          f"to nothing ({first})"),
+        "unreadable": lambda count, first: f"{_plural(count, 'chunk')} cannot be read ({first})",
     }
     out = []
     for kind, say in words.items():
@@ -270,6 +295,30 @@ def _scan(folder: Path) -> Iterator[os.DirEntry]:
             yield from entries
     except OSError:
         return
+
+
+def _decodable_size(entry: os.DirEntry, nbytes: int) -> bool:
+    """Whether a chunk file's size is one its chunk can have: not sparse, not longer than any encoding of its
+    `nbytes` (those are damage named by check_step, never read)."""
+    try:
+        st = entry.stat()
+    except OSError:
+        return False
+    return not is_sparse(st) and not (nbytes and st.st_size > max_chunk_file(nbytes))
+
+
+def max_chunk_file(nbytes: int) -> int:
+    """The largest file a chunk of `nbytes` decoded bytes is written as: zstd's compress bound (ZSTD_COMPRESSBOUND)
+    with room for the frame's header and checksum and crc32c's 4 bytes; the raw bytes themselves are shorter."""
+    block = 128 * 1024
+    return nbytes + (nbytes >> 8) + ((block - nbytes) >> 11 if nbytes < block else 0) + 64
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _special(path: str) -> str | None:
@@ -495,8 +544,9 @@ def check_chunk_data(array: zarr.Array, step: int | None, layer: int | None, nam
                 for idx in itertools.product(*[range(math.ceil(s / c)) for s, c in zip(array.shape, chunks)]))
     else:
         counts = [math.ceil(s / c) for s, c in zip(array.shape, chunks)]
+        nbytes = math.prod(chunks) * array.dtype.itemsize if getattr(array.dtype, "itemsize", 0) else 0
         keys = (key for key, entry in _grid_entries(array_dir, counts, sep)
-                if entry.is_file() and link_leaving(Path(entry.path), root) is None)
+                if entry.is_file() and link_leaving(Path(entry.path), root) is None and _decodable_size(entry, nbytes))
     for key in keys:
         idx = [int(i) for i in key.split(sep)[1:]]
         sel = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunks))

@@ -1,8 +1,8 @@
 """What a dump's metadata must be before anything is read or allocated from it.
 
-Every `zarr.json` of a store is read by `read_metadata`: a regular file (never a FIFO or a device), at most
-MAX_METADATA_BYTES, valid JSON nested at most MAX_NESTING levels. Then each kind of node is checked here
-against what fa-forensics writes, and each problem is one sentence:
+Every `zarr.json` of a store is read by `read_metadata`: a regular file (never a FIFO or a device, never sparse), at
+most MAX_METADATA_BYTES holding at most MAX_METADATA_VALUES values, valid JSON nested at most MAX_NESTING levels.
+Then each kind of node is checked here against what fa-forensics writes, and each problem is one sentence:
 
 - an array (`array_problems`): its shape (whole numbers from 1 to MAX_DIM, the right number of them), its
   regular chunk grid (chunk sizes from 1 up, one per dimension), its chunk-key encoding, its codecs (the
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fa_forensics.dump.safe_read import FileTooLarge, NotRegularFile, read_regular
+from fa_forensics.dump.safe_read import FileTooLarge, NotRegularFile, SparseFile, read_regular
 from fa_forensics.errors import UserError
 
 # No attention tensor has a dimension this long: a larger one is hostile metadata, refused before any work.
@@ -31,6 +31,10 @@ MAX_DIM = 2**31 - 1
 MAX_METADATA_BYTES = 16 * 2**20
 # The deepest nesting of a zarr.json a dump has reason to hold (codecs and attributes nest a few levels).
 MAX_NESTING = 64
+# The most values (numbers, texts, lists, objects) a zarr.json has reason to hold: a synth dump's ground truth
+# holds about 40 per planted (step, layer, batch, head), the bundled ones at most 260. Counted from the commas
+# before the text is parsed, so a file of millions of values costs one scan, never a parse and a check of each.
+MAX_METADATA_VALUES = 2**20
 
 # The stored (zarr) data type each `dtype` attribute needs: bf16 / fp8 travel as same-width ints.
 STORED_TYPE = {
@@ -64,8 +68,15 @@ def read_metadata(node: Path) -> dict[str, Any]:
     except FileTooLarge as exc:
         raise ValueError(f"zarr.json holds {exc.size} bytes, more than the {exc.limit} a dump's metadata "
                          "may hold") from None
+    except SparseFile as exc:
+        raise ValueError(f"zarr.json is a sparse file (it claims {exc.size} bytes but holds {exc.allocated} on "
+                         "disk)") from None
     except OSError as exc:
         raise ValueError(f"zarr.json cannot be read ({exc.strerror or type(exc).__name__})") from None
+    values = raw.count(b",") + 1
+    if values > MAX_METADATA_VALUES:
+        raise ValueError(f"zarr.json holds about {values} values, more than the {MAX_METADATA_VALUES} a dump's "
+                         "metadata has reason to hold; the metadata is hostile or corrupt")
     try:
         meta = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

@@ -5,6 +5,11 @@ recreates them): opening a FIFO blocks until a writer comes, reading /dev/zero n
 fa-forensics reads from a dump or a cache goes through `read_regular`: the path is stat'ed first (a special
 file is refused without being opened), then opened non-blocking, checked again on the open descriptor
 (it may have been swapped in between) and read up to the size fstat gave, never more.
+
+A file is judged by what it holds, not by the size it claims: a sparse file (`truncate -s 1G`) has an apparent
+size far above the blocks allocated to it, and reading it would fill memory with zeros the disk never held. A file
+whose apparent size exceeds its allocated bytes by more than SPARSE_SLACK and more than SPARSE_RATIO-fold is
+refused (SparseFile) before it is read. No writer of a dump or a cache makes one.
 """
 from __future__ import annotations
 
@@ -59,10 +64,39 @@ class FileTooLarge(DumpError):
         super().__init__(f"{path} holds {size} bytes, more than the {limit} bytes such a file may hold")
 
 
+# A file may claim this many bytes more than its blocks hold (file systems round, and a tail may be unallocated)...
+SPARSE_SLACK = 1 << 20
+# ... and must hold at least this fraction of what it claims (a file system that compresses still allocates more).
+SPARSE_RATIO = 8
+
+
+class SparseFile(DumpError):
+    """A file whose apparent size is far above what its blocks hold: `.path`, `.size`, `.allocated` (bytes)."""
+
+    def __init__(self, path: StrPath, size: int, allocated: int) -> None:
+        self.path, self.size, self.allocated = path, size, allocated
+        super().__init__(f"{path} is a sparse file: it claims {size} bytes but holds {allocated} on disk")
+
+
+def allocated_bytes(st: os.stat_result) -> int | None:
+    """The bytes the blocks of a file hold (None where the platform does not say)."""
+    blocks = getattr(st, "st_blocks", None)
+    return None if blocks is None else int(blocks) * 512
+
+
+def is_sparse(st: os.stat_result) -> bool:
+    """Whether a regular file claims far more bytes than its blocks hold (see the module docstring)."""
+    held = allocated_bytes(st)
+    if held is None or not stat.S_ISREG(st.st_mode):
+        return False
+    return st.st_size - held > SPARSE_SLACK and held * SPARSE_RATIO < st.st_size
+
+
 def read_regular(path: StrPath, limit: int | None = None, *, follow: bool = True) -> bytes:
     """The bytes of the regular file at `path` (at most `limit`: FileTooLarge beyond it).
 
-    A FIFO, device, socket or folder raises NotRegularFile without blocking; a missing file raises
+    A FIFO, device, socket or folder raises NotRegularFile without blocking, a sparse file SparseFile without being
+    read; a missing file raises
     FileNotFoundError; `follow=False` refuses a symbolic link (OSError ELOOP) instead of following it.
     """
     p = Path(path)
@@ -92,3 +126,5 @@ def _check(path: Path, st: os.stat_result, limit: int | None) -> None:
         raise NotRegularFile(path, kind)
     if limit is not None and st.st_size > limit:
         raise FileTooLarge(path, st.st_size, limit)
+    if is_sparse(st):
+        raise SparseFile(path, st.st_size, allocated_bytes(st) or 0)

@@ -75,8 +75,12 @@ def select(dump, step: Optional[int] = None, layer: Optional[int] = None,
     Raises DumpError (one line naming what exists) for a step, layer or head the dump lacks.
     """
     if not dump.steps:
-        incomplete = list(getattr(dump, "incomplete_steps", []) or [])
-        extra = f" (incomplete, cut off: {incomplete})" if incomplete else ""
+        damaged = dict(getattr(dump, "damage", {}) or {})
+        cut = [s for s in (getattr(dump, "incomplete_steps", []) or []) if s not in damaged]
+        said = [f"step(s) {', '.join(map(str, cut))} cut off while writing"] if cut else []
+        said += [f"step {s} damaged, {problems[0].line(dump.path)}" for s, problems in sorted(damaged.items())
+                 if problems][:3]
+        extra = f" ({'; '.join(said)})" if said else ""
         raise DumpError(f"{dump.path}: no complete step to analyse{extra}; capture again or pick another dump")
     triples = dump.select(
         steps=None if step is None else [step],
