@@ -72,17 +72,21 @@ def _show(report, several: bool) -> int:
     if report.ok:
         return _empty_code(report)
     in_steps = [d for d in report.problems if d.step is not None]
-    elsewhere = len(report.problems) - len(in_steps)
     parts, redo = [], []
     if in_steps:
         steps = sorted({d.step for d in in_steps})
         parts.append(f"{_count(len(in_steps), 'problem')} in {_steps(steps)}")
         redo.append("those steps")
-    if elsewhere:
-        parts.append(f"{_count(elsewhere, 'problem')} in the timeline" if all(
-            (d.array or "").startswith("timeline") for d in report.problems if d.step is None)
-            else _count(elsewhere, "problem"))
+    outside = [d for d in report.problems if d.step is None]
+    timeline = [d for d in outside if (d.array or "").startswith("timeline")]
+    if timeline:
+        parts.append(f"{_count(len(timeline), 'problem')} in the timeline")
         redo.append("the timeline")
+    if len(outside) > len(timeline):
+        where_else = sorted({d.file or "the store's folder" for d in outside if d not in timeline})
+        parts.append(f"{_count(len(outside) - len(timeline), 'problem')} in {', '.join(where_else[:3])}"
+                     + (", ..." if len(where_else) > 3 else ""))
+        redo.append("the run")
     if report.incomplete_steps:
         parts.append(f"{_steps(report.incomplete_steps)} incomplete (cut off while writing)")
         if not in_steps:

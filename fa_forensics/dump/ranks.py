@@ -14,7 +14,6 @@ torchrun's rendezvous id); without one a rank accepts the ready line of a live h
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -31,25 +30,47 @@ READY = "ready"
 POLL_SECONDS = 0.05
 
 
+def rank_links_out(path: StrPath) -> dict[int, str]:
+    """{r: 'rank_r -> target'} for every `rank_r` folder of the store (or its zarr.json) that is a symbolic link
+    leaving the store: another dump's tree linked in is not a rank of this run, it is damage."""
+    from fa_forensics.dump.integrity import link_leaving
+
+    out: dict[int, str] = {}
+    try:
+        entries = [(e.name, Path(e.path)) for e in os.scandir(path) if RANK_RE.match(e.name)]
+    except OSError:
+        return out
+    for name, folder in entries:
+        for node in (folder, folder / "zarr.json"):
+            target = link_leaving(node, Path(path))
+            if target is not None:
+                out[int(RANK_RE.match(name).group(1))] = f"{node.relative_to(path)} -> {target}"
+                break
+    return out
+
+
 def store_ranks(path: StrPath) -> list[int]:
-    """The ranks whose trees the store at `path` holds: 0 (the root) and every r of a `rank_r/` folder."""
+    """The ranks whose trees the store at `path` holds: 0 (the root) and every r of a `rank_r/` folder that stays
+    in the store (a link leaving it is damage, `rank_links_out`, never a rank)."""
     try:
         names = [e.name for e in os.scandir(path) if e.is_dir()]
     except OSError:
         return [0]
-    return sorted({0, *(int(m.group(1)) for n in names if (m := RANK_RE.match(n)))})
+    leaving = rank_links_out(path)
+    return sorted({0, *(r for n in names if (m := RANK_RE.match(n)) and (r := int(m.group(1))) not in leaving)})
 
 
 def rank_tree_of(path: StrPath) -> Optional[tuple[Path, int]]:
     """(store, r) when `path` is the `rank_r/` folder of a dump store (one rank's tree, not a store of its own),
     else None."""
+    from fa_forensics.dump.metadata_checks import read_metadata
+
     p = Path(path)
     m = RANK_RE.match(p.name)
     if m is None:
         return None
     try:
-        with open(p.parent / "zarr.json") as fh:
-            attrs = json.load(fh).get("attributes") or {}
+        attrs = read_metadata(p.parent).get("attributes") or {}
     except (OSError, ValueError, AttributeError):
         return None
     return (p.parent, int(m.group(1))) if isinstance(attrs.get(ATTRS_KEY), dict) else None

@@ -21,10 +21,12 @@ import numpy as np
 import zarr
 
 from fa_forensics.dump.guarded_store import RegularFileStore, bounded
-from fa_forensics.dump.integrity import Damage, bad_chunk, check_step, check_timeline, describe_error, relative
+from fa_forensics.dump.integrity import (
+    Damage, bad_chunk, check_step, check_timeline, describe_error, link_leaving, relative,
+)
 from fa_forensics.dump.metadata_checks import ROOT_ATTRS, attribute_problems, read_metadata
 from fa_forensics.dump.nodes import child_array, child_group
-from fa_forensics.dump.ranks import rank_tree_of, store_ranks
+from fa_forensics.dump.ranks import rank_links_out, rank_tree_of, store_ranks
 from fa_forensics.dump.safe_read import StrPath, special_kind
 from fa_forensics.dump.schema import (
     ATTRS_KEY,
@@ -34,7 +36,6 @@ from fa_forensics.dump.schema import (
     LAYER_RE,
     MASK,
     ARRAY_NAMES,
-    RANK_RE,
     STEP_RE,
     TIMELINE_GROUP,
     LayerInfo,
@@ -117,6 +118,10 @@ def open_dump(path: StrPath, rank: int | None = None) -> Dump:
     if not os.path.lexists(p / "zarr.json"):
         kind = "a zarr v2 store" if (p / ".zgroup").exists() else "not a zarr store (no zarr.json)"
         raise DumpError(f"{p} is {kind}, not an fa-forensics dump; {hint}")
+    leaving = link_leaving(p / "zarr.json", p)
+    if leaving is not None:
+        raise DumpError(f"damaged: {p}/zarr.json: the run's description is a link leaving the store (-> {leaving}); "
+                        f"a dump holds its own data; {hint}")
     try:
         root_meta = read_metadata(p)
     except ValueError as exc:
@@ -162,6 +167,9 @@ class Dump:
             )
         if self.damage and self.steps:
             warnings.warn(self._damage_line(), IncompleteStepWarning, stacklevel=3)
+        for problem in self.rank_damage:
+            warnings.warn(f"{problem.line(self.path)}; it is not read as a rank of this run", IncompleteStepWarning,
+                          stacklevel=3)
 
     def _damage_line(self, steps: list[int] | None = None) -> str:
         """'damaged: <file>: <what>; step(s) S are skipped (N more problems; verify lists them)'."""
@@ -173,9 +181,13 @@ class Dump:
 
     def _rank_tree(self, rank: int) -> zarr.Group:
         root_keys = set(_subdirs(self.path))
-        ranks = sorted(int(m.group(1)) for k in root_keys if (m := RANK_RE.match(k)))
+        ranks = [r for r in store_ranks(self.path) if r > 0]
         if rank == 0 and not (rank_key(0) in root_keys and not any(STEP_RE.match(k) for k in root_keys)):
             return self._root
+        leaving = rank_links_out(self.path)
+        if rank in leaving:
+            raise DumpError(f"damaged: {self.path}/{rank_key(rank)}: rank {rank}'s tree is a link leaving the store "
+                            f"({leaving[rank]}); a dump holds its own data, so rank {rank} cannot be read")
         if rank_key(rank) not in root_keys:
             have = sorted({0, *ranks})
             raise UnknownRank(rank, self.path, _listed(have))
@@ -186,6 +198,13 @@ class Dump:
             what = str(exc) if isinstance(exc, ValueError) else f"zarr cannot open it ({describe_error(exc)})"
             raise DumpError(f"damaged: {self.path}/{rank_key(rank)}/zarr.json: {what}; rank {rank} cannot be read, "
                             "re-capture it") from None
+
+    @cached_property
+    def rank_damage(self) -> list[Damage]:
+        """A Damage for every `rank_r` folder that is a link leaving the store (never read as a rank)."""
+        return [Damage(None, None, rank_key(r), f"rank {r}'s tree is a link leaving the store ({where}); a dump holds "
+                                                "its own data", rank_key(r))
+                for r, where in sorted(rank_links_out(self.path).items())]
 
     @cached_property
     def ranks(self) -> list[int]:

@@ -58,7 +58,7 @@ def verify(path: StrPath, rank: int | None = None) -> VerifyReport:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dump = open_dump(path, rank=rank)
-    problems: list[Damage] = [d for ds in dump.damage.values() for d in ds]
+    problems: list[Damage] = [*dump.rank_damage, *(d for ds in dump.damage.values() for d in ds)]
     arrays = chunks = 0
     whole = []
     tree = dump._tree_path
