@@ -9,7 +9,9 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from fa_forensics.commands.common import console, err_console, exit_code, open_rank, run_cli, write_json
+from fa_forensics.commands.common import (
+    add_warning, console, err_console, exit_code, open_rank, run_cli, write_json,
+)
 from fa_forensics.commands.options import DebugOpt, DumpArg, JsonOpt, LayerOpt, RankOpt, StepOpt
 from fa_forensics.dump.terminal_text import shown
 
@@ -148,7 +150,11 @@ def info(dump: DumpArg, step: StepOpt = None, layer: LayerOpt = None, rank: Rank
         summary["warnings"] = ([f"no dO recorded for {do_missing_text(summary['do_missing'])}: no gradient of O "
                                 "reached the capture; backward analyses skip these layer-steps"]
                                if summary["do_missing"] else [])
+        rank_lines = [f"{problem.line(d.path)}; it is not read as a rank of this run" for problem in d.rank_damage]
+        summary["warnings"] += rank_lines
         render(summary)
+        for line in rank_lines:
+            add_warning(line)
         write_json(json_out, summary)
         return empty_dump_code(d)
 

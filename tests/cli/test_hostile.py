@@ -563,18 +563,24 @@ def test_a_report_replaces_an_earlier_report_and_nothing_else(tmp_path):
 
 
 def test_decompression_bombs_cost_the_chunks_bytes(make_dump):
-    """A 64 KiB chunk of RLE blocks inflating to 2 GiB where the chunk holds 256 bytes, and a frame header claiming
-    10^12 bytes: verify names both chunks, delta-bias and match refuse in one line, memory stays at its baseline."""
+    """A 326-byte chunk of RLE blocks inflating to 10 MiB where the chunk holds 256 bytes, and a frame header
+    claiming 10^12 bytes: verify names both chunks, delta-bias and match refuse in one line, memory stays at its
+    baseline. A 64 KiB bomb inflating to 2 GiB is longer than any encoding of 256 bytes: named before it is read."""
     from tests.helpers.hostile import claiming_frame, lines_of, rle_bomb, run_capped
 
     dump = make_dump(steps=(0,))
-    (dump / LAYER / "q" / "c.0.1.0.0").write_bytes(rle_bomb(2**31))
+    (dump / LAYER / "q" / "c.0.1.0.0").write_bytes(rle_bomb(80 * 2**17))
     (dump / LAYER / "k" / "c.0.0.0.0").write_bytes(claiming_frame(10**12))
+    long = make_dump(steps=(0,))
+    (long / LAYER / "q" / "c.0.1.0.0").write_bytes(rle_bomb(2**31))
     runs = run_capped([["verify", dump], ["delta-bias", dump], ["match", dump]], cap_gb=6)
     assert runs["max_rss_mb"] < 1500, runs["max_rss_mb"]  # inflated, one chunk would be 2048 MB
     verify_out = runs["verify"]["stdout"].replace("\n", " ")
     assert runs["verify"]["code"] == 1
     assert "inflates past the chunk's 256 bytes" in verify_out and "claims 1000000000000 bytes" in verify_out
+    result, _ = _cli("verify", long, "--json", long.parent / "long.json")
+    problems = [p["what"] for p in json.loads((long.parent / "long.json").read_text())["problems"]]
+    assert result.exit_code == 1 and any("longer than any encoding of the chunk's 256 bytes" in p for p in problems)
     for command in ("delta-bias", "match"):
         run = runs[command]
         assert run["code"] == 2 and len(lines_of(run["stderr"])) == 1, run
@@ -855,3 +861,373 @@ def test_ctrl_c_during_a_capture_leaves_the_store_whole_and_unlocked(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["run.zarr", "train.py"]  # no lock, no staging folder
     result, _ = _cli("verify", tmp_path / "run.zarr", "--json", tmp_path / "v.json")
     assert result.exit_code == 0 and json.loads((tmp_path / "v.json").read_text())["steps"] == [1, 3]
+
+
+# -- outputs never go into an input ----------------------------------------------------------------------------
+
+_OVERLAP = "an output never goes into an input"
+# What a command line needs besides the option under test ({free}: a folder outside every input).
+_REQUIRED = {"report": ["--out", "{free}/r"], "export": ["--to", "{free}/e.safetensors"],
+             "import": ["--to", "{free}/i.zarr"], "synth": ["--out", "{free}/s.zarr"],
+             "capture": ["--out", "{free}/c.zarr"]}
+
+
+def _targets_inside(dump: Path, tmp_path: Path) -> dict[str, Path]:
+    """Names of the dump's own files and folders, reached every way a path can reach them."""
+    alias = tmp_path / "alias"
+    alias.symlink_to(dump, target_is_directory=True)
+    (tmp_path / "sub").mkdir()
+    hard = tmp_path / "hard.json"
+    os.link(dump / "zarr.json", hard)
+    return {
+        "the dump itself": dump,
+        "its root zarr.json": dump / "zarr.json",
+        "a chunk": dump / LAYER / "o" / "c.0.0.0.0",
+        "a layer's metadata": dump / LAYER / "zarr.json",
+        "a new name inside": dump / LAYER / "new" / "out.json",
+        "a link to the dump, then a name": alias / "x.json",
+        "a path through ..": tmp_path / "sub" / ".." / dump.name / "step_000000000" / "y.json",
+        "a hard link of its zarr.json": hard,
+    }
+
+
+def _argv(command: str, option: str, target: Path, inputs: list[tuple[str, str]], dump: Path, tensors: Path,
+          free: Path) -> list:
+    args: list = [command]
+    for name, _kind in inputs:
+        args.append(dump if name == "dump" else tensors)
+    args += [option, target]
+    required = _REQUIRED.get(command, [])
+    if required and required[0] != option:
+        args += [required[0], required[1].format(free=free)]
+    if command in ("export", "import", "synth", "capture"):
+        args.append("--overwrite")
+    if command == "capture":
+        args += ["--", sys.executable, "-c", "pass"]
+    return args
+
+
+def test_every_command_refuses_every_output_inside_the_dump_it_reads(tmp_path, make_dump):
+    """Every registered command with an output option (--json, --out, --to, --tensorboard, --match-cache, ...),
+    aimed at the dump it reads, at one of its files, at a new name inside it, through a link, through `..` or at a
+    hard link of one of its files: one line, exit 2, and the dump's bytes and modes unchanged."""
+    from tests.helpers.hostile import output_commands, snapshot
+
+    dump = make_dump("in.zarr", steps=(0,))
+    tensors = _tensors_file(tmp_path / "t.safetensors")
+    free = tmp_path / "free"
+    free.mkdir()
+    targets = _targets_inside(dump, tmp_path)
+    before = snapshot(dump)
+    commands = output_commands()
+    checked = 0
+    for command, params in commands.items():
+        inputs = [p for p in params if p[1] == "argument"]
+        if not any(name == "dump" for name, _ in inputs):
+            continue
+        for option, _kind in (p for p in params if p[1] == "option"):
+            for label, target in targets.items():
+                result, lines = _cli(*_argv(command, option, target, inputs, dump, tensors, free))
+                assert result.exit_code == 2 and len(lines) == 1 and _OVERLAP in lines[0], \
+                    (command, option, label, result.stdout + result.stderr)
+                checked += 1
+    assert snapshot(dump) == before
+    assert {"info", "verify", "export", "match", "report", "timeline", "delta-bias"} <= set(commands)
+    assert checked >= 13 * 2 * len(targets)
+
+
+def test_import_never_writes_over_the_file_it_reads(tmp_path):
+    """`import FILE --to FILE --overwrite`, `--json FILE` and `--json` at a hard link of FILE: refused, FILE kept."""
+    from tests.helpers.hostile import snapshot
+
+    src = _tensors_file(tmp_path / "in.safetensors")
+    hard = tmp_path / "also.safetensors"
+    os.link(src, hard)
+    before = snapshot(tmp_path)
+    for args in (["--to", src, "--overwrite"], ["--to", tmp_path / "d.zarr", "--json", src],
+                 ["--to", tmp_path / "d.zarr", "--json", hard], ["--to", tmp_path, "--overwrite"]):
+        result, lines = _cli("import", src, *args)
+        assert result.exit_code == 2 and len(lines) == 1 and _OVERLAP in lines[0], (args, result.stderr)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", [
+    ["synth", "--out", "{o}", "--json", "{o}/zarr.json"],
+    ["capture", "--out", "{o}", "--json", "{o}/run.json", "--", sys.executable, "-c", "pass"],
+    ["capture", "--out", "{o}", "--monitor-tensorboard", "{o}/tb", "--", sys.executable, "-c", "pass"],
+    ["demo-train", "--capture", "{o}", "--json", "{o}/step_000000000/x.json"],
+])
+def test_no_output_lands_inside_a_store_the_command_replaces(tmp_path, command):
+    out = tmp_path / "o.zarr"
+    result, lines = _cli(*[a.format(o=out) if isinstance(a, str) else a for a in command])
+    assert result.exit_code == 2 and len(lines) == 1 and "replaces whole" in lines[0], result.stderr
+    assert not out.exists()
+
+
+def test_a_match_cache_inside_the_dump_is_refused_from_the_environment_too(tmp_path, make_dump):
+    from tests.helpers.hostile import snapshot
+
+    dump = make_dump(steps=(0,))
+    before = snapshot(dump)
+    result = CliRunner().invoke(app, ["match", str(dump)], env={"FA_FORENSICS_CACHE_DIR": str(dump / "cache"),
+                                                                  INTERVAL_ENV: "0"})
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and _OVERLAP in lines[0], result.stderr
+    assert snapshot(dump) == before
+
+
+def test_outputs_beside_the_dump_are_still_written(tmp_path, make_dump):
+    """The check refuses only what overlaps: --json and --out beside the dump, and --out holding the dump's folder
+    for figures (not replaced whole), are written."""
+    dump = make_dump("d.zarr", steps=(0,))
+    result, _ = _cli("info", dump, "--json", tmp_path / "info.json")
+    assert result.exit_code == 0 and json.loads((tmp_path / "info.json").read_text())["steps"] == [0]
+    result, _ = _cli("verify", dump, "--json", tmp_path / "d.zarr.json")
+    assert result.exit_code == 0
+
+
+# -- two writers of one path -----------------------------------------------------------------------------------
+
+def test_a_store_that_appears_before_the_rename_is_never_replaced(tmp_path):
+    """The existence of a new store is decided under its lock and again by the rename: a store another writer put
+    at the path after the caller looked is kept, and the late writer is refused with nothing left behind."""
+    from fa_forensics.dump.staging import staged_store
+    from fa_forensics.errors import TargetExists
+    from tests.helpers.hostile import snapshot
+
+    dst = tmp_path / "s.zarr"
+    with pytest.raises(TargetExists):
+        with staged_store(dst, "out") as tmp:
+            (tmp / "zarr.json").write_text("{}")
+            dst.mkdir()
+            (dst / "zarr.json").write_text('{"theirs": 1}')  # the other writer, between our check and our rename
+    assert (dst / "zarr.json").read_text() == '{"theirs": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+    before = snapshot(tmp_path)
+    with pytest.raises(TargetExists):
+        with staged_store(dst, "out"):  # already there when the lock is taken
+            pass
+    assert snapshot(tmp_path) == before
+
+
+def test_two_synths_of_one_path_never_both_succeed(tmp_path):
+    """Two `synth --out X` started together: one writes X, the other is refused in one line (it exists, or it is
+    being written); X is one whole dump."""
+    out = tmp_path / "s.zarr"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", INTERVAL_ENV: "0"}
+    argv = [sys.executable, "-m", "fa_forensics", "synth", "--seq", "64", "--heads", "2", "--head-dim", "16",
+            "--steps", "2", "--batch", "1", "--out", str(out)]
+    runs = [subprocess.Popen([*argv, "--seed", str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for seed in (1, 2)]
+    done = [(r.wait(timeout=600), r.stderr.read()) for r in runs]
+    codes = sorted(code for code, _ in done)
+    assert codes == [0, 2], done
+    refused = next(err for code, err in done if code == 2)
+    assert "already exists" in refused or "being written by another process" in refused, refused
+    assert _cli("verify", out)[0].exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_export_without_overwrite_never_replaces_a_file_that_appeared(tmp_path):
+    from fa_forensics.dump.safe_files import atomic_write
+    from fa_forensics.errors import TargetExists
+
+    target = tmp_path / "e.safetensors"
+    target.write_text("theirs")
+    with pytest.raises(TargetExists):
+        atomic_write(target, b"ours", "to", exclusive=True)
+    assert target.read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["e.safetensors"]
+    atomic_write(tmp_path / "new.safetensors", b"ours", "to", exclusive=True)
+    assert (tmp_path / "new.safetensors").read_bytes() == b"ours"
+
+
+# -- a full disk while zarr writes chunks in parallel ------------------------------------------------------------
+
+def _enospc_on_a_chunk_while_others_are_in_flight(monkeypatch):
+    """zarr writes a chunk's folder and file in worker threads: the third chunk write fails with ENOSPC while the
+    writes after it are still running (and would create their folders again after a cleanup)."""
+    import threading
+    import time
+
+    import zarr.storage._local as local
+
+    real, lock, count = local._put, threading.Lock(), [0]
+
+    def put(path, value, exclusive=False):
+        if path.name.startswith("c.") or "/c/" in str(path):
+            with lock:
+                count[0] += 1
+                n = count[0]
+            if n == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            if n > 3:
+                time.sleep(0.3)
+        return real(path, value, exclusive=exclusive)
+
+    monkeypatch.setattr(local, "_put", put)
+
+
+@pytest.mark.parametrize("command", ["synth", "import"])
+def test_a_full_disk_mid_write_leaves_nothing_behind(tmp_path, monkeypatch, command):
+    src = _tensors_file(tmp_path / "in.safetensors", steps=2)
+    _enospc_on_a_chunk_while_others_are_in_flight(monkeypatch)
+    if command == "synth":
+        args = ["synth", "--seq", 64, "--heads", 4, "--head-dim", 16, "--steps", 1, "--batch", 2,
+                "--out", tmp_path / "d.zarr"]
+    else:
+        args = ["import", src, "--to", tmp_path / "d.zarr"]
+    result, lines = _cli(*args)
+    _refused(result, lines, "no space left on the device")
+    assert "nothing was left in its place" in lines[0]
+    import time
+
+    time.sleep(1.0)  # any write still in flight would have recreated its folder by now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+
+
+# -- files judged by what they hold -------------------------------------------------------------------------------
+
+def test_sparse_chunks_cost_what_the_disk_holds(make_dump):
+    """A 1 GiB sparse chunk holding 952 kB (in q, and in a timeline series): verify names both before any read,
+    match and delta-bias refuse in one line, the timeline command names its file; the peak stays at its baseline
+    (reading the chunk took 2.1 GB)."""
+    from fa_forensics.dump import DumpWriter
+    from tests.helpers.hostile import lines_of, run_capped, sparse_file
+
+    dump = make_dump(steps=(0,))
+    with DumpWriter(dump, {"model": {"name": "test"}}) as writer:
+        writer.append_timeline(0, loss=1.0)
+    sparse_file(dump / LAYER / "q" / "c.0.1.0.0", os.urandom(975_000), 2**30)
+    loss_chunk = next(p for p in (dump / "timeline" / "loss").rglob("*") if p.is_file() and p.name != "zarr.json")
+    sparse_file(loss_chunk, os.urandom(975_000), 2**30 + 4096)
+    report = dump.parent / "verify.json"
+    runs = run_capped([["verify", dump, "--json", report], ["match", dump], ["delta-bias", dump],
+                       ["timeline", dump]], cap_gb=6)
+    assert runs["max_rss_mb"] < 1500, runs["max_rss_mb"]
+    problems = json.loads(report.read_text())["problems"]
+    assert runs["verify"]["code"] == 1
+    assert {p["file"] for p in problems if "sparse" in p["what"]} == {
+        f"{LAYER.as_posix()}/q/c.0.1.0.0", f"timeline/{loss_chunk.relative_to(dump / 'timeline').as_posix()}"}, problems
+    assert not any("cannot be decoded" in p["what"] for p in problems)  # judged before any read, never decoded
+    for command in ("match", "delta-bias", "timeline"):
+        run = runs[command]
+        assert run["code"] == 2 and len(lines_of(run["stderr"])) == 1 and "sparse" in run["stderr"], (command, run)
+
+
+def test_chunk_files_longer_than_their_chunk_and_sparse_metadata_are_damage(make_dump):
+    """A dense 8 MiB chunk file for a chunk of 256 bytes, a layer zarr.json of 15 MiB that is a hole, a root
+    zarr.json that is one: each named as damage of its file before it is read."""
+    from tests.helpers.hostile import lines_of, run_capped, sparse_file
+
+    dump = make_dump(steps=(0, 1, 2))
+    (dump / "step_000000000" / "layer_000" / "k" / "c.0.0.0.0").write_bytes(os.urandom(8 * 2**20))
+    meta = dump / "step_000000001" / "layer_000" / "zarr.json"
+    sparse_file(meta, meta.read_bytes(), 15 * 2**20)
+    report = dump.parent / "verify.json"
+    runs = run_capped([["verify", dump, "--json", report], ["delta-bias", dump]], cap_gb=6)
+    problems = {p["file"]: p["what"] for p in json.loads(report.read_text())["problems"]}
+    assert runs["verify"]["code"] == 1
+    assert "longer than any encoding of the chunk's 256 bytes" in problems[
+        "step_000000000/layer_000/k/c.0.0.0.0"], problems
+    assert "zarr.json is a sparse file" in problems["step_000000001/layer_000/zarr.json"], problems
+    delta = runs["delta-bias"]
+    assert delta["code"] in (0, 1), delta  # step 2 is analysed
+    warning = lines_of(delta["stderr"])
+    assert len(warning) == 1 and "step(s) 0, 1 are damaged" in warning[0], delta["stderr"]
+    root = dump / "zarr.json"
+    sparse_file(root, root.read_bytes(), 15 * 2**20)
+    result, lines = _cli("info", dump)
+    _refused(result, lines, "zarr.json is a sparse file")
+
+
+@pytest.mark.parametrize("where", ["capture.heads", "model.name", "ground_truth", "other"])
+def test_metadata_of_millions_of_values_is_refused_in_bounded_time(make_dump, where):
+    """A root zarr.json under the size cap holding a list of 2·10^6 zeros (rendering it took minutes): one line,
+    refused before it is parsed."""
+    from tests.helpers.hostile import run_capped
+
+    dump = make_dump(steps=(0,))
+    meta = json.loads((dump / "zarr.json").read_text())
+    attrs = meta["attributes"]["fa_forensics"]
+    zeros = [0] * 2_000_000
+    if where == "other":
+        meta["attributes"]["x"] = zeros
+    else:
+        outer, _, inner = where.partition(".")
+        if inner:
+            attrs.setdefault(outer, {})[inner] = zeros
+        else:
+            attrs[outer] = zeros
+    (dump / "zarr.json").write_text(json.dumps(meta))
+    assert (dump / "zarr.json").stat().st_size < 16 * 2**20
+    runs = run_capped([["info", dump]], cap_gb=6, timeout=120)
+    assert runs["info"]["code"] == 2 and "values, more than the 1048576" in runs["info"]["stderr"], runs["info"]
+
+
+def test_a_long_attribute_under_the_cap_is_shown_shortened(make_dump):
+    dump = make_dump(steps=(0,))
+    meta = json.loads((dump / "zarr.json").read_text())
+    meta["attributes"]["fa_forensics"].setdefault("capture", {})["heads"] = [0] * 300_000
+    meta["attributes"]["fa_forensics"]["model"]["name"] = "m" * 100_000
+    (dump / "zarr.json").write_text(json.dumps(meta))
+    result, _ = _cli("info", dump)
+    assert result.exit_code == 0 and len(result.stdout) < 20_000
+    assert "..." in result.stdout
+
+
+# -- links out of the store ----------------------------------------------------------------------------------
+
+def test_a_root_zarr_json_linking_out_of_the_store_is_damage(tmp_path, make_dump):
+    other = make_dump("other.zarr", steps=(0,))
+    dump = make_dump("d.zarr", steps=(0,))
+    (dump / "zarr.json").unlink()
+    (dump / "zarr.json").symlink_to(other / "zarr.json")
+    for command in ("verify", "info", "match"):
+        result, lines = _cli(command, dump)
+        _refused(result, lines, "link leaving the store")
+        assert "zarr.json" in lines[0]
+
+
+@pytest.mark.parametrize("how", ["folder", "zarr.json"])
+def test_a_rank_linked_to_another_dump_is_never_a_rank(tmp_path, make_dump, how):
+    """rank_1 (a folder linked to another dump, or a real folder whose zarr.json links to another dump's): never
+    read as rank 1 of a 2-rank run; verify names it, info warns, --rank 1 is refused in one line."""
+    other = make_dump("other.zarr", steps=(0,))
+    dump = make_dump("d.zarr", steps=(0,))
+    rank = dump / "rank_1"
+    if how == "folder":
+        rank.symlink_to(other, target_is_directory=True)
+    else:
+        rank.mkdir()
+        (rank / "zarr.json").symlink_to(other / "zarr.json")
+    result, _ = _cli("verify", dump, "--json", tmp_path / "v.json")
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert result.exit_code == 1 and any("rank 1's tree is a link leaving the store" in p["what"]
+                                         for p in report["problems"]), report
+    result, _ = _cli("info", dump, "--json", tmp_path / "i.json")
+    info = json.loads((tmp_path / "i.json").read_text())
+    assert result.exit_code == 0 and info["ranks"] == [0]
+    assert any("link leaving the store" in w for w in info["warnings"]), info["warnings"]
+    assert "2-rank" not in result.stderr
+    result, lines = _cli("info", dump, "--rank", 1)
+    _refused(result, lines, "link leaving the store")
+
+
+# -- wording: every damage line names its file, step and what is wrong ---------------------------------------
+
+def test_damage_is_worded_with_its_file_and_no_empty_lists(tmp_path, make_dump):
+    """A chunk that is a link to nothing is named as such (never "1 chunk missing ()"); verify's summary counts in
+    words ("1 problem in step 0", never "problem(s) in step(s) []"); an analysis of a dump whose one step is damaged
+    names the damaged file (never "incomplete, cut off")."""
+    dump = make_dump(steps=(0,))
+    chunk = dump / LAYER / "v" / "c.0.1.0.0"
+    chunk.unlink()
+    chunk.symlink_to(dump / LAYER / "v" / "gone")
+    result, _ = _cli("verify", dump, "--json", tmp_path / "v.json")
+    problems = [p["what"] for p in json.loads((tmp_path / "v.json").read_text())["problems"]]
+    assert any("link to nothing (c.0.1.0.0 -> " in p for p in problems), problems
+    assert not any("()" in p for p in problems), problems
+    assert "1 problem in step 0" in result.stderr and "(s)" not in result.stderr.split("damaged:")[-1], result.stderr
+    result, lines = _cli("delta-bias", dump)
+    _refused(result, lines, "no complete step")
+    assert "step 0 damaged" in lines[0] and "v/c.0.1.0.0" in lines[0] and "cut off" not in lines[0], lines

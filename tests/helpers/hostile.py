@@ -78,3 +78,51 @@ def run_capped(commands: list[list[str]], cap_gb: float = 6.0, timeout: float = 
 
 def lines_of(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
+
+
+def sparse_file(path: Path, held: bytes, apparent: int) -> Path:
+    """`path` holding `held` and then a hole up to `apparent` bytes (what `truncate -s` makes): its blocks hold
+    about len(held) bytes whatever it claims."""
+    path.unlink(missing_ok=True)
+    path.write_bytes(held)
+    os.truncate(path, apparent)
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every entry under `folder` (not following links): its kind, mode, size and content digest, to show that a
+    command left a dump exactly as it was."""
+    import hashlib
+
+    out = {}
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in sorted(dirs + files):
+            p = Path(top) / name
+            st = os.lstat(p)
+            digest = ""
+            if stat.S_ISREG(st.st_mode):
+                digest = hashlib.sha256(p.read_bytes()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                digest = os.readlink(p)
+            out[str(p.relative_to(folder))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_size, digest)
+    return out
+
+
+def output_commands() -> dict[str, list[tuple[str, str]]]:
+    """{command: [(option, kind)]} for every registered command with an output option (kind: 'argument' names of
+    what it reads are given as ('ARG', name)), read from the app itself so that a new command is covered."""
+    import typer
+
+    from fa_forensics.cli import build_app
+    from fa_forensics.commands.options import INPUT_ARGUMENTS, OUTPUT_OPTIONS
+
+    group = typer.main.get_command(build_app())
+    found = {}
+    for name, command in group.commands.items():
+        outputs = [(p.opts[0], "option") for p in command.params
+                   if p.param_type_name == "option" and p.opts[0] in OUTPUT_OPTIONS]
+        inputs = [(p.name, "argument") for p in command.params
+                  if p.param_type_name == "argument" and p.name in INPUT_ARGUMENTS]
+        if outputs:
+            found[name] = inputs + outputs
+    return found

@@ -142,7 +142,7 @@ def test_verify_cli_exit_codes(make_dump, tmp_path):
     assert json.loads((tmp_path / "v.json").read_text())["ok"] is True
     cut = make_dump("cut.zarr", steps=(0,), incomplete=(1,))
     r = runner.invoke(app, ["verify", str(cut)])
-    assert r.exit_code == 1 and "step(s) [1] incomplete" in r.stderr
+    assert r.exit_code == 1 and "step 1 incomplete (cut off while writing)" in r.stderr
     damaged = make_dump("damaged.zarr", steps=(0, 1))
     _truncate(damaged)
     r = runner.invoke(app, ["verify", str(damaged), "--json", str(tmp_path / "d.json")])
