@@ -476,7 +476,10 @@ def command_paths(command: Any, values: dict[str, Any]) -> tuple[list[tuple[str,
         value = values.get(param.name)
         flag = param.opts[0] if param.opts else param.name
         if param.param_type_name == "argument" and param.name in INPUT_ARGUMENTS and value is not None:
-            inputs.append((param.name.upper(), Path(value)))
+            from fa_forensics.dump.ranks import rank_tree_of
+
+            tree = rank_tree_of(value)  # one rank's folder of a store: the store is what is read
+            inputs.append((param.name.upper(), tree[0] if tree is not None else Path(value)))
         elif param.param_type_name == "option" and flag in OUTPUT_OPTIONS:
             if flag == "--match-cache":
                 from fa_forensics.fidelity.match_cache import OFF, cache_dir

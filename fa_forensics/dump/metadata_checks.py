@@ -65,12 +65,12 @@ def read_metadata(node: Path) -> dict[str, Any]:
         raise ValueError("zarr.json is missing") from None
     except NotRegularFile as exc:
         raise ValueError(f"zarr.json is {exc.kind}, not a file") from None
-    except FileTooLarge as exc:
-        raise ValueError(f"zarr.json holds {exc.size} bytes, more than the {exc.limit} a dump's metadata "
-                         "may hold") from None
     except SparseFile as exc:
         raise ValueError(f"zarr.json is a sparse file (it claims {exc.size} bytes but holds {exc.allocated} on "
                          "disk)") from None
+    except FileTooLarge as exc:
+        raise ValueError(f"zarr.json holds {exc.size} bytes, more than the {exc.limit} a dump's metadata "
+                         "may hold") from None
     except OSError as exc:
         raise ValueError(f"zarr.json cannot be read ({exc.strerror or type(exc).__name__})") from None
     values = raw.count(b",") + 1

@@ -70,12 +70,13 @@ SPARSE_SLACK = 1 << 20
 SPARSE_RATIO = 8
 
 
-class SparseFile(DumpError):
-    """A file whose apparent size is far above what its blocks hold: `.path`, `.size`, `.allocated` (bytes)."""
+class SparseFile(FileTooLarge):
+    """A file whose apparent size is far above what its blocks hold: `.path`, `.size`, `.allocated` (bytes). A kind
+    of FileTooLarge: more is claimed than may be read from it (`.limit` is what it holds)."""
 
     def __init__(self, path: StrPath, size: int, allocated: int) -> None:
-        self.path, self.size, self.allocated = path, size, allocated
-        super().__init__(f"{path} is a sparse file: it claims {size} bytes but holds {allocated} on disk")
+        DumpError.__init__(self, f"{path} is a sparse file: it claims {size} bytes but holds {allocated} on disk")
+        self.path, self.size, self.allocated, self.limit = path, size, allocated, allocated
 
 
 def allocated_bytes(st: os.stat_result) -> int | None:

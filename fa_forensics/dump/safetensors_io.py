@@ -17,6 +17,7 @@ says is recorded as unknown. Export writes back the facts the dump records.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from fa_forensics.dump.safe_files import atomic_write, refuse_link
-from fa_forensics.dump.safe_read import StrPath
+from fa_forensics.dump.safe_read import StrPath, allocated_bytes, is_sparse
 from fa_forensics.dump.staging import staged_store
 from fa_forensics.dump.reader import Dump, open_dump
 from fa_forensics.dump.schema import ARRAY_NAMES, HEAD_TENSORS, MASK, dtype_name, supported_dtype_names
@@ -198,6 +199,9 @@ def import_safetensors(src: StrPath, dst: StrPath, *, overwrite: bool = False,
     refuse_link(dst, "to")
     if not src.is_file():
         raise DumpError(f"no safetensors file at {src}; give the path of an existing .safetensors file")
+    if is_sparse(os.stat(src)):
+        raise DumpError(f"{src} is a sparse file: it claims {os.stat(src).st_size} bytes but holds "
+                        f"{allocated_bytes(os.stat(src))} on disk; give a whole .safetensors file")
     if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())):
         if not overwrite:
             raise TargetExists(dst, "to")

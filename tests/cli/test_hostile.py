@@ -1231,3 +1231,26 @@ def test_damage_is_worded_with_its_file_and_no_empty_lists(tmp_path, make_dump):
     result, lines = _cli("delta-bias", dump)
     _refused(result, lines, "no complete step")
     assert "step 0 damaged" in lines[0] and "v/c.0.1.0.0" in lines[0] and "cut off" not in lines[0], lines
+
+
+def test_an_output_into_the_store_of_a_rank_folder_read_is_refused(tmp_path, make_dump):
+    """`info run.zarr/rank_1 --json run.zarr/zarr.json`: the rank's folder opens its store, so the store is the input."""
+    from tests.helpers.hostile import snapshot
+
+    dump = make_dump("d.zarr", steps=(0,))
+    make_dump("r1.zarr", steps=(0,)).rename(dump / "rank_1")
+    before = snapshot(dump)
+    for output in (dump / "zarr.json", dump / "step_000000000" / "out.json"):
+        result, lines = _cli("info", dump / "rank_1", "--json", output)
+        assert result.exit_code == 2 and len(lines) == 1 and _OVERLAP in lines[0], result.stderr
+    assert snapshot(dump) == before
+
+
+def test_a_sparse_safetensors_file_is_refused_before_it_is_read(tmp_path):
+    from tests.helpers.hostile import sparse_file
+
+    src = _tensors_file(tmp_path / "in.safetensors")
+    sparse_file(src, src.read_bytes(), 2**30)
+    result, lines = _cli("import", src, "--to", tmp_path / "d.zarr")
+    _refused(result, lines, "sparse file")
+    assert not (tmp_path / "d.zarr").exists()
