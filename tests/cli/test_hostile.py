@@ -1234,7 +1234,7 @@ def test_damage_is_worded_with_its_file_and_no_empty_lists(tmp_path, make_dump):
 
 
 def test_an_output_into_the_store_of_a_rank_folder_read_is_refused(tmp_path, make_dump):
-    """`info run.zarr/rank_1 --json run.zarr/zarr.json`: the rank's folder opens its store, so the store is the input."""
+    """`info run.zarr/rank_1 --json run.zarr/zarr.json`: a rank folder opens its store: the store is the input."""
     from tests.helpers.hostile import snapshot
 
     dump = make_dump("d.zarr", steps=(0,))
