@@ -108,8 +108,10 @@ def test_report_never_writes_through_a_planted_link(tmp_path, make_dump, where):
     victim = _victim(tmp_path)
     dump = make_dump(steps=(0,))
     out = tmp_path / "report"
-    if where == "out":
-        out.symlink_to(tmp_path)
+    if where == "out":  # a link to a folder of the user's (not the one holding the dump: that is refused as well)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        out.symlink_to(elsewhere)
     else:
         out.mkdir()
         (out / where).symlink_to(victim if where == "index.html" else tmp_path)
