@@ -2,6 +2,7 @@
 write only their own trees; a rank's folder opens as that rank of the store."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -92,3 +93,22 @@ def test_a_failed_rank_0_keeps_the_trees_other_ranks_wrote(tmp_path):
         _write_step(w1, 1.0)
     w0.close(failed=True)  # rank 0 wrote nothing and failed: its store stays, rank 1's tree in it
     assert open_dump(path, rank=1).steps == [0]
+
+
+def test_a_rank_folder_linking_out_of_the_store_is_never_a_rank(tmp_path):
+    """rank_1 linked to a folder outside the store, rank_2 whose zarr.json links out, rank_3 linked inside it:
+    only the one that stays inside is a rank; the others are named with where they point."""
+    from fa_forensics.dump.ranks import rank_links_out
+
+    store = tmp_path / "run.zarr"
+    (store / "inner").mkdir(parents=True)
+    outside = tmp_path / "other.zarr"
+    outside.mkdir()
+    (outside / "zarr.json").write_text("{}")
+    (store / "rank_1").symlink_to(outside, target_is_directory=True)
+    (store / "rank_2").mkdir()
+    (store / "rank_2" / "zarr.json").symlink_to(outside / "zarr.json")
+    (store / "rank_3").symlink_to(store / "inner", target_is_directory=True)
+    real = os.path.realpath(outside)
+    assert rank_links_out(store) == {1: f"rank_1 -> {real}", 2: f"rank_2/zarr.json -> {os.path.join(real, 'zarr.json')}"}
+    assert store_ranks(store) == [0, 3]
