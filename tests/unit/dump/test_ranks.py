@@ -110,5 +110,6 @@ def test_a_rank_folder_linking_out_of_the_store_is_never_a_rank(tmp_path):
     (store / "rank_2" / "zarr.json").symlink_to(outside / "zarr.json")
     (store / "rank_3").symlink_to(store / "inner", target_is_directory=True)
     real = os.path.realpath(outside)
-    assert rank_links_out(store) == {1: f"rank_1 -> {real}", 2: f"rank_2/zarr.json -> {os.path.join(real, 'zarr.json')}"}
+    assert rank_links_out(store) == {1: f"rank_1 -> {real}",
+                                     2: f"rank_2/zarr.json -> {os.path.join(real, 'zarr.json')}"}
     assert store_ranks(store) == [0, 3]
