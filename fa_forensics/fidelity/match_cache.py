@@ -8,17 +8,20 @@ again, a copy of a dump finds its original's result. A dump is never written.
 The cache directory is $FA_FORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/fa-forensics, else
 ~/.cache/fa-forensics; FA_FORENSICS_CACHE_DIR=off (or `--match-cache off`) keeps nothing. Files
 are written symlink-safe: a temporary file made in the target directory, then renamed over the
-target (a rename replaces a link, never follows it); a target or `match` directory that is a
-symbolic link is refused with a warning, and reads take a regular file only (O_NOFOLLOW, never blocking on
-a FIFO or reading a device: `dump.safe_read`). A folder on the way to the cache directory that is a link
-another user planted in a sticky world-writable folder is refused in one line (`check_parent_links`). As ssh
-refuses a key in a folder others control, the cache directory and its `match` folder are refused (nothing read,
-nothing written, one warning) when either is writable by group or others or owned by another user than the one
-running (or root). What is read is still never believed: `fidelity.stored_match` re-checks it.
+target (a rename replaces a name, never follows it); a link at an entry's name is left in place with a
+warning. A folder on the way to the cache directory that is a link another user planted in a sticky
+world-writable folder is refused in one line (`check_parent_links`). The cache directory and its `match`
+folder, their files and the key follow one ownership rule (`fidelity.cache_auth`: a folder the user's or
+root's and writable by nobody else, a link judged by its target; a file the user's, writable by nobody else,
+with one link), and every entry is sealed with an HMAC under the user's key: an entry that breaks the rule
+or whose seal does not fit is one warning and is not read. What is read is still re-checked against the
+stored bits (`fidelity.stored_match`).
 
 A dump may carry a match in its layer groups' attributes (`replay_match`, fingerprinted over the
 recipe list `IN_DUMP_RECIPES`; the bundled sample dumps do): `in_dump` reads it when its
-fingerprint fits the stored bytes. It is never written.
+fingerprint fits the stored bytes. It is never written. That fingerprint has no secret, so it says only
+which bytes the match was made from: `fidelity.stored_match` takes nothing from it but the recipe it names
+as reproducing 100 %, re-checked.
 """
 from __future__ import annotations
 
