@@ -50,7 +50,7 @@ IN_DUMP_RECIPES = (
     ("stabilized", "tensor-core"), ("fp32", "ieee"), ("fp8-s1", "ieee"), ("fp8-s256", "ieee"), ("fp8-s448", "ieee"),
 )
 
-_MAX_ENTRY_BYTES = 64 * 2**20  # a match entry is a few kB; a larger file is not one of ours
+_MAX_ENTRY_BYTES = 4 * 2**20  # a match entry is a few kB (at most 256 candidates); a larger file is not ours
 _override: Optional[str] = None  # set by the CLI's --match-cache; wins over the environment
 
 
