@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import stat
+import threading
 import warnings
 from pathlib import Path
 
@@ -166,6 +167,17 @@ def test_the_key_is_made_private_and_entries_are_sealed(make_dump, cache):
     _, entry = _entry(cache)
     assert cache_auth.unseal(entry, key.read_bytes())
     assert not cache_auth.unseal({**entry, "n_admitted": entry["n_admitted"] + 1}, key.read_bytes())
+
+
+def test_a_key_another_process_is_making_is_waited_for_and_shared(tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    key = folder / cache_auth.KEY_NAME
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # made, not yet written: as a racing process
+    writer = threading.Timer(0.2, lambda: (os.write(fd, b"k" * cache_auth.KEY_BYTES), os.close(fd)))
+    writer.start()
+    assert cache_auth.load_key(folder, create=True) == b"k" * cache_auth.KEY_BYTES  # theirs, not a second key
+    writer.join()
 
 
 def _other_user(p: Path) -> None:
