@@ -135,6 +135,21 @@ def read_owned(path: Path, limit: int, *, private: bool = False) -> Optional[byt
         os.close(fd)
 
 
+def existing_key(cache_dir: Path) -> Optional[bytes]:
+    """The user's key in `cache_dir`, or None when there is none; Refused when the file there breaks the ownership
+    rule or is not a key."""
+    return load_key(cache_dir, create=False)
+
+
+def user_key(cache_dir: Path) -> bytes:
+    """The user's key in `cache_dir`, made there (0600) when absent; Refused as `existing_key`, or when it cannot
+    be made."""
+    key = load_key(cache_dir, create=True)
+    if key is None:  # create=True returns a key or raises
+        raise Refused(f"no key could be made in {cache_dir}")
+    return key
+
+
 def load_key(cache_dir: Path, *, create: bool) -> Optional[bytes]:
     """The user's key in `cache_dir` (made there, 0600, when absent and `create`), or None (absent, not made);
     Refused when the file there breaks the ownership rule, is not a key, or cannot be made."""

@@ -118,7 +118,7 @@ def read(key: str) -> Optional[dict]:
         raw = cache_auth.read_owned(path, _MAX_ENTRY_BYTES)
         if raw is None:
             return None
-        secret = cache_auth.load_key(root.parent, create=False)
+        secret = cache_auth.existing_key(root.parent)
     except cache_auth.Refused as exc:
         warn(f"{exc}; not read, the layer-step is matched again")
         return None
@@ -185,7 +185,7 @@ def write(key: str, entry: dict) -> None:
         if why is not None:
             _refuse(why)
             return
-        secret = cache_auth.load_key(root.parent, create=True)
+        secret = cache_auth.user_key(root.parent)
         if not _set_aside(target):
             return
         record = cache_auth.seal({**entry, "fingerprint": key}, secret)
