@@ -42,7 +42,7 @@ from fa_forensics.fidelity.plan import Plan
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.fidelity.sample import compare_o, row_sample  # noqa: F401  (compare_o: the bit comparison)
 from fa_forensics.fidelity.search import match_layer, screen_only
-from fa_forensics.fidelity.stored_match import answer, recheck
+from fa_forensics.fidelity.stored_match import answer, rechecked
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, load, replay_layer
 
@@ -135,7 +135,7 @@ def _kept(t: LayerTensors, dump, key: str, admission: Admission, facts: RunFacts
             continue
         if lm is None:
             continue
-        why = recheck(t, lm, backend)
+        lm, why = rechecked(t, lm, backend)
         if why is not None:
             match_cache.warn(f"{what} for step {t.step} layer {t.layer} is contradicted by the stored bits ({why}); "
                              f"discarded, matched again")

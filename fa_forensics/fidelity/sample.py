@@ -3,10 +3,10 @@
 Rows of attention are independent: the forward of a block of query rows starting at row r0 gives, bit for
 bit, those rows of the whole replay (`replay.emulate.forward`, whatever the tiling, the kernel model or the
 mask). `match` screens its candidate recipes on a sample of rows and replays every element only for the
-recipes that may win; a cached or in-dump match is re-checked on the same sample. The sample depends on
-the number of rows alone (`row_sample`): blocks of SAMPLE_BLOCK rows, about one row in SAMPLE_SHARE, spread
-evenly and ending with the last block (the rows that see every key), for every batch row and head. A layer
-of a few blocks is not sampled: its sample is every row.
+recipes that may win (a cached or in-dump match is re-checked on every element, never on a sample:
+`fidelity.stored_match`). The sample depends on the number of rows alone (`row_sample`): blocks of
+SAMPLE_BLOCK rows, about one row in SAMPLE_SHARE, spread evenly and ending with the last block (the rows that
+see every key), for every batch row and head. A layer of a few blocks is not sampled: its sample is every row.
 """
 from __future__ import annotations
 

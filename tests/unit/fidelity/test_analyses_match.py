@@ -70,11 +70,12 @@ def test_a_planted_link_at_the_cache_file_is_neither_followed_nor_replaced(make_
     assert victim.read_text() == "precious" and entry.is_symlink()  # not written through, not replaced
 
 
-def test_a_cache_directory_that_is_a_link_is_refused(make_dump, cache, tmp_path):
+def test_a_cache_directory_that_is_a_link_is_judged_by_its_target(make_dump, cache, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    elsewhere.chmod(0o777)  # a shared folder: refused whatever the link's own mode
     cache.parent.mkdir(parents=True)
     cache.symlink_to(elsewhere)
-    with pytest.warns(match_cache.MatchCacheWarning, match="symbolic link"):
+    with pytest.warns(match_cache.MatchCacheWarning, match=r"writable by others \(mode 777\)"):
         best_recipe(open_dump(make_dump(steps=(0,), seq=16)), 0, 0)
     assert list(elsewhere.iterdir()) == []
