@@ -66,7 +66,6 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import (
     ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum,
@@ -98,9 +97,11 @@ def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder,
 
 
 def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: bool, row0: int, col0: int,
-               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+               mask: Optional[torch.Tensor] = None, scale: float = 1.0) -> torch.Tensor:
     """S = q kᵀ (the MMA's fp32 output, unscaled) with masked scores −inf: the exp2 kernels' scores.
-    An additive mask is added to S·α's equivalent, S + mask/α, in fp32."""
+    An additive mask (a bias such as ALiBi) is folded into the raw scores as FlashAttention-2 applies
+    its ALiBi slopes, divided by the softmax scale α: S = fp32(S + fp32(mask / α)), so that the base-2
+    exponent fp32(S·α·log2 e) carries fp32(α·log2 e)·mask."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
            mma_k=config.mma_k)
     if causal:
@@ -108,10 +109,11 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: b
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
         S = S.masked_fill(cols > rows, _NEG_INF)
     if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ConfigError("the exp2 kernel models (exp_form exp2-fma / exp2-mul) take a boolean attn_mask, not an "
-                              "additive one; replay this layer with exp_form exp")
-        S = S.masked_fill(~mask, _NEG_INF)
+        if mask.dtype == torch.bool:
+            S = S.masked_fill(~mask, _NEG_INF)
+        else:
+            alpha = torch.tensor(scale, dtype=torch.float32)
+            S = S + mask.float() / alpha
     return S
 
 
@@ -313,7 +315,7 @@ def _exp2_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
     `kernel_ops.exp2_block` forms them, ℓ per the row_sum model, P̄ cast (no P scale)."""
     config = st.config
     S_raw = raw_scores(st.q[..., r0:, :], st.k[..., j0:j1, :], config, st.causal, st.row0 + r0, j0,
-                       _mask_block(st, j0, j1, r0))
+                       _mask_block(st, j0, j1, r0), scale=st.scale)
     st.tracker.update(S_raw, r0)
     m_prev = st.m[..., r0:]
     m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
