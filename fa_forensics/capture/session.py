@@ -316,7 +316,7 @@ class CaptureSession:
         extra = {**frame_facts, "layout": call.layout, "chain": " ".join(call.ops),
                  "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
                  "p_dtype": _dtype_name(call.p_dtype)}
-        for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale)):
+        for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("softcap", call.softcap)):
             if value is not None:
                 extra[name] = float(value)
         self._held_chain = HeldChain(x, (call.q, call.k), dict(
@@ -931,7 +931,7 @@ def _same_storage(a: object, b: object) -> bool:
 
 def _chain_facts(extra: Optional[dict]) -> dict:
     """What a chain knew of a call that record() then reported: its ops and dtypes."""
-    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale")
+    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale", "softcap")
     return {k: v for k, v in (extra or {}).items() if k in keep}
 
 

@@ -70,7 +70,7 @@ from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import (
     ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum,
 )
-from fa_forensics.replay.emulate import fused, kernel_ops, split_kv
+from fa_forensics.replay.emulate import fused, kernel_ops, softcap, split_kv
 from fa_forensics.replay.emulate.ops import Band, cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
@@ -104,6 +104,9 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: b
     exponent fp32(S·α·log2 e) carries fp32(α·log2 e)·mask."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
            mma_k=config.mma_k)
+    if config.softcap is not None:
+        S = softcap.capped_raw(S, scale, config.softcap)
+        scale = config.softcap  # the softmax reads cap where it read α
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
@@ -119,12 +122,15 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: b
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
                   causal: bool, row0: int, col0: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """s = cast(α · cast(q kᵀ, s_dtype), s_dtype) with the causal mask (-inf); q rows start at
-    row0, k rows at col0. mask: the attn_mask block of these rows and keys (bool or additive)."""
+    """s = cast(α · cast(q kᵀ, s_dtype), s_dtype), soft-capped where config.softcap says (softcap.capped), with the
+    causal mask (-inf); q rows start at row0, k rows at col0. mask: the attn_mask block of these rows and keys
+    (bool or additive)."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
            mma_k=config.mma_k)  # (B, H, R, N)
     S = cast(S, config.s_dtype)  # the autocast matmul's output dtype
     s = cast(S * torch.tensor(scale, dtype=torch.float32), config.s_dtype)
+    if config.softcap is not None:
+        s = softcap.capped(s, config.softcap, config.s_dtype)
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
@@ -319,8 +325,9 @@ def _exp2_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
     st.tracker.update(S_raw, r0)
     m_prev = st.m[..., r0:]
     m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
-    alpha, p = kernel_ops.exp2_block(S_raw, m_prev, _shift_in_use(m_new), kernel_ops.scale_log2(st.scale),
-                                     torch.tensor(st.scale, dtype=torch.float32), config.exp_form, config.exp_unit)
+    alpha_eff = st.scale if config.softcap is None else config.softcap  # capped raw scores: cap reads as α
+    alpha, p = kernel_ops.exp2_block(S_raw, m_prev, _shift_in_use(m_new), kernel_ops.scale_log2(alpha_eff),
+                                     torch.tensor(alpha_eff, dtype=torch.float32), config.exp_form, config.exp_unit)
     _add_row_sum(st.l, r0, alpha, p, config)
     p_bar = _cast_p_bar(st, r0, j0, j1, alpha, p, ~torch.isneginf(S_raw), one=torch.tensor(1.0))
     return _Block(r0=r0, j0=j0, j1=j1, alpha=alpha, p_bar=p_bar, m_new=m_new)
@@ -457,8 +464,9 @@ def _lse(st: _ForwardState, l: torch.Tensor) -> torch.Tensor:
     if not st.base2:
         return m_use + torch.log(l)
     config = st.config
-    return kernel_ops.kernel_lse(m_use, l, torch.tensor(st.scale, dtype=torch.float32),
-                                 kernel_ops.scale_log2(st.scale), config.exp_form, config.lse_form, config.exp_unit)
+    alpha = st.scale if config.softcap is None else config.softcap  # capped raw scores: cap reads as α
+    return kernel_ops.kernel_lse(m_use, l, torch.tensor(alpha, dtype=torch.float32),
+                                 kernel_ops.scale_log2(alpha), config.exp_form, config.lse_form, config.exp_unit)
 
 
 def _stats(st: _ForwardState) -> PBarStats:
