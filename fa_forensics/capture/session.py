@@ -663,7 +663,8 @@ class CaptureSession:
         else:
             other = "BTHD" if layout == "BHTD" else "BHTD"
             readings = (Reading(layout, B, H, T, D), Reading(other, B, T, H, D, swap=(1, 2)))
-            advice = f"the model passes {other} tensors to {source}, which takes {layout}: fix the call in the model"
+            advice = (f"the model passes {other} tensors to {self._where(source)}, which takes {layout}: fix the call "
+                      "in the model")
         x_tensor = x.tensor if x is not None else None
         x_name = x.name if x is not None else "the attention module"
         verdict = check_call_context(passed, readings, self._where(source), x_tensor, x_name, heads,
@@ -715,7 +716,11 @@ class CaptureSession:
                     self._flush_pending(None)
             else:
                 self.steps_without_attention.append(ended)
-                if self._now.calls:
+                if self._now.calls and self._skipped:
+                    self._warn_once("all-skipped", f"fa-forensics capture: step {ended} ran {self._now.calls} "
+                                                   "attention call(s), none stored: each was skipped for the reason "
+                                                   "said above; nothing recorded for it")
+                elif self._now.calls:
                     self._warn_once("unselected", f"fa-forensics capture: step {ended} ran {self._now.calls} attention "
                                                   "call(s) but none was selected (check --layers and --micro-batch "
                                                   "against the model); nothing recorded for it")
