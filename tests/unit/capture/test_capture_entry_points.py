@@ -445,7 +445,7 @@ def _transposed(kind):
     def call(q, k, v):
         if kind == "record":
             o = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
-            fa_forensics.capture.record(q, k, v, o, layout="BTHD")
+            fa_forensics.capture.record(q, k, v, o, layout="BTHD", scale=0.3, causal=False)
             return o, o
         if kind == "target":
             from blocked_attention import BlockedAttention
