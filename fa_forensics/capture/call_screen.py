@@ -63,9 +63,10 @@ class SourceChecks:
         self.results[source] = result
         if result.reproduced:
             return None
-        line = (f"fa-forensics capture: {where}: its O does not follow from the Q, K, V it was read with: max "
-                f"|O − softmax(Q·Kᵀ·scale)·V| = {result.max_error:.3g} where the rounding of "
-                f"{str(kernel_dtype).replace('torch.', '')} allows {result.tolerance:.3g} (q {tuple(q.shape)}, k "
+        line = (f"fa-forensics capture: {where}: its O does not follow from the Q, K, V it was read with: "
+                f"|O − softmax(Q·Kᵀ·scale)·V| = {result.error:.3g} where the rounding of "
+                f"{str(kernel_dtype).replace('torch.', '')} allows {result.tolerance:.3g} (max |Δ| "
+                f"{result.max_error:.3g}; q {tuple(q.shape)}, k "
                 f"{tuple(k.shape)}, v {tuple(v.shape)} as (B, H, T, D), scale "
                 f"{'1/√head_dim' if scale is None else f'{scale:.6g}'}, causal {causal}, mask "
                 f"{'none' if mask is None else 'bool' if mask.dtype == torch.bool else 'additive'}); its calls are not "

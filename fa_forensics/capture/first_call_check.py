@@ -30,10 +30,12 @@ SAMPLE_ROWS = 64  # query rows per call checked (spread over the length)
 
 @dataclass(frozen=True)
 class FirstCallCheck:
-    """The outcome: `max_error` the largest |O − Ô| seen, `tolerance` the bound at that element, `ratio` the
-    largest error over its bound (> 1: O does not follow from Q, K, V); `skipped`: why no check ran."""
+    """The outcome: `max_error` the largest |O − Ô| seen; `error` and `tolerance` the difference and its bound at
+    the element farthest beyond (or nearest to) its bound, `ratio` their quotient (> 1: O does not follow from
+    Q, K, V); `skipped`: why no check ran."""
 
     max_error: float = 0.0
+    error: float = 0.0
     tolerance: float = 0.0
     ratio: float = 0.0
     skipped: Optional[str] = None
@@ -46,7 +48,7 @@ class FirstCallCheck:
         """The layer attribute `first_call_check` (stored on every layer of the checked source's first step)."""
         if self.skipped is not None:
             return {"checked": False, "why": self.skipped}
-        return {"checked": True, "max_abs_error": self.max_error, "tolerance": self.tolerance}
+        return {"checked": True, "max_abs_error": self.max_error, "error": self.error, "tolerance": self.tolerance}
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -71,7 +73,10 @@ def check_first_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
         return FirstCallCheck(skipped=f"the call's {', '.join(map(str, not_replayed))} is not modelled")
     with torch.no_grad():
         rows = _rows(q.shape[2]).to(q.device)
-        as64 = (lambda t: t.detach()[:1].to(kernel_dtype).double()) if kernel_dtype.is_floating_point else None
+
+        def as64(t: torch.Tensor) -> torch.Tensor:  # batch row 0, in the dtype the kernel computed with
+            return t.detach()[:1].to(kernel_dtype).double()
+
         qd = as64(q).index_select(2, rows)
         kd, vd = as64(k), as64(v)
         od = o.detach()[:1].index_select(2, rows).double()
@@ -86,10 +91,8 @@ def check_first_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
             s = softcap * torch.tanh(s / softcap)
         bias = None
         allowed = torch.ones_like(s, dtype=torch.bool)
-        if causal:
-            t_k = kd.shape[2]
-            offset = t_k - q.shape[2]
-            allowed &= torch.arange(t_k, device=s.device).view(1, -1) <= (rows.view(-1, 1) + offset)
+        if causal:  # SDPA's is_causal: key j <= query i (top-left aligned, as the replay reads it)
+            allowed &= torch.arange(kd.shape[2], device=s.device).view(1, -1) <= rows.view(-1, 1)
         if mask is not None:
             m = mask.detach()
             m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))[:1]
@@ -107,8 +110,7 @@ def check_first_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
         p = torch.softmax(s, -1).nan_to_num(0.0)  # a row that sees no key: O = 0
         ref = p @ vd
         spread = size + (bias.abs() if bias is not None else 0.0)
-        u = unit_roundoff(kernel_dtype) if kernel_dtype.is_floating_point else unit_roundoff(torch.float32)
-        u = max(u, unit_roundoff(o.dtype) if o.dtype.is_floating_point else u)
+        u = max(unit_roundoff(kernel_dtype), unit_roundoff(o.dtype) if o.dtype.is_floating_point else 0.0)
         weight = p * spread  # |v_jd − Ô_id| ≤ |v_jd| + |Ô_id|: the move of O when each score moves by u·spread
         moved = weight @ vd.abs() + weight.sum(-1, keepdim=True) * ref.abs()
         tolerance = ROUNDINGS * u * (moved + p @ vd.abs() + ref.abs()) + torch.finfo(torch.float32).tiny
@@ -118,5 +120,5 @@ def check_first_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
             return FirstCallCheck(skipped="its O holds a non-finite value")
         ratio = error / tolerance
         worst = int(ratio.argmax())
-        return FirstCallCheck(max_error=float(error.max()), tolerance=float(tolerance.reshape(-1)[worst]),
-                              ratio=float(ratio.reshape(-1)[worst]))
+        return FirstCallCheck(max_error=float(error.max()), error=float(error.reshape(-1)[worst]),
+                              tolerance=float(tolerance.reshape(-1)[worst]), ratio=float(ratio.reshape(-1)[worst]))
