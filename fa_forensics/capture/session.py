@@ -354,9 +354,11 @@ class CaptureSession:
                    "(capture(model, ...)), or for the command name its attention modules with --attention-modules "
                    "REGEX.")
         return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled. "
-                f"Watched: {self.watched_text()}.{unbound} If the model's attention is its own code, name it with "
-                "--attention MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] "
-                "in Python) or call fa_forensics.capture.record(q, k, v, o, layout=...) in it")
+                f"Watched: {self.watched_text()}.{unbound} If the model's attention is a function or autograd "
+                "Function of its own, name it with --attention MODULE:QUALNAME[,layout=BTHD] (e.g. "
+                "attention:FlashAttentionFunction; attention=[...] in Python); if it is written inline in a "
+                "forward with ops capture does not follow (docs: capture-custom-attention, attention written as "
+                "torch ops), call fa_forensics.capture.record(q, k, v, o, layout=...) right after it")
 
     def _entry_point_busy(self) -> bool:
         return self.busy
