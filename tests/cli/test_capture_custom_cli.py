@@ -118,14 +118,14 @@ def test_a_named_layout_the_shapes_contradict_is_stored_as_they_show_and_said_on
                 sys.executable, str(SCRIPT), "3", str(tmp_path / "losses.json")], cwd=tmp_path)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     said = [w for w in json.loads(js.read_text())["warnings"] if "read as" in w]
-    assert len(said) == 1 and "q (2, 4, 20, 8) read as BTHD has batch 2, 20 heads, length 4" in said[0]
-    assert "read as BHTD (batch 2, 4 heads, length 20) it fits" in said[0]
+    assert len(said) == 1 and "q (2, 2, 20, 16) read as BTHD has batch 2, 20 heads, length 2" in said[0]
+    assert "read as BHTD (batch 2, 2 heads, length 20) it fits" in said[0]
     d = open_dump(out)
     for layer in (0, 1):
         attrs = dict(d._layer(1, layer).attrs)
         assert attrs["layout"] == "BHTD" and attrs["first_call_check"]["checked"] is True
         q, k, v = (d.read(1, layer, n).double() for n in "qkv")
-        assert q.shape == (2, 4, 20, 8)
+        assert q.shape == (2, 2, 20, 16)
         s = (q @ k.transpose(-1, -2) * attrs["scale"]).masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1),
                                                                     float("-inf"))
         assert torch.allclose(d.read(1, layer, "o").double(), torch.softmax(s, -1) @ v, atol=1e-6)
