@@ -99,9 +99,10 @@ def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder,
 def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: bool, row0: int, col0: int,
                mask: Optional[torch.Tensor] = None, scale: float = 1.0) -> torch.Tensor:
     """S = q kᵀ (the MMA's fp32 output, unscaled) with masked scores −inf: the exp2 kernels' scores.
-    An additive mask (a bias such as ALiBi) is folded into the raw scores as FlashAttention-2 applies
-    its ALiBi slopes, divided by the softmax scale α: S = fp32(S + fp32(mask / α)), so that the base-2
-    exponent fp32(S·α·log2 e) carries fp32(α·log2 e)·mask."""
+    An additive mask (a bias such as ALiBi) goes where each kernel adds it: FlashAttention-2's forms
+    (exp2-fma, exp2-mul) add it to the raw scores divided by the softmax scale, as they apply their ALiBi
+    slopes: S = fp32(S + fp32(mask / α)); the exp2-scaled forms (the memory-efficient kernel, cuDNN) add it
+    to the scaled scores, S = fp32(fp32(S·α) + mask), and then scale by 1 (`exp2_scale` says which)."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
            mma_k=config.mma_k)
     if config.softcap is not None:
@@ -114,10 +115,26 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: b
     if mask is not None:
         if mask.dtype == torch.bool:
             S = S.masked_fill(~mask, _NEG_INF)
+        elif _bias_prescaled(config):
+            S = S * torch.tensor(scale, dtype=torch.float32) + mask.float()
         else:
-            alpha = torch.tensor(scale, dtype=torch.float32)
-            S = S + mask.float() / alpha
+            S = S + mask.float() / torch.tensor(scale, dtype=torch.float32)
     return S
+
+
+def _bias_prescaled(config: ReplayConfig) -> bool:
+    """An additive mask is added to the scaled scores, which are then scaled by 1 (the exp2-scaled forms)."""
+    return config.softcap is None and config.exp_form in (ExpForm.EXP2_SCALED, ExpForm.EXP2_SCALED_TWICE)
+
+
+def exp2_scale(config: ReplayConfig, scale: float, mask: Optional[torch.Tensor]) -> float:
+    """The softmax scale the exp2 kernel models apply to `raw_scores`: the soft-cap where there is one (the
+    capped scores are tanh(·), the cap reads as α), 1 where an additive mask was added to scaled scores, else α."""
+    if config.softcap is not None:
+        return config.softcap
+    if mask is not None and mask.is_floating_point() and _bias_prescaled(config):
+        return 1.0
+    return scale
 
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
@@ -325,7 +342,7 @@ def _exp2_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
     st.tracker.update(S_raw, r0)
     m_prev = st.m[..., r0:]
     m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
-    alpha_eff = st.scale if config.softcap is None else config.softcap  # capped raw scores: cap reads as α
+    alpha_eff = exp2_scale(config, st.scale, st.mask)
     alpha, p = kernel_ops.exp2_block(S_raw, m_prev, _shift_in_use(m_new), kernel_ops.scale_log2(alpha_eff),
                                      torch.tensor(alpha_eff, dtype=torch.float32), config.exp_form, config.exp_unit)
     _add_row_sum(st.l, r0, alpha, p, config)
@@ -464,7 +481,7 @@ def _lse(st: _ForwardState, l: torch.Tensor) -> torch.Tensor:
     if not st.base2:
         return m_use + torch.log(l)
     config = st.config
-    alpha = st.scale if config.softcap is None else config.softcap  # capped raw scores: cap reads as α
+    alpha = exp2_scale(config, st.scale, st.mask)
     return kernel_ops.kernel_lse(m_use, l, torch.tensor(alpha, dtype=torch.float32),
                                  kernel_ops.scale_log2(alpha), config.exp_form, config.lse_form, config.exp_unit)
 

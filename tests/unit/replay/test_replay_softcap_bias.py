@@ -76,3 +76,18 @@ def test_softcap_must_be_positive():
     with pytest.raises(ConfigError, match="soft-cap"):
         q, k, v, do = _inputs()
         replay(q, k, v, ReplayConfig.preset("flash-attn-2").with_(softcap=CAP), do, causal=True)
+
+
+def test_each_kernel_model_adds_the_bias_where_its_kernel_does():
+    from fa_forensics.replay.emulate.forward import exp2_scale, raw_scores
+
+    q, k, _, _ = _inputs(4, T=8)
+    bias = _alibi(q.shape[1], 8)
+    flash, efficient = ReplayConfig.preset("flash-attn-2"), ReplayConfig.preset("sdpa-efficient")
+    assert exp2_scale(flash, 0.25, bias) == 0.25 and exp2_scale(efficient, 0.25, bias) == 1.0
+    assert exp2_scale(efficient, 0.25, bias > -1) == 0.25 and exp2_scale(flash.with_(softcap=CAP), 0.25, bias) == CAP
+    plain = raw_scores(q, k, efficient.with_(accumulation="ieee"), False, 0, 0)
+    scaled = raw_scores(q, k, efficient.with_(accumulation="ieee"), False, 0, 0, bias, scale=0.25)
+    assert torch.equal(scaled, plain * torch.tensor(0.25) + bias)  # fp32(fp32(S·α) + bias)
+    folded = raw_scores(q, k, flash.with_(accumulation="ieee"), False, 0, 0, bias, scale=0.25)
+    assert torch.equal(folded, plain + bias / torch.tensor(0.25))  # FlashAttention-2's ALiBi: S + fp32(bias / α)
