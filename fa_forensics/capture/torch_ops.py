@@ -7,9 +7,9 @@ bit for bit), and the mode notes which results belong to an attention chain:
   scores   S = A·Bᵀ: matmul, @, bmm, baddbmm, or einsum with one contracted index; A (…, T, D),
            B (…, S, D); both operands have 3 or more dims (x @ W with a 2-D weight is never scores)
   scale    S·c, S/c for a number or a one-element tensor, any number of times (scale = their product);
-  softcap  c·tanh(S·σ) written inline (Gemma 2): softcap c, scale σ·c (capture/softcap.py)
            A or B multiplied by a number before the product (timm's q·scale) is kept as q_scale / k_scale
            and the stored Q, K are the product's operands
+  softcap  c·tanh(S·σ) written inline (Gemma 2): softcap c, scale σ·c (capture/softcap.py)
   mask     S + bias, S − bias; S.masked_fill(blocked, v), torch.where(allowed, S, v), S[blocked] = v with
            v ≤ −1e4 (or −inf): positions blocked
   reshape  view / reshape / flatten / unflatten of S or P that keep the last two dims
