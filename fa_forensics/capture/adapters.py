@@ -8,7 +8,8 @@ capture/entry_points.py), so a run without the library pays nothing.
   the varlen forms (packed sequences of total length N, cu_seqlens) are recorded as one batch row
   (1, H, N, D) with a block-diagonal boolean mask (and causal inside each sequence, aligned
   bottom-right as flash_attn does), causal=False. causal with Tq != Tk is recorded as that mask too.
-  window_size, softcap and alibi_slopes are not replayed: the call is recorded with a warning.
+  softcap is the layer's `softcap` (replays apply it); window_size and alibi_slopes are not replayed: the call
+  is recorded with a warning.
 - xformers.ops.memory_efficient_attention (B, M, H, K, or (B, M, K) as one head): attn_bias None;
   LowerTriangularMask as causal (square); any other AttentionBias (BlockDiagonalMask, its causal
   forms, ...) through its own `materialize()`, stored as a boolean mask where it is 0/-inf and as
@@ -77,7 +78,6 @@ def _flash_facts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Optional[
         mask = causal_mask(tq, tk, q.device).view(1, 1, tq, tk)
         causal = False
     unreplayed = [name for name, value, neutral in (("window_size", rest.get("window_size"), (-1, -1)),
-                                                     ("softcap", rest.get("softcap"), 0.0),
                                                      ("alibi_slopes", rest.get("alibi_slopes"), None))
                   if value is not None and value != neutral and not (name == "window_size" and tuple(value) == neutral)]
     warning = None
@@ -85,6 +85,9 @@ def _flash_facts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: Optional[
         warning = (f"fa-forensics capture: {where} was called with {', '.join(unreplayed)}, which replays do not "
                    "model; Q, K, V, O are recorded, but a replay of these layers will not reproduce O")
     attrs: dict[str, Any] = {"layout": "BTHD", "varlen": cu is not None}
+    softcap = rest.get("softcap")
+    if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0:
+        attrs["softcap"] = float(softcap)
     if unreplayed:
         attrs["not_replayed"] = unreplayed
     return CallFacts(_bthd(q), _bthd(k), _bthd(v), _bthd(o), scale=None if scale is None else float(scale),

@@ -5,7 +5,9 @@ take (B, H, T, D) ("BHTD"); flash_attn and xformers take (B, T, H, D) ("BTHD"). 
 stores (B, H, T, D). The conversion is a transpose view named by the caller, never guessed: a
 shape that does not fit the named layout is an error, not a silent transpose. Beyond q, k, v and o
 agreeing with each other, `check_call_context` checks the reading against what surrounds the call:
-the input X of the attention module (its length and width) and the head count the module states.
+the input X of the attention module (its length and width) and the head count the module states. A
+layout those make unambiguous is the call's layout, whichever way it was first read; an ambiguous
+one is not stored (the call is skipped with its reason, training goes on).
 """
 from __future__ import annotations
 
@@ -88,13 +90,15 @@ def o_grad_sink(o: torch.Tensor,
 # -- the call against what surrounds it ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Reading:
-    """One way of reading a call's q: batch, heads, length, head_dim."""
+    """One way of reading a call's q: batch, heads, length, head_dim. `swap`: the two dims of the tensors as
+    first read (B, H, T, D) to exchange so that they are (B, H, T, D) in this reading (None: as read)."""
 
     layout: str
     B: int
     H: int
     T: int
     D: int
+    swap: Optional[tuple[int, int]] = None
 
     def length_fits(self, x: torch.Tensor) -> Optional[bool]:
         """X (B, T, C) or (T, B, C) has this batch and length (or B = 1 and T all of X's tokens, packed); None
@@ -116,18 +120,42 @@ class Reading:
     def text(self) -> str:
         return f"batch {self.B}, {self.H} heads, length {self.T}"
 
+    def apply(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A (B, H, T, D)-read tensor (or a 4-D mask) as this reading's (B, H, T, D): a view."""
+        if t is None or self.swap is None or t.dim() != 4:
+            return t
+        return t.transpose(*self.swap)
 
-def check_call_context(q: torch.Tensor, readings: tuple[Reading, ...], where: str, x: Optional[torch.Tensor],
-                       x_name: str, heads: Optional[int], advice: str) -> Optional[str]:
-    """Check the reading a call was stored in (readings[0]) against X's length and width and the module's
-    head count, and against the other way the same tensor could be read (readings[1:]).
 
-    Raises InvalidCaptureSetting("layout") when the shapes contradict the reading and another reading fits
-    them (the stored arrays would be transposed): before anything of the call is stored. Returns a line
-    when the reading is contradicted and no other fits (X or the module cannot be matched with the call),
-    else None. Width decides only where both readings fit X's length (length = heads)."""
+@dataclass(frozen=True)
+class LayoutVerdict:
+    """What the shapes around a call say of its layout: store it in `reading`; `line`: what to say (None: nothing);
+    `skip`: why the call cannot be stored (its layout is ambiguous), or None."""
+
+    reading: Reading
+    line: Optional[str] = None
+    skip: Optional[str] = None
+    checked: bool = True  # False: X and the module could not be matched with any reading
+
+
+def check_call_context(passed: tuple[int, ...], readings: tuple[Reading, ...], where: str, x: Optional[torch.Tensor],
+                       x_name: str, heads: Optional[int], *, fixed: bool, advice: str = "") -> LayoutVerdict:
+    """Check the reading a call was first read in (readings[0]) against X's length and width and the module's
+    head count, and against the other ways the same tensor could be read (readings[1:]). `passed`: q's shape as
+    the call passed it (messages print it so).
+
+    - readings[0] is not contradicted: it stands.
+    - it is contradicted and exactly one other reading fits: that reading is the call's layout. Where the layout
+      is `fixed` (a library's kernel takes one layout, and computed over the axes it takes), readings[0] stands
+      as what the kernel computed, and the line says the model passes the other layout (`advice`: what to fix);
+      otherwise the call is stored in the reading that fits, and the line says so.
+    - it is contradicted and more than one reading fits, or one fits without support: ambiguous, skipped.
+    - it is contradicted and no reading fits (X or the module cannot be matched with the call): it stands, with
+      a line that the layout could not be checked.
+    Width decides only where two readings fit X's length (length = heads)."""
+    stored = readings[0]
     if x is None and heads is None:
-        return None
+        return LayoutVerdict(stored)
 
     def verdict(r: Reading) -> tuple[bool, bool, list[str]]:
         """(contradicted, supported, what contradicts it)."""
@@ -147,15 +175,25 @@ def check_call_context(q: torch.Tensor, readings: tuple[Reading, ...], where: st
         supported = length is True and (not ambiguous or width is True) or fit_heads is True
         return bool(why), supported, why
 
-    stored_bad, _, why = verdict(readings[0])
+    stored_bad, _, why = verdict(stored)
     if not stored_bad:
-        return None
-    for other in readings[1:]:
-        bad, supported, _ = verdict(other)
-        if not bad and supported:
-            raise InvalidCaptureSetting(
-                "layout", f"{where}: q {tuple(q.shape)} read as {readings[0].layout} has {readings[0].text()}, but "
-                          f"{'; '.join(why)}; read as {other.layout} ({other.text()}) it fits: {advice} "
-                          "(nothing of this call was stored)")
-    return (f"fa-forensics capture: {where}: q {tuple(q.shape)} read as {readings[0].layout} has "
-            f"{readings[0].text()}, but {'; '.join(why)}; the layout could not be checked against them")
+        return LayoutVerdict(stored)
+    said = f"{where}: q {tuple(passed)} read as {stored.layout} has {stored.text()}, but {'; '.join(why)}"
+    open_readings = [(r, verdict(r)) for r in readings[1:]]
+    fits = [r for r, (bad, supported, _) in open_readings if not bad and supported]
+    unsupported = [r for r, (bad, supported, _) in open_readings if not bad and not supported]
+    if len(fits) == 1 and not unsupported:
+        other = fits[0]
+        if fixed:
+            return LayoutVerdict(stored, f"fa-forensics capture: {said}; read as {other.layout} ({other.text()}) "
+                                         f"it fits: {advice}. Recorded as {where} computed it")
+        return LayoutVerdict(other, f"fa-forensics capture: {said}; read as {other.layout} ({other.text()}) it "
+                                    f"fits, and these layers are recorded so (stored as (B, H, T, D); "
+                                    f"`fa-forensics info` shows the layout)")
+    if fits or unsupported:
+        names = " or ".join(r.layout for r in (*fits, *unsupported))
+        return LayoutVerdict(stored, skip=f"{said}; it could be read as {names} and nothing decides which, so the "
+                                          "call is not recorded; report it with fa_forensics.capture.record(q, k, "
+                                          "v, o, layout=...) or name its layout in --attention")
+    return LayoutVerdict(stored, f"fa-forensics capture: {said}; the layout could not be checked against them",
+                         checked=False)

@@ -45,7 +45,10 @@ from fa_forensics.capture.adapters import WATCHED, built_in_entry_points
 from fa_forensics.capture.entry_points import CallFacts, EntryPoint, EntryPointPatcher
 from fa_forensics.capture.events import AttentionCall, CaptureWarning, ModuleInput
 from fa_forensics.capture.hf_attention import hf_call_facts, hf_entry_points
-from fa_forensics.capture.layouts import Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd
+from fa_forensics.capture.call_screen import SourceChecks, relaid
+from fa_forensics.capture.layouts import (
+    LayoutVerdict, Reading, check_attention_shapes, check_call_context, check_layout, to_bhtd,
+)
 from fa_forensics.capture.modules import (
     describe_model, find_attention_modules, module_heads, module_input, replace_module_input,
 )
@@ -144,6 +147,8 @@ class CaptureSession:
         self._root: Optional[torch.nn.Module] = None
         self._writer: Optional[BackgroundWriter] = None
         self._warned: set[str] = set()
+        self._source_checks = SourceChecks()  # the first recorded call of each source, checked
+        self._skipped: list[dict] = []  # calls not stored, with why (the store's capture.skipped_calls)
         self.recorded_steps: list[int] = []
         self.steps_without_attention: list[int] = []  # selected steps that ran without a recordable attention call
         self._registered: set[int] = set()  # steps put in the store (as incomplete) when their first array was queued
@@ -311,7 +316,7 @@ class CaptureSession:
         extra = {**frame_facts, "layout": call.layout, "chain": " ".join(call.ops),
                  "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
                  "p_dtype": _dtype_name(call.p_dtype)}
-        for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale)):
+        for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("softcap", call.softcap)):
             if value is not None:
                 extra[name] = float(value)
         self._held_chain = HeldChain(x, (call.q, call.k), dict(
@@ -349,9 +354,11 @@ class CaptureSession:
                    "(capture(model, ...)), or for the command name its attention modules with --attention-modules "
                    "REGEX.")
         return (f"fa-forensics capture: step {step} ran but no attention call was seen with gradients enabled. "
-                f"Watched: {self.watched_text()}.{unbound} If the model's attention is its own code, name it with "
-                "--attention MODULE:QUALNAME[,layout=BTHD] (e.g. attention:FlashAttentionFunction; attention=[...] "
-                "in Python) or call fa_forensics.capture.record(q, k, v, o, layout=...) in it")
+                f"Watched: {self.watched_text()}.{unbound} If the model's attention is a function or autograd "
+                "Function of its own, name it with --attention MODULE:QUALNAME[,layout=BTHD] (e.g. "
+                "attention:FlashAttentionFunction; attention=[...] in Python); if it is written inline in a "
+                "forward with ops capture does not follow (docs: capture-custom-attention, attention written as "
+                "torch ops), call fa_forensics.capture.record(q, k, v, o, layout=...) right after it")
 
     def _entry_point_busy(self) -> bool:
         return self.busy
@@ -574,9 +581,26 @@ class CaptureSession:
             if self._root is None and self._now.micro < self.selection.micro_batch and o.requires_grad:
                 o.register_hook(self._mark_backward)
             return
-        self._check_context(q, x, source, (extra or {}).get("layout", "BHTD"))
+        verdict = self._check_context(q, x, source, (extra or {}).get("layout", "BHTD"))
+        if verdict is not None and verdict.skip:
+            self._skip_call(source, layer, verdict.skip)
+            return
+        if verdict is not None and verdict.reading.swap is not None:
+            q, k, v, o, attn_mask, grad_sink = relaid(verdict.reading, q, k, v, o, attn_mask, grad_sink,
+                                                      mask_follows_q=source == "torch_ops")
+            extra = {**(extra or {}), "layout": verdict.reading.layout}
         extra = {"source": source, "softmax": self.softmax.variant_for(source),
                  "softmax_rule": self.softmax.to_text() or "none", **(extra or {})}
+        recording = (self._plan.record or self._plan.ring) and self.selection.wants_layer(layer)
+        if recording:
+            refused = self._source_checks.check(
+                source, self._where(source), q, k, v, o, scale=scale, causal=causal, mask=attn_mask, extra=extra,
+                dropout_p=dropout_p, kernel_dtype=(autocast_dtype if q.dtype == torch.float32 and autocast_dtype
+                                                   is not None else q.dtype))
+            if refused is not None:
+                self._skip_call(source, layer, refused, said=refused)
+                return
+            extra.update(self._source_checks.attrs(source))
         if extra["softmax"] == "unknown":
             self._warn_once(f"softmax:{source}", self._softmax_unknown_message(source))
         call = AttentionCall(step=self.current_step, layer=layer, q=q, k=k, v=v, o=o, scale=scale, causal=causal,
@@ -586,7 +610,7 @@ class CaptureSession:
         if self._plan.monitor and self._monitor is not None:
             name = self._module_name(call)
             self._monitor.observe(call, self.selection.batch, name, self._modules_by_name.get(name))
-        if (self._plan.record or self._plan.ring) and self.selection.wants_layer(layer):
+        if recording:
             if not self._plan.record and self._monitor is not None:  # held for the ring: the monitor keeps it
                 self._monitor.ring_step_for(call.step)
             if self._recorder.record(call):
@@ -596,6 +620,22 @@ class CaptureSession:
                                 f"fa-forensics capture: skipped an attention call with q of shape {tuple(q.shape)}; "
                                 "only (B, H, T, D) is recorded")
 
+    def _skip_call(self, source: str, layer: int, why: str, said: Optional[str] = None) -> None:
+        """A call that is not stored (its layout is ambiguous, or its source was refused): said once per source
+        and reason, and listed in the store's attributes (capture.skipped_calls), while training goes on."""
+        key = f"skip:{source}:{why}"
+        if key in self._warned:
+            return
+        self._warn_once(key, said or f"fa-forensics capture: {why}")
+        self._skipped.append({"source": source, "step": int(self.current_step), "layer": int(layer), "why": why})
+        if self._writer is not None:
+            self._writer.put_run_attrs({"capture": {"skipped_calls": list(self._skipped)}})
+
+    @staticmethod
+    def _where(source: str) -> str:
+        return {"record": "fa_forensics.capture.record", "torch_ops": "attention written in torch ops",
+                "sdpa": "torch's scaled_dot_product_attention"}.get(source, source)
+
     @staticmethod
     def _softmax_unknown_message(source: str) -> str:
         where = "fa_forensics.capture.record" if source == "record" else source
@@ -604,36 +644,36 @@ class CaptureSession:
                 "stabilized when that variable is set so at the call; softmax=... in Python, or "
                 "record(..., softmax=...)), and replays of these layers know which to compute")
 
-    def _check_context(self, q: torch.Tensor, x: Optional[ModuleInput], source: str, layout: str) -> None:
-        """The call's layout against X and the module's head count (layouts.check_call_context): a layout the
-        shapes show to be wrong ends the run before anything of the call is stored."""
+    def _check_context(self, q: torch.Tensor, x: Optional[ModuleInput], source: str,
+                       layout: str) -> Optional[LayoutVerdict]:
+        """The call's layout against X and the module's head count (layouts.check_call_context): the reading
+        to store the call in, what to say, or why it is skipped. None when nothing could be checked."""
         if q.dim() != 4 or layout not in ("BHTD", "BTHD"):
-            return  # (B·H, T, D) chains are split with X's batch: nothing else to read them as
+            return None  # (B·H, T, D) chains are split with X's batch: nothing else to read them as
         module: object = self._modules_by_name.get(x.name) if x is not None else None
         if module is None:
             module = self._frames[-1].module if self._frames else self._frame_module
         heads = module_heads(module)
         if x is None and heads is None:
-            return
+            return None
         B, H, T, D = q.shape
         named = source == "record" or source in self._target_names
+        passed = tuple(to_bhtd(q, layout).shape)  # q as the call passed it
         if source == "torch_ops":
-            readings = (Reading("(B, H, T, D)", B, H, T, D), Reading("(H, B, T, D)", H, B, T, D))
-            advice = ("its leading dims are not (batch, heads); report the call with "
-                      "fa_forensics.capture.record(q, k, v, o, layout=...)")
+            readings = (Reading("BHTD", B, H, T, D), Reading("HBTD", H, B, T, D, swap=(0, 1)))
+            advice = ""
         else:
             other = "BTHD" if layout == "BHTD" else "BHTD"
-            readings = (Reading(layout, B, H, T, D), Reading(other, B, T, H, D))
-            advice = (f"pass layout={other!r} to fa_forensics.capture.record" if source == "record" else
-                      f"name it with layout={other} in --attention (attention=[...] in Python)" if named else
-                      f"the model passes {other} tensors to {source}, which takes {layout}; fix the call in the model")
+            readings = (Reading(layout, B, H, T, D), Reading(other, B, T, H, D, swap=(1, 2)))
+            advice = (f"the model passes {other} tensors to {self._where(source)}, which takes {layout}: fix the call "
+                      "in the model")
         x_tensor = x.tensor if x is not None else None
         x_name = x.name if x is not None else "the attention module"
-        where = {"record": "fa_forensics.capture.record", "torch_ops": "attention written in torch ops"}.get(source,
-                                                                                                           source)
-        line = check_call_context(q, readings, where, x_tensor, x_name, heads, advice)
-        if line and named:
-            self._warn_once(f"context:{source}", line)
+        verdict = check_call_context(passed, readings, self._where(source), x_tensor, x_name, heads,
+                                     fixed=not named and source != "torch_ops", advice=advice)
+        if verdict.line and (named or (verdict.checked and source != "torch_ops")):
+            self._warn_once(f"context:{source}", verdict.line)
+        return verdict
 
     # -- recording -----------------------------------------------------------------------
     def _queue_array(self, step: int, layer: int, name: str, tensor: torch.Tensor, layer_attrs: dict) -> None:
@@ -678,7 +718,11 @@ class CaptureSession:
                     self._flush_pending(None)
             else:
                 self.steps_without_attention.append(ended)
-                if self._now.calls:
+                if self._now.calls and self._skipped:
+                    self._warn_once("all-skipped", f"fa-forensics capture: step {ended} ran {self._now.calls} "
+                                                   "attention call(s), none stored: each was skipped for the reason "
+                                                   "said above; nothing recorded for it")
+                elif self._now.calls:
                     self._warn_once("unselected", f"fa-forensics capture: step {ended} ran {self._now.calls} attention "
                                                   "call(s) but none was selected (check --layers and --micro-batch "
                                                   "against the model); nothing recorded for it")
@@ -894,7 +938,7 @@ def _same_storage(a: object, b: object) -> bool:
 
 def _chain_facts(extra: Optional[dict]) -> dict:
     """What a chain knew of a call that record() then reported: its ops and dtypes."""
-    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale")
+    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale", "softcap")
     return {k: v for k, v in (extra or {}).items() if k in keep}
 
 

@@ -9,6 +9,7 @@ bit for bit), and the mode notes which results belong to an attention chain:
   scale    S·c, S/c for a number or a one-element tensor, any number of times (scale = their product);
            A or B multiplied by a number before the product (timm's q·scale) is kept as q_scale / k_scale
            and the stored Q, K are the product's operands
+  softcap  c·tanh(S·σ) written inline (Gemma 2): softcap c, scale σ·c (capture/softcap.py)
   mask     S + bias, S − bias; S.masked_fill(blocked, v), torch.where(allowed, S, v), S[blocked] = v with
            v ≤ −1e4 (or −inf): positions blocked
   reshape  view / reshape / flatten / unflatten of S or P that keep the last two dims
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fa_forensics.capture import softcap
+
 BLOCKING = -1e4  # a filled value at or below this blocks its position (exp(v - max) is 0 in fp32)
 
 
@@ -60,6 +63,7 @@ class _Scores:
     score_dtype: Optional[torch.dtype] = None
     q_scale: Optional[float] = None
     k_scale: Optional[float] = None
+    softcap: Optional[float] = None  # the scores are cap·tanh(S·scale / cap) (capture/softcap.py)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class PlainCall:
     k_scale: Optional[float] = None
     layout: str = "BHTD"
     extra: dict = field(default_factory=dict)
+    softcap: Optional[float] = None
 
 
 # -- reading arguments --------------------------------------------------------------------------------
@@ -274,7 +279,8 @@ class ChainMode(TorchFunctionMode):
         call = PlainCall(q=s.q, k=s.k, v=v_t.transpose(-1, -2), o=o, o_raw=out, o_convert=convert, scale=s.scale,
                          terms=s.terms, scores_shape=probs.shape, dropout_p=probs.dropout_p,
                          score_dtype=s.score_dtype, softmax_dtype=probs.softmax_dtype, p_dtype=_operand_dtype(p),
-                         ops=(*s.ops, *probs.ops, name), q_scale=s.q_scale, k_scale=s.k_scale, layout=layout)
+                         ops=(*s.ops, *probs.ops, name), q_scale=s.q_scale, k_scale=s.k_scale, layout=layout,
+                         softcap=s.softcap)
         self.paused += 1
         try:
             self._report(call)
@@ -337,6 +343,7 @@ def _scale(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict,
         factor = 1.0 / factor if divide else factor
         terms = tuple(replace(t, tensor=t.tensor * factor) if t.kind == "bias" else t for t in node.terms)
         mode._set(out, replace(node, scale=node.scale * factor, terms=terms,
+                               softcap=None if node.softcap is None else node.softcap * factor,
                                ops=(*node.ops, "div" if divide else "mul")))
         return
     if node is None:  # a number times an activation: remembered in case the product of scores takes it
@@ -480,6 +487,7 @@ _register(_pass_through, torch.Tensor.to, torch.Tensor.type, torch.Tensor.float,
           torch.reshape, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten)
 _register(_softmax, torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
 _register(_dropout, F.dropout, torch.dropout)
+_register(softcap.on_tanh, *softcap.TANH_FUNCS)
 
 
 # -- the scope: a mode for the length of one forward pass --------------------------------------------------

@@ -26,6 +26,19 @@ def _stored_dtype(info: dict) -> str:
 def _unknown(value) -> str:
     return "?" if value is None else str(value)
 
+
+def layout_text(info: dict) -> str:
+    """How the call laid out Q, K, V (its `layout` fact; every store holds (B, H, T, D)): 'BHTD', or e.g.
+    'HBTD → BHTD' where the capture transposed them, with O's own layout where it differed."""
+    call = info.get("call") or {}
+    layout = call.get("layout")
+    if not layout:
+        return "-"
+    text = str(layout) if layout == "BHTD" else f"{layout} → BHTD"
+    if call.get("o_layout") and call["o_layout"] != layout:
+        text += f" (o {call['o_layout']})"
+    return text
+
 def _ranges(values: list[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
     if not values:
@@ -94,7 +107,8 @@ def render(summary: dict[str, Any]) -> None:
     console.print(run)
 
     layers = Table(title="layers", title_justify="left")
-    for col in ("layer", "module", "heads", "head_dim", "scale", "causal", "dtype", "autocast", "dropout_p", "mask"):
+    for col in ("layer", "module", "heads", "head_dim", "scale", "causal", "dtype", "autocast", "dropout_p", "mask",
+                "layout"):
         layers.add_column(col)
     arrays = Table(title="arrays", title_justify="left")
     for col in ("layer", "array", "shape", "dtype", "chunks"):
@@ -104,7 +118,7 @@ def render(summary: dict[str, Any]) -> None:
         layers.add_row(str(l), shown(str(info["module"] or "-")), _ranges(summary["heads"][str(l)]),
                        str(info["head_dim"]), f"{info['scale']:.6g}", str(info["causal"]), shown(_stored_dtype(info)),
                        shown(_unknown(info.get("autocast"))), f"{info.get('dropout_p') or 0:g}",
-                       shown(str(info.get("mask") or "-")))
+                       shown(str(info.get("mask") or "-")), shown(layout_text(info)))
         for n, a in summary["arrays"][str(l)].items():
             arrays.add_row(str(l), n, "×".join(str(x) for x in a["shape"]), str(a["dtype"]),
                            "×".join(str(x) for x in a["chunks"]))

@@ -117,6 +117,9 @@ def decode(array: np.ndarray, name: str) -> torch.Tensor:
 CALL_ATTR_KEYS = ("device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias",
                   "block_mask", "score_mod", "not_replayed", "o_layout", "chain", "score_dtype", "softmax_dtype",
                   "p_dtype", "q_scale", "k_scale", "hf_attention")
+# the first recorded call's O checked against a float64 recomputation (capture/first_call_check.py), and the
+# soft-cap a chain of torch ops applied to its scores (cap·tanh(S / cap))
+CALL_ATTR_KEYS += ("first_call_check", "softcap")
 
 
 @dataclass(frozen=True)

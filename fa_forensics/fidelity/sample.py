@@ -79,6 +79,7 @@ def replay_rows(t: LayerTensors, config: ReplayConfig, sample: RowSample,
     from fa_forensics.replay.emulate.run import emulator_threads, to_input_dtype
 
     B, H, T, D = t.q.shape
+    config = t.with_facts(config)
     n_keys = t.k.shape[-2]
     heads = max(1, min(H, _SCORES_PER_ITEM // (SAMPLE_BLOCK * max(n_keys, 1))))
     out = torch.empty(B, H, sample.rows, D)

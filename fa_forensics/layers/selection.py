@@ -61,6 +61,11 @@ class LayerTensors:
     # (batch, heads) of the layer as stored, whatever was selected: what a kernel's launch heuristics read
     # (the memory-efficient backward's key splits); None: the tensors' own
     launch: Optional[tuple[int, int]] = None
+    softcap: Optional[float] = None  # the soft-cap training applied to the scores (cap·tanh(S·α / cap)), or None
+
+    def with_facts(self, config: ReplayConfig) -> ReplayConfig:
+        """`config` with what the layer recorded of its scores that a recipe does not name (the soft-cap)."""
+        return config if self.softcap is None or config.softcap is not None else config.with_(softcap=self.softcap)
 
     @property
     def where(self) -> str:
@@ -117,10 +122,15 @@ def load(dump, sel: LayerSelection, batch: BatchSel = None) -> LayerTensors:
         q=q, k=read("k"), v=read("v"), o=read("o"), do=read("do"), x=None,
         scale=float(scale), causal=True if causal is None else bool(causal), source=dump, mask=read("mask"),
         launch=(int((info.arrays.get("q") or q.shape)[0]), int(info.n_heads)),
+        softcap=_softcap((getattr(info, "call", None) or {}).get("softcap")),
     )
     x, x_warnings = finite_x(t, read("x", heads=None))  # non-finite x: None, with a warning
     t = replace(t, x=x, warnings=tuple(x_warnings))
     return with_checks(t, dump, info)
+
+
+def _softcap(value: object) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
 
 
 def collect_warnings(layers: Iterable[LayerTensors]) -> tuple[str, ...]:
@@ -143,6 +153,7 @@ def replay_layer(t: LayerTensors, config: ReplayConfig, *, backward: bool, backe
     if backward and t.do is None:
         raise DumpError(f"{t.where}: the dump has no 'do' (upstream gradient) array; this analysis needs a capture "
                         "with dO")
+    config = t.with_facts(config)
     if t.launch is not None:
         B, H = t.launch
         config = launch_config(config, torch.Size((B, H, *t.q.shape[2:])), t.k.shape[-2])

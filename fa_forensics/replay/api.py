@@ -95,6 +95,8 @@ def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConf
                                        "(leave engine unset)")
     if mask is not None:
         raise BackendUnavailable("triton", "does not apply attention masks (this layer has one)")
+    if config.softcap is not None:
+        raise BackendUnavailable("triton", "does not apply a soft-cap (this layer has one)")
     require("triton", "the replay backend triton")
     try:
         from fa_forensics.replay.triton.backend import replay_triton

@@ -78,6 +78,9 @@ class ReplayConfig:
     row_sum_floor: float = 0.0
     causal: Optional[bool] = None  # None = take it from the dump / caller
     scale: Optional[float] = None  # softmax scale α; None = from the dump, else 1/sqrt(D)
+    # soft-cap of the scaled scores, s = cap·tanh(S·α / cap) before the mask (Gemma 2, FlashAttention-2's
+    # softcap; replay/emulate/softcap.py); None = no cap, else from the dump's `softcap` fact where it has one
+    softcap: Optional[float] = None
     # softmax shift
     softmax: Softmax = Softmax.STANDARD
     beta: float = 2.0
@@ -157,6 +160,8 @@ class ReplayConfig:
             raise ConfigError(f"ReplayConfig.eps={self.eps!r} must be >= 0")
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
             raise ConfigError(f"ReplayConfig.scale={self.scale!r} must be a positive finite number or None")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ConfigError(f"ReplayConfig.softcap={self.softcap!r} must be a positive finite number or None")
         if not isinstance(self.kv_splits, int) or not 1 <= self.kv_splits <= 128:
             raise ConfigError(f"ReplayConfig.kv_splits={self.kv_splits!r} must be an integer from 1 to 128")
         if self.bwd_key_splits is not None and (type(self.bwd_key_splits) is not int

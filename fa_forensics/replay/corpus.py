@@ -4,7 +4,7 @@ A case is a preset × accumulation model × causal or not × mask (none; bool; a
 bool mask forbids; in both the first two rows see no key) on one of a few seeded inputs (one with coarse
 q, k: tied scores and repeated row maxima), replayed forward and backward. Its outputs: O, lse, δ, dQ, dK,
 dV and the P̄ statistics (`FIELDS`, `STATS`); a case a kernel model refuses (a GPU kernel's backward under
-a mask, an additive mask in an exp2 kernel) gives its one-line refusal instead.
+a mask) gives its one-line refusal instead.
 
 Two uses, one definition:
 - `small_cases()`: every preset, both models, every mask, causal and not (alternating), on small inputs; the

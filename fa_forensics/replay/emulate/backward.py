@@ -45,6 +45,7 @@ from fa_forensics.errors import ConfigError
 from fa_forensics.replay.config import Accumulation, BackwardKernel, DeltaSource, Precision, ReplayConfig
 from fa_forensics.replay.emulate import fused
 from fa_forensics.replay.emulate.backward_kernels import kernel_backward
+from fa_forensics.replay.emulate import softcap
 from fa_forensics.replay.emulate.forward import scaled_scores
 from fa_forensics.replay.emulate.ops import Band, cast, mm, wider
 
@@ -116,6 +117,9 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     A named config.backward_kernel reads o_for_delta as the forward's stored O and ignores block_m.
     """
     if config.backward_kernel is not BackwardKernel.REFERENCE:
+        if config.softcap is not None:
+            raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} has no soft-cap model; "
+                              "replay a soft-capped layer's backward with backward_kernel=reference")
         if o_for_delta is None:
             raise ConfigError(f"ReplayConfig.backward_kernel={config.backward_kernel.value} needs the forward's O")
         delta, dq, dk, dv = kernel_backward(q, k, v, do, o_for_delta, lse, config, causal=causal, scale=scale,
@@ -180,6 +184,9 @@ def _row_block(st: _BackwardState, i0: int, i1: int) -> tuple[torch.Tensor, torc
                  mma_k=config.mma_k), config.dp_dtype)  # step 2: (B, H, R, T)
     delta_r = _delta(P, do_r, st.v, st.o_for_delta, rows, config, dP)  # step 3
     P_ds = P * st.alpha if config.ds_alpha else P
+    if config.softcap is not None:  # the gradient of cap·tanh(x / cap) on its way to the scaled scores x
+        unmasked = scaled_scores(st.q[..., rows, :], st.k, config, st.scale, False, i0, 0, None)
+        P_ds = P_ds * softcap.derivative(unmasked, config.softcap)
     dS = cast(P_ds * (dP - delta_r.unsqueeze(-1)), config.ds_dtype)  # step 4: (B, H, R, T)
     st.delta[..., rows] = delta_r
     return dS, cast(P * st.p_scale if config.p_scale != 1.0 else P, config.p_dtype)

@@ -66,12 +66,11 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.errors import ConfigError
 from fa_forensics.numerics import exp_fp32
 from fa_forensics.replay.config import (
     ExpForm, KVOrder, MaskedBlocks, Normalize, Precision, PScaleMode, ReplayConfig, RowSum,
 )
-from fa_forensics.replay.emulate import fused, kernel_ops, split_kv
+from fa_forensics.replay.emulate import fused, kernel_ops, softcap, split_kv
 from fa_forensics.replay.emulate.ops import Band, cast, finfo_max, mm, promote, wider
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
@@ -98,31 +97,57 @@ def kv_blocks(n_keys: int, block_n: Optional[int], order: KVOrder,
 
 
 def raw_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, causal: bool, row0: int, col0: int,
-               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+               mask: Optional[torch.Tensor] = None, scale: float = 1.0) -> torch.Tensor:
     """S = q kᵀ (the MMA's fp32 output, unscaled) with masked scores −inf: the exp2 kernels' scores.
-    An additive mask is added to S·α's equivalent, S + mask/α, in fp32."""
+    An additive mask (a bias such as ALiBi) goes where each kernel adds it: FlashAttention-2's forms
+    (exp2-fma, exp2-mul) add it to the raw scores divided by the softmax scale, as they apply their ALiBi
+    slopes: S = fp32(S + fp32(mask / α)); the exp2-scaled forms (the memory-efficient kernel, cuDNN) add it
+    to the scaled scores, S = fp32(fp32(S·α) + mask), and then scale by 1 (`exp2_scale` says which)."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
            mma_k=config.mma_k)
+    if config.softcap is not None:
+        S = softcap.capped_raw(S, scale, config.softcap)
+        scale = config.softcap  # the softmax reads cap where it read α
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
         S = S.masked_fill(cols > rows, _NEG_INF)
     if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ConfigError("the exp2 kernel models (exp_form exp2-fma / exp2-mul) take a boolean attn_mask, not an "
-                              "additive one; replay this layer with exp_form exp")
-        S = S.masked_fill(~mask, _NEG_INF)
+        if mask.dtype == torch.bool:
+            S = S.masked_fill(~mask, _NEG_INF)
+        elif _bias_prescaled(config):
+            S = S * torch.tensor(scale, dtype=torch.float32) + mask.float()
+        else:
+            S = S + mask.float() / torch.tensor(scale, dtype=torch.float32)
     return S
+
+
+def _bias_prescaled(config: ReplayConfig) -> bool:
+    """An additive mask is added to the scaled scores, which are then scaled by 1 (the exp2-scaled forms)."""
+    return config.softcap is None and config.exp_form in (ExpForm.EXP2_SCALED, ExpForm.EXP2_SCALED_TWICE)
+
+
+def exp2_scale(config: ReplayConfig, scale: float, mask: Optional[torch.Tensor]) -> float:
+    """The softmax scale the exp2 kernel models apply to `raw_scores`: the soft-cap where there is one (the
+    capped scores are tanh(·), the cap reads as α), 1 where an additive mask was added to scaled scores, else α."""
+    if config.softcap is not None:
+        return config.softcap
+    if mask is not None and mask.is_floating_point() and _bias_prescaled(config):
+        return 1.0
+    return scale
 
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, config: ReplayConfig, scale: float,
                   causal: bool, row0: int, col0: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """s = cast(α · cast(q kᵀ, s_dtype), s_dtype) with the causal mask (-inf); q rows start at
-    row0, k rows at col0. mask: the attn_mask block of these rows and keys (bool or additive)."""
+    """s = cast(α · cast(q kᵀ, s_dtype), s_dtype), soft-capped where config.softcap says (softcap.capped), with the
+    causal mask (-inf); q rows start at row0, k rows at col0. mask: the attn_mask block of these rows and keys
+    (bool or additive)."""
     S = mm(q, k.transpose(-1, -2), config.accumulation, config.gpu, config.input_dtype,
            mma_k=config.mma_k)  # (B, H, R, N)
     S = cast(S, config.s_dtype)  # the autocast matmul's output dtype
     s = cast(S * torch.tensor(scale, dtype=torch.float32), config.s_dtype)
+    if config.softcap is not None:
+        s = softcap.capped(s, config.softcap, config.s_dtype)
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2]).unsqueeze(-1)
         cols = torch.arange(col0, col0 + k.shape[-2]).unsqueeze(0)
@@ -313,12 +338,13 @@ def _exp2_block(st: _ForwardState, j0: int, j1: int, r0: int) -> _Block:
     `kernel_ops.exp2_block` forms them, ℓ per the row_sum model, P̄ cast (no P scale)."""
     config = st.config
     S_raw = raw_scores(st.q[..., r0:, :], st.k[..., j0:j1, :], config, st.causal, st.row0 + r0, j0,
-                       _mask_block(st, j0, j1, r0))
+                       _mask_block(st, j0, j1, r0), scale=st.scale)
     st.tracker.update(S_raw, r0)
     m_prev = st.m[..., r0:]
     m_new = torch.maximum(m_prev, S_raw.amax(dim=-1))
-    alpha, p = kernel_ops.exp2_block(S_raw, m_prev, _shift_in_use(m_new), kernel_ops.scale_log2(st.scale),
-                                     torch.tensor(st.scale, dtype=torch.float32), config.exp_form, config.exp_unit)
+    alpha_eff = exp2_scale(config, st.scale, st.mask)
+    alpha, p = kernel_ops.exp2_block(S_raw, m_prev, _shift_in_use(m_new), kernel_ops.scale_log2(alpha_eff),
+                                     torch.tensor(alpha_eff, dtype=torch.float32), config.exp_form, config.exp_unit)
     _add_row_sum(st.l, r0, alpha, p, config)
     p_bar = _cast_p_bar(st, r0, j0, j1, alpha, p, ~torch.isneginf(S_raw), one=torch.tensor(1.0))
     return _Block(r0=r0, j0=j0, j1=j1, alpha=alpha, p_bar=p_bar, m_new=m_new)
@@ -455,8 +481,9 @@ def _lse(st: _ForwardState, l: torch.Tensor) -> torch.Tensor:
     if not st.base2:
         return m_use + torch.log(l)
     config = st.config
-    return kernel_ops.kernel_lse(m_use, l, torch.tensor(st.scale, dtype=torch.float32),
-                                 kernel_ops.scale_log2(st.scale), config.exp_form, config.lse_form, config.exp_unit)
+    alpha = exp2_scale(config, st.scale, st.mask)
+    return kernel_ops.kernel_lse(m_use, l, torch.tensor(alpha, dtype=torch.float32),
+                                 kernel_ops.scale_log2(alpha), config.exp_form, config.lse_form, config.exp_unit)
 
 
 def _stats(st: _ForwardState) -> PBarStats:

@@ -36,10 +36,10 @@ _SOFTMAX_CODE = {Softmax.STANDARD: _STANDARD, Softmax.STABILIZED: _STABILIZED, S
 
 def eligible(config: ReplayConfig, *tensors: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None) -> bool:
     """True when the compiled stages apply: the current engine is `Engine.COMPILED`, nearest-even rounding,
-    finite inputs whose products (q kᵀ · α, dO Vᵀ) stay far inside fp32's range, and no NaN or +inf in an
+    no soft-cap, finite inputs whose products (q kᵀ · α, dO Vᵀ) stay far inside fp32's range, and no NaN or +inf in an
     additive mask (where the torch path's −inf + inf gives NaN, the compiled stages skip a causally masked
     key). tensors: q, k (and v, dO), fp32."""
-    if not runs_compiled() or config.rounding is not Rounding.NEAREST_EVEN:
+    if not runs_compiled() or config.rounding is not Rounding.NEAREST_EVEN or config.softcap is not None:
         return False
     if mask is not None and mask.is_floating_point() and bool((torch.isnan(mask) | (mask == math.inf)).any()):
         return False

@@ -445,7 +445,7 @@ def _transposed(kind):
     def call(q, k, v):
         if kind == "record":
             o = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
-            fa_forensics.capture.record(q, k, v, o, layout="BTHD")
+            fa_forensics.capture.record(q, k, v, o, layout="BTHD", scale=0.3, causal=False)
             return o, o
         if kind == "target":
             from blocked_attention import BlockedAttention
@@ -476,41 +476,90 @@ def _transposed(kind):
     return call
 
 
-@pytest.mark.parametrize("kind", ["record", "target", "flash_attn", "xformers", "flex_attention", "sdpa",
-                                  "torch_ops"])
-def test_a_layout_the_shapes_contradict_ends_the_run_before_anything_is_stored(tmp_path, standins, kind):
+def _capture_transposed(tmp_path, kind):
+    """One recorded step of a model whose calls have the layout `_transposed(kind)` gives; (the model's tensors,
+    the dump, the capture warnings)."""
     options = {"attention": ["blocked_attention:BlockedAttention,layout=BTHD"]} if kind == "target" else {}
     torch.manual_seed(0)
     net = Net(_transposed(kind))
     for block in net.h:
         block["attn"].num_heads = 2  # the head count the module states
-    with pytest.raises(InvalidCaptureSetting, match=r"layout: .*X \(3, 12, 16\) of h\.0\.attn has another batch or "
-                                                    r"length.*it fits: .*nothing of this call was stored"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            with fa_forensics.capture(net, out=tmp_path / "run.zarr", steps=[0], batch=None, step_by="manual",
-                                      **options):
-                net(torch.randn(3, 12, 16)).square().mean().backward()
-    assert not (tmp_path / "run.zarr").exists()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fa_forensics.capture(net, out=tmp_path / "run.zarr", steps=[0], batch=None, step_by="manual",
+                                  softmax="standard", **options) as cap:
+            net(torch.randn(3, 12, 16)).square().mean().backward()
+            seen = {i: dict(b["attn"].seen) for i, b in enumerate(net.h)}
+            cap.step()
+    said = [str(w.message) for w in caught if isinstance(w.message, fa_forensics.capture.events.CaptureWarning)]
+    return seen, open_dump(tmp_path / "run.zarr"), said
+
+
+@pytest.mark.parametrize("kind", ["record", "target", "torch_ops"])
+def test_a_layout_the_shapes_make_unambiguous_is_stored_as_bhtd_and_training_goes_on(tmp_path, standins, kind):
+    seen, d, said = _capture_transposed(tmp_path, kind)
+    assert d.steps == [0] and d.layers() == [0, 1]
+    layout = "HBTD" if kind == "torch_ops" else "BHTD"  # named BTHD, the shapes show BHTD
+    for layer, s in seen.items():
+        attrs = dict(d._layer(0, layer).attrs)
+        assert attrs["layout"] == layout and attrs["first_call_check"]["checked"] is True
+        for n in "qkv":  # the model's (B, H, T, D) tensors, whichever way the call held them
+            assert torch.equal(d.read(0, layer, n), s[n]), (kind, layer, n)
+        ref, _ = reference(d, 0, layer)
+        assert torch.allclose(d.read(0, layer, "o").double(), ref, atol=1e-6)
+        assert d.read(0, layer, "do").shape == s["q"].shape
+    lines = [line for line in said if "read as" in line]
+    if kind == "torch_ops":  # a layout the code is free to use: said in `info`, not warned about
+        assert lines == []
+    else:  # the layout named was wrong: said once, with q's shape as the call passed it
+        assert len(lines) == 1 and "q (3, 2, 12, 8) read as BTHD" in lines[0] and "read as BHTD" in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "xformers", "flex_attention", "sdpa"])
+def test_a_library_given_the_other_layout_is_recorded_as_it_computed_and_the_model_is_named(tmp_path, standins, kind):
+    _, d, said = _capture_transposed(tmp_path, kind)
+    assert d.steps == [0]
+    lines = [line for line in said if "read as" in line]
+    assert len(lines) == 1 and "it fits: the model passes" in lines[0] and "fix the call in the model" in lines[0]
+    passed = "(3, 2, 12, 8)" if kind in ("flash_attn", "xformers") else "(3, 12, 2, 8)"  # as the call passed q
+    assert f"q {passed} read as" in lines[0]
+    for layer in (0, 1):
+        ref, _ = reference(d, 0, layer)  # the kernel's own reading reproduces its O
+        assert torch.allclose(d.read(0, layer, "o").double(), ref, atol=1e-5)
 
 
 def test_check_call_context_uses_the_module_heads_and_the_width_only_to_break_a_tie():
     from fa_forensics.capture.layouts import Reading, check_call_context
 
     q = torch.zeros(2, 4, 8, 16)
-    as_bthd, as_bhtd = Reading("BTHD", 2, 8, 4, 16), Reading("BHTD", 2, 4, 8, 16)
-    with pytest.raises(InvalidCaptureSetting, match="attn states 4 heads; read as BHTD"):
-        check_call_context(q, (as_bthd, as_bhtd), "f", None, "attn", 4, "fix it")
-    assert check_call_context(q, (as_bhtd, as_bthd), "f", None, "attn", 8, "fix it") is None  # a shard of 8 heads
+    as_bthd, as_bhtd = Reading("BTHD", 2, 8, 4, 16), Reading("BHTD", 2, 4, 8, 16, swap=(1, 2))
+    verdict = check_call_context(q.shape, (as_bthd, as_bhtd), "f", None, "attn", 4, fixed=False)
+    assert verdict.reading is as_bhtd and "attn states 4 heads; read as BHTD" in verdict.line
+    fixed = check_call_context(q.shape, (as_bthd, as_bhtd), "f", None, "attn", 4, fixed=True, advice="fix it")
+    assert fixed.reading is as_bthd and "fix it" in fixed.line
+    assert check_call_context(q.shape, (as_bhtd, as_bthd), "f", None, "attn", 8, fixed=False).line is None  # a shard
     # length equals heads (8 = 8): X's width (heads × head_dim) decides
     q = torch.zeros(2, 8, 8, 16)
     wide = torch.zeros(2, 8, 8 * 16)
-    assert check_call_context(q, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f", wide, "attn",
-                              None, "fix") is None
-    # X not matching either reading (attention over a part of the tokens): said, not refused
-    line = check_call_context(q, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f",
-                              torch.zeros(2, 5, 128), "attn", None, "fix")
-    assert "could not be checked" in line
+    verdict = check_call_context(q.shape, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f", wide,
+                                 "attn", None, fixed=False)
+    assert verdict.line is None and verdict.skip is None
+    # X not matching either reading (attention over a part of the tokens): said, stored as read
+    verdict = check_call_context(q.shape, (Reading("BHTD", 2, 8, 8, 16), Reading("BTHD", 2, 8, 8, 16)), "f",
+                                 torch.zeros(2, 5, 128), "attn", None, fixed=False)
+    assert "could not be checked" in verdict.line and not verdict.checked and verdict.skip is None
+
+
+def test_a_layout_nothing_decides_is_skipped_with_its_reason():
+    from fa_forensics.capture.layouts import Reading, check_call_context
+
+    # q (2, 3, 2, 8) read as BHTD has batch 2, length 2: X (2, 3, 16) contradicts it; read as BTHD (batch 2,
+    # length 3) and as HBTD (batch 3, length 2, X read as (T, B, C)) both fit X's length and width: nothing decides
+    readings = (Reading("BHTD", 2, 3, 2, 8), Reading("BTHD", 2, 2, 3, 8, swap=(1, 2)),
+                Reading("HBTD", 3, 2, 2, 8, swap=(0, 1)))
+    verdict = check_call_context((2, 3, 2, 8), readings, "f", torch.zeros(2, 3, 16), "attn", None, fixed=False)
+    assert verdict.skip is not None and "nothing decides which" in verdict.skip and "q (2, 3, 2, 8)" in verdict.skip
+    assert "BTHD or HBTD" in verdict.skip
 
 
 # -- what a capture says ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import fa_forensics
 from fa_forensics.capture import CaptureError, parse_batch, parse_steps, sdpa
+from fa_forensics.capture.events import CaptureWarning
 from fa_forensics.demo.model import GPT, GPTConfig, flash_attention_bf16
 from fa_forensics.dump import open_dump
 from fa_forensics.errors import UserError
@@ -161,7 +162,7 @@ def test_manual_steps_and_custom_record(tmp_path):
     q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
     with fa_forensics.capture(None, out=out, steps=[1], step_by="manual", batch=None) as cap:
         for step in range(2):
-            o = q * 2 + k + v  # any custom "attention"
+            o = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v  # custom attention (its O is checked)
             fa_forensics.capture.record(q, k, v, o, scale=0.5, causal=False)
             o.sum().backward()
             cap.step(loss=float(step))
@@ -184,3 +185,18 @@ def test_selection_parsing_and_errors(tmp_path):
     with fa_forensics.capture(None, out=tmp_path / "a.zarr", steps=[0]):
         with pytest.raises(CaptureError, match="already active"):
             fa_forensics.capture(None, out=tmp_path / "b.zarr", steps=[0]).__enter__()
+
+
+def test_record_of_an_o_that_is_not_attention_of_its_q_k_v_is_refused_and_training_goes_on(tmp_path):
+    out = tmp_path / "run.zarr"
+    q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
+    with pytest.warns(CaptureWarning, match=r"fa_forensics.capture.record: its O does not follow from the Q, K, V"):
+        with fa_forensics.capture(None, out=out, steps=[0, 1], step_by="manual", batch=None) as cap:
+            for step in range(2):
+                o = q * 2 + k + v  # not attention of q, k, v
+                fa_forensics.capture.record(q, k, v, o, scale=0.5, causal=False)
+                o.sum().backward()
+                cap.step(loss=float(step))
+    dump = open_dump(out)
+    assert dump.steps == []
+    assert [c["step"] for c in dump.attrs["capture"]["skipped_calls"]] == [0]

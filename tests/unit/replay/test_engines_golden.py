@@ -57,7 +57,7 @@ def test_every_engine_gives_the_specs_bits_on_the_golden_corpus(preset, engine):
         if bad := _differences(got, spec):
             differ[case.key] = bad
     assert not differ, f"{engine.value} differs from the spec: {differ}"
-    assert replayed >= 4  # the GPU kernel models replay bool masks forward only and refuse additive ones
+    assert replayed >= 4  # the GPU kernel models replay masks (bool and additive) forward only
 
 
 def _counting(monkeypatch, module, name, calls):
