@@ -91,7 +91,8 @@ body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0
 h1{font-size:1.4em} h2{font-size:1.15em;border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
 .card{border:1px solid #ccc;border-left:8px solid #888;border-radius:4px;padding:.8em 1.2em;background:#fafafa}
 .card.affected,.card.disagree{border-left-color:#D55E00;background:#fdf6e3}
-.card.fp8-only,.card.alarms-only{border-left-color:#E69F00;background:#fffaf0}
+.card.unstable{border-left-color:#CC79A7;background:#fdf3f8}
+.card.fp8-only,.card.cannot-tell{border-left-color:#E69F00;background:#fffaf0}
 .card.not-affected{border-left-color:#009E73;background:#f3fbf7}
 .card .answer{font-size:1.3em;font-weight:600;margin:.2em 0 .6em}
 .card dt{font-weight:600;margin-top:.6em} .card dd{margin-left:1.2em} .card ul,.card ol{margin:.2em 0;padding-left:1.2em}
@@ -104,9 +105,10 @@ dl.glossary dt{font-weight:600;margin-top:.5em} dl.glossary dd{margin-left:1.2em
 
 
 def _card(v: Verdict, e) -> list[str]:
-    """The summary card: the answer, where, what was found, what to do, how sure, the technical sentence."""
+    """The summary card: the diagnosis (what is wrong, what to do), where, what was found, every action, how sure,
+    the technical sentence."""
     out = [f"<section class='card {e(v.status.replace(' ', '-'))}' id='summary'>",
-           f"<p class='answer'>Is this run affected? {e(v.answer)}</p>", "<dl>"]
+           f"<p class='answer'>{e(v.answer)}</p>", "<dl>"]
     if v.precision:
         out.append(f"<dt>The run's precision</dt><dd>{e(v.precision[:1].upper() + v.precision[1:])}.</dd>")
     if v.where:
@@ -117,12 +119,16 @@ def _card(v: Verdict, e) -> list[str]:
     if v.actions:
         out.append("<dt>What to do</dt><dd><ol>" + "".join(
             f"<li><strong>{e(a.what)}</strong>: {e(a.effect)}.</li>" for a in v.actions) + "</ol></dd>")
+    elif v.status == "cannot tell":
+        out.append("<dt>What to do</dt><dd>Nothing the evidence supports yet: the first line says what is missing."
+                   "</dd>")
     elif v.untested:
         out.append("<dt>What to do</dt><dd>Nothing for what was tested: no analysis that ran found a bias, an FP8 "
-                   f"collapse or an alarm; {e(', '.join(v.untested))} could not run (their notes below say why and "
-                   "what a dump needs for them).</dd>")
+                   f"collapse or an instability; {e(', '.join(v.untested))} could not run (their notes below say why "
+                   "and what a dump needs for them).</dd>")
     else:
-        out.append("<dt>What to do</dt><dd>Nothing: no analysis found a bias, an FP8 collapse or an alarm.</dd>")
+        out.append("<dt>What to do</dt><dd>Nothing: no analysis found a bias, an FP8 collapse or an instability."
+                   "</dd>")
     if v.disagreements:
         out.append("<dt>Where the analyses disagree, and why</dt><dd><ul>"
                    + "".join(f"<li>{e(d)}</li>" for d in v.disagreements) + "</ul></dd>")

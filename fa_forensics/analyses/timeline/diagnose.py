@@ -207,15 +207,18 @@ def _output_divergence(steps, lse) -> Optional[_Onset]:
 
 
 def loss_spike(loss: np.ndarray) -> Optional[int]:
-    """The index of the first monitored step whose loss is not finite (after finite ones) or exceeds the median of
-    the trailing window by more than LOSS_RISE nats; None when there is none."""
+    """The index of the first monitored step from which the loss is not finite (after finite values) or exceeds the
+    median of the window before it by more than LOSS_RISE nats for SUSTAINED steps (or to the run's end); None when
+    there is none. One hard batch whose loss falls back at once is not a spike."""
     for t in range(1, len(loss)):
         before = loss[max(0, t - LOSS_WINDOW):t]
         before = before[np.isfinite(before)]
         if not len(before):
             continue
-        if not np.isfinite(loss[t]) or loss[t] > float(np.median(before)) + LOSS_RISE:
-            return t
+        after = loss[t:t + SUSTAINED]
+        with np.errstate(invalid="ignore"):
+            if (~np.isfinite(after) | (after > float(np.median(before)) + LOSS_RISE)).all():
+                return t
     return None
 
 
