@@ -141,7 +141,7 @@ def rounding_actions(fc: Optional[FixConclusion], iso: Optional[RepairConclusion
             cautions.append(Action("Capture more steps or batch rows before choosing a fix",
                                    f"fix-check cannot tell yet: the fix removes {_share(fc.fixed_share)} of the bias "
                                    "and what is left is not significant either"))
-        elif fc.outcome in ("remains", "fails"):
+        if fc.outcome in ("remains", "fails") and not fc.collapse:
             cautions.append(Action("The stabilized softmax alone is not enough here (fix-check exits 1)",
                                    f"it removes {_share(fc.fixed_share)} of the bias in this dump's kernel"))
     if iso is not None and iso.action and not fp32_pv:
