@@ -234,7 +234,8 @@ def test_an_fp32_run_with_logit_growth_is_diagnosed_as_logit_growth_never_roundi
     assert "What to do: add qk-layernorm" in v.answer and "lower the learning rate" in v.answer
     assert "its attention's rounding is not the cause" in v.answer
     assert not any("stable_attention" in a.what or "fp32" in a.what or "FP8" in a.what for a in v.actions)
-    assert v.line().startswith("VERDICT: Attention-logit growth") and "In a bf16 replay (not what trained), biased" in v.line()
+    assert v.line().startswith("VERDICT: Attention-logit growth")
+    assert "In a bf16 replay (not what trained), biased" in v.line()
     page = render("d.zarr", secs)
     card = page[page.index("<section class='card"):page.index("</section>")]
     assert "Yes:" not in card and "stable_attention(" not in card and "qk-layernorm" in card
@@ -248,7 +249,8 @@ def test_a_low_precision_run_whose_bias_shows_as_logit_growth_is_rounding_first(
     v = build_verdict([_timeline_section(), *_planted_like()])
     assert v.causes == ("biased-rounding", "attention-logit-growth") and v.status == "affected"
     assert v.actions[0].what.startswith("Replace the attention by fa_forensics.stable_attention")
-    assert any(a.what.startswith("Add qk-layernorm") for a in v.actions[1:]) and "Also: attention-logit growth" in v.answer
+    assert any(a.what.startswith("Add qk-layernorm") for a in v.actions[1:])
+    assert "Also: attention-logit growth" in v.answer
 
 
 def test_a_replay_that_reproduces_too_few_bits_cannot_tell():
