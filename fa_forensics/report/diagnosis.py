@@ -56,8 +56,10 @@ class Diagnosis:
     cause: Cause
     others: tuple[Cause, ...]  # other mechanisms with evidence
     actions: tuple[Action, ...]
-    headline: str  # the card's first line and the start of the one-line verdict
+    headline: str  # the whole diagnosis in one sentence group: the start of the one-line verdict
     fp32_run: bool
+    lead: str = ""  # the card's first line: what is wrong, what to do (the evidence follows in `because`)
+    because: str = ""  # the evidence of the named cause, and the other causes
 
 
 def _cap(text: str) -> str:
@@ -108,7 +110,9 @@ def _fp8_cause(pcast: Optional[Fp8Conclusion]) -> Optional[Cause]:
 def _timeline_cause(tl: Optional[TimelineConclusion]) -> Optional[Cause]:
     if tl is None or not tl.found:
         return None
-    return Cause(tl.mechanism, tl.name, tl.summary, ("timeline",))
+    where = f" in {tl.where}" if tl.where else ""
+    when = f" from step {tl.step}" if tl.step is not None else ""
+    return Cause(tl.mechanism, f"{tl.name}{where}{when}", tl.summary, ("timeline",))
 
 
 def rounding_actions(fc: Optional[FixConclusion], iso: Optional[RepairConclusion]) -> list[Action]:
@@ -212,33 +216,38 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
     else:
         cause = _cannot_tell(replay, tl, untested, ran) or Cause(NONE, "nothing wrong found", "", ())
         others = ()
-    return Diagnosis(cause, others, tuple(actions), _headline(cause, others, actions, fp32, untested, tl, replay),
-                     fp32)
+    headline, lead, because = _headline(cause, others, actions, fp32, untested, tl)
+    return Diagnosis(cause, others, tuple(actions), headline, fp32, lead, because)
 
 
-def _headline(cause: Cause, others, actions, fp32: bool, untested, tl, replay: ReplayConclusion) -> str:
-    """The first line: what is wrong with this run and what to do."""
-    todo = f" What to do: {actions[0].what[:1].lower() + actions[0].what[1:]}." if actions else ""
+def _headline(cause: Cause, others, actions, fp32: bool, untested, tl) -> tuple[str, str, str]:
+    """(the whole diagnosis, its first line: what is wrong and what to do, the evidence behind it)."""
     fp32_note = " This run trained in fp32: its attention's rounding is not the cause." if fp32 else ""
     if cause.mechanism == CANNOT_TELL:
         what = {"replay fidelity": " What to do: find the recipe that reproduces the kernel (`fa-forensics match`; a "
                                    "custom kernel needs a kernel model) before acting on any rounding finding.",
                 "timeline": " What to do: look at the timeline's figures around the alarms."}.get(
             cause.sections[0] if cause.sections else "", " What to do: see the notes below.")
-        return f"Cannot tell: {cause.evidence}.{what}{fp32_note}"
+        text = f"Cannot tell: {cause.evidence}.{what}{fp32_note}"
+        return text, text, ""
     if cause.mechanism == NONE:
         if fp32:
             seen = ("no instability in its timeline" if tl is not None else
                     "it recorded no timeline, so a training instability could not be seen (capture with "
                     "--monitor-every 1 to watch one)")
-            return (f"Nothing wrong found: this run trained in fp32, so its attention has no low-precision rounding "
+            text = (f"Nothing wrong found: this run trained in fp32, so its attention has no low-precision rounding "
                     f"to go wrong; {seen}.")
-        if untested:
+        elif untested:
             names = ", ".join(untested[:-1]) + (" and " if len(untested) > 1 else "") + untested[-1]
-            return (f"Nothing wrong found in what could be tested: no significant biased rounding; {names} could not "
+            text = (f"Nothing wrong found in what could be tested: no significant biased rounding; {names} could not "
                     "run on this dump (see the notes below).")
-        return "Nothing wrong found: no significant biased rounding, no FP8 P-collapse" + (
-            ", no instability in the timeline" if tl is not None else "") + ": nothing to fix."
+        else:
+            text = "Nothing wrong found: no significant biased rounding, no FP8 P-collapse" + (
+                ", no instability in the timeline" if tl is not None else "") + ": nothing to fix."
+        return text, text, ""
+    todo = f" What to do: {actions[0].what[:1].lower() + actions[0].what[1:]}." if actions else ""
     also = "".join(f" Also: {o.name}." for o in others)
     what = _cap(cause.evidence) if cause.sections == ("timeline",) else f"{_cap(cause.name)}: {cause.evidence}"
-    return f"{what}.{todo}{also}{fp32_note}"
+    evidence = cause.evidence.split(": ", 1)[-1] if cause.sections == ("timeline",) else cause.evidence
+    return (f"{what}.{todo}{also}{fp32_note}", f"{_cap(cause.name)}.{todo}{fp32_note}",
+            f"Evidence: {evidence}.{also}")

@@ -107,7 +107,7 @@ h1{font-size:1.4em} h2{font-size:1.15em;border-bottom:1px solid #ccc;padding-bot
 .card.unstable{border-left-color:#CC79A7;background:#fdf3f8}
 .card.fp8-only,.card.cannot-tell{border-left-color:#E69F00;background:#fffaf0}
 .card.not-affected{border-left-color:#009E73;background:#f3fbf7}
-.card .answer{font-size:1.3em;font-weight:600;margin:.2em 0 .6em}
+.card .answer{font-size:1.3em;font-weight:600;margin:.2em 0 .3em} .card .because{margin:0 0 .6em}
 .card dt{font-weight:600;margin-top:.6em} .card dd{margin-left:1.2em} .card ul,.card ol{margin:.2em 0;padding-left:1.2em}
 .note{color:#a33} table{border-collapse:collapse;font-size:.88em;margin:.5em 0}
 td,th{border:1px solid #ddd;padding:3px 9px;text-align:left;vertical-align:top} th{background:#f0f0f0}
@@ -121,7 +121,10 @@ def _card(v: Verdict, e) -> list[str]:
     """The summary card: the diagnosis (what is wrong, what to do), where, what was found, every action, how sure,
     the technical sentence."""
     out = [f"<section class='card {e(v.status.replace(' ', '-'))}' id='summary'>",
-           f"<p class='answer'>{e(v.answer)}</p>", "<dl>"]
+           f"<p class='answer'>{e(v.lead or v.answer)}</p>"]
+    if v.because:
+        out.append(f"<p class='because'>{e(v.because)}</p>")
+    out.append("<dl>")
     if v.precision:
         out.append(f"<dt>The run's precision</dt><dd>{e(v.precision[:1].upper() + v.precision[1:])}.</dd>")
     if v.where:

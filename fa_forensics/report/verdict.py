@@ -98,6 +98,8 @@ class Verdict:
     fidelity: str = ""
     precision: str = ""  # what the run's precision means ('' for a low-precision run)
     untested: tuple[str, ...] = ()  # the analyses that could not run on this dump (their notes say why)
+    lead: str = ""  # the card's first line: what is wrong, what to do
+    because: str = ""  # the evidence behind it, and the other causes with evidence
     cause: str = ""  # the mechanism the diagnosis names (report.diagnosis: "biased-rounding", "fp8-p-collapse", ...)
     causes: tuple[str, ...] = ()  # every mechanism with evidence, the named one first
 
@@ -368,7 +370,7 @@ def build_verdict(sections) -> Verdict:
                    findings=tuple(findings), actions=d.actions, confidence=tuple(confidence),
                    disagreements=tuple(disagreements), rule=rule_text(), technical=technical,
                    evidence=tuple(evidence), fp8_heads=tuple(fp8), alarms=tuple(alarms), fidelity=fidelity,
-                   precision=precision, untested=untested, cause=d.cause.mechanism,
+                   precision=precision, untested=untested, lead=d.lead, because=d.because, cause=d.cause.mechanism,
                    causes=tuple(c.mechanism for c in (d.cause, *d.others)))
 
 

@@ -95,7 +95,7 @@ def assert_one_story(secs, verdict, page: str) -> None:
     data = {s.name: s.data for s in secs if s.data is not None}
     card = _card_text(page)
     said = " ".join([card, verdict.line(), *verdict.findings])
-    assert verdict.answer in html_lib.unescape(page) and page.index("class='answer'") < page.index("<h2")
+    assert verdict.lead in html_lib.unescape(page) and page.index("class='answer'") < page.index("<h2")
     precision, too_few = _fidelity(data)
     # a bias named <-> the sections' found flags (never on an fp32 run, never where the replay misses the kernel)
     bias_found = any(c["found"] for c in claims(secs).values())

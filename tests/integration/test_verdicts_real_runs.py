@@ -205,9 +205,10 @@ def test_every_warning_on_stderr_is_in_the_json(make_dump, tmp_path):
         assert all(line in warnings for line in printed), args[0]
 
 
-def _train_fp32_logit_growth(out: Path, steps: int = 60) -> Path:
+def _train_fp32_logit_growth(out: Path, steps: int = 24) -> Path:
     """The project's demo GPT in fp32 (SDPA attention, no qk-layernorm) memorising one batch with Adam at lr 0.1,
-    every step monitored, the alarm on: its attention logits grow a hundredfold and its softmax goes one-hot."""
+    every step monitored, the alarm on after a 5-step warm-up: its attention logits grow a hundredfold within 20
+    steps and its softmax goes one-hot."""
     from fa_forensics.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -215,7 +216,8 @@ def _train_fp32_logit_growth(out: Path, steps: int = 60) -> Path:
     opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.9, 0.95))
     data = torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(0))
     idx, targets = data[:, :32].contiguous(), data[:, 1:].contiguous()
-    with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=True, alarm_steps=1, ring=2) as cap:
+    with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm={"warmup": 5}, alarm_steps=1,
+                              ring=2) as cap:
         for _ in range(steps):
             _, loss = model(idx, targets)
             loss.backward()

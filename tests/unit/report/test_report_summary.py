@@ -1,6 +1,7 @@
 """report: the summary card, the one-line verdict, the sections' sentences and numbers read the commands' JSON keys
 (payloads built here: a timeline with alarms or an instability, an FP8-only finding, claims that disagree, keys
 missing, an fp32 run, a replay that reproduces too few bits)."""
+import html
 import re
 
 from fa_forensics.report.html import findings, render
@@ -61,6 +62,10 @@ def test_the_card_comes_first_and_names_what_where_and_what_to_do():
                                "output comes out too low on average") and v.cause == "biased-rounding"
     assert "What to do: replace the attention by fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001)" in v.answer
     assert page.index(v.answer.split(":")[0]) < page.index("<h2")  # the card before any section
+    assert v.lead == ("Biased rounding in P̄V at layer 0 head 1 feature 44. What to do: replace the attention by "
+                      "fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001).")
+    assert f"<p class='answer'>{html.escape(v.lead)}</p>" in page and html.escape(v.because) in page
+    assert v.because.startswith("Evidence: the low-precision attention output comes out too low on average (O −")
     assert page.index("fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001)") < page.index("<h2")
     assert "removes 98% of the bias" in page and "Keep the P̄V product and its accumulator in fp32" in page
     assert "<details><summary>The technical verdict</summary>" in page and "<a href='#glossary'>" in page
