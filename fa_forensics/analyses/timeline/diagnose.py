@@ -207,14 +207,16 @@ def _output_divergence(steps, lse) -> Optional[_Onset]:
 
 
 def loss_spike(loss: np.ndarray) -> Optional[int]:
-    """The index of the first monitored step from which the loss is not finite (after finite values) or exceeds the
-    median of the window before it by more than LOSS_RISE nats for SUSTAINED steps (or to the run's end); None when
-    there is none. One hard batch whose loss falls back at once is not a spike."""
+    """The index of the first monitored step whose loss is not finite (after finite values), or from which it exceeds
+    the median of the window before it by more than LOSS_RISE nats for SUSTAINED steps (or to the run's end); None
+    when there is none. One hard batch whose loss falls back at once is not a spike."""
     for t in range(1, len(loss)):
         before = loss[max(0, t - LOSS_WINDOW):t]
         before = before[np.isfinite(before)]
         if not len(before):
             continue
+        if not np.isfinite(loss[t]):  # a non-finite loss is a failure, never one hard batch
+            return t
         after = loss[t:t + SUSTAINED]
         with np.errstate(invalid="ignore"):
             if (~np.isfinite(after) | (after > float(np.median(before)) + LOSS_RISE)).all():
@@ -303,11 +305,15 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if np.isfinite(x) else "n/a"
 
 
+def _loss(x: float) -> str:
+    return f"{x:.3g}" if np.isfinite(x) else "a non-finite value"
+
+
 def summary(f: InstabilityFinding) -> str:
     """One sentence: the mechanism, where and when it started, its evidence."""
     where = f" in layer {f.layer} head {f.head}" if f.layer is not None else ""
     spike = (f"; the loss jumped at step {f.loss_spike_step} ({_num(f.number('loss before the spike'))} → "
-             f"{_num(f.number('loss at the spike'))})" if f.loss_spike_step is not None else "")
+             f"{_loss(f.number('loss at the spike'))})" if f.loss_spike_step is not None else "")
     if f.mechanism == "attention-logit-growth":
         text = (f"attention-logit growth{where} from step {f.step}: its max logit rose from "
                 f"{_num(f.number('early max logit'))} early in the run to {_num(f.number('peak max logit'))} "
@@ -326,12 +332,12 @@ def summary(f: InstabilityFinding) -> str:
                 f"{_num(f.number('farthest output log-sum-exp'))}{spike}")
     if f.mechanism == "optimizer-blow-up":
         return (f"an optimizer or learning-rate blow-up at step {f.step}: the loss jumped "
-                f"({_num(f.number('loss before the spike'))} → {_num(f.number('loss at the spike'))}) with "
+                f"({_num(f.number('loss before the spike'))} → {_loss(f.number('loss at the spike'))}) with "
                 f"{f.number('share of heads jumping at the spike'):.0%} of the heads' W_Q norm or max logit jumping "
                 f"{JUMP:g}-fold in the same step, and no attention or output precursor")
     if f.mechanism == "loss-spike":
         return (f"the loss jumped at step {f.step} ({_num(f.number('loss before the spike'))} → "
-                f"{_num(f.number('loss at the spike'))}) with no attention or output precursor and no parameter "
+                f"{_loss(f.number('loss at the spike'))}) with no attention or output precursor and no parameter "
                 "jump in the timeline")
     if f.mechanism == "none":
         return "no instability in the timeline: no attention-logit growth, entropy collapse, output-logit drift or " \
