@@ -246,7 +246,8 @@ def _pcast(d: dict) -> Fp8Conclusion:
                         and s.get("order") == "forward"), {})
         heads.append({"step": h.get("step"), "layer": h.get("layer"), "head": h.get("head"),
                       "S": h.get("recommended_S"), "order": h.get("recommended_order"),
-                      "mass_zeroed": default.get("mass_zeroed"), "frac_zeroed": default.get("frac_zeroed")})
+                      "mass_zeroed": default.get("mass_zeroed"), "frac_zeroed": default.get("frac_zeroed"),
+                      "mass_ci": _interval(h.get("lost_mass_ci"))})
     where = ", ".join(f"layer {h['layer']} head {h['head']}" for h in heads)
     settings = "; ".join(sorted({f"{h.get('order')} S={h.get('S'):g}" if finite(h.get("S")) else str(h.get("order"))
                                  for h in heads}))
@@ -255,6 +256,13 @@ def _pcast(d: dict) -> Fp8Conclusion:
                                                            _float(h.get("mass_zeroed"))) for h in heads),
                          action=f"scale P by S before its E4M3 cast ({settings})" if heads else "",
                          heads=tuple(heads), borderline=tuple(borderline), n_heads=len(all_heads))
+
+
+def _interval(x) -> Optional[tuple[float, float]]:
+    """(low, high) from a JSON pair of finite numbers, else None."""
+    if isinstance(x, (list, tuple)) and len(x) == 2 and all(finite(v) for v in x):
+        return float(x[0]), float(x[1])
+    return None
 
 
 def _timeline(d: dict) -> TimelineConclusion:

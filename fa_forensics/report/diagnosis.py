@@ -100,8 +100,11 @@ def _rounding_cause(rounding: dict[str, Conclusion], rank1: Optional[Compounding
 def _fp8_cause(pcast: Optional[Fp8Conclusion]) -> Optional[Cause]:
     if pcast is None or not pcast.found:
         return None
-    lost = [h["mass_zeroed"] for h in pcast.heads if finite(h.get("mass_zeroed"))]
-    mass = f", up to {max(lost):.2%} of the probability mass" if lost else ""
+    lost = [h for h in pcast.heads if finite(h.get("mass_zeroed"))]
+    worst = max(lost, key=lambda h: h["mass_zeroed"]) if lost else None
+    mass = f", up to {worst['mass_zeroed']:.2%} of the probability mass" if worst else ""
+    if worst and worst.get("mass_ci"):
+        mass += f" (95 % interval {worst['mass_ci'][0]:.2%} to {worst['mass_ci'][1]:.2%})"
     return Cause(FP8, f"FP8 P-collapse in {len(pcast.heads)} of {pcast.n_heads} heads ({pcast.where})",
                  f"an FP8 kernel's default P cast (E4M3, S = 1) silently zeroes their small probabilities{mass} "
                  "(pcast)", ("pcast",))
@@ -216,11 +219,12 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
     else:
         cause = _cannot_tell(replay, tl, untested, ran) or Cause(NONE, "nothing wrong found", "", ())
         others = ()
-    headline, lead, because = _headline(cause, others, actions, fp32, untested, tl)
+    headline, lead, because = _headline(cause, others, actions, fp32, untested, tl,
+                                        len(pcast.borderline) if pcast is not None else 0)
     return Diagnosis(cause, others, tuple(actions), headline, fp32, lead, because)
 
 
-def _headline(cause: Cause, others, actions, fp32: bool, untested, tl) -> tuple[str, str, str]:
+def _headline(cause: Cause, others, actions, fp32: bool, untested, tl, borderline: int = 0) -> tuple[str, str, str]:
     """(the whole diagnosis, its first line: what is wrong and what to do, the evidence behind it)."""
     fp32_note = " This run trained in fp32: its attention's rounding is not the cause." if fp32 else ""
     if cause.mechanism == CANNOT_TELL:
@@ -244,6 +248,9 @@ def _headline(cause: Cause, others, actions, fp32: bool, untested, tl) -> tuple[
         else:
             text = "Nothing wrong found: no significant biased rounding, no FP8 P-collapse" + (
                 ", no instability in the timeline" if tl is not None else "") + ": nothing to fix."
+        if borderline and not fp32:
+            text += (f" pcast cannot tell {borderline} head{'s' if borderline != 1 else ''} from its FP8 P-collapse "
+                     "floor (borderline; its section says which).")
         return text, text, ""
     todo = f" What to do: {actions[0].what[:1].lower() + actions[0].what[1:]}." if actions else ""
     also = "".join(f" Also: {o.name}." for o in others)

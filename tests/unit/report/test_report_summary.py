@@ -302,3 +302,21 @@ def test_compounding_is_said_only_where_rank1_sim_concluded_it():
         text = " ".join([v.answer, *v.findings, v.line()])
         assert ("compounds" in text) == said and "adds up" not in text and "step after step" not in text, trend
         assert ("washes out" in text) == (trend == "washes out")
+
+
+def test_pcast_s_interval_and_borderline_heads_reach_the_card():
+    """pcast decides on the lost mass's interval: the card quotes the interval of the head it names and says which
+    heads it cannot tell from the floor, never calling them collapsed."""
+    secs = _planted_like(delta_found=False, o_found=False)
+    bands = ["needs-fix", "borderline", "no-fix", "borderline"]
+    pcast = {"heads": [{"step": 2, "layer": 0, "head": h, "needs_fix": bands[h] == "needs-fix", "band": bands[h],
+                        "recommended_S": 256.0, "recommended_order": "forward", "lost_mass_ci": [0.006, 0.012],
+                        "settings": [{"S": 1.0, "order": "forward", "mass_zeroed": 0.009, "frac_zeroed": 0.95}]}
+                       for h in range(4)]}
+    v = build_verdict([*secs, _sec("pcast", pcast)])
+    assert v.cause == "fp8-p-collapse" and "up to 0.90% of the probability mass (95 % interval 0.60% to 1.20%)" in \
+        v.answer
+    pcast["heads"][0].update(needs_fix=False, band="no-fix")
+    v = build_verdict([*secs, _sec("pcast", pcast)])
+    assert v.cause == "none" and v.answer.endswith("pcast cannot tell 2 heads from its FP8 P-collapse floor "
+                                                   "(borderline; its section says which).")
