@@ -8,8 +8,9 @@ It chooses among the mechanisms the tool has evidence for, each with its evidenc
 - FP8 P-collapse (pcast), never on an fp32 run;
 - "cannot tell": the replay reproduces too few of the kernel's bits for the rounding findings to describe the run,
   the monitor alarmed with no mechanism in sight, or no evidence could be gathered.
-In a low-precision run where the rounding sections find the bias, a timeline's attention-logit growth or
-optimizer-like blow-up is how that bias shows in training (the paper's failure), so the rounding is the cause.
+In a low-precision run where the rounding sections find the bias, a timeline's attention-logit growth, an
+optimizer-like blow-up or an unexplained loss spike is how that bias shows in training (the paper's failure), so the
+rounding is the cause; an output-logit divergence is not the attention's and comes first.
 The first action is the one that helps: where the kernels without the fix remove the bias as well, it is fp32 P̄V
 accumulation, not the fix; a fix is quoted only where fix-check found a bias to remove.
 """
@@ -28,7 +29,8 @@ ROUNDING = "biased-rounding"
 FP8 = "fp8-p-collapse"
 CANNOT_TELL = "cannot-tell"
 NONE = "none"
-ATTENTION = ("attention-logit-growth", "attention-entropy-collapse", "optimizer-blow-up")
+# timeline mechanisms that biased rounding in a low-precision run explains (its failure shows as these)
+SHOWS_ROUNDING = ("attention-logit-growth", "attention-entropy-collapse", "optimizer-blow-up", "loss-spike")
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
     rounding_cause = _rounding_cause(rounding, rank1) if not fp32 and trusted else None
     fp8 = _fp8_cause(pcast) if not fp32 else None
     causes: list[Cause] = []
-    if rounding_cause is not None and (instability is None or instability.mechanism in ATTENTION):
+    if rounding_cause is not None and (instability is None or instability.mechanism in SHOWS_ROUNDING):
         causes = [rounding_cause, *([instability] if instability else [])]
     else:
         causes = [c for c in (instability, rounding_cause) if c is not None]
