@@ -61,14 +61,17 @@ def assert_agrees_with_itself(secs, verdict):
     assert [(h["layer"], h["head"]) for h in verdict.fp8_heads] == fp8
 
 
-def _numbers(obj) -> list[float]:
-    """Every finite number in a JSON value."""
+SHARE_KEYS = ("share", "reduction", "mass", "frac", "ci")  # the keys of the shares a card may quote as percentages
+
+
+def _shares(obj, key: str = "") -> list[float]:
+    """Every finite number of a JSON value held under a key naming a share (a list inherits its key)."""
     if isinstance(obj, dict):
-        return [x for v in obj.values() for x in _numbers(v)]
+        return [x for k, v in obj.items() for x in _shares(v, str(k))]
     if isinstance(obj, list):
-        return [x for v in obj for x in _numbers(v)]
+        return [x for v in obj for x in _shares(v, key)]
     if isinstance(obj, (int, float)) and not isinstance(obj, bool) and math.isfinite(obj):
-        return [float(obj)]
+        return [float(obj)] if any(w in key for w in SHARE_KEYS) else []
     return []
 
 
@@ -111,7 +114,7 @@ def assert_one_story(secs, verdict, page: str) -> None:
                                                    and precision != "fp32"), verdict.answer
     assert verdict.answer.startswith("Cannot tell") == (verdict.cause == "cannot-tell")
     # every percentage the card quotes is a number of a section
-    numbers = [x for d in data.values() for x in _numbers(d)]
+    numbers = [x for d in data.values() for x in _shares(d)]
     for text in PERCENT.findall(card):
         digits = len(text.partition(".")[2])
         assert any(format(x, f".{digits}%") == f"{text}%" for x in numbers), (text, card)

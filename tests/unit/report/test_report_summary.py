@@ -320,3 +320,19 @@ def test_pcast_s_interval_and_borderline_heads_reach_the_card():
     v = build_verdict([*secs, _sec("pcast", pcast)])
     assert v.cause == "none" and v.answer.endswith("pcast cannot tell 2 heads from its FP8 P-collapse floor "
                                                    "(borderline; its section says which).")
+
+
+def test_each_section_concludes_from_its_json_and_missing_keys_are_a_shorter_conclusion():
+    from fa_forensics.report.conclusions import conclusions
+
+    secs = _planted_like()
+    secs[2].data["bias"].update(subset="tied rows", unit="tied key group", n_units=41)  # keys a claim may carry
+    by = conclusions([*secs, _sec("rank1-sim", {}), _sec("pcast", {}), _sec("timeline", {}),
+                      _sec("delta-bias", None, note="no dO")])
+    assert by["bitdiff"].claim.subset == "tied rows" and by["bitdiff"].claim.n_units == 41 and by["bitdiff"].found
+    assert by["fix-check"].has_bias and by["fix-check"].outcome == "removed" and by["fix-check"].deployed_removes
+    assert by["isolate"].culprits == ("pv-fp32", "stabilized") and by["isolate"].action.startswith("keep the P̄V")
+    assert by["rank1-sim"].trend == "" and not by["pcast"].found and by["timeline"].mechanism == ""
+    assert not by["delta-bias"].ran and by["delta-bias"].why_not == "no dO"
+    v = build_verdict([*secs[:2], secs[2], *secs[3:]])
+    assert "in the rows whose maximum repeats" in v.answer  # the O claim decided on tied rows says where it lives
