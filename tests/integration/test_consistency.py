@@ -65,13 +65,15 @@ SHARE_KEYS = ("share", "reduction", "mass", "frac", "ci")  # the keys of the sha
 
 
 def _shares(obj, key: str = "") -> list[float]:
-    """Every finite number of a JSON value held under a key naming a share (a list inherits its key)."""
+    """Every finite number of a JSON value held under a key naming a share or a standard error (a list inherits its
+    key)."""
     if isinstance(obj, dict):
         return [x for k, v in obj.items() for x in _shares(v, str(k))]
     if isinstance(obj, list):
         return [x for v in obj for x in _shares(v, key)]
     if isinstance(obj, (int, float)) and not isinstance(obj, bool) and math.isfinite(obj):
-        return [float(obj)] if any(w in key for w in SHARE_KEYS) else []
+        share = any(w in key for w in SHARE_KEYS) or key == "se" or key.endswith("_se")  # a share or its error
+        return [float(obj)] if share else []
     return []
 
 
