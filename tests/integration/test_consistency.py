@@ -116,7 +116,11 @@ def assert_one_story(secs, verdict, page: str) -> None:
                                                    and precision != "fp32"), verdict.answer
     assert verdict.answer.startswith("Cannot tell") == (verdict.cause == "cannot-tell")
     # every percentage the card quotes is a number of a section
-    numbers = [x for d in data.values() for x in _shares(d)]
+    numbers = [x for d in data.values() for x in _shares(d)] + [EFFECT_FLOOR, ALPHA]  # and the policy's own
+    shares = [v for k, v in ((data.get("pv-trace") or {}).get("class_shares") or {}).items()
+              if k in ("tie", "near-tie", "carry") and isinstance(v, dict) and v.get("rows")]
+    if shares:  # the P̄ = 1 mechanism's share: pv-trace's classes where P̄ = 1 together, and their combined error
+        numbers += [sum(v["share"] for v in shares), sum(v["se"] ** 2 for v in shares) ** 0.5]
     for text in PERCENT.findall(card):
         digits = len(text.partition(".")[2])
         assert any(format(x, f".{digits}%") == f"{text}%" for x in numbers), (text, card)
