@@ -118,7 +118,8 @@ def assert_one_story(secs, verdict, page: str) -> None:
     # every percentage the card quotes is a number of a section
     numbers = [x for d in data.values() for x in _shares(d)] + [EFFECT_FLOOR, ALPHA]  # and the policy's own
     shares = [v for k, v in ((data.get("pv-trace") or {}).get("class_shares") or {}).items()
-              if k in ("tie", "near-tie", "carry") and isinstance(v, dict) and v.get("rows")]
+              if k in ("tie", "near-tie", "carry") and isinstance(v, dict) and v.get("rows")
+              and isinstance(v.get("share"), float) and isinstance(v.get("se"), float)]
     if shares:  # the P̄ = 1 mechanism's share: pv-trace's classes where P̄ = 1 together, and their combined error
         numbers += [sum(v["share"] for v in shares), sum(v["se"] ** 2 for v in shares) ** 0.5]
     for text in PERCENT.findall(card):
