@@ -243,6 +243,7 @@ class TimelinePayload(TypedDict):
     capture_alarm_rule: Optional[dict]
     alarm_rule: dict
     rule_alarms: list[dict]
+    diagnosis: dict  # the instability the series show: analyses.timeline.diagnose.InstabilityFinding.to_json
     verdict: str
     warnings: list[str]
 

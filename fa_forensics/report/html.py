@@ -1,6 +1,7 @@
-"""Assemble the report's index.html: a summary card first (is this run affected, where, what to do, how sure; the
-technical verdict one click away), a table of the sections, one section per analysis (its sentence, its labelled
-numbers, its figures and the command's own printed tables), and a glossary of the symbols the page uses.
+"""Assemble the report's index.html: a summary card first (the diagnosis: what is wrong and what to do; where,
+every action, how sure; the technical verdict one click away), a table of the sections, one section per analysis
+(its sentence, its labelled numbers, its figures and the command's own printed tables), and a glossary of the
+symbols the page uses.
 
 The card and the one-line CLI verdict render one object (`report.verdict.Verdict`), so they cannot disagree.
 `findings` gathers each analysis's one sentence (`finding` in its room's table.py) and the sections' numbers come
@@ -59,7 +60,8 @@ GLOSSARY: tuple[tuple[str, str, str], ...] = (
      "low-precision format before the product P̄V. A repeated row maximum gives P̄ = 1 several times: the carry of "
      "their sum is what makes the rounding biased (paper §3.3.2)."),
     ("delta", "δ, Σδ", "δ = rowsum(dO ∘ O), the per-token term of the attention backward; Σδ = Σ over tokens of "
-     "(δ_lp − δ_hp) in one (step, layer, head). A one-signed Σδ adds up in the W_Q gradient step after step."),
+     "(δ_lp − δ_hp) in one (step, layer, head). A one-signed Σδ can accumulate in the W_Q gradient over steps; "
+     "rank1-sim measures whether it compounds (its norm grows like the number of steps) or washes out."),
     ("signs", "O −, Σδ +", "the sign of a bias: O − means O_lp is below O_hp on average, Σδ + means "
      "Σ(δ_lp − δ_hp) > 0."),
     ("do", "dO", "the gradient of the loss with respect to O, recorded by the capture."),
@@ -82,6 +84,17 @@ GLOSSARY: tuple[tuple[str, str, str], ...] = (
      "only those at or below 2⁻¹⁸ (the FP8 paper's fix)."),
     ("p-collapse", "P-collapse", "a strong attention sink raises the running maximum, so most other P̄ fall below "
      "E4M3's smallest value and are silently zeroed: the probability mass they carried is lost."),
+    ("logit-growth", "attention-logit growth", "a head's largest attention logit (max logit, q·k scaled) grows to "
+     "many times its value early in the run, until its softmax puts all weight on one key (mean top-1 probability → "
+     "1: attention-entropy collapse) and the loss diverges; a LayerNorm on queries and keys (qk-layernorm) bounds the "
+     "logits, a lower learning rate or a longer warm-up slows their growth (Wortsman et al. 2023)."),
+    ("output-divergence", "output-logit divergence, z-loss", "the log-sum-exp of the language-model head's logits "
+     "drifts away from its early value; a z-loss (about 1e-4 · log-sum-exp², added to the loss) pulls it back to 0."),
+    ("blow-up", "optimizer / learning-rate blow-up", "the loss jumps in one step with W_Q's norm or every head's max "
+     "logit, and no attention precursor before it: the update was too large (learning rate, warm-up, Adam's ε or "
+     "β₂); clipping the gradient norm bounds it."),
+    ("cannot-tell", "cannot tell", "the evidence does not decide: the replay reproduces too few of the stored O bits "
+     "for its rounding findings to describe the kernel that trained, or the analyses could not run."),
     ("kv-order", "KV order", "the order in which a kernel visits the key blocks (forward or reverse); reverse visits "
      "the sink last, so the running maximum stays low longer."),
 )
@@ -91,9 +104,10 @@ body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0
 h1{font-size:1.4em} h2{font-size:1.15em;border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
 .card{border:1px solid #ccc;border-left:8px solid #888;border-radius:4px;padding:.8em 1.2em;background:#fafafa}
 .card.affected,.card.disagree{border-left-color:#D55E00;background:#fdf6e3}
-.card.fp8-only,.card.alarms-only{border-left-color:#E69F00;background:#fffaf0}
+.card.unstable{border-left-color:#CC79A7;background:#fdf3f8}
+.card.fp8-only,.card.cannot-tell{border-left-color:#E69F00;background:#fffaf0}
 .card.not-affected{border-left-color:#009E73;background:#f3fbf7}
-.card .answer{font-size:1.3em;font-weight:600;margin:.2em 0 .6em}
+.card .answer{font-size:1.3em;font-weight:600;margin:.2em 0 .3em} .card .because{margin:0 0 .6em}
 .card dt{font-weight:600;margin-top:.6em} .card dd{margin-left:1.2em} .card ul,.card ol{margin:.2em 0;padding-left:1.2em}
 .note{color:#a33} table{border-collapse:collapse;font-size:.88em;margin:.5em 0}
 td,th{border:1px solid #ddd;padding:3px 9px;text-align:left;vertical-align:top} th{background:#f0f0f0}
@@ -104,9 +118,13 @@ dl.glossary dt{font-weight:600;margin-top:.5em} dl.glossary dd{margin-left:1.2em
 
 
 def _card(v: Verdict, e) -> list[str]:
-    """The summary card: the answer, where, what was found, what to do, how sure, the technical sentence."""
+    """The summary card: the diagnosis (what is wrong, what to do), where, what was found, every action, how sure,
+    the technical sentence."""
     out = [f"<section class='card {e(v.status.replace(' ', '-'))}' id='summary'>",
-           f"<p class='answer'>Is this run affected? {e(v.answer)}</p>", "<dl>"]
+           f"<p class='answer'>{e(v.lead or v.answer)}</p>"]
+    if v.because:
+        out.append(f"<p class='because'>{e(v.because)}</p>")
+    out.append("<dl>")
     if v.precision:
         out.append(f"<dt>The run's precision</dt><dd>{e(v.precision[:1].upper() + v.precision[1:])}.</dd>")
     if v.where:
@@ -117,12 +135,16 @@ def _card(v: Verdict, e) -> list[str]:
     if v.actions:
         out.append("<dt>What to do</dt><dd><ol>" + "".join(
             f"<li><strong>{e(a.what)}</strong>: {e(a.effect)}.</li>" for a in v.actions) + "</ol></dd>")
+    elif v.status == "cannot tell":
+        out.append("<dt>What to do</dt><dd>Nothing the evidence supports yet: the first line says what is missing."
+                   "</dd>")
     elif v.untested:
         out.append("<dt>What to do</dt><dd>Nothing for what was tested: no analysis that ran found a bias, an FP8 "
-                   f"collapse or an alarm; {e(', '.join(v.untested))} could not run (their notes below say why and "
-                   "what a dump needs for them).</dd>")
+                   f"collapse or an instability; {e(', '.join(v.untested))} could not run (their notes below say why "
+                   "and what a dump needs for them).</dd>")
     else:
-        out.append("<dt>What to do</dt><dd>Nothing: no analysis found a bias, an FP8 collapse or an alarm.</dd>")
+        out.append("<dt>What to do</dt><dd>Nothing: no analysis found a bias, an FP8 collapse or an instability."
+                   "</dd>")
     if v.disagreements:
         out.append("<dt>Where the analyses disagree, and why</dt><dd><ul>"
                    + "".join(f"<li>{e(d)}</li>" for d in v.disagreements) + "</ul></dd>")
@@ -132,7 +154,8 @@ def _card(v: Verdict, e) -> list[str]:
     out.append("</dl>")
     out.append(f"<details><summary>The technical verdict</summary><p>{e(v.technical)}</p></details>")
     out.append("<p class='meta'>Symbols (lp/hp, P̄, δ, Σδ, O −/Σδ +, S, β, ε, rounding unit): see the "
-               "<a href='#glossary'>glossary</a> at the end of the page.</p></section>")
+               "<a href='#glossary'>glossary</a> at the end of the page, with the instabilities the diagnosis "
+               "names.</p></section>")
     return out
 
 

@@ -1,17 +1,15 @@
 """The report's verdict: one structured answer (`Verdict`) that both the page's summary card and the one-line CLI
 verdict render, so that they cannot disagree.
 
-It is built from the sections' JSON payloads, read defensively:
-- the bias claims (`bias` of isolate, delta-bias, bitdiff, fix-check, pv-trace: `analyses.quantities.BiasClaim`,
-  decided by the statistics policy of `analyses.significance`), grouped by quantity: Σδ per (step, layer, head)
-  (isolate, delta-bias) and the O bias per (layer, head, feature) (bitdiff, fix-check, pv-trace). The analyses of
-  one quantity quote the same numbers, so they agree; where the two quantities point at different places, or one
-  finds a bias and the other does not, the verdict says which and why;
-- what removes it: isolate's repairs, pv-trace's P̄ = 1 share, fix-check's fix, stable_attention as deployed;
-- pcast's FP8 finding (heads whose default P cast drops probability mass) and its setting;
-- the timeline's alarms (from the monitor), which lead when there are any;
+Its first line is the diagnosis (report.diagnosis): what is wrong with this run and what to do, composed from the
+sections' typed conclusions (report.conclusions). Around it, from the same sections' JSON payloads:
+- the bias claims grouped by quantity: Σδ per (step, layer, head) (isolate, delta-bias) and the O bias per (layer,
+  head, feature) (bitdiff, fix-check, pv-trace); where the two quantities point at different places, or one finds a
+  bias and the other does not, the verdict says which and why;
+- pcast's FP8 finding, the timeline's alarms and the instability it shows;
 - how sure: the replay fidelity with the mismatch test, the claims' p-values in their family.
-An fp32 run's verdict leads with that: there is no low-precision rounding in it to analyse.
+An fp32 run's verdict says so: its findings show what a low-precision replay would do, and rounding is never the
+cause it names.
 """
 from __future__ import annotations
 
@@ -20,7 +18,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fa_forensics.analyses.significance import ALPHA, EFFECT_FLOOR, METHOD, REMOVED_SHARE, rule_text
-from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se, text
+from fa_forensics.analyses.wording import bit_share, finite, number, share_with_se
+from fa_forensics.report.conclusions import CompoundingConclusion, conclusions, replay
+from fa_forensics.report.diagnosis import Action, Diagnosis, diagnose
 
 CLAIMING = ("isolate", "delta-bias", "bitdiff", "fix-check", "pv-trace")
 QUANTITY_OF = {"isolate": "delta", "delta-bias": "delta", "bitdiff": "O", "fix-check": "O", "pv-trace": "O"}
@@ -80,19 +80,11 @@ class Evidence:
 
 
 @dataclass(frozen=True)
-class Action:
-    """One thing to do, with its measured effect."""
-
-    what: str
-    effect: str
-
-
-@dataclass(frozen=True)
 class Verdict:
     """The answer of the report, in fields the card and the one-line verdict both render."""
 
-    status: str  # "affected" | "fp8-only" | "alarms-only" | "not affected" | "disagree" | "no result"
-    answer: str  # the plain-words answer: is this run affected
+    status: str  # "affected" | "disagree" | "unstable" | "fp8-only" | "cannot tell" | "not affected" | "no result"
+    answer: str  # the diagnosis: what is wrong with this run and what to do
     where: str  # layer, head, step(s), feature ('' when nothing was found)
     findings: tuple[str, ...]  # one plain sentence per finding (timeline, bias, FP8)
     actions: tuple[Action, ...]  # what to do, each with its measured effect
@@ -106,6 +98,10 @@ class Verdict:
     fidelity: str = ""
     precision: str = ""  # what the run's precision means ('' for a low-precision run)
     untested: tuple[str, ...] = ()  # the analyses that could not run on this dump (their notes say why)
+    lead: str = ""  # the card's first line: what is wrong, what to do
+    because: str = ""  # the evidence behind it, and the other causes with evidence
+    cause: str = ""  # the mechanism the diagnosis names (report.diagnosis: "biased-rounding", "fp8-p-collapse", ...)
+    causes: tuple[str, ...] = ()  # every mechanism with evidence, the named one first
 
     def line(self) -> str:
         """The one-line verdict of the CLI and the page's technical sentence."""
@@ -196,38 +192,11 @@ def _fidelity(sections) -> str:
     return "replay fidelity not measured (the findings describe the replayed recipe)"
 
 
-def _collapse_clause(fc: dict) -> str:
-    """'; the stabilized softmax collapses O in N row(s) (...)' when fix-check found it under the preset's floor."""
-    c = fc.get("collapse") or {}
-    if not (c.get("rows") and c.get("applies")):
-        return ""
-    return (f"; the stabilized softmax collapses O in {c['rows']} row(s) (repeated maximum up to "
-            f"{number(c.get('max_score'), '.4g')} > {number(c.get('threshold'), '.4g')}: the "
-            f"{number(c.get('floor'), 'g')} row-sum floor takes over; fix-check)")
-
-
-def _fp8_heads(pcast: Optional[dict]) -> list[dict]:
-    """pcast's heads that need a P-cast fix, with the setting it recommends and the mass the default drops."""
-    out = []
-    for h in (pcast or {}).get("heads") or []:
-        if not (isinstance(h, dict) and h.get("needs_fix")):
-            continue
-        default = next((s for s in h.get("settings") or [] if isinstance(s, dict) and s.get("S") == 1.0
-                        and s.get("order") == "forward"), {})
-        out.append({"step": h.get("step"), "layer": h.get("layer"), "head": h.get("head"),
-                    "S": h.get("recommended_S"), "order": h.get("recommended_order"),
-                    "mass_zeroed": default.get("mass_zeroed"), "frac_zeroed": default.get("frac_zeroed")})
-    return out
-
-
-def _alarms(timeline: Optional[dict]) -> list[dict]:
-    """The timeline's alarms ({step, metric, layer, head, value, rule}), or its alarm steps when it lists no more."""
-    if not timeline:
-        return []
-    alarms = [a for a in timeline.get("alarms") or [] if isinstance(a, dict)]
-    if alarms:
-        return alarms
-    return [{"step": s} for s in timeline.get("alarm_steps") or [] if isinstance(s, (int, float))]
+def _collapse_clause(by_name) -> str:
+    """'; the stabilized softmax collapses O in N row(s) (...)' where fix-check found it under the preset's floor."""
+    fc = by_name.get("fix-check")
+    collapse = getattr(fc, "collapse", "")
+    return f"; {collapse}" if collapse else ""
 
 
 def _alarm_text(alarms: list[dict]) -> str:
@@ -285,20 +254,30 @@ def _where(delta: Optional[Evidence], o: Optional[Evidence]) -> str:
     return text
 
 
-def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence]) -> list[str]:
-    """The bias findings in plain words."""
+def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence], rank1: Optional[CompoundingConclusion],
+                replayed: str = "") -> list[str]:
+    """The bias findings in plain words; "compounds" only where rank1-sim concluded it. `replayed`: the preset an
+    fp32 run's findings replay (its findings say what that preset would do, not what trained)."""
     out = []
+    lead = f"In a {replayed} replay of this fp32 run (not what trained), the" if replayed else "The"
     if o is not None and o.found:
         direction = "too high" if o.sign > 0 else "too low"
-        out.append(f"The low-precision attention output O comes out {direction} on average in layer {o.layer} head "
+        out.append(f"{lead} low-precision attention output O comes out {direction} on average in layer {o.layer} head "
                    f"{o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its rows, the smaller p; "
                    f"{', '.join(o.analyses)}).")
     if delta is not None and delta.found:
         direction = "positive" if delta.sign > 0 else "negative"
-        out.append(f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "
-                   f"{delta.layer} head {delta.head}, most significant at step {delta.step}: {delta.stats()} "
-                   f"({', '.join(delta.analyses)}). A one-signed δ error adds up in W_Q's gradient step after step "
-                   f"(paper §3.3).")
+        text = (f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "
+                f"{delta.layer} head {delta.head}, most significant at step {delta.step}: {delta.stats()} "
+                f"({', '.join(delta.analyses)}).")
+        if rank1 is not None and rank1.trend == "compounds":
+            text += (f" rank1-sim finds that it compounds: W_Q's gradient error grows with the number of steps "
+                     f"(accumulation exponent {number(rank1.exponent, '.2f')}; paper §3.3).")
+        elif rank1 is not None and rank1.trend:
+            trend = "washes out" if rank1.trend == "washes out" else "neither compounds nor washes out"
+            text += (f" rank1-sim finds that it {trend} over the captured steps (accumulation exponent "
+                     f"{number(rank1.exponent, '.2f')}).")
+        out.append(text)
     return out
 
 
@@ -329,120 +308,51 @@ def _disagreements(evidence: list[Evidence], delta: Optional[Evidence], o: Optio
     return out
 
 
-def _actions(data: dict[str, dict], found: bool, fp8: list[dict], alarms: list[dict]) -> list[Action]:
-    """What to do, each with its measured effect."""
-    out = []
-    if alarms:
-        steps = sorted({a.get("step") for a in alarms if a.get("step") is not None})
-        out.append(Action(f"Capture and analyse the step(s) the monitor flagged ({', '.join(map(str, steps[:6]))})",
-                          "the analyses below only see the captured steps"))
-    fc = data.get("fix-check") or {}
-    fp32_pv_said = False  # the fp32 P̄V action already given (then isolate's repair does not repeat it)
-    settings = f"beta={number(fc.get('beta'), 'g')}, eps={number(fc.get('eps'), 'g')}"
-    if found and fc:
-        deployed = fc.get("deployment") if isinstance(fc.get("deployment"), dict) else None
-        variants = {v.get("name"): v for v in [fc.get("baseline"), fc.get("fixed"), *(fc.get("alternatives") or [])]
-                    if isinstance(v, dict)}
-        baseline = variants.get("baseline", {})
-        fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
+def _status(d: Diagnosis, evidence: list[Evidence], disagreements: list[str]) -> str:
+    from fa_forensics.report import diagnosis as dx
 
-        def change(v: dict) -> str:
-            return (f"O bias {number(baseline.get('o_bias'), '+.2e')} → {number(v.get('o_bias'), '+.2e')} in layer "
-                    f"{text((fc.get('target') or {}).get('layer'))} head {text((fc.get('target') or {}).get('head'))} "
-                    f"feature {text((fc.get('target') or {}).get('feature'))}")
-
-        if _collapse_clause(fc):
-            out.append(Action(f"Do not use the stabilized softmax with this row-sum floor (β = "
-                              f"{number(fc.get('beta'), 'g')})", _collapse_clause(fc).removeprefix("; ")))
-        elif deployed and deployed.get("removes") and deployed.get("control_removes") \
-                and fc.get("outcome") != "removed":
-            out.append(Action(
-                "Keep the P̄V product and its accumulator in fp32 (the kernels of fa_forensics.stable_attention "
-                "do, with or without the fix)",
-                f"as deployed, stable_attention removes {share_with_se(deployed.get('removed_share'), None)} of the "
-                f"bias and its kernels without the fix (plain_attention) "
-                f"{share_with_se(deployed.get('control_removed_share'), None)}, while the stabilized softmax alone "
-                f"removes {share_with_se(fixed.get('removed_share'), None)} in this dump's kernel (fix-check): the "
-                "fp32 P̄V accumulator is what helps here, not the fix"))
-            fp32_pv_said = True
-        elif deployed and deployed.get("removes"):
-            share = share_with_se(deployed.get("removed_share"), None)
-            effect = (f"it removes {share} of the bias in the replay of this dump "
-                      f"({change(variants.get('stable_attention', {}))})")
-            if deployed.get("control_removes"):
-                effect += ("; its kernels without the fix (plain_attention) remove it too: the fp32 P̄V accumulator "
-                           "is what helps here")
-            out.append(Action(f"Replace the attention by fa_forensics.stable_attention(q, k, v, {settings})", effect))
-        elif fc.get("outcome") == "removed":
-            out.append(Action(f"Use the stabilized softmax (Algorithm 3, {settings}) in this kernel",
-                              f"fix-check: it removes {share_with_se(fixed.get('removed_share'), None)} of the "
-                              f"bias ({change(fixed)})"))
-        elif fc.get("outcome") == "inconclusive":
-            removed = share_with_se(fixed.get("removed_share"), None)
-            out.append(Action("Capture more steps or batch rows before choosing a fix",
-                              f"fix-check cannot tell yet: the fix removes {removed} of the bias ({change(fixed)}) "
-                              "and what is left is not significant either"))
-        else:
-            out.append(Action("The stabilized softmax is not enough here (fix-check exits 1)",
-                              f"it removes {share_with_se(fixed.get('removed_share'), None)} of the bias "
-                              f"({change(fixed)})"))
-    iso = data.get("isolate") or {}
-    if found and iso.get("culprits") and not fp32_pv_said:
-        by = {v.get("name"): v for v in iso.get("variants") or [] if isinstance(v, dict)}
-        for name, what in (("pv-fp32", "Keep the P̄V product and its accumulator in fp32"),
-                           ("o-fp32", "Keep the whole O path in fp32 (P̄V, accumulator, stored O)")):
-            if name in iso["culprits"]:
-                removed = share_with_se(by.get(name, {}).get("reduction"), None)
-                out.append(Action(what, f"isolate's {name} repair removes {removed} of the Σδ bias"))
-                break
-    if fp8:
-        out.append(Action(f"If attention runs in FP8: scale P by S before its E4M3 cast ({_fp8_settings(fp8)})",
-                          "pcast: the recommended setting keeps the probability mass the default cast drops, at the "
-                          "lowest MSE within its noise"))
-    return out
+    mechanism = d.cause.mechanism
+    if mechanism == dx.ROUNDING:
+        return "disagree" if any("disagree" in x for x in disagreements) else "affected"
+    if mechanism == dx.FP8:
+        return "fp8-only"
+    if mechanism == dx.CANNOT_TELL:
+        return "no result" if d.cause.sections == () else "cannot tell"
+    if mechanism == dx.NONE:
+        return "not affected"
+    return "unstable"
 
 
 def build_verdict(sections) -> Verdict:
-    """The report's verdict from its sections (any object with `name` and `data`, the JSON payload or None)."""
+    """The report's verdict from its sections (any object with `name`, `data` (the JSON payload or None) and
+    `note`)."""
     data = {s.name: s.data for s in sections if s.data is not None}
     untested = tuple(s.name for s in sections if s.data is None)
     by_name = claims(sections)
+    concluded = conclusions(sections)
+    fit = replay(sections)
+    d = diagnose(concluded, fit)
     evidence = _evidence(by_name, data, "delta") + _evidence(by_name, data, "O")
     delta = next((e for e in evidence if e.quantity == "delta"), None)
     o = next((e for e in evidence if e.quantity == "O"), None)
     found = any(e.found for e in evidence)
-    fp8 = _fp8_heads(data.get("pcast"))
-    alarms = _alarms(data.get("timeline"))
+    pcast = concluded.get("pcast")
+    fp8 = list(getattr(pcast, "heads", ()))
+    timeline = concluded.get("timeline")
+    alarms = list(getattr(timeline, "alarms", ()))
+    rank1 = concluded.get("rank1-sim") if isinstance(concluded.get("rank1-sim"), CompoundingConclusion) else None
     fidelity = _fidelity(sections)
     precision = _precision(sections)
     disagreements = _disagreements(evidence, delta, o)
-    rule = rule_text()
-    where = _where(delta, o)
     findings = []
+    if timeline is not None and getattr(timeline, "found", False):
+        findings.append(f"The timeline shows {timeline.summary} (timeline).")
     if alarms:
         findings.append(_alarm_text(alarms)[:1].upper() + _alarm_text(alarms)[1:] + ".")
-    findings += _plain_bias(delta, o)
+    findings += _plain_bias(delta, o, rank1, fit.preset if fit.fp32_run else "")
     if fp8:
-        findings.append(_fp8_text(fp8, data.get("pcast") or {}) + ".")
-    if found:
-        status = "affected"
-        answer = "Yes: the attention rounds with a bias that reaches training." if delta is not None and delta.found \
-            else "Yes: the attention output rounds with a bias."
-    elif fp8:
-        status, answer = "fp8-only", ("No biased rounding in the replayed recipe, but in FP8 attention "
-                                      f"{len(fp8)} head{'s' if len(fp8) != 1 else ''} would lose probability mass.")
-    elif alarms:
-        status, answer = "alarms-only", "The monitor raised alarms; no biased rounding in the captured steps."
-    elif not by_name and "pcast" not in data:
-        status, answer = "no result", "No analysis produced a result for this dump (see the notes below)."
-    elif untested:
-        status, answer = "not affected", (f"No significant biased rounding in what could be tested; "
-                                          f"{_names(untested)} could not run on this dump (see {_their(untested)} "
-                                          "notes).")
-    else:
-        status, answer = "not affected", "No: no significant biased rounding, nothing to fix."
-    if disagreements and found:
-        status = "disagree" if any("disagree" in d for d in disagreements) else status
+        findings.append(("If this run's attention ran in FP8: " if fit.fp32_run else "")
+                        + _fp8_text(fp8, data.get("pcast") or {}) + ".")
     confidence = [fidelity[:1].upper() + fidelity[1:] + "."]
     if untested:
         confidence.append(f"Not tested: {_names(untested)} could not run on this dump (see {_their(untested)} notes).")
@@ -454,12 +364,14 @@ def build_verdict(sections) -> Verdict:
         confidence.append(f"Most significant item: layer {best.layer} head {best.head}"
                           + (f" feature {best.feature}" if best.feature is not None else "")
                           + (f" step {best.step}" if best.step is not None else "") + f", {best.stats()}.")
-    actions = _actions(data, found, fp8, alarms)
-    technical = _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision, untested)
-    return Verdict(status=status, answer=answer, where=where, findings=tuple(findings), actions=tuple(actions),
-                   confidence=tuple(confidence), disagreements=tuple(disagreements), rule=rule, technical=technical,
+    technical = _technical(d, concluded, data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision,
+                           untested, fit.preset if fit.fp32_run else "")
+    return Verdict(status=_status(d, evidence, disagreements), answer=d.headline, where=_where(delta, o),
+                   findings=tuple(findings), actions=d.actions, confidence=tuple(confidence),
+                   disagreements=tuple(disagreements), rule=rule_text(), technical=technical,
                    evidence=tuple(evidence), fp8_heads=tuple(fp8), alarms=tuple(alarms), fidelity=fidelity,
-                   precision=precision, untested=untested)
+                   precision=precision, untested=untested, lead=d.lead, because=d.because, cause=d.cause.mechanism,
+                   causes=tuple(c.mechanism for c in (d.cause, *d.others)))
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -471,18 +383,19 @@ def _their(names: tuple[str, ...]) -> str:
     return "its" if len(names) == 1 else "their"
 
 
-def _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision, untested=()) -> str:
-    """The one-line verdict: 'VERDICT: …; replay fidelity …'."""
+def _technical(d: Diagnosis, concluded, data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision,
+               untested=(), replayed: str = "") -> str:
+    """The one-line verdict: 'VERDICT: <the diagnosis> Technical: …; replay fidelity …'."""
     lead = f"{precision}. " if precision else ""
     parts = []
     if alarms:
         parts.append(_alarm_text(alarms))
     names = ", ".join(by_name)
-    collapse = _collapse_clause(data.get("fix-check") or {})
+    collapse = _collapse_clause(concluded)
     if not by_name:
         parts.append("no analysis produced a bias claim for this dump (see the notes below)")
     elif not found:
-        tail = "nothing to fix" if not fp8 and not alarms else "no fix for rounding bias needed"
+        tail = "no fix for rounding bias needed" if d.cause.mechanism != "none" else "nothing to fix"
         if untested:
             tail = f"nothing to fix in what was tested ({_names(untested)} could not run)"
         parts.append(f"no significant bias (sign or t-test, {METHOD}-corrected p < {ALPHA:g} and at least "
@@ -490,16 +403,18 @@ def _technical(data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, 
     else:
         signs = _signs_text(evidence)
         finders = ", ".join(n for e in evidence if e.found for n in e.analyses)
-        sentence = f"biased rounding at {_where(delta, o)} ({signs}), found by {finders}"
+        what = f"in a {replayed} replay (not what trained), biased rounding" if replayed else "biased rounding"
+        sentence = f"{what} at {_where(delta, o)} ({signs}), found by {finders}"
         disagree = _disagreements(evidence, delta, o)
         if disagree:
             sentence += f"; {'; '.join(disagree)}"
-        sentence += _operation(data, o) + _fix(data, collapse)
+        sentence += _operation(data, o) + _fix(concluded, collapse)
         parts.append(sentence)
     if fp8:
-        parts.append(_fp8_text(fp8, data.get("pcast") or {}) + f"; use {_fp8_settings(fp8)}")
+        parts.append(("if it ran in FP8: " if replayed else "") + _fp8_text(fp8, data.get("pcast") or {})
+                     + f"; use {_fp8_settings(fp8)}")
     body = "; ".join(parts)
-    return f"VERDICT: {lead}{body[:1].upper() if lead else body[:1]}{body[1:]}; {fidelity}."
+    return f"VERDICT: {d.headline} Technical: {lead}{body[:1].upper() if lead else body[:1]}{body[1:]}; {fidelity}."
 
 
 def _operation(data: dict, o: Optional[Evidence]) -> str:
@@ -524,22 +439,19 @@ def _operation(data: dict, o: Optional[Evidence]) -> str:
     return text
 
 
-def _fix(data: dict, collapse: str) -> str:
-    fc = data.get("fix-check") or {}
-    if not fc:
+def _fix(concluded, collapse: str) -> str:
+    """What fix-check concluded about the fix, only where it found a bias to remove."""
+    fc = concluded.get("fix-check")
+    if fc is None or not getattr(fc, "has_bias", False):
         return ""
     if collapse:
         return collapse
-    if not fc.get("has_bias", True):
-        return ""
-    fixed = fc.get("fixed") if isinstance(fc.get("fixed"), dict) else {}
-    most = finite(fixed.get("removed_share")) and fixed["removed_share"] < REMOVED_SHARE
+    most = finite(fc.fixed_share) and fc.fixed_share < REMOVED_SHARE
     text = {"removed": ("; the stabilized softmax removes most of it (what is left is not significant)" if most
                         else "; the stabilized softmax removes it"),
             "inconclusive": "; too few rows to tell whether the stabilized softmax removes it"}.get(
-        fc.get("outcome"), "; the stabilized softmax does NOT remove it")
-    text += (f" (fix-check, {fixed.get('name', 'the fix')}: {share_with_se(fixed.get('removed_share'), None)} removed, "
-             f"reduction {number(fc.get('bias_reduction'), '.1f')}x)")
+        fc.outcome, "; the stabilized softmax does NOT remove it")
+    text += f" (fix-check: {share_with_se(fc.fixed_share, None)} removed)"
     return text
 
 

@@ -53,6 +53,13 @@ def test_a_dump_holding_only_a_timeline_gets_a_report_led_by_it(tmp_path):
     for s in sections[1:]:
         assert not s["ok"] and s["note"] == NO_STEP_NOTE, s["name"]
     html = (page / "index.html").read_text()
+    diagnosis = timeline["diagnosis"]  # the loss went non-finite with no precursor: the timeline cannot say why
+    assert diagnosis["mechanism"] == "loss-spike" and diagnosis["step"] == NAN_AT == diagnosis["loss_spike_step"]
+    summary = json.loads(js.read_text())["summary"]
+    assert summary["cause"] == "loss-spike" and summary["lead"].startswith(f"A loss spike without a precursor from "
+                                                                           f"step {NAN_AT}. What to do: look at")
+    assert summary["actions"][-1]["what"] == f"Capture the steps the monitor flagged ({NAN_AT}) in full"
+    assert "biased-rounding" not in summary["causes"] and "nothing to fix" not in summary["answer"]
     assert html.index("<h2 id='timeline'>") < html.index("<h2 id='isolate'>")
     assert f"the capture&#x27;s alarm fired at step {NAN_AT}: loss = nan (non-finite)" in html
     assert all((page / f).is_file() for f in sections[0]["figures"])

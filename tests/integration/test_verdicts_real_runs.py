@@ -1,6 +1,7 @@
 """Verdicts on real training runs: HF GPT-2 (from a config, no download) trained under capture with its
 default attention dropout, with bf16 autocast on the CPU, and in fp32; the project's demo model's capture
-(sample_dumps/demo.zarr). What a user reads must follow what the run recorded, and no command alters a dump."""
+(sample_dumps/demo.zarr); the demo model trained in fp32 at a learning rate that makes its attention logits grow.
+What a user reads must follow what the run recorded, and no command alters a dump."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -201,3 +203,55 @@ def test_every_warning_on_stderr_is_in_the_json(make_dump, tmp_path):
         printed = [line.removeprefix("warning: ") for line in res.output.splitlines() if line.startswith("warning: ")]
         assert skipped in warnings and skipped in printed, args[0]
         assert all(line in warnings for line in printed), args[0]
+
+
+def _train_fp32_logit_growth(out: Path, steps: int = 24) -> Path:
+    """The project's demo GPT in fp32 (SDPA attention, no qk-layernorm) memorising one batch with Adam at lr 0.1,
+    every step monitored, the alarm on after a 5-step warm-up: its attention logits grow a hundredfold within 20
+    steps and its softmax goes one-hot."""
+    from fa_forensics.demo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32, attention="sdpa"))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.9, 0.95))
+    data = torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(0))
+    idx, targets = data[:, :32].contiguous(), data[:, 1:].contiguous()
+    with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm={"warmup": 5}, alarm_steps=1,
+                              ring=2) as cap:
+        for _ in range(steps):
+            _, loss = model(idx, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            cap.step(loss)
+    return out
+
+
+def test_an_fp32_run_with_attention_logit_growth_is_diagnosed_so_never_as_rounding(tmp_path):
+    """`report --step <first alarm>` on a real fp32 run whose attention logits grew: the card names attention-logit
+    growth with qk-layernorm / learning-rate advice, and rounding never (the bf16 replay is not what trained)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the alarm's AlarmWarning
+        path = _train_fp32_logit_growth(tmp_path / "fp32.zarr")
+    dump = open_dump(path)
+    first = int(next(s for s, n in zip(dump.timeline["step"], dump.timeline["alarms"]) if n > 0))
+    assert first in dump.steps
+    d, output = _json(["report", str(path), "--step", str(first), "--out", str(tmp_path / "r")], tmp_path)
+    s = d["summary"]
+    assert s["cause"] == "attention-logit-growth" and s["status"] == "unstable", s["answer"]
+    assert "biased-rounding" not in s["causes"] and "fp8-p-collapse" not in s["causes"]
+    assert s["answer"].startswith("Attention-logit growth in layer ") and "qk-layernorm" in s["answer"]
+    assert "lower the learning rate" in s["answer"] and "its attention's rounding is not the cause" in s["answer"]
+    assert s["actions"][0]["what"].startswith("Add qk-layernorm")
+    assert not any("stable_attention" in a["what"] or "fp32" in a["what"] for a in s["actions"])
+    timeline = next(x["json"] for x in d["sections"] if x["name"] == "timeline")
+    diagnosis = timeline["diagnosis"]
+    assert diagnosis["mechanism"] == "attention-logit-growth" and diagnosis["evidence"]["growth"] > 10
+    series = np.asarray(timeline["series"]["max_logit"])[diagnosis["layer"]][diagnosis["head"]]  # (steps,)
+    assert series[-1] > 100 * series[0] and diagnosis["step"] < first  # it grew before the alarm
+    page = (tmp_path / "r" / "index.html").read_text()
+    card = page[page.index("<section class='card"):page.index("</section>")]
+    assert "qk-layernorm" in card and "Yes:" not in card and "stable_attention(" not in card
+    assert "verdict: Attention-logit growth" in " ".join(output.split())

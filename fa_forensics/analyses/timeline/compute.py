@@ -243,4 +243,15 @@ def alarm_json(replay: AlarmReplay) -> dict:
 def payload(result: TimelineResult) -> dict[str, Any]:
     """The whole --json payload (keys documented in docs/json.md and the registry)."""
     return {**timeline_json(result), **(alarm_json(result.replay) if result.replay is not None else {}),
-            "verdict": result.verdict, "warnings": list(result.warnings)}
+            "diagnosis": diagnosis_json(result), "verdict": result.verdict, "warnings": list(result.warnings)}
+
+
+def diagnosis_json(result: TimelineResult) -> dict:
+    """The instability the series show (analyses.timeline.diagnose), for --json and the report's diagnosis."""
+    from fa_forensics.analyses.timeline.diagnose import diagnose
+
+    lse = getattr(result, "output_lse", None)
+    lse = result.series.get("output_lse") if lse is None else lse
+    return diagnose(result.steps, result.loss, **{m: result.series.get(m) for m in
+                                                   ("max_logit", "top1_prob", "wq_sigma", "near_max_ties",
+                                                    "attn_entropy")}, output_lse=lse).to_json()

@@ -1,5 +1,7 @@
 """report: the summary card, the one-line verdict, the sections' sentences and numbers read the commands' JSON keys
-(payloads built here: a timeline with alarms, an FP8-only finding, claims that disagree, keys missing)."""
+(payloads built here: a timeline with alarms or an instability, an FP8-only finding, claims that disagree, keys
+missing, an fp32 run, a replay that reproduces too few bits)."""
+import html
 import re
 
 from fa_forensics.report.html import findings, render
@@ -56,7 +58,14 @@ def test_the_card_comes_first_and_names_what_where_and_what_to_do():
     page = render("d.zarr", secs)
     v = build_verdict(secs)
     assert v.status == "affected" and v.where == "layer 0 head 1, steps 0, 1, 2, feature 44"
-    assert page.index("Is this run affected? Yes") < page.index("<h2")  # the card before any section
+    assert v.answer.startswith("Biased rounding in P̄V at layer 0 head 1 feature 44: the low-precision attention "
+                               "output comes out too low on average") and v.cause == "biased-rounding"
+    assert "What to do: replace the attention by fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001)" in v.answer
+    assert page.index(v.answer.split(":")[0]) < page.index("<h2")  # the card before any section
+    assert v.lead == ("Biased rounding in P̄V at layer 0 head 1 feature 44. What to do: replace the attention by "
+                      "fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001).")
+    assert f"<p class='answer'>{html.escape(v.lead)}</p>" in page and html.escape(v.because) in page
+    assert v.because.startswith("Evidence: the low-precision attention output comes out too low on average (O −")
     assert page.index("fa_forensics.stable_attention(q, k, v, beta=2, eps=0.001)") < page.index("<h2")
     assert "removes 98% of the bias" in page and "Keep the P̄V product and its accumulator in fp32" in page
     assert "<details><summary>The technical verdict</summary>" in page and "<a href='#glossary'>" in page
@@ -79,7 +88,8 @@ def test_an_fp8_finding_reaches_the_headline_without_a_rounding_bias():
     assert "FP8: 3 of 4 heads need a P-cast fix" in v.line() and "use forward S=256" in v.line()
     assert any("scale P by S before its E4M3 cast (forward S=256)" in a.what for a in v.actions)
     page = render("d.zarr", [*secs, _sec("pcast", pcast)])
-    assert "would lose probability mass" in page and "Nothing: no analysis found" not in page
+    assert v.answer.startswith("FP8 P-collapse in 3 of 4 heads (layer 0 head 0, layer 0 head 2, layer 0 head 3)")
+    assert "Nothing: no analysis found" not in page
 
 
 def test_timeline_alarms_lead_the_card_and_the_verdict():
@@ -89,13 +99,15 @@ def test_timeline_alarms_lead_the_card_and_the_verdict():
                 "alarm_steps": [120, 121], "steps": list(range(200))}
     secs = [*_planted_like(delta_found=False, o_found=False), _sec("timeline", timeline)]
     v = build_verdict(secs)
-    assert v.status == "alarms-only" and v.findings[0].startswith("The training monitor raised 2 alarms at steps 120, "
+    assert v.status == "cannot tell" and v.findings[0].startswith("The training monitor raised 2 alarms at steps 120, "
                                                                    "121 (first: max_logit at layer 1 head 2 = 41.5")
-    assert v.line().startswith("VERDICT: the training monitor raised 2 alarms") and "nothing to fix" not in v.line()
-    assert v.actions[0].what.startswith("Capture and analyse the step(s) the monitor flagged (120, 121)")
-    # an older payload with alarm steps only still leads
-    old = build_verdict([_sec("timeline", {"alarm_steps": [7]})])
-    assert old.line().startswith("VERDICT: the training monitor raised 1 alarm at step 7")
+    assert v.line().startswith("VERDICT: Cannot tell: the monitor raised 2 alarms (steps 120, 121), but neither the "
+                               "timeline nor the captured steps show a mechanism") and "nothing to fix" not in v.line()
+    assert v.actions == ()  # the steps are in the dump: nothing asks to capture them
+    # a payload with alarm steps only, on a dump that holds only the timeline: capture the flagged steps
+    old = build_verdict([_sec("timeline", {"alarm_steps": [7]}), _sec("isolate", None, note="no step")])
+    assert old.line().startswith("VERDICT: Cannot tell: the monitor raised 1 alarm (step 7)")
+    assert old.actions[0].what == "Capture the steps the monitor flagged (7) in full"
 
 
 def test_an_o_bias_that_does_not_reach_the_gradient_is_a_finding_with_its_reason():
@@ -104,7 +116,8 @@ def test_an_o_bias_that_does_not_reach_the_gradient_is_a_finding_with_its_reason
     assert v.status == "affected" and "nothing to fix" not in v.line()
     assert any("does not make Σδ significant" in d and "bias of the output, not (yet) of training" in d
                for d in v.disagreements)
-    assert v.answer == "Yes: the attention output rounds with a bias."
+    assert v.answer.startswith("Biased rounding in P̄V at layer 0 head 1 feature 44: the low-precision attention "
+                               "output comes out too low") and "W_Q gradient" not in v.answer
 
 
 def test_analyses_of_one_quantity_that_disagree_are_named():
@@ -153,14 +166,15 @@ def test_analyses_that_could_not_run_qualify_a_clean_verdict():
             *secs]
     v = build_verdict(secs)
     assert v.status == "not affected" and v.untested == ("isolate", "delta-bias", "rank1-sim")
-    assert v.answer.startswith("No significant biased rounding in what could be tested; isolate, delta-bias and "
-                               "rank1-sim could not run on this dump")
+    assert v.answer.startswith("Nothing wrong found in what could be tested: no significant biased rounding; isolate, "
+                               "delta-bias and rank1-sim could not run on this dump")
     assert "nothing to fix in what was tested (isolate, delta-bias and rank1-sim could not run)" in v.line()
     assert any(c.startswith("Not tested: isolate, delta-bias and rank1-sim") for c in v.confidence)
     page = render("d.zarr", secs)
     assert "Nothing for what was tested" in page and "Nothing: no analysis found" not in page
     clean = build_verdict(_planted_like(delta_found=False, o_found=False))  # every analysis ran: the plain answer
-    assert clean.answer == "No: no significant biased rounding, nothing to fix." and not clean.untested
+    assert clean.answer == ("Nothing wrong found: no significant biased rounding, no FP8 P-collapse: nothing to fix."
+                            ) and not clean.untested and clean.cause == "none"
 
 
 def test_a_share_above_100_percent_says_it_is_signed():
@@ -185,8 +199,140 @@ def test_when_the_kernels_without_the_fix_remove_the_bias_the_card_says_fp32_pv_
                           "control_removed_share": 0.81})
     v = build_verdict(secs)
     first = v.actions[0]
-    assert first.what.startswith("Keep the P̄V product and its accumulator in fp32")
-    assert "stable_attention removes 80%" in first.effect and "(plain_attention) 81%" in first.effect
-    assert "the stabilized softmax alone removes 1%" in first.effect
-    assert not any(a.what.startswith("Replace the attention") for a in v.actions)
+    assert first.what == "Keep the P̄V product and its accumulator in fp32" and "stable_attention(" not in first.what
+    assert "without the fix (plain_attention) remove 81% of the bias as deployed" in first.effect
+    assert "What to do: keep the P̄V product and its accumulator in fp32" in v.answer
+    assert "What to do: replace" not in v.answer and "stable_attention(" not in v.answer
+    assert not any(a.what.startswith(("Replace the attention", "Or use")) for a in v.actions)
+    assert v.actions[-1].what.startswith("The stabilized softmax alone is not enough here")  # a caution comes last
+    assert "removes 1% of the bias" in v.actions[-1].effect
     assert sum("fp32" in a.what for a in v.actions) == 1  # isolate's pv-fp32 repair not repeated
+
+
+def _timeline_section(mechanism="attention-logit-growth", found=True):
+    """The timeline section of a run whose layer 0 head 1 logits grew from step 40 (the diagnosis as
+    analyses.timeline.diagnose writes it)."""
+    from fa_forensics.analyses.timeline.diagnose import diagnose
+
+    steps = list(range(100))
+    logit = [[[0.1, 0.1 if not found else 0.1 * (1.2 ** max(0, s - 40))]] for s in steps]
+    top1 = [[[0.2, 0.2 if not found else min(0.999, 0.2 + 0.02 * max(0, s - 40))]] for s in steps]
+    diagnosis = diagnose(steps, [3.0] * 100, max_logit=logit, top1_prob=top1).to_json()
+    assert diagnosis["mechanism"] == (mechanism if found else "none")
+    return _sec("timeline", {"steps": steps, "alarms": [], "alarm_steps": [], "diagnosis": diagnosis})
+
+
+def _fp32(secs):
+    """The same sections as an fp32 run's: the findings replay bf16 on fp32 inputs."""
+    for s in secs:
+        if s.data is not None and "replay_fidelity" in s.data:
+            s.data["replay_fidelity"] = {"preset": "bf16", "accumulation": "ieee", "o_bits_equal": None,
+                                         "run_precision": "fp32", "unverifiable": [], "mismatch": None}
+    return secs
+
+
+def test_an_fp32_run_with_logit_growth_is_diagnosed_as_logit_growth_never_rounding():
+    secs = _fp32([_timeline_section(), *_planted_like()])  # the bf16 replay finds a bias: not what trained
+    v = build_verdict(secs)
+    assert v.cause == "attention-logit-growth" and v.status == "unstable" and "biased-rounding" not in v.causes
+    assert v.answer.startswith("Attention-logit growth in layer 0 head 1 from step ")
+    assert "What to do: add qk-layernorm" in v.answer and "lower the learning rate" in v.answer
+    assert "its attention's rounding is not the cause" in v.answer
+    assert not any("stable_attention" in a.what or "fp32" in a.what or "FP8" in a.what for a in v.actions)
+    assert v.line().startswith("VERDICT: Attention-logit growth")
+    assert "In a bf16 replay (not what trained), biased" in v.line()
+    page = render("d.zarr", secs)
+    card = page[page.index("<section class='card"):page.index("</section>")]
+    assert "Yes:" not in card and "stable_attention(" not in card and "qk-layernorm" in card
+    # without a timeline an fp32 run is never "affected" by rounding either
+    plain = build_verdict(_fp32(_planted_like()))
+    assert plain.cause == "none" and plain.status == "not affected" and not plain.actions
+    assert plain.answer.startswith("Nothing wrong found: this run trained in fp32") and "no timeline" in plain.answer
+
+
+def test_a_low_precision_run_whose_bias_shows_as_logit_growth_is_rounding_first():
+    v = build_verdict([_timeline_section(), *_planted_like()])
+    assert v.causes == ("biased-rounding", "attention-logit-growth") and v.status == "affected"
+    assert v.actions[0].what.startswith("Replace the attention by fa_forensics.stable_attention")
+    assert any(a.what.startswith("Add qk-layernorm") for a in v.actions[1:])
+    assert "Also: attention-logit growth" in v.answer
+
+
+def test_a_replay_that_reproduces_too_few_bits_cannot_tell():
+    """Plain-attention captures that no recipe reproduces (58 % of O bits): the card says it cannot tell, never
+    'nothing to fix', and quotes no bias."""
+    for found in (False, True):
+        secs = _planted_like(delta_found=found, o_found=found)
+        for s in secs:
+            s.data["replay_fidelity"] = {"preset": "bf16-hw", "accumulation": "ieee", "o_bits_equal": 0.58,
+                                         "run_precision": "bf16", "unverifiable": [], "mismatch": None}
+        v = build_verdict(secs)
+        assert v.status == "cannot tell" and v.cause == "cannot-tell", v.answer
+        assert v.answer.startswith("Cannot tell: the replayed recipe (bf16-hw) reproduces only 58.0 % of the stored O "
+                                   "bits") and "nothing to fix" not in v.line() and not v.actions
+    good = _planted_like(delta_found=False, o_found=False)  # 96 % with unbiased mismatches: the findings stand
+    for s in good:
+        s.data["replay_fidelity"] = {"preset": "bf16-hw", "o_bits_equal": 0.96, "run_precision": "bf16",
+                                     "mismatch": {"biased": False, "verdict": "the mismatches are unbiased"}}
+    assert build_verdict(good).status == "not affected"
+
+
+def test_the_card_quotes_a_fix_only_where_fix_check_found_a_bias_to_remove():
+    secs = _planted_like()
+    fc = next(s for s in secs if s.name == "fix-check").data
+    fc.update(has_bias=False, outcome="no-bias", bias={**fc["bias"], "found": False, "adjusted_p": 0.31},
+              verdict="NO BIAS TO REMOVE at layer 0 head 1 feature 44",
+              deployment={"removes": True, "removed_share": 0.88, "control_removes": False},
+              fixed={"name": "stabilized", "removed_share": 0.88})
+    v = build_verdict(secs)
+    page = render("d.zarr", secs)
+    card = page[page.index("<section class='card"):page.index("</section>")]
+    assert "88%" not in card and "stable_attention(" not in card and "88%" not in v.line()
+    assert v.actions[0].what == "Keep the P̄V product and its accumulator in fp32"  # isolate's repair, which helps
+
+
+def test_compounding_is_said_only_where_rank1_sim_concluded_it():
+    for trend, said in (("compounds", True), ("washes out", False), (None, False)):
+        secs = _planted_like()
+        if trend:
+            secs.append(_sec("rank1-sim", {"claim": secs[0].data["bias"], "accumulation_exponent":
+                                           0.95 if trend == "compounds" else 0.4,
+                                           "verdict": f"layer 0 head 1: … accumulation exponent 0.9 ({trend})"}))
+        v = build_verdict(secs)
+        text = " ".join([v.answer, *v.findings, v.line()])
+        assert ("compounds" in text) == said and "adds up" not in text and "step after step" not in text, trend
+        assert ("washes out" in text) == (trend == "washes out")
+
+
+def test_pcast_s_interval_and_borderline_heads_reach_the_card():
+    """pcast decides on the lost mass's interval: the card quotes the interval of the head it names and says which
+    heads it cannot tell from the floor, never calling them collapsed."""
+    secs = _planted_like(delta_found=False, o_found=False)
+    bands = ["needs-fix", "borderline", "no-fix", "borderline"]
+    pcast = {"heads": [{"step": 2, "layer": 0, "head": h, "needs_fix": bands[h] == "needs-fix", "band": bands[h],
+                        "recommended_S": 256.0, "recommended_order": "forward", "lost_mass_ci": [0.006, 0.012],
+                        "settings": [{"S": 1.0, "order": "forward", "mass_zeroed": 0.009, "frac_zeroed": 0.95}]}
+                       for h in range(4)]}
+    v = build_verdict([*secs, _sec("pcast", pcast)])
+    assert v.cause == "fp8-p-collapse" and "up to 0.90% of the probability mass (95 % interval 0.60% to 1.20%)" in \
+        v.answer
+    pcast["heads"][0].update(needs_fix=False, band="no-fix")
+    v = build_verdict([*secs, _sec("pcast", pcast)])
+    assert v.cause == "none" and v.answer.endswith("pcast cannot tell 2 heads from its FP8 P-collapse floor "
+                                                   "(borderline; its section says which).")
+
+
+def test_each_section_concludes_from_its_json_and_missing_keys_are_a_shorter_conclusion():
+    from fa_forensics.report.conclusions import conclusions
+
+    secs = _planted_like()
+    secs[2].data["bias"].update(subset="tied rows", unit="tied key group", n_units=41)  # keys a claim may carry
+    by = conclusions([*secs, _sec("rank1-sim", {}), _sec("pcast", {}), _sec("timeline", {}),
+                      _sec("delta-bias", None, note="no dO")])
+    assert by["bitdiff"].claim.subset == "tied rows" and by["bitdiff"].claim.n_units == 41 and by["bitdiff"].found
+    assert by["fix-check"].has_bias and by["fix-check"].outcome == "removed" and by["fix-check"].deployed_removes
+    assert by["isolate"].culprits == ("pv-fp32", "stabilized") and by["isolate"].action.startswith("keep the P̄V")
+    assert by["rank1-sim"].trend == "" and not by["pcast"].found and by["timeline"].mechanism == ""
+    assert not by["delta-bias"].ran and by["delta-bias"].why_not == "no dO"
+    v = build_verdict([*secs[:2], secs[2], *secs[3:]])
+    assert "in the rows whose maximum repeats" in v.answer  # the O claim decided on tied rows says where it lives
