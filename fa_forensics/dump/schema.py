@@ -116,7 +116,8 @@ def decode(array: np.ndarray, name: str) -> torch.Tensor:
 # applied to Q or K before their product; for Hugging Face models the attention function's name
 CALL_ATTR_KEYS = ("device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias",
                   "block_mask", "score_mod", "not_replayed", "o_layout", "chain", "score_dtype", "softmax_dtype",
-                  "p_dtype", "q_scale", "k_scale", "hf_attention")
+                  "p_dtype", "q_scale", "k_scale", "hf_attention",
+                  "plain_recipe")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.candidates import exclusions, pick_best
 from fa_forensics.fidelity.layer_match import Candidate, CandidateRecipe, ExcludedWinner, LayerMatch
+from fa_forensics.fidelity.plain_facts import config_at
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts
 from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled, stored_o
 from fa_forensics.layers.selection import LayerTensors, replay_layer
@@ -46,7 +47,7 @@ class _Screen:
         self.per_row: dict[tuple[str, str], torch.Tensor] = {}
 
     def screen(self, recipe: CandidateRecipe) -> Candidate:
-        c = compare(replay_rows(self.t, recipe.config(), self.sample, self.backend), self.stored)
+        c = compare(replay_rows(self.t, config_at(recipe, self.t), self.sample, self.backend), self.stored)
         self.per_row[(recipe.preset, recipe.accumulation)] = c.equal_per_row
         return Candidate(recipe.preset, recipe.accumulation, c.share, c.max_abs_err, c.n, sampled=not self.sample.whole,
                          sample_equal=c.equal, max_ulp=c.max_ulp)
@@ -56,7 +57,8 @@ class _Screen:
         if not screened.sampled:
             return screened
         recipe = CandidateRecipe(screened.preset, screened.accumulation)
-        c = compare(replay_layer(self.t, recipe.config(), backward=False, backend=Backend(self.backend)).o, self.o)
+        c = compare(replay_layer(self.t, config_at(recipe, self.t), backward=False, backend=Backend(self.backend)).o,
+                    self.o)
         return Candidate(recipe.preset, recipe.accumulation, c.share, c.max_abs_err, c.n, sampled=False,
                          sample_equal=screened.sample_equal, max_ulp=c.max_ulp)
 
