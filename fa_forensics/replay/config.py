@@ -182,10 +182,9 @@ class ReplayConfig:
             raise ConfigError(f"ReplayConfig.plain={self.plain!r} must be a PlainRecipe or None")
         if self.plain_reexec and self.plain is None:
             raise ConfigError("ReplayConfig.plain_reexec re-executes a recorded op sequence; set plain (a PlainRecipe)")
-        if self.plain is not None and (self.is_kernel_model or self.rounding is not Rounding.NEAREST_EVEN
-                                       or self.p_scale != 1.0):
+        if self.plain is not None and (self.is_kernel_model or self.p_scale != 1.0):
             raise ConfigError("ReplayConfig.plain replays attention written in torch ops; it does not combine with "
-                              "the kernel-model knobs, stochastic rounding or a P scale")
+                              "the kernel-model knobs or a P scale")
         if self.is_kernel_model:
             self._check_kernel_model()
 

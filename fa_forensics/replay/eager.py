@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from fa_forensics.errors import ConfigError
-from fa_forensics.replay.config import Precision, ReplayConfig, Softmax
+from fa_forensics.replay.config import Precision, ReplayConfig, Rounding, Softmax
 from fa_forensics.replay.emulate import eager as model
 from fa_forensics.replay.emulate.softmax import block_shift
 from fa_forensics.replay.out import PBarStats
@@ -38,6 +38,7 @@ from fa_forensics.replay.plain_recipe import MASKS, SCALES, PlainOp, PlainRecipe
 _LOW = ("bfloat16", "float16")
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _BY_PRECISION = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+_FORMAT = {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}
 
 
 def reexec_refusal(recipe: PlainRecipe) -> Optional[str]:
@@ -151,6 +152,22 @@ def _softmax(s: torch.Tensor, dtype: torch.dtype, config: ReplayConfig, exact: b
     return p, shift.fired
 
 
+class _Rounder:
+    """A cast to a dtype: torch's (nearest-even), or with `config.rounding` stochastic the emulator's stochastic
+    rounding (the repair and fix variants of the P and O casts), drawn from one generator seeded `config.seed`."""
+
+    def __init__(self, config: ReplayConfig):
+        self.stochastic = config.rounding is Rounding.STOCHASTIC
+        self.generator = torch.Generator().manual_seed(config.seed) if self.stochastic else None
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if not self.stochastic or dtype == x.dtype or dtype not in _FORMAT:
+            return x.to(dtype)
+        from fa_forensics.replay.emulate.ops import cast
+
+        return cast(x.float(), _FORMAT[dtype], Rounding.STOCHASTIC, self.generator).to(dtype)
+
+
 def run_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayConfig, *, causal: bool, scale: float,
             mask: Optional[torch.Tensor], row0: int = 0) -> PlainRun:
     """The recorded ops on q (B, H, R, D) (rows row0…), k, v (B, H, S, D), values in the input dtype."""
@@ -191,14 +208,17 @@ def run_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     softmax_op = recipe.ops[recipe.softmax_at]
     p_soft, fired = _softmax(s, dt.softmax(softmax_op.out), config, exact)
     p = p_soft
+    rounder = _Rounder(config)
     for op in recipe.probs_ops:
         if op.op == "to":
-            p = p.to(dt.probs(op.out))
+            p = rounder(p, dt.probs(op.out))
     p_in = dt.probs(last.ins[0]) if last.ins else p.dtype
     v_in = dt.inputs(last.ins[1]) if len(last.ins) > 1 else v.dtype
     pv = torch.promote_types(p_in, v_in)
-    p = p.to(p_in)
-    o = model.product(last.op, p.to(pv), v.to(pv).transpose(-1, -2), dt.output(last.out), exact, values=True)
+    p = rounder(p, p_in)
+    o = model.product(last.op, p.to(pv), v.to(pv).transpose(-1, -2), torch.float32 if rounder.stochastic else
+                      dt.output(last.out), exact, values=True)
+    o = rounder(o, dt.output(last.out))
     return PlainRun(o=o, scores=s.detach().float(), p_cast=p.detach(), p_soft=p_soft.detach(), fired=fired)
 
 
