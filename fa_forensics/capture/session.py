@@ -631,7 +631,8 @@ class CaptureSession:
         x_name = x.name if x is not None else "the attention module"
         where = {"record": "fa_forensics.capture.record", "torch_ops": "attention written in torch ops"}.get(source,
                                                                                                            source)
-        line = check_call_context(q, readings, where, x_tensor, x_name, heads, advice)
+        passed = q.transpose(1, 2) if layout == "BTHD" else q  # messages show q's shape as it was passed
+        line = check_call_context(passed, readings, where, x_tensor, x_name, heads, advice)
         if line and named:
             self._warn_once(f"context:{source}", line)
 

@@ -29,12 +29,13 @@ from fa_forensics.fidelity.candidates import exclusions, pick_best
 from fa_forensics.fidelity.layer_match import Candidate, CandidateRecipe, ExcludedWinner, LayerMatch
 from fa_forensics.fidelity.plain_facts import config_at
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts
-from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled, stored_o
+from fa_forensics.fidelity.sample import RowSample, compare, equal_bits, replay_rows, row_sample, sampled, stored_o
 from fa_forensics.layers.selection import LayerTensors, replay_layer
 
 CONTENDER_Z = 5.0  # a candidate within this many standard errors of the sample's leader is replayed whole
 LAYOUT_CHECK_BELOW = 0.5  # below this share the other layout is tried
 EXCLUDED_CONFIRMED = 3  # at most this many excluded recipes are replayed whole, the most promising first
+BEYOND_NOISE_P = 0.01  # an excluded recipe is named only where McNemar's test puts its lead beyond this p
 
 
 class _Screen:
@@ -136,8 +137,33 @@ def _excluded_winner(screen: _Screen, best: Candidate, excluded: Sequence[Candid
     for c in reach[:EXCLUDED_CONFIRMED]:
         whole = screen.confirm(c)
         if whole.o_bits_equal > best.o_bits_equal:
-            return ExcludedWinner(whole.preset, whole.accumulation, whole.o_bits_equal, exclusions(whole.preset, facts))
+            only_it, only_best = discordant(screen, whole, best)
+            p = mcnemar_p(only_it, only_best)
+            if p < BEYOND_NOISE_P:
+                return ExcludedWinner(whole.preset, whole.accumulation, whole.o_bits_equal,
+                                      exclusions(whole.preset, facts), p, (only_it, only_best))
     return None
+
+
+def discordant(screen: _Screen, a: Candidate, b: Candidate) -> tuple[int, int]:
+    """(stored-O elements a reproduces and b does not, elements b reproduces and a does not), every element."""
+    def equal(c: Candidate) -> torch.Tensor:
+        config = config_at(CandidateRecipe(c.preset, c.accumulation), screen.t)
+        return equal_bits(replay_layer(screen.t, config, backward=False, backend=Backend(screen.backend)).o, screen.o)
+
+    ea, eb = equal(a), equal(b)
+    return int((ea & ~eb).sum()), int((eb & ~ea).sum())
+
+
+def mcnemar_p(only_a: int, only_b: int) -> float:
+    """McNemar's exact one-sided p that a reproduces `only_a` elements b does not, against `only_b` the other way,
+    by chance (each discordant element equally likely either way): P(X ≥ only_a), X ~ Binomial(n, 1/2)."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    from scipy.stats import binomtest
+
+    return float(binomtest(only_a, n, 0.5, alternative="greater").pvalue)
 
 
 def layout_misfit(t: LayerTensors, recipes: Sequence[CandidateRecipe], best: Candidate,
