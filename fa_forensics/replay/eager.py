@@ -205,10 +205,14 @@ def run_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
             s = s.to(dt.scores(op.out))
     if not masked and (blocked is not None or bias is not None):
         s = _apply_mask(s, mask_ops[0] if mask_ops else None, blocked, bias, dt)
-    softmax_op = recipe.ops[recipe.softmax_at]
-    p_soft, fired = _softmax(s, dt.softmax(softmax_op.out), config, exact)
-    p = p_soft
+    softmax_dtype = dt.softmax(recipe.ops[recipe.softmax_at].out)
     rounder = _Rounder(config)
+    if rounder.stochastic and softmax_dtype in _FORMAT:  # a softmax returned in low precision: rounded here
+        p_soft, fired = _softmax(s, torch.float32, config, exact)
+        p = rounder(p_soft, softmax_dtype)
+    else:
+        p_soft, fired = _softmax(s, softmax_dtype, config, exact)
+        p = p_soft
     for op in recipe.probs_ops:
         if op.op == "to":
             p = rounder(p, dt.probs(op.out))
