@@ -320,7 +320,7 @@ def _entry(op: str, out: object, *inputs: object, **numbers: Any) -> dict:
 
 def _window(terms: tuple[MaskTerm, ...], shape: tuple[int, ...]) -> Optional[int]:
     """w when the blocked positions of the mask terms are exactly a causal band of w keys (i - w < j <= i, aligned
-    bottom-right) on every (batch, head); None otherwise."""
+    bottom-right) on every (batch, head), w shorter than the keys; None otherwise (no window)."""
     T, S = shape[-2:]
     blocked = torch.zeros((), dtype=torch.bool)
     for term in terms:
@@ -334,7 +334,7 @@ def _window(terms: tuple[MaskTerm, ...], shape: tuple[int, ...]) -> Optional[int
     first_seen = (~blocked).int().argmax(dim=-1)  # (…, T): the first key a row may see
     w = int((i.view(-1) - first_seen.reshape(-1, T)).max()) + 1 if first_seen.numel() else 0
     if w >= S or w < 1:
-        return None
+        return None  # every row may see back to the first key: no window
     band = ~((j <= i) & (j > i - w))
     return w if bool((blocked == band).all()) else None
 
@@ -354,7 +354,7 @@ def plain_recipe(s: _Scores, probs: _Probs, steps: tuple[dict, ...], layout: str
     try:
         window = _window(s.terms, probs.shape) if s.terms else None
     except RuntimeError:  # terms that do not broadcast to the scores' last two dims as read
-        window = None
+        window = "unknown"
     device = out.device.type
     return {
         "version": RECIPE_VERSION,
@@ -362,7 +362,7 @@ def plain_recipe(s: _Scores, probs: _Probs, steps: tuple[dict, ...], layout: str
         "scale_on": ",".join(scale_on) or "none",
         "mask": ",".join(kinds) or "none",
         "softcap": s.softcap if s.softcap is not None else "none",
-        "window": window if window is not None else ("none" if not s.terms else "unknown"),
+        "window": window if window is not None else "none",
         "score_dtype": str(s.score_dtype).replace("torch.", "") if s.score_dtype is not None else "unknown",
         "softmax_dtype": str(probs.softmax_dtype).replace("torch.", ""),
         "p_cast": steps[-1]["in"][0] if steps and steps[-1]["in"] else "unknown",
