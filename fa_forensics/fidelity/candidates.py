@@ -101,7 +101,10 @@ def traits(preset: str) -> Traits:
 
 
 def _precision_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
-    if facts.precision is None or t.precision in (facts.precision, "recorded"):
+    """A plain-ops recipe takes the dtypes of the layer's recorded op sequence; without one it is its preset's
+    (Hugging Face's eager attention in bf16)."""
+    precision = t.precision if t.precision != "recorded" else None if facts.plain_ops else "bf16"
+    if facts.precision is None or precision is None or precision == facts.precision:
         return None
     return f"precision {facts.precision}"
 
@@ -133,7 +136,7 @@ def _kernel_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
 def _ops_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
     """A plain-ops recipe replays a recorded op sequence, which only attention written in torch ops has; a
     soft-cap in that sequence is applied by no other recipe."""
-    if t.family == "plain" and not facts.plain_ops:
+    if t.family == "plain" and facts.plain_ops is False:
         return "no recorded op sequence"
     if t.family != "plain" and facts.softcap:
         return "soft-cap"

@@ -61,7 +61,9 @@ class RunFacts:
     not_replayed: tuple[str, ...] = ()  # options of the call no replay applies (score_mod, softcap, window_size, ...)
     score_mod: Optional[str] = None  # the name of a flex_attention score_mod
     assumed: tuple[str, ...] = ()  # settings an import assumed, the file not saying them (causal, scale)
-    plain_ops: bool = False  # capture recorded the op sequence of attention written in torch ops (plain_recipe)
+    # capture recorded the op sequence of attention written in torch ops (plain_recipe); False: a capture recorded
+    # the call and no such sequence; None: not known (an import, a layer built in memory)
+    plain_ops: Optional[bool] = None
     softcap: bool = False  # that sequence has a soft-cap (c·tanh(S/c)), which only its own replay applies
 
     @property
@@ -172,8 +174,9 @@ def read_facts(dump, step: int, layer: int) -> RunFacts:
     capture = recorded if isinstance(recorded := run_attrs.get("capture"), dict) else {}
     score_mod = layer_attrs.get("score_mod")
     plain = layer_attrs.get("plain_recipe")
-    plain_ops = isinstance(plain, dict) and isinstance(plain.get("ops"), list)
-    softcap = plain_ops and any(isinstance(o, dict) and o.get("op") == "tanh" for o in plain["ops"])
+    recorded = isinstance(plain, dict) and isinstance(plain.get("ops"), list)
+    softcap = recorded and any(isinstance(o, dict) and o.get("op") == "tanh" for o in plain["ops"])
+    plain_ops = True if recorded else (False if _text(layer_attrs.get("source")) is not None else None)
     return RunFacts(_precision(dtype, autocast, autocast_dtype), autocast, _device(layer_attrs, run_attrs),
                     dropout, softmax, kernel,
                     not_replayed=_texts(layer_attrs.get("not_replayed")),
