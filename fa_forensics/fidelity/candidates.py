@@ -101,10 +101,8 @@ def traits(preset: str) -> Traits:
 
 
 def _precision_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
-    """A plain-ops recipe takes the dtypes of the layer's recorded op sequence; without one it is its preset's
-    (Hugging Face's eager attention in bf16)."""
-    precision = t.precision if t.precision != "recorded" else None if facts.plain_ops else "bf16"
-    if facts.precision is None or precision is None or precision == facts.precision:
+    """A plain-ops recipe takes the dtypes of the layer's recorded op sequence."""
+    if facts.precision is None or t.precision in ("recorded", facts.precision):
         return None
     return f"precision {facts.precision}"
 
@@ -134,9 +132,10 @@ def _kernel_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
 
 
 def _ops_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
-    """A plain-ops recipe replays a recorded op sequence, which only attention written in torch ops has; a
-    soft-cap in that sequence is applied by no other recipe."""
-    if t.family == "plain" and facts.plain_ops is False:
+    """A plain-ops recipe replays a recorded op sequence, which only attention written in torch ops has (it is the
+    one recipe that needs a fact to be a candidate: without the sequence it would replay an op order the run may
+    never have had); a soft-cap in that sequence is applied by no other recipe."""
+    if t.family == "plain" and not facts.plain_ops:
         return "no recorded op sequence"
     if t.family != "plain" and facts.softcap:
         return "soft-cap"
