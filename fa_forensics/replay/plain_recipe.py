@@ -125,20 +125,6 @@ class PlainRecipe:
     def has_softcap(self) -> bool:
         return any(o.op == "tanh" for o in self.ops)
 
-    def inexact_reason(self) -> Optional[str]:
-        """Why a re-execution from the stored tensors cannot follow the recorded order exactly (None: it can): a
-        factor applied after a mask term (the stored mask holds the term times that factor), a dropout that kept
-        fewer than all (stored O includes it), a mask op before the scores' first rounding."""
-        seen_mask = False
-        for o in self.scores_ops:
-            if o.op in MASKS:
-                seen_mask = True
-            elif o.op in SCALES and seen_mask and not any(p.op == "tanh" for p in self.scores_ops):
-                return f"a factor ({o.op} {o.value:g}) follows a mask term; the stored mask holds the term times it"
-        if any(o.op == "dropout" and (o.value or 0.0) > 0 for o in self.probs_ops):
-            return "attention dropout: stored O includes it"
-        return None
-
     # ---- reading and writing the fact ------------------------------------------------------------------------
     def to_fact(self) -> dict:
         return {"ops": [o.to_fact() for o in self.ops], "device": self.device,

@@ -119,6 +119,7 @@ def test_reexecution_reproduces_every_stored_o_bit(tmp_path, core, bf16):
     dump = _capture(tmp_path, core, bf16)
     recorded = PlainRecipe.from_fact(dump.layer_info(0, 0).call["plain_recipe"])
     assert recorded.device == "cpu" and recorded.threads == torch.get_num_threads()
+    assert PlainRecipe.from_fact(recorded.to_fact()) == recorded
     assert _share(dump, "eager-reexec") == 1.0
     if bf16:  # bf16 inputs multiply exactly and their sums are short: the emulator's model holds every bit
         assert _share(dump, "eager") == 1.0
