@@ -35,7 +35,9 @@ from fa_forensics.layers.selection import LayerTensors, replay_layer
 CONTENDER_Z = 5.0  # a candidate within this many standard errors of the sample's leader is replayed whole
 LAYOUT_CHECK_BELOW = 0.5  # below this share the other layout is tried
 EXCLUDED_CONFIRMED = 3  # at most this many excluded recipes are replayed whole, the most promising first
-BEYOND_NOISE_P = 0.01  # an excluded recipe is named only where McNemar's test puts its lead beyond this p
+# an excluded recipe is named only where McNemar's test puts its lead beyond this p, or where it reproduces every
+# element (the best allowed does not)
+BEYOND_NOISE_P = 0.01
 
 
 class _Screen:
@@ -139,7 +141,7 @@ def _excluded_winner(screen: _Screen, best: Candidate, excluded: Sequence[Candid
         if whole.o_bits_equal > best.o_bits_equal:
             only_it, only_best = discordant(screen, whole, best)
             p = mcnemar_p(only_it, only_best)
-            if p < BEYOND_NOISE_P:
+            if p < BEYOND_NOISE_P or whole.o_bits_equal == 1.0:  # every bit reproduced: exact, not a tally
                 return ExcludedWinner(whole.preset, whole.accumulation, whole.o_bits_equal,
                                       exclusions(whole.preset, facts), p, (only_it, only_best))
     return None
