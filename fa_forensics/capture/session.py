@@ -313,7 +313,7 @@ class CaptureSession:
             def sink(hook: GradHook, o_raw: torch.Tensor = o_raw) -> None:
                 o_raw.register_hook(lambda grad: hook(grad4(grad)))
             grad_sink = sink
-        extra = {**frame_facts, "layout": call.layout, "chain": " ".join(call.ops),
+        extra = {**frame_facts, **call.extra, "layout": call.layout, "chain": " ".join(call.ops),
                  "score_dtype": _dtype_name(call.score_dtype), "softmax_dtype": _dtype_name(call.softmax_dtype),
                  "p_dtype": _dtype_name(call.p_dtype)}
         for name, value in (("q_scale", call.q_scale), ("k_scale", call.k_scale), ("softcap", call.softcap)):
@@ -938,7 +938,7 @@ def _same_storage(a: object, b: object) -> bool:
 
 def _chain_facts(extra: Optional[dict]) -> dict:
     """What a chain knew of a call that record() then reported: its ops and dtypes."""
-    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale", "softcap")
+    keep = ("chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale", "softcap", "plain_recipe")
     return {k: v for k, v in (extra or {}).items() if k in keep}
 
 

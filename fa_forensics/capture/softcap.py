@@ -27,9 +27,10 @@ class SoftCapNotFollowed(ValueError):
 
 def on_tanh(mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
     """tanh of a chain's scores: they continue as soft-capped scores (softcap 1, see the module docstring)."""
-    from fa_forensics.capture.torch_ops import _Scores
+    from fa_forensics.capture.torch_ops import _entry, _Scores
 
-    node = mode._node(args[0] if args else kwargs.get("input"))
+    scores = args[0] if args else kwargs.get("input")
+    node = mode._node(scores)
     if not isinstance(node, _Scores) or not isinstance(out, torch.Tensor):
         return
     if node.softcap is not None:
@@ -40,4 +41,5 @@ def on_tanh(mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict, out:
                                  f"(ops: {' '.join(node.ops)}), which replays cannot apply (they cap the scaled "
                                  "scores, then mask); apply the mask after cap·tanh(scores / cap), or report the call "
                                  "with fa_forensics.capture.record(q, k, v, o, ...)")
-    mode._set(out, replace(node, softcap=1.0, ops=(*node.ops, "tanh")))
+    step = _entry("tanh", out, scores)
+    mode._set(out, replace(node, softcap=1.0, ops=(*node.ops, "tanh"), steps=(*node.steps, step)))

@@ -63,6 +63,7 @@ class _Scores:
     score_dtype: Optional[torch.dtype] = None
     q_scale: Optional[float] = None
     k_scale: Optional[float] = None
+    steps: tuple[dict, ...] = ()  # each op as recorded (`_entry`): name, dtypes, its number
     softcap: Optional[float] = None  # the scores are cap·tanh(S·scale / cap) (capture/softcap.py)
 
 
@@ -73,6 +74,7 @@ class _Probs:
     softmax_dtype: torch.dtype
     dropout_p: float = 0.0
     ops: tuple[str, ...] = ()
+    steps: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,8 @@ class ChainMode(TorchFunctionMode):
         if canonical_out is not None and canonical_out[0] != canonical_out[1]:
             return  # scores whose last two dims are not (T, S): not softmax-ready
         self._set(out, _Scores(a, b_t, ops=(name,), score_dtype=out.dtype,
-                               q_scale=self.scaled.get(first), k_scale=self.scaled.get(second)))
+                               q_scale=self.scaled.get(first), k_scale=self.scaled.get(second),
+                               steps=(_entry(name, out, first, second),)))
 
     def _finish(self, probs: _Probs, p: torch.Tensor, v_t: torch.Tensor, out: torch.Tensor, name: str,
                 canonical_out: Optional[tuple[str, str]]) -> None:
@@ -276,11 +279,13 @@ class ChainMode(TorchFunctionMode):
                 if out.dim() == 4:
                     letters = dict(zip(want, "BHTD"))
                     layout = "".join(letters[c] for c in have)
-        call = PlainCall(q=s.q, k=s.k, v=v_t.transpose(-1, -2), o=o, o_raw=out, o_convert=convert, scale=s.scale,
+        steps = (*s.steps, *probs.steps, _entry(name, out, p, v_t))
+        scale = s.scale * s.softcap if s.softcap is not None else s.scale
+        call = PlainCall(q=s.q, k=s.k, v=v_t.transpose(-1, -2), o=o, o_raw=out, o_convert=convert, scale=scale,
                          terms=s.terms, scores_shape=probs.shape, dropout_p=probs.dropout_p,
                          score_dtype=s.score_dtype, softmax_dtype=probs.softmax_dtype, p_dtype=_operand_dtype(p),
                          ops=(*s.ops, *probs.ops, name), q_scale=s.q_scale, k_scale=s.k_scale, layout=layout,
-                         softcap=s.softcap)
+                         softcap=s.softcap, extra={"plain_recipe": plain_recipe(s, probs, steps, layout, out)})
         self.paused += 1
         try:
             self._report(call)
@@ -294,6 +299,85 @@ def _operand_dtype(t: torch.Tensor) -> torch.dtype:
     if t.dtype == torch.float32 and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return t.dtype
+
+
+# -- the recipe as facts ------------------------------------------------------------------------------------
+RECIPE_VERSION = 1
+
+
+def _dtype_name(t: object) -> str:
+    return str(t.dtype).replace("torch.", "") if isinstance(t, torch.Tensor) else "unknown"
+
+
+def _entry(op: str, out: object, *inputs: object, **numbers: Any) -> dict:
+    """One op of a chain as a JSON-able fact: its name, the dtypes it computed in (an fp32 operand of a product
+    under autocast counts in autocast's dtype) and returned, and its numbers (a factor, a fill value, a term)."""
+    product = op in ("matmul", "bmm", "einsum", "baddbmm")
+    entry: dict = {"op": op,
+                   "in": [str(_operand_dtype(t) if product else t.dtype).replace("torch.", "")
+                          for t in inputs if isinstance(t, torch.Tensor)],
+                   "out": _dtype_name(out)}
+    entry.update({k: v for k, v in numbers.items() if v is not None})
+    return entry
+
+
+def _window(terms: tuple[MaskTerm, ...], shape: tuple[int, ...]) -> Optional[int]:
+    """w when the blocked positions of the mask terms are exactly a causal band of w keys (i - w < j <= i, aligned
+    bottom-right) on every (batch, head), w shorter than the keys; None otherwise (no window)."""
+    T, S = shape[-2:]
+    blocked = torch.zeros((), dtype=torch.bool)
+    for term in terms:
+        t = term.tensor.detach().cpu()
+        t = t if term.kind == "blocked" else (t <= BLOCKING)
+        blocked = blocked | t.expand(*t.shape[:-2], T, S) if t.dim() >= 2 else blocked | t
+    if blocked.dim() < 2:
+        return None
+    i = torch.arange(T).view(T, 1) + (S - T)
+    j = torch.arange(S).view(1, S)
+    first_seen = (~blocked).int().argmax(dim=-1)  # (…, T): the first key a row may see
+    w = int((i.view(-1) - first_seen.reshape(-1, T)).max()) + 1 if first_seen.numel() else 0
+    if w >= S or w < 1:
+        return None  # every row may see back to the first key: no window
+    band = ~((j <= i) & (j > i - w))
+    return w if bool((blocked == band).all()) else None
+
+
+def plain_recipe(s: _Scores, probs: _Probs, steps: tuple[dict, ...], layout: str, out: torch.Tensor) -> dict:
+    """The recipe of one plain-attention chain as a JSON-able fact (docs/dump.md): the ops in order with their
+    dtypes and numbers, where the scale applies, the mask terms, soft-cap and window, the softmax's dtype and the
+    dtype P entered P·V in, the products, the layout, the device, torch's version and CPU thread count."""
+    scale_on = [name for name, v in (("q", s.q_scale), ("k", s.k_scale)) if v is not None]
+    ops = [e["op"] for e in s.steps]
+    before_tanh = ops[:ops.index("tanh")] if "tanh" in ops else ops
+    if any(op in ("mul", "div") for op in before_tanh):
+        scale_on.append("scores")
+    if s.steps and s.steps[0].get("alpha", 1.0) != 1.0:
+        scale_on.append("product")
+    kinds = sorted({t.kind for t in s.terms})
+    try:
+        window = _window(s.terms, probs.shape) if s.terms else None
+    except RuntimeError:  # terms that do not broadcast to the scores' last two dims as read
+        window = "unknown"
+    device = out.device.type
+    return {
+        "version": RECIPE_VERSION,
+        "ops": list(steps),
+        "scale_on": ",".join(scale_on) or "none",
+        "mask": ",".join(kinds) or "none",
+        "softcap": s.softcap if s.softcap is not None else "none",
+        "window": window if window is not None else "none",
+        "score_dtype": str(s.score_dtype).replace("torch.", "") if s.score_dtype is not None else "unknown",
+        "softmax_dtype": str(probs.softmax_dtype).replace("torch.", ""),
+        "p_cast": steps[-1]["in"][0] if steps and steps[-1]["in"] else "unknown",
+        "product": s.steps[0]["op"] if s.steps else "unknown",
+        "pv_product": steps[-1]["op"] if steps else "unknown",
+        "layout": layout,
+        "device": device,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads() if device == "cpu" else "unknown",
+        "autocast": str(torch.get_autocast_dtype(device)).replace("torch.", "")
+        if torch.is_autocast_enabled(device) else "none",
+    }
 
 
 # -- handlers: (mode, func, args, kwargs, out) ---------------------------------------------------------------
@@ -319,7 +403,8 @@ def _baddbmm(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dic
     node = mode._node(out)
     if isinstance(node, _Scores):
         terms = () if beta == 0 else (MaskTerm("bias", base if beta == 1 else base * beta, tuple(out.shape)),)
-        mode.nodes[out] = replace(node, scale=alpha, terms=terms)
+        step = {**node.steps[0], "alpha": alpha, "beta": beta}
+        mode.nodes[out] = replace(node, scale=alpha, terms=terms, steps=(step,))
 
 
 def _einsum(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
@@ -340,11 +425,12 @@ def _scale(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict,
     if node is None and not divide:
         node, factor = mode._node(second), _number(first)
     if isinstance(node, _Scores) and factor is not None and factor != 0:
+        step = _entry("div" if divide else "mul", out, first, second, value=factor)
         factor = 1.0 / factor if divide else factor
         terms = tuple(replace(t, tensor=t.tensor * factor) if t.kind == "bias" else t for t in node.terms)
         mode._set(out, replace(node, scale=node.scale * factor, terms=terms,
                                softcap=None if node.softcap is None else node.softcap * factor,
-                               ops=(*node.ops, "div" if divide else "mul")))
+                               ops=(*node.ops, "div" if divide else "mul"), steps=(*node.steps, step)))
         return
     if node is None:  # a number times an activation: remembered in case the product of scores takes it
         tensor = first if isinstance(first, torch.Tensor) else second
@@ -367,8 +453,10 @@ def _add(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, o
         return
     bias = other if alpha == 1 and not subtract else other * (-alpha if subtract else alpha)
     shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+    step = _entry("sub" if subtract else "add", out, first, second, alpha=None if alpha == 1 else alpha,
+                  term=len(node.terms))
     mode._set(out, replace(node, terms=(*node.terms, MaskTerm("bias", bias, shape)),
-                           ops=(*node.ops, "sub" if subtract else "add")))
+                           ops=(*node.ops, "sub" if subtract else "add"), steps=(*node.steps, step)))
 
 
 def _masked_fill(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
@@ -380,7 +468,9 @@ def _masked_fill(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs:
     if (isinstance(node, _Scores) and isinstance(mask, torch.Tensor)
             and (value := _blocking_value(bound.get("value"))) is not None):
         term = MaskTerm("blocked", mask.bool(), tuple(out.shape), value)
-        mode._set(out, replace(node, terms=(*node.terms, term), ops=(*node.ops, "masked_fill")))
+        step = _entry("masked_fill", out, bound.get("input"), value=value, term=len(node.terms))
+        mode._set(out, replace(node, terms=(*node.terms, term), ops=(*node.ops, "masked_fill"),
+                               steps=(*node.steps, step)))
     elif node is not None and func is torch.Tensor.masked_fill_:
         del mode.nodes[bound["input"]]
 
@@ -399,8 +489,9 @@ def _where(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict,
         node, blocked = mode._node(b), cond.bool()
     else:
         return
+    step = _entry("where", out, a if isinstance(a, torch.Tensor) else b, value=value, term=len(node.terms))
     mode._set(out, replace(node, terms=(*node.terms, MaskTerm("blocked", blocked, tuple(out.shape), value)),
-                           ops=(*node.ops, "where")))
+                           ops=(*node.ops, "where"), steps=(*node.steps, step)))
 
 
 def _setitem(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
@@ -413,7 +504,9 @@ def _setitem(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dic
     if (isinstance(node, _Scores) and isinstance(index, torch.Tensor) and index.dtype == torch.bool
             and (blocking := _blocking_value(value)) is not None):
         term = MaskTerm("blocked", index, tuple(target.shape), blocking)
-        mode.nodes[target] = replace(node, terms=(*node.terms, term), ops=(*node.ops, "setitem"))
+        step = _entry("setitem", target, target, value=blocking, term=len(node.terms))
+        mode.nodes[target] = replace(node, terms=(*node.terms, term), ops=(*node.ops, "setitem"),
+                                     steps=(*node.steps, step))
     else:
         del mode.nodes[target]
 
@@ -427,7 +520,9 @@ def _pass_through(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs
     if out.dim() < 2 or tuple(out.shape[-2:]) != tuple(src.shape[-2:]) or out.numel() != src.numel():
         return
     name = getattr(func, "__name__", "")
-    mode._set(out, replace(node, ops=(*node.ops, name)) if name in _NAMED_CASTS and out.dtype != src.dtype else node)
+    if name in _NAMED_CASTS and out.dtype != src.dtype:
+        node = replace(node, ops=(*node.ops, name), steps=(*node.steps, _entry("to", out, src)))
+    mode._set(out, node)
 
 
 def _softmax(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
@@ -439,7 +534,7 @@ def _softmax(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dic
     dim = bound.get("dim")
     if (isinstance(node, _Scores) and isinstance(x, torch.Tensor) and isinstance(dim, int) and dim in (-1, x.dim() - 1)
             and isinstance(out, torch.Tensor)):
-        mode._set(out, _Probs(node, tuple(x.shape), out.dtype, ops=("softmax",)))
+        mode._set(out, _Probs(node, tuple(x.shape), out.dtype, ops=("softmax",), steps=(_entry("softmax", out, x),)))
 
 
 def _dropout(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
@@ -454,7 +549,8 @@ def _dropout(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dic
     effective = float(p) if p is not None and training else 0.0
     if node.dropout_p:  # two dropouts in a row keep what both keep
         effective = 1.0 - (1.0 - node.dropout_p) * (1.0 - effective)
-    mode._set(out, replace(node, dropout_p=effective, ops=(*node.ops, "dropout")))
+    mode._set(out, replace(node, dropout_p=effective, ops=(*node.ops, "dropout"),
+                           steps=(*node.steps, _entry("dropout", out, bound.get("input"), value=effective))))
 
 
 _DIVIDES = {torch.Tensor.div, torch.div, torch.Tensor.div_, torch.Tensor.__truediv__, torch.Tensor.__itruediv__,

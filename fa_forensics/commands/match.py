@@ -152,9 +152,12 @@ def _verdict(r, facts: dict) -> tuple[str, list[str]]:
     if excluded:
         def said(lm) -> str:
             w = lm.excluded_winner
+            beyond = "" if w.discordant is None else (
+                f" ({w.discordant[0]} elements only it reproduces, {w.discordant[1]} only the best does: McNemar "
+                f"p = {w.p_value:.2g})")
             return (f"step {lm.step} layer {lm.layer}: the recorded {' and '.join(w.facts)} excluded {w.preset} / "
                     f"{w.accumulation}, which reproduces {_pct(w.o_bits_equal)} of the stored O against "
-                    f"{_pct(lm.best.o_bits_equal)} for the best allowed")
+                    f"{_pct(lm.best.o_bits_equal)} for the best allowed{beyond}")
 
         more = f"; and {len(excluded) - 3} more layer-steps" if len(excluded) > 3 else ""
         warnings.append("; ".join(said(lm) for lm in excluded[:3]) + more
@@ -200,7 +203,10 @@ def _layer_json(lm, facts, why, over) -> dict:
             "run_precision": facts.precision, "unverifiable": why, "recipes_admitted": lm.n_admitted,
             "relaxed": list(lm.relaxed), "overridden": over,
             "excluded_winner": None if w is None else {"preset": w.preset, "accumulation": w.accumulation,
-                                                       "o_bits_equal": w.o_bits_equal, "facts": w.facts},
+                                                       "o_bits_equal": w.o_bits_equal, "facts": w.facts,
+                                                       "p_value": w.p_value,
+                                                       "discordant": None if w.discordant is None
+                                                       else list(w.discordant)},
             "candidates": [{"preset": c.preset, "accumulation": c.accumulation, "o_bits_equal": c.o_bits_equal,
                             "max_abs_err": c.max_abs_err, "max_ulp": c.max_ulp, "sampled": c.sampled,
                             "n_elements": c.n_elements} for c in lm.candidates]}

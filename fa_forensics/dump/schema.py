@@ -120,6 +120,7 @@ CALL_ATTR_KEYS = ("device_type", "autocast_dtype", "softmax", "softmax_rule", "s
 # the first recorded call's O checked against a float64 recomputation (capture/first_call_check.py), and the
 # soft-cap a chain of torch ops applied to its scores (cap·tanh(S / cap))
 CALL_ATTR_KEYS += ("first_call_check", "softcap")
+CALL_ATTR_KEYS += ("plain_recipe",)  # the op sequence of attention written in torch ops
 
 
 @dataclass(frozen=True)

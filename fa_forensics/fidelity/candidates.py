@@ -49,9 +49,11 @@ _KERNELS_OF_FAMILY = {
 }
 # Most likely first: the reference code as it trains (CUDA autocast, then CPU autocast), with and without its
 # fix, then the forward-only readings, and the rest; the GPU kernels' models follow the reference code on a GPU
-# run, and come last on any other (a CPU run stops early).
-_PRESET_ORDER = ("bf16-autocast-train", "bf16-autocast-stabilized", "bf16-autocast", "bf16-autocast-cpu",
-                 "bf16-autocast-cpu-stabilized", "bf16-hw", "bf16", "stabilized", "fp16", "fp16-stabilized", "fp32",
+# run, and come last on any other (a CPU run stops early). The recorded op sequence of attention written in torch
+# ops comes first: only such layers admit it.
+_PRESET_ORDER = ("eager-reexec", "eager", "bf16-autocast-train", "bf16-autocast-stabilized", "bf16-autocast",
+                 "bf16-autocast-cpu", "bf16-autocast-cpu-stabilized", "bf16-hw", "bf16", "stabilized", "fp16",
+                 "fp16-stabilized", "fp32",
                  "fp32-stabilized", "fp8-s1", "fp8-s256", "fp8-s448")
 _KERNELS_AFTER = "bf16-autocast"
 # The order in which facts are relaxed where no recipe models all of them together: the user's declarations
@@ -63,9 +65,11 @@ _RELAX_ORDER = ("softmax", "kernel", "device", "precision")
 class Traits:
     """What a recipe computes, on the axes a dump's facts record."""
 
-    precision: str  # bf16 | fp16 | fp8 | fp32
+    precision: str  # bf16 | fp16 | fp8 | fp32 | recorded (a plain-ops recipe takes the layer's recorded dtypes)
     softmax: str  # standard | stabilized
-    family: str  # reference (the paper's pure-PyTorch code under autocast) | kernel (a GPU kernel's model) | reading
+    # reference (the paper's pure-PyTorch code under autocast) | kernel (a GPU kernel's model) | plain (the recorded
+    # op sequence of attention written in torch ops) | reading
+    family: str
     device: Optional[str]  # the device type the recipe's arithmetic runs on: cuda, cpu, or None (any)
     entry: Optional[str]  # a kernel model's entry point (sdpa-cudnn, sdpa-efficient, sdpa-flash, flash_attn)
 
@@ -75,6 +79,8 @@ def traits(preset: str) -> Traits:
     """The traits of a preset (a tile suffix after '@' changes none of them)."""
     base = preset.partition("@")[0]
     cfg = ReplayConfig.preset(base)
+    if cfg.plain is not None:  # re-execution runs on this CPU; the emulator's model stands for any device
+        return Traits("recorded", cfg.softmax.value, "plain", "cpu" if cfg.plain_reexec else None, None)
     if cfg.p_dtype in _FP8 or cfg.input_dtype in _FP8:
         precision = "fp8"
     elif cfg.input_dtype is Precision.FP16:
@@ -95,7 +101,8 @@ def traits(preset: str) -> Traits:
 
 
 def _precision_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
-    if facts.precision is None or t.precision == facts.precision:
+    """A plain-ops recipe takes the dtypes of the layer's recorded op sequence."""
+    if facts.precision is None or t.precision in ("recorded", facts.precision):
         return None
     return f"precision {facts.precision}"
 
@@ -124,8 +131,19 @@ def _kernel_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
     return f"kernel {facts.kernel}"
 
 
-_CHECKS = {"precision": _precision_excludes, "softmax": _softmax_excludes, "device": _device_excludes,
-           "kernel": _kernel_excludes}
+def _ops_excludes(t: Traits, facts: RunFacts) -> Optional[str]:
+    """A plain-ops recipe replays a recorded op sequence, which only attention written in torch ops has (it is the
+    one recipe that needs a fact to be a candidate: without the sequence it would replay an op order the run may
+    never have had); a soft-cap in that sequence is applied by no other recipe."""
+    if t.family == "plain" and not facts.plain_ops:
+        return "no recorded op sequence"
+    if t.family != "plain" and facts.softcap:
+        return "soft-cap"
+    return None
+
+
+_CHECKS = {"ops": _ops_excludes, "precision": _precision_excludes, "softmax": _softmax_excludes,
+           "device": _device_excludes, "kernel": _kernel_excludes}
 
 
 def exclusions(preset: str, facts: RunFacts, ignore: Sequence[str] = ()) -> list[str]:
@@ -244,7 +262,7 @@ def candidate_recipes(head_dim: int = 64, n_keys: int = 1024, dtype: str = "bflo
     for name in names:
         cfg = ReplayConfig.preset(name)
         recipes.append(CandidateRecipe(name, Accumulation.IEEE.value))
-        if cfg.input_dtype is not Precision.FP32:
+        if cfg.input_dtype is not Precision.FP32 and cfg.plain is None:  # a plain recipe's GEMMs are the CPU's
             recipes.append(CandidateRecipe(name, Accumulation.TENSOR_CORE.value))
         if name == _KERNELS_AFTER and on_gpu:
             recipes += kernels

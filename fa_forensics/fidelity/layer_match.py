@@ -52,6 +52,10 @@ class ExcludedWinner:
     accumulation: str
     o_bits_equal: float  # of every element
     facts: list[str]  # the facts that excluded it ("device cpu")
+    # McNemar's exact test on the elements one of the two reproduces and the other does not: the one-sided p that
+    # the excluded recipe reproduces more by chance (None: not measured)
+    p_value: Optional[float] = None
+    discordant: Optional[tuple[int, int]] = None  # (elements only it reproduces, elements only the best does)
 
 
 @dataclass(frozen=True)
@@ -163,9 +167,18 @@ def extras_from(entry: dict) -> dict:
         if not isinstance(winner, dict) or not isinstance(winner.get("facts"), list) or \
                 not all(isinstance(f, str) for f in winner["facts"]):
             raise MalformedEntry(f"excluded_winner is {winner!r}")
+        p_value = winner.get("p_value")
+        if p_value is not None:
+            p_value = _share(p_value, "excluded_winner.p_value")
+        discordant = winner.get("discordant")
+        if discordant is not None:
+            if not isinstance(discordant, list) or len(discordant) != 2:
+                raise MalformedEntry(f"excluded_winner.discordant is {discordant!r}")
+            discordant = (_int(discordant[0], "excluded_winner.discordant[0]"),
+                          _int(discordant[1], "excluded_winner.discordant[1]"))
         winner = ExcludedWinner(_preset(winner.get("preset"), "excluded_winner.preset"),
                                 _accumulation(winner.get("accumulation"), "excluded_winner.accumulation"),
                                 _share(winner.get("o_bits_equal"), "excluded_winner.o_bits_equal"),
-                                list(winner["facts"]))
+                                list(winner["facts"]), p_value, discordant)
     return {"n_admitted": _int(entry.get("n_admitted", 0), "n_admitted"), "relaxed": tuple(relaxed),
             "unverifiable": unverifiable, "sample_rows": rows, "excluded_winner": winner}

@@ -106,7 +106,7 @@ def _match_part(t: LayerTensors, recipes, cached: bool, try_all: bool,
 
 # ---- the per-layer cache behind `--preset auto` ---------------------------------------------
 CACHE_ATTR = match_cache.IN_DUMP_ATTR  # the layer attribute a dump may carry its match in (read, never written)
-CACHE_VERSION = 6  # part of the fingerprint: raise it when a recipe's arithmetic or the entry's form changes
+CACHE_VERSION = 7  # part of the fingerprint: raise it when a recipe's arithmetic or the entry's form changes
 
 # Per opened Dump: (step, layer, accumulation restriction) -> LayerMatch (or None: no stored O).
 _BEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -51,5 +51,5 @@ class _Key:
 
 
 def _layer_step(dump, step: int, layer: int, facts: RunFacts, recipe: Recipe) -> LayerStepPlan:
-    return LayerStepPlan(step, layer, facts, preset_at(dump, step, layer, recipe),
-                         lp_config_for(dump, step, layer, recipe), hp_config())
+    lp = lp_config_for(dump, step, layer, recipe)
+    return LayerStepPlan(step, layer, facts, preset_at(dump, step, layer, recipe), lp, hp_config(lp))

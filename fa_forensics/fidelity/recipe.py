@@ -17,6 +17,7 @@ from typing import Optional
 from fa_forensics.enums import AUTO, Accumulation, BackwardKernel
 from fa_forensics.errors import ConfigError
 from fa_forensics.fidelity.candidates import implied
+from fa_forensics.fidelity.plain_facts import for_layer
 from fa_forensics.fidelity.run_facts import RunFacts, facts_at
 from fa_forensics.replay.config import PRESETS, ReplayConfig
 from fa_forensics.replay.kernel_recipes import KERNEL_RECIPES
@@ -152,13 +153,17 @@ def lp_config_for(dump, step: int, layer: int, recipe: Recipe) -> ReplayConfig:
         config = ReplayConfig.preset(choice.preset).with_(accumulation=choice.accumulation)
     if config.backward_kernel is not BackwardKernel.REFERENCE and dump is not None and _has_mask(dump, step, layer):
         config = config.with_reference_backward()
-    return config
+    return for_layer(config, dump, step, layer)
 
 
 def _has_mask(dump, step: int, layer: int) -> bool:
     return "mask" in (getattr(dump.layer_info(step, layer), "arrays", None) or {})
 
 
-def hp_config() -> ReplayConfig:
-    """The high-precision side: every cast fp32 (preset "fp32"), ieee accumulation."""
+def hp_config(lp: Optional[ReplayConfig] = None) -> ReplayConfig:
+    """The high-precision side: every cast fp32 (preset "fp32"), ieee accumulation; for a low-precision side
+    that replays attention written in torch ops, its recorded ops with every cast fp32 (the emulator's model:
+    a soft-cap or a mask form the fp32 reference does not have stays in)."""
+    if lp is not None and lp.plain is not None:
+        return ReplayConfig.preset("fp32").with_(plain=lp.plain)
     return ReplayConfig.preset("fp32")

@@ -61,6 +61,10 @@ class RunFacts:
     not_replayed: tuple[str, ...] = ()  # options of the call no replay applies (score_mod, softcap, window_size, ...)
     score_mod: Optional[str] = None  # the name of a flex_attention score_mod
     assumed: tuple[str, ...] = ()  # settings an import assumed, the file not saying them (causal, scale)
+    # capture recorded the op sequence of attention written in torch ops (plain_recipe); False: a capture recorded
+    # the call and no such sequence; None: not known (an import, a layer built in memory)
+    plain_ops: Optional[bool] = None
+    softcap: bool = False  # that sequence has a soft-cap (c·tanh(S/c)), which only its own replay applies
 
     @property
     def is_fp32_run(self) -> bool:
@@ -169,11 +173,15 @@ def read_facts(dump, step: int, layer: int) -> RunFacts:
     kernel = next((_text(layer_attrs.get(k)) for k in _KERNEL_KEYS if _text(layer_attrs.get(k))), None)
     capture = recorded if isinstance(recorded := run_attrs.get("capture"), dict) else {}
     score_mod = layer_attrs.get("score_mod")
+    plain = layer_attrs.get("plain_recipe")
+    recorded = isinstance(plain, dict) and isinstance(plain.get("ops"), list)
+    softcap = recorded and any(isinstance(o, dict) and o.get("op") == "tanh" for o in plain["ops"])
+    plain_ops = True if recorded else (False if _text(layer_attrs.get("source")) is not None else None)
     return RunFacts(_precision(dtype, autocast, autocast_dtype), autocast, _device(layer_attrs, run_attrs),
                     dropout, softmax, kernel,
                     not_replayed=_texts(layer_attrs.get("not_replayed")),
                     score_mod=score_mod if isinstance(score_mod, str) else None,
-                    assumed=_texts(capture.get("assumed")))
+                    assumed=_texts(capture.get("assumed")), plain_ops=plain_ops, softcap=softcap)
 
 
 # Per opened Dump: (step, layer) -> RunFacts, so that a layer-step's attributes are read once.

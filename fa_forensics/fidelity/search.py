@@ -27,13 +27,17 @@ import torch
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.candidates import exclusions, pick_best
 from fa_forensics.fidelity.layer_match import Candidate, CandidateRecipe, ExcludedWinner, LayerMatch
+from fa_forensics.fidelity.plain_facts import config_at
 from fa_forensics.fidelity.run_facts import UNKNOWN, RunFacts
-from fa_forensics.fidelity.sample import RowSample, compare, replay_rows, row_sample, sampled, stored_o
+from fa_forensics.fidelity.sample import RowSample, compare, equal_bits, replay_rows, row_sample, sampled, stored_o
 from fa_forensics.layers.selection import LayerTensors, replay_layer
 
 CONTENDER_Z = 5.0  # a candidate within this many standard errors of the sample's leader is replayed whole
 LAYOUT_CHECK_BELOW = 0.5  # below this share the other layout is tried
 EXCLUDED_CONFIRMED = 3  # at most this many excluded recipes are replayed whole, the most promising first
+# an excluded recipe is named only where McNemar's test puts its lead beyond this p, or where it reproduces every
+# element (the best allowed does not)
+BEYOND_NOISE_P = 0.01
 
 
 class _Screen:
@@ -46,7 +50,7 @@ class _Screen:
         self.per_row: dict[tuple[str, str], torch.Tensor] = {}
 
     def screen(self, recipe: CandidateRecipe) -> Candidate:
-        c = compare(replay_rows(self.t, recipe.config(), self.sample, self.backend), self.stored)
+        c = compare(replay_rows(self.t, config_at(recipe, self.t), self.sample, self.backend), self.stored)
         self.per_row[(recipe.preset, recipe.accumulation)] = c.equal_per_row
         return Candidate(recipe.preset, recipe.accumulation, c.share, c.max_abs_err, c.n, sampled=not self.sample.whole,
                          sample_equal=c.equal, max_ulp=c.max_ulp)
@@ -56,7 +60,8 @@ class _Screen:
         if not screened.sampled:
             return screened
         recipe = CandidateRecipe(screened.preset, screened.accumulation)
-        c = compare(replay_layer(self.t, recipe.config(), backward=False, backend=Backend(self.backend)).o, self.o)
+        c = compare(replay_layer(self.t, config_at(recipe, self.t), backward=False, backend=Backend(self.backend)).o,
+                    self.o)
         return Candidate(recipe.preset, recipe.accumulation, c.share, c.max_abs_err, c.n, sampled=False,
                          sample_equal=screened.sample_equal, max_ulp=c.max_ulp)
 
@@ -134,8 +139,33 @@ def _excluded_winner(screen: _Screen, best: Candidate, excluded: Sequence[Candid
     for c in reach[:EXCLUDED_CONFIRMED]:
         whole = screen.confirm(c)
         if whole.o_bits_equal > best.o_bits_equal:
-            return ExcludedWinner(whole.preset, whole.accumulation, whole.o_bits_equal, exclusions(whole.preset, facts))
+            only_it, only_best = discordant(screen, whole, best)
+            p = mcnemar_p(only_it, only_best)
+            if p < BEYOND_NOISE_P or whole.o_bits_equal == 1.0:  # every bit reproduced: exact, not a tally
+                return ExcludedWinner(whole.preset, whole.accumulation, whole.o_bits_equal,
+                                      exclusions(whole.preset, facts), p, (only_it, only_best))
     return None
+
+
+def discordant(screen: _Screen, a: Candidate, b: Candidate) -> tuple[int, int]:
+    """(stored-O elements a reproduces and b does not, elements b reproduces and a does not), every element."""
+    def equal(c: Candidate) -> torch.Tensor:
+        config = config_at(CandidateRecipe(c.preset, c.accumulation), screen.t)
+        return equal_bits(replay_layer(screen.t, config, backward=False, backend=Backend(screen.backend)).o, screen.o)
+
+    ea, eb = equal(a), equal(b)
+    return int((ea & ~eb).sum()), int((eb & ~ea).sum())
+
+
+def mcnemar_p(only_a: int, only_b: int) -> float:
+    """McNemar's exact one-sided p that a reproduces `only_a` elements b does not, against `only_b` the other way,
+    by chance (each discordant element equally likely either way): P(X ≥ only_a), X ~ Binomial(n, 1/2)."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    from scipy.stats import binomtest
+
+    return float(binomtest(only_a, n, 0.5, alternative="greater").pvalue)
 
 
 def layout_misfit(t: LayerTensors, recipes: Sequence[CandidateRecipe], best: Candidate,

@@ -37,6 +37,7 @@ from fa_forensics.enums import (
     Softmax,
 )
 from fa_forensics.errors import ConfigError
+from fa_forensics.replay.plain_recipe import PlainRecipe, hf_eager
 
 
 _LOW_PRECISION = {Precision.BF16, Precision.FP16, Precision.FP8_E4M3, Precision.FP8_E5M2}
@@ -134,6 +135,14 @@ class ReplayConfig:
     bwd_key_splits: Optional[int] = None
     # ---- end of the backward kernel models -------------------------------------------------------
 
+    # ---- attention written as plain tensor ops (replay/eager.py) ------------------------------------
+    # plain: the recorded op sequence (replay/plain_recipe.py) run instead of the tiled online softmax: the
+    # normalized P rounded to p_dtype before P·V, each product one GEMM; None = the kernels' form.
+    # plain_reexec: run those ops with torch on this CPU (the bit oracle of CPU captures); False: the emulator's
+    # model of them (exact sums rounded once)
+    plain: Optional[PlainRecipe] = None
+    plain_reexec: bool = False
+
     def __post_init__(self) -> None:
         # Accept plain strings for enum fields (from the CLI or JSON) and normalize them.
         for f in dataclasses.fields(self):
@@ -174,6 +183,13 @@ class ReplayConfig:
                               "(on the command line: a preset sdpa-efficient or sdpa-efficient-fp16)")
         if self.mma_k is not None and (not isinstance(self.mma_k, int) or not 1 <= self.mma_k <= 64):
             raise ConfigError(f"ReplayConfig.mma_k={self.mma_k!r} must be an MMA instruction's K (1 to 64) or None")
+        if self.plain is not None and not isinstance(self.plain, PlainRecipe):
+            raise ConfigError(f"ReplayConfig.plain={self.plain!r} must be a PlainRecipe or None")
+        if self.plain_reexec and self.plain is None:
+            raise ConfigError("ReplayConfig.plain_reexec re-executes a recorded op sequence; set plain (a PlainRecipe)")
+        if self.plain is not None and (self.is_kernel_model or self.p_scale != 1.0):
+            raise ConfigError("ReplayConfig.plain replays attention written in torch ops; it does not combine with "
+                              "the kernel-model knobs or a P scale")
         if self.is_kernel_model:
             self._check_kernel_model()
 
@@ -407,6 +423,12 @@ def _fp16_reading() -> ReplayConfig:
     return ReplayConfig(input_dtype=fp16, p_dtype=fp16, pv_dtype=fp16, o_dtype=fp16)
 
 
+def _eager(reexec: bool) -> ReplayConfig:
+    # attention written in torch ops (Hugging Face's eager_attention_forward unless the layer recorded its own op
+    # sequence: fidelity/plain_facts.py): bf16 inputs, scores and P, softmax in fp32, one GEMM per product
+    return ReplayConfig(pv_dtype=_FP32, plain=hf_eager(), plain_reexec=reexec)
+
+
 def _stabilized(config: ReplayConfig) -> ReplayConfig:
     # the paper's fix, Algorithm 3 with β = 2, ε = 1e-3 (STABLE=1 in its reference code)
     return config.with_(softmax=Softmax.STABILIZED, beta=2.0, eps=1e-3)
@@ -444,6 +466,10 @@ PRESETS = {
     "sdpa-cudnn-sm90-fp16": _fp16(_sdpa_cudnn_sm90),
     "sdpa-efficient-fp16": _fp16(_sdpa_efficient),
     "sdpa-flash-fp16": _fp16(lambda: _flash_attn_2(ExpForm.EXP2_MUL)),
+    # attention written in torch ops (HF eager, timm, minGPT, ...), its recorded op sequence run again with torch on
+    # this CPU, or as the emulator models it (replay/eager.py)
+    "eager-reexec": lambda: _eager(True),
+    "eager": lambda: _eager(False),
     "fp8-s1": lambda: _fp8(1.0),
     "fp8-s256": lambda: _fp8(256.0),
     "fp8-s448": lambda: _fp8(448.0),

@@ -194,3 +194,72 @@ def test_analyses_apply_the_recorded_mask_and_warn_about_dropout(tmp_path):
     assert result.exit_code == 0, result.output
     warnings = json.loads(report.read_text())["warnings"]
     assert any("stored O includes dropout" in w for w in warnings) and any("attention mask" in w for w in warnings)
+
+
+# -- eager attention replayed from its recorded op sequence ---------------------------------------------
+def _eager_model(name):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+    if name == "gemma2":  # soft-capped scores, sliding-window and global layers
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=16, attn_logit_softcapping=5.0,
+                                                    sliding_window=8, query_pre_attn_scalar=16))
+    if name == "mistral":  # a sliding window shorter than the sequence
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=8))
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=64, n_positions=64, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
+                            resid_pdrop=0.0, embd_pdrop=0.0)
+        cfg._attn_implementation = "eager"
+        return tf.GPT2LMHeadModel(cfg)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+
+
+def _capture_eager(tmp_path, name, bf16):
+    out = tmp_path / f"{name}.zarr"
+    model = _eager_model(name)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fa_forensics.capture(model, out=out, steps=[0], batch=None) as cap:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral", "gemma2"])
+def test_match_reproduces_hf_eager_attention_bit_for_bit(tmp_path, name, bf16):
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    out = _capture_eager(tmp_path, name, bf16)
+    result = CliRunner().invoke(app, ["match", str(out), "--json", str(tmp_path / "m.json")])
+    assert result.exit_code == 0, result.output
+    layers = json.loads((tmp_path / "m.json").read_text())["layers"]
+    assert len(layers) == 2
+    assert all(lm["best"]["preset"] == "eager-reexec" and lm["best"]["o_bits_equal"] == 1.0 for lm in layers)
+
+
+@pytest.mark.slow
+def test_report_runs_every_analysis_on_the_eager_recipe_of_a_soft_capped_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from fa_forensics.cli import app
+
+    out = _capture_eager(tmp_path, "gemma2", bf16=True)
+    result = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "r"), "--json",
+                                      str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    sections = json.loads((tmp_path / "r.json").read_text())["sections"]
+    assert len(sections) == 7 and all(s["exit_code"] == 0 for s in sections), [(s["name"], s["note"])
+                                                                               for s in sections]
+    fidelities = [s["json"]["replay_fidelity"] for s in sections if s["json"].get("replay_fidelity")]
+    assert len(fidelities) >= 5
+    assert all(f["preset"] == "eager-reexec" and f["o_bits_equal"] >= 0.9999 for f in fidelities)

@@ -115,6 +115,8 @@ def variants(T: int, lp: ReplayConfig = ReplayConfig(), preset: str = FALLBACK_P
           if base.stats_dtype is not fp32 else []),
         *([("scores-fp32", "scores S = α·q·kᵀ kept in fp32", base.with_(s_dtype=fp32), False)]
           if base.s_dtype is not fp32 else []),
+        *([("p-fp32", "normalized P kept in fp32 before P·V (attention written in torch ops)",
+            base.with_(p_dtype=fp32), False)] if base.plain is not None and base.p_dtype is not fp32 else []),
         ("stabilized", f"stabilized softmax (Algorithm 3, β={base.beta:g})" + plain_note,
          plain.with_(softmax=Softmax.STABILIZED), False),
         ("stochastic", "stochastic rounding of the P̄, P̄V and O casts" + plain_note,

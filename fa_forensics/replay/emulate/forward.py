@@ -268,6 +268,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ReplayCon
     k are then ignored; pass None): a study of the softmax and P̄ cast on synthetic scores.
     observe: called with every block's BlockCast (what the P̄ cast did), in visiting order.
     keys, split_part: one split of the split-KV forward (its keys; O left fp32, lse in the split form)."""
+    if config.plain is not None and scores is None:  # attention written in torch ops (replay/eager.py)
+        from fa_forensics.replay.eager import plain_forward
+
+        fwd = plain_forward(q, k, v, config, causal=causal, scale=scale, mask=mask, row0=row0)
+        return Forward(o=fwd.o, lse=fwd.lse, stats=fwd.stats)
     if config.kv_splits > 1 and not split_part:
         return _forward_split_kv(q, k, v, config, causal=causal, scale=scale, generator=generator, row0=row0,
                                  mask=mask, scores=scores, observe=observe)

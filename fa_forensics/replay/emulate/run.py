@@ -146,6 +146,10 @@ def emulate_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Re
     plan: how to cut the work (default: `StreamPlan.for_shape`, blocks of about BLOCK_ELEMENTS).
     mask: SDPA's attn_mask broadcastable to (B, H, T, Tk) (bool or additive), or None.
     engine: which implementation computes (numerics/engines.py; None: the current one); the same bits."""
+    if config.plain is not None:  # attention written in torch ops: its recorded ops, whole (replay/eager.py)
+        from fa_forensics.replay.eager import plain_replay
+
+        return plain_replay(q, k, v, config, do, causal=causal, scale=scale, mask=mask)
     B, H, T, _ = q.shape
     plan = plan or StreamPlan.for_shape(H, T, k.shape[-2])
     with torch.no_grad(), emulator_threads(), use_engine(engine):

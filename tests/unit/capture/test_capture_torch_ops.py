@@ -373,3 +373,46 @@ def test_softmax_of_a_router_is_not_attention(tmp_path):
     with pytest.warns(fa_forensics.capture.events.CaptureWarning, match="no attention call was seen"):
         _, d = _record(tmp_path, core)
     assert d.steps == []
+
+
+# -- the recipe as facts ------------------------------------------------------------------------------------
+def test_the_op_sequence_is_recorded_with_dtypes_scale_softcap_and_window(tmp_path):
+    """Gemma 2's eager attention written inline under CPU bf16 autocast: the ops in order with the dtypes they
+    computed in, the factors with their numbers, the soft-cap, the sliding window, the softmax's dtype and the
+    cast of P, the device, torch's version and the thread count."""
+    def core(q, k, v):
+        T_ = q.shape[2]
+        i, j = torch.arange(T_).view(T_, 1), torch.arange(T_).view(1, T_)
+        blocked = ~((j <= i) & (j > i - 4))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+            s = torch.tanh(s / 5.0) * 5.0
+            s = s + torch.zeros(T_, T_).masked_fill(blocked, torch.finfo(torch.float32).min)
+            p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(p, v)
+        return o.transpose(1, 2).reshape(o.shape[0], T_, -1).float(), o
+
+    _, d = _record(tmp_path, core)
+    attrs = dict(d._layer(0, 0).attrs)
+    recipe = attrs["plain_recipe"]
+    assert [(e["op"], e["out"]) for e in recipe["ops"]] == [
+        ("matmul", "bfloat16"), ("mul", "bfloat16"), ("div", "bfloat16"), ("tanh", "bfloat16"), ("mul", "bfloat16"),
+        ("add", "float32"), ("softmax", "float32"), ("matmul", "bfloat16")]
+    assert recipe["ops"][0]["in"] == ["bfloat16", "bfloat16"] and recipe["ops"][1]["value"] == 0.25
+    assert recipe["ops"][2]["value"] == 5.0 and recipe["softcap"] == 5.0 and recipe["window"] == 4
+    assert recipe["scale_on"] == "scores" and recipe["mask"] == "bias" and recipe["p_cast"] == "bfloat16"
+    assert recipe["softmax_dtype"] == "float32" and recipe["autocast"] == "bfloat16"
+    assert recipe["device"] == "cpu" and recipe["threads"] == torch.get_num_threads()
+    assert recipe["torch"] == torch.__version__ and attrs["scale"] == pytest.approx(0.25)
+    assert d.layer_info(0, 0).call["plain_recipe"] == recipe
+
+
+def test_a_scale_on_q_is_recorded_as_such(tmp_path):
+    def core(q, k, v):
+        o = (q * 0.5 @ k.transpose(-2, -1)).softmax(-1) @ v
+        return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1), o
+
+    _, d = _record(tmp_path, core)
+    recipe = dict(d._layer(0, 0).attrs)["plain_recipe"]
+    assert recipe["scale_on"] == "q" and recipe["mask"] == "none" and recipe["softcap"] == "none"
+    assert [e["op"] for e in recipe["ops"]] == ["matmul", "softmax", "matmul"] and recipe["window"] == "none"
