@@ -280,8 +280,7 @@ class ChainMode(TorchFunctionMode):
                     letters = dict(zip(want, "BHTD"))
                     layout = "".join(letters[c] for c in have)
         steps = (*s.steps, *probs.steps, _entry(name, out, p, v_t))
-        scale = s.scale * s.softcap if s.softcap is not None else s.scale
-        call = PlainCall(q=s.q, k=s.k, v=v_t.transpose(-1, -2), o=o, o_raw=out, o_convert=convert, scale=scale,
+        call = PlainCall(q=s.q, k=s.k, v=v_t.transpose(-1, -2), o=o, o_raw=out, o_convert=convert, scale=s.scale,
                          terms=s.terms, scores_shape=probs.shape, dropout_p=probs.dropout_p,
                          score_dtype=s.score_dtype, softmax_dtype=probs.softmax_dtype, p_dtype=_operand_dtype(p),
                          ops=(*s.ops, *probs.ops, name), q_scale=s.q_scale, k_scale=s.k_scale, layout=layout,
