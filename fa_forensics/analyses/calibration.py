@@ -3,9 +3,9 @@
 A null dump is a planted dump (`fa_forensics.planted`) without a bias: the planted feature of V takes either sign
 at random (v_skew = 0.5), and either every row's maximum is attained once (ties = 1, `NULL_SHAPES`: no two P̄ = 1
 terms can carry into a tie) or twice (`TIED_NULL_SHAPES`: each tie group errs one way, its sign drawn at random, so
-nothing holds across groups or steps); the other heads are plain N(0, 1) or have sinks. Nothing in it is biased, so every claim an analysis
-makes on it is a false alarm. `alarms` runs the analyses as the report does (the recipe "auto", every option at
-its default) and says, per analysis, whether its verdict claims something: a bias claim found (`bias.found`),
+nothing holds across groups or steps); the other heads are plain N(0, 1) or have sinks. Nothing in it is
+biased, so every claim an analysis makes on it is a false alarm. `alarms` runs the analyses as the report does
+(the recipe "auto", every option at its default) and says, per analysis, whether its verdict claims something: a bias claim found (`bias.found`),
 fix-check's exit code 1, a pcast head that needs a fix; `report` is any of them (the report's headline). The
 policy promises a rate of at most α = 0.01 for each analysis and for the report (one family for all).
 tests/unit/analyses/test_calibration.py runs a small family; benchmarks/false_alarms.py a large one.
@@ -33,18 +33,20 @@ TIED_NULL_SHAPES: tuple[dict, ...] = (
 CLAIMING = ("isolate", "delta-bias", "rank1-sim", "pv-trace", "bitdiff", "fix-check", "pcast")
 
 
-def null_spec(seed: int, shapes: tuple[dict, ...] = NULL_SHAPES) -> SynthSpec:
-    """The null dump of one seed: shape `seed mod len(shapes)`, by default one maximum per row; V signs at random."""
-    return SynthSpec(**{"ties": 1, "planted_heads": (1,), **shapes[seed % len(shapes)], "v_skew": 0.5, "seed": seed})
+def null_spec(seed: int, shapes: tuple[dict, ...] = NULL_SHAPES, v_skew: float = 0.5) -> SynthSpec:
+    """The null dump of one seed: shape `seed mod len(shapes)`, by default one maximum per row; V signs at random
+    (`v_skew` 1: the planted dump of the same shape, one-signed, for the power)."""
+    return SynthSpec(**{"ties": 1, "planted_heads": (1,), **shapes[seed % len(shapes)], "v_skew": v_skew,
+                        "seed": seed})
 
 
-def make_null(path: Path, seed: int, shapes: tuple[dict, ...] = NULL_SHAPES) -> Path:
+def make_null(path: Path, seed: int, shapes: tuple[dict, ...] = NULL_SHAPES, v_skew: float = 0.5) -> Path:
     """Write the null dump of `seed` to `path` (kept if it is already there)."""
     from fa_forensics.planted import synth
 
     path = Path(path)
     if not path.exists():
-        synth(path, null_spec(seed, shapes))
+        synth(path, null_spec(seed, shapes, v_skew))
     return path
 
 
