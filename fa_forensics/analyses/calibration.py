@@ -7,8 +7,8 @@ nothing holds across groups or steps); the other heads are plain N(0, 1) or have
 biased, so every claim an analysis makes on it is a false alarm. `alarms` runs the analyses as the report does
 (the recipe "auto", every option at its default) and says, per analysis, whether its verdict claims something: a
 bias claim found (`bias.found`), fix-check's exit code 1, a pcast head that needs a fix; `report` is any of them
-(the report's headline). The policy promises a rate of at most α = 0.01 for each analysis and for the report (one family for all).
-tests/unit/analyses/test_calibration.py runs a small family; benchmarks/false_alarms.py a large one.
+(the report's headline). The policy promises a rate of at most α = 0.01 for each analysis and for the report (one
+family for all). tests/unit/analyses/test_calibration.py runs a small family; benchmarks/false_alarms.py a large one.
 """
 from __future__ import annotations
 
