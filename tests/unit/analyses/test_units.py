@@ -137,3 +137,23 @@ def test_a_variant_is_judged_in_the_baselines_family():
     base_adjusted = holm([c.tested_p for c in cells], family.n_tests)[0]
     assert adjusted[0] >= base_adjusted
     assert adjusted[1] == 1.0
+
+
+@pytest.mark.slow
+def test_fix_check_never_calls_a_variant_still_biased_where_the_baseline_has_no_bias():
+    from pathlib import Path
+
+    from fa_forensics.analyses.registry import BY_NAME
+    from fa_forensics.dump import open_dump
+    from fa_forensics.fidelity.recipe import Recipe
+    from fa_forensics.layers.selection import select
+
+    dump = open_dump(Path(__file__).resolve().parents[3] / "sample_dumps" / "demo.zarr")
+    fc = BY_NAME["fix-check"].compute(dump, select(dump), Recipe(), "emulate", **BY_NAME["fix-check"].defaults())
+    variants = [fc.fixed, *fc.alternatives]
+    assert not fc.has_bias and fc.outcome == "no-bias" and fc.exit_code == 0
+    assert not any(v.still_biased for v in variants)
+    # one family: the baseline's tests and two per variant; no variant adjusted below the family's smallest p
+    assert fc.family.n_tests == fc.claim.n_tests + 2 * len(variants)
+    assert all(v.o_bias_adjusted_p >= min(v.o_bias_p * 2, 1.0) for v in variants)
+    assert "still biased: " not in fc.verdict
