@@ -48,14 +48,15 @@ def units_of_scores(s: torch.Tensor) -> RowUnits:
     seen = r_m[..., 0] > -math.inf  # (B, h, T)
     at_max = (s == r_m) & seen[..., None]  # (B, h, T, K)
     count = at_max.sum(dim=-1)  # (B, h, T)
-    first = at_max.to(torch.int8).argmax(dim=-1)  # (B, h, T) the first key of the set
-    digest = (at_max.to(torch.int64) * _key_weights(K)).sum(dim=-1)  # (B, h, T) a hash of the set
-    batch = torch.arange(B).view(B, 1, 1).expand(B, h, T)
-    row = torch.arange(T).view(1, 1, T).expand(B, h, T)
-    unseen = torch.where(seen, torch.full_like(row, -1), row)  # a row without keys: its own unit
+    weights = _key_weights(K)
+    batch = torch.arange(B).view(B, 1).expand(B, T)
+    row = torch.arange(T).view(1, T).expand(B, T)
     unit = torch.empty(B, h, T, dtype=torch.int64)
-    for j in range(h):
-        key = torch.stack([batch[:, j], first[:, j], count[:, j], digest[:, j], unseen[:, j]], dim=-1).reshape(-1, 5)
+    for j in range(h):  # one head at a time: the (B, T, K) hash terms stay small
+        first = at_max[:, j].to(torch.int8).argmax(dim=-1)  # (B, T) the first key of the set
+        digest = (at_max[:, j].to(torch.int64) * weights).sum(dim=-1)  # (B, T) a hash of the set
+        unseen = torch.where(seen[:, j], torch.full_like(row, -1), row)  # a row without keys: its own unit
+        key = torch.stack([batch, first, count[:, j], digest, unseen], dim=-1).reshape(-1, 5)
         unit[:, j] = torch.unique(key, dim=0, return_inverse=True)[1].reshape(B, T)
     return RowUnits(unit=unit, tied=(count > 1) & seen)
 
