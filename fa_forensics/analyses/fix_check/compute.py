@@ -493,13 +493,14 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
         return "fails", f"FIX FAILS: {fixed.name} produced {fixed.nan_count} NaN (β too large?) at {where}"
     if collapse["rows"] and collapse["applies"]:
         return "fails", f"FIX FAILS: it collapses O in {collapse_text(collapse)}"
+    broken = [f"{a.name} ({a.nan_count} NaN)" for a in alternatives if a.nan_count]
     if not claim.found:
         return "no-bias", (f"NO BIAS TO REMOVE: the baseline shows no significant O bias in any cell (most "
-                           f"significant: {where}, {base_numbers})")
+                           f"significant: {where}, {base_numbers})"
+                           + (f"; produced NaN: {', '.join(broken)}" if broken else ""))
     numbers = (f"{base_numbers} → {fixed.name} {fixed.o_bias:+.3e} ± {fixed.o_bias_se:.1e} (p = "
                f"{fixed.o_bias_p:.2g}), {_share(fixed.removed_share)} of it removed (reduction {reduction:.1f}x)")
     still = [a.name for a in alternatives if a.still_biased]
-    broken = [f"{a.name} ({a.nan_count} NaN)" for a in alternatives if a.nan_count]
     tail = f"; still biased: {', '.join(still)}" if still else "; no alternative left a significant bias"
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"
