@@ -56,6 +56,8 @@ class SynthSpec:
     v_skew: float = 1.0
     planted_heads: tuple[int, ...] = (1,)
     seed: int = 0
+    tie_groups: int = N_GROUPS  # tie groups per (step, layer, batch, planted head)
+    tie_start: float = 0.0  # the groups' keys are drawn from this fraction of T on: rows before it have no tie
 
     def __post_init__(self) -> None:
         def need(ok: bool, setting: str, reason: str) -> None:
@@ -66,10 +68,13 @@ class SynthSpec:
              f"{self.seq} is too short; use at least {max(16, 2 * (self.ties + N_DISTRACTORS) * N_GROUPS)}")
         for name in ("heads", "batch", "steps", "layers"):
             need(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
-        need(self.head_dim >= 2 * N_GROUPS, "head_dim", f"{self.head_dim} is too small; use at least {2 * N_GROUPS}")
+        need(1 <= self.tie_groups <= N_GROUPS, "tie_groups", f"{self.tie_groups} must be between 1 and {N_GROUPS}")
+        need(self.head_dim >= 2 * self.tie_groups, "head_dim",
+             f"{self.head_dim} is too small; use at least {2 * self.tie_groups}")
         need(1 <= self.ties <= 16, "ties", f"{self.ties} must be between 1 and 16")
-        need((self.ties + N_DISTRACTORS) * N_GROUPS <= self.seq // 2, "ties",
-             f"{self.ties} ties need a sequence of at least {2 * (self.ties + N_DISTRACTORS) * N_GROUPS}")
+        need((self.ties + N_DISTRACTORS) * self.tie_groups <= self.seq // 2, "ties",
+             f"{self.ties} ties need a sequence of at least {2 * (self.ties + N_DISTRACTORS) * self.tie_groups}")
+        need(0.0 <= self.tie_start < 1.0, "tie_start", f"{self.tie_start} must be a fraction in [0, 1)")
         need(0.0 <= self.v_skew <= 1.0, "v_skew", f"{self.v_skew} must be a fraction in [0, 1]")
         need(len(self.planted_heads) > 0, "planted_heads", "must name at least one head")
         bad = [h for h in self.planted_heads if not 0 <= h < self.heads]
@@ -107,16 +112,17 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 def _planted_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """q, k (T, D) fp32 of one planted head, and its tie layout (groups, first tied row)."""
-    T, D, K = spec.seq, spec.head_dim, spec.ties
+    T, D, K, n_groups = spec.seq, spec.head_dim, spec.ties, spec.tie_groups
     alpha = 1.0 / math.sqrt(D)
     per_group = K + N_DISTRACTORS
-    window = max(per_group * N_GROUPS, T // 4)
-    drawn = torch.randperm(window, generator=g)[: per_group * N_GROUPS].view(N_GROUPS, per_group)
+    window = max(per_group * n_groups, T // 4)
+    start = min(int(spec.tie_start * T), T - window)  # keys before `start` belong to no group
+    drawn = start + torch.randperm(window, generator=g)[: per_group * n_groups].view(n_groups, per_group)
     positions, distractors = drawn[:, :K].sort(dim=1).values, drawn[:, K:]
     ready = drawn.max(dim=1).values  # (G,) row from which each group and its distractors are visible (causal)
     order = ready.argsort()  # groups ordered by when they are complete
     positions, distractors, ready = positions[order], distractors[order], ready[order]
-    dims = torch.randperm(D, generator=g)[:N_GROUPS]  # one direction per group
+    dims = torch.randperm(D, generator=g)[:n_groups]  # one direction per group
     k = torch.randn(T, D, generator=g) * SIGMA_K
     for grp, extra, d in zip(positions, distractors, dims):
         k[grp] = 0.0

@@ -1,12 +1,16 @@
 """The numbers the analyses share, each defined once, and the bias claims made from them.
 
+- The unit of evidence (`analyses.units`): the rows of one (step, batch row) that share their dominant key set
+  err together and count as one unit; every test below counts units (`stats.unit_test`: a cluster-robust
+  t-test and a sign test over the units' sums), over all rows and, in the same family, over the tied rows
+  (maximum attained more than once: where the P̄ = 1 mechanism acts; each item and cell holds its `tied`).
 - Σδ items (`DeltaItem`, `delta_items`): per (step, layer, head), Σ_T(δ_lp − δ_hp) over every token of every
-  batch entry, δ = rowsum(dO ∘ O) in float64, with its standard error s·√n, a t-test and a sign test over the
-  tokens, and its rounding unit Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂. isolate, delta-bias, rank1-sim and fix-check
+  batch entry, δ = rowsum(dO ∘ O) in float64, with its cluster-robust standard error, a t-test and a sign test
+  over the units, and its rounding unit Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂. isolate, delta-bias, rank1-sim and fix-check
   quote these; a head's number over several steps is `head_total`, the selection's is `total_of` (sums of the
   items, standard errors in quadrature), so the same (step, layer, head) reads the same in every command.
 - O cells (`BiasCell`, `cell_sums`, `o_cells`): per (layer, head, feature), the mean of O_lp − O_hp over every
-  row of every selected step and batch entry, ± se, with a t-test and a sign test over the rows and its rounding
+  row of every selected step and batch entry, ± se, with a t-test and a sign test over the units and its rounding
   unit (the mean ulp of the low-precision O format at |O_hp|). bitdiff, fix-check and pv-trace quote these.
 - The family (`selection_family`, `layers_family`) and the decision (`decide_deltas`, `o_cells`), by the
   policy of `analyses.significance`; the claim (`BiasClaim`: `delta_claim`, `o_claim`) is the most significant
@@ -21,8 +25,10 @@ from typing import Optional
 
 import torch
 
-from fa_forensics.analyses.significance import Family, effect, holm, p_text, significant
-from fa_forensics.analyses.stats import MeanSE, sign_test, sum_se
+from fa_forensics.analyses.significance import (ALL_ROWS, SUBSETS, TIED_ROWS, UNIT_KIND, Family, effect, holm,
+                                                p_text, significant)
+from fa_forensics.analyses.stats import MeanSE, UnitSums, merge_unit_sums, unit_sums, unit_test
+from fa_forensics.analyses.units import RowUnits, rows_as_units
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -45,52 +51,92 @@ def delta_units(do: torch.Tensor, o_hp: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DeltaItem:
-    """Σ_T(δ_lp − δ_hp) of one (step, layer, head), summed over the batch, with its tests and rounding unit."""
+    """Σ_T(δ_lp − δ_hp) of one (step, layer, head), summed over the batch, over one subset of its rows (all rows;
+    `tied` holds the tied rows'), with its tests over units and its rounding unit."""
 
     step: int
     layer: int
     head: int
     delta_err_sum: float
-    delta_err_se: float  # standard error of the sum (s·√n over tokens)
+    delta_err_se: float  # cluster-robust standard error of the sum (`stats.unit_test`)
     n_tokens: int
-    frac_positive: float  # tokens with δ_lp > δ_hp among those that differ
-    t_p_value: float  # one-sample t-test of the per-token errors
-    p_value: float  # two-sided sign test over the tokens
+    frac_positive: float  # units whose Σ(δ_lp − δ_hp) is positive, among those with a sign
+    t_p_value: float  # cluster-robust t-test over the units
+    p_value: float  # two-sided sign test over the units' sums
     unit: float  # Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂: the sum's rounding unit
     effect: float = math.nan  # |Σ| / unit
     adjusted_p: float = math.nan  # the smaller test's p, Holm over the selection's family (`decide_deltas`)
     significant: bool = False
+    n_units: int = 0  # independent units: (step, batch row, dominant key set)
+    subset: str = ALL_ROWS
+    tied: Optional[DeltaItem] = None  # the same item over the tied rows only (the all-rows item holds it)
 
     @property
     def tested_p(self) -> float:
         """The smaller of the two tests' p-values (the family counts both tests)."""
-        return min(self.t_p_value, self.p_value)
+        return _smaller(self.t_p_value, self.p_value)
+
+    @property
+    def subsets(self) -> list[DeltaItem]:
+        """This item and its tied-rows item."""
+        return [self] + ([self.tied] if self.tied is not None else [])
+
+    @property
+    def found(self) -> bool:
+        """Significant over all rows or over the tied rows."""
+        return any(x.significant for x in self.subsets)
+
+
+def _smaller(t_p: float, sign_p: float) -> float:
+    return min(t_p, sign_p) if math.isfinite(t_p) else sign_p
 
 
 def delta_items(step: int, layer: int, heads: Sequence[int], do: torch.Tensor, o_lp: torch.Tensor,
-                o_hp: torch.Tensor, fmt: str) -> list[DeltaItem]:
-    """The Σδ item of each head of one layer-step; do, o_lp, o_hp (B, h, T, D), `fmt` the low-precision O format."""
+                o_hp: torch.Tensor, fmt: str, row_units: Optional[RowUnits] = None) -> list[DeltaItem]:
+    """The Σδ item of each head of one layer-step; do, o_lp, o_hp (B, h, T, D), `fmt` the low-precision O format,
+    `row_units` the rows' units (`analyses.units`; None: every row its own unit, none tied)."""
     dd = (_f64(do) * (_f64(o_lp) - _f64(o_hp))).sum(-1)  # (B, h, T) δ_lp − δ_hp
-    return items_of_errors(step, layer, heads, dd, delta_units(do, o_hp, fmt))
+    return items_of_errors(step, layer, heads, dd, delta_units(do, o_hp, fmt), row_units)
 
 
 def items_of_errors(step: int, layer: int, heads: Sequence[int], dd: torch.Tensor,
-                    units: torch.Tensor) -> list[DeltaItem]:
+                    units: torch.Tensor, row_units: Optional[RowUnits] = None) -> list[DeltaItem]:
     """The Σδ items of per-token errors dd = δ_var − δ_hp (B, h, T) with their rounding units (B, h, T): for a δ
-    that does not come from O (a backward's own δ), measured in the same units as the forward's."""
+    that does not come from O (a backward's own δ), measured in the same units as the forward's. `row_units`: the
+    rows' units (None: every row its own unit, none tied)."""
+    ru = row_units if row_units is not None else rows_as_units(tuple(dd.shape))
     out = []
     for j, h in enumerate(heads):
-        s, st = sum_se(dd[:, j]), sign_test(dd[:, j])
-        unit = float(units[:, j].sum())
-        out.append(DeltaItem(int(step), int(layer), int(h), s.value, s.se, s.n, st.frac_positive, s.p_value,
-                             st.p_value, unit, effect(s.value, unit)))
+        ids, x, u = ru.unit[:, j].reshape(-1), _f64(dd[:, j]).reshape(-1), _f64(units[:, j]).reshape(-1)
+        made = {}
+        for subset in SUBSETS:
+            rows = None if subset == ALL_ROWS else ru.tied[:, j].reshape(-1)
+            t = unit_test(unit_sums(x, ids, rows))
+            n = int(t.n)
+            value, se = float(t.mean.nan_to_num(0.0)) * n, float(t.se) * n
+            unit = float(u.sum() if rows is None else u[rows].sum())
+            made[subset] = DeltaItem(int(step), int(layer), int(h), value, se, n, float(t.frac_positive),
+                                     float(t.t_p_value), float(t.p_value), unit, effect(value, unit),
+                                     n_units=int(t.n_units), subset=subset)
+        out.append(replace(made[ALL_ROWS], tied=made[TIED_ROWS]))
     return out
 
 
 def decide_deltas(items: Sequence[DeltaItem], family: Family) -> list[DeltaItem]:
-    """The items with their Holm-adjusted p-values in `family` and the policy's decision."""
-    adjusted = holm([i.tested_p for i in items], family.n_tests)
-    return [replace(i, adjusted_p=a, significant=significant(a, i.effect)) for i, a in zip(items, adjusted)]
+    """The items (and their tied-rows items) with their Holm-adjusted p-values in `family` and the policy's
+    decision."""
+    flat = [x for i in items for x in i.subsets]
+    adjusted = iter(holm([x.tested_p for x in flat], family.n_tests))
+
+    def decide(x: DeltaItem) -> DeltaItem:
+        a = next(adjusted)
+        return replace(x, adjusted_p=a, significant=significant(a, x.effect))
+
+    out = []
+    for i in items:
+        top = decide(i)
+        out.append(replace(top, tied=decide(i.tied)) if i.tied is not None else top)
+    return out
 
 
 @dataclass(frozen=True)
@@ -101,18 +147,20 @@ class Total:
     se: float
     n_items: int
     n_tokens: int
+    n_units: int = 0
 
     @property
     def t_p_value(self) -> float:
-        return MeanSE(self.value, self.se, self.n_tokens).p_value
+        return MeanSE(self.value, self.se, self.n_units or self.n_tokens).p_value
 
 
 def total_of(items: Iterable[DeltaItem]) -> Total:
-    """Σ of the items' sums (in their order), se = √(Σ se²)."""
+    """Σ of the items' sums (in their order), se = √(Σ se²) (items are disjoint sets of units)."""
     items = list(items)
     value = sum(i.delta_err_sum for i in items)
     se = math.sqrt(sum(i.delta_err_se ** 2 for i in items if math.isfinite(i.delta_err_se)))
-    return Total(value, se if items else math.nan, len(items), sum(i.n_tokens for i in items))
+    return Total(value, se if items else math.nan, len(items), sum(i.n_tokens for i in items),
+                 sum(i.n_units for i in items))
 
 
 def head_total(items: Iterable[DeltaItem], layer: int, head: int) -> Total:
@@ -120,10 +168,19 @@ def head_total(items: Iterable[DeltaItem], layer: int, head: int) -> Total:
     return total_of(i for i in items if (i.layer, i.head) == (layer, head))
 
 
+def _rank(x) -> tuple:
+    return (x.adjusted_p if math.isfinite(x.adjusted_p) else 2.0, x.tested_p,
+            -(x.effect if math.isfinite(x.effect) else abs(getattr(x, "delta_err_sum", getattr(x, "mean", 0.0)))))
+
+
 def flagged(items: Sequence[DeltaItem]) -> DeltaItem:
-    """The most significant item (smallest adjusted p, then the largest effect): the Σδ claim's place."""
-    return min(items, key=lambda i: (i.adjusted_p if math.isfinite(i.adjusted_p) else 2.0, i.tested_p,
-                                     -(i.effect if math.isfinite(i.effect) else abs(i.delta_err_sum))))
+    """The most significant item over all rows (smallest adjusted p, then the largest effect)."""
+    return min(items, key=_rank)
+
+
+def flagged_subset(items: Sequence[DeltaItem]) -> DeltaItem:
+    """The Σδ claim's place: the most significant item or tied-rows item (ties: all rows first)."""
+    return min((x for i in items for x in i.subsets), key=_rank)
 
 
 def count_text(items: Iterable[DeltaItem]) -> str:
@@ -136,118 +193,166 @@ def count_text(items: Iterable[DeltaItem]) -> str:
 
 
 def item_text(i: DeltaItem, n_tests: int) -> str:
-    """'step 0 layer 0 head 1: +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over 280 tests)'."""
-    return (f"step {i.step} layer {i.layer} head {i.head}: {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
+    """'step 0 layer 0 head 1 (all rows, 24 units): +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over
+    280 tests)'."""
+    return (f"step {i.step} layer {i.layer} head {i.head} ({i.subset}, {i.n_units} unit{'s' if i.n_units != 1 else ''})"
+            f": {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
             f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")
+
+
+def opposed_steps(items: Sequence[DeltaItem], claim: DeltaItem) -> list[int]:
+    """Steps at which a significant item of the claim's (layer, head), over either subset, has the opposite sign:
+    a sign that does not hold across steps does not add up over training."""
+    sign = _sign(claim.delta_err_sum)
+    return sorted({x.step for i in items if (i.layer, i.head) == (claim.layer, claim.head)
+                   for x in i.subsets if x.significant and _sign(x.delta_err_sum) == -sign})
 
 
 # ---- O bias per (layer, head, feature) ---------------------------------------------------------------
 
 @dataclass(frozen=True)
 class BiasCell:
-    """Mean signed error of one (layer, head, feature) over all its rows, with its uncertainty and rounding unit."""
+    """Mean signed error of one (layer, head, feature) over one subset of its rows (all rows; `tied` holds the tied
+    rows'), with its uncertainty over units and its rounding unit."""
 
     layer: int
     head: int
     feature: int
     mean: float
-    se: float
-    p_value: float  # two-sided sign test
-    frac_positive: float
-    n: int
+    se: float  # cluster-robust (`stats.unit_test`)
+    p_value: float  # two-sided sign test over the units
+    frac_positive: float  # units with a positive sum among those with a sign
+    n: int  # rows with a finite error
     unit: float = math.nan  # mean rounding unit (ulp of the compared format at the reference value)
-    t_p_value: float = math.nan  # one-sample t-test of the rows' errors
+    t_p_value: float = math.nan  # cluster-robust t-test over the units
     effect: float = math.nan  # |mean| / unit
     adjusted_p: float = math.nan  # the smaller test's p, Holm over the selection's family
     significant: bool = False
+    n_units: int = 0  # independent units: (step, batch row, dominant key set)
+    subset: str = ALL_ROWS
+    tied: Optional[BiasCell] = None  # the same cell over the tied rows only (the all-rows cell holds it)
 
     @property
     def tested_p(self) -> float:
         """The smaller of the two tests' p-values (the family counts both tests)."""
-        return min(self.p_value, self.t_p_value) if math.isfinite(self.t_p_value) else self.p_value
+        return _smaller(self.t_p_value, self.p_value)
+
+    @property
+    def subsets(self) -> list[BiasCell]:
+        """This cell and its tied-rows cell."""
+        return [self] + ([self.tied] if self.tied is not None else [])
+
+    @property
+    def found(self) -> bool:
+        """Significant over all rows or over the tied rows."""
+        return any(x.significant for x in self.subsets)
 
 
 @dataclass(frozen=True)
 class CellSums:
-    """Sufficient statistics of one layer-step's O errors per (head, feature), merged across steps by `o_cells`."""
+    """Sufficient statistics of one layer-step's O errors per (head, feature) and subset of rows, over units,
+    merged across steps by `o_cells`."""
 
     step: int
     layer: int
     heads: list[int]
-    n: torch.Tensor  # (h, D) rows whose error is finite
-    s1: torch.Tensor  # (h, D) Σ err
-    s2: torch.Tensor  # (h, D) Σ err²
-    n_pos: torch.Tensor  # (h, D)
-    n_neg: torch.Tensor  # (h, D)
-    unit: torch.Tensor  # (h, D) Σ rounding unit over the finite rows
+    sums: dict  # subset -> stats.UnitSums, each tensor (h, D)
+    unit: dict  # subset -> (h, D) Σ rounding unit over the finite rows
 
 
-def cell_sums(step: int, layer: int, heads: Sequence[int], err: torch.Tensor, unit: torch.Tensor) -> CellSums:
-    """Per-(head, feature) sums of err = O_a − O_b (B, h, T, D) and of its rounding unit (same shape); a
-    non-finite error is left out of its cell, not counted as 0."""
-    raw = _f64(err)
-    finite = torch.isfinite(raw)
-    d = torch.where(finite, raw, torch.zeros_like(raw))
-    u = torch.where(finite, _f64(unit), torch.zeros_like(raw))
-    return CellSums(int(step), int(layer), [int(h) for h in heads], finite.sum(dim=(0, 2)), d.sum(dim=(0, 2)),
-                    (d * d).sum(dim=(0, 2)), (d > 0).sum(dim=(0, 2)), (d < 0).sum(dim=(0, 2)), u.sum(dim=(0, 2)))
+def cell_sums(step: int, layer: int, heads: Sequence[int], err: torch.Tensor, unit: torch.Tensor,
+              row_units: Optional[RowUnits] = None) -> CellSums:
+    """Per-(head, feature) sums of err = O_a − O_b (B, h, T, D) and of its rounding unit (same shape), over the
+    rows' units (`analyses.units`; None: every row its own unit, none tied), for every subset of rows; a non-finite
+    error is left out of its cell, not counted as 0."""
+    B, h, T, D = err.shape
+    ru = row_units if row_units is not None else rows_as_units((B, h, T))
+    raw, u = _f64(err), _f64(unit)
+    sums, units = {}, {}
+    for subset in SUBSETS:
+        per_head, per_unit = [], []
+        for j in range(h):
+            rows = None if subset == ALL_ROWS else ru.tied[:, j].reshape(-1)
+            x = raw[:, j].reshape(B * T, D)
+            per_head.append(unit_sums(x, ru.unit[:, j].reshape(-1), rows))
+            keep = torch.isfinite(x) if rows is None else torch.isfinite(x) & rows[:, None]
+            per_unit.append(torch.where(keep, u[:, j].reshape(B * T, D), torch.zeros(B * T, D, dtype=torch.float64))
+                            .sum(0))
+        sums[subset] = UnitSums(*(torch.stack([getattr(p, f) for p in per_head])
+                                  for f in UnitSums.__dataclass_fields__))
+        units[subset] = torch.stack(per_unit)
+    return CellSums(int(step), int(layer), [int(x) for x in heads], sums, units)
 
 
-def _pooled(parts: Iterable[CellSums], only: Optional[tuple[int, int]] = None) -> dict[tuple[int, int], list]:
-    """{(layer, head): [n, Σ err, Σ err², n > 0, n < 0, Σ unit]}, each (D,), the parts' steps pooled (`only`: one
-    (layer, head))."""
-    pooled: dict[tuple[int, int], list] = {}
+def _pooled(parts: Iterable[CellSums], only: Optional[tuple[int, int]] = None) -> dict[tuple[int, int], dict]:
+    """{(layer, head): {subset: (UnitSums of (D,), Σ unit (D,))}}, the parts' steps pooled (`only`: one (layer,
+    head))."""
+    acc: dict[tuple[int, int], dict] = {}
     for p in parts:
         for hi, head in enumerate(p.heads):
             if only is not None and (p.layer, head) != only:
                 continue
-            acc = pooled.setdefault((p.layer, head), [0, 0.0, 0.0, 0, 0, 0.0])
-            for k, x in enumerate((p.n[hi], p.s1[hi], p.s2[hi], p.n_pos[hi], p.n_neg[hi], p.unit[hi])):
-                acc[k] = acc[k] + x
-    return pooled
+            entry = acc.setdefault((p.layer, head), {s: ([], []) for s in SUBSETS})
+            for subset in SUBSETS:
+                us = p.sums[subset]
+                entry[subset][0].append(UnitSums(*(getattr(us, f)[hi] for f in UnitSums.__dataclass_fields__)))
+                entry[subset][1].append(p.unit[subset][hi])
+    return {key: {s: (merge_unit_sums(v[0]), sum(v[1])) for s, v in entry.items()} for key, entry in acc.items()}
 
 
-def _cells_of(layer: int, head: int, sums: list, features: Iterable[int]) -> list[BiasCell]:
-    """The undecided cells of `features` of one (layer, head) from its pooled sums."""
-    from scipy.stats import binomtest
-
-    n, s1, s2, npos, nneg, usum = sums
-    n = torch.as_tensor(n, dtype=torch.float64)  # (D,)
-    mean = s1 / n
-    var = (s2 - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
-    se = torch.where(n > 1, (var / n).sqrt(), torch.full_like(var, math.nan))
-    unit = usum / n
+def _cells_of(layer: int, head: int, pooled: dict, features: Iterable[int]) -> list[BiasCell]:
+    """The undecided cells (each holding its tied-rows cell) of `features` of one (layer, head) from its pooled
+    sums."""
+    tests = {s: (unit_test(us), usum) for s, (us, usum) in pooled.items()}
     cells = []
     for f in features:
-        k, m = int(npos[f]), int(npos[f] + nneg[f])
-        p = float(binomtest(k, m, 0.5).pvalue) if m else 1.0
-        t_p = MeanSE(float(mean[f]), float(se[f]), int(n[f])).p_value
-        cells.append(BiasCell(layer, head, f, float(mean[f]), float(se[f]), p, k / m if m else math.nan,
-                              int(n[f]), float(unit[f]), t_p, effect(float(mean[f]), float(unit[f]))))
+        made = {}
+        for subset, (t, usum) in tests.items():
+            n = int(t.n[f])
+            mean = float(t.mean[f])
+            unit = float(usum[f]) / n if n else math.nan
+            made[subset] = BiasCell(layer, head, f, mean, float(t.se[f]), float(t.p_value[f]),
+                                    float(t.frac_positive[f]), n, unit, float(t.t_p_value[f]), effect(mean, unit),
+                                    n_units=int(t.n_units[f]), subset=subset)
+        cells.append(replace(made[ALL_ROWS], tied=made[TIED_ROWS]))
     return cells
 
 
 def o_cells(parts: Iterable[CellSums], family: Optional[Family] = None) -> list[BiasCell]:
-    """Every (layer, head, feature) cell, its rows pooled over the parts' steps, sorted by (layer, head, feature);
-    decided in `family` (default: the cells alone)."""
-    cells = [c for (layer, head), sums in sorted(_pooled(parts).items())
-             for c in _cells_of(layer, head, sums, range(len(sums[1])))]
+    """Every (layer, head, feature) cell (holding its tied-rows cell), its units pooled over the parts' steps,
+    sorted by (layer, head, feature); decided in `family` (default: the cells alone)."""
+    cells = [c for (layer, head), pooled in sorted(_pooled(parts).items())
+             for c in _cells_of(layer, head, pooled, range(len(pooled[ALL_ROWS][1])))]
     family = family if family is not None else Family(o_cells=len(cells))
-    adjusted = holm([c.tested_p for c in cells], family.n_tests)
-    return [replace(c, adjusted_p=a, significant=significant(a, c.effect)) for c, a in zip(cells, adjusted)]
+    flat = [x for c in cells for x in c.subsets]
+    adjusted = iter(holm([x.tested_p for x in flat], family.n_tests))
+
+    def decide(x: BiasCell) -> BiasCell:
+        a = next(adjusted)
+        return replace(x, adjusted_p=a, significant=significant(a, x.effect))
+
+    out = []
+    for c in cells:
+        top = decide(c)
+        out.append(replace(top, tied=decide(c.tied)) if c.tied is not None else top)
+    return out
 
 
-def o_cell(parts: Iterable[CellSums], layer: int, head: int, feature: int) -> Optional[BiasCell]:
-    """One cell of `o_cells`, its statistics alone (undecided: its Holm p needs the others); None when no part
-    holds it."""
-    sums = _pooled(parts, only=(layer, head)).get((layer, head))
-    return None if sums is None else _cells_of(layer, head, sums, (feature,))[0]
+def o_cell(parts: Iterable[CellSums], layer: int, head: int, feature: int,
+           subset: str = ALL_ROWS) -> Optional[BiasCell]:
+    """One cell of `o_cells` over `subset`, its statistics alone (undecided: its Holm p needs the others); None when
+    no part holds it."""
+    pooled = _pooled(parts, only=(layer, head)).get((layer, head))
+    if pooled is None:
+        return None
+    cell = _cells_of(layer, head, pooled, (feature,))[0]
+    return cell if subset == ALL_ROWS else cell.tied
 
 
 def most_significant(cells: Sequence[BiasCell]) -> BiasCell:
-    """The O claim's cell: the smallest adjusted p, then the largest effect."""
-    return min(cells, key=lambda c: (c.adjusted_p if math.isfinite(c.adjusted_p) else 2.0, c.tested_p,
-                                     -(c.effect if math.isfinite(c.effect) else abs(c.mean))))
+    """The O claim's cell: over all rows or the tied rows, the smallest adjusted p, then the largest effect (ties:
+    all rows first)."""
+    return min((x for c in cells for x in c.subsets), key=_rank)
 
 
 # ---- the family of a selection ---------------------------------------------------------------------
@@ -287,7 +392,9 @@ class BiasClaim:
 
     quantity "O": the mean of O_lp − O_hp in one (layer, head, feature) cell; "delta": Σ_T(δ_lp − δ_hp) of one
     (step, layer, head). found: the policy's decision (`significance.significant`) for the most significant
-    item; the location and sign are that item's even when nothing is found.
+    item over either subset of rows (and, for Σδ, no opposite significant sign at another step of the head); the
+    location, subset and sign are that item's even when nothing is found. n_units counts the independent units
+    (`unit`) the tests counted; n_rows the rows they hold.
     """
 
     found: bool
@@ -304,6 +411,11 @@ class BiasClaim:
     value: float = math.nan  # the bias: Σδ of the item, or the cell's mean O error
     se: float = math.nan
     family: str = ""
+    n_units: int = 0
+    unit: str = UNIT_KIND
+    subset: str = ALL_ROWS  # "all rows" | "tied rows": where the bias was tested (and, when found, lives)
+    n_rows: int = 0
+    opposed_steps: tuple[int, ...] = ()  # Σδ: steps where the head is significant with the other sign
 
 
 def _sign(value: float) -> int:
@@ -311,16 +423,19 @@ def _sign(value: float) -> int:
 
 
 def delta_claim(items: Sequence[DeltaItem], family: Family) -> BiasClaim:
-    """The Σδ claim: the flagged item of decided `items`."""
-    i = flagged(items)
-    return BiasClaim(i.significant, "delta", i.layer, i.head, _sign(i.delta_err_sum), i.tested_p, family.n_tests,
-                     step=i.step, adjusted_p=i.adjusted_p, effect=i.effect, value=i.delta_err_sum, se=i.delta_err_se,
-                     family=family.describe())
+    """The Σδ claim: the flagged item (either subset) of decided `items`; found only when its sign holds across
+    the head's steps (`opposed_steps`)."""
+    i = flagged_subset(items)
+    opposed = tuple(opposed_steps(items, i)) if i.significant else ()
+    return BiasClaim(i.significant and not opposed, "delta", i.layer, i.head, _sign(i.delta_err_sum), i.tested_p,
+                     family.n_tests, step=i.step, adjusted_p=i.adjusted_p, effect=i.effect, value=i.delta_err_sum,
+                     se=i.delta_err_se, family=family.describe(), n_units=i.n_units, subset=i.subset,
+                     n_rows=i.n_tokens, opposed_steps=opposed)
 
 
 def o_claim(cells: Sequence[BiasCell], family: Family) -> BiasClaim:
-    """The O claim: the most significant of decided `cells`."""
+    """The O claim: the most significant of decided `cells` (either subset)."""
     c = most_significant(cells)
     return BiasClaim(c.significant, "O", c.layer, c.head, _sign(c.mean), c.tested_p, family.n_tests,
                      feature=c.feature, adjusted_p=c.adjusted_p, effect=c.effect, value=c.mean, se=c.se,
-                     family=family.describe())
+                     family=family.describe(), n_units=c.n_units, subset=c.subset, n_rows=c.n)

@@ -4,11 +4,15 @@ Every word that claims a bias ("significant", "biased", "found", "still biased",
 the report's headline) means the same thing everywhere because it is decided here:
 
 - `ALPHA` = 0.01: the chance that a verdict makes any false claim at all (family-wise error rate).
+- The unit of evidence: rows that share their dominant key set within one (step, batch row) err together, so
+  each such group is one unit (`analyses.units`); the tests count units, not rows (`stats.unit_test`: a
+  cluster-robust t-test with G − 1 degrees of freedom and a sign test over the units' sums).
 - The family: every hypothesis the selection is tested on, counted from its shape before looking at the
   data (`Family`): one Σδ item per (step, layer, head) with a dO array and one O cell per (layer, head,
-  feature), each tested twice (a one-sample t-test, which sees a bias carried by rare large errors, and a sign
-  test, which sees a consistent sign; the smaller p counts, and the family counts both tests). Every command
-  and the report count the same family for the same selection, so an item found by one is found by all.
+  feature), each over two subsets of rows (all rows, and the tied rows, whose maximum repeats: where the P̄ = 1
+  mechanism acts) and tested twice in each (a one-sample t-test, which sees a bias carried by rare large
+  errors, and a sign test, which sees a consistent sign; the smaller p counts, and the family counts both).
+  Every command and the report count the same family for the same selection, so an item found by one is found by all.
 - Holm's step-down over that family (`holm`): the k-th smallest p-value of the items a command tests is
   multiplied by (family size − k + 1) and the running maximum taken; an item is significant when its
   adjusted p is below α. A command that tests only part of the family ranks its own items (the adjusted p
@@ -18,8 +22,11 @@ the report's headline) means the same thing everywhere because it is decided her
   element is the ulp of the low-precision format at |O_hp|; that of a token's δ is the same ulps carried
   through dO: ‖dO[T] ∘ ulp(O_hp[T])‖₂ (`analyses.quantities`). A bias of 1 % of a unit needs about a hundred
   steps of one sign to add up to one unit.
-- A test of a cell chosen beforehand (the fix-check's variants in the baseline's most biased cell) is a
-  family of its own: Holm over the variants tested there.
+- The fix-check's variants, tested in the baseline's most biased cell, join the baseline's family (`extra`
+  tests): a variant is "still biased" only when the baseline has a bias to remove and its own residual is
+  significant in that one family.
+- A Σδ claim holds for the run only when its sign holds across steps: no significant item of the same (layer,
+  head) at another step has the opposite sign (`quantities.delta_claim`).
 """
 from __future__ import annotations
 
@@ -32,6 +39,10 @@ EFFECT_FLOOR = 0.01  # a bias below 1 % of its rounding unit is not a finding, h
 METHOD = "Holm"
 DELTA_TESTS_PER_ITEM = 2  # Σδ items: one-sample t-test and sign test; the smaller p counts, twice in the family
 O_TESTS_PER_CELL = 2  # O cells: the same two tests
+ALL_ROWS = "all rows"
+TIED_ROWS = "tied rows"  # rows whose maximum score is attained more than once
+SUBSETS = (ALL_ROWS, TIED_ROWS)  # every item and cell is tested over both, in one family
+UNIT_KIND = "(step, batch row, dominant key set)"  # the independent unit the tests count
 
 
 @dataclass(frozen=True)
@@ -44,17 +55,18 @@ class Family:
 
     @property
     def n_tests(self) -> int:
-        return DELTA_TESTS_PER_ITEM * self.delta_items + O_TESTS_PER_CELL * self.o_cells + self.extra
+        return ((DELTA_TESTS_PER_ITEM * self.delta_items + O_TESTS_PER_CELL * self.o_cells) * len(SUBSETS)
+                + self.extra)
 
     def describe(self) -> str:
-        """'Holm over 536 tests (12 Σδ (step, layer, head) items and 256 O (layer, head, feature) cells, 2 tests
-        each)'."""
+        """'Holm over 1072 tests (12 Σδ (step, layer, head) items and 256 O (layer, head, feature) cells, each over
+        all rows and tied rows, 2 tests each)'."""
         parts = []
         if self.delta_items:
             parts.append(f"{self.delta_items} Σδ (step, layer, head) item{'s' if self.delta_items != 1 else ''}")
         if self.o_cells:
             parts.append(f"{self.o_cells} O (layer, head, feature) cell{'s' if self.o_cells != 1 else ''}")
-        what = " and ".join(parts) + (", 2 tests each" if parts else "")
+        what = " and ".join(parts) + (f", each over {' and '.join(SUBSETS)}, 2 tests each" if parts else "")
         if self.extra:
             what += (", " if what else "") + f"{self.extra} variant test{'s' if self.extra != 1 else ''}"
         n = self.n_tests
@@ -63,7 +75,7 @@ class Family:
     def as_dict(self) -> dict:
         return {"method": METHOD, "alpha": ALPHA, "effect_floor": EFFECT_FLOOR, "n_tests": self.n_tests,
                 "delta_items": self.delta_items, "o_cells": self.o_cells, "extra": self.extra,
-                "text": self.describe()}
+                "subsets": list(SUBSETS), "unit": UNIT_KIND, "text": self.describe()}
 
 
 def holm(p_values: Sequence[float], n_tests: int) -> list[float]:

@@ -188,3 +188,79 @@ def holm_tests(tests: list[PairedTTest]) -> list[PairedTTest]:
 
     adjusted = holm([t.p_value for t in tests], len(tests))
     return [replace(t, adjusted_p=a, verdict=_ttest_verdict(a, t.mean_diff)) for t, a in zip(tests, adjusted)]
+
+
+# ---- cluster-robust tests: the unit is a group of rows that err together --------------------------------
+
+@dataclass(frozen=True)
+class UnitSums:
+    """Sufficient statistics of rows grouped into units, per cell (any shape, all tensors alike), additive over
+    disjoint sets of units (steps, batch rows): merged by `merge_unit_sums`."""
+
+    n: torch.Tensor  # rows with a finite value
+    s1: torch.Tensor  # Σ value
+    n_units: torch.Tensor  # units with at least one finite row
+    a: torch.Tensor  # Σ_g S_g² (S_g: a unit's sum)
+    b: torch.Tensor  # Σ_g n_g·S_g
+    c: torch.Tensor  # Σ_g n_g²
+    u_pos: torch.Tensor  # units with S_g > 0
+    u_neg: torch.Tensor  # units with S_g < 0
+
+
+def unit_sums(x: torch.Tensor, unit: torch.Tensor, rows: torch.Tensor | None = None) -> UnitSums:
+    """`UnitSums` of values x (R, *cell) whose rows belong to units unit (R,) int64 (ids 0..G−1); `rows` (R,) bool
+    keeps some rows only; a non-finite value is left out of its cell."""
+    x = x.to(torch.float64)
+    finite = torch.isfinite(x)
+    if rows is not None:
+        finite = finite & rows.view(-1, *([1] * (x.dim() - 1)))
+    d = torch.where(finite, x, torch.zeros_like(x))
+    G = int(unit.max()) + 1 if unit.numel() else 0
+    S = torch.zeros(G, *x.shape[1:], dtype=torch.float64).index_add_(0, unit, d)
+    ng = torch.zeros(G, *x.shape[1:], dtype=torch.float64).index_add_(0, unit, finite.to(torch.float64))
+    return UnitSums(ng.sum(0), S.sum(0), (ng > 0).sum(0), (S * S).sum(0), (ng * S).sum(0), (ng * ng).sum(0),
+                    (S > 0).sum(0), (S < 0).sum(0))
+
+
+def merge_unit_sums(parts) -> UnitSums:
+    """The sums of disjoint sets of units (elementwise sums of their fields)."""
+    parts = list(parts)
+    return UnitSums(*(sum(getattr(p, f) for p in parts) for f in UnitSums.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class UnitTest:
+    """The mean of rows grouped into units, its cluster-robust standard error and the tests over units (tensors of
+    the cells' shape)."""
+
+    mean: torch.Tensor
+    se: torch.Tensor  # CR1: sqrt(G/(G−1)·Σ_g (S_g − n_g·mean)²) / n; nan for G < 2
+    t_p_value: torch.Tensor  # two-sided t-test of mean/se with G − 1 degrees of freedom
+    p_value: torch.Tensor  # two-sided sign test over the units' sums (1 when no unit has a sign)
+    frac_positive: torch.Tensor  # units with S_g > 0 among those with a sign
+    n: torch.Tensor
+    n_units: torch.Tensor
+
+
+def unit_test(s: UnitSums) -> UnitTest:
+    """Cluster-robust tests of 'the mean is 0' where rows of one unit err together and units are independent:
+    the CR1 standard error (which is the row standard error s/√n when every unit is one row) with G − 1 degrees of
+    freedom, and the sign test counting each unit once."""
+    from scipy.stats import binom
+
+    n = s.n.to(torch.float64)
+    G = s.n_units.to(torch.float64)
+    mean = torch.where(n > 0, s.s1 / n.clamp(min=1), torch.full_like(n, math.nan))
+    m0 = mean.nan_to_num(0.0)
+    ss = (s.a - 2 * m0 * s.b + m0 * m0 * s.c).clamp(min=0)
+    se = torch.where(G > 1, (G / (G - 1).clamp(min=1) * ss).sqrt() / n.clamp(min=1), torch.full_like(n, math.nan))
+    z = (mean / se).abs()
+    t_p = torch.as_tensor(np.asarray(2 * student_t.sf(z.numpy(), (G - 1).clamp(min=1).numpy())), dtype=torch.float64)
+    t_p = torch.where((G > 1) & (se > 0), t_p, torch.full_like(n, math.nan))
+    signed = (s.u_pos + s.u_neg).to(torch.float64)
+    k = torch.minimum(s.u_pos, s.u_neg).to(torch.float64)
+    sign_p = torch.as_tensor(np.asarray(2.0 * binom.cdf(k.numpy(), signed.clamp(min=1).numpy(), 0.5)),
+                             dtype=torch.float64).clamp(max=1.0)
+    sign_p = torch.where(signed > 0, sign_p, torch.ones_like(sign_p))
+    frac = torch.where(signed > 0, s.u_pos.to(torch.float64) / signed.clamp(min=1), torch.full_like(n, math.nan))
+    return UnitTest(mean, se, t_p, sign_p, frac, s.n, s.n_units)

@@ -39,6 +39,11 @@ def synth(
                              typer.Option("--planted-heads",
                                           help="Comma-separated heads that get the planted mechanism.")] = "1",
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
+    tie_groups: Annotated[int, typer.Option("--tie-groups",
+                                            help="Tie groups per (step, layer, batch row, planted head).")] = 8,
+    tie_start: Annotated[float, typer.Option("--tie-start",
+                                             help="Fraction of T from which the tie groups' keys are drawn: rows "
+                                                  "before their keys have no tie.")] = 0.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it is an existing dump.")] = False,
     json_out: JsonOpt = None,
     debug: DebugOpt = False,
@@ -53,6 +58,7 @@ def synth(
         spec = SynthSpec(
             seq=seq, heads=heads, head_dim=head_dim, batch=batch, steps=steps, layers=layers, ties=ties,
             sink_strength=sink_strength, v_skew=v_skew, planted_heads=_heads(planted_heads), seed=seed,
+            tie_groups=tie_groups, tie_start=tie_start,
         )
         truth = make(out, spec, overwrite=overwrite)
         check = check_planted(open_dump(out))

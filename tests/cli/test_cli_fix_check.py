@@ -51,7 +51,10 @@ def test_fix_removes_the_planted_bias_under_the_papers_autocast_preset(tmp_path)
     assert d["baseline"]["o_bias"] < 0 and d["baseline"]["o_bias_p"] < 0.01
     assert d["fixed"]["o_bias_p"] >= 0.01 or d["bias_reduction"] is None or d["bias_reduction"] >= 10
     assert d["triggered_rows"] > 0 and d["nan_count"] == 0
-    assert {a["name"]: a for a in d["alternatives"]}["fixed-offset"]["still_biased"]
+    # the fixed offset leaves the bias (5 % removed); in the one family of the baseline's tests its residual is not
+    # significant at this preset (Holm p 0.018), so it is not claimed "still biased", and not called a removal
+    offset = {a["name"]: a for a in d["alternatives"]}["fixed-offset"]
+    assert offset["removed_share"] < 0.5 and offset["outcome"] != "removed"
 
 
 def test_unknown_preset_is_exit_2():

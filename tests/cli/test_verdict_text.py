@@ -76,7 +76,11 @@ def test_delta_bias_title_follows_the_sign_test(make_dump, tmp_path):
     assert title.startswith("No significant δ bias") and "biased" not in title, title
     planted = open_dump(PLANTED)
     rp = delta_bias.run(planted, select(planted, 0, 0, 1), Recipe("bf16"))
-    assert rp.total_p_value < 0.01 and rp.total > 0 and total_title(rp).startswith("Positively-biased δ error")
+    # one step of the planted head: about 40 units (batch row, tie group), not significant over the family, so the
+    # title claims no bias and names the planted head with its positive Σδ
+    assert rp.total > 0 and not rp.claim.found and rp.claim.n_units < rp.n_tokens
+    title = total_title(rp)
+    assert title.startswith("No significant δ bias (most significant head: layer 0 head 1, +"), title
 
 
 @pytest.mark.slow  # about 3 s of CPU or more

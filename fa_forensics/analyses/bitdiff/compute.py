@@ -32,7 +32,9 @@ from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.fidelity.match import ReplayFidelity
 from fa_forensics.fidelity.pair import input_cast_error, lp_of
 from fa_forensics.layers.selection import as_seen_by, replay_layer
+from fa_forensics.analyses.units import RowUnits, layer_units
 from fa_forensics.errors import DumpError
+from fa_forensics.replay.config import ReplayConfig
 
 ULP_CLIP = 8  # the histogram's outermost bins hold |ULP distance| >= ULP_CLIP
 TOP_K = 10
@@ -106,7 +108,7 @@ class BitdiffResult:
     mismatch_rate: float
     ulp_hist: dict  # {"bins": [labels], "counts": [ints]}; bins "<=-8", "-7", ..., "7", ">=8"
     mean_signed_error: list[BiasCell]  # every (layer, head, feature) cell
-    biased_features: list[BiasCell]  # the significant ones, largest |mean| first
+    biased_features: list[BiasCell]  # the significant ones (over all rows or the tied rows), largest |mean| first
     largest: list[LargestDiff]
     alpha: float = ALPHA
     n_cells: int = 0
@@ -121,8 +123,9 @@ class BitdiffResult:
 
 
 def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: int, heads: list[int],
-                       top_k: int = TOP_K) -> LayerStepDiff:
-    """Compare two (B, h, T, D) O tensors of one layer-step bit by bit."""
+                       top_k: int = TOP_K, row_units: Optional[RowUnits] = None) -> LayerStepDiff:
+    """Compare two (B, h, T, D) O tensors of one layer-step bit by bit; the bias map's tests count the rows'
+    units (`analyses.units`; None: every row its own unit)."""
     from fa_forensics.numerics import bit_string, round_to, ulp_distance
 
     if a.shape != b.shape:
@@ -140,7 +143,7 @@ def compare_layer_step(a: torch.Tensor, b: torch.Tensor, *, step: int, layer: in
     raw = a64 - b64  # (B, h, T, D)
     d = torch.where(torch.isfinite(raw), raw, torch.zeros_like(raw))  # non-finite errors: left out of the cells
     B, h, T, D = d.shape
-    sums = cell_sums(step, layer, heads, raw, o_units(b64, fmt))
+    sums = cell_sums(step, layer, heads, raw, o_units(b64, fmt), row_units)
 
     largest = []
     k = min(top_k, d.numel())
@@ -171,7 +174,7 @@ def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, family: O
         raise ValueError("nothing to summarize")
     cells = o_cells([p.sums for p in parts], family)
     family = family if family is not None else Family(o_cells=len(cells))
-    biased = sorted((c for c in cells if c.significant), key=lambda c: -abs(c.mean))
+    biased = sorted((x for c in cells for x in c.subsets if x.significant), key=lambda c: -abs(c.mean))
     n_el = sum(p.n for p in parts)
     counts = sum(p.ulp_counts for p in parts)
     largest = sorted((d for p in parts for d in p.largest), key=lambda d: -abs(d.diff))[:top_k]
@@ -193,7 +196,7 @@ def bias_map(result: BitdiffResult) -> tuple[list[tuple[int, int]], torch.Tensor
     sig = torch.zeros((len(rows), D), dtype=torch.bool)
     for c in result.mean_signed_error:
         mean[index[(c.layer, c.head)], c.feature] = c.mean
-        sig[index[(c.layer, c.head)], c.feature] = c.significant
+        sig[index[(c.layer, c.head)], c.feature] = c.found
     return rows, mean, sig
 
 
@@ -238,11 +241,12 @@ def layer_part(t, a, b, backend):
             sides.append(t.o)
         else:
             sides.append(replay_layer(seen, cfg, backward=False, backend=backend).o)
-    part = compare_layer_step(sides[0], sides[1], step=t.step, layer=t.layer, heads=t.heads)
+    units = layer_units(seen, seen_cfg if seen_cfg is not None else ReplayConfig())
+    part = compare_layer_step(sides[0], sides[1], step=t.step, layer=t.layer, heads=t.heads, row_units=units)
     cast = None
     if seen is not t:
         o_raw, o_cast = input_cast_error(t, seen_cfg, backend)
-        cast = compare_layer_step(o_cast, o_raw, step=t.step, layer=t.layer, heads=t.heads, top_k=0)
+        cast = compare_layer_step(o_cast, o_raw, step=t.step, layer=t.layer, heads=t.heads, top_k=0, row_units=units)
     return seen.warnings, part, cast
 
 

@@ -27,8 +27,9 @@ import torch
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
 from fa_forensics.analyses.primitives import delta_error
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, Total, count_text, decide_deltas, delta_claim,
-                                              delta_items, family_of, flagged, head_total, item_text, total_of)
+                                              delta_items, family_of, flagged_subset, head_total, item_text, total_of)
 from fa_forensics.analyses.significance import Family
+from fa_forensics.analyses.units import layer_units
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.recipe import Recipe
@@ -123,7 +124,7 @@ class DeltaBiasResult(RecipeResult):
 
     @property
     def significant_items(self) -> list[DeltaItem]:
-        return [p for p in self.per_step if p.significant]
+        return [p for p in self.per_step if p.found]
 
     @property
     def focus_items(self) -> list[DeltaItem]:
@@ -156,7 +157,8 @@ def _layer_part(t: LayerTensors, plan: Plan, backend: Backend) -> _LayerPart:
         raise DumpError(f"{t.where}: the dump has no 'do' array; delta-bias needs the upstream gradient dO")
     lp, hp = lp_hp_pair(t, plan, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)
-    items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value)
+    items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value,
+                        layer_units(t, lp.config))
     contribution, agree, both = feature_contributions(t.do, lp.o, hp.o)
     o_err = (lp.o.to(torch.float64) - hp.o.to(torch.float64)).to(torch.float32)
     sel = LayerSelection(t.step, t.layer, list(t.heads))
@@ -248,7 +250,7 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
     cumulative = torch.tensor(step_sums, dtype=torch.float64).cumsum(0).tolist()
     total, total_st = total_of(per_step), sign_test(torch.cat(all_dd))
 
-    focus = flagged(per_step)
+    focus = flagged_subset(per_step)
     focus_layer, focus_head = focus.layer, focus.head
     acc = by_head[(focus_layer, focus_head)]
     contribution = acc["contribution"]  # (D,)
@@ -295,7 +297,7 @@ def verdict(r: DeltaBiasResult) -> str:
         return (f"preset {r.preset}: no difference from the fp32 replay (δ_lp = δ_hp for all {r.n_tokens} tokens): "
                 f"nothing to analyse; choose a low-precision preset")
     n, sig = len(r.per_step), r.significant_items
-    top = flagged(r.per_step)
+    top = flagged_subset(r.per_step)
     head = r.focus_total
     features = [f.feature for f in r.top_features[:3]]
     total = f"the selection's total is {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens"

@@ -36,9 +36,10 @@ own shift, row sum < floor) and their |O|/|O_fp32| measured on the replay; under
 floor they are reported as a warning (the reference code would collapse there).
 
 The bias is measured where the baseline is most biased: the O claim's cell (`analyses.quantities`: the
-(layer, head, feature) cell with the smallest Holm-adjusted p over the selection's family, the same cell
-bitdiff and pv-trace name). Each variant reports, in that cell, the mean O error ± se, its p-value (the
-smaller of a t-test and a sign test over the rows) and its Holm-adjusted p over the variants tested there,
+(layer, head, feature) cell, over all rows or the tied rows, with the smallest Holm-adjusted p over the
+selection's family, the same cell bitdiff and pv-trace name). Each variant reports, in that cell and subset of
+rows, the mean O error ± se, its p-value (the smaller of a cluster-robust t-test and a sign test over the rows'
+units) and its Holm-adjusted p in ONE family with the baseline's (the selection's tests plus the variants'),
 and in that head Σ_T(δ_v − δ_hp) over its steps (`quantities.head_total`) with δ = rowsum(dO ∘ O) (exactly
 the backward's δ for O_lp; no backward pass is run).
 
@@ -47,10 +48,12 @@ Verdict rule (exit code of the command), by the statistics policy (`analyses.sig
   - the fixed replay has NaN, or its row sum collapses under the preset's own floor: the fix fails (1);
   - the fix removes the bias (`significance.outcome`: ≥ 90 % of it gone, i.e. a reduction ≥ 10x, or
     ≥ 50 % gone with no significant residual): exit 0;
-  - a significant bias remains (Holm over the variants) with less than 90 % of it gone: exit 1;
+  - a significant bias remains (in the one family of the baseline's and the variants' tests) with less than 90 %
+    of it gone: exit 1;
   - neither shown (less than half gone, the rest not significant: too few rows to tell): INCONCLUSIVE, exit 0,
     since exit 1 claims a remaining bias and a claim needs significance.
-An alternative is "still biased" when its bias in the target cell is significant (Holm over the variants).
+An alternative is "still biased" when the baseline has a bias to remove and the alternative's bias in the target
+cell is significant in that one family: a residual is never claimed where the bias itself is not.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ from fa_forensics.analyses.quantities import (BiasCell, BiasClaim, CellSums, cel
 from fa_forensics.analyses.significance import (O_TESTS_PER_CELL, REMOVED_SHARE, Family, holm, outcome, p_text,
                                                 significant)
 from fa_forensics.analyses.payloads import FixCheckPayload
+from fa_forensics.analyses.units import RowUnits, layer_units
 from fa_forensics.layers.fanout import Workers, map_layers
 from fa_forensics.enums import Backend
 from fa_forensics.fidelity.match import ReplayFidelity
@@ -176,13 +180,15 @@ class VariantLayerStep:
 
 def measure_variant(o_v: torch.Tensor, o_hp: torch.Tensor, do: Optional[torch.Tensor], stats, *, step: int, layer: int,
                     heads: list[int], max_p_bar_repeated: float = math.nan, repeated_rows: int = 0,
-                    collapse: Optional[RowCollapse] = None, o_format: str = "bf16") -> VariantLayerStep:
+                    collapse: Optional[RowCollapse] = None, o_format: str = "bf16",
+                    row_units: Optional[RowUnits] = None) -> VariantLayerStep:
     """Compare one variant's O (B, h, T, D) with the fp32 replay's; δ error from dO when given; `stats` the replay's
     P̄ counts (None: not counted); `o_format` the baseline's O format (every variant is measured in its rounding
-    units); `collapse`: the rows where the row-sum floor takes over, whose |O_v| / |O_fp32| is measured here."""
+    units); `collapse`: the rows where the row-sum floor takes over, whose |O_v| / |O_fp32| is measured here;
+    `row_units`: the rows' independent units (`analyses.units`; None: every row its own unit)."""
     v64, h64 = o_v.to(torch.float64), o_hp.to(torch.float64)
-    sums = cell_sums(step, layer, heads, v64 - h64, o_units(h64, o_format))
-    items = delta_items(step, layer, heads, do, o_v, o_hp, o_format) if do is not None else None
+    sums = cell_sums(step, layer, heads, v64 - h64, o_units(h64, o_format), row_units)
+    items = delta_items(step, layer, heads, do, o_v, o_hp, o_format, row_units) if do is not None else None
     err = (v64 - h64).abs()
     t = stats.total() if stats is not None else {}
     n_collapsed, top_score, min_ratio = 0, math.nan, math.nan
@@ -298,12 +304,13 @@ class VariantResult:
     triggered_rows: Optional[int]  # rows where the stabilized shift fired
     repeated_max_rows: Optional[int]
     max_p_bar: float  # max P̄ in rows with a repeated maximum (nan when no row has one)
-    still_biased: bool  # significant bias left in the target cell (Holm over the variants tested there)
+    still_biased: bool  # the baseline is biased and a significant bias is left in the target cell (one family)
     repeated_rows: int = 0  # rows whose maximum repeats within ε (max P̄ is taken over them)
     collapsed_rows: int = 0  # rows whose row sum under this variant's shift is below the row-sum floor
     collapse_max_score: float = math.nan  # largest row maximum among them
     collapse_min_ratio: float = math.nan  # smallest |O_v| / |O_fp32| among them
-    o_bias_adjusted_p: float = math.nan  # the baseline: Holm over the selection's family; a variant: over the variants
+    o_bias_adjusted_p: float = math.nan  # Holm: the baseline over the selection's family, a variant over it and the
+    # variants' tests
     effect: float = math.nan  # |O bias| in rounding units of the baseline's O format
     removed_share: float = math.nan  # 1 − |O bias| / |baseline's O bias| (the baseline: nan)
     outcome: Optional[str] = None  # `significance.outcome`: removed | remains | inconclusive (None for the baseline)
@@ -347,7 +354,7 @@ class FixCheckResult(RecipeResult):
 
 
 def _cell(parts: list[VariantLayerStep], target: BiasCell) -> BiasCell:
-    cell = o_cell([p.sums for p in parts], target.layer, target.head, target.feature)
+    cell = o_cell([p.sums for p in parts], target.layer, target.head, target.feature, target.subset)
     if cell is None:  # summarize_fix measures only variants that ran on every layer-step of the baseline
         raise RuntimeError(f"fix-check: no measurement of layer {target.layer} head {target.head}")
     return cell
@@ -394,6 +401,7 @@ def layer_part(t: LayerTensors, plan: Plan, backend: Backend, beta: float, eps: 
     stabilized = next(v for v in variants if v.name == "stabilized")
     repeated = repeated_within_eps(s, stabilized.config)
     problem = deployed_problem(t, lp)
+    units = layer_units(t, lp)  # every variant is measured over the same units of rows
     measured = []
     o_format = lp.o_dtype.value
     for v in variants:
@@ -410,7 +418,7 @@ def layer_part(t: LayerTensors, plan: Plan, backend: Backend, beta: float, eps: 
         measured.append((v.name, measure_variant(o, hp.o, t.do, stats, step=t.step, layer=t.layer,
                                                  heads=list(t.heads), max_p_bar_repeated=maxp,
                                                  repeated_rows=int(repeated.sum()), collapse=collapse,
-                                                 o_format=o_format)))
+                                                 o_format=o_format, row_units=units)))
     return t.warnings, variants, measured, problem
 
 
@@ -440,11 +448,12 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     results = {v.name: _variant_result(v, parts[v.name], target) for v in measured}
     baseline = dataclasses.replace(results[base.name], o_bias_adjusted_p=target.adjusted_p)
     tested = [v.name for v in measured if v.role != "baseline"]
-    adjusted = dict(zip(tested, holm([results[n].o_bias_p for n in tested], O_TESTS_PER_CELL * len(tested))))
+    joint, adjusted = _variants_in_family(cells, [results[n].o_bias_p for n in tested], family)
+    adjusted = dict(zip(tested, adjusted))
     for n in tested:
         r = results[n]
         share = 1.0 - abs(r.o_bias) / abs(baseline.o_bias) if baseline.o_bias else math.nan
-        left = significant(adjusted[n], r.effect)
+        left = claim.found and significant(adjusted[n], r.effect)
         results[n] = dataclasses.replace(r, o_bias_adjusted_p=adjusted[n], still_biased=left, removed_share=share,
                                          outcome=outcome(share, left))
     fixed = results[fixed_v.name]
@@ -458,8 +467,18 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
         baseline=baseline, fixed=fixed, alternatives=alternatives, bias_reduction=reduction,
         max_p_bar=fixed.max_p_bar, triggered_rows=fixed.triggered_rows, nan_count=fixed.nan_count,
         removed=result in ("removed", "no-bias"), verdict=verdict, exit_code=1 if result in ("fails", "remains") else 0,
-        n_cells=len(cells), collapse=collapse, claim=claim, family=family, has_bias=claim.found, outcome=result,
+        n_cells=len(cells), collapse=collapse, claim=claim, family=joint, has_bias=claim.found, outcome=result,
     )
+
+
+def _variants_in_family(cells: Sequence[BiasCell], variant_p: list[float], family: Family) -> tuple[Family, list]:
+    """(the one family of the baseline's tests and the variants' tests in its target cell, each variant's p
+    adjusted by Holm over it). The variants' p-values are ranked among the baseline's cells' (both subsets), so a
+    variant's residual is judged on the same scale as the bias it is compared with; the baseline's own claim is
+    the selection's (`o_claim`), as in every other command."""
+    joint = dataclasses.replace(family, extra=family.extra + O_TESTS_PER_CELL * len(variant_p))
+    base_p = [x.tested_p for c in cells for x in c.subsets]
+    return joint, holm(base_p + list(variant_p), joint.n_tests)[len(base_p):]
 
 
 def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[VariantResult], claim: BiasClaim,
@@ -467,19 +486,21 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
     """(the outcome: no-bias | fails | removed | inconclusive | remains, the verdict sentence) by the rule of the
     module docstring."""
     where = f"layer {target.layer} head {target.head} feature {target.feature}"
-    base_numbers = (f"O bias {baseline.o_bias:+.3e} ± {baseline.o_bias_se:.1e}, {baseline.effect:.2g} of a rounding "
-                    f"unit ({p_text(baseline.o_bias_p, baseline.o_bias_adjusted_p, family.n_tests)})")
+    base_numbers = (f"O bias over {claim.subset} ({claim.n_units} units) {baseline.o_bias:+.3e} ± "
+                    f"{baseline.o_bias_se:.1e}, {baseline.effect:.2g} of a rounding "
+                    f"unit ({p_text(baseline.o_bias_p, baseline.o_bias_adjusted_p, claim.n_tests)})")
     if fixed.nan_count:
         return "fails", f"FIX FAILS: {fixed.name} produced {fixed.nan_count} NaN (β too large?) at {where}"
     if collapse["rows"] and collapse["applies"]:
         return "fails", f"FIX FAILS: it collapses O in {collapse_text(collapse)}"
+    broken = [f"{a.name} ({a.nan_count} NaN)" for a in alternatives if a.nan_count]
     if not claim.found:
         return "no-bias", (f"NO BIAS TO REMOVE: the baseline shows no significant O bias in any cell (most "
-                           f"significant: {where}, {base_numbers})")
+                           f"significant: {where}, {base_numbers})"
+                           + (f"; produced NaN: {', '.join(broken)}" if broken else ""))
     numbers = (f"{base_numbers} → {fixed.name} {fixed.o_bias:+.3e} ± {fixed.o_bias_se:.1e} (p = "
                f"{fixed.o_bias_p:.2g}), {_share(fixed.removed_share)} of it removed (reduction {reduction:.1f}x)")
     still = [a.name for a in alternatives if a.still_biased]
-    broken = [f"{a.name} ({a.nan_count} NaN)" for a in alternatives if a.nan_count]
     tail = f"; still biased: {', '.join(still)}" if still else "; no alternative left a significant bias"
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"

@@ -29,8 +29,9 @@ def tables(r: FixCheckResult) -> list:
     """Every variant in the target cell, then one line on max P̄ and the rows where the fix fired."""
     tg = r.target
     table = Table(title=f"fix-check of preset {r.preset} at layer {tg['layer']} head {tg['head']} feature "
-                        f"{tg['feature']} (vs fp32 replay; Holm p over the {1 + len(r.alternatives)} variants tested "
-                        f"there, the baseline's over the selection: {r.family.describe()})")
+                        f"{tg['feature']}, {r.claim.subset if r.claim else 'all rows'} (vs fp32 replay; Holm p over "
+                        f"one family, the baseline's tests and the {1 + len(r.alternatives)} variants': "
+                        f"{r.family.describe()}; a variant is still biased only where the baseline has a bias)")
     for c in ("variant", "what", "O bias ± se (t or sign p)", "Holm p", "bias removed",
               f"Σδ error, head {tg['head']} ± se (t p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN",
               "still biased"):

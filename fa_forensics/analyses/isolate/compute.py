@@ -48,9 +48,10 @@ from scipy.stats import norm
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
 from fa_forensics.analyses.primitives import delta_error, delta_of, pk_rows
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, decide_deltas, delta_claim,
-                                              delta_units, family_of, flagged, item_text, items_of_errors,
+                                              delta_units, family_of, flagged_subset, item_text, items_of_errors,
                                               total_of)
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
+from fa_forensics.analyses.units import layer_units
 from fa_forensics.layers.fanout import Workers, layer_parts
 from fa_forensics.fidelity.plan import Plan
 from fa_forensics.fidelity.planner import plan_for_layers
@@ -219,7 +220,7 @@ class IsolateResult(RecipeResult):
 
     @property
     def biased(self) -> list[DeltaItem]:
-        return [h for h in self.heads if h.significant]
+        return [h for h in self.heads if h.found]
 
     @property
     def claim(self) -> BiasClaim:
@@ -289,8 +290,10 @@ def layer_part(t: LayerTensors, plan: Plan, backend: Backend) -> IsolatePart:
         dd_cast = delta_error(t.do, o_cast, o_raw)
         cast_measures = measure_heads(o_cast, o_raw, dd_cast, pk, t.x, t.scale)
         cast_sign = dd_cast.reshape(-1)
-        cast_items = items_of_errors(t.step, t.layer, t.heads, dd_cast, delta_units(t.do, o_raw, fmt))
     t = as_seen_by(t, lp)  # every replay below sees the inputs as the recipe does
+    row_units = layer_units(t, lp)  # the independent units of the rows (every variant's tests count them)
+    if cast_only is not None:
+        cast_items = items_of_errors(t.step, t.layer, t.heads, dd_cast, delta_units(t.do, o_raw, fmt), row_units)
     vs = variants(t.q.shape[2], lp, planned.preset)
     tiles = (vs[0].config.block_m or t.q.shape[2], vs[0].config.block_n or t.q.shape[2])
     hp = replay_layer(t, planned.hp, backward=False, backend=backend)
@@ -307,7 +310,7 @@ def layer_part(t: LayerTensors, plan: Plan, backend: Backend) -> IsolatePart:
             o_var, dd = out.o, delta_error(t.do, out.o, hp.o)
         measures[v.name] = measure_heads(o_var, hp.o, dd, pk, t.x, t.scale)
         signs[v.name] = dd.reshape(-1)
-        items[v.name] = items_of_errors(t.step, t.layer, t.heads, dd, units)
+        items[v.name] = items_of_errors(t.step, t.layer, t.heads, dd, units, row_units)
     return IsolatePart(t.warnings, vs, tiles, measures, signs, items, cast_measures, cast_sign, cast_items)
 
 
@@ -336,8 +339,8 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
         raise UserError("isolate: nothing selected to replay (no layer-step given)")
 
     heads = decide_deltas(items["baseline"], family)  # in measure order
-    direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if h.significant else 0.0 for h in heads]
-    base_bias = sum(abs(h.delta_err_sum) for h in heads if h.significant)
+    direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if h.found else 0.0 for h in heads]
+    base_bias = sum(abs(h.delta_err_sum) for h in heads if h.found)
     results = _decide_residuals([_combine(v, measures[v.name], items[v.name], torch.cat(signs[v.name]), direction,
                                           base_bias) for v in vs])
     input_cast = None
@@ -349,7 +352,7 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
     culprits = [r.name for r in results if r.name != "baseline" and base_bias > 0 and culprit(r)]
     ranked = sorted(heads, key=lambda h: (h.adjusted_p, h.tested_p, -abs(h.delta_err_sum)))
     return IsolateResult(results, ranked, _rank_layers(ranked), culprits, int(tiles[1]),
-                         sum(h.significant for h in heads), recipe, Backend(backend), tuple(int(b) for b in tiles),
+                         sum(h.found for h in heads), recipe, Backend(backend), tuple(int(b) for b in tiles),
                          input_cast, family, tuple(warnings))
 
 
@@ -402,7 +405,7 @@ def _rank_layers(heads: list[DeltaItem]) -> list[LayerDelta]:
 def verdict(r: IsolateResult) -> str:
     """One sentence: where the baseline's Σδ bias is significant (what the count counts), the most significant
     item, and the repairs that remove it."""
-    top = flagged(r.heads)
+    top = flagged_subset(r.heads)
     n = r.family.n_tests
     if r.n_biased_heads == 0:
         return (f"no significant Σ(δ_lp − δ_hp) in any of the {len(r.heads)} (step, layer, head) items (most "

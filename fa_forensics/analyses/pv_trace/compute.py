@@ -52,7 +52,7 @@ from fa_forensics.analyses.quantities import (BiasClaim, cell_sums, most_signifi
                                               selection_family)
 from fa_forensics.analyses.significance import Family, holm
 from fa_forensics.layers.fanout import Workers, map_layers
-from fa_forensics.analyses.primitives import scores_fp32
+from fa_forensics.analyses.units import layer_units, row_units
 from fa_forensics.analyses.pv_trace.p_one import (P_ONE_CLASSES, ClassShare, Counterfactual, RowSplit, class_shares,
                                                    counterfactual, nudge, split_rows)
 from fa_forensics.enums import Backend
@@ -448,10 +448,11 @@ def layer_part(t: LayerTensors, plan: Plan, backend: Backend, row: Optional[int]
     if row is not None and not 0 <= row < T:
         raise OutOfRange("row", row, t.where, T - 1)
     lp, hp = lp_hp_pair(t, plan, backend, backward=False)
-    rep = repeated_max_rows(t.q, t.k, t.scale, t.causal, lp_cfg.s_dtype.value, t.mask)  # (B, h, T)
+    units = layer_units(t, lp_cfg)
+    rep = units.tied  # (B, h, T) rows with a repeated maximum
     sel = LayerSelection(t.step, t.layer, list(t.heads))
     err = lp.o.to(torch.float64) - hp.o.to(torch.float64)
-    sums = cell_sums(t.step, t.layer, t.heads, err, o_units(hp.o, lp.config.o_dtype.value))
+    sums = cell_sums(t.step, t.layer, t.heads, err, o_units(hp.o, lp.config.o_dtype.value), units)
     return t.warnings, sel, err, lp.config, rep, sums
 
 
@@ -494,9 +495,7 @@ def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(B, h, T) bool: rows whose maximum score (fp32, or as rounded to s_dtype; under the recorded
     attn_mask) is attained more than once (exact ties); a row that sees no key has none."""
-    s = scores_fp32(q, k, scale, causal, s_dtype, mask)  # (B, h, T, T)
-    r_m = s.amax(dim=-1, keepdim=True)
-    return ((s == r_m).sum(dim=-1) > 1) & (r_m[..., 0] > -math.inf)
+    return row_units(q, k, scale, causal, s_dtype, mask).tied
 
 
 def verdict(r: PVTraceReport) -> str:

@@ -28,7 +28,9 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
-from fa_forensics.analyses.quantities import BiasClaim, decide_deltas, delta_claim, delta_items, family_of, flagged
+from fa_forensics.analyses.quantities import (BiasClaim, decide_deltas, delta_claim, delta_items, family_of,
+                                              flagged_subset)
+from fa_forensics.analyses.units import layer_units
 from fa_forensics.analyses.significance import Family, p_text
 from fa_forensics.analyses.primitives import delta_error, pk_rows
 from fa_forensics.analyses.payloads import Rank1SimPayload
@@ -142,7 +144,8 @@ def _layer_part(t: LayerTensors, plan: Plan, backend: Backend, k_tokens: int):
         raise DumpError(f"{t.where}: the dump has no 'do' array; rank1-sim needs dO to compute the δ error")
     lp, hp = lp_hp_pair(t, plan, backend, backward=False)
     dd = delta_error(t.do, lp.o, hp.o)  # (B, h, T)
-    items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value)
+    items = delta_items(t.step, t.layer, t.heads, t.do, lp.o, hp.o, lp.config.o_dtype.value,
+                        layer_units(t, lp.config))
     pk = pk_rows(t.q, t.k, t.scale, t.causal, t.mask)  # (B, h, T, D)
     E = gradient_error(dd, pk, t.x, t.scale) if t.x is not None else None  # (h, D, C)
     chosen = []
@@ -241,7 +244,7 @@ def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, 
 
     decided = decide_deltas(items, family)
     claim = delta_claim(decided, family)
-    top = flagged(decided)
+    top = flagged_subset(decided)
     focus_layer, focus_head = top.layer, top.head
     acc = per_head[(focus_layer, focus_head)]
     toks = [c[0] for c in acc["chosen"]]

@@ -1,0 +1,159 @@
+"""The unit of evidence: rows that share their dominant key set in one (step, batch row) count once.
+
+Unit tests of `analyses.units` (which rows form a unit) and `stats.unit_test` (the cluster-robust tests), and on
+real synth dumps: a null with tie groups of random sign claims nothing where rows taken one by one do; a bias
+confined to tied rows is found in the tied-rows subset; fix-check decides its baseline and variants in one family.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import ttest_1samp
+
+from fa_forensics.analyses.significance import TIED_ROWS, Family
+from fa_forensics.analyses.stats import unit_sums, unit_test
+from fa_forensics.analyses.units import rows_as_units, units_of_scores
+
+NEG = -math.inf
+
+
+def test_rows_that_share_their_maximum_key_form_one_unit_and_ties_are_marked():
+    s = torch.tensor([[[[5.0, 1.0, NEG], [4.0, 2.0, NEG], [1.0, 3.0, 3.0], [1.0, 3.0, 3.0], [2.0, 2.0, 0.0]]]])
+    u = units_of_scores(s)  # (1, 1, 5) rows
+    ids = u.unit[0, 0].tolist()
+    assert ids[0] == ids[1]  # both dominated by key 0
+    assert ids[2] == ids[3]  # the same tied set {1, 2}
+    assert len({ids[0], ids[2], ids[4]}) == 3  # {0}, {1, 2}, {0, 1}: three sets
+    assert u.tied[0, 0].tolist() == [False, False, True, True, True]
+    assert u.n_units == [3]
+
+
+def test_units_never_span_batch_rows():
+    s = torch.zeros(2, 1, 3, 4)
+    s[..., 1] = 1.0  # every row of both batch rows dominated by key 1
+    u = units_of_scores(s)
+    assert u.n_units == [2]
+    assert set(u.unit[0, 0].tolist()).isdisjoint(u.unit[1, 0].tolist())
+
+
+def test_with_every_row_its_own_unit_the_tests_are_the_row_t_test():
+    x = torch.randn(200, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.1
+    t = unit_test(unit_sums(x, rows_as_units((1, 1, 200)).unit[0, 0]))
+    ref = ttest_1samp(x.numpy(), 0.0)
+    assert float(t.se) == pytest.approx(float(x.std() / math.sqrt(200)), rel=1e-12)
+    assert float(t.t_p_value) == pytest.approx(ref.pvalue, rel=1e-9)
+    assert int(t.n_units) == 200
+
+
+def test_clustered_se_is_larger_than_row_se_on_correlated_rows():
+    g = torch.Generator().manual_seed(7)
+    unit = torch.arange(20).repeat_interleave(30)  # 20 units of 30 rows
+    x = torch.randn(20, dtype=torch.float64, generator=g)[unit] + 0.1 * torch.randn(600, dtype=torch.float64,
+                                                                                  generator=g)
+    clustered = unit_test(unit_sums(x, unit))
+    rows = unit_test(unit_sums(x, torch.arange(600)))
+    assert float(clustered.mean) == pytest.approx(float(rows.mean))
+    assert float(clustered.se) > 4 * float(rows.se)  # √30 ≈ 5.5 when units share their value
+    assert int(clustered.n_units) == 20 and int(clustered.n) == 600
+    signs = (x.view(20, 30).sum(1) > 0).sum()
+    assert float(clustered.frac_positive) == pytest.approx(float(signs) / 20)
+
+
+def test_a_unit_holds_its_rows_in_every_cell_and_leaves_out_non_finite_values():
+    x = torch.tensor([[1.0, math.nan], [3.0, 2.0], [-1.0, 4.0]], dtype=torch.float64)
+    s = unit_sums(x, torch.tensor([0, 0, 1]))
+    assert s.n.tolist() == [3, 2] and s.s1.tolist() == [3.0, 6.0] and s.n_units.tolist() == [2, 2]
+    assert s.u_pos.tolist() == [1, 2] and s.u_neg.tolist() == [1, 0]
+    tied = unit_sums(x, torch.tensor([0, 0, 1]), rows=torch.tensor([False, True, True]))
+    assert tied.n.tolist() == [2, 2] and tied.s1.tolist() == [2.0, 6.0]
+
+
+def test_the_family_counts_both_subsets_of_rows():
+    assert Family(delta_items=3, o_cells=10).n_tests == (2 * 3 + 2 * 10) * 2
+    assert "all rows and tied rows" in Family(o_cells=1).describe()
+
+
+# ---- on real synth dumps --------------------------------------------------------------------------------
+
+def _o_claims(path):
+    """The O claim of a synth dump (preset bf16, its stored O's) with rows taken one by one and with units."""
+    from fa_forensics.analyses.quantities import cell_sums, o_cells, o_claim, o_units, selection_family
+    from fa_forensics.analyses.units import layer_units
+    from fa_forensics.dump import open_dump
+    from fa_forensics.fidelity.recipe import Recipe, hp_config, lp_config_for
+    from fa_forensics.layers.selection import as_seen_by, load, replay_layer, select
+
+    dump = open_dump(path)
+    sels = select(dump)
+    by_row, by_unit = [], []
+    for sel in sels:
+        lp = lp_config_for(dump, sel.step, sel.layer, Recipe("bf16"))
+        t = as_seen_by(load(dump, sel), lp)
+        hp = replay_layer(t, hp_config(), backward=False).o
+        err = replay_layer(t, lp, backward=False).o.double() - hp.double()
+        unit = o_units(hp, lp.o_dtype.value)
+        by_row.append(cell_sums(t.step, t.layer, t.heads, err, unit))
+        by_unit.append(cell_sums(t.step, t.layer, t.heads, err, unit, layer_units(t, lp)))
+    family = selection_family(dump, sels)
+    return o_claim(o_cells(by_row, family), family), o_claim(o_cells(by_unit, family), family)
+
+
+@pytest.mark.slow
+def test_tie_groups_of_random_sign_are_no_finding_once_a_group_counts_once(tmp_path):
+    from fa_forensics.planted import SynthSpec, synth
+
+    # a null: each tie group errs one way, its sign drawn at random; rows one by one claim a bias (Holm p 0.0009)
+    synth(tmp_path / "null.zarr", SynthSpec(seq=128, heads=2, head_dim=16, batch=2, steps=2, ties=2, v_skew=0.5,
+                                            seed=3))
+    by_row, by_unit = _o_claims(tmp_path / "null.zarr")
+    assert by_row.found  # the false alarm of rows taken as independent
+    assert not by_unit.found and by_unit.n_units < by_row.n_units
+
+
+@pytest.mark.slow
+def test_a_bias_confined_to_tied_rows_is_found_there(tmp_path):
+    from fa_forensics.planted import SynthSpec, synth
+
+    # two tie groups in the second half of the keys, one-signed V: the bias lives in the tied rows
+    synth(tmp_path / "late.zarr", SynthSpec(seq=128, heads=2, head_dim=16, batch=8, steps=4, ties=2, v_skew=1.0,
+                                            tie_groups=2, tie_start=0.5, seed=0))
+    _, claim = _o_claims(tmp_path / "late.zarr")
+    assert claim.found and claim.subset == TIED_ROWS and claim.head == 1 and claim.sign == -1
+    assert 32 <= claim.n_units < claim.n_rows
+    assert claim.effect >= 0.01 and claim.adjusted_p < 0.01
+
+
+def test_a_variant_is_judged_in_the_baselines_family():
+    from fa_forensics.analyses.fix_check.compute import _variants_in_family
+    from fa_forensics.analyses.quantities import BiasCell
+    from fa_forensics.analyses.significance import holm
+
+    cells = [BiasCell(0, 0, f, 1e-3, 1e-4, p, 0.5, 100, 1e-2, p) for f, p in enumerate(np.geomspace(1e-4, 0.5, 16))]
+    family = Family(o_cells=len(cells))
+    joint, adjusted = _variants_in_family(cells, [1e-4, 0.5], family)
+    assert joint.n_tests == family.n_tests + 4 and joint.o_cells == family.o_cells
+    # a variant as significant as the baseline's best cell is adjusted no less than that cell is in the family
+    base_adjusted = holm([c.tested_p for c in cells], family.n_tests)[0]
+    assert adjusted[0] >= base_adjusted
+    assert adjusted[1] == 1.0
+
+
+@pytest.mark.slow
+def test_fix_check_never_calls_a_variant_still_biased_where_the_baseline_has_no_bias():
+    from pathlib import Path
+
+    from fa_forensics.analyses.registry import BY_NAME
+    from fa_forensics.dump import open_dump
+    from fa_forensics.fidelity.recipe import Recipe
+    from fa_forensics.layers.selection import select
+
+    dump = open_dump(Path(__file__).resolve().parents[3] / "sample_dumps" / "demo.zarr")
+    fc = BY_NAME["fix-check"].compute(dump, select(dump), Recipe(), "emulate", **BY_NAME["fix-check"].defaults())
+    variants = [fc.fixed, *fc.alternatives]
+    assert not fc.has_bias and fc.outcome == "no-bias" and fc.exit_code == 0
+    assert not any(v.still_biased for v in variants)
+    # one family: the baseline's tests and two per variant; no variant adjusted below the family's smallest p
+    assert fc.family.n_tests == fc.claim.n_tests + 2 * len(variants)
+    assert all(v.o_bias_adjusted_p >= min(v.o_bias_p * 2, 1.0) for v in variants)
+    assert "still biased: " not in fc.verdict
