@@ -139,7 +139,7 @@ def _evidence(by_name: dict[str, dict], data: dict[str, dict], quantity: str) ->
             items = (data.get("delta-bias") or {}).get("per_step") or (data.get("isolate") or {}).get("heads") or []
         else:
             items = (data.get("bitdiff") or {}).get("biased_features") or []
-        items = [i for i in items if isinstance(i, dict) and i.get("significant", True)]
+        items = [i for i in items if isinstance(i, dict) and _significant_item(i)]
         if quantity == "delta":
             steps = tuple(sorted({i["step"] for i in items if (i.get("layer"), i.get("head")) == (layer, head)}))
         others = tuple(sorted({(i.get("layer"), i.get("head")) for i in items} - {(layer, head)}))
@@ -148,6 +148,12 @@ def _evidence(by_name: dict[str, dict], data: dict[str, dict], quantity: str) ->
                             _int(c.get("n_tests")) or 0, _float(c.get("effect")), tuple(names), steps,
                             others if found else ()))
     return sorted(out, key=lambda e: (not e.found, len(e.analyses) * -1))
+
+
+def _significant_item(item: dict) -> bool:
+    """An item or cell significant over all its rows or over its tied rows (`tied`)."""
+    tied = item.get("tied")
+    return bool(item.get("significant", True)) or (isinstance(tied, dict) and bool(tied.get("significant")))
 
 
 def _precision(sections) -> str:
