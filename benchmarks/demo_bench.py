@@ -1,6 +1,6 @@
 """Shared set-up of the benchmarks that time training steps of the demo model.
 
-`DemoBench(args)` builds the demo GPT, AdamW, the stdlib corpus and a scratch folder, and times one
+`DemoBench(args)` builds the demo GPT, AdamW, the demo corpus and a scratch folder, and times one
 training step (forward + backward + AdamW) with `one_step(cap=None, read_loss=False)`; `rotated`
 runs the cases of one repeat in rotating order so that no case always runs first.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fa_forensics.demo.data import random_batch, stdlib_corpus
+from fa_forensics.demo.data import demo_corpus, random_batch
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.demo.train import train_step
 
@@ -41,7 +41,7 @@ class DemoBench:
         self.device = torch.device(args.device)
         self.model = GPT(self.config).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-        self.tokens = stdlib_corpus(500_000)
+        self.tokens = demo_corpus(500_000)
         self.generator = torch.Generator().manual_seed(0)
         self.scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))
 

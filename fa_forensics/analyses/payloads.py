@@ -213,6 +213,9 @@ class PcastDumpPayload(TypedDict):
     warnings: list[str]
     replay_fidelity: Obj
     verdict: str
+    fix_floor: float  # the lost-mass floor of the decision
+    confidence: float  # level of every interval
+    band_counts: dict  # heads per band: needs-fix, borderline, no-fix, one-hot, empty
 
 
 class PcastSimulationPayload(TypedDict):

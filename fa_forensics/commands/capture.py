@@ -217,7 +217,7 @@ def register(app: typer.Typer) -> None:
         run_cli(debug, body)
 
     @app.command("demo-train",
-                 help="Train the project's small GPT (bf16 autocast, pure-PyTorch FlashAttention-2) on stdlib bytes; "
+                 help="Train the project's small GPT (bf16 autocast, pure-PyTorch FlashAttention-2) on its own corpus; "
                       "optionally capture steps.")
     def demo_train_cmd(
         steps: Annotated[int, typer.Option("--steps", help="Number of optimizer steps.")] = 300,

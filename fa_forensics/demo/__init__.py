@@ -3,7 +3,8 @@
 - `model.GPT`: a nanoGPT-style GPT whose attention is the paper's reference FlashAttention-2 as it
   trains under CUDA BF16 autocast, forward and backward (the replay emulator under preset
   "bf16-autocast-train"), or torch's scaled_dot_product_attention (`attention="sdpa"`).
-- `data.stdlib_corpus`: byte-level text from the Python standard library's own .py files.
+- `data.demo_corpus`: byte-level text generated from a documented grammar and a fixed seed (`corpus`), the
+  same bytes on every machine.
 - `train.train(DemoConfig(...))`: AdamW training loop with an optional capture session and a
   per-step callback (the place for per-step statistics).
 """

@@ -1,35 +1,28 @@
-"""Byte-level training text found on every machine: the Python standard library's own .py files.
-
-Files are read at run time in sorted order (deterministic for one Python version) until `max_bytes`.
-"""
+"""Byte-level training text that is the same on every machine: the demo corpus (`demo.corpus`), and batches of it."""
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
+import hashlib
 
 import torch
 
+from fa_forensics.demo.corpus import CORPUS_BYTES, CORPUS_SHA256, corpus_bytes
 from fa_forensics.errors import UserError
 
+MIN_CORPUS_BYTES = 10_000  # the demo's context (256) and a few thousand distinct windows
 
-def stdlib_corpus(max_bytes: int = 2_000_000) -> torch.Tensor:
-    """The first `max_bytes` bytes of the stdlib's top-level .py files, as token ids (N,) int64 in [0, 256)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if total < 10_000:
-        raise UserError(f"found only {total} bytes of Python source under {root}; demo-train needs the standard "
-                        "library's .py files")
-    buffer = bytearray(b"".join(chunks)[:max_bytes])
-    return torch.frombuffer(buffer, dtype=torch.uint8).to(torch.int64)
+
+def demo_corpus(max_bytes: int = CORPUS_BYTES) -> torch.Tensor:
+    """The first `max_bytes` bytes of the demo corpus, as token ids (N,) int64 in [0, 256).
+
+    The default corpus is checked against its recorded sha256, so a run never trains on other bytes unnoticed.
+    """
+    if max_bytes < MIN_CORPUS_BYTES:
+        raise UserError(f"the demo corpus needs at least {MIN_CORPUS_BYTES} bytes, got {max_bytes}")
+    data = corpus_bytes(max_bytes)
+    if max_bytes == CORPUS_BYTES and hashlib.sha256(data).hexdigest() != CORPUS_SHA256:
+        raise UserError("the generated demo corpus does not have its recorded sha256; the generator in "
+                        "fa_forensics/demo/corpus.py was changed, so demo runs are not comparable to the bundled dump")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
 
 
 def random_batch(tokens: torch.Tensor, batch_size: int, block_size: int,

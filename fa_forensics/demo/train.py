@@ -1,4 +1,4 @@
-"""The demo training loop: the small GPT on stdlib bytes, bf16 autocast, AdamW, optional capture.
+"""The demo training loop: the small GPT on the demo corpus's bytes, bf16 autocast, AdamW, optional capture.
 
 Per step: forward under bf16 autocast → loss.backward() → clip the gradient norm to 1.0 →
 optimizer.step() → capture session's `cap.step(loss)` → `on_step(StepInfo, model)`.
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from fa_forensics.demo.data import random_batch, stdlib_corpus
+from fa_forensics.demo.corpus import CORPUS_BYTES
+from fa_forensics.demo.data import demo_corpus, random_batch
 from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.errors import InvalidSetting
 
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Everything a demo run depends on (the run is deterministic given these on one machine)."""
+    """Everything a demo run depends on (given these and the torch build, the run is deterministic: the corpus is
+    generated, the same bytes everywhere)."""
 
     steps: int = 300
     seed: int = 0
@@ -34,7 +36,7 @@ class DemoConfig:
     warmup: int = 20
     grad_clip: float = 1.0
     model: GPTConfig = GPTConfig()
-    corpus_bytes: int = 2_000_000
+    corpus_bytes: int = CORPUS_BYTES
     capture: Optional[CaptureSettings] = None  # what to record (None = no capture); the monitor writes there too
 
 
@@ -71,7 +73,7 @@ def build(config: DemoConfig) -> tuple[GPT, torch.optim.Optimizer, torch.Tensor,
     torch.manual_seed(config.seed)
     model = GPT(config.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    tokens = stdlib_corpus(config.corpus_bytes)
+    tokens = demo_corpus(config.corpus_bytes)
     generator = torch.Generator().manual_seed(config.seed)
     return model, optimizer, tokens, generator
 

@@ -8,7 +8,9 @@ so under forward KV order most non-sink P̄ fall below 2^-10/S and are silently 
 (S, KV order) (`pcast.kernel`); its sink strength, zeroed share and output MSE give a
 recommendation of S and order. A head needs a P-cast fix when the default setting (forward order, S = 1)
 silently drops more than `FIX_MASS_ZEROED` of the probability mass (P-collapse: a measured loss, counted on
-the head's own scores); a setting that only lowers the output MSE is named as an FP8 accuracy choice, with
+the head's own scores), decided on the loss's interval over independent units of query rows: needs a fix,
+borderline (the interval contains the floor) or no fix, and one-hot or empty heads named as such
+(`pcast.decision`); a setting that only lowers the output MSE is named as an FP8 accuracy choice, with
 its uncertainty, never as a fix for a head that loses nothing. The synthetic study is `pcast.sim`; dp(S)
 is `pcast.e4m3`; the closed forms are `pcast.theory`.
 """
@@ -22,6 +24,10 @@ from typing import Optional
 import torch
 from scipy import stats
 
+from fa_forensics.analyses.pcast.decision import (
+    BANDS, BORDERLINE, CONFIDENCE, EMPTY, FIX_MASS_ZEROED, NEEDS_FIX, ONE_HOT, Share, band_of, bootstrap_share,
+    interval_text, mse_ratio, one_hot_rows, unit_index, unit_rows, unit_sums,
+)
 from fa_forensics.analyses.pcast.e4m3 import DpPoint, default_dp_scales, dp_curve
 from fa_forensics.analyses.pcast.kernel import kv_order, pcast_attention, pcast_config, reference_attention
 from fa_forensics.analyses.pcast.theory import LN_UNDERFLOW, expected_max_normal
@@ -34,7 +40,6 @@ from fa_forensics.replay.emulate.forward import scaled_scores
 from fa_forensics.fidelity.match import ReplayFidelity
 
 MIN_NONSINK_KEYS = 16  # rows with fewer non-sink keys give no sink-strength estimate
-FIX_MASS_ZEROED = 0.005  # a head needs a fix when the default cast silently drops this fraction of the probability mass
 MSE_NOTE_RATIO = 1.2  # a setting whose output MSE is this much lower (beyond 2 se) is named as an accuracy choice
 
 
@@ -46,6 +51,8 @@ class HeadSetting:
     order: KVOrder
     frac_zeroed: float  # zeroed non-sink P̄ / all non-sink (unmasked) P̄
     mass_zeroed: float  # mean over rows of Σ zeroed P̄ / ℓ
+    frac_zeroed_ci: tuple[float, float]  # cluster-bootstrap interval over units of query rows (`pcast.decision`)
+    mass_zeroed_ci: tuple[float, float]
     closed_form: Optional[float]  # forward: Φ((gap − 10 ln 2 − ln S)/σ) from the measured gap; reverse: None
     mse: float  # mean over query rows of the per-row MSE of O against fp64 (V as captured)
     mse_se: float
@@ -65,10 +72,17 @@ class HeadPcast:
     sink_gap_logits: float  # the same gap in natural-log units (what the 2^-10/S threshold sees)
     score_sd: float  # mean over rows of the non-sink score standard deviation (natural-log units)
     settings: tuple[HeadSetting, ...]
-    needs_fix: bool
+    needs_fix: bool  # band == "needs-fix": the lost mass's whole interval lies above the floor
     recommended_S: float
     recommended_order: KVOrder
     recommendation: str
+    band: str  # needs-fix | borderline | no-fix | one-hot | empty (`pcast.decision`)
+    lost_mass: float  # the default setting's lost probability mass (its mass_zeroed), NaN when empty
+    lost_mass_ci: tuple[float, float]
+    zeroed_share: float  # the default setting's zeroed share of non-sink P̄ (its frac_zeroed), NaN when empty
+    zeroed_share_ci: tuple[float, float]
+    units: int  # independent units of the intervals: runs of `unit_rows` consecutive query rows of one batch row
+    unit_rows: int
 
     def setting(self, S: float, order: KVOrder | str) -> Optional[HeadSetting]:
         return next((s for s in self.settings if s.S == S and s.order == order), None)
@@ -126,40 +140,77 @@ class Recommendation:
     reason: str
 
 
-def _recommend(settings: Sequence[HeadSetting]) -> Recommendation:
-    """The recommendation from a head's settings.
+def decision_setting(settings: Sequence[HeadSetting]) -> HeadSetting:
+    """The setting the decision is made on: forward S = 1 (the default kernel), else the one that zeroes most."""
+    base = next((s for s in settings if s.S == 1.0 and s.order is KVOrder.FORWARD), None)
+    return base if base is not None else max(settings, key=lambda s: s.frac_zeroed)
 
-    Needs a fix: the default setting (forward, S = 1; else the one that zeroes most) drops more than
-    FIX_MASS_ZEROED of the probability mass. The setting named: among those within max(2 %, 2 se) of the best MSE,
-    prefer S = 256 (bit-exact, smallest dp), then any other power of two, then forward order (no kernel change),
-    then the lower MSE.
+
+def _share(s: HeadSetting) -> Share:
+    return Share(s.mass_zeroed, *s.mass_zeroed_ci)
+
+
+def _recommend(settings: Sequence[HeadSetting], band: str) -> Recommendation:
+    """The recommendation from a head's settings and its band (`pcast.decision`).
+
+    The setting named: among those within max(2 %, 2 se) of the best MSE, prefer S = 256 (bit-exact, smallest dp),
+    then any other power of two, then forward order (no kernel change), then the lower MSE.
     """
+    if not settings or band == EMPTY:
+        return Recommendation(
+            needs_fix=False, S=1.0, order=KVOrder.FORWARD,
+            reason="empty: no query row sees a non-sink key (the sequence is no longer than the sink tokens), so the "
+                   "P cast has nothing to drop: nothing to decide, no fix")
     best = min(settings, key=lambda s: s.mse)
     tol = max(0.02 * best.mse, 2.0 * (best.mse_se if math.isfinite(best.mse_se) else 0.0))
     good = [s for s in settings if s.mse <= best.mse + tol]
     pick = min(good, key=lambda s: (s.S != 256.0, not math.log2(s.S).is_integer(), s.order is not KVOrder.FORWARD,
                                     s.mse))
-    base = next((s for s in settings if s.S == 1.0 and s.order is KVOrder.FORWARD), None)
-    if base is None:
-        base = max(settings, key=lambda s: s.frac_zeroed)
-    ratio = base.mse / best.mse if best.mse > 0 else float("inf")
-    needs = base.mass_zeroed > FIX_MASS_ZEROED
+    base = decision_setting(settings)
+    ratio = mse_ratio(base.mse, best.mse)
+    ratio_s = f"×{ratio:.2f}" if math.isfinite(ratio) else "×n/a"
     label = f"{base.order.value} S={base.S:g}"
-    lost = f"{label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, {base.mass_zeroed:.2%} of the probability mass"
-    if needs:
+    lost = (f"{label} zeroes {base.frac_zeroed:.1%} of non-sink P̄, {interval_text(_share(base))} of the "
+            "probability mass")
+    floor = f"the {FIX_MASS_ZEROED:.1%} floor"
+    if band == ONE_HOT:
+        return Recommendation(
+            needs_fix=False, S=base.S, order=base.order,
+            reason=(f"one-hot: every query row puts all its probability on one key, so the P cast has nothing to "
+                    f"lose ({label} drops {base.mass_zeroed:.2g} of the mass): no fix needed"))
+    if band == NEEDS_FIX:
         rev = next((s for s in settings if s.S == base.S and s.order != base.order), None)
-        alt = (f"; reverse order alone gives MSE ×{rev.mse / best.mse:.2f} of the best"
-               if rev is not None and base.order is KVOrder.FORWARD else "")
-        reason = (f"P-collapse: {lost} (above the {FIX_MASS_ZEROED:.1%} floor; MSE ×{ratio:.2f} of the best): "
+        alt = ""
+        if rev is not None and base.order is KVOrder.FORWARD and math.isfinite(mse_ratio(rev.mse, best.mse)):
+            alt = f"; reverse order alone gives MSE ×{mse_ratio(rev.mse, best.mse):.2f} of the best"
+        reason = (f"P-collapse: {lost} (above {floor} over the whole interval; MSE {ratio_s} of the best): "
                   f"use {pick.order.value} S={pick.S:g}{alt}")
-    else:
-        reason = f"no collapse: {lost} (below the {FIX_MASS_ZEROED:.1%} floor), so no fix is needed"
-        se = math.hypot(base.mse_se, best.mse_se) if math.isfinite(base.mse_se) and math.isfinite(best.mse_se) else 0.0
-        if best is not base and ratio >= MSE_NOTE_RATIO and base.mse - best.mse > 2 * se:
-            gain, gain_se = 1 - best.mse / base.mse, se / base.mse
-            reason += (f"; {best.order.value} S={best.S:g} lowers the output MSE by {gain:.0%} ± {gain_se:.0%} "
-                       "(an FP8 accuracy choice, not a collapse fix)")
-    return Recommendation(needs_fix=needs, S=pick.S, order=pick.order, reason=reason)
+        return Recommendation(needs_fix=True, S=pick.S, order=pick.order, reason=reason)
+    if band == BORDERLINE:
+        reason = (f"borderline: {lost}; {floor} lies inside the interval, so these rows cannot tell this head from "
+                  f"one at the floor (capture more batch rows or steps to decide)")
+        if pick is not base:
+            reason += f"; {pick.order.value} S={pick.S:g} keeps the mass if a margin is wanted"
+        return Recommendation(needs_fix=False, S=pick.S, order=pick.order, reason=reason)
+    reason = f"no collapse: {lost} (below {floor} over the whole interval), so no fix is needed"
+    se = math.hypot(base.mse_se, best.mse_se) if math.isfinite(base.mse_se) and math.isfinite(best.mse_se) else 0.0
+    if best is not base and ratio >= MSE_NOTE_RATIO and base.mse - best.mse > 2 * se:
+        gain, gain_se = 1 - best.mse / base.mse, se / base.mse
+        reason += (f"; {best.order.value} S={best.S:g} lowers the output MSE by {gain:.0%} ± {gain_se:.0%} "
+                   "(an FP8 accuracy choice, not a collapse fix)")
+    return Recommendation(needs_fix=False, S=pick.S, order=pick.order, reason=reason)
+
+
+def _empty_head(where: tuple[int, int, int], B: int, T: int) -> HeadPcast:
+    """A head with no query row to study (B·T = 0): a result that says so."""
+    nan = float("nan")
+    rec = _recommend((), EMPTY)
+    step, layer, head = where
+    return HeadPcast(step=step, layer=layer, head=head, rows=B * T, sink_gap=nan, sink_gap_se=nan, sink_strength=nan,
+                     sink_gap_logits=nan, score_sd=nan, settings=(), needs_fix=False, recommended_S=rec.S,
+                     recommended_order=rec.order, recommendation=rec.reason, band=EMPTY, lost_mass=nan,
+                     lost_mass_ci=(nan, nan), zeroed_share=nan, zeroed_share_ci=(nan, nan), units=0,
+                     unit_rows=unit_rows(T))
 
 
 def analyze_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
@@ -169,19 +220,26 @@ def analyze_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
 
     Q, K, V stay in fp32 to isolate the P cast (§6.1). The scores are formed once as the engine
     forms them (α·Q Kᵀ under the recipe's accumulation), so every setting's replay gives the bits
-    of a full replay of this head under `pcast_config(S, order, block)`.
+    of a full replay of this head under `pcast_config(S, order, block)`. The zeroed and lost shares carry
+    cluster-bootstrap intervals over runs of query rows, and the head's band is decided on them.
     """
     q32, k32, v32 = (x.to(torch.float32)[:, None] for x in (q, k, v))  # (B, 1, T, D)
     B, _, T, _ = q32.shape
+    if B * T == 0:
+        return _empty_head(where, B, T)
     z = scaled_scores(q32, k32, pcast_config(1.0, KVOrder.FORWARD, block), scale, causal, 0, 0)[:, 0]  # (B, T, T)
     allowed = torch.ones(T, T, dtype=torch.bool)
     if causal:
         allowed = torch.tril(allowed)
     counted = allowed.clone()
     counted[:, :n_sinks] = False  # (T, T): non-sink keys the row can see
-    n_counted = int(counted.sum()) * B
+    units = unit_index(B, T)  # (B, T)
+    rows_per_unit = unit_sums(torch.ones(B, T), units)
+    counted_per_unit = unit_sums(counted.sum(dim=-1).expand(B, T), units)
     v32 = v32[:, 0]
-    o_ref, _ = reference_attention(z, v32)  # (B, T, D) fp64
+    o_ref, p_ref = reference_attention(z, v32)  # (B, T, D) fp64
+    one_hot = bool(one_hot_rows(p_ref).all())
+    del p_ref
     gap, gap_se, gap_logits, sd = sink_gap_stats(z.reshape(B * T, T), allowed.repeat(B, 1), n_sinks)
     settings = []
     for order in (kv_order(o) for o in orders):
@@ -191,18 +249,23 @@ def analyze_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
             closed = None
             if order is KVOrder.FORWARD and math.isfinite(gap_logits) and sd > 0:
                 closed = float(stats.norm.cdf((gap_logits - LN_UNDERFLOW - math.log(S)) / sd))
+            frac = bootstrap_share(unit_sums(out.n_zeroed, units), counted_per_unit)
+            mass = bootstrap_share(unit_sums(out.mass_zeroed, units), rows_per_unit)
             settings.append(HeadSetting(
-                S=float(S), order=order,
-                frac_zeroed=float(out.n_zeroed.sum()) / max(n_counted, 1),
-                mass_zeroed=float(out.mass_zeroed.double().mean()),
+                S=float(S), order=order, frac_zeroed=frac.value, mass_zeroed=mass.value,
+                frac_zeroed_ci=(frac.lo, frac.hi), mass_zeroed_ci=(mass.lo, mass.hi),
                 closed_form=closed, mse=row_mse.value, mse_se=row_mse.se,
             ))
-    rec = _recommend(settings)
+    base = decision_setting(settings)
+    band = EMPTY if not bool(counted.any()) else ONE_HOT if one_hot else band_of(_share(base))
+    rec = _recommend(settings, band)
     step, layer, head = where
     return HeadPcast(step=step, layer=layer, head=head, rows=B * T, sink_gap=gap, sink_gap_se=gap_se,
                      sink_strength=gap - expected_max_normal(n_sinks), sink_gap_logits=gap_logits, score_sd=sd,
                      settings=tuple(settings), needs_fix=rec.needs_fix, recommended_S=rec.S,
-                     recommended_order=rec.order, recommendation=rec.reason)
+                     recommended_order=rec.order, recommendation=rec.reason, band=band, lost_mass=base.mass_zeroed,
+                     lost_mass_ci=base.mass_zeroed_ci, zeroed_share=base.frac_zeroed,
+                     zeroed_share_ci=base.frac_zeroed_ci, units=len(rows_per_unit), unit_rows=unit_rows(T))
 
 
 def run(dump, selections, *, n_sinks: int = 4, block: int = 64, scales: Sequence[float] = (1.0, 256.0, 448.0),
@@ -226,23 +289,43 @@ def run(dump, selections, *, n_sinks: int = 4, block: int = 64, scales: Sequence
                            dp=dp_curve(default_dp_scales(scales)), warnings=tuple(warnings))
 
 
+def band_counts(res: PcastDumpResult) -> dict[str, int]:
+    """How many heads fall in each band (every band named, 0 included)."""
+    return {b: sum(h.band == b for h in res.heads) for b in BANDS}
+
+
 def verdict(res: PcastDumpResult) -> str:
-    """One sentence: how many heads lose probability mass to the default P cast (what the count counts), and the
-    setting that fixes the first of them."""
-    need = [h for h in res.heads if h.needs_fix]
+    """One sentence: how many heads lose probability mass to the default P cast (decided on its interval), how many
+    are too close to the floor to call, the heads with nothing to lose, and the setting that fixes the first."""
     steps = sorted({h.step for h in res.heads})
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+    counts = band_counts(res)
+    floor = f"{FIX_MASS_ZEROED:.1%}"
+    others = []
+    if counts[BORDERLINE]:
+        h = next(h for h in res.heads if h.band == BORDERLINE)
+        others.append(f"{counts[BORDERLINE]} borderline (the {floor} floor inside the {CONFIDENCE:.0%} interval of "
+                      f"the mass lost, e.g. layer {h.layer} head {h.head}: {interval_text(_share_of(h))})")
+    if counts[ONE_HOT]:
+        others.append(f"{counts[ONE_HOT]} one-hot (all probability on one key: nothing to lose)")
+    if counts[EMPTY]:
+        others.append(f"{counts[EMPTY]} empty (no non-sink key visible: nothing to decide)")
+    tail = f"; {'; '.join(others)}" if others else ""
+    need = [h for h in res.heads if h.band == NEEDS_FIX]
     if not need:
-        return (f"no head of {len(res.heads)} ({where}) loses more than {FIX_MASS_ZEROED:.1%} of its probability "
-                f"mass to the default FP8 P cast (forward order, S = 1): no P-cast fix needed")
+        return (f"no head of {len(res.heads)} ({where}) loses more than {floor} of its probability mass to the "
+                f"default FP8 P cast (forward order, S = 1) over the whole {CONFIDENCE:.0%} interval: no P-cast fix "
+                f"needed{tail}")
     h = need[0]
-    default = h.setting(1.0, KVOrder.FORWARD)
-    lost = f": {default.mass_zeroed:.2%}" if default is not None else ""
     use = "; ".join(f"{order} S={S:g}" for order, S in sorted({(x.recommended_order.value, x.recommended_S)
                                                                for x in need}))
     return (f"{len(need)} of {len(res.heads)} heads ({where}) need a P-cast fix: the default FP8 P cast (forward, "
-            f"S = 1) drops more than {FIX_MASS_ZEROED:.1%} of their probability mass (P-collapse; e.g. layer "
-            f"{h.layer} head {h.head}{lost}); use {use}")
+            f"S = 1) drops more than {floor} of their probability mass over the whole {CONFIDENCE:.0%} interval "
+            f"(P-collapse; e.g. layer {h.layer} head {h.head}: {interval_text(_share_of(h))}); use {use}{tail}")
+
+
+def _share_of(h: HeadPcast) -> Share:
+    return Share(h.lost_mass, *h.lost_mass_ci)
 
 
 def payload(res: PcastDumpResult) -> PcastDumpPayload:
@@ -252,4 +335,5 @@ def payload(res: PcastDumpResult) -> PcastDumpPayload:
         "scales": list(res.scales), "orders": list(res.orders), "heads": list(res.heads),
         "dp": [{"S": p.S, "dp": p.dp, "lsb": p.lsb, "bit_exact": p.bit_exact} for p in res.dp],
         "warnings": list(res.warnings), "replay_fidelity": res.replay_fidelity, "verdict": verdict(res),
+        "fix_floor": FIX_MASS_ZEROED, "confidence": CONFIDENCE, "band_counts": band_counts(res),
     }

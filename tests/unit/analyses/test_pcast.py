@@ -309,3 +309,129 @@ def test_dump_mode_reproduces_the_previous_kernels_numbers_on_the_planted_sample
             assert got.mse == pytest.approx(mse, rel=1e-5)  # fp32 sums in another order
     assert [h.needs_fix for h in res.heads] == [True, False]
     assert res.heads[0].recommended_S == 256.0 and res.heads[0].recommended_order == "forward"
+
+
+# --- the decision on an interval: bands, one-hot and empty heads ---------------------------------
+
+def _sink_qkv(delta: float, seed: int, B: int = 2, T: int = 128, D: int = 32):
+    """q, k, v (B, T, D) bf16: scaled scores ≈ N(0, 1), the first 4 keys `delta` higher."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, D, generator=g) for _ in range(3))
+    q[..., 0] = math.sqrt(D)
+    k[..., 0] = 0.0
+    k[:, :4, 0] = delta
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def _head(q, k, v, **kw):
+    return pc.analyze_head(q, k, v, scale=1 / math.sqrt(q.shape[-1]), causal=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def floor_heads():
+    """Heads whose sinks lose about the floor's mass (T = 128: forward S=1 zeroes ~96 % of their non-sink P̄),
+    one clearly below it, and one clearly above it on longer sequences (T = 256: more mass at risk)."""
+    deltas = (7.9, 7.95, 8.0, 8.05, 9.2)
+    heads = {d: _head(*_sink_qkv(d, seed=0), scales=(1.0, 256.0), orders=("forward",)) for d in deltas}
+    heads[6.5] = _head(*_sink_qkv(6.5, seed=0, T=256), scales=(1.0, 256.0), orders=("forward",))
+    return heads
+
+
+def test_heads_on_either_side_of_the_floor_get_the_same_borderline_band(floor_heads):
+    near = [floor_heads[d] for d in (7.9, 7.95, 8.0, 8.05)]
+    above = [h for h in near if h.lost_mass > pc.FIX_MASS_ZEROED]
+    below = [h for h in near if h.lost_mass <= pc.FIX_MASS_ZEROED]
+    assert above and below  # a hard floor on the point estimate would split these heads
+    for h in near:
+        assert 0.93 < h.zeroed_share < 0.99
+        assert abs(h.lost_mass - pc.FIX_MASS_ZEROED) < 0.001
+        assert h.band == "borderline" and not h.needs_fix
+        assert h.lost_mass_ci[0] < pc.FIX_MASS_ZEROED < h.lost_mass_ci[1]
+        assert "borderline" in h.recommendation and "interval" in h.recommendation
+    assert floor_heads[6.5].band == "needs-fix" and floor_heads[6.5].needs_fix
+    assert floor_heads[6.5].lost_mass_ci[0] > pc.FIX_MASS_ZEROED
+    assert floor_heads[9.2].band == "no-fix" and floor_heads[9.2].lost_mass_ci[1] <= pc.FIX_MASS_ZEROED
+    bands = [floor_heads[d].band for d in sorted(floor_heads)]  # a stronger sink never moves a head to a lower band
+    order = {"needs-fix": 0, "borderline": 1, "no-fix": 2}
+    assert [order[b] for b in bands] == sorted(order[b] for b in bands)
+
+
+def test_the_head_level_decision_keys_are_the_default_settings_numbers_with_their_intervals(floor_heads):
+    for h in floor_heads.values():
+        base = h.setting(1.0, "forward")
+        assert (h.lost_mass, h.lost_mass_ci) == (base.mass_zeroed, base.mass_zeroed_ci)
+        assert (h.zeroed_share, h.zeroed_share_ci) == (base.frac_zeroed, base.frac_zeroed_ci)
+        for s in h.settings:
+            assert s.mass_zeroed_ci[0] <= s.mass_zeroed <= s.mass_zeroed_ci[1]
+            assert s.frac_zeroed_ci[0] <= s.frac_zeroed <= s.frac_zeroed_ci[1]
+        T = h.rows // 2
+        assert h.unit_rows == 32 and h.units == 2 * T // 32  # runs of 32 rows, never across the 2 batch rows
+
+
+def test_the_interval_is_a_bootstrap_over_runs_of_rows_of_the_ratio_of_sums():
+    from fa_forensics.analyses.pcast import decision as dec
+
+    units = dec.unit_index(2, 10)  # runs of 2 rows (10 // 4), never across batch rows
+    assert units.tolist() == [[0, 0, 1, 1, 2, 2, 3, 3, 4, 4], [5, 5, 6, 6, 7, 7, 8, 8, 9, 9]]
+    assert dec.unit_rows(256) == 32 and dec.unit_rows(3) == 1
+    num, den = np.array([1.0, 3.0, 0.0, 4.0]), np.array([2.0, 2.0, 1.0, 3.0])
+    s = dec.bootstrap_share(num, den)
+    assert s.value == 8 / 8 and s.lo < s.value < s.hi
+    assert dec.bootstrap_share(num, den) == s  # a fixed seed: the same dump, the same interval
+    rng = np.random.default_rng(dec.BOOT_SEED)  # the percentile interval of the resampled ratios, by hand
+    idx = rng.integers(0, 4, size=(dec.N_BOOT, 4))
+    ratios = num[idx].sum(1)[den[idx].sum(1) > 0] / den[idx].sum(1)[den[idx].sum(1) > 0]
+    assert (s.lo, s.hi) == tuple(np.quantile(ratios, [0.025, 0.975]))
+    same = dec.bootstrap_share(np.full(5, 0.2), np.ones(5))
+    assert same.lo == same.value == same.hi == pytest.approx(0.2)  # units that agree: no spread to measure
+    assert all(math.isnan(x) for x in (dec.bootstrap_share(np.zeros(3), np.zeros(3)).value,))
+
+
+def test_mse_ratios_over_a_zero_best_are_defined():
+    from fa_forensics.analyses.pcast.decision import mse_ratio, ratio_text
+
+    assert mse_ratio(2.0, 1.0) == 2.0 and mse_ratio(0.0, 0.0) == 1.0 and math.isnan(mse_ratio(1e-9, 0.0))
+    assert ratio_text(0.0, 0.0) == "×1.00" and ratio_text(1e-9, 0.0) == "×n/a"
+
+
+def _one_hot_qkv(B: int = 2, T: int = 64, D: int = 16):
+    """Every row's scores: key 0 about 200 above the rest, so the fp32 exp of every other key is 0."""
+    q, k, v = _sink_qkv(0.0, seed=3, B=B, T=T, D=D)
+    q = q.float()
+    k = k.float()
+    q[..., 0] = math.sqrt(D)
+    k[:, 0, 0] = 200.0
+    return q.bfloat16(), k.bfloat16(), v
+
+
+def test_a_one_hot_head_is_a_result_not_an_exception():
+    from fa_forensics.analyses.pcast.table import tables
+
+    h = _head(*_one_hot_qkv())
+    assert h.band == "one-hot" and not h.needs_fix
+    assert all(s.mse == 0.0 for s in h.settings)  # every setting gives O = V of key 0 exactly: a best MSE of 0
+    assert h.lost_mass == 0.0 and h.lost_mass_ci == (0.0, 0.0)
+    assert h.recommendation.startswith("one-hot") and "nothing to lose" in h.recommendation
+    res = pc.PcastDumpResult(path="x", n_sinks=4, block=64, delta_k=th.expected_max_normal(4),
+                             scales=(1.0, 256.0, 448.0), orders=tuple(kern.KVOrder), heads=(h,))
+    table = tables(res)[0]
+    cells = [str(c) for col in table.columns for c in col._cells]
+    assert "0% ×1.00" in cells and "one-hot" in cells
+    assert "1 one-hot" in pc.verdict(res) and pc.payload(res)["band_counts"]["one-hot"] == 1
+
+
+def test_an_empty_head_is_a_result_not_an_exception():
+    q, k, v = _sink_qkv(0.0, seed=1, B=1, T=4)  # every key is a sink token: nothing to drop
+    h = _head(q, k, v)
+    assert h.band == "empty" and not h.needs_fix and h.recommendation.startswith("empty")
+    assert h.lost_mass == 0.0 and math.isnan(h.zeroed_share) and math.isnan(h.sink_strength)  # no share of nothing
+    none = _head(q[:0], k[:0], v[:0])  # no rows at all
+    assert none.band == "empty" and none.settings == () and none.rows == 0
+    res = pc.PcastDumpResult(path="x", n_sinks=4, block=64, delta_k=th.expected_max_normal(4), scales=(1.0,),
+                             orders=(kern.KVOrder.FORWARD,), heads=(h, none))
+    assert "2 empty" in pc.verdict(res) and "no head of 2" in pc.verdict(res)
+    from fa_forensics.analyses.pcast.table import finding, tables
+    from fa_forensics.analyses.jsonable import to_jsonable
+
+    tables(res)
+    assert "one-hot or empty" in finding(to_jsonable(pc.payload(res)))

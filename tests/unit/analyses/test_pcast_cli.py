@@ -66,8 +66,70 @@ def test_dump_mode_measures_the_planted_sink_and_recommends_s256(sink_dump, tmp_
     assert not plain["needs_fix"]
     assert "S=256" in sink["recommendation"]
     assert set(sink) >= {"step", "layer", "head", "sink_gap", "sink_gap_se", "sink_strength", "settings",
-                         "needs_fix", "recommended_S", "recommended_order", "recommendation"}
+                         "needs_fix", "recommended_S", "recommended_order", "recommendation", "band"}
+    assert sink["band"] == "needs-fix" and sink["lost_mass_ci"][0] > payload["fix_floor"]
+    assert plain["band"] == "no-fix"
     assert (tmp_path / "figs" / "pcast_heads.png").stat().st_size > 10_000
+
+
+def _write_dump(path, q, k, v):
+    """A one-step, one-layer bf16 dump of q, k, v (B, H, T, D) with O = V (pcast reads Q, K, V only)."""
+    from fa_forensics.dump import DumpWriter
+
+    B, H, T, D = q.shape
+    attrs = {"module": "test.attn", "n_heads": H, "head_dim": D, "scale": 1 / math.sqrt(D), "causal": True,
+             "dtype": "bfloat16"}
+    w = DumpWriter(path, {"model": {"name": "pcast-test"}})
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", v), ("do", v)):
+        w.write_array(0, 0, name, t.to(torch.bfloat16), layer_attrs=attrs)
+    w.complete_step(0, loss=1.0)
+    w.close()
+    return path
+
+
+def test_a_borderline_head_and_a_one_hot_head_get_their_own_bands_and_exit_0(tmp_path):
+    """Head 0: a sink that loses about 0.5 % of the mass (borderline); head 1: all mass on key 0 (one-hot: every
+    setting's O is V of key 0 exactly, so the best MSE is 0)."""
+    g = torch.Generator().manual_seed(0)
+    Tb = 128
+    q, k, v = (torch.randn(2, 2, Tb, D, generator=g) for _ in range(3))
+    q[:, :, :, 0] = math.sqrt(D)
+    k[:, :, :, 0] = 0.0
+    k[:, 0, :4, 0] = 8.0
+    k[:, 1, 0, 0] = 200.0
+    dump = _write_dump(tmp_path / "edge.zarr", q, k, v)
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["pcast", str(dump), "--scales", "1,256", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    p = json.loads(out.read_text())
+    border, one_hot = p["heads"]
+    assert border["band"] == "borderline" and not border["needs_fix"]
+    lo, hi = border["lost_mass_ci"]
+    assert lo < p["fix_floor"] == 0.005 < hi and lo <= border["lost_mass"] <= hi
+    assert border["zeroed_share"] > 0.9 and len(border["zeroed_share_ci"]) == 2
+    assert one_hot["band"] == "one-hot" and one_hot["lost_mass"] == 0.0
+    assert all(s["mse"] == 0.0 for s in one_hot["settings"])
+    assert p["confidence"] == 0.95
+    assert p["band_counts"] == {"needs-fix": 0, "borderline": 1, "no-fix": 0, "one-hot": 1, "empty": 0}
+    assert "1 borderline" in p["verdict"] and "1 one-hot" in p["verdict"]
+    assert "one-hot" in r.output and "×n/a" not in r.output and "Traceback" not in r.output
+    s = border["settings"][0]
+    assert set(s) >= {"frac_zeroed_ci", "mass_zeroed_ci"}
+    assert set(border) >= {"band", "lost_mass", "lost_mass_ci", "zeroed_share", "zeroed_share_ci", "units",
+                           "unit_rows"}
+
+
+def test_a_dump_too_short_for_non_sink_keys_gives_empty_heads_and_exit_0(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4, D, generator=g) for _ in range(3))
+    dump = _write_dump(tmp_path / "short.zarr", q, k, v)
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["pcast", str(dump), "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    p = json.loads(out.read_text())
+    assert [h["band"] for h in p["heads"]] == ["empty", "empty"]
+    assert p["band_counts"]["empty"] == 2 and "2 empty" in p["verdict"]
+    assert all(h["zeroed_share"] is None and not h["needs_fix"] for h in p["heads"])
 
 
 @pytest.mark.slow  # about 3 s of CPU or more
