@@ -8,7 +8,8 @@ plainly, then inside `fa_forensics.capture(monitor_every=1, alarm=True, ring=4, 
 form of `capture --monitor-every 1 --alarm --ring 4`), and reports:
 
 - the loss-spike step (the first step whose loss is not finite or exceeds the median of the 20 before it by
-  more than 1 nat, after step 20), the first alarm (step, rule, metric) and the lead (spike − first alarm);
+  more than 1 nat and stays there over 5 steps, after step 20), the first alarm (step, rule, metric) and the
+  lead (spike − first alarm);
 - the alarms, the episodes and the lines the capture wrote on stderr (a healthy run's alarm is a false alarm);
 - the steps kept in the store against those an alarm announced and that were dropped;
 - the overhead: the monitored run's median step time over the plain run's.
@@ -64,7 +65,7 @@ def monitored_run(spec: RunSpec, out: Path, ring: int = 4, alarm_steps: int = 3)
         warnings.simplefilter("always")
         losses, times = timed_train(spec, around)
     cap = sessions[0]
-    spike = loss_spike(losses, rise=1.0)
+    spike = loss_spike(losses)
     alarms = cap.alarms
     first = alarms[0] if alarms else None
     dump = open_dump(out)

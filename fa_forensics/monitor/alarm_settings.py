@@ -48,7 +48,7 @@ class AlarmSettings:
     logit_rise: float = 50.0  # ... and this many logits above it
     saturation_top1: float = 0.99  # saturation: mean top-1 probability >= this ...
     entropy_fraction: float = 0.1  # ... and attention entropy <= this × its reference
-    output_lse_rise: float = 10.0  # output-logit divergence: |output_lse − its reference| >= this, nats
+    output_lse_rise: float = 4.0  # output-logit divergence: |output_lse − its reference| >= this, nats
     scale_persist: int = 3  # consecutive monitored steps the scale test must hold
     episode_gap: int = 50  # monitored steps without an alarm that end an episode (one line, one recording)
     min_rise: dict = field(default_factory=lambda: _per_metric(
@@ -158,8 +158,9 @@ def _check(key: str, value: Any) -> None:
     if name in ("logit_ratio", "logit_rise", "output_lse_rise") and not (number and not math.isnan(value)
                                                                           and value > 0):
         raise InvalidSetting("alarm_set", f"{key} must be a number > 0 (inf: off), got {value!r}")
-    if name in ("saturation_top1", "entropy_fraction") and not (number and 0 <= value <= 1):
-        raise InvalidSetting("alarm_set", f"{key} must be a number in [0, 1], got {value!r}")
+    if name in ("saturation_top1", "entropy_fraction") and not (number and math.isfinite(value) and value >= 0):
+        raise InvalidSetting("alarm_set", f"{key} must be a finite number >= 0 (saturation_top1 above 1: no "
+                                          f"saturation test), got {value!r}")
     if name == "min_rise" and not (number and math.isfinite(value) and value >= 0):
         raise InvalidSetting("alarm_set", f"{key} must be a finite number >= 0, got {value!r}")
     if name == "min_slope" and not (number and not math.isnan(value) and value >= 0):

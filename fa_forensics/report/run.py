@@ -10,6 +10,11 @@ The timeline section (the monitor's per-step statistics and the capture's alarms
 dump has a timeline and is left out when it has none; on a dump that holds only a timeline, the step
 analyses are skipped with a note.
 
+Steps analysed: the given --step, else every complete step of a dump without a timeline. On a monitored
+run the steps that matter (`steps_that_matter`): the steps around the capture's first alarm (the ring's and
+the alarm's own, at most `NEAR_ALARM` of them, nearest the alarm first) and the step with the highest loss
+after it (the spike), when the dump holds them; the timeline section says which, and why.
+
 The report's recipe (default preset "auto") is the low-precision side of every analysis that
 replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
 A (B = fp32); pcast keeps its own fp8 settings and studies the last complete step. With `workers`
@@ -41,6 +46,46 @@ from fa_forensics.errors import UserError
 REPORT_TEXT_WIDTH = 160  # columns of the tables embedded in the page
 NO_STEP_NOTE = ("skipped: this dump records no step in full, only the monitor's timeline; capture steps with "
                 "--steps (or with --alarm, the steps around an alarm) to analyse them")
+
+
+NEAR_ALARM = 2  # recorded steps around the first alarm that the step analyses look at by default
+
+
+def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
+    """The steps a report of a monitored run analyses by default, and why in words; (None, '') for every step
+    (a dump without a timeline, or one that holds no more steps than would be chosen)."""
+    from fa_forensics.monitor.alarm import recorded_alarms
+
+    steps = list(dump.steps)
+    timeline = dump.timeline if steps else None
+    if timeline is None or len(steps) <= NEAR_ALARM + 1:
+        return None, ""
+    alarms = recorded_alarms(timeline)
+    chosen, why = [], []
+    if alarms:
+        first = alarms[0]["step"]
+        near = sorted(steps, key=lambda s: (abs(s - first), s > first))[:NEAR_ALARM]
+        chosen += near
+        why.append(f"{_listed(sorted(near))} around the capture's first alarm (step {first})")
+        after = [s for s in steps if s > first and s not in chosen]
+    else:
+        after = list(steps)
+    losses = {s: dump.step_attrs(s).get("loss") for s in after}
+    finite = {s: v for s, v in losses.items() if isinstance(v, (int, float)) and v == v and abs(v) != float("inf")}
+    blown = [s for s, v in losses.items() if isinstance(v, float) and (v != v or abs(v) == float("inf"))]
+    spike = blown[0] if blown else (max(finite, key=finite.get) if finite else None)
+    if spike is not None:
+        chosen.append(spike)
+        why.append(f"step {spike}, the highest loss {'recorded' if not alarms else 'after it'}"
+                   + (" (not finite)" if spike in blown else f" ({finite[spike]:.4g})"))
+    if not chosen:
+        return None, ""
+    return sorted(set(chosen)), (f"the step analyses look at {'; '.join(why)}, of the {len(steps)} steps in the "
+                                 "dump; --step N analyses another")
+
+
+def _listed(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 # The report's sections: every registered analysis that has one, in the registry's order.
@@ -125,6 +170,9 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
             sels = None
         elif section.section.whole_dump:
             sels = select(dump, dump.steps[-1] if dump.steps else None)
+        elif selection.get("step") is None and selection.get("steps"):
+            sels = [sel for step in selection["steps"]
+                    for sel in select(dump, step, selection.get("layer"), selection.get("head"))]
         else:
             sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
         result = section.report_run(dump, sels, recipe, backend, workers)
@@ -142,10 +190,16 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
     except Exception as exc:  # a bug in one analysis must not cost the others their section
         return SectionResult(section.name, args, 2, False, f"unexpected {type(exc).__name__}: {exc}", None, [], "",
                              time.perf_counter() - t0)
+    if section.section.needs == "timeline" and selection.get("steps_why"):
+        payload["analysed_steps"] = {"steps": selection["steps"], "why": selection["steps_why"]}
     atomic_write(json_path, json.dumps(payload, indent=2) + "\n", "out")
     figures = sorted(str(Path(p).relative_to(out_dir)) for p in paths)
+    text = _text(renderables, payload.get("verdict"))
+    if "analysed_steps" in payload:
+        text += f"{selection['steps_why']}\n"
+    meta = {"steps": selection["steps"]} if selection.get("steps") and not section.section.whole_dump else {}
     return SectionResult(section.name, args, int(payload.get("exit_code", 0)), True, "", payload, figures,
-                         _text(renderables, payload.get("verdict")), time.perf_counter() - t0)
+                         text, time.perf_counter() - t0, meta)
 
 
 def sections_of(dump, sections=SECTIONS) -> list:
@@ -159,7 +213,11 @@ def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head
             published_as: Optional[Path] = None) -> list[SectionResult]:
     """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`, the
     work items of each on `workers` (one cluster for all)."""
-    selection = {"step": step, "layer": layer, "head": head}
+    selection: dict = {"step": step, "layer": layer, "head": head}
+    if step is None:
+        chosen, why = steps_that_matter(dump)
+        if chosen:
+            selection.update(steps=chosen, steps_why=why)
     sections = sections_of(dump, sections)
     results = []
     with contextlib.ExitStack() as stack:

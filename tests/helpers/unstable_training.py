@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import sysconfig
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -166,15 +167,21 @@ def train(spec: RunSpec, *, around: Callable = lambda model: contextlib.nullcont
     return losses
 
 
-def loss_spike(losses: list[float], *, window: int = 20, rise: float = 0.5, start: int = 20) -> Optional[int]:
-    """The first step whose loss is not finite or exceeds the median of the `window` steps before it by more than
-    `rise` nats (after step `start`: the first steps fall fast); None when there is none."""
+def loss_spike(losses: list[float], *, window: int = 20, rise: float = 1.0, hold: int = 5,
+               start: int = 20) -> Optional[int]:
+    """The first step whose loss is not finite, or exceeds the median of the `window` steps before it by more than
+    `rise` nats and stays there (the median of it and the `hold` − 1 steps after it too: one hard batch is not a
+    spike); after step `start` (the first steps fall fast). None when there is none."""
     for t in range(start, len(losses)):
         x = losses[t]
         if not math.isfinite(x):
             return t
         before = [v for v in losses[max(0, t - window):t] if math.isfinite(v)]
-        if before and x > sorted(before)[len(before) // 2] + rise:
+        if not before:
+            continue
+        bar = statistics.median(before) + rise
+        after = [v if math.isfinite(v) else math.inf for v in losses[t:t + hold]]
+        if x > bar and statistics.median(after) > bar:
             return t
     return None
 
@@ -183,8 +190,8 @@ def loss_spike(losses: list[float], *, window: int = 20, rise: float = 0.5, star
 UNSTABLE = (
     # no qk-layernorm, the learning rate warmed up towards 1.0: the attention logits grow from the first steps
     RunSpec("attn-logit-growth", healthy=False, lr=1.0, warmup=300, heads=2),
-    # qk-layernorm, no z-loss, the head's learning rate 30× the rest: the output logits run away
-    RunSpec("output-logit-divergence", healthy=False, lr=2e-2, head_lr_mult=30.0, warmup=300, heads=2, qk_norm=True),
+    # qk-layernorm, no z-loss, the head's learning rate 300× the rest: the output logits run away
+    RunSpec("output-logit-divergence", healthy=False, lr=1e-2, head_lr_mult=300.0, warmup=300, heads=2, qk_norm=True),
     # AdamW with a tiny epsilon and β₂ = 0.999, the learning rate ×10 at step 150
     RunSpec("optimizer-lr-spike", healthy=False, lr=1e-2, eps=1e-15, beta2=0.999, lr_spike=(150, 10.0), heads=2,
             qk_norm=True),
