@@ -48,15 +48,15 @@ class AlarmSettings:
     logit_rise: float = 50.0  # ... and this many logits above it
     saturation_top1: float = 0.99  # saturation: mean top-1 probability >= this ...
     entropy_fraction: float = 0.1  # ... and attention entropy <= this × its reference
-    output_lse_rise: float = 4.0  # output-logit divergence: |output_lse − its reference| >= this, nats
+    output_lse_rise: float = 5.0  # output-logit divergence: |output_lse − its reference| >= this, nats
     scale_persist: int = 3  # consecutive monitored steps the scale test must hold
     episode_gap: int = 50  # monitored steps without an alarm that end an episode (one line, one recording)
     min_rise: dict = field(default_factory=lambda: _per_metric(
-        loss=0.25, max_logit=3.0, top1_prob=0.15, near_max_ties=8.0, wq_sigma=0.25))
+        loss=0.25, max_logit=6.0, top1_prob=0.15, near_max_ties=8.0, wq_sigma=0.25))
     persist: dict = field(default_factory=lambda: _per_metric(
-        loss=1, max_logit=3, top1_prob=3, near_max_ties=3, wq_sigma=3))
+        loss=2, max_logit=3, top1_prob=3, near_max_ties=3, wq_sigma=3))
     min_slope: dict = field(default_factory=lambda: _per_metric(
-        loss=0.03, max_logit=0.5, top1_prob=0.03, near_max_ties=0.25, wq_sigma=0.03))
+        loss=0.03, max_logit=0.5, top1_prob=math.inf, near_max_ties=0.25, wq_sigma=0.03))
 
     def __post_init__(self) -> None:
         for f in fields(self):
