@@ -95,7 +95,9 @@ def test_output_lse_divergence_alarms_either_way(sign):
     lse[20:] += sign * 0.5 * np.arange(1, 21)  # 0.5 nats a step away from where it started
     alarms = _feed(AlarmRule(), n, output_lse=lse)
     assert len(alarms) == 1 and alarms[0].metric == "output_lse" and alarms[0].layer is None
-    assert 27 <= alarms[0].step <= 30  # |Δ| ≥ 4 from step 27 or 28 on, held 3 steps
+    ref = np.median(lse[:5])
+    away = [t for t in range(n) if abs(lse[t] - ref) >= 5]  # output_lse_rise = 5 nats
+    assert alarms[0].step == away[0] + 2 and alarms[0].baseline == pytest.approx(ref)  # held 3 monitored steps
     codes = alarm_codes(alarms, {"output_lse": ()})
     steps = np.arange(n)
     timeline = {"step": steps, "output_lse": lse,
