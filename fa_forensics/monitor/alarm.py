@@ -244,7 +244,7 @@ class _Series:
         self.n += 1
         self.n_active += active
         trend = np.zeros(self.shape, dtype=bool)
-        if self.n_active >= self.trend.shape[0]:  # both trend windows hold values from after the warm-up
+        if self.n_active >= self.trend.shape[0] and np.isfinite(s.min_slope[m]):  # both windows after the warm-up
             order = np.roll(np.arange(self.trend.shape[0]), -(ring + 1))  # oldest first
             y, steps = self.trend[order], self.trend_steps[order]
             w = self.trend.shape[0] // 2

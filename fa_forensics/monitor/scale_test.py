@@ -32,12 +32,15 @@ class ScaleTest:
         self.count = np.zeros(shape, dtype=np.int64)  # finite values kept in `early`
         self.streak = np.zeros(shape, dtype=np.int64)
         self.alarmed = np.zeros(shape, dtype=bool)
+        self._reference: Optional[np.ndarray] = None
 
     def reference(self) -> np.ndarray:
-        """Each cell's reference (NaN until it has `reference_steps` finite values)."""
-        with np.errstate(all="ignore"), _quiet():
-            ref = np.nanmedian(self.early, axis=0)
-        return np.where(self.count >= self.early.shape[0], ref, np.nan)
+        """Each cell's reference (NaN until it has `reference_steps` finite values); computed again only on a step
+        that added a value to some cell's early values (it is fixed once they are all full)."""
+        if self._reference is None:
+            with np.errstate(all="ignore"):
+                self._reference = np.where(self.count >= self.early.shape[0], np.median(self.early, axis=0), np.nan)
+        return self._reference
 
     def observe(self, x: np.ndarray, s, top1: Optional[np.ndarray] = None) -> list[tuple]:
         """Feed one value per cell; [(index, reference)] for the cells that alarm now."""
@@ -61,22 +64,9 @@ class ScaleTest:
             else:
                 self.early[int(slot)] = x
             self.count = self.count + filling
+            self._reference = None
         self.streak = np.where(out, self.streak + 1, 0)
         fire = (self.streak >= s.scale_persist) & ~self.alarmed
         self.alarmed = (self.alarmed & out) | fire
         cells = list(zip(*np.nonzero(fire))) if self.shape else ([()] if bool(fire) else [])
         return [(index, float(ref[index])) for index in cells]
-
-
-class _quiet:
-    """Silence numpy's 'All-NaN slice' warning (cells still filling their reference are NaN by design)."""
-
-    def __enter__(self):
-        import warnings
-
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
