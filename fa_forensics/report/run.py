@@ -70,18 +70,45 @@ def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
         after = [s for s in steps if s > first and s not in chosen]
     else:
         after = list(steps)
-    losses = {s: dump.step_attrs(s).get("loss") for s in after}
-    finite = {s: v for s, v in losses.items() if isinstance(v, (int, float)) and v == v and abs(v) != float("inf")}
-    blown = [s for s, v in losses.items() if isinstance(v, float) and (v != v or abs(v) == float("inf"))]
-    spike = blown[0] if blown else (max(finite, key=finite.get) if finite else None)
+    spike, what = _spike(timeline, after, alarms[0]["step"] if alarms else None)
     if spike is not None:
         chosen.append(spike)
-        why.append(f"step {spike}, the highest loss {'recorded' if not alarms else 'after it'}"
-                   + (" (not finite)" if spike in blown else f" ({finite[spike]:.4g})"))
+        why.append(f"step {spike}, {what}")
     if not chosen:
         return None, ""
     return sorted(set(chosen)), (f"the step analyses look at {'; '.join(why)}, of the {len(steps)} steps in the "
                                  "dump; --step N analyses another")
+
+
+def _spike(timeline: dict, candidates: list[int], since: Optional[int]) -> tuple[Optional[int], str]:
+    """The recorded step where the loss blows up, and how it was found: the first candidate at or after the first
+    monitored step (after `since`) whose loss is not finite or is 1 nat above the median of the 20 before it
+    and stays there (median of it and the 4 after); without one, the candidate with the highest loss."""
+    import numpy as np
+
+    steps = np.asarray(timeline.get("step", []))
+    loss = np.asarray(timeline.get("loss", np.full(len(steps), np.nan)), dtype=np.float64)
+    if not candidates or len(steps) == 0 or not np.isfinite(loss).any():
+        return None, ""
+    for i in range(1, len(steps)):
+        if since is not None and steps[i] <= since:
+            continue
+        before = loss[max(0, i - 20):i]
+        before = before[np.isfinite(before)]
+        if not before.size:
+            continue
+        bar = float(np.median(before)) + 1.0
+        held = np.where(np.isfinite(loss[i:i + 5]), loss[i:i + 5], np.inf)
+        if not np.isfinite(loss[i]) or (loss[i] > bar and float(np.median(held)) > bar):
+            later = [c for c in candidates if c >= steps[i]]
+            if later:
+                return later[0], f"where the loss blows up (step {int(steps[i])}: {loss[i]:.4g})"
+            break
+    known = {int(s): v for s, v in zip(steps, loss) if int(s) in set(candidates) and np.isfinite(v)}
+    if not known:
+        return None, ""
+    top = max(known, key=known.get)
+    return top, f"the highest loss {'after it' if since is not None else 'recorded'} ({known[top]:.4g})"
 
 
 def _listed(steps: list[int]) -> str:
