@@ -11,9 +11,9 @@ dump has a timeline and is left out when it has none; on a dump that holds only 
 analyses are skipped with a note.
 
 Steps analysed: the given --step, else every complete step of a dump without a timeline. On a monitored
-run the steps that matter (`steps_that_matter`): the steps around the capture's first alarm (the ring's and
-the alarm's own, at most `NEAR_ALARM` of them, nearest the alarm first) and the step with the highest loss
-after it (the spike), when the dump holds them; the timeline section says which, and why.
+run the steps that matter (`steps_that_matter`): the recorded step(s) nearest the capture's first alarm
+(`NEAR_ALARM`; the ring holds the alarm's own) and the step where the loss blows up after it (the spike),
+when the dump holds them; the timeline section says which, and why.
 
 The report's recipe (default preset "auto") is the low-precision side of every analysis that
 replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
@@ -48,7 +48,7 @@ NO_STEP_NOTE = ("skipped: this dump records no step in full, only the monitor's 
                 "--steps (or with --alarm, the steps around an alarm) to analyse them")
 
 
-NEAR_ALARM = 2  # recorded steps around the first alarm that the step analyses look at by default
+NEAR_ALARM = 1  # recorded steps nearest the first alarm that the step analyses look at by default (the ring holds it)
 
 
 def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
@@ -78,6 +78,15 @@ def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
         return None, ""
     return sorted(set(chosen)), (f"the step analyses look at {'; '.join(why)}, of the {len(steps)} steps in the "
                                  "dump; --step N analyses another")
+
+
+def check_selection(dump, step=None, layer=None, head=None) -> None:
+    """DumpError (one line) for a step, layer or head the dump lacks, before any analysis runs; on a monitored run
+    without a step, only the steps `steps_that_matter` picks are read (screening every stored step's inputs
+    would cost minutes on a run with many)."""
+    chosen = steps_that_matter(dump)[0] if step is None else None
+    for one in chosen or [step]:
+        select(dump, one, layer, head)
 
 
 def _spike(timeline: dict, candidates: list[int], since: Optional[int]) -> tuple[Optional[int], str]:
