@@ -76,6 +76,7 @@ class StepMonitor:
         self.episodes: list[dict] = []  # {"first_alarm", "last_alarm", "alarms", "recorded", "ring"}
         self.dropped_steps: list[dict] = []  # {"step", "reason", "episode", "mb"}
         self.qk_norm: list = []  # per layer: True/False, None where unknown
+        self.extra_attrs: dict = {}  # set by the session: attributes of its own kept beside the monitor's
         self.episode_gap = int(self.rule.config.episode_gap) if self.rule is not None else 0
         self.warn: Callable[[str, str], None] = lambda key, message: None  # set by `start`
 
@@ -280,8 +281,6 @@ class StepMonitor:
     def store_attrs(self) -> dict:
         """The monitor's attributes as the store keeps them (`capture.monitor`), facts of the run included."""
         return {**self.attrs(), **self.extra_attrs}
-
-    extra_attrs: dict = {}  # set by the session: attributes of its own kept beside the monitor's
 
     def note_dropped(self, step: int, reason: str, nbytes: int, writer: BackgroundWriter) -> Optional[int]:
         """A step an alarm announced (after it, or from the ring) found no room: written into the store's monitor
