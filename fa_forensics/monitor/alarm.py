@@ -328,7 +328,8 @@ class AlarmRule:
                 alarms.append(Alarm(step=int(step), metric=metric, value=float(x[index]), baseline=baseline, z=z,
                                     layer=layer, head=head, rule=rule, slope=slope, slope_before=before,
                                     span=int(self.config.trend_window) if rule == "trend" else 0))
-        alarms += self._observe_scale(step, values)
+        taken = {(a.metric, a.layer, a.head) for a in alarms}
+        alarms += [a for a in self._observe_scale(step, values) if (a.metric, a.layer, a.head) not in taken]
         return sorted(alarms, key=lead_key)
 
     def _observe_scale(self, step: int, values: dict) -> list[Alarm]:

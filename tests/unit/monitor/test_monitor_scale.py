@@ -120,3 +120,13 @@ def test_dropped_steps_in_words():
     drops = dropped_steps(attrs)
     assert dropped_text(drops) == "steps 58, 59 (alarm episode from step 57): recorded after an alarm: no room"
     assert dropped_steps({"capture": {}}) == [] and dropped_text([]) == ""
+
+
+def test_a_cell_that_jumps_and_outgrows_its_scale_at_once_records_the_jump():
+    n = 30
+    logits = np.full((n, 1, 1), 2.0) + np.random.default_rng(2).normal(0, 0.1, (n, 1, 1))
+    logits[20:] = 1e6  # W_Q ×1e6 at step 20: a jump and a scale alarm, both on their third step
+    alarms = _feed(AlarmRule(warmup=10), n, max_logit=logits)
+    assert [(a.step, a.rule) for a in alarms] == [(22, "jump")]
+    codes = alarm_codes(alarms, {"max_logit": (1, 1)})["alarm_max_logit"]
+    assert codes[0, 0] == 2  # the jump's code: what the capture's line named is what the row records
