@@ -244,6 +244,9 @@ class TimelinePayload(TypedDict):
     alarm_steps: list[int]
     alarms: list[dict]  # the alarms the capture recorded: step, metric, layer, head, value, rule
     capture_alarm_rule: Optional[dict]
+    output_lse: Optional[list[float]]  # per step: mean log-sum-exp of the output logits (null: not recorded)
+    qk_norm: list  # per layer: its attention normalizes q and k (W_Q's norm not watched there)
+    dropped_steps: list[dict]  # steps an alarm announced that the capture dropped: step, reason, episode, mb
     alarm_rule: dict
     rule_alarms: list[dict]
     diagnosis: dict  # the instability the series show: analyses.timeline.diagnose.InstabilityFinding.to_json

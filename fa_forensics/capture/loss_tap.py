@@ -8,6 +8,11 @@ synchronization) to the step's running sum; under gradient accumulation with `lo
 micro-batch, the sum is the step's mean loss. The value is read (`.item()`) once, when the
 step's timeline row is written. A GradScaler's `scale(loss).backward()` taps the scaled loss:
 report the loss with `cap.step(loss)` in that case.
+
+The output-logit tap: `torch.nn.functional.cross_entropy` (hence `nn.CrossEntropyLoss`) is wrapped the same
+way, and on a watched step the log-sum-exp of its logits over the class dimension, averaged over tokens, is
+handed to the session (detached, fp32, no synchronization): the monitor's `output_lse` series, the size of
+the language-model head's logits where the loss reads them.
 """
 from __future__ import annotations
 
@@ -27,8 +32,12 @@ class BackwardListener(Protocol):
     def on_backward(self, tensors: Any, grad_tensors: Any) -> None:
         """`torch.autograd.backward(tensors, grad_tensors)` was called."""
 
+    def on_loss_logits(self, logits: torch.Tensor) -> None:
+        """`F.cross_entropy(logits, ...)` was called."""
+
 
 _ORIGINAL = torch.autograd.backward
+_ORIGINAL_CE = torch.nn.functional.cross_entropy
 _session: Optional[BackwardListener] = None
 
 
@@ -38,6 +47,23 @@ def tapped_backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs
     if session is not None and session.busy:
         session.on_backward(tensors, grad_tensors)
     return _ORIGINAL(tensors, grad_tensors, *args, **kwargs)
+
+
+@functools.wraps(_ORIGINAL_CE)
+def tapped_cross_entropy(input: Any, *args: Any, **kwargs: Any) -> Any:
+    session = _session
+    if session is not None and session.busy and isinstance(input, torch.Tensor):
+        session.on_loss_logits(input)
+    return _ORIGINAL_CE(input, *args, **kwargs)
+
+
+def mean_lse(logits: torch.Tensor) -> Optional[torch.Tensor]:
+    """The mean over tokens of log Σ_c exp(logit_c) (class dimension 1, or 0 for one unbatched row), fp32, detached;
+    None for an empty or integer tensor."""
+    if logits.numel() == 0 or not logits.is_floating_point():
+        return None
+    with torch.no_grad():
+        return torch.logsumexp(logits.detach().float(), dim=1 if logits.dim() >= 2 else 0).mean()
 
 
 def scalar_loss(tensors: Any, grad_tensors: Any) -> Optional[torch.Tensor]:
@@ -57,6 +83,7 @@ def install(session: BackwardListener) -> None:
     global _session
     _session = session
     torch.autograd.backward = tapped_backward
+    torch.nn.functional.cross_entropy = tapped_cross_entropy
 
 
 def uninstall(session: BackwardListener) -> None:
@@ -65,3 +92,5 @@ def uninstall(session: BackwardListener) -> None:
         _session = None
     if torch.autograd.backward is tapped_backward:
         torch.autograd.backward = _ORIGINAL
+    if torch.nn.functional.cross_entropy is tapped_cross_entropy:
+        torch.nn.functional.cross_entropy = _ORIGINAL_CE

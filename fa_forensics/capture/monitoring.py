@@ -5,9 +5,19 @@ pass feeds a `StepCollector` (per-head statistics on the batch slice, W_Q spectr
 the step ends ONE timeline row waits for its loss (given by `cap.step(loss)`, else the loss tap's
 sum) and is then written. Each row feeds the alarm rule; the row records the alarms it raised (the
 `alarm_<metric>` series, monitor/alarm.py), so what `timeline` and the report show is what the
-capture decided. An alarm asks the session to record the next `alarm_steps` steps in full and writes
-the ring's steps (monitored steps not written, the last `ring` of them, held in host memory) through
-the session's store. With `tensorboard` the row also goes to TensorBoard event files.
+capture decided. With `tensorboard` the row also goes to TensorBoard event files.
+
+Episodes: the alarms of one unstable stretch form one episode. The first alarm opens it: ONE line on
+stderr, the next `alarm_steps` steps asked for in full and the ring's steps (monitored steps not
+written, the last `ring` of them, held in host memory) written through the session's store. Later
+alarms join it (recorded in their rows, no line, no new recording) until `episode_gap` monitored steps
+pass without one. A step announced as recorded that the writer has no room for is dropped, and its drop
+is written into the store (`capture.monitor.dropped_steps`: step, reason, episode), with at most one
+line per episode on stderr. `monitor.episodes` and `qk_norm` (per layer: its attention normalizes q and
+k, so W_Q's norm does not reach the logits) are kept beside it.
+
+Output logits: the loss tap hands the logits of `F.cross_entropy` on a monitored step; their mean
+log-sum-exp is the row's `output_lse` (one scalar per step, NaN when no cross-entropy was seen).
 
 The monitor never stops training: NaN, infinite or huge inputs give NaN/inf statistics (recorded,
 and alarmed on at once), and anything the monitor's own computation raises becomes one warning and a
@@ -22,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from fa_forensics.capture.events import AlarmWarning, AttentionCall, TimelineRow
@@ -59,6 +70,14 @@ class StepMonitor:
         self.extra_steps: set[int] = set()  # steps an alarm asked for
         self.alarms: list = []  # every Alarm raised
         self.monitored_steps: list[int] = []
+        self.output_lse: Optional[torch.Tensor] = None  # sum of the step's mean log-sum-exps (no synchronization)
+        self.output_lse_calls = 0
+        self.row_output_lse: Optional[tuple[torch.Tensor, int]] = None  # the waiting row's
+        self.episodes: list[dict] = []  # {"first_alarm", "last_alarm", "alarms", "recorded", "ring"}
+        self.dropped_steps: list[dict] = []  # {"step", "reason", "episode", "mb"}
+        self.qk_norm: list = []  # per layer: True/False, None where unknown
+        self.extra_attrs: dict = {}  # set by the session: attributes of its own kept beside the monitor's
+        self.episode_gap = int(self.rule.config.episode_gap) if self.rule is not None else 0
         self.warn: Callable[[str, str], None] = lambda key, message: None  # set by `start`
 
     def start(self, warn: Callable[[str, str], None]) -> None:
@@ -81,6 +100,7 @@ class StepMonitor:
             "alarm": None if rule is None else rule.settings(),
             "alarm_steps": self.alarm_steps, "ring": 0 if self.ring is None else self.ring.capacity,
             "tensorboard": self.tensorboard,
+            "qk_norm": self.qk_norm, "episodes": self.episodes, "dropped_steps": self.dropped_steps,
         }
 
     # -- step events -------------------------------------------------------------------------
@@ -88,6 +108,7 @@ class StepMonitor:
         """Decide whether the step that starts now is monitored."""
         self.hot = step % self.every == 0
         self.reported_loss = None
+        self.output_lse, self.output_lse_calls = None, 0
         if self.hot:
             self._started().begin(step)
 
@@ -116,6 +137,19 @@ class StepMonitor:
         """Add a scalar backward() was called on to the step's loss (no synchronization)."""
         self.tapped_loss = value if self.tapped_loss is None else self.tapped_loss + value
 
+    def add_output_logits(self, logits: torch.Tensor) -> None:
+        """Add the mean log-sum-exp of a cross-entropy's logits to the step's (no synchronization)."""
+        from fa_forensics.capture.loss_tap import mean_lse
+
+        try:
+            value = mean_lse(logits)
+        except Exception as exc:  # the monitor never stops training
+            self._failed(exc, "the output logits")
+            return
+        if value is not None:
+            self.output_lse = value if self.output_lse is None else self.output_lse + value
+            self.output_lse_calls += 1
+
     def take_tapped_loss(self) -> Optional[torch.Tensor]:
         """The step's tapped loss, handed over at its end."""
         tapped, self.tapped_loss = self.tapped_loss, None
@@ -129,6 +163,8 @@ class StepMonitor:
                 self.ring_step.loss = given
                 self.ring.push(self.ring_step)
             self.row = TimelineRow(step, self._started().finish(), given, tapped)
+            self.row_output_lse = (self.output_lse, self.output_lse_calls) if self.output_lse is not None else None
+            self.output_lse, self.output_lse_calls = None, 0
         self.ring_step = None
 
     def flush_row(self, loss: Optional[float], writer: BackgroundWriter, write_held: WriteHeld,
@@ -149,13 +185,17 @@ class StepMonitor:
             warn("monitor-empty", f"fa-forensics monitor: step {row.step} was monitored but no attention call was seen "
                                   "(with gradients enabled); its timeline row holds only the loss")
             series = {}
+        lse, self.row_output_lse = self.row_output_lse, None
+        series = {**series, "output_lse": float("nan") if lse is None else float(lse[0]) / lse[1]}
+        self._note_qk_norm()
         alarms, codes = self._judge(row.step, loss, series)
         writer.put_timeline(row.step, loss=float("nan") if loss is None else loss, alarms=len(alarms), **series,
                             **codes)
         self.monitored_steps.append(row.step)
         if self.board is not None:
             try:
-                self.board.write_row(row.step, loss, series, tuple(a.message() for a in alarms))
+                self.board.write_row(row.step, loss, {m: v for m, v in series.items() if m != "output_lse"},
+                                     tuple(a.message() for a in alarms))
             except Exception as exc:
                 self._failed(exc, f"the TensorBoard row of step {row.step}")
         if alarms:
@@ -165,12 +205,12 @@ class StepMonitor:
         """The alarms the rule raises on this row, and their codes as the row records them ({} without a rule)."""
         if self.rule is None:
             return [], {}
-        from fa_forensics.monitor.alarm import alarm_codes
-        from fa_forensics.monitor.alarm_settings import WATCHED
+        from fa_forensics.monitor.alarm import ALARMED, alarm_codes
 
-        shapes = {m: (() if m == "loss" else series[m].shape) for m in WATCHED if m == "loss" or m in series}
+        shapes = {m: (() if m == "loss" else np.shape(series[m])) for m in ALARMED if m == "loss" or m in series}
         try:
-            alarms = self.rule.observe(step, loss=loss, **{m: series[m] for m in WATCHED if m in series})
+            alarms = self.rule.observe(step, loss=loss, qk_norm=self.qk_norm,
+                                       **{m: series[m] for m in ALARMED if m in series})
         except Exception as exc:  # the monitor never stops training
             self._failed(exc, f"the alarm rule at step {step}")
             alarms = []
@@ -196,23 +236,62 @@ class StepMonitor:
             self.board.close()
 
     # -- alarm -------------------------------------------------------------------------------
+    def _note_qk_norm(self) -> None:
+        """The per-layer qk-norm facts the collector found (once per layer)."""
+        found = self.collector.qk_norm if self.collector is not None else {}
+        if found and len(found) != len(self.qk_norm):
+            self.qk_norm = [found.get(layer) for layer in range(max(found) + 1)]
+
+    def _open_episode(self, step: int) -> Optional[dict]:
+        """The episode an alarm at `step` belongs to, if one is open (its last alarm within `episode_gap`
+        monitored steps)."""
+        if not self.episodes:
+            return None
+        last = self.episodes[-1]
+        return last if step - last["last_alarm"] <= self.episode_gap * self.every else None
+
     def _raise_alarm(self, step: int, alarms: list, writer: BackgroundWriter, write_held: WriteHeld) -> None:
-        """One AlarmWarning (one line); the next alarm_steps steps are asked for; the ring's steps are written."""
+        """A new episode: one AlarmWarning (one line), the next alarm_steps steps asked for, the ring's steps
+        written. An alarm within an open episode joins it: no line, no new recording."""
         self.alarms.extend(alarms)
-        follow = range(step + 1, step + 1 + self.alarm_steps)
+        episode = self._open_episode(step)
+        if episode is not None:
+            episode["last_alarm"], episode["alarms"] = step, episode["alarms"] + len(alarms)
+            return
+        follow = list(range(step + 1, step + 1 + self.alarm_steps))
+        episode = {"first_alarm": step, "last_alarm": step, "alarms": len(alarms), "recorded": follow, "ring": []}
+        self.episodes.append(episode)
         self.extra_steps.update(follow)
         written = [held.step for held in (self.ring.drain() if self.ring is not None else []) if write_held(held, step)]
+        episode["ring"] = written
+        writer.put_run_attrs({"capture": {"monitor": self.store_attrs()}})
         writer.flush_timeline()  # the alarm's row (and those before it) on disk now
         if self.board is not None:
             self.board.flush()
         from fa_forensics.monitor.alarm import lead
 
         more = f" (+{len(alarms) - 1} more)" if len(alarms) > 1 else ""
-        what = (f"recording {_steps(list(follow))} in full" if self.alarm_steps > 0
+        what = (f"recording {_steps(follow)} in full" if self.alarm_steps > 0
                 else "no steps after it recorded (alarm_steps = 0)")
         if written:
             what += f", and {_steps(written)} from the ring"
+        what += f"; later alarms within {self.episode_gap} monitored steps join this episode"
         warnings.warn(AlarmWarning(f"{lead(alarms).message()}{more}; {what}"), stacklevel=2)
+
+    def store_attrs(self) -> dict:
+        """The monitor's attributes as the store keeps them (`capture.monitor`), facts of the run included."""
+        return {**self.attrs(), **self.extra_attrs}
+
+    def note_dropped(self, step: int, reason: str, nbytes: int, writer: BackgroundWriter) -> Optional[int]:
+        """A step an alarm announced (after it, or from the ring) found no room: written into the store's monitor
+        attributes; the episode it belongs to, or None. Returns the episode's first alarm step when this is its
+        first drop (the caller says it once)."""
+        episode = self.episodes[-1] if self.episodes else None
+        first = episode is not None and not any(d["episode"] == episode["first_alarm"] for d in self.dropped_steps)
+        self.dropped_steps.append({"step": int(step), "reason": reason, "mb": round(nbytes / 2 ** 20, 2),
+                                   "episode": None if episode is None else episode["first_alarm"]})
+        writer.put_run_attrs({"capture": {"monitor": self.store_attrs()}})
+        return episode["first_alarm"] if first and episode is not None else None
 
 
 def _steps(steps: list[int]) -> str:

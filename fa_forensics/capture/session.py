@@ -431,6 +431,7 @@ class CaptureSession:
             self._flush_waiting()
             if self._monitor is not None:
                 self._monitor.close()
+                self._writer.put_run_attrs({"capture": {"monitor": self._monitor.store_attrs()}})
             self._plan = StepPlan(self.current_step)
             self.busy = False
         finally:
@@ -774,13 +775,23 @@ class CaptureSession:
         return True
 
     def _say_dropped(self, held: RingStep, what: str) -> None:
-        """One line naming a held step the writer had no room for (training never waits for an alarm's steps)."""
+        """A held step the writer had no room for (training never waits for an alarm's steps): its drop is written
+        into the store (`capture.monitor.dropped_steps`), and said in one line per alarm episode."""
         writer = self._open_writer()
+        episode = None
+        if self._monitor is not None:
+            episode = self._monitor.note_dropped(held.step, f"{what}: no room in the writer's held-step bound "
+                                                            f"({writer.held_bytes / 2 ** 20:.0f} MB, max_held_mb)",
+                                                 held.nbytes, writer)
+            if episode is None:
+                return  # this episode's drops are said already
         waiting = writer.held_waiting_bytes / 2 ** 20
-        self._warn_once(f"dropped:{held.step}",
+        where = f"the alarm episode from step {episode}" if episode is not None else "this run"
+        self._warn_once(f"dropped:{episode}",
                         f"fa-forensics capture: step {held.step} ({what}, {held.nbytes / 2 ** 20:.1f} MB) was dropped: "
                         f"{waiting:.0f} MB of held steps still wait for the disk and the bound is "
-                        f"{writer.held_bytes / 2 ** 20:.0f} MB (max_held_mb); training goes on. To keep such "
+                        f"{writer.held_bytes / 2 ** 20:.0f} MB (max_held_mb); training goes on. This and any later "
+                        f"drop of {where} are listed in the store (`info` and `verify` show them). To keep such "
                         "steps record fewer layers or heads or a smaller batch slice (--layers, --heads, --batch), "
                         "fewer steps after an alarm (--alarm-steps) or a smaller --ring")
 
@@ -828,6 +839,11 @@ class CaptureSession:
             self._monitor.add_tapped_loss(value)
         elif self._plan.record:
             self._tapped_loss = value if self._tapped_loss is None else self._tapped_loss + value
+
+    def on_loss_logits(self, logits: torch.Tensor) -> None:
+        """Called by the output-logit tap on busy steps: the monitor's output_lse of a monitored step."""
+        if self._monitor is not None and self._plan.monitor:
+            self._monitor.add_output_logits(logits)
 
     def _module_name(self, call: AttentionCall) -> str:
         """The attention module of a call: the one whose input X came with it, else by call order."""
@@ -889,8 +905,8 @@ class CaptureSession:
                          "attention": [t.to_text() for t in self.targets], "softmax": self.softmax.to_text() or "none",
                          **self.run_attrs.get("capture", {})}
         if self._monitor is not None:
-            capture_attrs["monitor"] = {**self._monitor.attrs(),
-                                        "timeline_flush_rows": self.settings.timeline_flush_rows}
+            self._monitor.extra_attrs = {"timeline_flush_rows": self.settings.timeline_flush_rows}
+            capture_attrs["monitor"] = self._monitor.store_attrs()
         return {
             **{k: v for k, v in self.run_attrs.items() if k not in ("model", "capture")},
             "tool_version": __version__,

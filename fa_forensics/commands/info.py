@@ -101,6 +101,11 @@ def render(summary: dict[str, Any]) -> None:
                     + (" ..." if len(losses) > 8 else ""))
     if summary.get("timeline"):
         run.add_row("timeline", _kv({k: tuple(v) for k, v in summary["timeline"].items()}))
+    from fa_forensics.monitor.drops import dropped_steps, dropped_text
+
+    drops = dropped_steps({"capture": summary.get("capture") or {}})
+    if drops:
+        run.add_row("dropped after alarms", "[yellow]" + shown(dropped_text(drops)) + "[/]")
     if summary.get("do_missing"):
         run.add_row("dO missing", "[yellow]" + shown(do_missing_text(summary["do_missing"]))
                     + " (no gradient of O reached the capture; backward analyses skip them)[/]")

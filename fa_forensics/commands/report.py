@@ -75,16 +75,15 @@ def _report_rank(dump, dump_path: Path, out: Path, step, layer, head, preset: st
     from fa_forensics.report.html import findings, write_report
     from fa_forensics.report.output import staged_report
     from fa_forensics.analyses.jsonable import to_jsonable
-    from fa_forensics.report.run import ANALYSES, EXIT_CODES, exit_meaning, run_all, sections_of
+    from fa_forensics.report.run import ANALYSES, EXIT_CODES, check_selection, exit_meaning, run_all, sections_of
     from fa_forensics.report.verdict import build_verdict
-    from fa_forensics.layers.selection import select
 
     several = len(dump.ranks) > 1 or dump.world_size > 1 if several is None else several
     final = Path(published_as or out)
     who = f"rank {dump.rank}: " if several else ""
     label = Path(dump.path) / rank_key(dump.rank) if dump.rank != 0 else Path(dump_path)
     if dump.steps or dump.timeline is None or (step, layer, head) != (None, None, None):
-        select(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis runs
+        check_selection(dump, step, layer, head)  # a step, layer or head the dump lacks: one line, before any analysis
     t0 = time.perf_counter()
     done = []
     total = len(sections_of(dump))  # the analyses that run on this dump

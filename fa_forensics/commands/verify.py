@@ -69,6 +69,7 @@ def _show(report, several: bool) -> int:
         console.print(table)
     console.print(f"{shown(where)}: {len(report.steps)} whole step(s), {report.arrays_checked} arrays and "
                   f"{report.chunks_checked} chunks checked", highlight=False, soft_wrap=True)
+    _show_drops(report)
     if report.ok:
         return _empty_code(report)
     in_steps = [d for d in report.problems if d.step is not None]
@@ -109,6 +110,20 @@ def _steps(steps) -> str:
     if len(steps) == 1:
         return f"step {steps[0]}"
     return f"steps {', '.join(steps[:-1])} and {steps[-1]}"
+
+
+def _show_drops(report) -> None:
+    """Steps an alarm announced that the capture dropped (written in the store, not damage): one line."""
+    from fa_forensics.dump import open_dump
+    from fa_forensics.monitor.drops import dropped_steps, dropped_text
+
+    try:
+        drops = dropped_steps(open_dump(report.path, rank=report.rank).attrs)
+    except Exception:  # an unreadable store is reported above
+        return
+    if drops:
+        console.print(f"[yellow]not in the store, dropped by the capture after alarms:[/] "
+                      f"{shown(dropped_text(drops))}", highlight=False, soft_wrap=True)
 
 
 def _with_stored_match(report):

@@ -45,15 +45,18 @@ from typing import Any, Optional
 import numpy as np
 
 from fa_forensics.monitor.alarm_settings import DEFAULTS, WATCHED, AlarmSettings, check_settings  # noqa: F401
+from fa_forensics.monitor.scale_test import SCALED, ScaleTest
 from fa_forensics.monitor.trend import mann_kendall_z, theil_sen_slope
 
-RULES = ("non-finite", "jump", "trend")  # in the order they are tried
+RULES = ("non-finite", "jump", "trend", "scale")  # in the order they are tried
+ALARMED = (*WATCHED, "attn_entropy", "output_lse")  # every series an alarm can name
 RULE_CODES = {rule: code for code, rule in enumerate(RULES, start=1)}  # 0: no alarm
 RELATIVE = {"loss": True, "max_logit": False, "top1_prob": False, "near_max_ties": False, "wq_sigma": True}
 ABSOLUTE_FLOOR = {"near_max_ties": 0.5, "top1_prob": 1e-3, "max_logit": 0.05}
 TREND_SCALE = {"loss": "asinh", "max_logit": "linear", "top1_prob": "-log(1-p)", "near_max_ties": "log1p",
                "wq_sigma": "log"}
-LEAD_ORDER = ("max_logit", "top1_prob", "near_max_ties", "wq_sigma", "loss")  # attention first
+LEAD_ORDER = ("max_logit", "attn_entropy", "top1_prob", "near_max_ties", "wq_sigma", "output_lse",
+              "loss")  # attention first
 
 
 def alarm_series(metric: str) -> str:
@@ -90,6 +93,14 @@ class Alarm:
     def detail(self) -> str:
         if self.rule == "non-finite":
             return "non-finite"
+        if self.rule == "scale":
+            ref = readable(self.baseline)
+            if self.metric == "attn_entropy":
+                ratio = readable(self.value / self.baseline)
+                return f"saturated: top-1 probability {readable(self.z)}, entropy {ratio}× its reference {ref} nats"
+            if self.metric == "output_lse":
+                return f"scale: {readable(self.value - self.baseline):s} nats from its reference {ref}"
+            return f"scale: {readable(self.value / self.baseline)}× its reference {ref}"
         if self.rule == "trend":
             return (f"trend: rising {_per_step(self.metric, self.slope)} over the last {self.span} monitored steps "
                     f"(from {readable(self.baseline)}), against {_per_step(self.metric, self.slope_before)} over the "
@@ -233,7 +244,7 @@ class _Series:
         self.n += 1
         self.n_active += active
         trend = np.zeros(self.shape, dtype=bool)
-        if self.n_active >= self.trend.shape[0]:  # both trend windows hold values from after the warm-up
+        if self.n_active >= self.trend.shape[0] and np.isfinite(s.min_slope[m]):  # both windows after the warm-up
             order = np.roll(np.arange(self.trend.shape[0]), -(ring + 1))  # oldest first
             y, steps = self.trend[order], self.trend_steps[order]
             w = self.trend.shape[0] // 2
@@ -270,6 +281,7 @@ class AlarmRule:
         settings = settings or DEFAULTS
         self.config = settings.with_overrides(overrides) if overrides else settings
         self._series: dict[str, _Series] = {}
+        self._scale: dict[str, ScaleTest] = {}
         self._observed = 0
 
     @property
@@ -289,15 +301,18 @@ class AlarmRule:
         """The settings a capture records and `timeline` reads back."""
         return self.config.to_dict()
 
-    def observe(self, step: int, loss: Optional[float] = None, **tables: Any) -> list[Alarm]:
+    def observe(self, step: int, loss: Optional[float] = None, qk_norm=None, **tables: Any) -> list[Alarm]:
         """Feed one step's values; return the alarms it raises, in `lead` order.
 
         loss: a number or None (not known); tables: per watched metric an (L, H) array-like (NaN where not
-        measured) or None; other keyword arguments (metrics the rule does not watch) are ignored."""
+        measured) or None, and `output_lse` a number or None; qk_norm: per layer, True where the attention
+        normalizes q and k (W_Q's norm is not watched there); other keyword arguments (metrics the rule does
+        not watch) are ignored."""
         self._observed += 1
         active = self._observed > self.config.warmup
         alarms = []
         values = {"loss": loss, **tables}
+        behind_norm = [i for i, v in enumerate(qk_norm or ()) if v]
         for metric in WATCHED:
             value = values.get(metric)
             if value is None:
@@ -308,10 +323,34 @@ class AlarmRule:
                 series = self._series[metric] = _Series(metric, x.shape, self.config)
             for rule, index, baseline, z, (slope, before) in series.observe(step, x, self.config, active):
                 layer, head = (None, None) if metric == "loss" else (int(index[0]), int(index[1]))
+                if metric == "wq_sigma" and layer in behind_norm:
+                    continue
                 alarms.append(Alarm(step=int(step), metric=metric, value=float(x[index]), baseline=baseline, z=z,
                                     layer=layer, head=head, rule=rule, slope=slope, slope_before=before,
                                     span=int(self.config.trend_window) if rule == "trend" else 0))
+        taken = {(a.metric, a.layer, a.head) for a in alarms}
+        alarms += [a for a in self._observe_scale(step, values) if (a.metric, a.layer, a.head) not in taken]
         return sorted(alarms, key=lead_key)
+
+    def _observe_scale(self, step: int, values: dict) -> list[Alarm]:
+        """The scale test's alarms (monitor/scale_test.py); a cell already alarmed by another test this step keeps
+        that alarm alone."""
+        out = []
+        for metric in SCALED:
+            value = values.get(metric)
+            if value is None:
+                continue
+            x = np.asarray(value, dtype=np.float64)
+            test = self._scale.get(metric)
+            if test is None or test.shape != x.shape:
+                test = self._scale[metric] = ScaleTest(metric, x.shape, int(self.config.reference_steps))
+            top1 = values.get("top1_prob") if metric == "attn_entropy" else None
+            for index, reference in test.observe(x, self.config, top1):
+                layer, head = (None, None) if not index else (int(index[0]), int(index[1]))
+                z = float(np.asarray(top1, dtype=np.float64)[index]) if top1 is not None else float("nan")
+                out.append(Alarm(step=int(step), metric=metric, value=float(x[index]), baseline=reference, z=z,
+                                 layer=layer, head=head, rule="scale"))
+        return out
 
 
 def rule_from_settings(settings) -> Optional[AlarmRule]:
@@ -328,17 +367,18 @@ def rule_from_settings(settings) -> Optional[AlarmRule]:
     return AlarmRule(AlarmSettings.from_dict(settings))
 
 
-def replay_rule(rule: AlarmRule, steps, loss=None, **series) -> list[Alarm]:
+def replay_rule(rule: AlarmRule, steps, loss=None, qk_norm=None, **series) -> list[Alarm]:
     """The alarms `rule` raises over a recorded timeline: steps (S,), loss (S,) and per watched metric an
     (S, L, H) array or None, fed one monitored step at a time as the capture fed them. The timeline stores an
     unknown loss as NaN, so a NaN loss is fed as NaN (it alarms after a finite one, as a NaN loss did in the
-    capture); a loss never known is not fed."""
+    capture); a loss never known is not fed. `output_lse` (S,) and `attn_entropy` (S, L, H) feed the scale test;
+    qk_norm (per layer, the store's `capture.monitor.qk_norm`) as the capture gave it."""
     alarms: list[Alarm] = []
     known = loss is not None and bool(np.isfinite(np.asarray(loss, dtype=np.float64)).any())
     for i, step in enumerate(steps):
         loss_i = float(loss[i]) if known else None
-        alarms += rule.observe(int(step), loss=loss_i,
-                               **{m: (None if a is None else a[i]) for m, a in series.items() if m in WATCHED})
+        alarms += rule.observe(int(step), loss=loss_i, qk_norm=qk_norm,
+                               **{m: (None if a is None else a[i]) for m, a in series.items() if m in ALARMED})
     return alarms
 
 
@@ -347,6 +387,8 @@ def alarm_codes(alarms: list[Alarm], shapes: dict[str, tuple]) -> dict[str, np.n
     in `shapes` (() for the loss), the series `alarm_<metric>` holding each cell's rule code (0: none)."""
     codes = {m: np.zeros(shape) for m, shape in shapes.items()}
     for a in alarms:
+        if a.metric not in codes:
+            continue
         codes[a.metric][() if a.layer is None else (a.layer, a.head)] = RULE_CODES[a.rule]
     return {alarm_series(m): c for m, c in codes.items()}
 
@@ -357,7 +399,7 @@ def recorded_alarms(timeline: dict) -> list[dict]:
     for NaN and inf, which JSON has no number for), in `lead` order. [] when the capture recorded none."""
     steps = np.asarray(timeline.get("step", []))
     out = []
-    for metric in WATCHED:
+    for metric in ALARMED:
         codes, values = timeline.get(alarm_series(metric)), timeline.get(metric)
         if codes is None or values is None:
             continue

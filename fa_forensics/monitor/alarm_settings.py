@@ -43,12 +43,20 @@ class AlarmSettings:
     trend_window: int = 20  # monitored values in each of the trend test's two windows
     trend_z: float = 3.0  # Mann–Kendall z-score a trend must exceed
     trend_persist: int = 3  # consecutive monitored steps a trend must last
+    reference_steps: int = 5  # the scale test's reference: median of each series' first finite monitored values
+    logit_ratio: float = 20.0  # scale test: max logit >= this × its reference ...
+    logit_rise: float = 50.0  # ... and this many logits above it
+    saturation_top1: float = 0.99  # saturation: mean top-1 probability >= this ...
+    entropy_fraction: float = 0.1  # ... and attention entropy <= this × its reference
+    output_lse_rise: float = 5.0  # output-logit divergence: |output_lse − its reference| >= this, nats
+    scale_persist: int = 3  # consecutive monitored steps the scale test must hold
+    episode_gap: int = 50  # monitored steps without an alarm that end an episode (one line, one recording)
     min_rise: dict = field(default_factory=lambda: _per_metric(
-        loss=0.25, max_logit=3.0, top1_prob=0.15, near_max_ties=8.0, wq_sigma=0.25))
+        loss=0.25, max_logit=6.0, top1_prob=0.15, near_max_ties=8.0, wq_sigma=0.25))
     persist: dict = field(default_factory=lambda: _per_metric(
-        loss=1, max_logit=3, top1_prob=3, near_max_ties=3, wq_sigma=3))
+        loss=2, max_logit=3, top1_prob=3, near_max_ties=3, wq_sigma=3))
     min_slope: dict = field(default_factory=lambda: _per_metric(
-        loss=0.03, max_logit=0.5, top1_prob=0.03, near_max_ties=0.25, wq_sigma=0.03))
+        loss=0.03, max_logit=0.5, top1_prob=math.inf, near_max_ties=0.25, wq_sigma=0.03))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -145,6 +153,14 @@ def _check(key: str, value: Any) -> None:
         raise InvalidSetting("alarm_set", f"trend_z must be a finite z-score > 0, got {value!r}")
     if name in ("trend_persist", "persist") and not (whole and value >= 1):
         raise InvalidSetting("alarm_set", f"{key} must be a whole number of monitored steps >= 1, got {value!r}")
+    if name in ("reference_steps", "scale_persist", "episode_gap") and not (whole and value >= 1):
+        raise InvalidSetting("alarm_set", f"{key} must be a whole number of monitored steps >= 1, got {value!r}")
+    if name in ("logit_ratio", "logit_rise", "output_lse_rise") and not (number and not math.isnan(value)
+                                                                          and value > 0):
+        raise InvalidSetting("alarm_set", f"{key} must be a number > 0 (inf: off), got {value!r}")
+    if name in ("saturation_top1", "entropy_fraction") and not (number and math.isfinite(value) and value >= 0):
+        raise InvalidSetting("alarm_set", f"{key} must be a finite number >= 0 (saturation_top1 above 1: no "
+                                          f"saturation test), got {value!r}")
     if name == "min_rise" and not (number and math.isfinite(value) and value >= 0):
         raise InvalidSetting("alarm_set", f"{key} must be a finite number >= 0, got {value!r}")
     if name == "min_slope" and not (number and not math.isnan(value) and value >= 0):
@@ -159,7 +175,8 @@ KEYS: tuple[str, ...] = (
     *(f.name for f in fields(AlarmSettings) if f.name not in PER_METRIC),
     *(f"{name}.{metric}" for name in PER_METRIC for metric in WATCHED),
 )
-_WHOLE = {"warmup", "window", "min_history", "trend_window", "trend_persist", "persist"}
+_WHOLE = {"warmup", "window", "min_history", "trend_window", "trend_persist", "persist", "reference_steps",
+          "scale_persist", "episode_gap"}
 
 
 def parse_assignments(items: Optional[Iterable[str]]) -> dict[str, float]:

@@ -20,6 +20,10 @@ use) and the W_Q block (a few hundred KB; the weights are copied because the opt
 them in place) and goes on; `finish` waits for the worker, which has had the
 whole backward pass and optimizer step to catch up. Results are identical either way.
 
+attn_entropy: the mean softmax entropy per head (nats), NaN where the statistics' path does not measure it (the
+fused GPU kernel). qk_norm: per layer, whether its attention module normalizes q and k (monitor/qk_norm.py),
+in which case W_Q's norm does not reach the logits.
+
 wq_sigma: σ_max of each head's block of W_Q, exact (float64 Gram eigenvalue), on the weights the
 step's forward pass used (found by `find_query_weights` on the attention module). When no weight
 is found the value is NaN and `warn(key, message)` is called once per module.
@@ -33,6 +37,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fa_forensics.monitor.qk_norm import has_qk_norm
 from fa_forensics.monitor.spectral import ScaledGram, find_query_weights, head_spectral_norms
 from fa_forensics.monitor.stats import TIMELINE_METRICS, HeadStats, head_statistics
 
@@ -79,6 +84,7 @@ class StepCollector:
         self._warn = warn or (lambda key, message: None)
         self._calls: dict[int, Future] = {}  # layer -> (HeadStats, σ (H,) or None)
         self._heads: dict[int, int] = {}  # layer -> query heads of its last call
+        self.qk_norm: dict[int, Optional[bool]] = {}  # layer -> its module normalizes q and k (monitor/qk_norm.py)
         self._shape: Optional[tuple[int, int]] = None  # (L, H), fixed by the first row
         self.step: Optional[int] = None
 
@@ -98,6 +104,8 @@ class StepCollector:
         H = q.shape[1]
         self._heads[layer] = H
         try:
+            if layer not in self.qk_norm:
+                self.qk_norm[layer] = has_qk_norm(module)
             w_q = find_query_weights(module, H) if module is not None else None  # (H, D, C_in)
             if w_q is None:
                 what = "no module was found for it" if module is None else "none of the documented weight names matched"
@@ -173,6 +181,8 @@ class StepCollector:
                 continue
             entries += [(layer, "max_logit", stats.max_logit), (layer, "near_max_ties", stats.near_max_ties),
                         (layer, "p_one_extra", stats.p_one_extra), (layer, "top1_prob", stats.top1_prob)]
+            if stats.attn_entropy is not None:  # the fused GPU kernel does not measure it: NaN in the row
+                entries.append((layer, "attn_entropy", stats.attn_entropy))
             if isinstance(sigma, ScaledGram):
                 grams.append((layer, sigma))
             elif sigma is not None:

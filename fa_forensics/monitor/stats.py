@@ -7,6 +7,9 @@ rounding of P̄V. We count, per (batch-summed) head:
   near_max_ties   rows whose maximum is attained more than once within ε (r_m − S ≤ ε, count > 1)
   p_one_extra     Σ over rows of max(0, #{P̄ == 1 in the P̄ dtype} − 1): unit entries beyond the first
   top1_prob       mean over rows of the largest softmax probability, 1 / Σ_t exp(S_t − r_m)
+  attn_entropy    mean over rows of the softmax entropy in nats, log Z − Σ_t P̄_t (S_t − r_m) / Z with
+                  P̄ = exp(S − r_m) and Z = Σ_t P̄_t: from the P̄ and S − r_m the counts use anyway
+                  (one multiply-add pass); log(T) for uniform attention, 0 when a row sees one key
 Scores are counted in the score precision of the kernel being monitored (`score_dtype`): a kernel
 that forms S in bf16 (the paper's recipe) rounds nearby scores onto one value and has several
 times more repeated maxima than fp32 scores show. S = cast(fp32(cast(fp32(q·k) → score_dtype)·α)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -26,7 +30,7 @@ from fa_forensics.monitor.p_one import count_p_one, near_set_within_p_one
 from fa_forensics.optional import require
 
 # Per-(layer, head) series the monitor appends to a dump's timeline/ group, one row per step.
-TIMELINE_METRICS = ("max_logit", "near_max_ties", "p_one_extra", "top1_prob", "wq_sigma")
+TIMELINE_METRICS = ("max_logit", "near_max_ties", "p_one_extra", "top1_prob", "wq_sigma", "attn_entropy")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class HeadStats:
     p_one_extra: torch.Tensor  # (H,) int64
     top1_prob: torch.Tensor  # (H,) fp32, mean over batch and rows
     rows: int  # rows per head that were looked at (B · T)
+    attn_entropy: Optional[torch.Tensor] = None  # (H,) fp32, mean over batch and rows, nats (None: not measured)
 
 
 @torch.no_grad()
@@ -88,6 +93,7 @@ def head_statistics(
     ties = torch.zeros(H, dtype=torch.int64, device=device)
     p_one_extra = torch.zeros(H, dtype=torch.int64, device=device)
     top1_sum = torch.zeros(H, dtype=torch.float64, device=device)
+    entropy_sum = torch.zeros(H, dtype=torch.float64, device=device)
     ties_from_p_one = device.type == "cpu" and near_set_within_p_one(eps, p_dtype)
     bias, mask = _causal_mask(T, Tk, device) if causal else (None, None)  # (T, Tk) fp32 0 / −inf, and bool
     add_mask = (bias is not None and device.type == "cpu" and score_dtype != torch.float16
@@ -114,7 +120,9 @@ def head_statistics(
         # (B, H, c, Tk) fp32; whole rows, so each row sum adds the same values in the same order
         p_bar = torch.empty_like(s)
         _exp_into(p_bar, d, start, T, Tk, causal)
-        top1_sum += (1.0 / p_bar.sum(dim=-1)).double().sum(dim=(0, 2))
+        z = p_bar.sum(dim=-1)  # (B, H, c)
+        top1_sum += (1.0 / z).double().sum(dim=(0, 2))
+        entropy_sum += _row_entropy(p_bar[..., :w], d, z).double().sum(dim=(0, 2))
         ones = count_p_one(p_bar, p_dtype, overwrite=True)  # (B, H, c) P̄ == 1 in p_dtype (p_bar is spent)
         p_one_extra += (ones - 1).clamp_(min=0).sum(dim=(0, 2))
         if ties_from_p_one:  # near ⊂ {P̄ == 1}: only rows with two ones can have a repeated maximum
@@ -133,7 +141,21 @@ def head_statistics(
         p_one_extra=move(p_one_extra),
         top1_prob=move((top1_sum / rows_total).float()),
         rows=rows_total,
+        attn_entropy=move((entropy_sum / rows_total).float()),
     )
+
+
+def _row_entropy(p_bar: torch.Tensor, d: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Softmax entropy per row, nats: log Z − Σ P̄·d / Z for d = S − r_m ≤ 0, P̄ = exp(d), Z = Σ P̄.
+
+    Masked entries hold d = −inf and P̄ = 0: d is clamped in place to the lowest fp32 (−inf → −3.4e38, which
+    leaves every comparison with −ε as it was; NaN stays NaN), so their product is −0 while a NaN score keeps
+    the row NaN."""
+    d.clamp_(min=_LOWEST)
+    return torch.log(z) - torch.linalg.vecdot(p_bar, d) / z
+
+
+_LOWEST = torch.finfo(torch.float32).min
 
 
 def _fused_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:

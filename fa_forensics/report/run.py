@@ -10,6 +10,11 @@ The timeline section (the monitor's per-step statistics and the capture's alarms
 dump has a timeline and is left out when it has none; on a dump that holds only a timeline, the step
 analyses are skipped with a note.
 
+Steps analysed: the given --step, else every complete step of a dump without a timeline. On a monitored
+run the steps that matter (`steps_that_matter`): the recorded step(s) nearest the capture's first alarm
+(`NEAR_ALARM`; the ring holds the alarm's own) and the step where the loss blows up after it (the spike),
+when the dump holds them; the timeline section says which, and why.
+
 The report's recipe (default preset "auto") is the low-precision side of every analysis that
 replays one against fp32 (isolate, delta-bias, rank1-sim, pv-trace, fix-check) and bitdiff's side
 A (B = fp32); pcast keeps its own fp8 settings and studies the last complete step. With `workers`
@@ -41,6 +46,82 @@ from fa_forensics.errors import UserError
 REPORT_TEXT_WIDTH = 160  # columns of the tables embedded in the page
 NO_STEP_NOTE = ("skipped: this dump records no step in full, only the monitor's timeline; capture steps with "
                 "--steps (or with --alarm, the steps around an alarm) to analyse them")
+
+
+NEAR_ALARM = 1  # recorded steps nearest the first alarm that the step analyses look at by default (the ring holds it)
+
+
+def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
+    """The steps a report of a monitored run analyses by default, and why in words; (None, '') for every step
+    (a dump without a timeline, or one that holds no more steps than would be chosen)."""
+    from fa_forensics.monitor.alarm import recorded_alarms
+
+    steps = list(dump.steps)
+    timeline = dump.timeline if steps else None
+    if timeline is None or len(steps) <= NEAR_ALARM + 1:
+        return None, ""
+    alarms = recorded_alarms(timeline)
+    chosen, why = [], []
+    if alarms:
+        first = alarms[0]["step"]
+        near = sorted(steps, key=lambda s: (abs(s - first), s > first))[:NEAR_ALARM]
+        chosen += near
+        why.append(f"{_listed(sorted(near))} around the capture's first alarm (step {first})")
+        after = [s for s in steps if s > first and s not in chosen]
+    else:
+        after = list(steps)
+    spike, what = _spike(timeline, after, alarms[0]["step"] if alarms else None)
+    if spike is not None:
+        chosen.append(spike)
+        why.append(f"step {spike}, {what}")
+    if not chosen:
+        return None, ""
+    return sorted(set(chosen)), (f"the step analyses look at {'; '.join(why)}, of the {len(steps)} steps in the "
+                                 "dump; --step N analyses another")
+
+
+def check_selection(dump, step=None, layer=None, head=None) -> None:
+    """DumpError (one line) for a step, layer or head the dump lacks, before any analysis runs; on a monitored run
+    without a step, only the steps `steps_that_matter` picks are read (screening every stored step's inputs
+    would cost minutes on a run with many)."""
+    chosen = steps_that_matter(dump)[0] if step is None else None
+    for one in chosen or [step]:
+        select(dump, one, layer, head)
+
+
+def _spike(timeline: dict, candidates: list[int], since: Optional[int]) -> tuple[Optional[int], str]:
+    """The recorded step where the loss blows up, and how it was found: the first candidate at or after the first
+    monitored step (after `since`) whose loss is not finite or is 1 nat above the median of the 20 before it
+    and stays there (median of it and the 4 after); without one, the candidate with the highest loss."""
+    import numpy as np
+
+    steps = np.asarray(timeline.get("step", []))
+    loss = np.asarray(timeline.get("loss", np.full(len(steps), np.nan)), dtype=np.float64)
+    if not candidates or len(steps) == 0 or not np.isfinite(loss).any():
+        return None, ""
+    for i in range(1, len(steps)):
+        if since is not None and steps[i] <= since:
+            continue
+        before = loss[max(0, i - 20):i]
+        before = before[np.isfinite(before)]
+        if not before.size:
+            continue
+        bar = float(np.median(before)) + 1.0
+        held = np.where(np.isfinite(loss[i:i + 5]), loss[i:i + 5], np.inf)
+        if not np.isfinite(loss[i]) or (loss[i] > bar and float(np.median(held)) > bar):
+            later = [c for c in candidates if c >= steps[i]]
+            if later:
+                return later[0], f"where the loss blows up (step {int(steps[i])}: {loss[i]:.4g})"
+            break
+    known = {int(s): v for s, v in zip(steps, loss) if int(s) in set(candidates) and np.isfinite(v)}
+    if not known:
+        return None, ""
+    top = max(known, key=known.get)
+    return top, f"the highest loss {'after it' if since is not None else 'recorded'} ({known[top]:.4g})"
+
+
+def _listed(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 # The report's sections: every registered analysis that has one, in the registry's order.
@@ -125,6 +206,9 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
             sels = None
         elif section.section.whole_dump:
             sels = select(dump, dump.steps[-1] if dump.steps else None)
+        elif selection.get("step") is None and selection.get("steps"):
+            sels = [sel for step in selection["steps"]
+                    for sel in select(dump, step, selection.get("layer"), selection.get("head"))]
         else:
             sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
         result = section.report_run(dump, sels, recipe, backend, workers)
@@ -142,10 +226,16 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
     except Exception as exc:  # a bug in one analysis must not cost the others their section
         return SectionResult(section.name, args, 2, False, f"unexpected {type(exc).__name__}: {exc}", None, [], "",
                              time.perf_counter() - t0)
+    if section.section.needs == "timeline" and selection.get("steps_why"):
+        payload["analysed_steps"] = {"steps": selection["steps"], "why": selection["steps_why"]}
     atomic_write(json_path, json.dumps(payload, indent=2) + "\n", "out")
     figures = sorted(str(Path(p).relative_to(out_dir)) for p in paths)
+    text = _text(renderables, payload.get("verdict"))
+    if "analysed_steps" in payload:
+        text += f"{selection['steps_why']}\n"
+    meta = {"steps": selection["steps"]} if selection.get("steps") and not section.section.whole_dump else {}
     return SectionResult(section.name, args, int(payload.get("exit_code", 0)), True, "", payload, figures,
-                         _text(renderables, payload.get("verdict")), time.perf_counter() - t0)
+                         text, time.perf_counter() - t0, meta)
 
 
 def sections_of(dump, sections=SECTIONS) -> list:
@@ -159,7 +249,11 @@ def run_all(dump, dump_path: Path, out_dir: Path, *, step=None, layer=None, head
             published_as: Optional[Path] = None) -> list[SectionResult]:
     """Every analysis on `dump` (restricted by step / layer / head when given), lp = `recipe`, the
     work items of each on `workers` (one cluster for all)."""
-    selection = {"step": step, "layer": layer, "head": head}
+    selection: dict = {"step": step, "layer": layer, "head": head}
+    if step is None:
+        chosen, why = steps_that_matter(dump)
+        if chosen:
+            selection.update(steps=chosen, steps_why=why)
     sections = sections_of(dump, sections)
     results = []
     with contextlib.ExitStack() as stack:

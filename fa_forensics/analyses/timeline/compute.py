@@ -17,7 +17,8 @@ from scipy import stats as sps
 
 from fa_forensics.analyses.significance import ALPHA
 from fa_forensics.errors import NoTimeline
-from fa_forensics.monitor.alarm import WATCHED, alarm_series, describe, readable, recorded_alarms
+from fa_forensics.monitor.alarm import ALARMED, WATCHED, alarm_series, describe, readable, recorded_alarms
+from fa_forensics.monitor.drops import dropped_steps, dropped_text
 from fa_forensics.monitor.stats import TIMELINE_METRICS
 
 
@@ -56,10 +57,13 @@ class TimelineResult:
     replay: Optional[AlarmReplay] = None
     verdict: str = ""
     warnings: tuple[str, ...] = field(default=())
+    output_lse: Optional[np.ndarray] = None  # (S,) mean log-sum-exp of the output logits; None: not recorded
+    qk_norm: tuple = ()  # per layer: its attention normalizes q and k (W_Q's norm is not watched there)
+    dropped: tuple[dict, ...] = ()  # steps an alarm announced that the capture dropped: {step, reason, episode}
 
 
 def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = "the dump",
-                     capture_rule: Optional[dict] = None) -> TimelineResult:
+                     capture_rule: Optional[dict] = None, monitor_attrs: Optional[Mapping] = None) -> TimelineResult:
     """Build the result from the arrays read by `Dump.timeline` (raises NoTimeline, a DumpError, if none).
     `capture_rule`: the alarm settings the capture recorded (None: it ran without an alarm)."""
     if not timeline or "step" not in timeline or len(timeline["step"]) == 0:
@@ -84,17 +88,24 @@ def analyse_timeline(timeline: Optional[Mapping[str, np.ndarray]], where: str = 
     counts = timeline.get("alarms")
     alarm_steps = () if counts is None else tuple(int(s) for s, n in zip(steps, np.asarray(counts)) if n > 0)
     watched = any(alarm_series(m) in timeline for m in WATCHED)
+    monitor_attrs = monitor_attrs or {}
+    lse = timeline.get("output_lse")
     return TimelineResult(steps=steps, loss=loss, series=series, n_layers=shape[1], n_heads=shape[2],
                           ties_loss_spearman=rho, ties_loss_p_value=p, top_wq_head=top, alarm_steps=alarm_steps,
                           alarms=tuple(recorded_alarms(timeline)),
-                          capture_rule=capture_rule if capture_rule is not None else ({} if watched else None))
+                          capture_rule=capture_rule if capture_rule is not None else ({} if watched else None),
+                          output_lse=None if lse is None else np.asarray(lse, dtype=np.float64),
+                          qk_norm=tuple(monitor_attrs.get("qk_norm") or ()),
+                          dropped=tuple(dropped_steps({"capture": {"monitor": monitor_attrs}})))
 
 
 def replay_alarm(result: TimelineResult, rule) -> AlarmReplay:
     """Feed the recorded series to `rule` (a fresh monitor.alarm.AlarmRule) as the capture would have."""
     from fa_forensics.monitor.alarm import replay_rule
 
-    alarms = replay_rule(rule, result.steps, result.loss, **{m: result.series.get(m) for m in WATCHED if m != "loss"})
+    series = {m: result.series.get(m) for m in ALARMED if m not in ("loss", "output_lse")}
+    alarms = replay_rule(rule, result.steps, result.loss, qk_norm=result.qk_norm, output_lse=result.output_lse,
+                         **series)
     return AlarmReplay(settings=rule.settings(), alarms=tuple(alarms), monitored_steps=len(result.steps))
 
 
@@ -108,7 +119,9 @@ def run(dump, selections=None, *, alarm_warmup: Optional[int] = None, alarm_wind
     from fa_forensics.monitor.alarm_settings import AlarmSettings, parse_assignments
 
     recorded = recorded_rule_settings(dump)
-    result = analyse_timeline(dump.timeline, where=str(dump.path), capture_rule=recorded or None)
+    monitor = (dump.attrs.get("capture") or {}).get("monitor") or {}
+    result = analyse_timeline(dump.timeline, where=str(dump.path), capture_rule=recorded or None,
+                              monitor_attrs=monitor)
     base = AlarmSettings.from_dict(recorded)
     rule = AlarmRule(base.with_overrides({"warmup": alarm_warmup, "window": alarm_window, "z_threshold": alarm_z,
                                           **parse_assignments(alarm_set)}))
@@ -194,11 +207,15 @@ def timeline_verdict(result: TimelineResult, replay: AlarmReplay, alpha: float =
                          f"--alarm-warmup below {n} to watch this run")
         else:
             parts.append(f"{prefix}replayed, no alarm in {n} monitored steps under {rule}")
+    if result.dropped:
+        parts.append(f"announced after alarms but not in the store: {dropped_text(list(result.dropped))}")
     rho, p = result.ties_loss_spearman, result.ties_loss_p_value
     if rho is None:
         parts.append("too few measured steps (or a constant series) to relate repeated maxima to the loss")
     elif p < alpha:
-        parts.append(f"repeated maxima track the loss (Spearman ρ = {rho:+.2f}, p = {p:.2g}; consecutive steps are "
+        how = ("rise and fall with the loss" if rho > 0 else
+               "move against the loss (more repeated maxima where the loss is lower)")
+        parts.append(f"repeated maxima {how} (Spearman ρ = {rho:+.2f}, p = {p:.2g}; consecutive steps are "
                      "not independent, so p overstates the evidence)")
     else:
         parts.append(f"repeated maxima do not track the loss significantly (Spearman ρ = {rho:+.2f}, p = {p:.2g} "
@@ -231,6 +248,9 @@ def timeline_json(result: TimelineResult) -> dict:
         "alarm_steps": list(result.alarm_steps),
         "alarms": [dict(a) for a in result.alarms],
         "capture_alarm_rule": result.capture_rule,
+        "output_lse": None if result.output_lse is None else result.output_lse.tolist(),
+        "qk_norm": list(result.qk_norm),
+        "dropped_steps": [dict(d) for d in result.dropped],
     }
 
 
