@@ -552,6 +552,14 @@ def _dropout(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dic
                            steps=(*node.steps, _entry("dropout", out, bound.get("input"), value=effective))))
 
 
+def _tanh(mode: ChainMode, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
+    """tanh of the chain's scores: the middle of a soft-cap (capture/softcap.py)."""
+    scores = args[0] if args else kwargs.get("input")
+    node = mode._node(scores)
+    if isinstance(node, _Scores) and isinstance(out, torch.Tensor):
+        mode._set(out, softcap.on_tanh(node, _entry("tanh", out, scores)))
+
+
 _DIVIDES = {torch.Tensor.div, torch.div, torch.Tensor.div_, torch.Tensor.__truediv__, torch.Tensor.__itruediv__,
             torch.true_divide, torch.Tensor.true_divide}
 _SUBTRACTS = {torch.Tensor.sub, torch.sub, torch.Tensor.sub_, torch.Tensor.__sub__, torch.Tensor.__isub__}
@@ -582,7 +590,7 @@ _register(_pass_through, torch.Tensor.to, torch.Tensor.type, torch.Tensor.float,
           torch.reshape, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten)
 _register(_softmax, torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
 _register(_dropout, F.dropout, torch.dropout)
-_register(softcap.on_tanh, *softcap.TANH_FUNCS)
+_register(_tanh, *softcap.TANH_FUNCS)
 
 
 # -- the scope: a mode for the length of one forward pass --------------------------------------------------

@@ -298,7 +298,7 @@ def plain_replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Repl
     """`replay` of a config with a plain-attention recipe: the whole layer at once (a GEMM's blocking may depend
     on its shape), forward and, with dO, backward (replay/out.ReplayOut)."""
     from fa_forensics.replay.emulate.ops import torch_dtype
-    from fa_forensics.replay.emulate.run import to_input_dtype
+    from fa_forensics.replay.emulate.ops import to_input_dtype
     from fa_forensics.replay.out import ReplayOut
 
     q32, k32, v32 = (to_input_dtype(x, config) for x in (q, k, v))

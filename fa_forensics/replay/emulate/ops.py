@@ -13,7 +13,7 @@ import torch
 
 from fa_forensics.numerics import matmul, round_to, to_torch_dtype
 from fa_forensics.numerics.accumulate import Band
-from fa_forensics.replay.config import Accumulation, GPUModel, Precision, Rounding
+from fa_forensics.replay.config import Accumulation, GPUModel, Precision, ReplayConfig, Rounding
 
 # Width order of the formats: the product of two operands is modelled with the wider one's
 # tensor-core parameters (a mixed fp8 x bf16 MMA does not exist; fp32 falls back to ieee).
@@ -81,3 +81,10 @@ def finfo_max(fmt: Precision) -> float:
 def torch_dtype(fmt: Precision) -> torch.dtype:
     """The torch dtype a tensor of format fmt is returned in (fp8 e4m3 -> float8_e4m3fn)."""
     return to_torch_dtype(fmt.value)
+
+
+def to_input_dtype(x: torch.Tensor, config: ReplayConfig) -> torch.Tensor:
+    """x (any float dtype, any device) rounded once to config.input_dtype, as fp32 on the CPU."""
+    x = x.detach().cpu()
+    x = x.double() if x.dtype == torch.float64 else x.float()  # fp64 is rounded once, not twice
+    return cast(x, config.input_dtype, Rounding.NEAREST_EVEN)

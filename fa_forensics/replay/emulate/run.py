@@ -23,7 +23,7 @@ from fa_forensics.replay.config import BackwardKernel, DeltaSource, Precision, R
 from fa_forensics.replay.emulate.backward import Backward, backward, query_blocks
 from fa_forensics.replay.emulate.efficient_schedule import backward_tile, key_splits
 from fa_forensics.replay.emulate.forward import Forward, forward
-from fa_forensics.replay.emulate.ops import cast, torch_dtype
+from fa_forensics.replay.emulate.ops import to_input_dtype, torch_dtype
 from fa_forensics.replay.out import PBarStats, ReplayOut
 
 _FP32 = Precision.FP32
@@ -54,13 +54,6 @@ class StreamPlan:
         for b in range(B):
             for h0 in range(0, H, self.heads):
                 yield b, slice(h0, min(h0 + self.heads, H))
-
-
-def to_input_dtype(x: torch.Tensor, config: ReplayConfig) -> torch.Tensor:
-    """x (any float dtype, any device) rounded once to config.input_dtype, as fp32 on the CPU."""
-    x = x.detach().cpu()
-    x = x.double() if x.dtype == torch.float64 else x.float()  # fp64 is rounded once, not twice
-    return cast(x, config.input_dtype, Rounding.NEAREST_EVEN)
 
 
 def high_precision_twin(config: ReplayConfig) -> ReplayConfig:
