@@ -15,21 +15,28 @@ DEMO = ROOT / "sample_dumps" / "demo.zarr"
 
 
 def test_planted_feature_is_the_most_biased(tmp_path):
+    """Over the three planted steps the planted feature is the one biased cell, over all rows and over the tied rows,
+    counted in units (rows sharing their dominant key set in a (step, batch row)); one step alone holds too few
+    units for a significant claim, yet the claim already points at the planted cell."""
     from fa_forensics.dump import open_dump
 
     dump = open_dump(PLANTED)
     truth = dump.ground_truth
     head = truth["planted_heads"][0]
-    r = bitdiff.run(dump, select(dump, step=1, head=head), Recipe("bf16"), Recipe("fp32"))
-    (top,) = r.biased_features  # the planted feature and no other
-    assert (top.layer, top.head, top.feature, top.n) == (0, head, truth["planted_feature"], 512)
-    assert top.mean == pytest.approx(-0.0014754251460544765, rel=1e-9)
-    assert top.se == pytest.approx(0.0001255747044057494, rel=1e-9)
-    assert top.p_value == pytest.approx(3.38639012196738e-20, rel=1e-6)
-    assert top.frac_positive == pytest.approx(0.2980392156862745)
-    assert r.n_elements == 32768 and r.mismatch_rate == 10450 / 32768
-    assert r.ulp_hist["counts"] == [78, 11, 16, 34, 53, 89, 215, 4693, 22318, 4760, 235, 85, 40, 29, 14, 12, 86]
-    d = bitdiff.payload(r)
+    r = bitdiff.run(dump, select(dump, head=head), Recipe("bf16"), Recipe("fp32"))
+    assert {(c.layer, c.head, c.feature) for c in r.biased_features} == {(0, head, truth["planted_feature"])}
+    top = next(c for c in r.biased_features if c.subset == "all rows")
+    assert (top.n, top.n_units) == (1536, 126) and top.tied is not None and top.tied.significant
+    assert top.mean == pytest.approx(-0.0013576288086672623, rel=1e-9)
+    assert top.se == pytest.approx(0.00022671033338159132, rel=1e-9)
+    assert top.t_p_value == pytest.approx(2.0944478161311332e-08, rel=1e-6)
+    one = bitdiff.run(dump, select(dump, step=1, head=head), Recipe("bf16"), Recipe("fp32"))
+    claim = bitdiff.payload(one)["bias"]
+    assert (claim.layer, claim.head, claim.feature, claim.sign) == (0, head, truth["planted_feature"], -1)
+    assert not claim.found and claim.n_units == 42 and claim.n_rows == 512
+    assert one.n_elements == 32768 and one.mismatch_rate == 10450 / 32768
+    assert one.ulp_hist["counts"] == [78, 11, 16, 34, 53, 89, 215, 4693, 22318, 4760, 235, 85, 40, 29, 14, 12, 86]
+    d = bitdiff.payload(one)
     assert {"mismatch_rate", "ulp_hist", "mean_signed_error", "biased_features"} <= set(d)
 
 
@@ -44,12 +51,12 @@ def test_dump_vs_bf16_replay_and_cli_outputs(tmp_path):
     assert d["n_elements"] == 32768 and d["mismatch_rate"] == 0.0
     hist = dict(zip(d["ulp_hist"]["bins"], d["ulp_hist"]["counts"]))
     assert hist == {**dict.fromkeys(hist, 0), "0": 32768}
-    # the family of step 1 head 0: its 64 O cells and its one Σδ item, two tests each
-    assert d["largest"] == [] and not d["bias"]["found"] and d["bias"]["n_tests"] == 130
+    # the family of step 1 head 0: its 64 O cells and its one Σδ item, over all rows and tied rows, two tests each
+    assert d["largest"] == [] and not d["bias"]["found"] and d["bias"]["n_tests"] == 260
     assert d["replay_fidelity"]["o_bits_equal"] == 1.0 and d["warnings"] == []
     assert d["verdict"] == ("0.0% of elements differ in bf16 bits; 0 significantly biased features; no feature is "
-                            "significantly biased (Holm over 130 tests (1 Σδ (step, layer, head) item and 64 O "
-                            "(layer, head, feature) cells, 2 tests each))")
+                            "significantly biased (Holm over 260 tests (1 Σδ (step, layer, head) item and 64 O "
+                            "(layer, head, feature) cells, each over all rows and tied rows, 2 tests each))")
 
 
 def test_unknown_preset_is_a_one_line_error():

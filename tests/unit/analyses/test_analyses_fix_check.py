@@ -146,6 +146,9 @@ def test_a_fix_that_removes_half_of_the_bias_says_most(result, share, words):
 
     from fa_forensics.analyses.fix_check.compute import _decide
     from fa_forensics.analyses.quantities import BiasCell
+    from types import SimpleNamespace
+
+    from fa_forensics.report.conclusions import conclude
     from fa_forensics.report.verdict import _fix
 
     fixed = dataclasses.replace(result.fixed, removed_share=share, outcome="removed", still_biased=False)
@@ -154,5 +157,7 @@ def test_a_fix_that_removes_half_of_the_bias_says_most(result, share, words):
                                result.collapse, 1 / (1 - share))
     assert outcome == "removed" and verdict.startswith(words)
     assert ("what is left is not significant" in verdict) == (share < 0.9)
-    line = _fix({"fix-check": {"outcome": "removed", "fixed": {"name": "stabilized", "removed_share": share}}}, "")
+    payload = {"outcome": "removed", "has_bias": True, "bias": {"found": True, "quantity": "O"},
+               "fixed": {"name": "stabilized", "removed_share": share}}
+    line = _fix({"fix-check": conclude(SimpleNamespace(name="fix-check", data=payload, note=""))}, "")
     assert ("removes most of it" in line) == (share < 0.9) and "removes" in line

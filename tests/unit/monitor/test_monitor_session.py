@@ -170,18 +170,18 @@ def test_an_alarm_puts_its_row_on_disk_while_the_run_goes_on(tmp_path, recwarn):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=rule, alarm_steps=0) as cap:
-        for n in range(9):
+        for n in range(10):
             idx = torch.randint(0, 256, (3, 32), generator=gen)
             _, loss = model(idx, idx)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            cap.step(100.0 if n == 8 else 3.0 + 0.01 * n)  # a loss spike at step 8
+            cap.step(100.0 if n >= 8 else 3.0 + 0.01 * n)  # a loss spike from step 8: it alarms on its second step
         cap._writer.drain()  # what was queued is on disk; nothing forces the 16-row buffer but the alarm
         tl = open_dump(out).timeline
-        assert tl is not None and tl["step"].tolist() == list(range(9)) and tl["loss"][8] == 100.0
-    assert [a.metric for a in cap.alarms] == ["loss"] and cap.alarms[0].step == 8
+        assert tl is not None and tl["step"].tolist() == list(range(10)) and tl["loss"][9] == 100.0
+    assert [a.metric for a in cap.alarms] == ["loss"] and cap.alarms[0].step == 9
     from fa_forensics.capture.events import AlarmWarning
 
     alarm_lines = [str(w.message) for w in recwarn if issubclass(w.category, AlarmWarning)]  # a warning, not a print
-    assert len(alarm_lines) == 1 and "alarm: step 8" in alarm_lines[0]
+    assert len(alarm_lines) == 1 and "alarm: step 9" in alarm_lines[0]
