@@ -49,11 +49,13 @@ NO_STEP_NOTE = ("skipped: this dump records no step in full, only the monitor's 
 
 
 NEAR_ALARM = 1  # recorded steps nearest the first alarm that the step analyses look at by default (the ring holds it)
+ALL_STEPS_UP_TO = 8  # a monitored run without an alarm or a loss blow-up: up to this many stored steps are all analysed
 
 
 def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
     """The steps a report of a monitored run analyses by default, and why in words; (None, '') for every step
-    (a dump without a timeline, or one that holds no more steps than would be chosen)."""
+    (a dump without a timeline, one that holds no more steps than would be chosen, or a run with neither an alarm nor
+    a loss blow-up that stores at most `ALL_STEPS_UP_TO` steps)."""
     from fa_forensics.monitor.alarm import recorded_alarms
 
     steps = list(dump.steps)
@@ -70,7 +72,9 @@ def steps_that_matter(dump) -> tuple[Optional[list[int]], str]:
         after = [s for s in steps if s > first and s not in chosen]
     else:
         after = list(steps)
-    spike, what = _spike(timeline, after, alarms[0]["step"] if alarms else None)
+    spike, what, blew_up = _spike(timeline, after, alarms[0]["step"] if alarms else None)
+    if not alarms and not blew_up and len(steps) <= ALL_STEPS_UP_TO:
+        return None, ""  # a quiet run with few stored steps: every one of them is cheap enough to analyse
     if spike is not None:
         chosen.append(spike)
         why.append(f"step {spike}, {what}")
@@ -89,35 +93,29 @@ def check_selection(dump, step=None, layer=None, head=None) -> None:
         select(dump, one, layer, head)
 
 
-def _spike(timeline: dict, candidates: list[int], since: Optional[int]) -> tuple[Optional[int], str]:
-    """The recorded step where the loss blows up, and how it was found: the first candidate at or after the first
-    monitored step (after `since`) whose loss is not finite or is 1 nat above the median of the 20 before it
-    and stays there (median of it and the 4 after); without one, the candidate with the highest loss."""
+def _spike(timeline: dict, candidates: list[int], since: Optional[int]) -> tuple[Optional[int], str, bool]:
+    """The recorded step where the loss blows up, how it was found, and whether it blew up: the first candidate at
+    or after the loss spike the diagnosis finds (`analyses.timeline.diagnose.loss_spike`, after `since`); without
+    one, the candidate with the highest loss."""
     import numpy as np
+
+    from fa_forensics.analyses.timeline.diagnose import loss_spike
 
     steps = np.asarray(timeline.get("step", []))
     loss = np.asarray(timeline.get("loss", np.full(len(steps), np.nan)), dtype=np.float64)
     if not candidates or len(steps) == 0 or not np.isfinite(loss).any():
-        return None, ""
-    for i in range(1, len(steps)):
-        if since is not None and steps[i] <= since:
-            continue
-        before = loss[max(0, i - 20):i]
-        before = before[np.isfinite(before)]
-        if not before.size:
-            continue
-        bar = float(np.median(before)) + 1.0
-        held = np.where(np.isfinite(loss[i:i + 5]), loss[i:i + 5], np.inf)
-        if not np.isfinite(loss[i]) or (loss[i] > bar and float(np.median(held)) > bar):
-            later = [c for c in candidates if c >= steps[i]]
-            if later:
-                return later[0], f"where the loss blows up (step {int(steps[i])}: {loss[i]:.4g})"
-            break
+        return None, "", False
+    start = 1 if since is None else int(np.searchsorted(steps, since, side="right"))
+    i = loss_spike(loss, start)
+    if i is not None:
+        later = [c for c in candidates if c >= steps[i]]
+        if later:
+            return later[0], f"where the loss blows up (step {int(steps[i])}: {loss[i]:.4g})", True
     known = {int(s): v for s, v in zip(steps, loss) if int(s) in set(candidates) and np.isfinite(v)}
     if not known:
-        return None, ""
+        return None, "", False
     top = max(known, key=known.get)
-    return top, f"the highest loss {'after it' if since is not None else 'recorded'} ({known[top]:.4g})"
+    return top, f"the highest loss {'after it' if since is not None else 'recorded'} ({known[top]:.4g})", False
 
 
 def _listed(steps: list[int]) -> str:

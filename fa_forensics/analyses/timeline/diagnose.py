@@ -206,11 +206,11 @@ def _output_divergence(steps, lse) -> Optional[_Onset]:
                    ("farthest output log-sum-exp", far)))
 
 
-def loss_spike(loss: np.ndarray) -> Optional[int]:
-    """The index of the first monitored step whose loss is not finite (after finite values), or from which it exceeds
-    the median of the window before it by more than LOSS_RISE nats for SUSTAINED steps (or to the run's end); None
-    when there is none. One hard batch whose loss falls back at once is not a spike."""
-    for t in range(1, len(loss)):
+def loss_spike(loss: np.ndarray, start: int = 1) -> Optional[int]:
+    """The index (from `start` on) of the first monitored step whose loss is not finite (after finite values), or from
+    which it exceeds the median of the window before it by more than LOSS_RISE nats for SUSTAINED steps (or to the
+    run's end); None when there is none. One hard batch whose loss falls back at once is not a spike."""
+    for t in range(max(1, start), len(loss)):
         before = loss[max(0, t - LOSS_WINDOW):t]
         before = before[np.isfinite(before)]
         if not len(before):
