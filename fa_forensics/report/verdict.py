@@ -426,9 +426,12 @@ def _technical(d: Diagnosis, concluded, data, by_name, evidence, delta, o, found
 def _operation(data: dict, o: Optional[Evidence]) -> str:
     """Which operation carries it: isolate's repairs, pv-trace's P̄ = 1 share (where the O bias is significant)."""
     text = ""
-    if "isolate" in data:
-        culprits = data["isolate"].get("culprits") or []
-        text = f"; repairs that remove it: {', '.join(culprits)}" if culprits else "; no single repair removes it"
+    iso = data.get("isolate")
+    if iso is not None:  # isolate's repairs act on the Σδ it localizes: without a Σδ bias it names none
+        culprits = iso.get("culprits") or []
+        found = bool((iso.get("bias") or {}).get("found"))
+        text = (f"; repairs that remove it: {', '.join(culprits)}" if culprits else
+                "; no single repair removes it" if found else "")
     pv = data.get("pv-trace") or {}
     if pv and o is not None and o.found and (pv.get("o_bias") or {}).get("significant", True):
         shares = pv.get("class_shares") or {}
