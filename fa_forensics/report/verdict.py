@@ -303,8 +303,8 @@ def _disagreements(evidence: list[Evidence], delta: Optional[Evidence], o: Optio
                    "gradient error is largest need not hold the most biased single feature")
     elif delta is not None and o is not None and o.found and not delta.found:
         out.append(f"the O bias at layer {o.layer} head {o.head} feature {o.feature} ({', '.join(o.analyses)}) does "
-                   f"not make Σδ significant ({', '.join(delta.analyses)}: {delta.stats()}): dO does not add it up "
-                   "into the gradient here, so it is a bias of the output, not (yet) of training")
+                   f"not make Σδ significant ({', '.join(delta.analyses)}: {delta.stats()}): a step's Σδ holds too few "
+                   "independent units to show it, so whether dO adds it up into the W_Q gradient is not shown here")
     elif delta is not None and o is not None and delta.found and not o.found:
         out.append(f"Σδ is significant at layer {delta.layer} head {delta.head} ({', '.join(delta.analyses)}) though "
                    f"no single O feature is (most significant: layer {o.layer} head {o.head} feature {o.feature}, "
@@ -367,7 +367,8 @@ def build_verdict(sections) -> Verdict:
             confidence.append(f"{'Σδ' if e.quantity == 'delta' else 'O bias'}: {e.stats()}.")
     if not found and evidence:
         best = min(evidence, key=lambda e: e.adjusted_p if finite(e.adjusted_p) else 2.0)
-        confidence.append(f"Most significant item: layer {best.layer} head {best.head}"
+        confidence.append(f"Most significant {'Σδ item' if best.quantity == 'delta' else 'O cell'}: layer {best.layer} "
+                          f"head {best.head}"
                           + (f" feature {best.feature}" if best.feature is not None else "")
                           + (f" step {best.step}" if best.step is not None else "") + f", {best.stats()}.")
     technical = _technical(d, concluded, data, by_name, evidence, delta, o, found, fp8, alarms, fidelity, precision,
@@ -443,7 +444,7 @@ def _operation(data: dict, o: Optional[Evidence]) -> str:
             if finite(total):
                 text += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that "
                          "feature")
-                if total > 1 or total < 0:  # a signed share of a mean: the rest of the rows push the other way
+                if total - 2 * se > 1 or total + 2 * se < 0:  # beyond 0-100 %: the rest of the rows push the other way
                     text += " (a signed share: the other rows' rounding pushes the other way)"
     return text
 

@@ -108,7 +108,7 @@ class BitdiffResult:
     mismatch_rate: float
     ulp_hist: dict  # {"bins": [labels], "counts": [ints]}; bins "<=-8", "-7", ..., "7", ">=8"
     mean_signed_error: list[BiasCell]  # every (layer, head, feature) cell
-    biased_features: list[BiasCell]  # the significant ones (over all rows or the tied rows), largest |mean| first
+    biased_features: list[BiasCell]  # significant cells, one each (all rows, else tied rows), largest |mean| first
     largest: list[LargestDiff]
     alpha: float = ALPHA
     n_cells: int = 0
@@ -174,7 +174,9 @@ def summarize(parts: list[LayerStepDiff], a_name: str, b_name: str, *, family: O
         raise ValueError("nothing to summarize")
     cells = o_cells([p.sums for p in parts], family)
     family = family if family is not None else Family(o_cells=len(cells))
-    biased = sorted((x for c in cells for x in c.subsets if x.significant), key=lambda c: -abs(c.mean))
+    # one entry per significant cell: over all rows where that is significant (its tied rows inside), else its tied rows
+    biased = sorted((next(x for x in c.subsets if x.significant) for c in cells if c.found),
+                    key=lambda c: -abs(c.mean))
     n_el = sum(p.n for p in parts)
     counts = sum(p.ulp_counts for p in parts)
     largest = sorted((d for p in parts for d in p.largest), key=lambda d: -abs(d.diff))[:top_k]
