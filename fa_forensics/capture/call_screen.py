@@ -29,7 +29,7 @@ def relaid(reading: Reading, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if reading.swap is None:
         return q, k, v, o, mask, grad_sink
     q2, k2, v2, o2 = (reading.apply(t) for t in (q, k, v, o))
-    mask2 = reading.apply(mask) if mask_follows_q else mask
+    mask2 = reading.apply(mask) if mask_follows_q and mask is not None else mask
     sink: Optional[GradSink] = None
     if grad_sink is not None:
         inner = grad_sink

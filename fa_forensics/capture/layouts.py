@@ -120,9 +120,9 @@ class Reading:
     def text(self) -> str:
         return f"batch {self.B}, {self.H} heads, length {self.T}"
 
-    def apply(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
         """A (B, H, T, D)-read tensor (or a 4-D mask) as this reading's (B, H, T, D): a view."""
-        if t is None or self.swap is None or t.dim() != 4:
+        if self.swap is None or t.dim() != 4:
             return t
         return t.transpose(*self.swap)
 

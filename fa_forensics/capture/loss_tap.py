@@ -13,6 +13,10 @@ The output-logit tap: `torch.nn.functional.cross_entropy` (hence `nn.CrossEntrop
 way, and on a watched step the log-sum-exp of its logits over the class dimension, averaged over tokens, is
 handed to the session (detached, fp32, no synchronization): the monitor's `output_lse` series, the size of
 the language-model head's logits where the loss reads them.
+
+Neither tap reads the session inside code that dynamo traces (`torch.compiler.is_compiling()`): a read of `busy`
+there would be a guard (a recompile whenever it changes) and the hook would run on fake tensors. A cross-entropy
+inside a compiled model therefore reports no logits (its steps' `output_lse` is NaN); an eager one does.
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ _session: Optional[BackwardListener] = None
 
 @functools.wraps(_ORIGINAL)
 def tapped_backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> None:
+    if torch.compiler.is_compiling():  # traced code reads no session state (a read of `busy` would be a guard)
+        return _ORIGINAL(tensors, grad_tensors, *args, **kwargs)
     session = _session
     if session is not None and session.busy:
         session.on_backward(tensors, grad_tensors)
@@ -51,6 +57,8 @@ def tapped_backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs
 
 @functools.wraps(_ORIGINAL_CE)
 def tapped_cross_entropy(input: Any, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():  # inside a compiled model: the original op, no guard on `busy`, no hook
+        return _ORIGINAL_CE(input, *args, **kwargs)
     session = _session
     if session is not None and session.busy and isinstance(input, torch.Tensor):
         session.on_loss_logits(input)

@@ -1,9 +1,10 @@
 """A soft-cap written inline on the scores: `cap * tanh(scores / cap)` (Gemma 2's eager attention).
 
-The chain (capture/torch_ops.py, which calls `on_tanh`) already folds a division of the scores by a number into their scale. `on_tanh`
-takes tanh of the scores as a soft-cap of 1 on them, `tanh(S·σ) = 1·tanh(S·σ / 1)`; a multiplication by c after
-it scales the cap and the scale alike (c·k·tanh(S·σ/k) = (c·k)·tanh(S·(σ·c)/(c·k))), so any c·tanh(S·σ) is
-recorded as `softcap` c with scale σ·c, which is the soft-cap that replays apply: s = cap·tanh(S·scale/cap).
+The chain (capture/torch_ops.py, which calls `on_tanh`) already folds a division of the scores by a number into
+their scale. `on_tanh` takes tanh of the scores as a soft-cap of 1 on them, `tanh(S·σ) = 1·tanh(S·σ / 1)`; a
+multiplication by c after it scales the cap and the scale alike (c·k·tanh(S·σ/k) = (c·k)·tanh(S·(σ·c)/(c·k))), so
+any c·tanh(S·σ) is recorded as `softcap` c with scale σ·c, which is the soft-cap that replays apply:
+s = cap·tanh(S·scale/cap).
 
 A tanh of scores that already hold a mask or bias, or a second tanh, is a form replays cannot apply: following
 the chain stops with `SoftCapNotFollowed`, whose line says what and what to do (the session says it; training

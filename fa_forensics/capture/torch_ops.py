@@ -353,6 +353,7 @@ def plain_recipe(s: _Scores, probs: _Probs, steps: tuple[dict, ...], layout: str
     if s.steps and s.steps[0].get("alpha", 1.0) != 1.0:
         scale_on.append("product")
     kinds = sorted({t.kind for t in s.terms})
+    window: Optional[int | str]
     try:
         window = _window(s.terms, probs.shape) if s.terms else None
     except RuntimeError:  # terms that do not broadcast to the scores' last two dims as read

@@ -44,7 +44,9 @@ def rank_links_out(path: StrPath) -> dict[int, str]:
         for node in (folder, folder / "zarr.json"):
             target = link_leaving(node, Path(path))
             if target is not None:
-                out[int(RANK_RE.match(name).group(1))] = f"{node.relative_to(path)} -> {target}"
+                rank = RANK_RE.match(name)
+                assert rank is not None  # the entries were chosen by this match
+                out[int(rank.group(1))] = f"{node.relative_to(path)} -> {target}"
                 break
     return out
 

@@ -114,9 +114,10 @@ def decode(array: np.ndarray, name: str) -> torch.Tensor:
 # softmax variant, entry point, layout, and what of the call a replay does not model; for attention
 # written in torch ops also its ops (`chain`), the dtypes S, the softmax and P were in, and factors
 # applied to Q or K before their product; for Hugging Face models the attention function's name
-CALL_ATTR_KEYS = ("device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias",
-                  "block_mask", "score_mod", "not_replayed", "o_layout", "chain", "score_dtype", "softmax_dtype",
-                  "p_dtype", "q_scale", "k_scale", "hf_attention")
+CALL_ATTR_KEYS: tuple[str, ...] = (
+    "device_type", "autocast_dtype", "softmax", "softmax_rule", "source", "layout", "varlen", "attn_bias", "block_mask",
+    "score_mod", "not_replayed", "o_layout", "chain", "score_dtype", "softmax_dtype", "p_dtype", "q_scale", "k_scale",
+    "hf_attention")
 # the first recorded call's O checked against a float64 recomputation (capture/first_call_check.py), and the
 # soft-cap a chain of torch ops applied to its scores (cap·tanh(S / cap))
 CALL_ATTR_KEYS += ("first_call_check", "softcap")

@@ -174,8 +174,9 @@ def read_facts(dump, step: int, layer: int) -> RunFacts:
     capture = recorded if isinstance(recorded := run_attrs.get("capture"), dict) else {}
     score_mod = layer_attrs.get("score_mod")
     plain = layer_attrs.get("plain_recipe")
-    recorded = isinstance(plain, dict) and isinstance(plain.get("ops"), list)
-    softcap = recorded and any(isinstance(o, dict) and o.get("op") == "tanh" for o in plain["ops"])
+    ops = plain.get("ops") if isinstance(plain, dict) else None
+    recorded = isinstance(ops, list)
+    softcap = isinstance(ops, list) and any(isinstance(o, dict) and o.get("op") == "tanh" for o in ops)
     plain_ops = True if recorded else (False if _text(layer_attrs.get("source")) is not None else None)
     return RunFacts(_precision(dtype, autocast, autocast_dtype), autocast, _device(layer_attrs, run_attrs),
                     dropout, softmax, kernel,

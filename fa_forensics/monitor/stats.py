@@ -148,14 +148,11 @@ def head_statistics(
 def _row_entropy(p_bar: torch.Tensor, d: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Softmax entropy per row, nats: log Z − Σ P̄·d / Z for d = S − r_m ≤ 0, P̄ = exp(d), Z = Σ P̄.
 
-    Masked entries hold d = −inf and P̄ = 0: d is clamped in place to the lowest fp32 (−inf → −3.4e38, which
-    leaves every comparison with −ε as it was; NaN stays NaN), so their product is −0 while a NaN score keeps
-    the row NaN."""
-    d.clamp_(min=_LOWEST)
+    Masked entries hold d = −inf and P̄ = 0: d is clamped in place to the lowest finite value of its dtype (−inf →
+    e.g. −3.4e38 in fp32, which leaves every comparison with −ε as it was; NaN stays NaN), so their product is −0
+    while a NaN score keeps the row NaN."""
+    d.clamp_(min=torch.finfo(d.dtype).min)
     return torch.log(z) - torch.linalg.vecdot(p_bar, d) / z
-
-
-_LOWEST = torch.finfo(torch.float32).min
 
 
 def _fused_kernel_fits(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -17,10 +17,17 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def planted_result(planted_dump, tmp_path_factory):
+def planted_result(tmp_path_factory):
+    """isolate on one step and head of a planted dump with enough independent units in a step (4 batch rows) for
+    its Σδ to be significant: the bundled planted dump's 2 batch rows give about 40 units a step, too few."""
+    from fa_forensics.planted import SynthSpec, synth
+
     out = tmp_path_factory.mktemp("isolate")
-    head = open_dump(planted_dump).ground_truth["planted_heads"][0]
-    res = runner.invoke(app, ["isolate", str(planted_dump), "--step", "1", "--head", str(head),
+    dump = out / "planted.zarr"
+    synth(dump, SynthSpec(seq=256, heads=4, head_dim=64, batch=4, steps=3, planted_heads=(1,), sink_strength=8.0,
+                          seed=0))
+    head = open_dump(dump).ground_truth["planted_heads"][0]
+    res = runner.invoke(app, ["isolate", str(dump), "--step", "1", "--head", str(head),
                               "--json", str(out / "r.json"), "--out", str(out)])
     assert res.exit_code == 0, res.output
     return json.loads((out / "r.json").read_text()), out, head

@@ -124,8 +124,9 @@ def test_an_fp32_run_is_called_an_fp32_run(runs, tmp_path):
     assert d["warnings"][-1] == ("trained in fp32: no low-precision rounding to analyse; the findings show what bf16 "
                                  "would do on these inputs")
     verdict = report_verdict([SimpleNamespace(name="delta-bias", data=d)])
-    assert verdict.startswith("VERDICT: trained in fp32: no low-precision rounding to analyse; the findings show what "
-                              "bf16 would do on these inputs. No significant bias")
+    assert verdict.startswith("VERDICT: Nothing wrong found: this run trained in fp32, so its attention has no "
+                              "low-precision rounding to go wrong")
+    assert verdict.endswith("the findings describe recipe bf16 / ieee replayed on the run's fp32 inputs.")
     d, _ = _json(["delta-bias", str(runs.fp32), "--preset", "fp32"], tmp_path, "named.json")
     assert ("trained in fp32: no low-precision rounding to analyse; preset fp32 replays fp32 on both sides"
             in d["warnings"])

@@ -114,7 +114,7 @@ def test_an_o_bias_that_does_not_reach_the_gradient_is_a_finding_with_its_reason
     secs = _planted_like(delta_found=False, o_found=True)
     v = build_verdict(secs)
     assert v.status == "affected" and "nothing to fix" not in v.line()
-    assert any("does not make Σδ significant" in d and "whether dO adds it up into the W_Q gradient is not shown here" in d
+    assert any("does not make Σδ significant" in d and "whether dO adds it up into the W_Q gradient is not shown" in d
                for d in v.disagreements)
     assert v.answer.startswith("Biased rounding in P̄V at layer 0 head 1 feature 44: the low-precision attention "
                                "output comes out too low") and "W_Q gradient" not in v.answer
