@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 
@@ -122,20 +122,29 @@ def items_of_errors(step: int, layer: int, heads: Sequence[int], dd: torch.Tenso
     return out
 
 
+Tested = TypeVar("Tested", "DeltaItem", "BiasCell")  # what `_decided` adjusts: Σδ items or O cells
+
+
 def decide_deltas(items: Sequence[DeltaItem], family: Family) -> list[DeltaItem]:
     """The items (and their tied-rows items) with their Holm-adjusted p-values in `family` and the policy's
     decision."""
-    flat = [x for i in items for x in i.subsets]
+    return _decided(items, family)
+
+
+def _decided(tested: Sequence[Tested], family: Family) -> list[Tested]:
+    """Items or cells, each with its tied-rows subset, Holm-adjusted together in `family` and decided by the policy
+    (`significance.significant`)."""
+    flat = [x for t in tested for x in t.subsets]
     adjusted = iter(holm([x.tested_p for x in flat], family.n_tests))
 
-    def decide(x: DeltaItem) -> DeltaItem:
+    def decide(x: Tested) -> Tested:
         a = next(adjusted)
         return replace(x, adjusted_p=a, significant=significant(a, x.effect))
 
     out = []
-    for i in items:
-        top = decide(i)
-        out.append(replace(top, tied=decide(i.tied)) if i.tied is not None else top)
+    for t in tested:
+        top = decide(t)
+        out.append(replace(top, tied=decide(t.tied)) if t.tied is not None else top)
     return out
 
 
@@ -323,19 +332,7 @@ def o_cells(parts: Iterable[CellSums], family: Optional[Family] = None) -> list[
     sorted by (layer, head, feature); decided in `family` (default: the cells alone)."""
     cells = [c for (layer, head), pooled in sorted(_pooled(parts).items())
              for c in _cells_of(layer, head, pooled, range(len(pooled[ALL_ROWS][1])))]
-    family = family if family is not None else Family(o_cells=len(cells))
-    flat = [x for c in cells for x in c.subsets]
-    adjusted = iter(holm([x.tested_p for x in flat], family.n_tests))
-
-    def decide(x: BiasCell) -> BiasCell:
-        a = next(adjusted)
-        return replace(x, adjusted_p=a, significant=significant(a, x.effect))
-
-    out = []
-    for c in cells:
-        top = decide(c)
-        out.append(replace(top, tied=decide(c.tied)) if c.tied is not None else top)
-    return out
+    return _decided(cells, family if family is not None else Family(o_cells=len(cells)))
 
 
 def o_cell(parts: Iterable[CellSums], layer: int, head: int, feature: int,
