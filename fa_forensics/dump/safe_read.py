@@ -109,16 +109,21 @@ def read_regular(path: StrPath, limit: int | None = None, *, follow: bool = True
     try:
         st = os.fstat(fd)  # the file opened may not be the one stat'ed
         _check(p, st, limit)
-        chunks, left = [], st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, st.st_size)
     finally:
         os.close(fd)
+
+
+def read_fd(fd: int, size: int) -> bytes:
+    """At most `size` bytes of an open file, read in pieces of up to 16 MiB (fewer where it ends sooner)."""
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _check(path: Path, st: os.stat_result, limit: int | None) -> None:

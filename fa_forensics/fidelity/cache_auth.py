@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fa_forensics.dump.safe_read import special_kind
+from fa_forensics.dump.safe_read import read_fd, special_kind
 
 KEY_NAME = "match-cache.key"  # in the cache directory, beside its `match` folder
 KEY_BYTES = 32
@@ -123,14 +123,7 @@ def read_owned(path: Path, limit: int, *, private: bool = False) -> Optional[byt
             raise Refused(why)
         if st.st_size > limit:
             raise Refused(f"{path} holds {st.st_size} bytes, more than the {limit} it may")
-        chunks, left = [], st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, st.st_size)
     finally:
         os.close(fd)
 
