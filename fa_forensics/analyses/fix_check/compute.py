@@ -36,12 +36,12 @@ own shift, row sum < floor) and their |O|/|O_fp32| measured on the replay; under
 floor they are reported as a warning (the reference code would collapse there).
 
 The bias is measured where the baseline is most biased: the O claim's cell (`analyses.quantities`: the
-(layer, head, feature) cell, over all rows or the tied rows, with the smallest Holm-adjusted p over the
-selection's family, the same cell bitdiff and pv-trace name). Each variant reports, in that cell and subset of
-rows, the mean O error ± se, its p-value (the smaller of a cluster-robust t-test and a sign test over the rows'
-units) and its Holm-adjusted p in ONE family with the baseline's (the selection's tests plus the variants'),
-and in that head Σ_T(δ_v − δ_hp) over its steps (`quantities.head_total`) with δ = rowsum(dO ∘ O) (exactly
-the backward's δ for O_lp; no backward pass is run).
+(layer, head, feature) cell, over all rows or the tied rows, with the smallest Holm-adjusted p, the cell bitdiff
+and pv-trace name). The baseline and every variant are decided in ONE family (`one_family`: the selection's tests
+plus each variant's two tests in that cell), the family the command prints. Each variant reports, in that cell and
+subset of rows, the mean O error ± se, its p-value (the smaller of a cluster-robust t-test and a sign test over the
+rows' units) and its Holm-adjusted p in that family, and in that head Σ_T(δ_v − δ_hp) over its steps
+(`quantities.head_total`) with δ = rowsum(dO ∘ O) (exactly the backward's δ for O_lp; no backward pass is run).
 
 Verdict rule (exit code of the command), by the statistics policy (`analyses.significance`):
   - no significant baseline bias (the O claim is not found): nothing to remove (exit 0);
@@ -309,8 +309,7 @@ class VariantResult:
     collapsed_rows: int = 0  # rows whose row sum under this variant's shift is below the row-sum floor
     collapse_max_score: float = math.nan  # largest row maximum among them
     collapse_min_ratio: float = math.nan  # smallest |O_v| / |O_fp32| among them
-    o_bias_adjusted_p: float = math.nan  # Holm: the baseline over the selection's family, a variant over it and the
-    # variants' tests
+    o_bias_adjusted_p: float = math.nan  # Holm over the one family of the selection's and the variants' tests
     effect: float = math.nan  # |O bias| in rounding units of the baseline's O format
     removed_share: float = math.nan  # 1 − |O bias| / |baseline's O bias| (the baseline: nan)
     outcome: Optional[str] = None  # `significance.outcome`: removed | remains | inconclusive (None for the baseline)
@@ -439,16 +438,17 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     base = next(v for v in variants if v.role == "baseline")
     everywhere = {(p.step, p.layer) for p in parts[base.name]}
     parts = {name: ps for name, ps in parts.items() if {(p.step, p.layer) for p in ps} == everywhere}
-    cells = o_cells([p.sums for p in parts[base.name]], family)
-    family = family if family is not None else Family(o_cells=len(cells))
-    claim = o_claim(cells, family)
-    target = most_significant(cells)
     fixed_v = _fixed_variant(variants, parts)
     measured = [fixed_v if v.name == fixed_v.name else v for v in variants if parts.get(v.name)]
+    tested = [v.name for v in measured if v.role != "baseline"]
+    sums = [p.sums for p in parts[base.name]]
+    joint = one_family(family if family is not None else Family(o_cells=len(o_cells(sums))), len(tested))
+    cells = o_cells(sums, joint)  # the baseline decided in the family its variants are decided in
+    claim = o_claim(cells, joint)
+    target = most_significant(cells)
     results = {v.name: _variant_result(v, parts[v.name], target) for v in measured}
     baseline = dataclasses.replace(results[base.name], o_bias_adjusted_p=target.adjusted_p)
-    tested = [v.name for v in measured if v.role != "baseline"]
-    joint, adjusted = _variants_in_family(cells, [results[n].o_bias_p for n in tested], family)
+    adjusted = _variants_in_family(cells, [results[n].o_bias_p for n in tested], joint)
     adjusted = dict(zip(tested, adjusted))
     for n in tested:
         r = results[n]
@@ -461,7 +461,7 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     reduction = abs(baseline.o_bias) / abs(fixed.o_bias) if fixed.o_bias != 0 else math.inf
     collapse = _collapse_summary(fixed, fixed_v.config if fixed_v.deployed is None else
                                  fixed_v.config.with_(row_sum_floor=0.0))
-    result, verdict = _decide(baseline, fixed, alternatives, claim, family, target, collapse, reduction)
+    result, verdict = _decide(baseline, fixed, alternatives, claim, joint, target, collapse, reduction)
     return FixCheckResult(
         target={"layer": target.layer, "head": target.head, "feature": target.feature},
         baseline=baseline, fixed=fixed, alternatives=alternatives, bias_reduction=reduction,
@@ -471,14 +471,20 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
     )
 
 
-def _variants_in_family(cells: Sequence[BiasCell], variant_p: list[float], family: Family) -> tuple[Family, list]:
-    """(the one family of the baseline's tests and the variants' tests in its target cell, each variant's p
-    adjusted by Holm over it). The variants' p-values are ranked among the baseline's cells' (both subsets), so a
-    variant's residual is judged on the same scale as the bias it is compared with; the baseline's own claim is
-    the selection's (`o_claim`), as in every other command."""
-    joint = dataclasses.replace(family, extra=family.extra + O_TESTS_PER_CELL * len(variant_p))
+def one_family(selection: Family, n_variants: int) -> Family:
+    """The one family fix-check decides in: the selection's tests and each variant's two tests in the target cell.
+    The baseline's claim and every variant's residual are decided in it, and it is the family the command prints,
+    so its size is said once; the baseline's claim is therefore as strict as bitdiff's or stricter (by the
+    variants' share of the tests)."""
+    return dataclasses.replace(selection, extra=selection.extra + O_TESTS_PER_CELL * n_variants)
+
+
+def _variants_in_family(cells: Sequence[BiasCell], variant_p: list[float], family: Family) -> list[float]:
+    """Each variant's p adjusted by Holm in `family` (`one_family`). The variants' p-values are ranked among the
+    baseline's cells' (both subsets), so a variant's residual is judged on the same scale as the bias it is
+    compared with."""
     base_p = [x.tested_p for c in cells for x in c.subsets]
-    return joint, holm(base_p + list(variant_p), joint.n_tests)[len(base_p):]
+    return holm(base_p + list(variant_p), family.n_tests)[len(base_p):]
 
 
 def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[VariantResult], claim: BiasClaim,
@@ -488,7 +494,7 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
     where = f"layer {target.layer} head {target.head} feature {target.feature}"
     base_numbers = (f"O bias over {claim.subset} ({claim.n_units} units) {baseline.o_bias:+.3e} ± "
                     f"{baseline.o_bias_se:.1e}, {baseline.effect:.2g} of a rounding "
-                    f"unit ({p_text(baseline.o_bias_p, baseline.o_bias_adjusted_p, claim.n_tests)})")
+                    f"unit ({p_text(baseline.o_bias_p, baseline.o_bias_adjusted_p, family.n_tests)})")
     if fixed.nan_count:
         return "fails", f"FIX FAILS: {fixed.name} produced {fixed.nan_count} NaN (β too large?) at {where}"
     if collapse["rows"] and collapse["applies"]:
@@ -498,9 +504,11 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
         return "no-bias", (f"NO BIAS TO REMOVE: the baseline shows no significant O bias in any cell (most "
                            f"significant: {where}, {base_numbers})"
                            + (f"; produced NaN: {', '.join(broken)}" if broken else ""))
+    turned = ", the opposite sign: it reverses the bias" if reverses(fixed, baseline) else ""
     numbers = (f"{base_numbers} → {fixed.name} {fixed.o_bias:+.3e} ± {fixed.o_bias_se:.1e} (p = "
-               f"{fixed.o_bias_p:.2g}), {_share(fixed.removed_share)} of it removed (reduction {reduction:.1f}x)")
-    still = [a.name for a in alternatives if a.still_biased]
+               f"{fixed.o_bias_p:.2g}{turned}), {_share(fixed.removed_share)} of it removed (reduction "
+               f"{reduction:.1f}x)")
+    still = [_still_text(a, baseline) for a in alternatives if a.still_biased]
     tail = f"; still biased: {', '.join(still)}" if still else "; no alternative left a significant bias"
     if broken:
         tail += f"; produced NaN: {', '.join(broken)}"
@@ -514,6 +522,20 @@ def _decide(baseline: VariantResult, fixed: VariantResult, alternatives: list[Va
         return "inconclusive", (f"INCONCLUSIVE at {where}: {numbers}; what is left is not significant either: too "
                                 f"few rows to tell whether the fix removes it (capture more steps or batch rows){tail}")
     return "remains", f"FIX DOES NOT REMOVE THE BIAS at {where}: {numbers}{tail}"
+
+
+def reverses(variant: VariantResult, baseline: VariantResult) -> bool:
+    """The variant leaves a significant bias of the opposite sign to the baseline's: it reverses the bias rather than
+    leaving part of it."""
+    return (significant(variant.o_bias_adjusted_p, variant.effect) and variant.o_bias * baseline.o_bias < 0)
+
+
+def _still_text(variant: VariantResult, baseline: VariantResult) -> str:
+    """'fixed-offset' or 'fixed-offset (reverses the bias: +1.2e-04 ± 2.0e-05 against the baseline's −3.4e-05)'."""
+    if not reverses(variant, baseline):
+        return variant.name
+    return (f"{variant.name} (reverses the bias: {variant.o_bias:+.3e} ± {variant.o_bias_se:.1e} against the "
+            f"baseline's {baseline.o_bias:+.3e})")
 
 
 def _share(x: float) -> str:

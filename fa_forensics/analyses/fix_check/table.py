@@ -5,7 +5,7 @@ import math
 
 from rich.table import Table
 
-from fa_forensics.analyses.fix_check.compute import FixCheckResult, collapse_text
+from fa_forensics.analyses.fix_check.compute import FixCheckResult, collapse_text, reverses
 from fa_forensics.analyses.wording import number, p_value, percent, place, pm, text, yes_no
 
 
@@ -23,6 +23,13 @@ def _estimate_text(v, se=None, p=None) -> str:
 
 def _count(n) -> str:
     return "—" if n is None else str(n)
+
+
+def _still(v, baseline) -> str:
+    """The 'still biased' cell: yes, 'yes, reversed' (a significant bias of the opposite sign), no, — (baseline)."""
+    if v.role == "baseline":
+        return "—"
+    return ("yes, reversed" if reverses(v, baseline) else "yes") if v.still_biased else "no"
 
 
 def tables(r: FixCheckResult) -> list:
@@ -43,7 +50,7 @@ def tables(r: FixCheckResult) -> list:
                       _estimate_text(v.o_bias, v.o_bias_se, v.o_bias_p), number(v.o_bias_adjusted_p, ".2g"), removed,
                       _estimate_text(v.delta_err_sum, v.delta_err_se, v.delta_p),
                       f"{v.max_abs_err:.2e}", _count(v.p_one_count), _count(v.triggered_rows), _count(v.underflow),
-                      str(v.nan_count), "—" if v.role == "baseline" else ("yes" if v.still_biased else "no"))
+                      str(v.nan_count), _still(v, r.baseline))
     table.caption = ("bias removed: 1 − |O bias| / |baseline's O bias|; a fix removes the bias when ≥ 90 % of it is "
                      "gone, or ≥ 50 % with nothing significant left; — : not counted by stable_attention's kernels")
     return [table, p_bar_line(r), *collapse_lines(r)]

@@ -161,3 +161,41 @@ def test_a_fix_that_removes_half_of_the_bias_says_most(result, share, words):
                "fixed": {"name": "stabilized", "removed_share": share}}
     line = _fix({"fix-check": conclude(SimpleNamespace(name="fix-check", data=payload, note=""))}, "")
     assert ("removes most of it" in line) == (share < 0.9) and "removes" in line
+
+
+def test_the_family_is_said_once_and_is_the_one_the_decision_used(result):
+    """The verdict's Holm count, the table's family and the JSON's are one number: the family the baseline's claim
+    and every variant's residual were decided in (the selection's tests plus two per variant)."""
+    import re
+
+    from fa_forensics.analyses.fix_check.compute import payload
+    from fa_forensics.analyses.fix_check.table import tables
+
+    n_variants = 1 + len(result.alternatives)
+    assert result.family.extra == 2 * n_variants and result.claim.n_tests == result.family.n_tests
+    title = str(tables(result)[0].title)
+    said = {int(n) for n in re.findall(r"over (\d+) tests", result.verdict + " " + title)}
+    assert said == {result.family.n_tests}, (said, result.verdict, title)
+    assert payload(result)["family"]["n_tests"] == result.family.n_tests == payload(result)["bias"].n_tests
+
+
+@pytest.mark.parametrize("residual", [+2.0, -0.5])
+def test_a_variant_that_reverses_the_bias_is_said_to(result, residual):
+    """A still-biased variant whose residual has the opposite sign of the baseline's reverses the bias: the verdict
+    and the table say so (and do not for a residual of the baseline's sign)."""
+    import dataclasses
+
+    from fa_forensics.analyses.fix_check.compute import _decide
+    from fa_forensics.analyses.fix_check.table import _still
+    from fa_forensics.analyses.quantities import BiasCell
+
+    b = result.baseline
+    offset = next(a for a in result.alternatives if a.name == "fixed-offset")
+    moved = dataclasses.replace(offset, o_bias=residual * b.o_bias, o_bias_adjusted_p=1e-6, still_biased=True)
+    others = [moved if a.name == "fixed-offset" else a for a in result.alternatives]
+    target = BiasCell(result.target["layer"], result.target["head"], result.target["feature"], 0.0, 0.0, 1.0, 0.5, 1)
+    _, verdict = _decide(b, result.fixed, others, result.claim, result.family, target, result.collapse, 10.0)
+    reversed_ = residual < 0
+    assert ("fixed-offset (reverses the bias: " in verdict) == reversed_, verdict
+    assert "still biased: fixed-offset" in verdict
+    assert _still(moved, b) == ("yes, reversed" if reversed_ else "yes") and _still(b, b) == "—"
