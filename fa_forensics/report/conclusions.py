@@ -117,6 +117,15 @@ class CompoundingConclusion(Conclusion):
 
 
 @dataclass(frozen=True)
+class MechanismConclusion(Conclusion):
+    """pv-trace: the share of the O bias the paper's P̄ = 1 mechanism carries (its rows where P̄ = 1: tie, near-tie,
+    carry), with its standard error (NaN: not measured)."""
+
+    p_one_share: float = math.nan
+    p_one_se: float = math.nan
+
+
+@dataclass(frozen=True)
 class Fp8Conclusion(Conclusion):
     """pcast: heads whose default FP8 P cast drops probability mass, with the setting that keeps it."""
 
@@ -136,6 +145,16 @@ class TimelineConclusion(Conclusion):
     also: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     alarms: tuple[dict, ...] = ()
+    monitored: int = 0  # monitored steps in the timeline
+    loss_spike: Optional[int] = None  # the step of a loss spike the timeline's diagnosis saw (None: none)
+    rule_alarms: int = 0  # alarms the alarm rule raises when replayed over the timeline
+
+    @property
+    def quiet(self) -> bool:
+        """A healthy run as far as its timeline shows: monitored, no instability, no alarm (recorded or replayed), no
+        loss spike."""
+        return (self.ran and self.monitored > 0 and self.mechanism == "none" and not self.found and not self.alarms
+                and not self.rule_alarms and self.loss_spike is None)
 
 
 @dataclass(frozen=True)
@@ -221,6 +240,18 @@ def _fix_check(d: dict) -> FixConclusion:
     return conclusion
 
 
+P_ONE_CLASSES = ("tie", "near-tie", "carry")  # pv-trace's classes of rows where P̄ = 1
+
+
+def _pv_trace(d: dict) -> MechanismConclusion:
+    base = _rounding("pv-trace", d)
+    shares = [v for k, v in _dict(d.get("class_shares")).items() if k in P_ONE_CLASSES and isinstance(v, dict)
+              and v.get("rows")]
+    share = sum(_float(v.get("share")) for v in shares) if shares else math.nan
+    se = math.sqrt(sum(_float(v.get("se")) ** 2 for v in shares)) if shares else math.nan
+    return MechanismConclusion(**{**_fields(base), "action": base.action}, p_one_share=share, p_one_se=se)
+
+
 def _rank1(d: dict) -> CompoundingConclusion:
     c = Claim.read(d.get("claim"))
     verdict = str(d.get("verdict") or "")
@@ -280,11 +311,12 @@ def _timeline(d: dict) -> TimelineConclusion:
         action=str(diag.get("action") or "") if found else "", mechanism=mechanism, name=str(diag.get("name") or ""),
         step=_int(diag.get("step")), summary=str(diag.get("summary") or ""),
         also=tuple(str(x) for x in diag.get("also") or []), missing=tuple(str(x) for x in diag.get("missing") or []),
-        alarms=tuple(alarms))
+        alarms=tuple(alarms), monitored=len(d.get("steps") or []), loss_spike=_int(diag.get("loss_spike_step")),
+        rule_alarms=len(d.get("rule_alarms") or []))
 
 
 ADAPTERS = {"isolate": _isolate, "delta-bias": lambda d: _rounding("delta-bias", d),
-            "bitdiff": lambda d: _rounding("bitdiff", d), "pv-trace": lambda d: _rounding("pv-trace", d),
+            "bitdiff": lambda d: _rounding("bitdiff", d), "pv-trace": _pv_trace,
             "fix-check": _fix_check, "rank1-sim": _rank1, "pcast": _pcast, "timeline": _timeline}
 
 

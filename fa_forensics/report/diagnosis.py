@@ -11,24 +11,31 @@ It chooses among the mechanisms the tool has evidence for, each with its evidenc
 In a low-precision run where the rounding sections find the bias, a timeline's attention-logit growth, an
 optimizer-like blow-up or an unexplained loss spike is how that bias shows in training (the paper's failure), so the
 rounding is the cause; an output-logit divergence is not the attention's and comes first.
+Where the timeline is quiet (monitored, no instability, no alarm, no loss spike) and the bias found does not compound
+(rank1-sim), the run is healthy: the diagnosis says so first ("no-instability"), names the bias with its size and
+uncertainty, where it lives and whether the paper's tied-maximum mechanism explains it (pv-trace's P̄ = 1 share,
+fix-check's stabilized softmax), and what to watch; the fixes follow as what to do should it start to matter.
 The first action is the one that helps: where the kernels without the fix remove the bias as well, it is fp32 P̄V
 accumulation, not the fix; a fix is quoted only where fix-check found a bias to remove.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from fa_forensics.analyses.wording import finite, number, share_with_se
+from fa_forensics.analyses.significance import PARTIAL_SHARE
 from fa_forensics.report.conclusions import (
-    CompoundingConclusion, Conclusion, FixConclusion, Fp8Conclusion, RepairConclusion, ReplayConclusion,
-    TimelineConclusion, ROUNDING_SECTIONS,
+    Claim, CompoundingConclusion, Conclusion, FixConclusion, Fp8Conclusion, MechanismConclusion, RepairConclusion,
+    ReplayConclusion, TimelineConclusion, ROUNDING_SECTIONS,
 )
 
 ROUNDING = "biased-rounding"
 FP8 = "fp8-p-collapse"
 CANNOT_TELL = "cannot-tell"
 NONE = "none"
+NO_INSTABILITY = "no-instability"  # a healthy monitored run whose rounding shows a bias to watch
 # timeline mechanisms that biased rounding in a low-precision run explains (its failure shows as these)
 SHOWS_ROUNDING = ("attention-logit-growth", "attention-entropy-collapse", "optimizer-blow-up", "loss-spike")
 
@@ -99,6 +106,74 @@ def _rounding_cause(rounding: dict[str, Conclusion], rank1: Optional[Compounding
     return Cause(ROUNDING, f"biased rounding in P̄V at {where}", "; ".join(parts), tuple(found))
 
 
+def _size(c: Claim) -> str:
+    """'O −: -3.07e-05 ± 6.1e-06, 0.059 ± 0.012 of a rounding unit, Holm p 0.00088' (the effect's se scaled from the
+    bias's)."""
+    name = "O" if c.quantity == "O" else "Σδ"
+    effect_se = c.effect * c.se / abs(c.value) if finite(c.effect) and finite(c.se) and c.value else math.nan
+    unit = (f"{number(c.effect, '.2g')} ± {number(effect_se, '.2g')}" if finite(effect_se)
+            else number(c.effect, '.2g'))
+    return (f"{name} {'+' if c.sign > 0 else '−'}: {number(c.value, '+.3g')} ± {number(c.se, '.2g')}, {unit} of a "
+            f"rounding unit, Holm p {number(c.adjusted_p, '.2g')}")
+
+
+def mechanism_text(pv: Optional[MechanismConclusion], fc: Optional[FixConclusion]) -> tuple[Optional[bool], str]:
+    """(whether the paper's tied-maximum (P̄ = 1) mechanism explains the O bias: True, False or None (not shown), its
+    evidence: 'pv-trace: rows with P̄ = 1 carry 12% ± 7% of it; fix-check: the stabilized softmax, which leaves no
+    P̄ = 1, removes 4% of it'). It explains the bias where the stabilized softmax removes it (fix-check) or the rows
+    with P̄ = 1 carry most of it (pv-trace); it does not where what was measured of the two is below half."""
+    share = pv.p_one_share if pv is not None and pv.ran else math.nan
+    se = pv.p_one_se if pv is not None else math.nan
+    fixed = fc.fixed_share if fc is not None and fc.has_bias else math.nan
+    said = []
+    if finite(share):
+        said.append(f"pv-trace: rows with P̄ = 1 carry {share_with_se(share, se)} of it")
+    if finite(fixed):
+        said.append(f"fix-check: the stabilized softmax, which leaves no P̄ = 1, removes {_share(fixed)} of it")
+    evidence = "; ".join(said)
+    if (fc is not None and fc.has_bias and fc.outcome == "removed") or (finite(share) and share - 2 * se >= 0.5):
+        return True, evidence
+    low_share = finite(share) and share + 2 * se < PARTIAL_SHARE
+    low_fix = finite(fixed) and fixed < PARTIAL_SHARE and fc is not None and fc.outcome == "remains"
+    if (low_share or not finite(share)) and (low_fix or not finite(fixed)) and (low_share or low_fix):
+        return False, evidence
+    return None, evidence
+
+
+def _no_instability(tl: TimelineConclusion, rounding: dict[str, Conclusion], pv: Optional[MechanismConclusion],
+                    fc: Optional[FixConclusion]) -> tuple[Cause, str, str]:
+    """A healthy monitored run whose rounding shows a bias: (its cause, the card's first line: the run first, then the
+    bias as what it is and whether the paper's mechanism explains it, what to watch; the evidence)."""
+    found = [c.claim for c in rounding.values() if c.found and c.claim is not None]
+    c = next((x for x in found if x.quantity == "O"), found[0])
+    where = f"layer {c.layer} head {c.head}" + (f" feature {c.feature}" if c.feature is not None else "") + (
+        f" step {c.step}" if c.quantity == "delta" and c.step is not None else "")
+    rows = " in the rows whose maximum repeats" if c.subset == "tied rows" else ""
+    explains, evidence = mechanism_text(pv, fc) if c.quantity == "O" else (None, "")
+    steps = f"{tl.monitored} step{'s' if tl.monitored != 1 else ''}"
+    effect_se = c.effect * c.se / abs(c.value) if finite(c.effect) and finite(c.se) and c.value else math.nan
+    size = (f"{number(c.effect, '.2g')} ± {number(effect_se, '.2g')}" if finite(effect_se)
+            else number(c.effect, '.2g')) + " of a rounding unit"
+    what = {True: "is the paper's tied-maximum mechanism", False: "is not the paper's tied-maximum mechanism",
+            None: "may or may not be the paper's tied-maximum mechanism"}[explains]
+    lead = (f"No instability in this run: its monitored timeline is quiet over {steps} (no alarm, no loss spike). "
+            f"A small rounding bias at {where}{rows} ({size}) {what}" + (f" ({evidence})" if evidence else "")
+            + f". Nothing to act on while the run is healthy: watch layer {c.layer} head {c.head}.")
+    because = (f"Evidence: the timeline shows no attention-logit growth, entropy collapse, output-logit drift or loss "
+               f"spike over {steps}; the bias: {_size(c)}. What to watch: {watch_text(c)}.")
+    cause = Cause(NO_INSTABILITY, f"no instability in the monitored timeline over {steps}",
+                  f"a small rounding bias at {where}{rows} ({_size(c)}) {what}", ("timeline", *(
+                      n for n, x in rounding.items() if x.found)))
+    return cause, lead, because
+
+
+def watch_text(c: Claim) -> str:
+    """What to watch for a bias on a healthy run: its head's timeline series and the W_Q gradient on later steps."""
+    return (f"layer {c.layer} head {c.head}'s max logit, repeated maxima and W_Q spectral norm in the timeline (train "
+            "with --alarm so that a jump records the next steps in full), and whether Σδ becomes significant on later "
+            "captures")
+
+
 def _fp8_cause(pcast: Optional[Fp8Conclusion]) -> Optional[Cause]:
     if pcast is None or not pcast.found:
         return None
@@ -120,8 +195,9 @@ def _timeline_cause(tl: Optional[TimelineConclusion]) -> Optional[Cause]:
     return Cause(tl.mechanism, f"{tl.name}{where}{when}", tl.summary, ("timeline",))
 
 
-def rounding_actions(fc: Optional[FixConclusion], iso: Optional[RepairConclusion]) -> list[Action]:
-    """What removes the rounding bias, the action that helps first; a fix only where fix-check found a bias."""
+def rounding_actions(fc: Optional[FixConclusion], iso: Optional[RepairConclusion], when: str = "") -> list[Action]:
+    """What removes the rounding bias, the action that helps first; a fix only where fix-check found a bias. `when`:
+    the condition the actions wait for (a healthy run's), said before each action that changes the attention."""
     out: list[Action] = []
     cautions: list[Action] = []
     fp32_pv = False
@@ -158,6 +234,8 @@ def rounding_actions(fc: Optional[FixConclusion], iso: Optional[RepairConclusion
         share = next((r.value for r in iso.repairs if r.name == name), float("nan"))
         out.append(Action(_cap(iso.action) + (" (P̄V, accumulator, stored O)" if name == "o-fp32" else ""),
                           f"isolate's {name} repair removes {_share(share)} of the Σδ bias"))
+    if when:
+        out = [Action(when + a.what[:1].lower() + a.what[1:], a.effect) for a in out]
     return out + cautions
 
 
@@ -188,6 +266,7 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
     pcast = by_name.get("pcast") if isinstance(by_name.get("pcast"), Fp8Conclusion) else None
     fc = by_name.get("fix-check") if isinstance(by_name.get("fix-check"), FixConclusion) else None
     iso = by_name.get("isolate") if isinstance(by_name.get("isolate"), RepairConclusion) else None
+    pv = by_name.get("pv-trace") if isinstance(by_name.get("pv-trace"), MechanismConclusion) else None
     untested = tuple(n for n, c in by_name.items() if not c.ran)
     ran = [n for n, c in by_name.items() if c.ran]
     fp32 = replay.fp32_run
@@ -196,7 +275,13 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
     rounding_cause = _rounding_cause(rounding, rank1) if not fp32 and trusted else None
     fp8 = _fp8_cause(pcast) if not fp32 else None
     causes: list[Cause] = []
-    if rounding_cause is not None and (instability is None or instability.mechanism in SHOWS_ROUNDING):
+    healthy = (rounding_cause is not None and instability is None and tl is not None and tl.quiet
+               and not (rank1 is not None and rank1.trend == "compounds"))
+    quiet_lead = ("", "")
+    if healthy:
+        quiet, *quiet_lead = _no_instability(tl, rounding, pv, fc)
+        causes = [quiet, rounding_cause]
+    elif rounding_cause is not None and (instability is None or instability.mechanism in SHOWS_ROUNDING):
         causes = [rounding_cause, *([instability] if instability else [])]
     else:
         causes = [c for c in (instability, rounding_cause) if c is not None]
@@ -204,7 +289,14 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
         causes.append(fp8)
     actions: list[Action] = []
     for cause in causes:
-        if cause.mechanism == ROUNDING:
+        if cause.mechanism == NO_INSTABILITY:
+            claim = next(c.claim for c in rounding.values() if c.found and c.claim is not None)
+            actions.append(Action(f"Nothing to act on while the run is healthy; watch {watch_text(claim)}",
+                                  "the timeline shows no instability, and the bias is small (its size and "
+                                  "uncertainty are in the first line)"))
+        elif cause.mechanism == ROUNDING and healthy:
+            actions += rounding_actions(fc, iso, "Should it start to matter (an alarm, or a significant Σδ): ")
+        elif cause.mechanism == ROUNDING:
             actions += rounding_actions(fc, iso)
         elif cause.mechanism == FP8:
             actions.append(Action(f"If attention runs in FP8: {pcast.action}",
@@ -223,6 +315,12 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
         others = ()
     headline, lead, because = _headline(cause, others, actions, fp32, untested, tl,
                                         len(pcast.borderline) if pcast is not None else 0)
+    if cause.mechanism == NO_INSTABILITY:
+        also = "".join(f" Also: {o.name}." for o in others if o.mechanism != ROUNDING)
+        lead, because = quiet_lead[0] + also, quiet_lead[1]
+        headline = f"{lead} {because}"
+    if tl is not None and tl.quiet and cause.mechanism not in (NO_INSTABILITY, NONE, CANNOT_TELL):
+        because += f" The timeline shows no instability over {tl.monitored} monitored steps (no alarm, no loss spike)."
     return Diagnosis(cause, others, tuple(actions), headline, fp32, lead, because)
 
 
@@ -254,6 +352,8 @@ def _headline(cause: Cause, others, actions, fp32: bool, untested, tl, borderlin
             text += (f" pcast cannot tell {borderline} head{'s' if borderline != 1 else ''} from its FP8 P-collapse "
                      "floor (borderline; its section says which).")
         return text, text, ""
+    if cause.mechanism == NO_INSTABILITY:  # its lines are composed by `_no_instability`
+        return "", "", ""
     todo = f" What to do: {actions[0].what[:1].lower() + actions[0].what[1:]}." if actions else ""
     also = "".join(f" Also: {o.name}." for o in others)
     what = _cap(cause.evidence) if cause.sections == ("timeline",) else f"{_cap(cause.name)}: {cause.evidence}"

@@ -106,7 +106,7 @@ h1{font-size:1.4em} h2{font-size:1.15em;border-bottom:1px solid #ccc;padding-bot
 .card.affected,.card.disagree{border-left-color:#D55E00;background:#fdf6e3}
 .card.unstable{border-left-color:#CC79A7;background:#fdf3f8}
 .card.fp8-only,.card.cannot-tell{border-left-color:#E69F00;background:#fffaf0}
-.card.not-affected{border-left-color:#009E73;background:#f3fbf7}
+.card.not-affected,.card.healthy{border-left-color:#009E73;background:#f3fbf7}
 .card .answer{font-size:1.3em;font-weight:600;margin:.2em 0 .3em} .card .because{margin:0 0 .6em}
 .card dt{font-weight:600;margin-top:.6em} .card dd{margin-left:1.2em} .card ul,.card ol{margin:.2em 0;padding-left:1.2em}
 .note{color:#a33} table{border-collapse:collapse;font-size:.88em;margin:.5em 0}

@@ -83,7 +83,8 @@ class Evidence:
 class Verdict:
     """The answer of the report, in fields the card and the one-line verdict both render."""
 
-    status: str  # "affected" | "disagree" | "unstable" | "fp8-only" | "cannot tell" | "not affected" | "no result"
+    status: str  # "affected" | "disagree" | "unstable" | "fp8-only" | "cannot tell" | "healthy" (a quiet monitored
+    # run whose rounding shows a bias to watch) | "not affected" | "no result"
     answer: str  # the diagnosis: what is wrong with this run and what to do
     where: str  # layer, head, step(s), feature ('' when nothing was found)
     findings: tuple[str, ...]  # one plain sentence per finding (timeline, bias, FP8)
@@ -326,6 +327,8 @@ def _status(d: Diagnosis, evidence: list[Evidence], disagreements: list[str]) ->
         return "no result" if d.cause.sections == () else "cannot tell"
     if mechanism == dx.NONE:
         return "not affected"
+    if mechanism == dx.NO_INSTABILITY:
+        return "healthy"
     return "unstable"
 
 
@@ -353,6 +356,9 @@ def build_verdict(sections) -> Verdict:
     findings = []
     if timeline is not None and getattr(timeline, "found", False):
         findings.append(f"The timeline shows {timeline.summary} (timeline).")
+    elif timeline is not None and getattr(timeline, "quiet", False):
+        findings.append(f"The timeline shows no instability over {timeline.monitored} monitored steps: no alarm, no "
+                        "loss spike, no attention-logit growth or entropy collapse (timeline).")
     if alarms:
         findings.append(_alarm_text(alarms)[:1].upper() + _alarm_text(alarms)[1:] + ".")
     findings += _plain_bias(delta, o, rank1, fit.preset if fit.fp32_run else "")
