@@ -7,7 +7,7 @@ import numpy as np
 from matplotlib.colors import SymLogNorm
 from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter
 
-from fa_forensics.analyses.wording import number
+from fa_forensics.analyses.wording import finite, number
 from fa_forensics.analyses.style import (
     COLORS, colorbar, diverging_norm, index_ticks, integer_ticks, legend_outside, new_panel_rows, save_figure, styled,
 )
@@ -55,8 +55,7 @@ def plot_rank1(result, path: Path) -> Path:
     c = np.asarray(result.cumulative_norms, dtype=np.float64)
     if c.size and (c > 0).all():  # a log axis needs positive values
         n = np.arange(1, len(c) + 1)
-        expo = number(result.accumulation_exponent, ".2f")
-        ax[4].loglog(n, c, "o-", color=COLORS["lowp"], label=f"‖Σ_(s≤n) E_s‖,\nexponent {expo}")
+        ax[4].loglog(n, c, "o-", color=COLORS["lowp"], label=accumulation_label(result))
         ax[4].loglog(n, c[0] * n, "--", color=COLORS["neutral"], label="slope 1\n(compounds)")
         ax[4].loglog(n, c[0] * np.sqrt(n), ":", color=COLORS["highp"], label="slope 0.5\n(washes out)")
         ax[4].xaxis.set_major_locator(MaxNLocator(nbins="auto", integer=True, min_n_ticks=1))
@@ -79,6 +78,18 @@ def plot_rank1(result, path: Path) -> Path:
     ax[5].set_ylabel("singular value")
     fig.suptitle(f"rank1-sim: layer {result.focus_layer} head {result.focus_head}")
     return save_figure(fig, path, caption(result))
+
+
+def accumulation_label(result) -> str:
+    """The legend of the accumulation curve: its exponent only where the verdict interprets it (a significant Σδ
+    claim, `compute.verdict`); otherwise why none is claimed."""
+    expo = result.accumulation_exponent
+    claim = getattr(result, "claim", None)
+    if not finite(expo):
+        return "‖Σ_(s≤n) E_s‖,\nexponent not measured"
+    if claim is not None and not claim.found:
+        return "‖Σ_(s≤n) E_s‖,\nno exponent claimed:\nno significant Σδ bias"
+    return f"‖Σ_(s≤n) E_s‖,\nexponent {number(expo, '.2f')}"
 
 
 def caption(result) -> str:

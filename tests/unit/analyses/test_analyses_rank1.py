@@ -57,3 +57,17 @@ def test_planted_standout_features_top_the_columns():
     assert len(r.tokens) == 3 * 4 and len(r.step_norms) == 3
     assert 0.0 < r.top_sv_ratio <= 1.0 and r.effective_rank >= 1.0
     assert not math.isnan(r.accumulation_exponent) and not math.isnan(r.cross_step_alignment)
+
+
+@pytest.mark.parametrize("found,exponent,said", [
+    (True, 1.01, "exponent 1.01"), (False, 1.01, "no exponent claimed"), (None, 0.52, "exponent 0.52"),
+    (True, float("nan"), "exponent not measured")])
+def test_the_accumulation_legend_claims_an_exponent_only_where_the_verdict_interprets_it(found, exponent, said):
+    from types import SimpleNamespace
+
+    from fa_forensics.analyses.rank1_sim.figure import accumulation_label
+
+    claim = None if found is None else SimpleNamespace(found=found)
+    label = accumulation_label(SimpleNamespace(accumulation_exponent=exponent, claim=claim))
+    assert said in label
+    assert ("1.01" in label) == (found is True and exponent == 1.01)
