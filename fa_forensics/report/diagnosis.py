@@ -319,8 +319,9 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
         also = "".join(f" Also: {o.name}." for o in others if o.mechanism != ROUNDING)
         lead, because = quiet_lead[0] + also, quiet_lead[1]
         headline = f"{lead} {because}"
-    if tl is not None and tl.quiet and cause.mechanism not in (NO_INSTABILITY, NONE, CANNOT_TELL):
-        because += f" The timeline shows no instability over {tl.monitored} monitored steps (no alarm, no loss spike)."
+    if tl is not None and tl.quiet and "no instability" not in headline:
+        because = (f"{because} The timeline shows no instability over {tl.monitored} monitored steps (no alarm, no "
+                   "loss spike).").strip()
     return Diagnosis(cause, others, tuple(actions), headline, fp32, lead, because)
 
 

@@ -107,6 +107,7 @@ def assert_one_story(secs, verdict, page: str) -> None:
     rounding = "biased-rounding" in verdict.causes
     assert rounding == (bias_found and precision != "fp32" and not too_few), (verdict.causes, verdict.answer)
     assert (verdict.status in ("affected", "disagree")) == (verdict.cause == "biased-rounding")
+    assert (verdict.status == "healthy") == (verdict.cause == "no-instability")
     if precision == "fp32":
         assert "fp8-p-collapse" not in verdict.causes and "stable_attention" not in card, card
         assert "its attention's rounding is not the cause" in verdict.answer or verdict.cause == "none"
@@ -134,8 +135,23 @@ def assert_one_story(secs, verdict, page: str) -> None:
     compounds = "(compounds)" in (data.get("rank1-sim") or {}).get("verdict", "")
     claims_compounding = "compounds" in said.replace("neither compounds nor washes out", "")
     assert claims_compounding == compounds and ("adds up" in said or "step after step" in said) <= compounds, said
+    # a quiet monitored timeline: the card says so; with a bias that does not compound, the run is healthy first
+    tl = data.get("timeline") or {}
+    diag = tl.get("diagnosis") or {}
+    quiet = bool(tl.get("steps")) and diag.get("mechanism") == "none" and not tl.get("alarms") \
+        and not tl.get("alarm_steps") and not tl.get("rule_alarms") and diag.get("loss_spike_step") is None
+    if quiet:
+        assert f"no instability over {len(tl['steps'])} monitored steps" in card, card
+    assert (verdict.cause == "no-instability") == (quiet and rounding and not compounds), (verdict.cause, quiet)
+    if verdict.cause == "no-instability":
+        assert verdict.status == "healthy" and verdict.lead.startswith("No instability in this run")
+        assert verdict.actions[0].what.startswith("Nothing to act on while the run is healthy")
+        assert not any(a.what.startswith(("Replace", "Keep", "Use")) for a in verdict.actions), verdict.actions
+        o = next((e for e in verdict.evidence if e.quantity == "O" and e.found), None)
+        if o is not None:  # the bias named with its size and where
+            assert f"layer {o.layer} head {o.head} feature {o.feature} ({o.effect:.2g} ± " in verdict.lead
     # the first action is what helps, as isolate and fix-check measured it
-    if rounding:
+    if rounding and verdict.cause == "biased-rounding":
         first = verdict.actions[0]
         assert not first.what.startswith(("The stabilized softmax alone", "Capture more", "Do not use")), first
         dep = (fc or {}).get("deployment") or {}
