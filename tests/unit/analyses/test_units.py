@@ -125,35 +125,39 @@ def test_a_bias_confined_to_tied_rows_is_found_there(tmp_path):
 
 
 def test_a_variant_is_judged_in_the_baselines_family():
-    from fa_forensics.analyses.fix_check.compute import _variants_in_family
+    from fa_forensics.analyses.fix_check.compute import _variants_in_family, one_family
     from fa_forensics.analyses.quantities import BiasCell
     from fa_forensics.analyses.significance import holm
 
     cells = [BiasCell(0, 0, f, 1e-3, 1e-4, p, 0.5, 100, 1e-2, p) for f, p in enumerate(np.geomspace(1e-4, 0.5, 16))]
     family = Family(o_cells=len(cells))
-    joint, adjusted = _variants_in_family(cells, [1e-4, 0.5], family)
+    joint = one_family(family, 2)
+    adjusted = _variants_in_family(cells, [1e-4, 0.5], joint)
     assert joint.n_tests == family.n_tests + 4 and joint.o_cells == family.o_cells
     # a variant as significant as the baseline's best cell is adjusted no less than that cell is in the family
-    base_adjusted = holm([c.tested_p for c in cells], family.n_tests)[0]
+    base_adjusted = holm([c.tested_p for c in cells], joint.n_tests)[0]
     assert adjusted[0] >= base_adjusted
     assert adjusted[1] == 1.0
 
 
 @pytest.mark.slow
-def test_fix_check_never_calls_a_variant_still_biased_where_the_baseline_has_no_bias():
-    from pathlib import Path
-
+def test_fix_check_never_calls_a_variant_still_biased_where_the_baseline_has_no_bias(tmp_path):
+    from fa_forensics.analyses.quantities import selection_family
     from fa_forensics.analyses.registry import BY_NAME
     from fa_forensics.dump import open_dump
     from fa_forensics.fidelity.recipe import Recipe
     from fa_forensics.layers.selection import select
+    from fa_forensics.planted import SynthSpec, synth
 
-    dump = open_dump(Path(__file__).resolve().parents[3] / "sample_dumps" / "demo.zarr")
+    # the tied null above: rows one by one would claim a bias, units do not
+    synth(tmp_path / "null.zarr", SynthSpec(seq=128, heads=2, head_dim=16, batch=2, steps=2, ties=2, v_skew=0.5,
+                                            seed=3))
+    dump = open_dump(tmp_path / "null.zarr")
     fc = BY_NAME["fix-check"].compute(dump, select(dump), Recipe(), "emulate", **BY_NAME["fix-check"].defaults())
     variants = [fc.fixed, *fc.alternatives]
     assert not fc.has_bias and fc.outcome == "no-bias" and fc.exit_code == 0
     assert not any(v.still_biased for v in variants)
-    # one family: the baseline's tests and two per variant; no variant adjusted below the family's smallest p
-    assert fc.family.n_tests == fc.claim.n_tests + 2 * len(variants)
+    # one family, the baseline's claim's and the printed one: the selection's tests and two per variant
+    assert fc.family.n_tests == fc.claim.n_tests == selection_family(dump, select(dump)).n_tests + 2 * len(variants)
     assert all(v.o_bias_adjusted_p >= min(v.o_bias_p * 2, 1.0) for v in variants)
     assert "still biased: " not in fc.verdict
