@@ -234,9 +234,8 @@ def rounding_actions(fc: Optional[FixConclusion], iso: Optional[RepairConclusion
         share = next((r.value for r in iso.repairs if r.name == name), float("nan"))
         out.append(Action(_cap(iso.action) + (" (P̄V, accumulator, stored O)" if name == "o-fp32" else ""),
                           f"isolate's {name} repair removes {_share(share)} of the Σδ bias"))
-    if when:
-        out = [Action(when + a.what[:1].lower() + a.what[1:], a.effect) for a in out]
-    return out + cautions
+    out += cautions
+    return [Action(when + a.what[:1].lower() + a.what[1:], a.effect) for a in out] if when else out
 
 
 def _cannot_tell(replay: ReplayConclusion, tl: Optional[TimelineConclusion], untested: tuple[str, ...],
@@ -319,7 +318,7 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
         also = "".join(f" Also: {o.name}." for o in others if o.mechanism != ROUNDING)
         lead, because = quiet_lead[0] + also, quiet_lead[1]
         headline = f"{lead} {because}"
-    if tl is not None and tl.quiet and "no instability" not in headline:
+    if tl is not None and tl.quiet and "no instability" not in headline.lower():
         because = (f"{because} The timeline shows no instability over {tl.monitored} monitored steps (no alarm, no "
                    "loss spike).").strip()
     return Diagnosis(cause, others, tuple(actions), headline, fp32, lead, because)

@@ -108,7 +108,7 @@ def test_match_reproduces_every_layer_of_the_demo_dump(tmp_path):
     res = CliRunner().invoke(app, ["match", str(DEMO), "--json", str(out)])
     assert res.exit_code == 0, res.output
     layers = json.loads(out.read_text())["layers"]
-    assert len(layers) == 8  # steps 296-299, layers 1 and 3
+    assert len(layers) == 8  # steps 56-59, layers 1 and 3
     assert all(lm["best"] == {"preset": "bf16-autocast-train", "accumulation": "ieee",
                               "o_bits_equal": 1.0, "max_ulp": 0} for lm in layers)
 

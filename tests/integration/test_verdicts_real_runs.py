@@ -181,10 +181,10 @@ def test_the_demo_capture_is_answered_by_the_match_it_carries_and_left_untouched
     cache = tmp_path / "cache"
     try:
         before = _snapshot(store)
-        d, _ = _json(["match", str(store), "--step", "299", "--match-cache", str(cache)], tmp_path)
+        d, _ = _json(["match", str(store), "--step", "59", "--match-cache", str(cache)], tmp_path)
         assert all(layer["best"]["preset"] == "bf16-autocast-train" for layer in d["layers"])
         assert not cache.exists()  # every layer-step answered by the fingerprinted in-dump cache
-        d, _ = _json(["delta-bias", str(store), "--step", "299", "--layer", "1", "--match-cache", "off"], tmp_path)
+        d, _ = _json(["delta-bias", str(store), "--step", "59", "--layer", "1", "--match-cache", "off"], tmp_path)
         assert d["replay_fidelity"]["o_bits_equal"] == 1.0
         assert match_cache.cache_dir() is not None  # the option held for that command only
         assert _snapshot(store) == before

@@ -86,7 +86,7 @@ def _layers(tmp_path: Path):
     planted = open_dump(REPO / "sample_dumps" / "planted.zarr")
     demo = open_dump(REPO / "sample_dumps" / "demo.zarr")
     yield planted, 0, 0
-    yield demo, 296, 1
+    yield demo, 56, 1
     for device in ("unknown", "cpu"):
         dump = open_dump(_gpu_dump(tmp_path, device))
         for layer in (0, 1, 2):

@@ -396,3 +396,9 @@ def test_a_quiet_timeline_does_not_hide_a_compounding_bias_or_an_alarm():
     alarmed[0].data["alarms"] = [{"step": 70, "metric": "near_max_ties", "layer": 0, "head": 1, "value": 38}]
     v = build_verdict(alarmed)
     assert v.cause == "biased-rounding" and "no instability over" not in v.because
+
+
+def test_a_quiet_timeline_is_said_once():
+    v = build_verdict([_timeline_section(found=False), *_small_bias_not_the_mechanism(_planted_like(False))])
+    said = " ".join([v.lead, v.because]).lower()
+    assert said.count("no instability") == 1 and said.count("loss spike") == 2  # the lead's and the evidence's
