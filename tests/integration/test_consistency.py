@@ -223,6 +223,9 @@ def test_every_bundled_dump_tells_one_story(name, tmp_path):
     assert " ".join(res.output.split()).endswith(" ".join(v.line().removeprefix("VERDICT: ").split()))
     if name == "planted.zarr":
         assert v.cause == "biased-rounding" and v.where.startswith("layer 0 head 1")
+    if name == "demo.zarr":  # a healthy monitored run: its small O bias is named, not blamed
+        assert v.cause == "no-instability" and v.status == "healthy" and "card healthy" in page
+        assert v.lead.startswith("No instability in this run: its monitored timeline is quiet over 60 steps")
     for s in d["sections"]:  # no section's sentence contradicts a card that found no bias
         if v.cause in ("none", "cannot-tell"):
             assert "DOES NOT REMOVE" not in (s["json"] or {}).get("verdict", "")
