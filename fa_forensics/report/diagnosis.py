@@ -106,15 +106,18 @@ def _rounding_cause(rounding: dict[str, Conclusion], rank1: Optional[Compounding
     return Cause(ROUNDING, f"biased rounding in P̄V at {where}", "; ".join(parts), tuple(found))
 
 
-def _size(c: Claim) -> str:
-    """'O −: -3.07e-05 ± 6.1e-06, 0.059 ± 0.012 of a rounding unit, Holm p 0.00088' (the effect's se scaled from the
-    bias's)."""
-    name = "O" if c.quantity == "O" else "Σδ"
+def _effect(c: Claim) -> str:
+    """'0.059 ± 0.012 of a rounding unit' (the effect's se scaled from the bias's)."""
     effect_se = c.effect * c.se / abs(c.value) if finite(c.effect) and finite(c.se) and c.value else math.nan
-    unit = (f"{number(c.effect, '.2g')} ± {number(effect_se, '.2g')}" if finite(effect_se)
-            else number(c.effect, '.2g'))
-    return (f"{name} {'+' if c.sign > 0 else '−'}: {number(c.value, '+.3g')} ± {number(c.se, '.2g')}, {unit} of a "
-            f"rounding unit, Holm p {number(c.adjusted_p, '.2g')}")
+    return (f"{number(c.effect, '.2g')} ± {number(effect_se, '.2g')}" if finite(effect_se)
+            else number(c.effect, '.2g')) + " of a rounding unit"
+
+
+def _size(c: Claim) -> str:
+    """'O −: -3.07e-05 ± 6.1e-06, 0.059 ± 0.012 of a rounding unit, Holm p 0.00088'."""
+    name = "O" if c.quantity == "O" else "Σδ"
+    return (f"{name} {'+' if c.sign > 0 else '−'}: {number(c.value, '+.3g')} ± {number(c.se, '.2g')}, {_effect(c)}, "
+            f"Holm p {number(c.adjusted_p, '.2g')}")
 
 
 def mechanism_text(pv: Optional[MechanismConclusion], fc: Optional[FixConclusion]) -> tuple[Optional[bool], str]:
@@ -151,27 +154,27 @@ def _no_instability(tl: TimelineConclusion, rounding: dict[str, Conclusion], pv:
     rows = " in the rows whose maximum repeats" if c.subset == "tied rows" else ""
     explains, evidence = mechanism_text(pv, fc) if c.quantity == "O" else (None, "")
     steps = f"{tl.monitored} step{'s' if tl.monitored != 1 else ''}"
-    effect_se = c.effect * c.se / abs(c.value) if finite(c.effect) and finite(c.se) and c.value else math.nan
-    size = (f"{number(c.effect, '.2g')} ± {number(effect_se, '.2g')}" if finite(effect_se)
-            else number(c.effect, '.2g')) + " of a rounding unit"
+    size = _effect(c)
     what = {True: "is the paper's tied-maximum mechanism", False: "is not the paper's tied-maximum mechanism",
-            None: "may or may not be the paper's tied-maximum mechanism"}[explains]
+            None: "; whether the paper's tied-maximum mechanism explains it is not shown"}[explains]
     lead = (f"No instability in this run: its monitored timeline is quiet over {steps} (no alarm, no loss spike). "
-            f"A small rounding bias at {where}{rows} ({size}) {what}" + (f" ({evidence})" if evidence else "")
+            f"A small rounding bias at {where}{rows} ({size}){'' if explains is None else ' '}{what}"
+            + (f" ({evidence})" if evidence else "")
             + f". Nothing to act on while the run is healthy: watch layer {c.layer} head {c.head}.")
     because = (f"Evidence: the timeline shows no attention-logit growth, entropy collapse, output-logit drift or loss "
                f"spike over {steps}; the bias: {_size(c)}. What to watch: {watch_text(c)}.")
     cause = Cause(NO_INSTABILITY, f"no instability in the monitored timeline over {steps}",
-                  f"a small rounding bias at {where}{rows} ({_size(c)}) {what}", ("timeline", *(
-                      n for n, x in rounding.items() if x.found)))
+                  f"a small rounding bias at {where}{rows} ({_size(c)}){'' if explains is None else ' '}{what}",
+                  ("timeline", *(n for n, x in rounding.items() if x.found)))
     return cause, lead, because
 
 
 def watch_text(c: Claim) -> str:
     """What to watch for a bias on a healthy run: its head's timeline series and the W_Q gradient on later steps."""
+    later = ("whether its Σδ keeps its sign on later captures" if c.quantity == "delta"
+             else "whether Σδ becomes significant on later captures")
     return (f"layer {c.layer} head {c.head}'s max logit, repeated maxima and W_Q spectral norm in the timeline (train "
-            "with --alarm so that a jump records the next steps in full), and whether Σδ becomes significant on later "
-            "captures")
+            f"with --alarm so that a jump records the next steps in full), and {later}")
 
 
 def _fp8_cause(pcast: Optional[Fp8Conclusion]) -> Optional[Cause]:

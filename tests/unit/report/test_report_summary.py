@@ -402,3 +402,11 @@ def test_a_quiet_timeline_is_said_once():
     v = build_verdict([_timeline_section(found=False), *_small_bias_not_the_mechanism(_planted_like(False))])
     said = " ".join([v.lead, v.because]).lower()
     assert said.count("no instability") == 1 and said.count("loss spike") == 2  # the lead's and the evidence's
+
+
+def test_a_quiet_run_whose_bias_is_a_sigma_delta_names_its_step_and_watches_its_sign():
+    v = build_verdict([_timeline_section(found=False), *_planted_like(delta_found=True, o_found=False)])
+    assert v.cause == "no-instability" and "A small rounding bias at layer 0 head 1 step 0 (" in v.lead
+    assert "(0.2 ± 0.024 of a rounding unit); whether the paper's tied-maximum mechanism explains it is not shown. " \
+        in v.lead  # pv-trace and fix-check measure the O bias
+    assert "whether its Σδ keeps its sign on later captures" in v.because
