@@ -12,9 +12,8 @@ from typer.testing import CliRunner
 import fa_forensics
 from fa_forensics.analyses.registry import BY_NAME
 from fa_forensics.cli import app
-from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
-from tiny_training import train_step
+from tiny_training import monitored_run, tiny_gpt
 
 runner = CliRunner()
 N_STEPS = 16
@@ -24,16 +23,7 @@ N_STEPS = 16
 def monitored(tmp_path_factory):
     """A real monitored run of the tiny demo GPT (bf16 flash attention): 16 steps, 2 layers × 2 heads."""
     out = tmp_path_factory.mktemp("tl") / "run.zarr"
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    with fa_forensics.capture(model, out=out, steps=[N_STEPS - 1], layers=[0], monitor_every=1):
-        for _ in range(N_STEPS):
-            loss = train_step(model, opt, gen)
-            losses.append(loss.item())
-    return out, losses
+    return out, monitored_run(out, N_STEPS, steps=[N_STEPS - 1], layers=[0], monitor_every=1)
 
 
 @pytest.mark.slow  # about 3 s of CPU or more
@@ -67,8 +57,7 @@ def test_timeline_prints_table_writes_figures_and_json(monitored, tmp_path):
 
 def test_timeline_of_a_store_without_one_is_one_line(tmp_path):
     out = tmp_path / "plain.zarr"
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    model = tiny_gpt(n_layer=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with fa_forensics.capture(model, out=out, steps=[0]):
         _, loss = model(torch.randint(0, 256, (1, 32)), torch.randint(0, 256, (1, 32)))

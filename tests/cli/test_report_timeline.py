@@ -4,36 +4,25 @@ timeline section."""
 from __future__ import annotations
 
 import json
-import math
 import warnings
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
-import fa_forensics
 from fa_forensics.cli import app
-from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
 from fa_forensics.report.run import NO_STEP_NOTE, SECTIONS, run_all
-from tiny_training import train_step
+from tiny_training import monitored_run
 
 STEPS, NAN_AT = 10, 7
 
 
 def _timeline_only(tmp_path):
     """A real monitored run (tiny demo GPT) whose loss goes NaN at step NAN_AT: the alarm fires there."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
     out = tmp_path / "timeline_only.zarr"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=True, alarm_steps=0) as cap:
-            for step in range(STEPS):
-                loss = train_step(model, opt, gen)
-                cap.step(math.nan if step == NAN_AT else loss)
+        monitored_run(out, STEPS, nan_at=NAN_AT, steps=None, monitor_every=1, alarm=True, alarm_steps=0)
     return out
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import typer
 
 try:  # recent typer versions carry their own copy of click
@@ -32,6 +33,7 @@ def _commands():
     return {name: group.get_command(root, name) for name in group.list_commands(root)}
 
 
+@pytest.mark.slow  # mkdocs builds the whole site in a subprocess: about 8 s of CPU
 def test_site_builds_strict(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}

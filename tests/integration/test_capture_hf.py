@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_hf import capture_training, padded_batch, tiny_gpt2, tiny_llama
 from toolchain import NEEDS_CXX
 
 import fa_forensics
@@ -18,32 +19,11 @@ from fa_forensics.dump import open_dump
 T = 16
 
 
-
-
-def _gpt2(attn_pdrop=0.0, n_layer=2):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=n_layer, n_head=2, attn_pdrop=attn_pdrop,
-                     resid_pdrop=0.0,
-                     embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(cfg)
-
-
-def _batch():
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, T), generator=gen)
-    attention_mask = torch.ones(2, T, dtype=torch.long)
-    attention_mask[1, :5] = 0  # sample 1 is left-padded by 5 tokens
-    return ids, attention_mask
-
-
 def _train(model, steps, session=None, compiled=False):
     """Real AdamW steps under bf16 autocast on a padded batch; the losses (tensors)."""
     forward = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids, attention_mask = _batch()
+    ids, attention_mask = padded_batch(T)
     losses = []
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -72,7 +52,7 @@ def _check_masked_layers(dump, step):
 
 def test_gpt2_padding_mask_is_recorded_and_reproduces_o_eager(tmp_path):
     out = tmp_path / "gpt2.zarr"
-    model = _gpt2()
+    model = tiny_gpt2(T)
     with fa_forensics.capture(model, out=out, steps=[1], batch=None) as cap:
         _train(model, 2, cap)
     dump = open_dump(out)
@@ -84,10 +64,10 @@ def test_gpt2_padding_mask_is_recorded_and_reproduces_o_eager(tmp_path):
 @pytest.mark.slow
 def test_gpt2_compiled_with_padding_mask_is_bit_equal_with_capture(tmp_path):
     torch._dynamo.reset()
-    plain = _train(_gpt2(n_layer=1), 3, compiled=True)  # one block: compiling is the cost of this test
+    plain = _train(tiny_gpt2(T, n_layer=1), 3, compiled=True)  # one block: compiling is the cost of this test
     torch._dynamo.reset()
     out = tmp_path / "gpt2c.zarr"
-    model = _gpt2(n_layer=1)
+    model = tiny_gpt2(T, n_layer=1)
     with fa_forensics.capture(model, out=out, steps=[1], batch=None) as cap:
         captured = _train(model, 3, cap, compiled=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, captured))
@@ -97,17 +77,11 @@ def test_gpt2_compiled_with_padding_mask_is_bit_equal_with_capture(tmp_path):
 
 
 def test_llama_grouped_query_attention_is_expanded_per_query_head(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(T)
     kv_seen = {}
     hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, y, i=i: kv_seen.__setitem__(i, y.detach()))
              for i, layer in enumerate(model.model.layers)]
-    ids, _ = _batch()
+    ids, _ = padded_batch(T)
     out = tmp_path / "llama.zarr"
     with fa_forensics.capture(model, out=out, steps=[0], batch=None, step_by="manual") as cap:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -179,7 +153,7 @@ def test_analyses_apply_the_recorded_mask_and_warn_about_dropout(tmp_path):
     from fa_forensics.cli import app
 
     out, report = tmp_path / "drop.zarr", tmp_path / "delta.json"
-    model = _gpt2(attn_pdrop=0.1)
+    model = tiny_gpt2(T, attn_pdrop=0.1)
     with fa_forensics.capture(model, out=out, steps=[0], batch=None) as cap:
         _train(model, 1, cap)
     dump = open_dump(out)
@@ -217,18 +191,8 @@ def _eager_model(name):
 
 
 def _capture_eager(tmp_path, name, bf16):
-    out = tmp_path / f"{name}.zarr"
-    model = _eager_model(name)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with fa_forensics.capture(model, out=out, steps=[0], batch=None) as cap:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        cap.step(loss)
-    return out
+    return capture_training(_eager_model(name), tmp_path / f"{name}.zarr", ids, steps=1, record=[0], autocast=bf16)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tiny_hf import capture_training, tiny_gpt2
 from typer.testing import CliRunner
 
 import fa_forensics
@@ -31,24 +32,8 @@ runner = CliRunner()
 
 def _capture_gpt2(out: Path, *, attn_pdrop: float, autocast: bool) -> Path:
     """Two real AdamW steps of a 2-layer GPT-2 under capture; step 1 recorded."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=2, n_head=2, attn_pdrop=attn_pdrop,
-                     resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1))
-    with fa_forensics.capture(model, out=out, steps=[1], batch=None) as cap:
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            cap.step(loss)
-    return out
+    return capture_training(tiny_gpt2(T, attn_pdrop=attn_pdrop), out, ids, steps=2, record=[1], autocast=autocast)
 
 
 @pytest.fixture(scope="module")

@@ -44,3 +44,12 @@ def _interpreter_compat():
     interpreter_compat.install()
     yield
     interpreter_compat.uninstall()
+
+
+@pytest.fixture
+def aligned(monkeypatch):
+    """The emulator's exp as the kernels' exp2(fp32(x·log2 e)) for one test: both sides then round 2ˣ once alike."""
+    import interpreter_compat
+
+    with interpreter_compat.align_emulator_exp(monkeypatch):
+        yield

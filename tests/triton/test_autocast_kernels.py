@@ -12,18 +12,12 @@ Shapes: B 1, H 2, T 50 (not a multiple of the block), D 32.
 import pytest
 import torch
 
-import interpreter_compat
+from kernel_pairs import exact_fraction, triton_and_emulator
 from fa_forensics.errors import UserError
 from fa_forensics.numerics import ulp_distance
 from fa_forensics.replay import ReplayConfig, replay
 
 B, H, T, D = 1, 2, 50, 32
-
-
-@pytest.fixture
-def aligned(monkeypatch):
-    with interpreter_compat.align_emulator_exp(monkeypatch):
-        yield
 
 
 def _inputs(seed=0, planted=False):
@@ -41,17 +35,6 @@ def _inputs(seed=0, planted=False):
     return q, k, v, do
 
 
-def _both(cfg, inputs, causal=True):
-    q, k, v, do = inputs
-    tri = replay(q, k, v, cfg, do, backend="triton", causal=causal)
-    emu = replay(q, k, v, cfg, do, backend="emulate", causal=causal)
-    return tri, emu
-
-
-def _exact_fraction(a, b):
-    return (a.float() == b.float()).float().mean().item()
-
-
 def _assert_bit_exact(tri, emu, name):
     """O, lse, δ, dV and the statistics bit for bit; dQ, dK ≥ 95% bit-identical, ≤ 4e-7 of max|g|."""
     assert tri.o.dtype == emu.o.dtype and tri.backend == "triton" and tri.accumulation == "ieee"
@@ -59,7 +42,7 @@ def _assert_bit_exact(tri, emu, name):
         assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f"{name}: {f} differs"
     for f in ("dq", "dk"):
         a, b = getattr(tri, f), getattr(emu, f)
-        assert _exact_fraction(a, b) >= 0.95, f"{name}: {f} exact fraction {_exact_fraction(a, b)}"
+        assert exact_fraction(a, b) >= 0.95, f"{name}: {f} exact fraction {exact_fraction(a, b)}"
         assert (a - b).abs().max() <= 4e-7 * b.abs().max(), f"{name}: {f}"
     assert tri.stats.total() == emu.stats.total(), name
 
@@ -92,7 +75,7 @@ def test_autocast_knob_bit_exact_with_aligned_exp(aligned, name, preset, changes
     cfg = ReplayConfig.preset(preset).with_(**({"block_m": 16, "block_n": 16} | changes))
     stabilized = cfg.softmax.value == "stabilized"
     inputs = _inputs(planted=stabilized)
-    tri, emu = _both(cfg, inputs)
+    tri, emu = triton_and_emulator(cfg, inputs)
     _assert_bit_exact(tri, emu, name)
     # the knob really acts: the same replay with S, m, ℓ and the rescale in fp32 gives other bits
     fp32_twin = cfg.with_(s_dtype="fp32", stats_dtype="fp32", rescale_dtype="fp32")
@@ -106,7 +89,7 @@ def test_autocast_knob_bit_exact_with_aligned_exp(aligned, name, preset, changes
 def test_bf16_autocast_preset_blocks_non_causal(aligned):
     """The preset as shipped (block_m 512 → 128 per program, one KV block of 512 ≥ T), no mask."""
     cfg = ReplayConfig.preset("bf16-autocast")
-    tri, emu = _both(cfg, _inputs(seed=1), causal=False)
+    tri, emu = triton_and_emulator(cfg, _inputs(seed=1), causal=False)
     _assert_bit_exact(tri, emu, "bf16-autocast non-causal")
 
 
@@ -136,8 +119,8 @@ def test_bf16_autocast_real_exponentials_within_stated_ulps():
     1 bf16 ulp; lse within 2e-6 relative; fp32 gradients within 1e-4 of max |g|."""
     for softmax in ("standard", "stabilized"):
         cfg = ReplayConfig.preset("bf16-autocast").with_(block_m=16, block_n=16, softmax=softmax)
-        tri, emu = _both(cfg, _inputs(seed=3, planted=softmax == "stabilized"))
-        assert _exact_fraction(tri.o, emu.o) >= 0.98, softmax
+        tri, emu = triton_and_emulator(cfg, _inputs(seed=3, planted=softmax == "stabilized"))
+        assert exact_fraction(tri.o, emu.o) >= 0.98, softmax
         assert ulp_distance(tri.o.float(), emu.o.float(), "bf16").abs().max() <= 1, softmax
         torch.testing.assert_close(tri.lse, emu.lse, rtol=2e-6, atol=0)
         for f in ("dq", "dk", "dv"):
@@ -160,5 +143,5 @@ def test_the_reference_loop_and_backward_are_refused_where_they_change_the_bits(
         replay(q, k, v, ReplayConfig.preset("bf16-autocast-train"), do, backend="triton")
     # with the standard softmax the loop as run is exact: the training recipe's forward runs
     cfg = ReplayConfig.preset("bf16-autocast-train").with_(block_m=16, block_n=16)
-    tri, emu = _both(cfg, (q, k, v, None))
+    tri, emu = triton_and_emulator(cfg, (q, k, v, None))
     assert torch.equal(tri.o, emu.o)

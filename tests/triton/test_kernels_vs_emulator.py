@@ -10,17 +10,12 @@ import pytest
 import torch
 
 import interpreter_compat
+from kernel_pairs import exact_fraction, triton_and_emulator
 from fa_forensics.errors import UserError
 from fa_forensics.replay import ReplayConfig, replay
 
 B, H, T, D = 1, 2, 50, 32
 FIELDS = ("o", "lse", "delta", "dq", "dk", "dv")
-
-
-@pytest.fixture
-def aligned(monkeypatch):
-    with interpreter_compat.align_emulator_exp(monkeypatch):
-        yield
 
 
 def _inputs(seed=0, planted=False):
@@ -30,17 +25,6 @@ def _inputs(seed=0, planted=False):
         k[..., 1, :] = k[..., 0, :]
         q = q * 0.3 + 2.0 * k[..., :1, :]
     return q, k, v, do
-
-
-def _both(cfg, inputs, causal=True):
-    q, k, v, do = inputs
-    tri = replay(q, k, v, cfg, do, backend="triton", causal=causal)
-    emu = replay(q, k, v, cfg, do, backend="emulate", causal=causal)
-    return tri, emu
-
-
-def _exact_fraction(a, b):
-    return (a.float() == b.float()).float().mean().item()
 
 
 # (id, preset, changes). Blocks of 16 unless the knob is the tiling itself.
@@ -69,7 +53,7 @@ KNOBS = [
 @pytest.mark.parametrize("name,preset,changes", KNOBS, ids=[k[0] for k in KNOBS])
 def test_knob_bit_exact_with_aligned_exp(aligned, name, preset, changes):
     cfg = ReplayConfig.preset(preset).with_(**({"block_m": 16, "block_n": 16} | changes))
-    tri, emu = _both(cfg, _inputs(planted="stabilized" in name))
+    tri, emu = triton_and_emulator(cfg, _inputs(planted="stabilized" in name))
     assert tri.o.dtype == emu.o.dtype and tri.backend == "triton" and tri.accumulation == "ieee"
     for f in FIELDS:  # every output bit for bit, the gradients included
         assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f"{name}: {f} differs"
@@ -82,15 +66,15 @@ def test_fp8_exponent_offset_within_ulps(aligned):
     """FA3's exponent offset: the kernel adds log2 S in the exp2 domain, the emulator ln S before
     exp, so P·S may differ by an fp32 ulp before the e4m3 cast: O within 1e-3 relative."""
     cfg = ReplayConfig.preset("fp8-s256").with_(block_m=16, block_n=16)
-    tri, emu = _both(cfg, _inputs())
-    assert _exact_fraction(tri.o, emu.o) >= 0.9
+    tri, emu = triton_and_emulator(cfg, _inputs())
+    assert exact_fraction(tri.o, emu.o) >= 0.9
     torch.testing.assert_close(tri.o, emu.o, rtol=1e-3, atol=1e-5)
     assert tri.stats.total()["p_one_count"] == emu.stats.total()["p_one_count"]
 
 
 def test_non_causal(aligned):
     cfg = ReplayConfig.preset("bf16").with_(block_m=16, block_n=16)
-    tri, emu = _both(cfg, _inputs(), causal=False)
+    tri, emu = triton_and_emulator(cfg, _inputs(), causal=False)
     for f in ("o", "lse", "delta", "dv"):
         assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f
 
@@ -101,8 +85,8 @@ def test_real_exponentials_within_stated_ulps():
     from fa_forensics.numerics import ulp_distance
 
     cfg = ReplayConfig.preset("bf16").with_(block_m=16, block_n=16)
-    tri, emu = _both(cfg, _inputs(seed=3))
-    assert _exact_fraction(tri.o, emu.o) >= 0.98
+    tri, emu = triton_and_emulator(cfg, _inputs(seed=3))
+    assert exact_fraction(tri.o, emu.o) >= 0.98
     assert ulp_distance(tri.o.float(), emu.o.float(), "bf16").abs().max() <= 1
     torch.testing.assert_close(tri.lse, emu.lse, rtol=2e-6, atol=0)
     for f in ("dq", "dk", "dv"):
@@ -139,7 +123,7 @@ def test_tensor_core_dots_bit_exact_with_aligned_exp(aligned, monkeypatch, name,
     interpreter_compat.use_tensor_cores(monkeypatch, "h100")
     cfg = ReplayConfig.preset(preset).with_(**({"block_m": 16, "block_n": 16, "accumulation": "tensor-core"} | changes))
     inputs = _inputs()
-    tri, emu = _both(cfg, inputs)
+    tri, emu = triton_and_emulator(cfg, inputs)
     for f in FIELDS:
         assert torch.equal(getattr(tri, f).float(), getattr(emu, f).float()), f"{name}: {f} differs"
     ieee = replay(*inputs[:3], cfg.with_(accumulation="ieee"), inputs[3], backend="emulate")

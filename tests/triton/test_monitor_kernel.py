@@ -7,16 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from grid_inputs import grid_inputs
 from fa_forensics.monitor import head_statistics
-
-
-def _grid_inputs(seed, B, H, T, Tk, D, spread):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8 * spread, 8 * spread + 1, (B, H, T, D), generator=g) / 8.0
-    k = torch.randint(-16, 17, (B, H, Tk, D), generator=g) / 8.0
-    k[:, 1, 9] = k[:, 1, 5]  # head 1: two identical keys, queries from 9 on aligned with them
-    q[:, 1, 9:] = k[:, 1, 5].unsqueeze(1)
-    return q.bfloat16(), k.bfloat16()
 
 
 CASES = [  # (B, H, T, Tk, D, causal, score_dtype, p_dtype, spread)
@@ -30,7 +22,7 @@ CASES = [  # (B, H, T, Tk, D, causal, score_dtype, p_dtype, spread)
 
 @pytest.mark.parametrize("B, H, T, Tk, D, causal, score_dtype, p_dtype, spread", CASES)
 def test_fused_kernel_counts_equal_the_torch_reference(B, H, T, Tk, D, causal, score_dtype, p_dtype, spread):
-    q, k = _grid_inputs(T + Tk + D, B, H, T, Tk, D, spread)
+    q, k = grid_inputs(T + Tk + D, B, H, T, Tk, D, spread)
     kw = dict(scale=D ** -0.5, causal=causal, eps=1e-3, p_dtype=p_dtype, score_dtype=score_dtype)
     fused = head_statistics(q, k, backend="triton", **kw)
     torch_ = head_statistics(q, k, backend="torch", **kw)

@@ -7,19 +7,11 @@ order, so a count difference is a logic difference."""
 import pytest
 import torch
 
+from grid_inputs import grid_inputs
 from fa_forensics.monitor import head_statistics
 from fa_forensics.monitor.lse_stats import head_stats_from_lse
 from fa_forensics.monitor.sampled import sample_rows, sampled_rows
 from fa_forensics.replay.triton import fast_attention as fast
-
-
-def _grid_inputs(seed, B, H, T, Tk, D, spread):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8 * spread, 8 * spread + 1, (B, H, T, D), generator=g) / 8.0
-    k = torch.randint(-16, 17, (B, H, Tk, D), generator=g) / 8.0
-    k[:, 1, 9] = k[:, 1, 5]  # head 1: two identical keys, queries from 9 on aligned with them
-    q[:, 1, 9:] = k[:, 1, 5].unsqueeze(1)
-    return q.bfloat16(), k.bfloat16()
 
 
 CASES = [  # (B, H, T, Tk, D, causal, score_dtype, n)
@@ -31,7 +23,7 @@ CASES = [  # (B, H, T, Tk, D, causal, score_dtype, n)
 
 @pytest.mark.parametrize("B, H, T, Tk, D, causal, score_dtype, n", CASES)
 def test_sampled_rows_of_the_kernel_equal_the_torch_path(B, H, T, Tk, D, causal, score_dtype, n):
-    q, k = _grid_inputs(T + Tk + n, B, H, T, Tk, D, 2)
+    q, k = grid_inputs(T + Tk + n, B, H, T, Tk, D, 2)
     rows = sample_rows(B, T, n, torch.Generator().manual_seed(n))
     kw = dict(scale=D ** -0.5, causal=causal, eps=1e-3, p_dtype=torch.bfloat16, score_dtype=score_dtype)
     kernel, torch_ = (sampled_rows(q, k, rows, backend=b, **kw) for b in ("triton", "torch"))
@@ -44,7 +36,7 @@ def test_sampled_rows_of_the_kernel_equal_the_torch_path(B, H, T, Tk, D, causal,
 def test_pass_one_alone_gives_every_row_s_maximum_and_row_sum():
     from fa_forensics.replay.triton.monitor_kernel import row_statistics
 
-    q, k = _grid_inputs(5, 1, 3, 70, 70, 16, 2)
+    q, k = grid_inputs(5, 1, 3, 70, 70, 16, 2)
     kw = dict(scale=0.25, causal=True, eps=1e-3, p_dtype=torch.bfloat16, score_dtype=torch.bfloat16)
     rowmax, near, ones, rowsum = row_statistics(q, k, **kw)
     rowmax1, near1, ones1, rowsum1 = row_statistics(q, k, counts=False, **kw)
@@ -56,7 +48,7 @@ def test_pass_one_alone_gives_every_row_s_maximum_and_row_sum():
 def test_the_forward_s_row_maxima_give_max_logit_and_top1(T):
     """fp32 inputs, the stabilized kernel on planted repeated maxima (its shift is not the row maximum, so the
     row maximum must be kept apart) and the plain one."""
-    q, k = (x.float() for x in _grid_inputs(3, 1, 2, T, T, 32, 2))
+    q, k = (x.float() for x in grid_inputs(3, 1, 2, T, T, 32, 2))
     v = torch.randn(1, 2, T, 32, generator=torch.Generator().manual_seed(4))
     full = head_statistics(q, k, scale=32 ** -0.5, causal=True, score_dtype=torch.float32)
     for stable in (True, False):

@@ -11,10 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from figure_layout import layout_problems
 
-import fa_forensics
 from fa_forensics.analyses import style
 from fa_forensics.analyses.registry import BY_NAME, REPORTED
 from fa_forensics.dump import open_dump
@@ -23,7 +21,7 @@ from fa_forensics.fidelity.recipe import Recipe
 from fa_forensics.layers.fanout import Workers
 from fa_forensics.layers.selection import select
 from fa_forensics.planted import SynthSpec, synth
-from tiny_training import train_step
+from tiny_training import monitored_run
 
 REPO = Path(__file__).resolve().parents[3]
 PAGE_PX = style.PAGE_WIDTH_IN * style.DPI
@@ -117,16 +115,9 @@ def test_fix_check_without_do_draws_its_one_panel_cleanly(make_dump, drawn, tmp_
 def monitored_timeline(tmp_path_factory):
     """The timeline of a real monitored training run of the tiny demo GPT (bf16 flash attention)."""
     from fa_forensics.analyses.timeline.compute import analyse_timeline
-    from fa_forensics.demo.model import GPT, GPTConfig
 
     out = tmp_path_factory.mktemp("timeline") / "run.zarr"
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=4, n_embd=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    with fa_forensics.capture(model, out=out, steps=[11], layers=[0], monitor_every=1):
-        for _ in range(12):
-            train_step(model, opt, gen)
+    monitored_run(out, 12, n_layer=3, n_head=4, steps=[11], layers=[0], monitor_every=1)
     return analyse_timeline(open_dump(out).timeline)
 
 

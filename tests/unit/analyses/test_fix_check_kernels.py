@@ -5,11 +5,10 @@ import json
 from pathlib import Path
 
 import pytest
+from h200_capture import write_training_capture
 from typer.testing import CliRunner
 
 from fa_forensics.cli import app
-from fa_forensics.dump.writer import DumpWriter
-from fa_forensics.replay.gpu_fidelity import read_tensors
 
 BITS = Path(__file__).resolve().parents[2] / "data" / "h200_bits"
 
@@ -17,18 +16,7 @@ BITS = Path(__file__).resolve().parents[2] / "data" / "h200_bits"
 @pytest.fixture(scope="module")
 def training_capture(tmp_path_factory):
     """The trimmed training capture as a dump, with the run's recorded attributes (device cuda:0, bf16 autocast)."""
-    dst = tmp_path_factory.mktemp("gpu") / "gpu.zarr"
-    tensors, meta = read_tensors(BITS / "train_capture.safetensors.xz")
-    keep = ("module", "scale", "causal", "dtype", "heads", "dropout_p", "autocast", "input_dtype", "head_dim")
-    with DumpWriter(dst, json.loads(meta["run_attrs"])) as w:
-        for key, attrs in json.loads(meta["layer_attrs"]).items():
-            step, layer = (int(x) for x in key.split("."))
-            la = {k: v for k, v in attrs.items() if k in keep}
-            la["n_heads"] = len(la["heads"])
-            for name in ("q", "k", "v", "o"):
-                w.write_array(step, layer, name, tensors[f"step{step}.layer{layer}.{name}"], layer_attrs=la)
-            w.complete_step(step)
-    return dst
+    return write_training_capture(tmp_path_factory.mktemp("gpu") / "gpu.zarr")
 
 
 @pytest.mark.slow

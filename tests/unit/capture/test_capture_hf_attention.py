@@ -8,23 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_hf import tiny_llama
 
 import fa_forensics
 from fa_forensics.capture import InvalidCaptureSetting
 from fa_forensics.dump import open_dump
 
 T = 16
-
-
-def _llama(implementation, layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T, bos_token_id=0,
-                      eos_token_id=0)
-    cfg._attn_implementation = implementation
-    return LlamaForCausalLM(cfg)
 
 
 def _one_step(tmp_path, model, ids=None):
@@ -53,7 +43,7 @@ def registered():
 
 
 def test_sdpa_through_the_registry_is_recorded_once_with_its_name(tmp_path):
-    d = _one_step(tmp_path, _llama("sdpa"))
+    d = _one_step(tmp_path, tiny_llama(T, implementation="sdpa"))
     assert d.layers(0) == [0, 1]  # one call per layer: HF's function and the SDPA call inside it are one
     for layer in (0, 1):
         attrs = dict(d._layer(0, layer).attrs)
@@ -87,7 +77,7 @@ def test_a_registered_function_is_read_in_hf_layouts(tmp_path, registered):
         return out, w
 
     registered("manual_attention", manual)
-    d = _one_step(tmp_path, _llama("manual_attention"))
+    d = _one_step(tmp_path, tiny_llama(T, implementation="manual_attention"))
     assert d.layers(0) == [0, 1]
     for layer, s in enumerate(seen):
         attrs = dict(d._layer(0, layer).attrs)
@@ -107,7 +97,7 @@ def test_a_registered_function_that_returns_bhtd_is_refused_before_anything_is_s
 
     registered("wrong_layout", wrong_layout)
     with pytest.raises(InvalidCaptureSetting, match=r"wrong_layout.*o is not \(B, heads of q, T of q"):
-        _one_step(tmp_path, _llama("wrong_layout"))
+        _one_step(tmp_path, tiny_llama(T, implementation="wrong_layout"))
     assert not (tmp_path / "run.zarr").exists()
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_hf import padded_batch, tiny_gpt2, tiny_llama
 
 import fa_forensics
 from fa_forensics.dump import open_dump
@@ -92,34 +93,6 @@ def test_steps_not_recorded_run_without_the_mode(tmp_path, nanogpt):
 
 
 # -- Hugging Face eager -----------------------------------------------------------------------------------
-def _hf_batch():
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, T), generator=gen)
-    attention_mask = torch.ones(2, T, dtype=torch.long)
-    attention_mask[1, :5] = 0  # sample 1 is left-padded by 5 tokens
-    return ids, attention_mask
-
-
-def _gpt2(implementation):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0,
-                     embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = implementation
-    return GPT2LMHeadModel(cfg)
-
-
-def _llama(implementation):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = implementation
-    return LlamaForCausalLM(cfg)
-
-
 def _spy_eager(monkeypatch, module_path):
     """Wrap the model file's eager function: what it returned (O, (B, T, H, D)) and that O's gradient."""
     module = importlib.import_module(module_path)
@@ -140,7 +113,7 @@ def _spy_eager(monkeypatch, module_path):
 
 def _train_hf(model, steps, session=None, padded=True):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids, attention_mask = _hf_batch()
+    ids, attention_mask = padded_batch(T)
     losses = []
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,9 +137,9 @@ def _eager_o(q, k, v, scale, mask):
 @pytest.mark.parametrize("padded", [False, True])
 def test_hf_gpt2_eager_is_recorded_bit_for_bit_with_its_mask(tmp_path, monkeypatch, padded):
     calls = _spy_eager(monkeypatch, "transformers.models.gpt2.modeling_gpt2")
-    plain = _train_hf(_gpt2("eager"), 2, padded=padded)
+    plain = _train_hf(tiny_gpt2(T, implementation="eager"), 2, padded=padded)
     calls.clear()
-    model = _gpt2("eager")
+    model = tiny_gpt2(T, implementation="eager")
     with fa_forensics.capture(model, out=tmp_path / "run.zarr", steps=[1], batch=None):
         captured = _train_hf(model, 2, padded=padded)
     assert all(torch.equal(a, b) for a, b in zip(plain, captured))
@@ -192,7 +165,7 @@ def test_hf_gpt2_eager_is_recorded_bit_for_bit_with_its_mask(tmp_path, monkeypat
 
 def test_hf_llama_eager_grouped_query_heads(tmp_path, monkeypatch):
     calls = _spy_eager(monkeypatch, "transformers.models.llama.modeling_llama")
-    model = _llama("eager")
+    model = tiny_llama(T, implementation="eager")
     with fa_forensics.capture(model, out=tmp_path / "run.zarr", steps=[0], batch=None):
         _train_hf(model, 1, padded=False)
     d = open_dump(tmp_path / "run.zarr")

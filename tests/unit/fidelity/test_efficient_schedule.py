@@ -95,10 +95,16 @@ def test_the_split_count_is_a_config_knob():
     assert reference.backward_kernel.value == "reference" and reference.bwd_key_splits is None
 
 
-def test_the_replay_takes_the_split_count_from_the_whole_launch():
+def test_the_split_count_follows_the_launch_s_batch_and_heads():
     """PyTorch's heuristic reads the launch's batch and heads: 16 x 16 heads of 128 keys (two key tiles) run one
-    CTA per head, although the replay cuts the launch into work items of one batch row."""
+    CTA per head, one batch row of them two."""
     assert key_splits(16, 16, 128, backward_tile(32)) == 1 and key_splits(1, 16, 128, backward_tile(32)) == 2
+
+
+@pytest.mark.slow  # the backward of 16 x 16 heads of 128 keys, replayed three times: about 5 s of CPU
+def test_the_replay_takes_the_split_count_from_the_whole_launch():
+    """The replay cuts the launch into work items of one batch row, yet runs the launch's split count (one CTA per
+    head for 16 x 16 heads of 128 keys), not a batch row's."""
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(16, 16, 128, 32, generator=g).to(torch.bfloat16) for _ in range(4))
     config = ReplayConfig.preset("sdpa-efficient")

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from h200_capture import write_training_capture
 
-from fa_forensics.dump.writer import DumpWriter
 from fa_forensics.replay.config import ReplayConfig
 from fa_forensics.replay.emulate.split_kv import butterfly_sum, flash_num_splits, split_ranges
 from fa_forensics.replay.emulate.forward import forward
 from fa_forensics.replay.gpu_fidelity import (
-    RecordedSet, agreement_rows, gpt2_like_inputs, kernel_preset, o_agreement, read_tensors, record_set,
+    RecordedSet, agreement_rows, gpt2_like_inputs, kernel_preset, o_agreement, record_set,
     recorded_sets,
 )
 
@@ -155,25 +155,9 @@ def test_split_kv_helpers():
     assert butterfly_sum(x, 16).item() == 1.0 + 2.0 ** -23
 
 
-def _training_dump(dst: Path) -> Path:
-    """The trimmed training capture as a dump, with the run's recorded attributes (device cuda:0, bf16 autocast)."""
-    tensors, meta = read_tensors(BITS / "train_capture.safetensors.xz")
-    layers = json.loads(meta["layer_attrs"])
-    keep = ("module", "scale", "causal", "dtype", "heads", "dropout_p", "autocast", "input_dtype", "head_dim")
-    with DumpWriter(dst, json.loads(meta["run_attrs"])) as w:
-        for key, attrs in layers.items():
-            step, layer = (int(x) for x in key.split("."))
-            la = {k: v for k, v in attrs.items() if k in keep}
-            la["n_heads"] = len(la["heads"])
-            for name in ("q", "k", "v", "o"):
-                w.write_array(step, layer, name, tensors[f"step{step}.layer{layer}.{name}"], layer_attrs=la)
-            w.complete_step(step)
-    return dst
-
-
 @pytest.mark.slow  # about 3 s of CPU or more
 def test_match_names_cudnn_and_its_tile_on_the_training_capture(tmp_path):
-    dump = _training_dump(tmp_path / "gpu.zarr")
+    dump = write_training_capture(tmp_path / "gpu.zarr")
     out = tmp_path / "match.json"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     r = subprocess.run([sys.executable, "-m", "fa_forensics", "match", str(dump), "--json", str(out)],

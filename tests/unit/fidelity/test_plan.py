@@ -40,9 +40,11 @@ def _calls(argv: list[str], json_path) -> tuple[collections.Counter, dict]:
 
 
 @pytest.mark.parametrize("sides", [[], ["--a", "bf16", "--b", "fp32"]], ids=["auto-vs-fp32", "two-presets"])
-def test_a_bitdiff_run_reads_each_layer_steps_facts_once(planted_dump, sides, tmp_path):
-    layer_steps = {(sel.step, sel.layer) for sel in select(open_dump(planted_dump))}
-    calls, payload = _calls(["bitdiff", str(planted_dump), *sides], tmp_path / "bitdiff.json")
+def test_a_bitdiff_run_reads_each_layer_steps_facts_once(make_dump, sides, tmp_path):
+    dump = make_dump(steps=(0, 1), layers=(0, 1))  # small: the calls are counted over every Python call
+    layer_steps = {(sel.step, sel.layer) for sel in select(open_dump(dump))}
+    assert len(layer_steps) == 4
+    calls, payload = _calls(["bitdiff", str(dump), *sides], tmp_path / "bitdiff.json")
     assert calls["facts_at"] == len(layer_steps) and calls["read_facts"] == len(layer_steps)
     assert calls["choose"] == (len(layer_steps) if not sides else 0)  # auto is resolved once per layer-step
     assert payload["replay_fidelity"]["per_layer"]  # the run did replay and compare every layer-step

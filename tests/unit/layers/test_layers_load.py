@@ -64,6 +64,13 @@ def test_bad_accumulation_is_a_user_error(small_dump):
         lp_hp_pair(t, Recipe("bf16", "nope"), backward=False)
 
 
+def test_a_selection_of_heads_keeps_the_launch_of_the_layer_as_stored(small_dump):
+    """The kernel's launch (batch, heads) a replay reads is the stored layer's, not the selected heads'."""
+    assert load(small_dump, LayerSelection(9, 0, [1])).launch == (1, 3)
+    assert load(small_dump, LayerSelection(9, 0, [0, 1, 2])).launch == (1, 3)
+
+
+@pytest.mark.slow  # the backward of 16 x 16 heads of 128 keys, replayed twice: about 6 s of CPU
 def test_a_layer_replays_its_kernel_launch_whatever_heads_are_selected(tmp_path):
     """The memory-efficient backward's key splits follow PyTorch's heuristic on the layer as stored (16 x 16 heads
     of two key tiles: one CTA per head), not on the heads an analysis selected (two heads would get two CTAs):

@@ -9,17 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 import fa_forensics
 from fa_forensics.cli import app
-from fa_forensics.demo.model import GPT, GPTConfig
 from fa_forensics.dump import open_dump
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tiny_training import train_step
+from tiny_training import monitored_run
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, NAN_AT = 8, 6
@@ -27,18 +25,11 @@ STEPS, NAN_AT = 8, 6
 
 def _run(tmp_path: Path) -> tuple[Path, Path]:
     """A real monitored run of the tiny demo GPT whose loss is NaN at step NAN_AT (it alarms there)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
     out, board = tmp_path / "run.zarr", tmp_path / "tb"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with fa_forensics.capture(model, out=out, steps=None, monitor_every=1, alarm=True, alarm_steps=0,
-                                  monitor_tensorboard=board) as cap:
-            for step in range(STEPS):
-                loss = train_step(model, opt, gen)
-                cap.step(math.nan if step == NAN_AT else loss)
+        monitored_run(out, STEPS, nan_at=NAN_AT, steps=None, monitor_every=1, alarm=True, alarm_steps=0,
+                      monitor_tensorboard=board)
     return out, board
 
 
