@@ -234,8 +234,7 @@ def save_figure(fig, path: Path, caption: Optional[str] = None) -> Path:
     from fa_forensics.dump.safe_files import atomic_write
 
     path = Path(path)
-    fig.draw_without_rendering()  # the layout and the ticks, so that labels can be fitted to their panels (no
-    # pixels: the PNG is drawn once, below)
+    fig.canvas.draw()  # the layout and the ticks, so that labels can be fitted to their panels
     _fold_offsets(fig)
     _fit_texts(fig, fig.canvas.get_renderer())
     if caption:
