@@ -185,6 +185,9 @@ def _finite_median(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     NaN sorts last, so the middle of the first `count` entries is the median."""
     ordered = np.sort(values, axis=0)
     count = np.isfinite(values).sum(axis=0)
+    n = len(values)
+    if n and count.min() == n:  # every cell full (the rule's steady state): the middle rows, no index arrays
+        return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2, count
     lo, hi = np.maximum((count - 1) // 2, 0), count // 2
     a = np.take_along_axis(ordered, np.expand_dims(lo, 0), axis=0)[0]
     b = np.take_along_axis(ordered, np.expand_dims(np.minimum(hi, len(values) - 1), 0), axis=0)[0]
@@ -313,16 +316,10 @@ class AlarmRule:
         alarms = []
         values = {"loss": loss, **tables}
         behind_norm = [i for i, v in enumerate(qk_norm or ()) if v]
-        for metric in WATCHED:
-            value = values.get(metric)
-            if value is None:
-                continue
-            x = np.asarray(value, dtype=np.float64)
-            series = self._series.get(metric)
-            if series is None or series.shape != x.shape:
-                series = self._series[metric] = _Series(metric, x.shape, self.config)
+        for metric, x in _fed(values, WATCHED):
+            series = _state(self._series, metric, x.shape, lambda m, shape: _Series(m, shape, self.config))
             for rule, index, baseline, z, (slope, before) in series.observe(step, x, self.config, active):
-                layer, head = (None, None) if metric == "loss" else (int(index[0]), int(index[1]))
+                layer, head = _cell(index)
                 if metric == "wq_sigma" and layer in behind_norm:
                     continue
                 alarms.append(Alarm(step=int(step), metric=metric, value=float(x[index]), baseline=baseline, z=z,
@@ -336,21 +333,35 @@ class AlarmRule:
         """The scale test's alarms (monitor/scale_test.py); a cell already alarmed by another test this step keeps
         that alarm alone."""
         out = []
-        for metric in SCALED:
-            value = values.get(metric)
-            if value is None:
-                continue
-            x = np.asarray(value, dtype=np.float64)
-            test = self._scale.get(metric)
-            if test is None or test.shape != x.shape:
-                test = self._scale[metric] = ScaleTest(metric, x.shape, int(self.config.reference_steps))
+        for metric, x in _fed(values, SCALED):
+            test = _state(self._scale, metric, x.shape,
+                          lambda m, shape: ScaleTest(m, shape, int(self.config.reference_steps)))
             top1 = values.get("top1_prob") if metric == "attn_entropy" else None
             for index, reference in test.observe(x, self.config, top1):
-                layer, head = (None, None) if not index else (int(index[0]), int(index[1]))
+                layer, head = _cell(index)
                 z = float(np.asarray(top1, dtype=np.float64)[index]) if top1 is not None else float("nan")
                 out.append(Alarm(step=int(step), metric=metric, value=float(x[index]), baseline=reference, z=z,
                                  layer=layer, head=head, rule="scale"))
         return out
+
+
+def _fed(values: dict, metrics: tuple) -> list[tuple[str, np.ndarray]]:
+    """(metric, its values as float64) for each of `metrics` fed this step (None: not fed)."""
+    return [(m, np.asarray(values[m], dtype=np.float64)) for m in metrics if values.get(m) is not None]
+
+
+def _state(states: dict, metric: str, shape: tuple, make):
+    """A test's state for `metric`, made anew (`make(metric, shape)`) the first time or when the series changes
+    shape."""
+    state = states.get(metric)
+    if state is None or state.shape != shape:
+        state = states[metric] = make(metric, shape)
+    return state
+
+
+def _cell(index: tuple) -> tuple[Optional[int], Optional[int]]:
+    """(layer, head) of a cell's index; (None, None) for a scalar series (the loss, output_lse)."""
+    return (None, None) if not index else (int(index[0]), int(index[1]))
 
 
 def rule_from_settings(settings) -> Optional[AlarmRule]:

@@ -22,17 +22,27 @@ import numpy as np
 def mann_kendall_z(y: np.ndarray) -> np.ndarray:
     """y (n, ...) in time order → z (...): the Mann–Kendall trend z-score (positive for a rise)."""
     n = y.shape[0]
-    s = np.zeros(y.shape[1:])
-    for lag in range(1, n):  # the pairs (i, i + lag): slices, no index copies
-        s += np.sign(y[lag:] - y[:-lag]).sum(axis=0)  # NaN if any value is NaN
+    i, j = _pairs(n)
+    s = np.sign(y[j] - y[i]).sum(axis=0)  # every pair i < j at once; NaN if any value is NaN
     sd = math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
     return (s - np.sign(s)) / sd
+
+
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index pairs (i, j), i < j < n, made once per window length."""
+    pairs = _PAIRS.get(n)
+    if pairs is None:
+        pairs = _PAIRS[n] = np.triu_indices(n, 1)
+    return pairs
+
+
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def theil_sen_slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """x (n,) strictly increasing, y (n, ...) → (...): the median of the pairwise slopes of y over x."""
     n = y.shape[0]
-    i, j = np.triu_indices(n, 1)
+    i, j = _pairs(n)
     dx = (np.asarray(x, dtype=np.float64)[j] - np.asarray(x, dtype=np.float64)[i]).reshape((-1,) + (1,) * (y.ndim - 1))
     slopes = np.ascontiguousarray(np.moveaxis((y[j] - y[i]) / dx, 0, -1))  # pairs last: a fast partition
     return np.median(slopes, axis=-1)

@@ -12,7 +12,7 @@ from scipy import stats as sps
 
 from fa_forensics.errors import InvalidSetting
 from fa_forensics.monitor.alarm import (
-    Alarm, AlarmRule, alarm_codes, describe, lead, lead_key, recorded_alarms, replay_rule, trend_scale,
+    Alarm, AlarmRule, _finite_median, alarm_codes, describe, lead, lead_key, recorded_alarms, replay_rule, trend_scale,
 )
 from fa_forensics.monitor.alarm_settings import DEFAULTS, KEYS, WATCHED, AlarmSettings, parse_assignments
 from fa_forensics.monitor.trend import mann_kendall_z, theil_sen_slope
@@ -34,6 +34,34 @@ def test_mann_kendall_and_theil_sen_equal_scipy_series_by_series():
             assert z[i, j] == pytest.approx((s - np.sign(s)) / sd, abs=1e-9)
             assert slope[i, j] == pytest.approx(sps.theilslopes(y[:, i, j], x).slope, rel=1e-12)
     assert np.isnan(mann_kendall_z(np.array([1.0, np.nan, 3.0, 4.0])))  # a NaN in the window: no test
+
+
+def test_window_medians_equal_numpy_on_full_windows_and_on_windows_with_gaps():
+    """The rule's median of each cell's window: the steady state (every cell full) takes the middle rows, a window
+    with NaN (not yet filled, or a non-finite value left out) the middle of its finite values; both as np.nanmedian,
+    bit for bit (the mean of the two middle values, the same float operations)."""
+    rng = np.random.default_rng(3)
+    for n in (19, 20):  # odd and even windows
+        full = rng.standard_normal((n, 3, 4))
+        med, count = _finite_median(full)
+        assert np.array_equal(med, np.nanmedian(full, axis=0)) and (count == n).all()
+        gappy = full.copy()
+        gappy[rng.random(gappy.shape) < 0.3] = np.nan
+        gappy[:, 0, 0] = np.nan  # a cell with no finite value: NaN, count 0
+        med, count = _finite_median(gappy)
+        with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+            expected = np.nanmedian(gappy, axis=0)
+        assert np.array_equal(med, expected, equal_nan=True)
+        assert np.array_equal(count, np.isfinite(gappy).sum(axis=0))
+
+
+def test_mann_kendall_counts_tied_pairs_as_zero_like_the_pairwise_sum():
+    """Counts (repeated-maximum rows) tie often: S is the sum over pairs i < j of sign(y_j − y_i), ties adding 0."""
+    rng = np.random.default_rng(4)
+    y = rng.integers(0, 4, size=(20, 2, 3)).astype(np.float64)
+    s = sum(np.sign(y[j] - y[i]) for i in range(20) for j in range(i + 1, 20))
+    sd = math.sqrt(20 * 19 * 45 / 18)
+    assert np.array_equal(mann_kendall_z(y), (s - np.sign(s)) / sd)
 
 
 def test_every_default_is_in_the_docs_table_and_every_key_can_be_set():
