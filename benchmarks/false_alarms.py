@@ -56,7 +56,7 @@ def show(family: str, analyses: str, rows: list[dict], seeds: list[int], seconds
           f"α = {ALPHA}; {seconds:.0f} s")
     print(f"{'claim':<22} {what:>20} {'dumps':>6} {'rate':>7}   95 % interval")
     for r in rows:
-        note = "  (not a false alarm here)" if family != "planted" and r["claim"] in NOT_FALSE else ""
+        note = "  (not a false alarm)" if family != "planted" and r["claim"] in NOT_FALSE else ""
         print(f"{r['claim']:<22} {r['alarms']:>20} {r['dumps']:>6} {r['rate']:>7.2%}   "
               f"[{r['ci_low']:.2%}, {r['ci_high']:.2%}]{note}")
 

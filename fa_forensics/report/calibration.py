@@ -24,8 +24,9 @@ CARD = "card"
 CARD_FP8 = "card: FP8 P-collapse"
 CARD_CANNOT_TELL = "card: cannot tell"
 PCAST_PLAIN = "pcast, plain heads"
+NOT_RUN = "a section could not run"
 ANY = "any bias claim"
-NOT_FALSE = (CARD_FP8, CARD_CANNOT_TELL, "pcast")  # counted, but not false alarms on these families
+NOT_FALSE = (CARD_FP8, CARD_CANNOT_TELL, "pcast", NOT_RUN)  # counted, but not false alarms on these families
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,16 @@ def run_sections(dump, analyses: Optional[tuple[str, ...]] = None) -> list[Secti
             out.append(SectionRun(section.name, to_jsonable(section.payload(result))))
         except UserError as exc:
             out.append(SectionRun(section.name, None, str(exc)))
+        except Exception as exc:  # as in the report: a bug in one section costs only that section
+            out.append(SectionRun(section.name, None, f"unexpected {type(exc).__name__}: {exc}"))
     return out
 
 
 def claims(sections: list[SectionRun], truth: Optional[dict] = None) -> dict[str, bool]:
     """What the report says on these sections: {section: its conclusion's `found`, "fix-check exit 1", "O claim",
     "Σδ claim" (the verdict's evidence), "card" (the diagnosis names a cause other than FP8 P-collapse),
-    "card: FP8 P-collapse", "card: cannot tell", "any bias claim"}; with the dump's ground truth `truth`, also
-    "pcast, plain heads" (pcast says a plain N(0, 1) head needs a fix)."""
+    "card: FP8 P-collapse", "card: cannot tell", "any bias claim", "a section could not run"}; with the dump's
+    ground truth `truth`, also "pcast, plain heads" (pcast says a plain N(0, 1) head needs a fix)."""
     from fa_forensics.report import diagnosis as dx
     from fa_forensics.report.conclusions import conclusions
     from fa_forensics.report.verdict import build_verdict
@@ -97,6 +100,7 @@ def claims(sections: list[SectionRun], truth: Optional[dict] = None) -> dict[str
         out[PCAST_PLAIN] = any(h.get("needs_fix") and h.get("head") not in special
                                for h in (pcast.data or {}).get("heads") or [])
     out[ANY] = any(v for k, v in out.items() if k not in (*NOT_FALSE, PCAST_PLAIN))
+    out[NOT_RUN] = any(s.data is None for s in sections)
     return out
 
 
