@@ -45,6 +45,7 @@ def test_isolate_rank1_and_pcast_claim_nothing_where_delta_bias_claims_nothing(f
         assert not r["pcast"], path  # plain heads without sinks: no probability mass lost to the FP8 cast
 
 
+@pytest.mark.slow
 def test_the_card_is_counted_from_the_reports_diagnosis(tmp_path):
     """On a planted dump the report's diagnosis names biased rounding at the planted head, and the benchmark counts
     the card; on the null dump of the same shape (V signs at random) it names nothing and is not counted."""
