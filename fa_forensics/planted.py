@@ -13,7 +13,9 @@ What is planted (paper §3.3.2 and the blog's "two big, one small" mechanism), i
 - dO negative in that feature, so δ_lp - δ_hp = rowsum(dO ∘ (O_lp - O_hp)) is biased positive;
 - in X, a few input features (columns) that stand out: large, with one sign, in every token and step.
 Other heads are plain N(0, 1); with `sink_strength` Δ they get the FP8 paper's sinks instead:
-the first SINK_TOKENS keys score Δ above N(0, 1) noise.
+the first SINK_TOKENS keys score Δ above N(0, 1) noise. `previous_token_heads` are heads of the kind language
+models learn: every query attends mostly to the key just before it, so each row's dominant key is a different one
+(no two rows share their maximum).
 
 The stored O is the BF16 reference output (`bf16_reference`): the emulator's replay under preset "bf16".
 """
@@ -39,6 +41,11 @@ N_DISTRACTORS = 2
 DISTRACTOR_FRACTION = 0.875  # exact in bf16: distractor scores are 0.875·r_m, P̄ = exp(-r_m/8)
 SINK_TOKENS = 4
 N_STANDOUT = 2
+# previous-token heads: the key before each query scores log(t + 1) + U(PREVIOUS_LEAD) above the scale of the others,
+# so it holds most of row t's mass whatever t (with Gaussian key codes the other scores spread with sd ≈ lead/√D,
+# so the key before holds the row maximum in (nearly) every row for D ≥ 32, and most of the mass for D ≥ 64)
+PREVIOUS_LEAD = (1.0, 3.0)
+PREVIOUS_QUERY_NOISE = 0.25  # sd of the query's component off the previous key's code
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class SynthSpec:
     seed: int = 0
     tie_groups: int = N_GROUPS  # tie groups per (step, layer, batch, planted head)
     tie_start: float = 0.0  # the groups' keys are drawn from this fraction of T on: rows before it have no tie
+    previous_token_heads: tuple[int, ...] = ()  # heads whose every query attends mostly to the key before it
 
     def __post_init__(self) -> None:
         def need(ok: bool, setting: str, reason: str) -> None:
@@ -79,6 +87,9 @@ class SynthSpec:
         need(len(self.planted_heads) > 0, "planted_heads", "must name at least one head")
         bad = [h for h in self.planted_heads if not 0 <= h < self.heads]
         need(not bad, "planted_heads", f"{bad} not in 0..{self.heads - 1}; pick heads below the number of heads")
+        bad = [h for h in self.previous_token_heads if not 0 <= h < self.heads or h in self.planted_heads]
+        need(not bad, "previous_token_heads",
+             f"{bad} not in 0..{self.heads - 1} or planted; pick heads below the number of heads, not planted ones")
         need(self.sink_strength is None or math.isfinite(self.sink_strength), "sink_strength",
              "must be a finite number")
 
@@ -170,6 +181,21 @@ def _sink_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.T
     return q, k
 
 
+def _previous_token_qk(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (T, D) of a previous-token head: keys are random codes N(0, 1); query t is its previous key's code scaled
+    so that their score is log(t + 1) + U(PREVIOUS_LEAD), plus N(0, PREVIOUS_QUERY_NOISE²) noise (query 0 sees only
+    itself)."""
+    T, D = spec.seq, spec.head_dim
+    alpha = 1.0 / math.sqrt(D)
+    k = torch.randn(T, D, generator=g)
+    previous = k[(torch.arange(T) - 1).clamp(min=0)]  # (T, D)
+    lo, hi = PREVIOUS_LEAD
+    lead = torch.log(torch.arange(1, T + 1, dtype=torch.float32)) + lo + (hi - lo) * torch.rand(T, generator=g)
+    q = (lead / (alpha * (previous * previous).sum(-1)))[:, None] * previous
+    q = q + PREVIOUS_QUERY_NOISE * torch.randn(T, D, generator=g)
+    return q, k
+
+
 def _standout(spec: SynthSpec, C: int, g: torch.Generator) -> dict[int, float]:
     """feature -> signed mean of the stand-out input features of X (same for every step)."""
     feats = torch.randperm(C, generator=g)[:N_STANDOUT].tolist()
@@ -198,6 +224,8 @@ def plant_step(spec: SynthSpec, feature: int, standout: dict[int, float], g: tor
                 q[b, h], k[b, h], layouts[f"b{b}.h{h}"] = _planted_qk(spec, g)
                 zero_rows = [t for grp in layouts[f"b{b}.h{h}"]["distractors"] for t in grp]
                 v[b, h], do[b, h] = _planted_vdo(spec, feature, g, zero_rows)
+            elif h in spec.previous_token_heads:
+                q[b, h], k[b, h] = _previous_token_qk(spec, g)
             elif spec.sink_strength is not None:
                 q[b, h], k[b, h] = _sink_qk(spec, g)
     x = torch.randn(B, T, C, generator=g)
@@ -234,8 +262,9 @@ def synth(out, spec: SynthSpec, *, overwrite: bool = False) -> dict[str, Any]:
         "standout_x_features": sorted(standout),
         "standout_x_means": {str(f): m for f, m in sorted(standout.items())},
         "sink_strength": spec.sink_strength,
-        "sink_heads": ([h for h in range(spec.heads) if h not in spec.planted_heads]
+        "sink_heads": ([h for h in range(spec.heads) if h not in (*spec.planted_heads, *spec.previous_token_heads)]
                        if spec.sink_strength is not None else []),
+        "previous_token_heads": list(spec.previous_token_heads),
         "sink_tokens": list(range(SINK_TOKENS)) if spec.sink_strength is not None else [],
         "score_gap_range": list(GAP_RANGE),
         "seed": spec.seed,

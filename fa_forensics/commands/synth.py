@@ -12,11 +12,11 @@ from fa_forensics.commands.options import DebugOpt, JsonOpt
 from fa_forensics.errors import ConfigError
 
 
-def _heads(text: str) -> tuple[int, ...]:
+def _heads(text: str, flag: str = "--planted-heads") -> tuple[int, ...]:
     try:
         return tuple(int(h) for h in text.split(",") if h.strip())
     except ValueError:
-        raise ConfigError(f"--planted-heads {text!r} must be comma-separated head indices, e.g. 1 or 0,2") from None
+        raise ConfigError(f"{flag} {text!r} must be comma-separated head indices, e.g. 1 or 0,2") from None
 
 
 def synth(
@@ -44,6 +44,9 @@ def synth(
     tie_start: Annotated[float, typer.Option("--tie-start",
                                              help="Fraction of T from which the tie groups' keys are drawn: rows "
                                                   "before their keys have no tie.")] = 0.0,
+    previous_token_heads: Annotated[str, typer.Option(
+        "--previous-token-heads",
+        help="Comma-separated heads (not planted) whose every query attends mostly to the key before it.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it is an existing dump.")] = False,
     json_out: JsonOpt = None,
     debug: DebugOpt = False,
@@ -59,6 +62,7 @@ def synth(
             seq=seq, heads=heads, head_dim=head_dim, batch=batch, steps=steps, layers=layers, ties=ties,
             sink_strength=sink_strength, v_skew=v_skew, planted_heads=_heads(planted_heads), seed=seed,
             tie_groups=tie_groups, tie_start=tie_start,
+            previous_token_heads=_heads(previous_token_heads, "--previous-token-heads"),
         )
         truth = make(out, spec, overwrite=overwrite)
         check = check_planted(open_dump(out))
@@ -66,7 +70,7 @@ def synth(
         table.add_column("field", style="bold")
         table.add_column("value")
         for key in ("planted_heads", "planted_feature", "ties", "v_skew", "standout_x_features", "sink_strength",
-                    "seed"):
+                    "previous_token_heads", "seed"):
             table.add_row(key, str(truth[key]))
         table.add_row("O_lp - O_hp, planted feature",
                       f"{check.o_bias_mean:+.3e} ± {check.o_bias_se:.1e} (negative in "

@@ -68,12 +68,14 @@ def test_synth_cli_writes_a_verified_planted_dump(tmp_path):
     out = tmp_path / "s.zarr"
     args = ["synth", "--out", str(out), "--seq", "64", "--heads", "2", "--head-dim", "16", "--batch", "2", "--steps",
             "2",
-            "--ties", "2", "--planted-heads", "0", "--sink-strength", "6", "--seed", "3", "--json",
+            "--ties", "2", "--planted-heads", "0", "--sink-strength", "6", "--seed", "3", "--previous-token-heads", "",
+            "--json",
             str(tmp_path / "s.json")]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.stderr
     payload = json.loads((tmp_path / "s.json").read_text())
     assert payload["ground_truth"]["planted_heads"] == [0] and payload["ground_truth"]["sink_heads"] == [1]
+    assert payload["ground_truth"]["previous_token_heads"] == []
     assert payload["check"]["o_bias_mean"] < 0 and payload["check"]["feature_rank"] >= 1
     d = open_dump(out)
     assert d.steps == [0, 1] and d.layer_info(0, 0).arrays["q"] == (2, 2, 64, 16)
@@ -81,6 +83,9 @@ def test_synth_cli_writes_a_verified_planted_dump(tmp_path):
     assert r.exit_code == 2 and "already exists; pass --overwrite to replace it or choose another --out" in r.stderr
     r = runner.invoke(app, ["synth", "--out", str(tmp_path / "t.zarr"), "--planted-heads", "9"])
     assert r.exit_code == 2 and "not in 0..3" in r.stderr and not (tmp_path / "t.zarr").exists()
+    r = runner.invoke(app, ["synth", "--out", str(tmp_path / "t.zarr"), "--previous-token-heads", "1"])
+    assert r.exit_code == 2 and "--previous-token-heads: [1] not in 0..3 or planted" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.zarr").exists()
 
 
 def test_the_cli_words_the_librarys_typed_errors_with_its_options(tmp_path):

@@ -96,6 +96,32 @@ def test_sink_heads_score_sinks_delta_above_noise(planted):
     assert abs(rest.std().item() - 1.0) < 0.1
 
 
+def test_previous_token_heads_attend_mostly_to_the_key_before(tmp_path):
+    """Each query of a previous-token head has its maximum at the key before it, which holds most of the row's
+    mass, so no two rows share their dominant key; the other heads are left as they were."""
+    spec = SynthSpec(seq=512, heads=3, head_dim=64, batch=2, steps=1, planted_heads=(1,), seed=3,
+                     sink_strength=6.0, previous_token_heads=(2,))
+    truth = synth(tmp_path / "p.zarr", spec)
+    dump = open_dump(tmp_path / "p.zarr")
+    assert truth["previous_token_heads"] == [2] and truth["sink_heads"] == [0]
+    T = spec.seq
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+    rows = torch.arange(1, T)
+    for h, expect_previous in ((2, True), (0, False)):
+        q, k = (dump.read(0, 0, n, heads=h).float() for n in ("q", "k"))  # (B, 1, T, D)
+        S = (q @ k.transpose(-1, -2) * dump.layer_info(0, 0).scale).masked_fill(causal, float("-inf"))
+        p = S.softmax(-1)[:, 0]  # (B, T, T)
+        at_previous = (S[:, 0].argmax(-1)[:, 1:] == rows - 1).float().mean().item()
+        share = p[:, rows, rows - 1]
+        if expect_previous:
+            assert at_previous > 0.99
+            assert share.median() > 0.6 and share.quantile(0.1) > 0.4
+        else:  # a sink head: its maxima are the sinks, not the key before
+            assert at_previous < 0.05
+    with pytest.raises(ConfigError, match="previous_token_heads"):
+        SynthSpec(heads=3, planted_heads=(1,), previous_token_heads=(1,))
+
+
 def test_stored_o_is_the_bf16_reference(planted):
     q, k, v, o = (planted.read(1, 0, n) for n in ("q", "k", "v", "o"))
     o_lp, _ = bf16_reference(q, k, v)
