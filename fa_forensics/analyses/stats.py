@@ -203,6 +203,7 @@ class UnitSums:
     a: torch.Tensor  # Σ_g S_g² (S_g: a unit's sum)
     b: torch.Tensor  # Σ_g n_g·S_g
     c: torch.Tensor  # Σ_g n_g²
+    d: torch.Tensor  # Σ_g n_g⁴: with c, the units' effective number (`unit_test`)
     u_pos: torch.Tensor  # units with S_g > 0
     u_neg: torch.Tensor  # units with S_g < 0
 
@@ -218,8 +219,9 @@ def unit_sums(x: torch.Tensor, unit: torch.Tensor, rows: torch.Tensor | None = N
     G = int(unit.max()) + 1 if unit.numel() else 0
     S = torch.zeros(G, *x.shape[1:], dtype=torch.float64).index_add_(0, unit, d)
     ng = torch.zeros(G, *x.shape[1:], dtype=torch.float64).index_add_(0, unit, finite.to(torch.float64))
-    return UnitSums(ng.sum(0), S.sum(0), (ng > 0).sum(0), (S * S).sum(0), (ng * S).sum(0), (ng * ng).sum(0),
-                    (S > 0).sum(0), (S < 0).sum(0))
+    n2 = ng * ng
+    return UnitSums(ng.sum(0), S.sum(0), (ng > 0).sum(0), (S * S).sum(0), (ng * S).sum(0), n2.sum(0),
+                    (n2 * n2).sum(0), (S > 0).sum(0), (S < 0).sum(0))
 
 
 def merge_unit_sums(parts) -> UnitSums:
@@ -235,17 +237,26 @@ class UnitTest:
 
     mean: torch.Tensor
     se: torch.Tensor  # CR1: sqrt(G/(G−1)·Σ_g (S_g − n_g·mean)²) / n; nan for G < 2
-    t_p_value: torch.Tensor  # two-sided t-test of mean/se with G − 1 degrees of freedom
+    t_p_value: torch.Tensor  # two-sided t-test of mean/se with `df` degrees of freedom
     p_value: torch.Tensor  # two-sided sign test over the units' sums (1 when no unit has a sign)
     frac_positive: torch.Tensor  # units with S_g > 0 among those with a sign
     n: torch.Tensor
     n_units: torch.Tensor
+    df: torch.Tensor  # (Σ n_g²)² / Σ n_g⁴ − 1: G − 1 for units of one size, fewer where a few units hold most rows
+
+
+def effective_units(c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The effective number of units (Σ n_g²)² / Σ n_g⁴ (Satterthwaite): the CR1 variance is a sum of the units'
+    squared residuals, each of variance ∝ n_g⁴ when the rows of a unit err together, so a few large units carry
+    its few degrees of freedom whatever the number of small ones beside them."""
+    return torch.where(d > 0, c * c / d.clamp(min=1), torch.zeros_like(c))
 
 
 def unit_test(s: UnitSums) -> UnitTest:
     """Cluster-robust tests of 'the mean is 0' where rows of one unit err together and units are independent:
-    the CR1 standard error (which is the row standard error s/√n when every unit is one row) with G − 1 degrees of
-    freedom, and the sign test counting each unit once."""
+    the CR1 standard error (which is the row standard error s/√n when every unit is one row) with the effective
+    units' degrees of freedom (`effective_units` − 1: G − 1 when the units are of one size; eight tie groups that
+    hold most rows beside many one-row units give about 7, not G − 1), and the sign test counting each unit once."""
     from scipy.stats import binom
 
     n = s.n.to(torch.float64)
@@ -255,7 +266,8 @@ def unit_test(s: UnitSums) -> UnitTest:
     ss = (s.a - 2 * m0 * s.b + m0 * m0 * s.c).clamp(min=0)
     se = torch.where(G > 1, (G / (G - 1).clamp(min=1) * ss).sqrt() / n.clamp(min=1), torch.full_like(n, math.nan))
     z = (mean / se).abs()
-    t_p = torch.as_tensor(np.asarray(2 * student_t.sf(z.numpy(), (G - 1).clamp(min=1).numpy())), dtype=torch.float64)
+    df = torch.minimum(effective_units(s.c.to(torch.float64), s.d.to(torch.float64)), G) - 1
+    t_p = torch.as_tensor(np.asarray(2 * student_t.sf(z.numpy(), df.clamp(min=1).numpy())), dtype=torch.float64)
     t_p = torch.where((G > 1) & (se > 0), t_p, torch.full_like(n, math.nan))
     signed = (s.u_pos + s.u_neg).to(torch.float64)
     k = torch.minimum(s.u_pos, s.u_neg).to(torch.float64)
@@ -263,4 +275,4 @@ def unit_test(s: UnitSums) -> UnitTest:
                              dtype=torch.float64).clamp(max=1.0)
     sign_p = torch.where(signed > 0, sign_p, torch.ones_like(sign_p))
     frac = torch.where(signed > 0, s.u_pos.to(torch.float64) / signed.clamp(min=1), torch.full_like(n, math.nan))
-    return UnitTest(mean, se, t_p, sign_p, frac, s.n, s.n_units)
+    return UnitTest(mean, se, t_p, sign_p, frac, s.n, s.n_units, df)
