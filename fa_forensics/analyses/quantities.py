@@ -228,6 +228,25 @@ def steps_text(steps: Sequence[int]) -> str:
     return "steps " + ", ".join(map(str, steps))
 
 
+def pooled_text(p: PooledDelta, n_tests: int) -> str:
+    """'layer 0 head 1 over steps 0..2 (all rows, 126 units): +5.81 ± 1.1 (0.14 rounding units; p = …, … after Holm
+    over 1088 tests), sign + + + by step'."""
+    signs = " ".join("+" if x > 0 else "−" if x < 0 else "0" for x in p.step_signs)
+    return (f"layer {p.layer} head {p.head} over {p.steps_text} ({p.subset}, {p.n_units} unit"
+            f"{'s' if p.n_units != 1 else ''}): {p.delta_err_sum:+.3g} ± {p.delta_err_se:.2g} ({p.effect:.2g} rounding "
+            f"units; {p_text(p.tested_p, p.adjusted_p, n_tests)}), sign {signs} by step")
+
+
+def pooled_dict(p: PooledDelta) -> dict:
+    """A pooled item as its JSON writes it: its fields with `sign_holds`, `opposed_steps`, `holds` (and the tied
+    rows' item the same way)."""
+    out = {f: getattr(p, f) for f in PooledDelta.__dataclass_fields__ if f != "tied"}
+    out.update(sign_holds=p.sign_holds, opposed_steps=p.opposed_steps, holds=p.holds)
+    if p.tied is not None:
+        out["tied"] = pooled_dict(p.tied)
+    return out
+
+
 def pool_deltas(items: Sequence[DeltaItem]) -> list[PooledDelta]:
     """Per (layer, head) with items at two or more steps (in order of first appearance), its units' sums merged
     over the steps (`stats.merge_unit_sums`) and tested (`stats.unit_test`), over each subset of rows. With one
