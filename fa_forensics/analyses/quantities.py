@@ -604,6 +604,25 @@ def delta_claim(items: Sequence[DeltaItem], family: Family) -> BiasClaim:
                      family.n_tests, step=best.step, steps=(best.step,), **common)
 
 
+def run_claim_text(items: Sequence[DeltaItem], family: Family) -> str:
+    """The Σδ claim over several steps as the first clause of a verdict: '<pooled item>: a bias of the run (its sign
+    holds at every step); ', or why it is not one; '' when the claim's head has one step (its item is the claim)."""
+    c = delta_claim(items, family)
+    p = next((p for p in decide_pooled(items, family) if (p.layer, p.head) == (c.layer, c.head)), None)
+    if p is None:
+        return ""
+    x = next(x for x in p.subsets if x.subset == c.subset)
+    what = pooled_text(x, family.n_tests)
+    if x.holds:
+        return f"{what}: a bias of the run (its sign holds at every step); "
+    if x.significant:
+        many = len(x.opposed_steps) != 1
+        return (f"{what}: significant, but its sign does not hold step after step (step{'s' if many else ''} "
+                f"{', '.join(map(str, x.opposed_steps))} {'have' if many else 'has'} the other sign), so it is no bias "
+                "of the run; ")
+    return f"no Σδ pooled over steps is significant (most significant: {what}); "
+
+
 def _holds(x) -> bool:
     """A candidate of the Σδ claim that is found: pooled, significant with its sign held; one step, significant."""
     return x.holds if isinstance(x, PooledDelta) else x.significant

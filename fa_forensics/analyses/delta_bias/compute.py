@@ -28,7 +28,7 @@ from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_key
 from fa_forensics.analyses.primitives import delta_error
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, PooledDelta, Total, count_text, decide_deltas,
                                               decide_pooled, delta_claim, delta_items, family_of, flagged_subset,
-                                              head_total, item_text, pooled_dict, pooled_text, total_of)
+                                              head_total, item_text, pooled_dict, run_claim_text, total_of)
 from fa_forensics.analyses.significance import Family
 from fa_forensics.analyses.units import layer_units
 from fa_forensics.layers.fanout import Workers, layer_parts
@@ -314,7 +314,7 @@ def verdict(r: DeltaBiasResult) -> str:
     head = r.focus_total
     features = [f.feature for f in r.top_features[:3]]
     total = f"the selection's total is {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens"
-    run = _run_text(r)
+    run = run_claim_text(r.per_step, r.family)
     if not sig:
         return (f"preset {r.preset}: {run}no significant Σ(δ_lp − δ_hp) in any of the {n} (step, layer, head) items "
                 f"(most significant: {item_text(top, r.family.n_tests)}); {total}")
@@ -324,25 +324,6 @@ def verdict(r: DeltaBiasResult) -> str:
             f"(step, layer, head) items); most significant: {item_text(top, r.family.n_tests)}; layer {r.focus_layer} "
             f"head {r.focus_head} over its {head.n_items} step{'s' if head.n_items != 1 else ''}: {head.value:+.3g} ± "
             f"{head.se:.2g}, carried by features {features}; {total}")
-
-
-def _run_text(r: DeltaBiasResult) -> str:
-    """The claim over several steps, first: '<pooled item>: a bias of the run (its sign holds at every step); ' or
-    why it is not one ('' when every head has one step: its items are the claim)."""
-    c = r.claim
-    p = next((p for p in r.pooled if (p.layer, p.head) == (c.layer, c.head)), None)
-    if p is None:
-        return ""
-    x = next(x for x in p.subsets if x.subset == c.subset)
-    what = pooled_text(x, r.family.n_tests)
-    if c.found:
-        return f"{what}: a bias of the run (its sign holds at every step); "
-    if x.significant:
-        many = len(x.opposed_steps) != 1
-        return (f"{what}: significant, but its sign does not hold step after step (step{'s' if many else ''} "
-                f"{', '.join(map(str, x.opposed_steps))} {'have' if many else 'has'} the other sign), so it is no bias "
-                "of the run; ")
-    return f"no Σδ pooled over steps is significant (most significant: {what}); "
 
 
 def bias_claim(r: DeltaBiasResult) -> BiasClaim:
