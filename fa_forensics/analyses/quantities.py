@@ -615,12 +615,13 @@ def run_claim_text(items: Sequence[DeltaItem], family: Family) -> str:
     what = pooled_text(x, family.n_tests)
     if x.holds:
         return f"{what}: a bias of the run (its sign holds at every step); "
+    many = len(x.opposed_steps) != 1
+    flips = (f"its sign does not hold step after step (step{'s' if many else ''} "
+             f"{', '.join(map(str, x.opposed_steps))} {'have' if many else 'has'} the other sign)")
     if x.significant:
-        many = len(x.opposed_steps) != 1
-        return (f"{what}: significant, but its sign does not hold step after step (step{'s' if many else ''} "
-                f"{', '.join(map(str, x.opposed_steps))} {'have' if many else 'has'} the other sign), so it is no bias "
-                "of the run; ")
-    return f"no Σδ pooled over steps is significant (most significant: {what}); "
+        return f"{what}: significant, but {flips}, so it is no bias of the run; "
+    return (f"no Σδ pooled over steps is significant (most significant: {what}"
+            + (f"; {flips}" if x.opposed_steps else "") + "); ")
 
 
 def _holds(x) -> bool:
