@@ -25,8 +25,8 @@ from typing import Optional, TypeVar
 
 import torch
 
-from fa_forensics.analyses.significance import (ALL_ROWS, SUBSETS, TIED_ROWS, UNIT_KIND, Family, effect, holm,
-                                                p_text, significant)
+from fa_forensics.analyses.significance import (ALL_ROWS, FIX_VARIANTS, O_TESTS_PER_CELL, SUBSETS, TIED_ROWS,
+                                                UNIT_KIND, Family, effect, holm, p_text, significant)
 from fa_forensics.analyses.stats import MeanSE, UnitSums, merge_unit_sums, unit_sums, unit_test
 from fa_forensics.analyses.units import RowUnits, rows_as_units
 
@@ -521,12 +521,14 @@ def layers_family(layers) -> Family:
 
 def _family(delta: set[tuple[int, int, int]], cells: set[tuple[int, int, int]]) -> Family:
     """The family of Σδ (step, layer, head) items and O (layer, head, feature) cells; a (layer, head) with items at
-    two or more steps adds its item pooled over them (`pool_deltas`)."""
+    two or more steps adds its item pooled over them (`pool_deltas`), and fix-check's variants their tests in its
+    target cell (`significance.FIX_VARIANTS`), so every command counts the same family."""
     steps_of: dict[tuple[int, int], set[int]] = {}
     for step, layer, head in delta:
         steps_of.setdefault((layer, head), set()).add(step)
     pooled = sum(len(steps) >= 2 for steps in steps_of.values())
-    return Family(delta_items=len(delta), o_cells=len(cells), pooled_heads=pooled)
+    return Family(delta_items=len(delta), o_cells=len(cells), pooled_heads=pooled,
+                  extra=O_TESTS_PER_CELL * FIX_VARIANTS if cells else 0)
 
 
 def family_of(dump, selections, layers=()) -> Family:

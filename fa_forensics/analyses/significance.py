@@ -23,8 +23,9 @@ the report's headline) means the same thing everywhere because it is decided her
   element is the ulp of the low-precision format at |O_hp|; that of a token's δ is the same ulps carried
   through dO: ‖dO[T] ∘ ulp(O_hp[T])‖₂ (`analyses.quantities`). A bias of 1 % of a unit needs about a hundred
   steps of one sign to add up to one unit.
-- The fix-check's variants, tested in the baseline's most biased cell, join the baseline's family (`extra`
-  tests): a variant is "still biased" only when the baseline has a bias to remove and its own residual is
+- The fix-check's variants, tested in the baseline's most biased cell, are part of every selection's family
+  (`extra` tests, `FIX_VARIANTS` × 2), since the report's verdict makes them: every command prints the same family
+  size, and a variant is "still biased" only when the baseline has a bias to remove and its own residual is
   significant in that one family.
 - A Σδ claim about the run rests on the evidence of every selected step: where a (layer, head) has items at two or
   more steps, its Σδ pooled over them (the units of all the steps together; units never span steps) is one more
@@ -43,6 +44,8 @@ EFFECT_FLOOR = 0.01  # a bias below 1 % of its rounding unit is not a finding, h
 METHOD = "Holm"
 DELTA_TESTS_PER_ITEM = 2  # Σδ items: one-sample t-test and sign test; the smaller p counts, twice in the family
 O_TESTS_PER_CELL = 2  # O cells: the same two tests
+FIX_VARIANTS = 6  # fix-check's variants tested in its target cell (all of `fix_check.compute.fix_variants` but the
+# baseline): the report's verdict makes these tests too, so every selection's family counts them
 ALL_ROWS = "all rows"
 TIED_ROWS = "tied rows"  # rows whose maximum score is attained more than once
 SUBSETS = (ALL_ROWS, TIED_ROWS)  # every item and cell is tested over both, in one family
@@ -64,8 +67,9 @@ class Family:
                 * len(SUBSETS) + self.extra)
 
     def describe(self) -> str:
-        """'Holm over 1088 tests (12 Σδ (step, layer, head) items, 4 Σδ (layer, head) items pooled over steps and
-        256 O (layer, head, feature) cells, each over all rows and tied rows, 2 tests each)'."""
+        """'Holm over 1100 tests (12 Σδ (step, layer, head) items, 4 Σδ (layer, head) items pooled over steps and
+        256 O (layer, head, feature) cells, each over all rows and tied rows, 2 tests each, 12 fix-check variant
+        tests)'."""
         parts = []
         if self.delta_items:
             parts.append(f"{self.delta_items} Σδ (step, layer, head) item{'s' if self.delta_items != 1 else ''}")
@@ -77,7 +81,7 @@ class Family:
         what = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
         what += f", each over {' and '.join(SUBSETS)}, 2 tests each" if parts else ""
         if self.extra:
-            what += (", " if what else "") + f"{self.extra} variant test{'s' if self.extra != 1 else ''}"
+            what += (", " if what else "") + f"{self.extra} fix-check variant test{'s' if self.extra != 1 else ''}"
         n = self.n_tests
         return f"{METHOD} over {n} test{'s' if n != 1 else ''}" + (f" ({what})" if what else "")
 

@@ -476,7 +476,8 @@ def _variants_in_family(cells: Sequence[BiasCell], variant_p: list[float], famil
     adjusted by Holm over it). The variants' p-values are ranked among the baseline's cells' (both subsets), so a
     variant's residual is judged on the same scale as the bias it is compared with; the baseline's own claim is
     the selection's (`o_claim`), as in every other command."""
-    joint = dataclasses.replace(family, extra=family.extra + O_TESTS_PER_CELL * len(variant_p))
+    counted = O_TESTS_PER_CELL * len(variant_p)  # a selection's family counts them already (`selection_family`)
+    joint = family if family.extra >= counted else dataclasses.replace(family, extra=family.extra + counted)
     base_p = [x.tested_p for c in cells for x in c.subsets]
     return joint, holm(base_p + list(variant_p), joint.n_tests)[len(base_p):]
 

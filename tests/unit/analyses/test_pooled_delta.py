@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from fa_forensics.analyses.delta_bias.compute import delta_bias_layers
 from fa_forensics.analyses.quantities import items_of_errors, layers_family, pool_deltas
-from fa_forensics.analyses.significance import Family
+from fa_forensics.analyses.significance import FIX_VARIANTS, Family
 from fa_forensics.analyses.units import RowUnits
 
 from test_analyses_delta_bias import planted_layer
@@ -18,9 +18,9 @@ from test_analyses_delta_bias import planted_layer
 PLANTED = Path(__file__).resolve().parents[3] / "sample_dumps" / "planted.zarr"
 
 
-def _flipped(step: int, seed: int):
+def _flipped(step: int, seed: int, T: int = 128):
     """`planted_layer` with the planted V feature's sign flipped in head 0: its δ error takes the other sign."""
-    t = planted_layer(step=step, seed=seed)
+    t = planted_layer(step=step, seed=seed, T=T)
     v = t.v.clone()
     v[:, 0, :, 0] = -v[:, 0, :, 0]
     return dataclasses.replace(t, v=v)
@@ -64,22 +64,25 @@ def test_a_head_biased_at_every_step_is_found_pooled_and_named_over_its_steps():
     assert c.where_steps == "over steps 0..1" and "a bias of the run (its sign holds at every step)" in verdict(r)
 
 
-def test_a_bias_significant_at_one_step_whose_sign_flips_at_the_next_is_no_bias_of_the_run():
-    """Step 0 is biased one way and its item is significant; at step 1 the planted feature's sign is flipped, so the
-    head errs the other way there (not significantly alone). A rule that only refuses significant opposite steps
-    claims step 0's bias; pooled over the steps, the sign does not hold, so nothing is claimed."""
+def test_a_bias_whose_sign_flips_at_one_step_is_no_bias_of_the_run_though_its_pooled_sum_is_significant():
+    """Steps 0 and 1 are biased one way; at step 2 (a short one) the planted feature's sign is flipped, so the head
+    errs the other way there, too weakly to be significant alone. Pooled over the three steps the sum is still
+    significant, but its sign does not hold at step 2, so nothing is claimed; without step 2 the same head is a bias
+    of the run."""
     from fa_forensics.analyses.delta_bias.compute import verdict
 
-    r = delta_bias_layers([planted_layer(step=0, seed=0), _flipped(step=1, seed=1)])
-    step0 = next(i for i in r.per_step if (i.step, i.head) == (0, 0))
-    step1 = next(i for i in r.per_step if (i.step, i.head) == (1, 0))
-    assert step0.found and step0.delta_err_sum > 0  # what a single step shows
-    assert step1.delta_err_sum < 0 and not step1.found  # the other sign, not significant alone
+    steady = [planted_layer(step=0, seed=0), planted_layer(step=1, seed=2)]
+    r = delta_bias_layers([*steady, _flipped(step=2, seed=1, T=16)])
+    step2 = next(i for i in r.per_step if (i.step, i.head) == (2, 0))
+    assert step2.delta_err_sum < 0 and not step2.found  # the other sign, not significant alone
     p = next(p for p in r.pooled if p.head == 0)
-    assert p.step_signs == (1, -1) and not p.sign_holds and not p.found
+    assert p.significant and p.delta_err_sum > 0 and p.step_signs == (1, 1, -1) and not p.sign_holds
+    assert not p.found
     c = r.claim
-    assert not c.found and c.steps == (0, 1) and c.opposed_steps == (1,)
-    assert "step 1" in verdict(r)
+    assert not c.found and (c.layer, c.head) == (0, 0) and c.steps == (0, 1, 2) and c.opposed_steps == (2,)
+    assert "its sign does not hold step after step (step 2 has the other sign)" in verdict(r)
+    control = delta_bias_layers(steady).claim
+    assert control.found and (control.layer, control.head) == (0, 0) and control.steps == (0, 1)
 
 
 def test_a_head_flipping_sign_between_synth_steps_of_opposite_v_skew_is_not_found_pooled():
@@ -116,7 +119,7 @@ def test_the_planted_dump_is_found_by_its_sigma_delta_pooled_over_steps():
     assert not any(i.found for i in r.per_step)
     assert c.found and c.step is None and c.steps == (0, 1, 2) and c.sign_holds and c.adjusted_p < 0.01
     assert c.head in dump.ground_truth["planted_heads"]
-    assert r.family.pooled_heads == 4 and r.family.n_tests == (2 * (12 + 4) + 2 * 256) * 2
+    assert r.family.pooled_heads == 4 and r.family.n_tests == (2 * (12 + 4) + 2 * 256) * 2 + 2 * FIX_VARIANTS
 
 
 @pytest.mark.slow
@@ -135,4 +138,10 @@ def test_delta_bias_and_fix_check_print_the_same_family(tmp_path):
         family = json.loads(out.read_text())["family"]
         assert f"Holm over {family['n_tests']} tests" in " ".join(res.output.split())
         sizes[command] = (family["n_tests"], family["pooled_heads"])
-    assert sizes["delta-bias"] == sizes["fix-check"] == ((2 * (4 + 2) + 2 * 32) * 2, 2)
+    assert sizes["delta-bias"] == sizes["fix-check"] == ((2 * (4 + 2) + 2 * 32) * 2 + 2 * FIX_VARIANTS, 2)
+
+
+def test_the_family_counts_every_variant_fix_check_tests():
+    from fa_forensics.analyses.fix_check.compute import fix_variants
+
+    assert len([v for v in fix_variants() if v.role != "baseline"]) == FIX_VARIANTS
