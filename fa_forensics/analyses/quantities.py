@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -151,8 +151,9 @@ def decide_pooled(items: Sequence[DeltaItem], family: Family) -> list[PooledDelt
 
 def _decided_deltas(items: Sequence[DeltaItem], family: Family) -> tuple[list[DeltaItem], list[PooledDelta]]:
     pooled = pool_deltas(items)
-    decided = _decided([*items, *pooled], family)
-    return decided[: len(items)], decided[len(items):]  # type: ignore[return-value]
+    joint: list[Any] = [*items, *pooled]  # items and pooled items, ranked together
+    decided = _decided(joint, family)
+    return decided[: len(items)], decided[len(items):]
 
 
 # ---- Σδ per (layer, head), pooled over the selected steps ----------------------------------------------

@@ -263,6 +263,7 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
     total, total_st = total_of(per_step), sign_test(torch.cat(all_dd))
 
     claim = delta_claim(per_step, family)
+    assert claim.layer is not None and claim.head is not None  # a Σδ claim always names its (layer, head)
     focus_layer, focus_head = claim.layer, claim.head
     acc = by_head[(focus_layer, focus_head)]
     contribution = acc["contribution"]  # (D,)

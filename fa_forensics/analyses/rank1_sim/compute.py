@@ -243,6 +243,7 @@ def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, 
 
     decided = decide_deltas(items, family)
     claim = delta_claim(decided, family)
+    assert claim.layer is not None and claim.head is not None  # a Σδ claim always names its (layer, head)
     focus_layer, focus_head = claim.layer, claim.head
     acc = per_head[(focus_layer, focus_head)]
     toks = [c[0] for c in acc["chosen"]]
