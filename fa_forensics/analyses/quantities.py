@@ -9,12 +9,17 @@
   over the units, and its rounding unit Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂. isolate, delta-bias, rank1-sim and fix-check
   quote these; a head's number over several steps is `head_total`, the selection's is `total_of` (sums of the
   items, standard errors in quadrature), so the same (step, layer, head) reads the same in every command.
+- Σδ pooled over steps (`PooledDelta`, `pool_deltas`): per (layer, head) with items at two or more steps, the units
+  of every step tested together, with the sign of each step's own sum; the Σδ claim of such a head rests on it
+  (significant, and its sign held at every step), since a bias that compounds in training holds its sign step after
+  step. With one step the item is the test.
 - O cells (`BiasCell`, `cell_sums`, `o_cells`): per (layer, head, feature), the mean of O_lp − O_hp over every
   row of every selected step and batch entry, ± se, with a t-test and a sign test over the units and its rounding
   unit (the mean ulp of the low-precision O format at |O_hp|). bitdiff, fix-check and pv-trace quote these.
-- The family (`selection_family`, `layers_family`) and the decision (`decide_deltas`, `o_cells`), by the
-  policy of `analyses.significance`; the claim (`BiasClaim`: `delta_claim`, `o_claim`) is the most significant
-  item or cell, found or not, so that every command names the same place.
+- The family (`selection_family`, `layers_family`: the items, the pooled items, the cells and fix-check's variant
+  tests) and the decision (`decide_deltas`, `decide_pooled`, `o_cells`), by the policy of `analyses.significance`;
+  the claim (`BiasClaim`: `delta_claim`, `o_claim`) is the most significant item (pooled where there are several
+  steps) or cell, found or not, so that every command names the same place.
 """
 from __future__ import annotations
 
@@ -231,7 +236,7 @@ def steps_text(steps: Sequence[int]) -> str:
 
 def pooled_text(p: PooledDelta, n_tests: int) -> str:
     """'layer 0 head 1 over steps 0..2 (all rows, 126 units): +5.81 ± 1.1 (0.14 rounding units; p = …, … after Holm
-    over 1088 tests), sign + + + by step'."""
+    over 1100 tests), sign + + + by step'."""
     signs = " ".join("+" if x > 0 else "−" if x < 0 else "0" for x in p.step_signs)
     return (f"layer {p.layer} head {p.head} over {p.steps_text} ({p.subset}, {p.n_units} unit"
             f"{'s' if p.n_units != 1 else ''}): {p.delta_err_sum:+.3g} ± {p.delta_err_se:.2g} ({p.effect:.2g} rounding "
