@@ -12,10 +12,12 @@ from typing import Any
 def to_jsonable(obj: Any) -> Any:
     """Convert dataclasses, enums, numpy/torch scalars and arrays, and paths into JSON types.
 
-    Non-finite floats become None (JSON has no NaN), so files stay valid for every reader.
+    Non-finite floats become None (JSON has no NaN), so files stay valid for every reader. A dataclass field
+    whose metadata says {"json": False} is left out.
     """
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.metadata.get("json", True)}  # a field marked json=False is internal (sufficient statistics)
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, dict):

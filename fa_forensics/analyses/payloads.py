@@ -42,6 +42,7 @@ class DeltaBiasPayload(TypedDict):
     top_features: Objs
     focus: dict
     total: dict
+    pooled: Objs
     top_token: Obj
     cumulative_tokens: list[float]
     bias: Obj

@@ -9,24 +9,29 @@
   over the units, and its rounding unit Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂. isolate, delta-bias, rank1-sim and fix-check
   quote these; a head's number over several steps is `head_total`, the selection's is `total_of` (sums of the
   items, standard errors in quadrature), so the same (step, layer, head) reads the same in every command.
+- Σδ pooled over steps (`PooledDelta`, `pool_deltas`): per (layer, head) with items at two or more steps, the units
+  of every step tested together, with the sign of each step's own sum; the Σδ claim of such a head rests on it
+  (significant, and its sign held at every step), since a bias that compounds in training holds its sign step after
+  step. With one step the item is the test.
 - O cells (`BiasCell`, `cell_sums`, `o_cells`): per (layer, head, feature), the mean of O_lp − O_hp over every
   row of every selected step and batch entry, ± se, with a t-test and a sign test over the units and its rounding
   unit (the mean ulp of the low-precision O format at |O_hp|). bitdiff, fix-check and pv-trace quote these.
-- The family (`selection_family`, `layers_family`) and the decision (`decide_deltas`, `o_cells`), by the
-  policy of `analyses.significance`; the claim (`BiasClaim`: `delta_claim`, `o_claim`) is the most significant
-  item or cell, found or not, so that every command names the same place.
+- The family (`selection_family`, `layers_family`: the items, the pooled items, the cells and fix-check's variant
+  tests) and the decision (`decide_deltas`, `decide_pooled`, `o_cells`), by the policy of `analyses.significance`;
+  the claim (`BiasClaim`: `delta_claim`, `o_claim`) is the most significant item (pooled where there are several
+  steps) or cell, found or not, so that every command names the same place.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Optional, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, TypeVar
 
 import torch
 
-from fa_forensics.analyses.significance import (ALL_ROWS, SUBSETS, TIED_ROWS, UNIT_KIND, Family, effect, holm,
-                                                p_text, significant)
+from fa_forensics.analyses.significance import (ALL_ROWS, FIX_VARIANTS, O_TESTS_PER_CELL, SUBSETS, TIED_ROWS,
+                                                UNIT_KIND, Family, effect, holm, p_text, significant)
 from fa_forensics.analyses.stats import MeanSE, UnitSums, merge_unit_sums, unit_sums, unit_test
 from fa_forensics.analyses.units import RowUnits, rows_as_units
 
@@ -70,6 +75,8 @@ class DeltaItem:
     n_units: int = 0  # independent units: (step, batch row, dominant key set)
     subset: str = ALL_ROWS
     tied: Optional[DeltaItem] = None  # the same item over the tied rows only (the all-rows item holds it)
+    # the units' sufficient statistics, pooled over steps by `pool_deltas` (not written to JSON)
+    sums: Optional[UnitSums] = field(default=None, repr=False, compare=False, metadata={"json": False})
 
     @property
     def tested_p(self) -> float:
@@ -111,15 +118,25 @@ def items_of_errors(step: int, layer: int, heads: Sequence[int], dd: torch.Tenso
         made = {}
         for subset in SUBSETS:
             rows = None if subset == ALL_ROWS else ru.tied[:, j].reshape(-1)
-            t = unit_test(unit_sums(x, ids, rows))
-            n = int(t.n)
-            value, se = float(t.mean.nan_to_num(0.0)) * n, float(t.se) * n
+            sums = unit_sums(x, ids, rows)
             unit = float(u.sum() if rows is None else u[rows].sum())
-            made[subset] = DeltaItem(int(step), int(layer), int(h), value, se, n, float(t.frac_positive),
-                                     float(t.t_p_value), float(t.p_value), unit, effect(value, unit),
-                                     n_units=int(t.n_units), subset=subset)
+            made[subset] = _delta_item(int(step), int(layer), int(h), sums, unit, subset)
         out.append(replace(made[ALL_ROWS], tied=made[TIED_ROWS]))
     return out
+
+
+def _sum_test(sums: UnitSums) -> tuple[float, float, int, float, float, float, int]:
+    """(Σ, its se, rows, frac_positive, t-test p, sign-test p, units) of the rows' sum from their units' sums."""
+    t = unit_test(sums)
+    n = int(t.n)
+    return (float(t.mean.nan_to_num(0.0)) * n, float(t.se) * n, n, float(t.frac_positive), float(t.t_p_value),
+            float(t.p_value), int(t.n_units))
+
+
+def _delta_item(step: int, layer: int, head: int, sums: UnitSums, unit: float, subset: str) -> DeltaItem:
+    value, se, n, frac, t_p, sign_p, n_units = _sum_test(sums)
+    return DeltaItem(step, layer, head, value, se, n, frac, t_p, sign_p, unit, effect(value, unit),
+                     n_units=n_units, subset=subset, sums=sums)
 
 
 Tested = TypeVar("Tested", "DeltaItem", "BiasCell")  # what `_decided` adjusts: Σδ items or O cells
@@ -127,8 +144,145 @@ Tested = TypeVar("Tested", "DeltaItem", "BiasCell")  # what `_decided` adjusts: 
 
 def decide_deltas(items: Sequence[DeltaItem], family: Family) -> list[DeltaItem]:
     """The items (and their tied-rows items) with their Holm-adjusted p-values in `family` and the policy's
-    decision."""
-    return _decided(items, family)
+    decision, ranked together with the items pooled over steps (`decide_pooled`), which the family counts too."""
+    return _decided_deltas(items, family)[0]
+
+
+def decide_pooled(items: Sequence[DeltaItem], family: Family) -> list[PooledDelta]:
+    """The Σδ of every (layer, head) with items at two or more steps, pooled over them (`pool_deltas`), decided
+    in `family` together with the per-step `items`."""
+    return _decided_deltas(items, family)[1]
+
+
+def _decided_deltas(items: Sequence[DeltaItem], family: Family) -> tuple[list[DeltaItem], list[PooledDelta]]:
+    pooled = pool_deltas(items)
+    joint: list[Any] = [*items, *pooled]  # items and pooled items, ranked together
+    decided = _decided(joint, family)
+    return decided[: len(items)], decided[len(items):]
+
+
+# ---- Σδ per (layer, head), pooled over the selected steps ----------------------------------------------
+
+@dataclass(frozen=True)
+class PooledDelta:
+    """Σ_T(δ_lp − δ_hp) of one (layer, head) over every token of its selected steps (≥ 2), over one subset of
+    rows (`tied` holds the tied rows'), tested over the units of all the steps together (units never span steps),
+    with the sign of each step's own sum: the evidence that a bias of the run holds step after step."""
+
+    layer: int
+    head: int
+    steps: tuple[int, ...]  # the steps pooled, in order
+    delta_err_sum: float
+    delta_err_se: float  # cluster-robust over the pooled units (`stats.unit_test`)
+    n_tokens: int
+    frac_positive: float  # units with a positive sum, among those with a sign
+    t_p_value: float
+    p_value: float  # sign test over the pooled units
+    unit: float  # Σ of the steps' rounding units
+    effect: float = math.nan
+    adjusted_p: float = math.nan  # Holm over the selection's family (with the per-step items)
+    significant: bool = False
+    n_units: int = 0
+    subset: str = ALL_ROWS
+    step_signs: tuple[int, ...] = ()  # sign of each step's own Σ over this subset (0: no sign), in `steps` order
+    tied: Optional[PooledDelta] = None
+
+    @property
+    def tested_p(self) -> float:
+        """The smaller of the two tests' p-values (the family counts both tests)."""
+        return _smaller(self.t_p_value, self.p_value)
+
+    @property
+    def subsets(self) -> list[PooledDelta]:
+        """This item and its tied-rows item."""
+        return [self] + ([self.tied] if self.tied is not None else [])
+
+    @property
+    def opposed_steps(self) -> tuple[int, ...]:
+        """The steps whose own Σ has the sign opposite to the pooled Σ."""
+        sign = _sign(self.delta_err_sum)
+        return tuple(s for s, x in zip(self.steps, self.step_signs) if x == -sign)
+
+    @property
+    def sign_holds(self) -> bool:
+        """Every step with a sign agrees with the pooled sign (and the pooled Σ has one)."""
+        return _sign(self.delta_err_sum) != 0 and not self.opposed_steps
+
+    @property
+    def holds(self) -> bool:
+        """This subset's claim: significant and its sign held at every step (`sign_holds`)."""
+        return self.significant and self.sign_holds
+
+    @property
+    def found(self) -> bool:
+        """Significant with its sign held across steps, over all rows or over the tied rows."""
+        return any(x.holds for x in self.subsets)
+
+    @property
+    def steps_text(self) -> str:
+        """'steps 0..2' (consecutive) or 'steps 0, 4, 9'."""
+        return steps_text(self.steps)
+
+
+def steps_text(steps: Sequence[int]) -> str:
+    """'step 3', 'steps 0..2' (consecutive) or 'steps 0, 4, 9'."""
+    steps = list(steps)
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if steps == list(range(steps[0], steps[0] + len(steps))):
+        return f"steps {steps[0]}..{steps[-1]}"
+    return "steps " + ", ".join(map(str, steps))
+
+
+def pooled_text(p: PooledDelta, n_tests: int) -> str:
+    """'layer 0 head 1 over steps 0..2 (all rows, 126 units): +5.81 ± 1.1 (0.14 rounding units; p = …, … after Holm
+    over 1100 tests), sign + + + by step'."""
+    signs = " ".join("+" if x > 0 else "−" if x < 0 else "0" for x in p.step_signs)
+    return (f"layer {p.layer} head {p.head} over {p.steps_text} ({p.subset}, {p.n_units} unit"
+            f"{'s' if p.n_units != 1 else ''}): {p.delta_err_sum:+.3g} ± {p.delta_err_se:.2g} ({p.effect:.2g} rounding "
+            f"units; {p_text(p.tested_p, p.adjusted_p, n_tests)}), sign {signs} by step")
+
+
+def pooled_dict(p: PooledDelta) -> dict:
+    """A pooled item as its JSON writes it: its fields with `sign_holds`, `opposed_steps`, `holds` (and the tied
+    rows' item the same way)."""
+    out = {f: getattr(p, f) for f in PooledDelta.__dataclass_fields__ if f != "tied"}
+    out.update(sign_holds=p.sign_holds, opposed_steps=p.opposed_steps, holds=p.holds)
+    if p.tied is not None:
+        out["tied"] = pooled_dict(p.tied)
+    return out
+
+
+def pool_deltas(items: Sequence[DeltaItem]) -> list[PooledDelta]:
+    """Per (layer, head) with items at two or more steps (in order of first appearance), its units' sums merged
+    over the steps (`stats.merge_unit_sums`) and tested (`stats.unit_test`), over each subset of rows. With one
+    step the pooled test is that step's item, so it is not made again (the family does not count it twice)."""
+    by_head: dict[tuple[int, int], list[DeltaItem]] = {}
+    for i in items:
+        by_head.setdefault((i.layer, i.head), []).append(i)
+    out = []
+    for (layer, head), group in by_head.items():
+        steps = sorted({i.step for i in group})
+        if len(steps) < 2:
+            continue
+        group = sorted(group, key=lambda i: i.step)
+        made = {}
+        for subset in SUBSETS:
+            parts = [x for i in group for x in i.subsets if x.subset == subset]
+            if any(x.sums is None for x in parts):
+                raise ValueError("pool_deltas: an item without its units' sums (made by `items_of_errors`)")
+            value, se, n, frac, t_p, sign_p, n_units = _sum_test(merge_unit_sums(x.sums for x in parts))
+            unit = sum(x.unit for x in parts)
+            made[subset] = PooledDelta(layer, head, tuple(steps), value, se, n, frac, t_p, sign_p, unit,
+                                       effect(value, unit), n_units=n_units, subset=subset,
+                                       step_signs=_step_signs(parts, steps))
+        out.append(replace(made[ALL_ROWS], tied=made[TIED_ROWS]))
+    return out
+
+
+def _step_signs(parts: Sequence[DeltaItem], steps: Sequence[int]) -> tuple[int, ...]:
+    """The sign of each step's Σ over the parts (items of one head and subset), in `steps` order."""
+    return tuple(_sign(sum(x.delta_err_sum for x in parts if x.step == s)) for s in steps)
 
 
 def _decided(tested: Sequence[Tested], family: Family) -> list[Tested]:
@@ -207,14 +361,6 @@ def item_text(i: DeltaItem, n_tests: int) -> str:
     return (f"step {i.step} layer {i.layer} head {i.head} ({i.subset}, {i.n_units} unit{'s' if i.n_units != 1 else ''})"
             f": {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
             f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")
-
-
-def opposed_steps(items: Sequence[DeltaItem], claim: DeltaItem) -> list[int]:
-    """Steps at which a significant item of the claim's (layer, head), over either subset, has the opposite sign:
-    a sign that does not hold across steps does not add up over training."""
-    sign = _sign(claim.delta_err_sum)
-    return sorted({x.step for i in items if (i.layer, i.head) == (claim.layer, claim.head)
-                   for x in i.subsets if x.significant and _sign(x.delta_err_sum) == -sign})
 
 
 # ---- O bias per (layer, head, feature) ---------------------------------------------------------------
@@ -356,24 +502,39 @@ def most_significant(cells: Sequence[BiasCell]) -> BiasCell:
 
 def selection_family(dump, selections) -> Family:
     """The tests a selection of a dump makes: one Σδ item per selected (step, layer, head) whose layer-step has
-    dO, one O cell per selected (layer, head, feature) (rows pooled over steps)."""
-    delta, cells = 0, set()
+    dO, one per (layer, head) with such items at two or more steps (pooled over them), one O cell per selected
+    (layer, head, feature) (rows pooled over steps)."""
+    delta: set[tuple[int, int, int]] = set()
+    cells: set[tuple[int, int, int]] = set()
     for sel in selections:
         if dump.has(sel.step, sel.layer, "do"):
-            delta += len(sel.heads)
+            delta.update((sel.step, sel.layer, h) for h in sel.heads)
         head_dim = int(dump.layer_info(sel.step, sel.layer).head_dim)
         cells.update((sel.layer, h, f) for h in sel.heads for f in range(head_dim))
-    return Family(delta_items=delta, o_cells=len(cells))
+    return _family(delta, cells)
 
 
 def layers_family(layers) -> Family:
     """`selection_family` of layer-steps already loaded (or built in memory)."""
-    delta, cells = 0, set()
+    delta: set[tuple[int, int, int]] = set()
+    cells: set[tuple[int, int, int]] = set()
     for t in layers:
         if t.do is not None:
-            delta += len(t.heads)
+            delta.update((t.step, t.layer, h) for h in t.heads)
         cells.update((t.layer, h, f) for h in t.heads for f in range(t.q.shape[-1]))
-    return Family(delta_items=delta, o_cells=len(cells))
+    return _family(delta, cells)
+
+
+def _family(delta: set[tuple[int, int, int]], cells: set[tuple[int, int, int]]) -> Family:
+    """The family of Σδ (step, layer, head) items and O (layer, head, feature) cells; a (layer, head) with items at
+    two or more steps adds its item pooled over them (`pool_deltas`), and fix-check's variants their tests in its
+    target cell (`significance.FIX_VARIANTS`), so every command counts the same family."""
+    steps_of: dict[tuple[int, int], set[int]] = {}
+    for step, layer, head in delta:
+        steps_of.setdefault((layer, head), set()).add(step)
+    pooled = sum(len(steps) >= 2 for steps in steps_of.values())
+    return Family(delta_items=len(delta), o_cells=len(cells), pooled_heads=pooled,
+                  extra=O_TESTS_PER_CELL * FIX_VARIANTS if cells else 0)
 
 
 def family_of(dump, selections, layers=()) -> Family:
@@ -388,10 +549,11 @@ class BiasClaim:
     """Where an analysis finds a bias, in the same terms for every command.
 
     quantity "O": the mean of O_lp − O_hp in one (layer, head, feature) cell; "delta": Σ_T(δ_lp − δ_hp) of one
-    (step, layer, head). found: the policy's decision (`significance.significant`) for the most significant
-    item over either subset of rows (and, for Σδ, no opposite significant sign at another step of the head); the
-    location, subset and sign are that item's even when nothing is found. n_units counts the independent units
-    (`unit`) the tests counted; n_rows the rows they hold.
+    (layer, head), pooled over its selected steps where it has two or more (`PooledDelta`: `step` is None, `steps`
+    the steps), else of its one (step, layer, head) item. found: the policy's decision (`significance.significant`)
+    for the most significant item over either subset of rows (and, for a Σδ pooled over steps, its sign held at
+    every step: `PooledDelta.sign_holds`); the location, subset and sign are that item's even when nothing is found.
+    n_units counts the independent units (`unit`) the tests counted; n_rows the rows they hold.
     """
 
     found: bool
@@ -412,7 +574,16 @@ class BiasClaim:
     unit: str = UNIT_KIND
     subset: str = ALL_ROWS  # "all rows" | "tied rows": where the bias was tested (and, when found, lives)
     n_rows: int = 0
-    opposed_steps: tuple[int, ...] = ()  # Σδ: steps where the head is significant with the other sign
+    opposed_steps: tuple[int, ...] = ()  # Σδ: steps whose own Σ has the other sign
+    steps: tuple[int, ...] = ()  # Σδ: the steps the deciding test covered (one for a (step, layer, head) item)
+    sign_holds: Optional[bool] = None  # Σδ over several steps: every step with a sign has the pooled sign
+
+    @property
+    def where_steps(self) -> str:
+        """'step 2' or 'over steps 0..2' ('' for an O claim)."""
+        if not self.steps:
+            return f"step {self.step}" if self.step is not None else ""
+        return steps_text(self.steps) if len(self.steps) == 1 else f"over {steps_text(self.steps)}"
 
 
 def _sign(value: float) -> int:
@@ -420,14 +591,63 @@ def _sign(value: float) -> int:
 
 
 def delta_claim(items: Sequence[DeltaItem], family: Family) -> BiasClaim:
-    """The Σδ claim: the flagged item (either subset) of decided `items`; found only when its sign holds across
-    the head's steps (`opposed_steps`)."""
-    i = flagged_subset(items)
-    opposed = tuple(opposed_steps(items, i)) if i.significant else ()
-    return BiasClaim(i.significant and not opposed, "delta", i.layer, i.head, _sign(i.delta_err_sum), i.tested_p,
-                     family.n_tests, step=i.step, adjusted_p=i.adjusted_p, effect=i.effect, value=i.delta_err_sum,
-                     se=i.delta_err_se, family=family.describe(), n_units=i.n_units, subset=i.subset,
-                     n_rows=i.n_tokens, opposed_steps=opposed)
+    """The Σδ claim of decided `items`. A (layer, head) with items at two or more steps is judged by its Σδ pooled
+    over them (`decide_pooled`), found only when significant with its sign held at every step; a (layer, head) of
+    one step by its item. The claim's place is the most significant of these over either subset (found ones
+    first)."""
+    pooled = decide_pooled(items, family)
+    multi = {(p.layer, p.head) for p in pooled}
+    single = [x for i in items if (i.layer, i.head) not in multi for x in i.subsets]
+    candidates: list = [x for p in pooled for x in p.subsets] + single
+    if not candidates:
+        raise ValueError("delta_claim: no Σδ item")
+    best = min(candidates, key=lambda x: (not _holds(x), *_rank(x)))
+    common = dict(adjusted_p=best.adjusted_p, effect=best.effect, value=best.delta_err_sum, se=best.delta_err_se,
+                  family=family.describe(), n_units=best.n_units, subset=best.subset, n_rows=best.n_tokens)
+    if isinstance(best, PooledDelta):
+        return BiasClaim(best.holds, "delta", best.layer, best.head, _sign(best.delta_err_sum), best.tested_p,
+                         family.n_tests, step=None, opposed_steps=best.opposed_steps, steps=best.steps,
+                         sign_holds=best.sign_holds, **common)
+    return BiasClaim(best.significant, "delta", best.layer, best.head, _sign(best.delta_err_sum), best.tested_p,
+                     family.n_tests, step=best.step, steps=(best.step,), **common)
+
+
+def run_claim_text(items: Sequence[DeltaItem], family: Family) -> str:
+    """The Σδ claim over several steps as the first clause of a verdict: '<pooled item>: a bias of the run (its sign
+    holds at every step); ', or why it is not one; '' when the claim's head has one step (its item is the claim)."""
+    c = delta_claim(items, family)
+    p = next((p for p in decide_pooled(items, family) if (p.layer, p.head) == (c.layer, c.head)), None)
+    if p is None:
+        return ""
+    x = next(x for x in p.subsets if x.subset == c.subset)
+    what = pooled_text(x, family.n_tests)
+    if x.holds:
+        return f"{what}: a bias of the run (its sign holds at every step); "
+    many = len(x.opposed_steps) != 1
+    flips = (f"its sign does not hold step after step (step{'s' if many else ''} "
+             f"{', '.join(map(str, x.opposed_steps))} {'have' if many else 'has'} the other sign)")
+    if x.significant:
+        return f"{what}: significant, but {flips}, so it is no bias of the run; "
+    return (f"no Σδ pooled over steps is significant (most significant: {what}"
+            + (f"; {flips}" if x.opposed_steps else "") + "); ")
+
+
+def _holds(x) -> bool:
+    """A candidate of the Σδ claim that is found: pooled, significant with its sign held; one step, significant."""
+    return x.holds if isinstance(x, PooledDelta) else x.significant
+
+
+def run_biased_heads(items: Sequence[DeltaItem], family: Family) -> dict[tuple[int, int], int]:
+    """{(layer, head): sign} of the heads whose Σδ bias holds for the run by the claim's rule (`delta_claim`):
+    pooled over two or more steps, significant with its sign held at every step; with one step, its item found."""
+    pooled = decide_pooled(items, family)
+    out = {(p.layer, p.head): _sign(next(x for x in p.subsets if x.holds).delta_err_sum)
+           for p in pooled if p.found}
+    multi = {(p.layer, p.head) for p in pooled}
+    for i in items:
+        if (i.layer, i.head) not in multi and i.found:
+            out[(i.layer, i.head)] = _sign(next(x for x in i.subsets if x.significant).delta_err_sum)
+    return out
 
 
 def o_claim(cells: Sequence[BiasCell], family: Family) -> BiasClaim:

@@ -8,11 +8,12 @@ the report's headline) means the same thing everywhere because it is decided her
   each such group is one unit (`analyses.units`); the tests count units, not rows (`stats.unit_test`: a
   cluster-robust t-test with G − 1 degrees of freedom and a sign test over the units' sums).
 - The family: every hypothesis the selection is tested on, counted from its shape before looking at the
-  data (`Family`): one Σδ item per (step, layer, head) with a dO array and one O cell per (layer, head,
-  feature), each over two subsets of rows (all rows, and the tied rows, whose maximum repeats: where the P̄ = 1
-  mechanism acts) and tested twice in each (a one-sample t-test, which sees a bias carried by rare large
-  errors, and a sign test, which sees a consistent sign; the smaller p counts, and the family counts both).
-  Every command and the report count the same family for the same selection, so an item found by one is found by all.
+  data (`Family`): one Σδ item per (step, layer, head) with a dO array, one per (layer, head) with dO at two or
+  more steps (pooled over them), and one O cell per (layer, head, feature), each over two subsets of rows (all
+  rows, and the tied rows, whose maximum repeats: where the P̄ = 1 mechanism acts) and tested twice in each (a
+  one-sample t-test, which sees a bias carried by rare large errors, and a sign test, which sees a consistent
+  sign; the smaller p counts, and the family counts both). Every command and the report count the same family
+  for the same selection, so an item found by one is found by all.
 - Holm's step-down over that family (`holm`): the k-th smallest p-value of the items a command tests is
   multiplied by (family size − k + 1) and the running maximum taken; an item is significant when its
   adjusted p is below α. A command that tests only part of the family ranks its own items (the adjusted p
@@ -22,11 +23,15 @@ the report's headline) means the same thing everywhere because it is decided her
   element is the ulp of the low-precision format at |O_hp|; that of a token's δ is the same ulps carried
   through dO: ‖dO[T] ∘ ulp(O_hp[T])‖₂ (`analyses.quantities`). A bias of 1 % of a unit needs about a hundred
   steps of one sign to add up to one unit.
-- The fix-check's variants, tested in the baseline's most biased cell, join the baseline's family (`extra`
-  tests): a variant is "still biased" only when the baseline has a bias to remove and its own residual is
+- The fix-check's variants, tested in the baseline's most biased cell, are part of every selection's family
+  (`extra` tests, `FIX_VARIANTS` × 2), since the report's verdict makes them: every command prints the same family
+  size, and a variant is "still biased" only when the baseline has a bias to remove and its own residual is
   significant in that one family.
-- A Σδ claim holds for the run only when its sign holds across steps: no significant item of the same (layer,
-  head) at another step has the opposite sign (`quantities.delta_claim`).
+- A Σδ claim about the run rests on the evidence of every selected step: where a (layer, head) has items at two or
+  more steps, its Σδ pooled over them (the units of all the steps together; units never span steps) is one more
+  item of the family (`pooled_heads`), and the claim is found only when that pooled item is significant and every
+  step whose own Σ has a sign has the pooled sign (`quantities.PooledDelta.sign_holds`, `quantities.delta_claim`).
+  With one step the pooled item is that step's item and is not counted again.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ EFFECT_FLOOR = 0.01  # a bias below 1 % of its rounding unit is not a finding, h
 METHOD = "Holm"
 DELTA_TESTS_PER_ITEM = 2  # Σδ items: one-sample t-test and sign test; the smaller p counts, twice in the family
 O_TESTS_PER_CELL = 2  # O cells: the same two tests
+FIX_VARIANTS = 6  # fix-check's variants tested in its target cell (all of `fix_check.compute.fix_variants` but the
+# baseline): the report's verdict makes these tests too, so every selection's family counts them
 ALL_ROWS = "all rows"
 TIED_ROWS = "tied rows"  # rows whose maximum score is attained more than once
 SUBSETS = (ALL_ROWS, TIED_ROWS)  # every item and cell is tested over both, in one family
@@ -52,29 +59,36 @@ class Family:
     delta_items: int = 0
     o_cells: int = 0
     extra: int = 0  # tests of another kind (a fix-check's variants in one cell)
+    pooled_heads: int = 0  # Σδ (layer, head) items pooled over their steps: heads with items at two or more steps
 
     @property
     def n_tests(self) -> int:
-        return ((DELTA_TESTS_PER_ITEM * self.delta_items + O_TESTS_PER_CELL * self.o_cells) * len(SUBSETS)
-                + self.extra)
+        return ((DELTA_TESTS_PER_ITEM * (self.delta_items + self.pooled_heads) + O_TESTS_PER_CELL * self.o_cells)
+                * len(SUBSETS) + self.extra)
 
     def describe(self) -> str:
-        """'Holm over 1072 tests (12 Σδ (step, layer, head) items and 256 O (layer, head, feature) cells, each over
-        all rows and tied rows, 2 tests each)'."""
+        """'Holm over 1100 tests (12 Σδ (step, layer, head) items, 4 Σδ (layer, head) items pooled over steps and
+        256 O (layer, head, feature) cells, each over all rows and tied rows, 2 tests each, 12 fix-check variant
+        tests)'."""
         parts = []
         if self.delta_items:
             parts.append(f"{self.delta_items} Σδ (step, layer, head) item{'s' if self.delta_items != 1 else ''}")
+        if self.pooled_heads:
+            parts.append(f"{self.pooled_heads} Σδ (layer, head) item{'s' if self.pooled_heads != 1 else ''} pooled "
+                         "over steps")
         if self.o_cells:
             parts.append(f"{self.o_cells} O (layer, head, feature) cell{'s' if self.o_cells != 1 else ''}")
-        what = " and ".join(parts) + (f", each over {' and '.join(SUBSETS)}, 2 tests each" if parts else "")
+        what = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
+        what += f", each over {' and '.join(SUBSETS)}, 2 tests each" if parts else ""
         if self.extra:
-            what += (", " if what else "") + f"{self.extra} variant test{'s' if self.extra != 1 else ''}"
+            what += (", " if what else "") + f"{self.extra} fix-check variant test{'s' if self.extra != 1 else ''}"
         n = self.n_tests
         return f"{METHOD} over {n} test{'s' if n != 1 else ''}" + (f" ({what})" if what else "")
 
     def as_dict(self) -> dict:
         return {"method": METHOD, "alpha": ALPHA, "effect_floor": EFFECT_FLOOR, "n_tests": self.n_tests,
-                "delta_items": self.delta_items, "o_cells": self.o_cells, "extra": self.extra,
+                "delta_items": self.delta_items, "pooled_heads": self.pooled_heads, "o_cells": self.o_cells,
+                "extra": self.extra,
                 "subsets": list(SUBSETS), "unit": UNIT_KIND, "text": self.describe()}
 
 

@@ -57,16 +57,27 @@ class Claim:
     subset: str = "all rows"  # "all rows" | "tied rows": the rows the test that decided looked at
     unit: str = ""  # the independent unit of the test ('' where the section does not say)
     n_units: Optional[int] = None
+    steps: tuple[int, ...] = ()  # Σδ: the steps its test pooled (one for a single step's item)
 
     @classmethod
     def read(cls, c) -> Optional[Claim]:
         if not isinstance(c, dict):
             return None
+        steps = tuple(s for s in (_int(x) for x in c.get("steps") or []) if s is not None)
         return cls(str(c.get("quantity") or ""), bool(c.get("found")), _int(c.get("layer")), _int(c.get("head")),
                    _int(c.get("step")), _int(c.get("feature")), _int(c.get("sign")) or 0, _float(c.get("value")),
                    _float(c.get("se")), _float(c.get("p_value")), _float(c.get("adjusted_p")),
                    _int(c.get("n_tests")) or 0, _float(c.get("effect")), str(c.get("subset") or "all rows"),
-                   str(c.get("unit") or ""), _int(c.get("n_units")))
+                   str(c.get("unit") or ""), _int(c.get("n_units")), steps)
+
+    @property
+    def at_steps(self) -> str:
+        """Where in time the claim was tested: 'at step 2', 'over steps 0..2' ('' when the section does not say)."""
+        from fa_forensics.analyses.quantities import steps_text
+
+        if len(self.steps) > 1:
+            return f"over {steps_text(self.steps)}"
+        return f"at step {self.step}" if self.step is not None else ""
 
 
 @dataclass(frozen=True)
@@ -188,7 +199,9 @@ def _place(c: Optional[Claim]) -> str:
     text = f"layer {c.layer} head {c.head}"
     if c.feature is not None:
         text += f" feature {c.feature}"
-    if c.step is not None:
+    if len(c.steps) > 1:
+        text += f" {c.at_steps}"
+    elif c.step is not None:
         text += f" step {c.step}"
     return text
 

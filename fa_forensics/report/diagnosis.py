@@ -96,7 +96,7 @@ def _rounding_cause(rounding: dict[str, Conclusion], rank1: Optional[Compounding
                      f"{number(o.effect, '.2g')} of a rounding unit, Holm p {number(o.adjusted_p, '.2g')})")
     if delta is not None:
         text = (f"the error reaches the W_Q gradient (Σδ {'+' if delta.sign > 0 else '−'}: "
-                f"{number(delta.value, '+.3g')} ± {number(delta.se, '.2g')} at step {delta.step})")
+                f"{number(delta.value, '+.3g')} ± {number(delta.se, '.2g')} {delta.at_steps})")
         if rank1 is not None and rank1.trend == "compounds":
             text += f" and compounds over the captured steps (rank1-sim, exponent {number(rank1.exponent, '.2f')})"
         elif rank1 is not None and rank1.trend:

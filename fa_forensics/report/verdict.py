@@ -143,6 +143,8 @@ def _evidence(by_name: dict[str, dict], data: dict[str, dict], quantity: str) ->
         items = [i for i in items if isinstance(i, dict) and _significant_item(i)]
         if quantity == "delta":
             steps = tuple(sorted({i["step"] for i in items if (i.get("layer"), i.get("head")) == (layer, head)}))
+            pooled = tuple(s for s in c.get("steps") or [] if isinstance(s, int))
+            steps = pooled if len(pooled) > 1 else steps  # a claim pooled over steps: the steps it pooled
         others = tuple(sorted({(i.get("layer"), i.get("head")) for i in items} - {(layer, head)}))
         out.append(Evidence(quantity, found, layer, head, step, feature, sign, _float(c.get("value")),
                             _float(c.get("se")), _float(c.get("p_value")), _float(c.get("adjusted_p")),
@@ -261,6 +263,13 @@ def _where(delta: Optional[Evidence], o: Optional[Evidence]) -> str:
     return text
 
 
+def _over(steps: tuple[int, ...]) -> str:
+    """'pooled over steps 0..2' (a Σδ claim tested over several steps)."""
+    from fa_forensics.analyses.quantities import steps_text
+
+    return f"pooled over {steps_text(steps)}, its sign held at every step" if steps else "over its steps"
+
+
 def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence], rank1: Optional[CompoundingConclusion],
                 replayed: str = "") -> list[str]:
     """The bias findings in plain words; "compounds" only where rank1-sim concluded it. `replayed`: the preset an
@@ -275,7 +284,9 @@ def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence], rank1: Optiona
     if delta is not None and delta.found:
         direction = "positive" if delta.sign > 0 else "negative"
         text = (f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "
-                f"{delta.layer} head {delta.head}, most significant at step {delta.step}: {delta.stats()} "
+                f"{delta.layer} head {delta.head}, "
+                f"{f'most significant at step {delta.step}' if delta.step is not None else _over(delta.steps)}: "
+                f"{delta.stats()} "
                 f"({', '.join(delta.analyses)}).")
         if rank1 is not None and rank1.trend == "compounds":
             text += (f" rank1-sim finds that it compounds: W_Q's gradient error grows with the number of steps "

@@ -36,10 +36,13 @@ def assert_agrees_with_itself(secs, verdict):
         if c["found"]:  # the policy's floor: significant after the family's correction, and large enough
             assert c["adjusted_p"] < ALPHA and (c["effect"] is None or c["effect"] >= EFFECT_FLOOR), (name, c)
         assert c["found"] == found[QUANTITY[name]], (name, c, verdict.line())
-    if "delta-bias" in data:
-        assert any(i["significant"] for i in data["delta-bias"]["per_step"]) == found["delta"]
+    if "delta-bias" in data:  # a head of several steps: its Σδ pooled over them, its sign held; of one step: its item
+        db = data["delta-bias"]
+        pooled = [x for p in db.get("pooled") or [] for x in (p, p.get("tied")) if x]
+        several = {(p["layer"], p["head"]) for p in pooled}
+        single = [x for i in db["per_step"] if (i["layer"], i["head"]) not in several for x in (i, i.get("tied")) if x]
+        assert (any(x["holds"] for x in pooled) or any(x["significant"] for x in single)) == found["delta"]
     if "isolate" in data:
-        assert (data["isolate"]["n_biased_heads"] > 0) == found["delta"]
         assert found["delta"] or data["isolate"]["culprits"] == []
     if "bitdiff" in data:
         assert bool(data["bitdiff"]["biased_features"]) == found["O"]

@@ -19,15 +19,16 @@ statistics policy (`analyses.significance`); the focus head (features, top token
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
 from fa_forensics.analyses.primitives import delta_error
-from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, Total, count_text, decide_deltas, delta_claim,
-                                              delta_items, family_of, flagged_subset, head_total, item_text, total_of)
+from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, PooledDelta, Total, count_text, decide_deltas,
+                                              decide_pooled, delta_claim, delta_items, family_of, flagged_subset,
+                                              head_total, item_text, pooled_dict, run_claim_text, total_of)
 from fa_forensics.analyses.significance import Family
 from fa_forensics.analyses.units import layer_units
 from fa_forensics.layers.fanout import Workers, layer_parts
@@ -107,6 +108,8 @@ class DeltaBiasResult(RecipeResult):
     family: Family = Family()
     warnings: tuple[str, ...] = ()
     replay_fidelity: Optional[ReplayFidelity] = None
+    # per (layer, head) with items at two or more steps: its Σδ pooled over them, decided in `family`
+    pooled: list[PooledDelta] = field(default_factory=list)
 
     @property
     def no_difference(self) -> bool:
@@ -133,8 +136,17 @@ class DeltaBiasResult(RecipeResult):
                       key=lambda p: p.step)
 
     @property
+    def focus_pooled(self) -> Optional[PooledDelta]:
+        """The focus head's Σδ pooled over its steps (all rows; None with one step)."""
+        return next((p for p in self.pooled if (p.layer, p.head) == (self.focus_layer, self.focus_head)), None)
+
+    @property
     def focus_total(self) -> Total:
-        """The focus head's Σδ over its selected steps."""
+        """The focus head's Σδ over its selected steps: with several steps its pooled item's sum and cluster-robust
+        se (over the units of every step), else its one item's."""
+        p = self.focus_pooled
+        if p is not None:
+            return Total(p.delta_err_sum, p.delta_err_se, len(p.steps), p.n_tokens, p.n_units)
         return head_total(self.per_step, self.focus_layer, self.focus_head)
 
 
@@ -244,14 +256,15 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
             acc["both"] = acc["both"] + part.both[j]
             acc["tokens"].append((sel.step, part.dd[:, j], part.do[:, j], part.o_err[:, j]))
 
-    per_step = decide_deltas(items, family)
+    per_step, pooled = decide_deltas(items, family), decide_pooled(items, family)
     steps = sorted({p.step for p in per_step})
     step_sums = [total_of(p for p in per_step if p.step == s).value for s in steps]
     cumulative = torch.tensor(step_sums, dtype=torch.float64).cumsum(0).tolist()
     total, total_st = total_of(per_step), sign_test(torch.cat(all_dd))
 
-    focus = flagged_subset(per_step)
-    focus_layer, focus_head = focus.layer, focus.head
+    claim = delta_claim(per_step, family)
+    assert claim.layer is not None and claim.head is not None  # a Σδ claim always names its (layer, head)
+    focus_layer, focus_head = claim.layer, claim.head
     acc = by_head[(focus_layer, focus_head)]
     contribution = acc["contribution"]  # (D,)
     denom = float(contribution.sum())
@@ -272,7 +285,7 @@ def _combine(parts: Iterable[tuple[tuple[str, ...], _LayerPart]], recipe: Recipe
         total_frac_positive=total_st.frac_positive, n_tokens=total.n_tokens,
         focus_layer=focus_layer, focus_head=focus_head, cumulative_tokens=cumulative_tokens,
         top_features=top_features, top_token=top_token, recipe=recipe, backend=Backend(backend), family=family,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), pooled=pooled,
     )
 
 
@@ -291,8 +304,9 @@ def _top_token(tokens, sign: float) -> Optional[TopToken]:
 
 
 def verdict(r: DeltaBiasResult) -> str:
-    """One sentence: where Σ(δ_lp − δ_hp) is significantly one-signed (what the count counts), the most
-    significant item, its head over the steps, the features that carry it, and the selection's total."""
+    """One sentence: the Σδ claim (over steps: pooled, with whether its sign held at every step), where Σ(δ_lp − δ_hp)
+    is significant at single steps (what the count counts), the focus head over its steps, the features that carry
+    it, and the selection's total."""
     if r.no_difference:
         return (f"preset {r.preset}: no difference from the fp32 replay (δ_lp = δ_hp for all {r.n_tokens} tokens): "
                 f"nothing to analyse; choose a low-precision preset")
@@ -301,14 +315,15 @@ def verdict(r: DeltaBiasResult) -> str:
     head = r.focus_total
     features = [f.feature for f in r.top_features[:3]]
     total = f"the selection's total is {r.total:+.3g} ± {r.total_se:.2g} over {r.n_tokens} tokens"
+    run = run_claim_text(r.per_step, r.family)
     if not sig:
-        return (f"preset {r.preset}: no significant Σ(δ_lp − δ_hp) in any of the {n} (step, layer, head) items "
+        return (f"preset {r.preset}: {run}no significant Σ(δ_lp − δ_hp) in any of the {n} (step, layer, head) items "
                 f"(most significant: {item_text(top, r.family.n_tests)}); {total}")
     signs = {p.delta_err_sum > 0 for p in sig}
     sign = ("positive" if signs == {True} else "negative") if len(signs) == 1 else "of both signs"
-    return (f"preset {r.preset}: Σ(δ_lp − δ_hp) is significantly {sign} in {count_text(sig)} ({len(sig)} of {n} "
-            f"(step, layer, head) items); most significant: {item_text(top, r.family.n_tests)}; layer {top.layer} "
-            f"head {top.head} over its {head.n_items} step{'s' if head.n_items != 1 else ''}: {head.value:+.3g} ± "
+    return (f"preset {r.preset}: {run}Σ(δ_lp − δ_hp) is significantly {sign} in {count_text(sig)} ({len(sig)} of {n} "
+            f"(step, layer, head) items); most significant: {item_text(top, r.family.n_tests)}; layer {r.focus_layer} "
+            f"head {r.focus_head} over its {head.n_items} step{'s' if head.n_items != 1 else ''}: {head.value:+.3g} ± "
             f"{head.se:.2g}, carried by features {features}; {total}")
 
 
@@ -323,9 +338,10 @@ def payload(r: DeltaBiasResult) -> DeltaBiasPayload:
         "per_step": r.per_step, "steps": r.steps, "step_sums": r.step_sums, "cumulative": r.cumulative,
         "top_features": r.top_features,
         "focus": {"layer": r.focus_layer, "head": r.focus_head, "delta_err_sum": r.focus_total.value,
-                  "se": r.focus_total.se, "steps": r.focus_total.n_items},
+                  "se": r.focus_total.se, "steps": r.focus_total.n_items, "n_units": r.focus_total.n_units},
         "total": {"delta_err_sum": r.total, "se": r.total_se, "t_p_value": r.total_t_p_value,
                   "p_value": r.total_p_value, "frac_positive": r.total_frac_positive, "n_tokens": r.n_tokens},
+        "pooled": [pooled_dict(p) for p in r.pooled],
         "top_token": r.top_token, "cumulative_tokens": r.cumulative_tokens, "bias": bias_claim(r),
         "family": r.family.as_dict(),
         **recipe_keys(r.recipe, r.backend), **common_keys(r), "verdict": verdict(r),

@@ -473,10 +473,11 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
 
 def one_family(selection: Family, n_variants: int) -> Family:
     """The one family fix-check decides in: the selection's tests and each variant's two tests in the target cell.
-    The baseline's claim and every variant's residual are decided in it, and it is the family the command prints,
-    so its size is said once; the baseline's claim is therefore as strict as bitdiff's or stricter (by the
-    variants' share of the tests)."""
-    return dataclasses.replace(selection, extra=selection.extra + O_TESTS_PER_CELL * n_variants)
+    A selection's family counts them already (`quantities.selection_family`, `significance.FIX_VARIANTS`), so every
+    command prints the same size; a family built without them (a lone cell list) gets them added here. The
+    baseline's claim and every variant's residual are decided in it, and it is the family the command prints."""
+    counted = O_TESTS_PER_CELL * n_variants
+    return selection if selection.extra >= counted else dataclasses.replace(selection, extra=selection.extra + counted)
 
 
 def _variants_in_family(cells: Sequence[BiasCell], variant_p: list[float], family: Family) -> list[float]:

@@ -49,7 +49,7 @@ from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_key
 from fa_forensics.analyses.primitives import delta_error, delta_of, pk_rows
 from fa_forensics.analyses.quantities import (BiasClaim, DeltaItem, count_text, decide_deltas, delta_claim,
                                               delta_units, family_of, flagged_subset, item_text, items_of_errors,
-                                              total_of)
+                                              run_biased_heads, run_claim_text, total_of)
 from fa_forensics.analyses.significance import Family, effect, holm, removes, significant
 from fa_forensics.analyses.units import layer_units
 from fa_forensics.layers.fanout import Workers, layer_parts
@@ -339,8 +339,11 @@ def combine_parts(parts: Sequence[IsolatePart], recipe: Recipe, backend: Backend
         raise UserError("isolate: nothing selected to replay (no layer-step given)")
 
     heads = decide_deltas(items["baseline"], family)  # in measure order
-    direction = [(1.0 if h.delta_err_sum >= 0 else -1.0) if h.found else 0.0 for h in heads]
-    base_bias = sum(abs(h.delta_err_sum) for h in heads if h.found)
+    # the bias to remove: the heads whose Σδ bias holds for the run (pooled over steps where there are several), in
+    # its sign, at every step of the head
+    biased = run_biased_heads(heads, family)
+    direction = [float(biased.get((h.layer, h.head), 0)) for h in heads]
+    base_bias = max(sum(d * h.delta_err_sum for d, h in zip(direction, heads)), 0.0)
     results = _decide_residuals([_combine(v, measures[v.name], items[v.name], torch.cat(signs[v.name]), direction,
                                           base_bias) for v in vs])
     input_cast = None
@@ -407,13 +410,16 @@ def verdict(r: IsolateResult) -> str:
     item, and the repairs that remove it."""
     top = flagged_subset(r.heads)
     n = r.family.n_tests
-    if r.n_biased_heads == 0:
-        return (f"no significant Σ(δ_lp − δ_hp) in any of the {len(r.heads)} (step, layer, head) items (most "
+    run = run_claim_text(r.heads, r.family)
+    if r.n_biased_heads == 0 and not r.claim.found:
+        return (f"{run}no significant Σ(δ_lp − δ_hp) in any of the {len(r.heads)} (step, layer, head) items (most "
                 f"significant: {item_text(top, n)}); nothing to isolate")
     names = ", ".join(r.culprits) if r.culprits else "none"
-    return (f"Σ(δ_lp − δ_hp) is significant in {count_text(r.biased)} ({r.n_biased_heads} of {len(r.heads)} "
-            f"(step, layer, head) items); most significant: {item_text(top, n)}; repairs that remove it (≥ 90 %, or "
-            f"≥ 50 % leaving nothing significant): {names}")
+    fixes = ("repairs that remove it (≥ 90 %, or ≥ 50 % leaving nothing significant): " + names if r.claim.found
+             else "no bias of the run to isolate")
+    at = "at single steps, " if run else ""
+    return (f"{run}{at}Σ(δ_lp − δ_hp) is significant in {count_text(r.biased)} ({r.n_biased_heads} of {len(r.heads)} "
+            f"(step, layer, head) items); most significant: {item_text(top, n)}; {fixes}")
 
 
 def bias_claim(r: IsolateResult) -> BiasClaim:

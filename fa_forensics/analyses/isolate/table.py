@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from fa_forensics.analyses.delta_bias.table import claim_place
 from fa_forensics.analyses.isolate.compute import IsolateResult
 from fa_forensics.analyses.stats import format_p, format_pm
-from fa_forensics.analyses.wording import number, p_value, place, pm
+from fa_forensics.analyses.wording import number, p_value, place, pm, text
 
 
 def tables(r: IsolateResult) -> list[Table]:
@@ -50,6 +51,15 @@ def finding(d: dict) -> str:
     where = (f"; the most significant item is {place(top, 'step', 'layer', 'head')} "
              f"({number(top.get('delta_err_sum'), '+.3g')} ± {number(top.get('delta_err_se'), '.2g')})"
              if top else "")
+    bias = d.get("bias") if isinstance(d.get("bias"), dict) else {}
+    if bias.get("found") and len(bias.get("steps") or []) > 1:
+        stats = f"{pm(bias.get('value'), bias.get('se'))} over {text(bias.get('n_units'))} units"
+        return (f"isolate: the baseline's Σδ bias of the run at {claim_place(bias)} ({stats}, its sign held at every "
+                f"step) is removed by: "
+                f"{', '.join(map(str, culprits)) or 'no single repair'}{where}.")
+    if biased and not bias.get("found") and len(bias.get("steps") or []) > 1:
+        return (f"isolate: Σδ is significant at single steps, but no Σδ pooled over steps is a bias of the run (most "
+                f"significant: {claim_place(bias)}), so no repair is credited with removing one{where}.")
     if not biased:
         return f"isolate: no significant Σδ bias in the baseline, so no repair has one to remove{where}."
     layers_heads = {(h.get("layer"), h.get("head")) for h in biased}
@@ -65,9 +75,14 @@ def key_numbers(d: dict) -> list[tuple[str, str]]:
     heads = [h for h in (d.get("heads") or []) if isinstance(h, dict)]
     biased = [h for h in heads if h.get("significant")]
     top = heads[0] if heads else {}
+    bias = d.get("bias") if isinstance(d.get("bias"), dict) else {}
     base = next((v for v in d.get("variants") or [] if isinstance(v, dict) and v.get("name") == "baseline"), {})
     tiles = d.get("baseline_tiles") or []
     return [
+        ("the Σδ claim's place", claim_place(bias) if bias else "n/a"),
+        ("its Σ(δ_lp − δ_hp) ± se over its units", f"{pm(bias.get('value'), bias.get('se'))} over "
+                                                   f"{text(bias.get('n_units'))} units" if bias else "n/a"),
+        ("a bias of the run", "yes" if bias.get("found") else "no"),
         ("(step, layer, head) items with a significant Σδ", f"{len(biased)} of {len(heads)}"),
         ("most significant item", place(top, "step", "layer", "head")
          if top else "n/a"),

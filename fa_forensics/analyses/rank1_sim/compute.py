@@ -28,10 +28,9 @@ from typing import Optional
 import torch
 
 from fa_forensics.analyses.contract import RecipeResult, common_keys, recipe_keys, run_over_items
-from fa_forensics.analyses.quantities import (BiasClaim, decide_deltas, delta_claim, delta_items, family_of,
-                                              flagged_subset)
+from fa_forensics.analyses.quantities import (BiasClaim, decide_deltas, delta_claim, delta_items, family_of)
 from fa_forensics.analyses.units import layer_units
-from fa_forensics.analyses.significance import Family, p_text
+from fa_forensics.analyses.significance import Family, p_text, significant
 from fa_forensics.analyses.primitives import delta_error, pk_rows
 from fa_forensics.analyses.payloads import Rank1SimPayload
 from fa_forensics.layers.fanout import Workers, layer_parts
@@ -244,8 +243,8 @@ def combine_parts(parts: Sequence[Rank1Part], recipe: Recipe, backend: Backend, 
 
     decided = decide_deltas(items, family)
     claim = delta_claim(decided, family)
-    top = flagged_subset(decided)
-    focus_layer, focus_head = top.layer, top.head
+    assert claim.layer is not None and claim.head is not None  # a Σδ claim always names its (layer, head)
+    focus_layer, focus_head = claim.layer, claim.head
     acc = per_head[(focus_layer, focus_head)]
     toks = [c[0] for c in acc["chosen"]]
     u_rows = torch.stack([c[1] for c in acc["chosen"]])  # (n, D)
@@ -332,9 +331,14 @@ def focus_text(r: Rank1Result) -> str:
     if c is None:
         return f"layer {r.focus_layer} head {r.focus_head}"
     where = f"layer {c.layer} head {c.head}"
-    stats = (f"its step {c.step} Σδ {c.value:+.3g} ± {c.se:.2g}, {p_text(c.p_value, c.adjusted_p, c.n_tests)}")
+    stats = (f"its Σδ {c.where_steps} {c.value:+.3g} ± {c.se:.2g} over {c.n_units} units, "
+             f"{p_text(c.p_value, c.adjusted_p, c.n_tests)}")
     if c.found:
-        return f"{where}, the head with the significant Σδ bias ({stats})"
+        held = ", its sign held at every step" if len(c.steps) > 1 else ""
+        return f"{where}, the head with the significant Σδ bias ({stats}{held})"
+    if c.sign_holds is False and significant(c.adjusted_p, c.effect):
+        return (f"{where}, the most significant head, whose sign does not hold across steps (step(s) "
+                f"{', '.join(map(str, c.opposed_steps))} of the other sign; {stats})")
     return f"{where}, the most significant head, though not significantly biased ({stats})"
 
 
