@@ -32,6 +32,7 @@ import torch
 
 from fa_forensics.analyses.significance import (ALL_ROWS, FIX_VARIANTS, O_TESTS_PER_CELL, SUBSETS, TIED_ROWS,
                                                 UNIT_KIND, Family, effect, holm, p_text, significant)
+from fa_forensics.analyses import wording
 from fa_forensics.analyses.stats import MeanSE, UnitSums, merge_unit_sums, unit_sums, unit_test
 from fa_forensics.analyses.units import RowUnits, rows_as_units
 
@@ -118,7 +119,7 @@ def items_of_errors(step: int, layer: int, heads: Sequence[int], dd: torch.Tenso
         made = {}
         for subset in SUBSETS:
             rows = None if subset == ALL_ROWS else ru.tied[:, j].reshape(-1)
-            sums = unit_sums(x, ids, rows)
+            sums = unit_sums(x, ids, rows, ru.tied[:, j].reshape(-1))
             unit = float(u.sum() if rows is None else u[rows].sum())
             made[subset] = _delta_item(int(step), int(layer), int(h), sums, unit, subset)
         out.append(replace(made[ALL_ROWS], tied=made[TIED_ROWS]))
@@ -232,6 +233,14 @@ def steps_text(steps: Sequence[int]) -> str:
     if steps == list(range(steps[0], steps[0] + len(steps))):
         return f"steps {steps[0]}..{steps[-1]}"
     return "steps " + ", ".join(map(str, steps))
+
+
+def claim_place(bias: dict) -> str:
+    """'layer 0 head 1 over steps 0..2' for a claim pooled over steps, else 'step 0 layer 0 head 1'."""
+    steps = [s for s in (bias.get("steps") or []) if isinstance(s, int)]
+    if len(steps) > 1:
+        return f"{wording.place(bias, 'layer', 'head')} over {steps_text(steps)}"
+    return wording.place(bias, "step", "layer", "head")
 
 
 def pooled_text(p: PooledDelta, n_tests: int) -> str:
@@ -429,7 +438,7 @@ def cell_sums(step: int, layer: int, heads: Sequence[int], err: torch.Tensor, un
         for j in range(h):
             rows = None if subset == ALL_ROWS else ru.tied[:, j].reshape(-1)
             x = raw[:, j].reshape(B * T, D)
-            per_head.append(unit_sums(x, ru.unit[:, j].reshape(-1), rows))
+            per_head.append(unit_sums(x, ru.unit[:, j].reshape(-1), rows, ru.tied[:, j].reshape(-1)))
             keep = torch.isfinite(x) if rows is None else torch.isfinite(x) & rows[:, None]
             per_unit.append(torch.where(keep, u[:, j].reshape(B * T, D), torch.zeros(B * T, D, dtype=torch.float64))
                             .sum(0))

@@ -203,14 +203,26 @@ class UnitSums:
     a: torch.Tensor  # Σ_g S_g² (S_g: a unit's sum)
     b: torch.Tensor  # Σ_g n_g·S_g
     c: torch.Tensor  # Σ_g n_g²
-    d: torch.Tensor  # Σ_g n_g⁴: with c, the units' effective number (`unit_test`)
+    w1: torch.Tensor  # Σ_g w_g, w_g the unit sum's variance in rows' variances (`unit_weights`) ...
+    w2: torch.Tensor  # ... and Σ_g w_g²: the units' effective number (Σ w)² / Σ w² (`unit_test`)
     u_pos: torch.Tensor  # units with S_g > 0
     u_neg: torch.Tensor  # units with S_g < 0
 
 
-def unit_sums(x: torch.Tensor, unit: torch.Tensor, rows: torch.Tensor | None = None) -> UnitSums:
+def unit_weights(ng: torch.Tensor, tied_unit: torch.Tensor | None) -> torch.Tensor:
+    """Each unit's sum's variance in units of one row's: n_g² for a unit of tied rows (they share the keys whose
+    P̄ = 1 and the carry they make, so they err as one), n_g for a unit that shares only its dominant key (its rows'
+    other keys differ, so they err nearly independently). ng (G, *cell); tied_unit (G,) bool or None (none tied)."""
+    if tied_unit is None:
+        return ng
+    return torch.where(tied_unit.view(-1, *([1] * (ng.dim() - 1))), ng * ng, ng)
+
+
+def unit_sums(x: torch.Tensor, unit: torch.Tensor, rows: torch.Tensor | None = None,
+              tied: torch.Tensor | None = None) -> UnitSums:
     """`UnitSums` of values x (R, *cell) whose rows belong to units unit (R,) int64 (ids 0..G−1); `rows` (R,) bool
-    keeps some rows only; a non-finite value is left out of its cell."""
+    keeps some rows only; `tied` (R,) bool marks rows whose maximum repeats (their unit errs as one:
+    `unit_weights`); a non-finite value is left out of its cell."""
     x = x.to(torch.float64)
     finite = torch.isfinite(x)
     if rows is not None:
@@ -219,9 +231,11 @@ def unit_sums(x: torch.Tensor, unit: torch.Tensor, rows: torch.Tensor | None = N
     G = int(unit.max()) + 1 if unit.numel() else 0
     S = torch.zeros(G, *x.shape[1:], dtype=torch.float64).index_add_(0, unit, d)
     ng = torch.zeros(G, *x.shape[1:], dtype=torch.float64).index_add_(0, unit, finite.to(torch.float64))
-    n2 = ng * ng
-    return UnitSums(ng.sum(0), S.sum(0), (ng > 0).sum(0), (S * S).sum(0), (ng * S).sum(0), n2.sum(0),
-                    (n2 * n2).sum(0), (S > 0).sum(0), (S < 0).sum(0))
+    tied_unit = None if tied is None else torch.zeros(G, dtype=torch.float64).index_add_(0, unit, tied.to(
+        torch.float64)) > 0
+    w = unit_weights(ng, tied_unit)
+    return UnitSums(ng.sum(0), S.sum(0), (ng > 0).sum(0), (S * S).sum(0), (ng * S).sum(0), (ng * ng).sum(0),
+                    w.sum(0), (w * w).sum(0), (S > 0).sum(0), (S < 0).sum(0))
 
 
 def merge_unit_sums(parts) -> UnitSums:
@@ -242,21 +256,21 @@ class UnitTest:
     frac_positive: torch.Tensor  # units with S_g > 0 among those with a sign
     n: torch.Tensor
     n_units: torch.Tensor
-    df: torch.Tensor  # (Σ n_g²)² / Σ n_g⁴ − 1: G − 1 for units of one size, fewer where a few units hold most rows
+    df: torch.Tensor  # `effective_units` − 1: G − 1 for units alike, fewer where a few units hold most of the variance
 
 
-def effective_units(c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The effective number of units (Σ n_g²)² / Σ n_g⁴ (Satterthwaite): the CR1 variance is a sum of the units'
-    squared residuals, each of variance ∝ n_g⁴ when the rows of a unit err together, so a few large units carry
-    its few degrees of freedom whatever the number of small ones beside them."""
-    return torch.where(d > 0, c * c / d.clamp(min=1), torch.zeros_like(c))
+def effective_units(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The effective number of units (Σ w_g)² / Σ w_g² (Satterthwaite): the CR1 variance is a sum of the units'
+    squared residuals, the g-th of variance ∝ w_g² (w_g the unit sum's variance, `unit_weights`), so a few units
+    that hold most of the variance carry its few degrees of freedom whatever the number of small ones beside them."""
+    return torch.where(w2 > 0, w1 * w1 / w2.clamp(min=1), torch.zeros_like(w1))
 
 
 def unit_test(s: UnitSums) -> UnitTest:
     """Cluster-robust tests of 'the mean is 0' where rows of one unit err together and units are independent:
     the CR1 standard error (which is the row standard error s/√n when every unit is one row) with the effective
-    units' degrees of freedom (`effective_units` − 1: G − 1 when the units are of one size; eight tie groups that
-    hold most rows beside many one-row units give about 7, not G − 1), and the sign test counting each unit once."""
+    units' degrees of freedom (`effective_units` − 1: G − 1 when the units are alike; eight tie groups that hold
+    most rows beside many one-row units give about 7, not G − 1), and the sign test counting each unit once."""
     from scipy.stats import binom
 
     n = s.n.to(torch.float64)
@@ -266,7 +280,7 @@ def unit_test(s: UnitSums) -> UnitTest:
     ss = (s.a - 2 * m0 * s.b + m0 * m0 * s.c).clamp(min=0)
     se = torch.where(G > 1, (G / (G - 1).clamp(min=1) * ss).sqrt() / n.clamp(min=1), torch.full_like(n, math.nan))
     z = (mean / se).abs()
-    df = torch.minimum(effective_units(s.c.to(torch.float64), s.d.to(torch.float64)), G) - 1
+    df = torch.minimum(effective_units(s.w1.to(torch.float64), s.w2.to(torch.float64)), G) - 1
     t_p = torch.as_tensor(np.asarray(2 * student_t.sf(z.numpy(), df.clamp(min=1).numpy())), dtype=torch.float64)
     t_p = torch.where((G > 1) & (se > 0), t_p, torch.full_like(n, math.nan))
     signed = (s.u_pos + s.u_neg).to(torch.float64)

@@ -67,7 +67,7 @@ def test_demo_dump_runs(tmp_path):
 def test_planted_trace_under_the_autocast_preset(tmp_path):
     truth = _truth()
     out = tmp_path / "json"
-    res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--step", "1", "--head", str(truth["planted_heads"][0]),
+    res = CliRunner().invoke(app, ["pv-trace", str(PLANTED), "--head", str(truth["planted_heads"][0]),
                                    "--preset", "bf16-autocast", "--json", str(out)])
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())

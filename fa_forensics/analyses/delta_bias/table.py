@@ -7,7 +7,7 @@ from typing import Optional
 from rich.table import Table
 
 from fa_forensics.analyses.delta_bias.compute import DeltaBiasResult
-from fa_forensics.analyses.quantities import count_text, steps_text
+from fa_forensics.analyses.quantities import claim_place, count_text, steps_text
 from fa_forensics.analyses.stats import format_p, format_pm
 from fa_forensics.analyses.wording import number, p_value, place, pm, text
 
@@ -85,14 +85,6 @@ def finding(d: dict) -> str:
     return (f"delta-bias: {run}Σ(δ_lp − δ_hp) is significant in {counted} ({len(sig)} of {len(rows)} (step, layer, "
             f"head) items; {family}), {len(pos)} of them positive{where}; features carrying the focus head's Σδ: "
             f"{', '.join(feats) or 'n/a'}.")
-
-
-def claim_place(bias: dict) -> str:
-    """'layer 0 head 1 over steps 0..2' for a claim pooled over steps, else 'step 0 layer 0 head 1'."""
-    steps = [s for s in (bias.get("steps") or []) if isinstance(s, int)]
-    if len(steps) > 1:
-        return f"{place(bias, 'layer', 'head')} over {steps_text(steps)}"
-    return place(bias, "step", "layer", "head")
 
 
 def _run_sentence(d: dict) -> str:

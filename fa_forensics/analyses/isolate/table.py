@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from fa_forensics.analyses.delta_bias.table import claim_place
 from fa_forensics.analyses.isolate.compute import IsolateResult
+from fa_forensics.analyses.quantities import claim_place
 from fa_forensics.analyses.stats import format_p, format_pm
 from fa_forensics.analyses.wording import number, p_value, place, pm, text
 

@@ -18,8 +18,8 @@ SEEDS = range(24)
 CHEAP = ("delta-bias", "pv-trace", "bitdiff", "fix-check")
 WHOLE = ("isolate", "rank1-sim", "pcast")
 # the smallest shape of the tied family: a planted head with three tie groups beside a previous-token head
-SMALL = ({"seq": 64, "heads": 2, "head_dim": 32, "batch": 2, "steps": 3, "ties": 2, "planted_heads": (0,),
-          "previous_token_heads": (1,), "tie_groups": 3},)
+SMALL = ({"seq": 64, "heads": 2, "head_dim": 32, "batch": 4, "steps": 3, "ties": 2, "planted_heads": (0,),
+          "previous_token_heads": (1,), "tie_groups": 4},)
 
 
 @pytest.fixture(scope="module")

@@ -62,21 +62,26 @@ def test_clustered_se_is_larger_than_row_se_on_correlated_rows():
 
 def test_a_few_heavy_units_carry_the_few_degrees_of_freedom_beside_many_small_ones():
     """Eight tie groups holding most rows, all erring one way by chance, beside 45 one-row units of noise: the
-    t-test reads the CR1 error against the heavy units' degrees of freedom (about 7), not G − 1 = 52."""
+    t-test reads the CR1 error against the heavy units' degrees of freedom (about 7), not G − 1 = 52; the same
+    units sharing only a dominant key (not tied) err nearly independently and keep more."""
     g = torch.Generator().manual_seed(3)
     heavy = torch.arange(8).repeat_interleave(226)
     unit = torch.cat([heavy, 8 + torch.arange(45)])
     per_unit = 0.4 + 0.05 * torch.randn(53, dtype=torch.float64, generator=g)
     per_unit[8:] = torch.randn(45, dtype=torch.float64, generator=g)
     x = per_unit[unit] + 0.01 * torch.randn(unit.numel(), dtype=torch.float64, generator=g)
-    t = unit_test(unit_sums(x, unit))
+    tied = torch.cat([torch.ones(8 * 226, dtype=torch.bool), torch.zeros(45, dtype=torch.bool)])
+    t = unit_test(unit_sums(x, unit, tied=tied))
     assert int(t.n_units) == 53
     assert 6.5 < float(t.df) < 8.0
+    untied = unit_test(unit_sums(x, unit))
+    assert float(untied.df) == pytest.approx((8 * 226 + 45) ** 2 / (8 * 226 ** 2 + 45) - 1)
+    assert float(untied.se) == float(t.se) and float(untied.t_p_value) < float(t.t_p_value)
     from scipy.stats import t as student_t
     z = abs(float(t.mean / t.se))
     assert float(t.t_p_value) == pytest.approx(2 * student_t.sf(z, float(t.df)), rel=1e-9)
     assert float(t.t_p_value) > 100 * 2 * student_t.sf(z, 52)  # what G − 1 would have claimed
-    equal = unit_test(unit_sums(x[: 8 * 226], heavy))  # units of one size: G − 1
+    equal = unit_test(unit_sums(x[: 8 * 226], heavy, tied=tied[: 8 * 226]))  # units of one size: G − 1
     assert float(equal.df) == pytest.approx(7.0)
 
 
