@@ -102,8 +102,8 @@ def test_every_analysis_on_two_workers_equals_in_process(planted_dump, monkeypat
         parallel = _payloads(dump, sels, Workers(n=2))
     for name in serial:
         assert serial[name] == parallel[name], name
-    # real findings, not empty ones: every claim names a measured place with a sign (one step's units are too few to make the claims significant; the equality above is over the whole
-    # payloads, numbers included)
+    # real findings, not empty ones: every claim names a measured place with a sign (one step's units are too few
+    # to make the claims significant; the equality above is over the whole payloads, numbers included)
     for name in ("isolate", "fix-check", "bitdiff", "pv-trace"):
         claim = json.loads(serial[name])["bias"]
         assert claim["layer"] == 0 and claim["sign"] != 0 and 0 < claim["n_units"] <= claim["n_rows"], (name, claim)
