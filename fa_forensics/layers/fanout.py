@@ -72,6 +72,8 @@ class Workers:
         if isinstance(self.wait, bool) or not isinstance(self.wait, (int, float)) or not (
                 math.isfinite(self.wait) and self.wait > 0):
             raise InvalidSetting("worker_wait", f"{self.wait!r} must be a positive number of seconds")
+        if not self.in_process:  # said before any work, not after the replay that precedes the fan-out
+            require("dask.distributed", "--workers N and --scheduler")
 
     @property
     def in_process(self) -> bool:

@@ -315,8 +315,9 @@ def _disagreements(evidence: list[Evidence], delta: Optional[Evidence], o: Optio
                    "gradient error is largest need not hold the most biased single feature")
     elif delta is not None and o is not None and o.found and not delta.found:
         out.append(f"the O bias at layer {o.layer} head {o.head} feature {o.feature} ({', '.join(o.analyses)}) does "
-                   f"not make Σδ significant ({', '.join(delta.analyses)}: {delta.stats()}): a step's Σδ holds too few "
-                   "independent units to show it, so whether dO adds it up into the W_Q gradient is not shown here")
+                   f"not make Σδ significant ({', '.join(delta.analyses)}: {delta.stats()}"
+                   + (f", pooled over steps {', '.join(map(str, delta.steps))}" if len(delta.steps) > 1 else "")
+                   + "), so whether dO adds it up into the W_Q gradient is not shown here")
     elif delta is not None and o is not None and delta.found and not o.found:
         out.append(f"Σδ is significant at layer {delta.layer} head {delta.head} ({', '.join(delta.analyses)}) though "
                    f"no single O feature is (most significant: layer {o.layer} head {o.head} feature {o.feature}, "
