@@ -67,6 +67,7 @@ class Evidence:
     analyses: tuple[str, ...]  # the analyses that make this claim
     steps: tuple[int, ...] = ()  # Σδ: the steps of the place's significant items
     others: tuple[tuple[int, int], ...] = ()  # the other (layer, head) with a significant item or cell
+    subset: str = "all rows"  # the rows the claim is over: all rows, or the tied rows (maximum attained twice)
 
     @property
     def place(self) -> Optional[tuple[int, int]]:
@@ -149,7 +150,7 @@ def _evidence(by_name: dict[str, dict], data: dict[str, dict], quantity: str) ->
         out.append(Evidence(quantity, found, layer, head, step, feature, sign, _float(c.get("value")),
                             _float(c.get("se")), _float(c.get("p_value")), _float(c.get("adjusted_p")),
                             _int(c.get("n_tests")) or 0, _float(c.get("effect")), tuple(names), steps,
-                            others if found else ()))
+                            others if found else (), str(c.get("subset") or "all rows")))
     return sorted(out, key=lambda e: (not e.found, len(e.analyses) * -1))
 
 
@@ -278,9 +279,10 @@ def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence], rank1: Optiona
     lead = f"In a {replayed} replay of this fp32 run (not what trained), the" if replayed else "The"
     if o is not None and o.found:
         direction = "too high" if o.sign > 0 else "too low"
-        out.append(f"{lead} low-precision attention output O comes out {direction} on average in layer {o.layer} head "
-                   f"{o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its rows, the smaller p; "
-                   f"{', '.join(o.analyses)}).")
+        rows = " in the rows whose maximum repeats" if o.subset == "tied rows" else ""
+        out.append(f"{lead} low-precision attention output O comes out {direction} on average{rows} in layer "
+                   f"{o.layer} head {o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its "
+                   f"independent units, the smaller p; {', '.join(o.analyses)}).")
     if delta is not None and delta.found:
         direction = "positive" if delta.sign > 0 else "negative"
         text = (f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "
