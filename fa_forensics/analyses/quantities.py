@@ -1,12 +1,13 @@
 """The numbers the analyses share, each defined once, and the bias claims made from them.
 
 - The unit of evidence (`analyses.units`): the rows of one (step, batch row) that share their dominant key set
-  err together and count as one unit; every test below counts units (`stats.unit_test`: a cluster-robust
-  t-test and a sign test over the units' sums), over all rows and, in the same family, over the tied rows
-  (maximum attained more than once: where the P̄ = 1 mechanism acts; each item and cell holds its `tied`).
+  err together and count as one unit; every test below counts units (`stats.unit_test`: a cluster-robust t-test of the
+  mean over the units' sums, with the units' effective degrees of freedom), over all rows and, in the same family,
+  over the tied rows (maximum attained more than once: where the P̄ = 1 mechanism acts; each item and cell holds its
+  `tied`).
 - Σδ items (`DeltaItem`, `delta_items`): per (step, layer, head), Σ_T(δ_lp − δ_hp) over every token of every
-  batch entry, δ = rowsum(dO ∘ O) in float64, with its cluster-robust standard error, a t-test and a sign test
-  over the units, and its rounding unit Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂. isolate, delta-bias, rank1-sim and fix-check
+  batch entry, δ = rowsum(dO ∘ O) in float64, with its cluster-robust standard error, its t-test over the units,
+  and its rounding unit Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂. isolate, delta-bias, rank1-sim and fix-check
   quote these; a head's number over several steps is `head_total`, the selection's is `total_of` (sums of the
   items, standard errors in quadrature), so the same (step, layer, head) reads the same in every command.
 - Σδ pooled over steps (`PooledDelta`, `pool_deltas`): per (layer, head) with items at two or more steps, the units
@@ -14,7 +15,7 @@
   (significant, and its sign held at every step), since a bias that compounds in training holds its sign step after
   step. With one step the item is the test.
 - O cells (`BiasCell`, `cell_sums`, `o_cells`): per (layer, head, feature), the mean of O_lp − O_hp over every
-  row of every selected step and batch entry, ± se, with a t-test and a sign test over the units and its rounding
+  row of every selected step and batch entry, ± se, with its t-test over the units and its rounding
   unit (the mean ulp of the low-precision O format at |O_hp|). bitdiff, fix-check and pv-trace quote these.
 - The family (`selection_family`, `layers_family`: the items, the pooled items, the cells and fix-check's variant
   tests) and the decision (`decide_deltas`, `decide_pooled`, `o_cells`), by the policy of `analyses.significance`;
@@ -53,10 +54,27 @@ def delta_units(do: torch.Tensor, o_hp: torch.Tensor, fmt: str) -> torch.Tensor:
     return (_f64(do) * o_units(o_hp, fmt)).norm(dim=-1)
 
 
+class _Tested:
+    """What the Σδ items, pooled items and O cells share: the p the family counts and the subsets of rows."""
+
+    t_p_value: float
+    tied: Optional[Any]
+
+    @property
+    def tested_p(self) -> float:
+        """The p the family counts: the cluster-robust t-test of the mean over the units (`stats.unit_test`)."""
+        return self.t_p_value
+
+    @property
+    def subsets(self) -> list:
+        """This item and its tied-rows item."""
+        return [self] + ([self.tied] if self.tied is not None else [])
+
+
 # ---- Σδ per (step, layer, head) ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class DeltaItem:
+class DeltaItem(_Tested):
     """Σ_T(δ_lp − δ_hp) of one (step, layer, head), summed over the batch, over one subset of its rows (all rows;
     `tied` holds the tied rows'), with its tests over units and its rounding unit."""
 
@@ -68,10 +86,10 @@ class DeltaItem:
     n_tokens: int
     frac_positive: float  # units whose Σ(δ_lp − δ_hp) is positive, among those with a sign
     t_p_value: float  # cluster-robust t-test over the units
-    p_value: float  # two-sided sign test over the units' sums
+    p_value: float  # sign test over the units' sums: descriptive, the family does not count it (`stats.UnitTest`)
     unit: float  # Σ_T ‖dO[T] ∘ ulp(O_hp[T])‖₂: the sum's rounding unit
     effect: float = math.nan  # |Σ| / unit
-    adjusted_p: float = math.nan  # the smaller test's p, Holm over the selection's family (`decide_deltas`)
+    adjusted_p: float = math.nan  # the t-test's p, Holm over the selection's family (`decide_deltas`)
     significant: bool = False
     n_units: int = 0  # independent units: (step, batch row, dominant key set)
     subset: str = ALL_ROWS
@@ -80,23 +98,9 @@ class DeltaItem:
     sums: Optional[UnitSums] = field(default=None, repr=False, compare=False, metadata={"json": False})
 
     @property
-    def tested_p(self) -> float:
-        """The smaller of the two tests' p-values (the family counts both tests)."""
-        return _smaller(self.t_p_value, self.p_value)
-
-    @property
-    def subsets(self) -> list[DeltaItem]:
-        """This item and its tied-rows item."""
-        return [self] + ([self.tied] if self.tied is not None else [])
-
-    @property
     def found(self) -> bool:
         """Significant over all rows or over the tied rows."""
         return any(x.significant for x in self.subsets)
-
-
-def _smaller(t_p: float, sign_p: float) -> float:
-    return min(t_p, sign_p) if math.isfinite(t_p) else sign_p
 
 
 def delta_items(step: int, layer: int, heads: Sequence[int], do: torch.Tensor, o_lp: torch.Tensor,
@@ -165,7 +169,7 @@ def _decided_deltas(items: Sequence[DeltaItem], family: Family) -> tuple[list[De
 # ---- Σδ per (layer, head), pooled over the selected steps ----------------------------------------------
 
 @dataclass(frozen=True)
-class PooledDelta:
+class PooledDelta(_Tested):
     """Σ_T(δ_lp − δ_hp) of one (layer, head) over every token of its selected steps (≥ 2), over one subset of
     rows (`tied` holds the tied rows'), tested over the units of all the steps together (units never span steps),
     with the sign of each step's own sum: the evidence that a bias of the run holds step after step."""
@@ -178,7 +182,7 @@ class PooledDelta:
     n_tokens: int
     frac_positive: float  # units with a positive sum, among those with a sign
     t_p_value: float
-    p_value: float  # sign test over the pooled units
+    p_value: float  # sign test over the pooled units (descriptive)
     unit: float  # Σ of the steps' rounding units
     effect: float = math.nan
     adjusted_p: float = math.nan  # Holm over the selection's family (with the per-step items)
@@ -187,16 +191,6 @@ class PooledDelta:
     subset: str = ALL_ROWS
     step_signs: tuple[int, ...] = ()  # sign of each step's own Σ over this subset (0: no sign), in `steps` order
     tied: Optional[PooledDelta] = None
-
-    @property
-    def tested_p(self) -> float:
-        """The smaller of the two tests' p-values (the family counts both tests)."""
-        return _smaller(self.t_p_value, self.p_value)
-
-    @property
-    def subsets(self) -> list[PooledDelta]:
-        """This item and its tied-rows item."""
-        return [self] + ([self.tied] if self.tied is not None else [])
 
     @property
     def opposed_steps(self) -> tuple[int, ...]:
@@ -245,7 +239,7 @@ def claim_place(bias: dict) -> str:
 
 def pooled_text(p: PooledDelta, n_tests: int) -> str:
     """'layer 0 head 1 over steps 0..2 (all rows, 126 units): +5.81 ± 1.1 (0.14 rounding units; p = …, … after Holm
-    over 1100 tests), sign + + + by step'."""
+    over 550 tests), sign + + + by step'."""
     signs = " ".join("+" if x > 0 else "−" if x < 0 else "0" for x in p.step_signs)
     return (f"layer {p.layer} head {p.head} over {p.steps_text} ({p.subset}, {p.n_units} unit"
             f"{'s' if p.n_units != 1 else ''}): {p.delta_err_sum:+.3g} ± {p.delta_err_se:.2g} ({p.effect:.2g} rounding "
@@ -375,7 +369,7 @@ def item_text(i: DeltaItem, n_tests: int) -> str:
 # ---- O bias per (layer, head, feature) ---------------------------------------------------------------
 
 @dataclass(frozen=True)
-class BiasCell:
+class BiasCell(_Tested):
     """Mean signed error of one (layer, head, feature) over one subset of its rows (all rows; `tied` holds the tied
     rows'), with its uncertainty over units and its rounding unit."""
 
@@ -384,27 +378,17 @@ class BiasCell:
     feature: int
     mean: float
     se: float  # cluster-robust (`stats.unit_test`)
-    p_value: float  # two-sided sign test over the units
+    p_value: float  # sign test over the units (descriptive)
     frac_positive: float  # units with a positive sum among those with a sign
     n: int  # rows with a finite error
     unit: float = math.nan  # mean rounding unit (ulp of the compared format at the reference value)
     t_p_value: float = math.nan  # cluster-robust t-test over the units
     effect: float = math.nan  # |mean| / unit
-    adjusted_p: float = math.nan  # the smaller test's p, Holm over the selection's family
+    adjusted_p: float = math.nan  # the t-test's p, Holm over the selection's family
     significant: bool = False
     n_units: int = 0  # independent units: (step, batch row, dominant key set)
     subset: str = ALL_ROWS
     tied: Optional[BiasCell] = None  # the same cell over the tied rows only (the all-rows cell holds it)
-
-    @property
-    def tested_p(self) -> float:
-        """The smaller of the two tests' p-values (the family counts both tests)."""
-        return _smaller(self.t_p_value, self.p_value)
-
-    @property
-    def subsets(self) -> list[BiasCell]:
-        """This cell and its tied-rows cell."""
-        return [self] + ([self.tied] if self.tied is not None else [])
 
     @property
     def found(self) -> bool:

@@ -6,13 +6,13 @@ the report's headline) means the same thing everywhere because it is decided her
 - `ALPHA` = 0.01: the chance that a verdict makes any false claim at all (family-wise error rate).
 - The unit of evidence: rows that share their dominant key set within one (step, batch row) err together, so
   each such group is one unit (`analyses.units`); the tests count units, not rows (`stats.unit_test`: a
-  cluster-robust t-test with G − 1 degrees of freedom and a sign test over the units' sums).
+  cluster-robust t-test of the mean with the units' effective degrees of freedom).
 - The family: every hypothesis the selection is tested on, counted from its shape before looking at the
   data (`Family`): one Σδ item per (step, layer, head) with a dO array, one per (layer, head) with dO at two or
   more steps (pooled over them), and one O cell per (layer, head, feature), each over two subsets of rows (all
-  rows, and the tied rows, whose maximum repeats: where the P̄ = 1 mechanism acts) and tested twice in each (a
-  one-sample t-test, which sees a bias carried by rare large errors, and a sign test, which sees a consistent
-  sign; the smaller p counts, and the family counts both). Every command and the report count the same family
+  rows, and the tied rows, whose maximum repeats: where the P̄ = 1 mechanism acts) and tested once in each (the
+  t-test of the mean: a bias is a mean error, and the sign test, which tests the median, would take an error
+  distribution skewed with a mean of 0 for one). Every command and the report count the same family
   for the same selection, so an item found by one is found by all.
 - Holm's step-down over that family (`holm`): the k-th smallest p-value of the items a command tests is
   multiplied by (family size − k + 1) and the running maximum taken; an item is significant when its
@@ -24,9 +24,9 @@ the report's headline) means the same thing everywhere because it is decided her
   through dO: ‖dO[T] ∘ ulp(O_hp[T])‖₂ (`analyses.quantities`). A bias of 1 % of a unit needs about a hundred
   steps of one sign to add up to one unit.
 - The fix-check's variants, tested in the baseline's most biased cell, are part of every selection's family
-  (`extra` tests, `FIX_VARIANTS` × 2), since the report's verdict makes them: every command prints the same family
-  size, and a variant is "still biased" only when the baseline has a bias to remove and its own residual is
-  significant in that one family.
+  (`extra` tests, `FIX_VARIANTS` × `O_TESTS_PER_CELL`), since the report's verdict makes them: every command prints
+  the same family size, and a variant is "still biased" only when the baseline has a bias to remove and its own
+  residual is significant in that one family.
 - A Σδ claim about the run rests on the evidence of every selected step: where a (layer, head) has items at two or
   more steps, its Σδ pooled over them (the units of all the steps together; units never span steps) is one more
   item of the family (`pooled_heads`), and the claim is found only when that pooled item is significant and every
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 ALPHA = 0.01  # family-wise error rate of every verdict
 EFFECT_FLOOR = 0.01  # a bias below 1 % of its rounding unit is not a finding, however significant
 METHOD = "Holm"
-DELTA_TESTS_PER_ITEM = 2  # Σδ items: one-sample t-test and sign test; the smaller p counts, twice in the family
-O_TESTS_PER_CELL = 2  # O cells: the same two tests
+DELTA_TESTS_PER_ITEM = 1  # Σδ items: the cluster-robust t-test of the mean over the units
+O_TESTS_PER_CELL = 1  # O cells: the same test
 FIX_VARIANTS = 6  # fix-check's variants tested in its target cell (all of `fix_check.compute.fix_variants` but the
 # baseline): the report's verdict makes these tests too, so every selection's family counts them
 ALL_ROWS = "all rows"
@@ -54,7 +54,7 @@ UNIT_KIND = "(step, batch row, dominant key set)"  # the independent unit the te
 
 @dataclass(frozen=True)
 class Family:
-    """The hypotheses one verdict is corrected over: Σδ items and O cells (two tests each)."""
+    """The hypotheses one verdict is corrected over: Σδ items and O cells (one test per subset of rows)."""
 
     delta_items: int = 0
     o_cells: int = 0
@@ -67,9 +67,8 @@ class Family:
                 * len(SUBSETS) + self.extra)
 
     def describe(self) -> str:
-        """'Holm over 1100 tests (12 Σδ (step, layer, head) items, 4 Σδ (layer, head) items pooled over steps and
-        256 O (layer, head, feature) cells, each over all rows and tied rows, 2 tests each, 12 fix-check variant
-        tests)'."""
+        """'Holm over 550 tests (12 Σδ (step, layer, head) items, 4 Σδ (layer, head) items pooled over steps and
+        256 O (layer, head, feature) cells, each over all rows and tied rows, 6 fix-check variant tests)'."""
         parts = []
         if self.delta_items:
             parts.append(f"{self.delta_items} Σδ (step, layer, head) item{'s' if self.delta_items != 1 else ''}")
@@ -79,7 +78,7 @@ class Family:
         if self.o_cells:
             parts.append(f"{self.o_cells} O (layer, head, feature) cell{'s' if self.o_cells != 1 else ''}")
         what = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
-        what += f", each over {' and '.join(SUBSETS)}, 2 tests each" if parts else ""
+        what += f", each over {' and '.join(SUBSETS)}" if parts else ""
         if self.extra:
             what += (", " if what else "") + f"{self.extra} fix-check variant test{'s' if self.extra != 1 else ''}"
         n = self.n_tests

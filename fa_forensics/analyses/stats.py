@@ -33,7 +33,10 @@ class MeanSE:
 
     @property
     def p_value(self) -> float:
-        """Two-sided one-sample t-test p-value of H0 'the true mean is 0' (nan for n < 2)."""
+        """Two-sided one-sample t-test p-value of H0 'the true mean is 0' (1 when every value is 0; nan for n < 2
+        or values that are all the same non-zero number, which no test of spread can judge)."""
+        if self.n >= 2 and self.se == 0 and self.value == 0:
+            return 1.0
         if self.n < 2 or not self.se > 0:
             return float("nan")
         return float(2 * student_t.sf(abs(self.z), self.n - 1))
@@ -251,8 +254,9 @@ class UnitTest:
 
     mean: torch.Tensor
     se: torch.Tensor  # CR1: sqrt(G/(G−1)·Σ_g (S_g − n_g·mean)²) / n; nan for G < 2
-    t_p_value: torch.Tensor  # two-sided t-test of mean/se with `df` degrees of freedom
-    p_value: torch.Tensor  # two-sided sign test over the units' sums (1 when no unit has a sign)
+    t_p_value: torch.Tensor  # two-sided t-test of mean/se with `df` degrees of freedom: the test of the bias
+    p_value: torch.Tensor  # two-sided sign test over the units' sums (1 when no unit has a sign): descriptive only,
+    # since it tests the units' median, and rounding errors can be skewed with a mean of 0
     frac_positive: torch.Tensor  # units with S_g > 0 among those with a sign
     n: torch.Tensor
     n_units: torch.Tensor
@@ -270,7 +274,9 @@ def unit_test(s: UnitSums) -> UnitTest:
     """Cluster-robust tests of 'the mean is 0' where rows of one unit err together and units are independent:
     the CR1 standard error (which is the row standard error s/√n when every unit is one row) with the effective
     units' degrees of freedom (`effective_units` − 1: G − 1 when the units are alike; eight tie groups that hold
-    most rows beside many one-row units give about 7, not G − 1), and the sign test counting each unit once."""
+    most rows beside many one-row units give about 7, not G − 1): the test of the mean. The sign test counting each
+    unit once is described beside it, not counted: it tests the median, and an error distribution skewed with a
+    mean of 0 (a feature whose O values sit low in their binades) shifts the median of thousands of units."""
     from scipy.stats import binom
 
     n = s.n.to(torch.float64)
@@ -283,6 +289,7 @@ def unit_test(s: UnitSums) -> UnitTest:
     df = torch.minimum(effective_units(s.w1.to(torch.float64), s.w2.to(torch.float64)), G) - 1
     t_p = torch.as_tensor(np.asarray(2 * student_t.sf(z.numpy(), df.clamp(min=1).numpy())), dtype=torch.float64)
     t_p = torch.where((G > 1) & (se > 0), t_p, torch.full_like(n, math.nan))
+    t_p = torch.where((G > 1) & (se == 0) & (mean == 0), torch.ones_like(n), t_p)  # every error 0: nothing to see
     signed = (s.u_pos + s.u_neg).to(torch.float64)
     k = torch.minimum(s.u_pos, s.u_neg).to(torch.float64)
     sign_p = torch.as_tensor(np.asarray(2.0 * binom.cdf(k.numpy(), signed.clamp(min=1).numpy(), 0.5)),

@@ -281,8 +281,8 @@ def _plain_bias(delta: Optional[Evidence], o: Optional[Evidence], rank1: Optiona
         direction = "too high" if o.sign > 0 else "too low"
         rows = " in the rows whose maximum repeats" if o.subset == "tied rows" else ""
         out.append(f"{lead} low-precision attention output O comes out {direction} on average{rows} in layer "
-                   f"{o.layer} head {o.head} feature {o.feature}: {o.stats()} (t-test and sign test over its "
-                   f"independent units, the smaller p; {', '.join(o.analyses)}).")
+                   f"{o.layer} head {o.head} feature {o.feature}: {o.stats()} (t-test over its "
+                   f"independent units; {', '.join(o.analyses)}).")
     if delta is not None and delta.found:
         direction = "positive" if delta.sign > 0 else "negative"
         text = (f"That error reaches the gradient: Σ(δ_lp − δ_hp) is one-signed ({direction}) in layer "

@@ -19,8 +19,8 @@ def test_delta_bias_finds_planted_bias_and_feature(planted_dump, tmp_path):
     assert res.exit_code == 0, res.output
     r = json.loads((tmp_path / "r.json").read_text())
     planted = [p for p in r["per_step"] if p["head"] in truth["planted_heads"]]
-    # one step: its units are (batch row, tie group), a few dozen; the smaller of the two tests' p over them
-    assert planted and all(p["delta_err_sum"] > 0 and min(p["t_p_value"], p["p_value"]) < 0.01 for p in planted)
+    # one step: its units are (batch row, tie group), a few dozen; the t-test over them
+    assert planted and all(p["delta_err_sum"] > 0 and p["t_p_value"] < 0.01 for p in planted)
     assert {"step", "layer", "head", "delta_err_sum", "frac_positive", "p_value"} <= r["per_step"][0].keys()
     assert r["focus"]["head"] in truth["planted_heads"]
     assert truth["planted_feature"] in [f["feature"] for f in r["top_features"][:3]]

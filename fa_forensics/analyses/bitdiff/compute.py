@@ -7,7 +7,7 @@ because that is what a store in the coarser format would hold. Signed errors (a 
 the unrounded values in fp64.
 
 The bias map is the mean signed error per (layer, head, feature) over every batch row and token
-of every selected step, with its standard error, a t-test and a sign test and its rounding unit (the
+of every selected step, with its standard error, its t-test over units and its rounding unit (the
 ulp of the comparison format at |b|): the O cells of `analyses.quantities`. A feature is "biased"
 when the statistics policy says so (`analyses.significance`: Holm over the selection's family at
 α = 0.01, and at least 1 % of a rounding unit), so that a map of hundreds of cells does not report

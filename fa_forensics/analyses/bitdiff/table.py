@@ -20,13 +20,13 @@ def tables(r: BitdiffResult) -> list[Table]:
     if r.biased_features:
         bt = Table(title=f"significantly biased features ({r.family.describe()} at α = {r.alpha:g}; at least "
                          f"{EFFECT_FLOOR:.0%} of a rounding unit)")
-        for c in ("layer", "head", "feature", "rows (units)", "mean a − b ± se", "rounding units", "frac > 0",
-                  "t-test p", "sign-test p", "Holm p"):
+        for c in ("layer", "head", "feature", "rows (units)", "mean a − b ± se", "rounding units", "units > 0",
+                  "t-test p", "Holm p"):
             bt.add_column(c, justify="right")
         for c in r.biased_features[:12]:
             bt.add_row(str(c.layer), str(c.head), str(c.feature), f"{c.subset} ({c.n_units})",
                        f"{c.mean:+.3e} ± {c.se:.1e}",
-                       number(c.effect, ".3f"), f"{c.frac_positive:.2f}", p_value(c.t_p_value), p_value(c.p_value),
+                       number(c.effect, ".3f"), f"{c.frac_positive:.2f}", p_value(c.t_p_value),
                        p_value(c.adjusted_p))
         out.append(bt)
     if r.largest:

@@ -17,14 +17,14 @@ def tables(r: DeltaBiasResult) -> list[Table]:
     table of the focus head."""
     table = Table(title=f"delta-bias: Σ_T(δ_lp − δ_hp) per step, layer, head (lp = preset {r.preset}, "
                         f"{r.recipe.accumulation_name} accumulation); significant: {r.family.describe()}")
-    for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "rounding units", "frac > 0", "t-test p",
-              "sign-test p", "Holm p", "significant"):
+    for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "rounding units", "units > 0", "t-test p",
+              "Holm p", "significant"):
         table.add_column(c, justify="right")
     rows = sorted(r.per_step, key=lambda p: (p.adjusted_p, p.tested_p))
     for p in rows[:20]:
         table.add_row(str(p.step), str(p.layer), str(p.head), format_pm(p.delta_err_sum, p.delta_err_se),
                       number(p.effect, ".3f"), number(p.frac_positive, ".2f"), format_p(p.t_p_value),
-                      format_p(p.p_value), format_p(p.adjusted_p), "yes" if p.significant else "no")
+                      format_p(p.adjusted_p), "yes" if p.significant else "no")
     if len(rows) > 20:
         table.caption = f"{len(rows) - 20} more rows in --json"
     pooled = pooled_table(r)

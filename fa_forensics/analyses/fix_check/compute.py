@@ -38,10 +38,10 @@ floor they are reported as a warning (the reference code would collapse there).
 The bias is measured where the baseline is most biased: the O claim's cell (`analyses.quantities`: the
 (layer, head, feature) cell, over all rows or the tied rows, with the smallest Holm-adjusted p, the cell bitdiff
 and pv-trace name). The baseline and every variant are decided in ONE family (`one_family`: the selection's tests
-plus each variant's two tests in that cell), the family the command prints. Each variant reports, in that cell and
-subset of rows, the mean O error ± se, its p-value (the smaller of a cluster-robust t-test and a sign test over the
-rows' units) and its Holm-adjusted p in that family, and in that head Σ_T(δ_v − δ_hp) over its steps
-(`quantities.head_total`) with δ = rowsum(dO ∘ O) (exactly the backward's δ for O_lp; no backward pass is run).
+plus each variant's test in that cell), the family the command prints. Each variant reports, in that cell and
+subset of rows, the mean O error ± se, its p-value (the cluster-robust t-test of the mean over the rows' units) and
+its Holm-adjusted p in that family, and in that head Σ_T(δ_v − δ_hp) over its steps (`quantities.head_total`) with δ =
+rowsum(dO ∘ O) (exactly the backward's δ for O_lp; no backward pass is run).
 
 Verdict rule (exit code of the command), by the statistics policy (`analyses.significance`):
   - no significant baseline bias (the O claim is not found): nothing to remove (exit 0);
@@ -293,7 +293,7 @@ class VariantResult:
     what: str
     o_bias: float  # mean (O_v − O_hp) in the target cell
     o_bias_se: float
-    o_bias_p: float  # the smaller of the cell's t-test and sign-test p
+    o_bias_p: float  # the cell's t-test p over its units
     delta_err_sum: Optional[float]  # Σ_T (δ_v − δ_hp) in the target head over its steps (`quantities.head_total`)
     delta_err_se: Optional[float]
     delta_p: Optional[float]  # t-test p of that sum
@@ -472,7 +472,7 @@ def summarize_fix(variants: list[FixVariant], parts: dict[str, list[VariantLayer
 
 
 def one_family(selection: Family, n_variants: int) -> Family:
-    """The one family fix-check decides in: the selection's tests and each variant's two tests in the target cell.
+    """The one family fix-check decides in: the selection's tests and each variant's test in the target cell.
     A selection's family counts them already (`quantities.selection_family`, `significance.FIX_VARIANTS`), so every
     command prints the same size; a family built without them (a lone cell list) gets them added here. The
     baseline's claim and every variant's residual are decided in it, and it is the family the command prints."""

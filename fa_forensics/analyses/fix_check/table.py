@@ -39,7 +39,7 @@ def tables(r: FixCheckResult) -> list:
                         f"{tg['feature']}, {r.claim.subset if r.claim else 'all rows'} (vs fp32 replay; Holm p over "
                         f"one family, the baseline's tests and the {1 + len(r.alternatives)} variants': "
                         f"{r.family.describe()}; a variant is still biased only where the baseline has a bias)")
-    for c in ("variant", "what", "O bias ± se (t or sign p)", "Holm p", "bias removed",
+    for c in ("variant", "what", "O bias ± se (t-test p)", "Holm p", "bias removed",
               f"Σδ error, head {tg['head']} ± se (t p)", "max |O − O_fp32|", "P̄=1", "fired rows", "underflow", "NaN",
               "still biased"):
         table.add_column(c, justify="right" if c not in ("variant", "what") else "left")

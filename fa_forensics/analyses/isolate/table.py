@@ -32,12 +32,12 @@ def tables(r: IsolateResult) -> list[Table]:
                      "50 % with no significant residual)")
     ht = Table(title=f"(step, layer, head) items of the baseline, most significant first; significant: "
                      f"{r.family.describe()}")
-    for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "rounding units", "t-test p", "sign-test p", "Holm p",
+    for c in ("step", "layer", "head", "Σ(δ_lp − δ_hp) ± se", "rounding units", "t-test p", "Holm p",
               "significant"):
         ht.add_column(c, justify="right")
     for h in r.heads[:10]:
         ht.add_row(str(h.step), str(h.layer), str(h.head), format_pm(h.delta_err_sum, h.delta_err_se),
-                   number(h.effect, ".3f"), format_p(h.t_p_value), format_p(h.p_value), format_p(h.adjusted_p),
+                   number(h.effect, ".3f"), format_p(h.t_p_value), format_p(h.adjusted_p),
                    "yes" if h.significant else "no")
     return [table, ht]
 
@@ -88,7 +88,7 @@ def key_numbers(d: dict) -> list[tuple[str, str]]:
          if top else "n/a"),
         ("its Σ(δ_lp − δ_hp) ± se (gradient units)", pm(top.get("delta_err_sum"), top.get("delta_err_se"))),
         ("its size (rounding units)", number(top.get("effect"), ".3f")),
-        ("its p (t or sign test) / Holm p", f"{p_value(min(top.get('t_p_value') or 1, top.get('p_value') or 1))} / "
+        ("its t-test p / Holm p", f"{p_value(top.get('t_p_value'))} / "
                                             f"{p_value(top.get('adjusted_p'))}" if top else "n/a"),
         ("baseline Σδ over every selected head ± se", pm(base.get("delta_err_sum"), base.get("delta_err_se"))),
         ("repairs that remove it", ", ".join(map(str, d.get("culprits") or [])) or "none"),

@@ -62,7 +62,7 @@ from fa_forensics.fidelity.plan import Plan
 from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
-from fa_forensics.analyses.stats import mean_se, sign_test
+from fa_forensics.analyses.stats import mean_se
 from fa_forensics.analyses.wording import finite, share_with_se
 from fa_forensics.analyses.payloads import PVTracePayload
 from fa_forensics.errors import InvalidSetting, OutOfRange
@@ -280,25 +280,27 @@ class TracedCell:
     row: int
     mean: float  # mean over rows of (O_lp − O_hp)[b, h, :, feature]
     se: float
-    p_value: float  # over rows: the smaller of the t-test and the sign test (a dump's cell), the sign test (pick_cell)
+    p_value: float  # the t-test of the mean: over units (a dump's cell), over rows (pick_cell)
     row_error: float  # (O_lp − O_hp)[b, h, row, feature]
     adjusted_p: float = math.nan  # Holm over the cells (a dump: over the selection's family)
     significant: bool = False
 
 
-def _sign_p(n_pos: torch.Tensor, n_neg: torch.Tensor) -> torch.Tensor:
-    """Two-sided sign-test p-values of counts (any shape), exact binomial."""
-    from scipy.stats import binom
+def _row_t_p(e: torch.Tensor) -> torch.Tensor:
+    """Two-sided one-sample t-test p-values of the mean over dim 2 of e (B, H, T, D) -> (B, H, D); 1 where the
+    rows do not vary (or T < 2)."""
+    from scipy.stats import t as student_t
 
-    n = (n_pos + n_neg).numpy()
-    k = torch.minimum(n_pos, n_neg).numpy()
-    p = torch.from_numpy(2.0 * binom.cdf(k, n.clip(min=1), 0.5)).clamp(max=1.0)
-    return torch.where(torch.as_tensor(n) > 0, p, torch.ones_like(p))
+    T = e.shape[2]
+    se = e.std(dim=2) / math.sqrt(T) if T > 1 else torch.zeros(e.shape[:2] + e.shape[3:], dtype=e.dtype)
+    z = (e.mean(dim=2) / se.clamp(min=1e-300)).abs()
+    p = torch.from_numpy(2 * student_t.sf(z.numpy(), max(T - 1, 1)))
+    return torch.where(se > 0, p, torch.ones_like(p))
 
 
 def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[int] = None,
               candidates: Optional[torch.Tensor] = None, head: Optional[int] = None) -> TracedCell:
-    """Default choice of pv-trace: the (batch, head, feature) cell whose sign test is most significant (Holm over
+    """Default choice of pv-trace: the (batch, head, feature) cell whose t-test over rows is most significant (Holm over
     the cells, then the largest |mean|: the rule of the O claim, `quantities.most_significant`) and, in it, the row
     with the largest error in the bias direction, among the `candidates` rows when any of them lies in that
     (batch, head).
@@ -309,7 +311,7 @@ def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[
     e = o_err.to(torch.float64)
     B, H, T, D = e.shape
     mean = e.mean(dim=2)  # (B, H, D)
-    p = _sign_p((e > 0).sum(dim=2), (e < 0).sum(dim=2))  # (B, H, D)
+    p = _row_t_p(e)  # (B, H, D)
     allowed = torch.ones(B, H, D, dtype=torch.bool)
     if feature is not None:
         allowed[..., [f for f in range(D) if f != feature]] = False
@@ -342,7 +344,7 @@ class PVTraceReport(RecipeResult):
     layer: int
     head: int
     batch: int
-    cell: TracedCell  # the O bias of the traced feature (mean ± se, sign test) and the row's O error
+    cell: TracedCell  # the O bias of the traced feature (mean ± se, t-test over units) and the row's O error
     trace: PVTrace
     o_error_replay: float  # (O_lp − O_hp)[row, feature] from the full replays (normalized by ℓ)
     l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
@@ -488,7 +490,7 @@ def head_class_shares(dump, sels: Sequence[LayerSelection], head_index: int, fea
 
 def _mean_se(x: torch.Tensor) -> dict:
     m = mean_se(x)
-    return {"mean": m.value, "se": m.se, "n": m.n, "p_value": sign_test(x).p_value}
+    return {"mean": m.value, "se": m.se, "n": m.n, "p_value": m.p_value}
 
 
 def repeated_max_rows(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, s_dtype: str = "fp32",

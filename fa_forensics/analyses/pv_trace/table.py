@@ -14,7 +14,7 @@ def tables(r: PVTraceReport) -> list:
                         f"row {tr.row} feature {tr.feature}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    table.add_row(f"O bias in this feature (mean ± se, sign p; Holm p over {r.family.n_tests} tests)",
+    table.add_row(f"O bias in this feature (mean ± se, t-test p over units; Holm p over {r.family.n_tests} tests)",
                   f"{r.cell.mean:+.3e} ± {r.cell.se:.1e} (p={r.cell.p_value:.2g}; {r.cell.adjusted_p:.2g}: "
                   f"{'significant' if r.cell.significant else 'not significant'})")
     for kind, label in (("repeated_max", "rows with a repeated maximum"), ("other", "other rows")):

@@ -48,7 +48,7 @@ def test_pooling_merges_the_units_of_every_step_and_the_family_counts_it_once_pe
         assert p.n_units == i.n_units == 48 and p.t_p_value == pytest.approx(i.t_p_value)
         assert p.step_signs == tuple(int(torch.sign(dd[s][:, p.head].sum())) for s in range(3))
     assert pool_deltas([i for i in items if i.step == 0]) == []  # one step: its item is the test, not made twice
-    assert Family(delta_items=6, pooled_heads=2).n_tests == (2 * 6 + 2 * 2) * 2
+    assert Family(delta_items=6, pooled_heads=2).n_tests == (6 + 2) * 2
 
 
 def test_a_head_biased_at_every_step_is_found_pooled_and_named_over_its_steps():
@@ -119,7 +119,7 @@ def test_the_planted_dump_is_found_by_its_sigma_delta_pooled_over_steps():
     assert not any(i.found for i in r.per_step)
     assert c.found and c.step is None and c.steps == (0, 1, 2) and c.sign_holds and c.adjusted_p < 0.01
     assert c.head in dump.ground_truth["planted_heads"]
-    assert r.family.pooled_heads == 4 and r.family.n_tests == (2 * (12 + 4) + 2 * 256) * 2 + 2 * FIX_VARIANTS
+    assert r.family.pooled_heads == 4 and r.family.n_tests == (12 + 4 + 256) * 2 + FIX_VARIANTS
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_delta_bias_and_fix_check_print_the_same_family(tmp_path):
         family = json.loads(out.read_text())["family"]
         assert f"Holm over {family['n_tests']} tests" in " ".join(res.output.split())
         sizes[command] = (family["n_tests"], family["pooled_heads"])
-    assert sizes["delta-bias"] == sizes["fix-check"] == ((2 * (4 + 2) + 2 * 32) * 2 + 2 * FIX_VARIANTS, 2)
+    assert sizes["delta-bias"] == sizes["fix-check"] == ((4 + 2 + 32) * 2 + FIX_VARIANTS, 2)
 
 
 def test_the_family_counts_every_variant_fix_check_tests():
