@@ -61,6 +61,16 @@ def show(family: str, analyses: str, rows: list[dict], seeds: list[int], seconds
               f"[{r['ci_low']:.2%}, {r['ci_high']:.2%}]{note}")
 
 
+def _shape(text: str) -> dict:
+    """'128,2,32,8,4,ties=2' -> {"seq": 128, "heads": 2, "head_dim": 32, "batch": 8, "steps": 4, "ties": 2}."""
+    parts = text.split(",")
+    shape = dict(zip(("seq", "heads", "head_dim", "batch", "steps"), (int(x) for x in parts[:5]), strict=True))
+    for item in parts[5:]:
+        name, _, value = item.partition("=")
+        shape[name.strip()] = float(value) if "." in value else int(value)
+    return shape
+
+
 def main() -> None:
     from fa_forensics.analyses.calibration import FAMILIES, family_shapes, make_null
     from fa_forensics.report.calibration import alarms
@@ -70,8 +80,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=200)
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--analyses", type=str, default="", help="comma list of sections (default: all the report runs)")
-    ap.add_argument("--shape", action="append", default=None, metavar="T,H,D,B,S",
-                    help="a shape of the family (repeatable; default: the family's)")
+    ap.add_argument("--shape", action="append", default=None, metavar="T,H,D,B,S[,FIELD=VALUE...]",
+                    help="a shape of the family (repeatable; default: the family's); FIELD=VALUE sets any other "
+                         "SynthSpec field, e.g. ties=2 (without it a shape has one maximum per row)")
     ap.add_argument("--keep", type=Path, default=None, help="folder to keep the dumps in (default: each is deleted)")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, help="JSON files of runs to add up")
     ap.add_argument("--json", type=Path, default=None)
@@ -89,9 +100,7 @@ def main() -> None:
         family = args.family
         chosen = tuple(a.strip() for a in args.analyses.split(",") if a.strip()) or None
         analyses = ",".join(chosen) if chosen else "all"
-        shapes = family_shapes(family) if not args.shape else tuple(
-            dict(zip(("seq", "heads", "head_dim", "batch", "steps"), (int(x) for x in text.split(",")), strict=True))
-            for text in args.shape)
+        shapes = family_shapes(family) if not args.shape else tuple(_shape(text) for text in args.shape)
         root = args.keep or Path(tempfile.mkdtemp(prefix="null-family-"))
         root.mkdir(parents=True, exist_ok=True)
         v_skew = 1.0 if family == "planted" else 0.5

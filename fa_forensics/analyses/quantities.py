@@ -62,8 +62,9 @@ class _Tested:
 
     @property
     def tested_p(self) -> float:
-        """The p the family counts: the cluster-robust t-test of the mean over the units (`stats.unit_test`)."""
-        return self.t_p_value
+        """The p the family counts: the cluster-robust t-test of the mean over the units (`stats.unit_test`); 1 where
+        it cannot be made (fewer than 2 units), as `significance.holm` counts it."""
+        return self.t_p_value if math.isfinite(self.t_p_value) else 1.0
 
     @property
     def subsets(self) -> list:
@@ -360,7 +361,7 @@ def count_text(items: Iterable[DeltaItem]) -> str:
 
 def item_text(i: DeltaItem, n_tests: int) -> str:
     """'step 0 layer 0 head 1 (all rows, 24 units): +2.47 ± 0.31 (0.52 rounding units; p = …, … after Holm over
-    280 tests)'."""
+    550 tests)'."""
     return (f"step {i.step} layer {i.layer} head {i.head} ({i.subset}, {i.n_units} unit{'s' if i.n_units != 1 else ''})"
             f": {i.delta_err_sum:+.3g} ± {i.delta_err_se:.2g} "
             f"({i.effect:.2g} rounding units; {p_text(i.tested_p, i.adjusted_p, n_tests)})")

@@ -1,10 +1,10 @@
 """Shared uncertainty helpers: every number that claims a bias carries its uncertainty.
 
 A bias is reported as a signed mean ± standard error (`mean_se`), a signed sum ± its standard
-error (`sum_se`), and/or a two-sided sign test (`sign_test`, scipy.stats.binomtest on the
-counts of positive and negative values; exact zeros carry no sign and are left out). `MeanSE.p_value`
-is the matching one-sample t-test: it sees a bias carried by a few large values (e.g. rare round-ups
-of a carry) that the sign test, which only counts signs, can miss.
+error (`sum_se`), with `MeanSE.p_value`, the matching one-sample t-test; a two-sided sign test
+(`sign_test`, scipy.stats.binomtest on the counts of positive and negative values; exact zeros carry
+no sign and are left out) describes the signs beside it. The bias claims test units of rows, not rows
+(`unit_sums`, `unit_test`: the t-test of the mean is the test, the sign test a description).
 All functions take any float tensor (or array-like) and treat it as one flat sample.
 """
 from __future__ import annotations
@@ -296,4 +296,7 @@ def unit_test(s: UnitSums) -> UnitTest:
                              dtype=torch.float64).clamp(max=1.0)
     sign_p = torch.where(signed > 0, sign_p, torch.ones_like(sign_p))
     frac = torch.where(signed > 0, s.u_pos.to(torch.float64) / signed.clamp(min=1), torch.full_like(n, math.nan))
+    # every unit off the mean by exactly 0 (one error repeated): no spread for the t-test to judge, so its units'
+    # signs are the test (2^(1−G) when all G agree)
+    t_p = torch.where((G > 1) & (se == 0) & (mean != 0), sign_p, t_p)
     return UnitTest(mean, se, t_p, sign_p, frac, s.n, s.n_units, df)

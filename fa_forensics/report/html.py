@@ -70,9 +70,9 @@ GLOSSARY: tuple[tuple[str, str, str], ...] = (
      "finding."),
     ("significant", "significant, Holm, α", f"a p-value below α = {ALPHA:g} after Holm's correction over every test "
      f"the selection makes (Σδ items and O cells), and a bias of at least {EFFECT_FLOOR:.0%} of a rounding unit: the "
-     f"chance that the page makes any false claim is at most {ALPHA:.0%} where rows err independently. Rows that "
-     "attend mostly to the same key err together, which the tests do not model: on long sequences confirm an O "
-     "claim on other steps (docs/statistics.md)."),
+     f"chance that the page makes any false claim is at most {ALPHA:.0%}. The tests count units, not rows: rows of "
+     "one step and batch row that attend mostly to the same key, or the same tied keys, err together and count "
+     "once (docs/statistics.md)."),
     ("fidelity", "replay fidelity", "the share of the stored O bits the replayed recipe reproduces exactly; below "
      "100 % a sign test of the mismatches says whether they could bias the findings."),
     ("beta-eps", "β, ε", "the stabilized softmax (Algorithm 3): in a row whose maximum r_m repeats within ε, shift by "

@@ -74,7 +74,7 @@ class Evidence:
         return None if self.layer is None else (self.layer, self.head)
 
     def stats(self) -> str:
-        """'+2.45 ± 0.24, 0.18 rounding units, p = 1.3e-21 (3.5e-19 after Holm over 280 tests)'."""
+        """'+2.45 ± 0.24, 0.18 rounding units, p = 1.3e-21 (3.5e-19 after Holm over 550 tests)'."""
         value = f"{self.value:+.3g} ± {self.se:.2g}" if finite(self.value) and finite(self.se) else number(self.value)
         return (f"{value}, {number(self.effect, '.2g')} of a rounding unit, p = {_p(self.p_value)} "
                 f"({_p(self.adjusted_p)} after {METHOD} over {self.n_tests} tests)")
@@ -425,8 +425,8 @@ def _technical(d: Diagnosis, concluded, data, by_name, evidence, delta, o, found
         tail = "no fix for rounding bias needed" if d.cause.mechanism != "none" else "nothing to fix"
         if untested:
             tail = f"nothing to fix in what was tested ({_names(untested)} could not run)"
-        parts.append(f"no significant bias (sign or t-test, {METHOD}-corrected p < {ALPHA:g} and at least "
-                     f"{EFFECT_FLOOR:.0%} of a rounding unit) in {names}: {tail}{collapse}")
+        parts.append(f"no significant bias (t-test of the mean over independent units, {METHOD}-corrected p < "
+                     f"{ALPHA:g} and at least {EFFECT_FLOOR:.0%} of a rounding unit) in {names}: {tail}{collapse}")
     else:
         signs = _signs_text(evidence)
         finders = ", ".join(n for e in evidence if e.found for n in e.analyses)

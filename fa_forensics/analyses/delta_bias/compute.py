@@ -187,8 +187,8 @@ def run(
     progress: Progress = None,
     workers: Workers = Workers(),
 ) -> DeltaBiasResult:
-    """Σ_T(δ_lp − δ_hp) per (step, layer, head) with sign tests, its cumulative sum across steps,
-    and the features that carry it in the focus head (the most significant item's).
+    """Σ_T(δ_lp − δ_hp) per (step, layer, head) with its cluster-robust t-test over units, its cumulative sum across
+    steps, and the features that carry it in the focus head (the most significant item's).
 
     Work items are (step, layer, group of heads) (`fanout.work_items`), each replayed and reduced
     to its part on one thread, in-process or on `workers`; parts are combined in item order, so the

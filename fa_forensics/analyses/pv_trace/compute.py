@@ -287,15 +287,16 @@ class TracedCell:
 
 
 def _row_t_p(e: torch.Tensor) -> torch.Tensor:
-    """Two-sided one-sample t-test p-values of the mean over dim 2 of e (B, H, T, D) -> (B, H, D); 1 where the
-    rows do not vary (or T < 2)."""
+    """Two-sided one-sample t-test p-values of the mean over dim 2 of e (B, H, T, D) -> (B, H, D); where the rows do
+    not vary, 1 for errors of 0 and 2^(1−T) (the sign test of T agreeing rows) for one error repeated."""
     from scipy.stats import t as student_t
 
     T = e.shape[2]
     se = e.std(dim=2) / math.sqrt(T) if T > 1 else torch.zeros(e.shape[:2] + e.shape[3:], dtype=e.dtype)
     z = (e.mean(dim=2) / se.clamp(min=1e-300)).abs()
     p = torch.from_numpy(2 * student_t.sf(z.numpy(), max(T - 1, 1)))
-    return torch.where(se > 0, p, torch.ones_like(p))
+    same = torch.where(e.mean(dim=2) != 0, torch.full_like(p, 2.0 ** (1 - T)), torch.ones_like(p))
+    return torch.where(se > 0, p, same)
 
 
 def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[int] = None,
@@ -349,7 +350,8 @@ class PVTraceReport(RecipeResult):
     o_error_replay: float  # (O_lp − O_hp)[row, feature] from the full replays (normalized by ℓ)
     l_hp: float  # ℓ = Σ P̄_hp of the row: Ō error / ℓ ≈ O error
     row_choice: str  # "given" | "repeated-max" (largest error among rows with a repeated maximum) | "largest-error"
-    bias_split: dict  # {"repeated_max": {mean, se, n}, "other": {mean, se, n}}: the feature's O bias by row kind
+    bias_split: dict  # {"repeated_max": {mean, se, n, p_value}, "other": {…}}: the feature's O bias by row kind (a row
+    # t-test, rows taken as independent: a description, not a claim)
     class_shares: list = ()  # p_one.ClassShare per class: share of the feature's O bias over every row of the head
     rows_attributed: int = 0  # rows the class shares pool (every selected step and batch entry)
     counterfactual: Optional[Counterfactual] = None  # those rows with the P̄ = 1 terms nudged below 1

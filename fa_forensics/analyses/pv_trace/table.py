@@ -20,8 +20,8 @@ def tables(r: PVTraceReport) -> list:
     for kind, label in (("repeated_max", "rows with a repeated maximum"), ("other", "other rows")):
         m = r.bias_split[kind]
         if m["n"]:
-            table.add_row(f"  O bias in {label} (n={m['n']})",
-                          f"{m['mean']:+.3e} ± {m['se']:.1e} (p={m['p_value']:.2g})")
+            table.add_row(f"  O bias in {label} (n={m['n']}; row t-test p, rows taken as independent: descriptive)",
+                          f"{m['mean']:+.3e} ± {m['se']:.1e} (p={p_value(m['p_value'])})")
     table.add_row(f"O error of this row (replay; row chosen: {r.row_choice})", f"{r.o_error_replay:+.3e}")
     table.add_row("Ō error of the dot product (Eq. 4)", f"{tr.final_error:+.3e}")
     table.add_row("keys, P̄ = 1 positions",

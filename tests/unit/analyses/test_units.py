@@ -187,3 +187,47 @@ def test_fix_check_never_calls_a_variant_still_biased_where_the_baseline_has_no_
     assert fc.family.extra >= len(variants)
     assert all(v.o_bias_adjusted_p >= min(v.o_bias_p * 2, 1.0) for v in variants)
     assert "still biased: " not in fc.verdict
+
+
+def test_the_mean_is_tested_not_the_median():
+    # errors skewed with a mean of exactly 0: 55 % small negatives, 45 % larger positives, one row per unit
+    x = torch.cat([torch.full((2200,), -9 / 16), torch.full((1800,), 11 / 16)]).to(torch.float64)
+    t = unit_test(unit_sums(x, torch.arange(4000)))
+    assert float(t.mean) == pytest.approx(0.0, abs=1e-12)
+    assert float(t.p_value) < 1e-9  # the sign test sees the median's shift ...
+    assert float(t.t_p_value) > 0.99  # ... the t-test, the one the family counts, sees no bias
+    from fa_forensics.analyses.quantities import BiasCell
+
+    cell = BiasCell(0, 0, 0, float(t.mean), float(t.se), float(t.p_value), float(t.frac_positive), 4000,
+                    t_p_value=float(t.t_p_value))
+    assert cell.tested_p == float(t.t_p_value)
+    assert BiasCell(0, 0, 0, 0.0, math.nan, 1.0, math.nan, 1).tested_p == 1.0  # no units to test: counts as 1
+
+
+def test_one_error_repeated_in_every_unit_is_judged_by_its_units_signs():
+    # no spread for the t-test: the units' signs decide (all 10 agree: 2^(1-10))
+    x = torch.full((40,), -3 * 2.0 ** -10, dtype=torch.float64)
+    t = unit_test(unit_sums(x, torch.arange(40) // 4))
+    assert float(t.se) == 0 and float(t.t_p_value) == pytest.approx(2.0 ** -9)
+    zeros = unit_test(unit_sums(torch.zeros(40, dtype=torch.float64), torch.arange(40) // 4))
+    assert float(zeros.t_p_value) == 1.0
+
+
+@pytest.mark.slow
+def test_a_skewed_feature_of_a_tied_null_is_no_finding(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from fa_forensics.analyses.calibration import TIED_NULL_SHAPES, make_null
+    from fa_forensics.cli import app
+
+    # seed 167 of the tied null family (T 2048): in layer 0 head 0 feature 18, 55 % of the 2047 single-row units are
+    # positive (sign-test p ~ 2e-5) while the mean is 2.7 standard errors from 0 among ~140 tests: no bias
+    dump = make_null(tmp_path / "null167.zarr", 167, TIED_NULL_SHAPES)
+    res = CliRunner().invoke(app, ["bitdiff", str(dump), "--json", str(tmp_path / "b.json")])
+    assert res.exit_code == 0, res.output
+    d = json.loads((tmp_path / "b.json").read_text())
+    cell = next(c for c in d["mean_signed_error"] if (c["layer"], c["head"], c["feature"]) == (0, 0, 18))
+    assert cell["p_value"] < 1e-4 and cell["t_p_value"] > 1e-3 and cell["n_units"] > 2000
+    assert not d["bias"]["found"] and d["biased_features"] == []
