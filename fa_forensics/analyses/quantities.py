@@ -487,8 +487,8 @@ def o_cell(parts: Iterable[CellSums], layer: int, head: int, feature: int,
 
 
 def most_significant(cells: Sequence[BiasCell]) -> BiasCell:
-    """The O claim's cell: over all rows or the tied rows, the smallest adjusted p, then the largest effect (ties:
-    all rows first)."""
+    """The O claim's cell: over all rows or the tied rows, the smallest adjusted p, then the smallest raw p, then the
+    largest effect (ties: all rows first)."""
     return min((x for c in cells for x in c.subsets), key=_rank)
 
 
