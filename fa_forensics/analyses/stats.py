@@ -289,14 +289,13 @@ def unit_test(s: UnitSums) -> UnitTest:
     df = torch.minimum(effective_units(s.w1.to(torch.float64), s.w2.to(torch.float64)), G) - 1
     t_p = torch.as_tensor(np.asarray(2 * student_t.sf(z.numpy(), df.clamp(min=1).numpy())), dtype=torch.float64)
     t_p = torch.where((G > 1) & (se > 0), t_p, torch.full_like(n, math.nan))
-    t_p = torch.where((G > 1) & (se == 0) & (mean == 0), torch.ones_like(n), t_p)  # every error 0: nothing to see
     signed = (s.u_pos + s.u_neg).to(torch.float64)
     k = torch.minimum(s.u_pos, s.u_neg).to(torch.float64)
     sign_p = torch.as_tensor(np.asarray(2.0 * binom.cdf(k.numpy(), signed.clamp(min=1).numpy(), 0.5)),
                              dtype=torch.float64).clamp(max=1.0)
     sign_p = torch.where(signed > 0, sign_p, torch.ones_like(sign_p))
     frac = torch.where(signed > 0, s.u_pos.to(torch.float64) / signed.clamp(min=1), torch.full_like(n, math.nan))
-    # every unit off the mean by exactly 0 (one error repeated): no spread for the t-test to judge, so its units'
-    # signs are the test (2^(1−G) when all G agree)
-    t_p = torch.where((G > 1) & (se == 0) & (mean != 0), sign_p, t_p)
+    # every unit off the mean by exactly 0 (one error repeated, or none): no spread for the t-test to judge, so its
+    # units' signs are the test (2^(1−G) when all G agree; 1 when every error is 0, as no unit has a sign)
+    t_p = torch.where((G > 1) & (se == 0), sign_p, t_p)
     return UnitTest(mean, se, t_p, sign_p, frac, s.n, s.n_units, df)

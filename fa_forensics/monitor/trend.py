@@ -14,6 +14,7 @@ window gives NaN (no test).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -28,15 +29,10 @@ def mann_kendall_z(y: np.ndarray) -> np.ndarray:
     return (s - np.sign(s)) / sd
 
 
+@functools.cache
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     """The index pairs (i, j), i < j < n, made once per window length."""
-    pairs = _PAIRS.get(n)
-    if pairs is None:
-        pairs = _PAIRS[n] = np.triu_indices(n, 1)
-    return pairs
-
-
-_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    return np.triu_indices(n, 1)
 
 
 def theil_sen_slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -40,29 +40,21 @@ class SectionRun:
 
 def run_sections(dump, analyses: Optional[tuple[str, ...]] = None) -> list[SectionRun]:
     """The report's sections on `dump` (all of those the report runs on it, or the named ones), each run as
-    `run.run_section` runs it, without figures or files."""
+    `run.run_section` runs it (`run.section_selections`), without figures or files."""
     from fa_forensics.analyses.jsonable import to_jsonable
     from fa_forensics.analyses.registry import BY_NAME
     from fa_forensics.enums import Backend
     from fa_forensics.errors import UserError
     from fa_forensics.fidelity.recipe import Recipe
     from fa_forensics.layers.fanout import Workers
-    from fa_forensics.layers.selection import select
-    from fa_forensics.report.run import SECTIONS, sections_of, steps_that_matter
+    from fa_forensics.report.run import SECTIONS, section_selections, sections_of, steps_that_matter
 
     wanted = SECTIONS if analyses is None else [BY_NAME[name] for name in analyses]
-    chosen = steps_that_matter(dump)[0]
+    selection = {"step": None, "layer": None, "head": None, "steps": steps_that_matter(dump)[0]}
     out = []
     for section in sections_of(dump, wanted):
         try:
-            if section.section.needs == "timeline":
-                sels = None
-            elif section.section.whole_dump:
-                sels = select(dump, dump.steps[-1] if dump.steps else None)
-            elif chosen:
-                sels = [sel for step in chosen for sel in select(dump, step)]
-            else:
-                sels = select(dump)
+            sels = section_selections(section, dump, selection)
             result = section.report_run(dump, sels, Recipe(), Backend.EMULATE, Workers())
             out.append(SectionRun(section.name, to_jsonable(section.payload(result))))
         except UserError as exc:

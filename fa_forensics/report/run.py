@@ -186,6 +186,20 @@ def _text(renderables: list, verdict: Optional[str]) -> str:
     return console.export_text()
 
 
+def section_selections(section: Analysis, dump, selection: dict) -> Optional[list]:
+    """What one section of the report reads: nothing for the timeline (it reads the whole of it), the last step for a
+    whole-dump section (pcast), else the report's selection ({step, layer, head} and, without a step, the `steps`
+    that matter)."""
+    if section.section.needs == "timeline":
+        return None
+    if section.section.whole_dump:
+        return select(dump, dump.steps[-1] if dump.steps else None)
+    if selection.get("step") is None and selection.get("steps"):
+        return [sel for step in selection["steps"]
+                for sel in select(dump, step, selection.get("layer"), selection.get("head"))]
+    return select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
+
+
 def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selection: dict, recipe: Recipe,
                 backend: Backend, workers: Workers = Workers(), published_as: Optional[Path] = None) -> SectionResult:
     """Run one analysis into out_dir/<name>/: its JSON, figures and tables. `published_as`: where out_dir will be
@@ -200,16 +214,7 @@ def run_section(section: Analysis, dump, dump_path: Path, out_dir: Path, selecti
     if section.section.needs == "steps" and not dump.steps and dump.timeline is not None:
         return SectionResult(section.name, args, 2, False, NO_STEP_NOTE, None, [], "", 0.0)
     try:
-        if section.section.needs == "timeline":
-            sels = None
-        elif section.section.whole_dump:
-            sels = select(dump, dump.steps[-1] if dump.steps else None)
-        elif selection.get("step") is None and selection.get("steps"):
-            sels = [sel for step in selection["steps"]
-                    for sel in select(dump, step, selection.get("layer"), selection.get("head"))]
-        else:
-            sels = select(dump, selection.get("step"), selection.get("layer"), selection.get("head"))
-        result = section.report_run(dump, sels, recipe, backend, workers)
+        result = section.report_run(dump, section_selections(section, dump, selection), recipe, backend, workers)
         paths = section.draw(result, sec_dir)
         final = [Path(published_as) / Path(p).relative_to(out_dir) if published_as is not None else p for p in paths]
         payload = to_jsonable({**section.payload(result), "figures": [str(p) for p in final]})

@@ -435,7 +435,7 @@ def _technical(d: Diagnosis, concluded, data, by_name, evidence, delta, o, found
         disagree = _disagreements(evidence, delta, o)
         if disagree:
             sentence += f"; {'; '.join(disagree)}"
-        sentence += _operation(data, o) + _fix(concluded, collapse)
+        sentence += _operation(data, concluded, o) + _fix(concluded, collapse)
         parts.append(sentence)
     if fp8:
         parts.append(("if it ran in FP8: " if replayed else "") + _fp8_text(fp8, data.get("pcast") or {})
@@ -444,7 +444,7 @@ def _technical(d: Diagnosis, concluded, data, by_name, evidence, delta, o, found
     return f"VERDICT: {d.headline} Technical: {lead}{body[:1].upper() if lead else body[:1]}{body[1:]}; {fidelity}."
 
 
-def _operation(data: dict, o: Optional[Evidence]) -> str:
+def _operation(data: dict, concluded, o: Optional[Evidence]) -> str:
     """Which operation carries it: isolate's repairs, pv-trace's P̄ = 1 share (where the O bias is significant)."""
     text = ""
     iso = data.get("isolate")
@@ -455,17 +455,13 @@ def _operation(data: dict, o: Optional[Evidence]) -> str:
                 "; no single repair removes it" if found else "")
     pv = data.get("pv-trace") or {}
     if pv and o is not None and o.found and (pv.get("o_bias") or {}).get("significant", True):
-        shares = pv.get("class_shares") or {}
-        p_one = [v for k, v in shares.items() if k in ("tie", "near-tie", "carry") and isinstance(v, dict)
-                 and v.get("rows")]
-        if p_one:
-            total = sum(_float(v.get("share")) for v in p_one)
-            se = sum(_float(v.get("se")) ** 2 for v in p_one) ** 0.5
-            if finite(total):
-                text += (f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that "
-                         "feature")
-                if total - 2 * se > 1 or total + 2 * se < 0:  # beyond 0-100 %: the rest of the rows push the other way
-                    text += " (a signed share: the other rows' rounding pushes the other way)"
+        mechanism = concluded.get("pv-trace")
+        total = getattr(mechanism, "p_one_share", math.nan)
+        se = getattr(mechanism, "p_one_se", math.nan)
+        if finite(total):
+            text += f"; the P̄ = 1 rounding mechanism carries {share_with_se(total, se)} of the O bias in that feature"
+            if total - 2 * se > 1 or total + 2 * se < 0:  # beyond 0-100 %: the rest of the rows push the other way
+                text += " (a signed share: the other rows' rounding pushes the other way)"
     return text
 
 

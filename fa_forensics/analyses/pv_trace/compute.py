@@ -62,7 +62,7 @@ from fa_forensics.fidelity.plan import Plan
 from fa_forensics.fidelity.planner import plan_for
 from fa_forensics.layers.selection import LayerSelection, LayerTensors, as_seen_by, load, mask_of
 from fa_forensics.fidelity.pair import lp_hp_pair, lp_of
-from fa_forensics.analyses.stats import mean_se
+from fa_forensics.analyses.stats import mean_se, unit_sums, unit_test
 from fa_forensics.analyses.wording import finite, share_with_se
 from fa_forensics.analyses.payloads import PVTracePayload
 from fa_forensics.errors import InvalidSetting, OutOfRange
@@ -287,16 +287,11 @@ class TracedCell:
 
 
 def _row_t_p(e: torch.Tensor) -> torch.Tensor:
-    """Two-sided one-sample t-test p-values of the mean over dim 2 of e (B, H, T, D) -> (B, H, D); where the rows do
-    not vary, 1 for errors of 0 and 2^(1−T) (the sign test of T agreeing rows) for one error repeated."""
-    from scipy.stats import t as student_t
-
-    T = e.shape[2]
-    se = e.std(dim=2) / math.sqrt(T) if T > 1 else torch.zeros(e.shape[:2] + e.shape[3:], dtype=e.dtype)
-    z = (e.mean(dim=2) / se.clamp(min=1e-300)).abs()
-    p = torch.from_numpy(2 * student_t.sf(z.numpy(), max(T - 1, 1)))
-    same = torch.where(e.mean(dim=2) != 0, torch.full_like(p, 2.0 ** (1 - T)), torch.ones_like(p))
-    return torch.where(se > 0, p, same)
+    """The policy's t-test of the mean over dim 2 of e (B, H, T, D) -> (B, H, D), every row its own unit
+    (`stats.unit_test`)."""
+    B, H, T, D = e.shape
+    rows = e.permute(2, 0, 1, 3).reshape(T, B, H, D)
+    return unit_test(unit_sums(rows, torch.arange(T))).t_p_value
 
 
 def pick_cell(o_err: torch.Tensor, feature: Optional[int] = None, row: Optional[int] = None,
