@@ -147,8 +147,7 @@ def _no_instability(tl: TimelineConclusion, rounding: dict[str, Conclusion], pv:
                     fc: Optional[FixConclusion]) -> tuple[Cause, str, str]:
     """A healthy monitored run whose rounding shows a bias: (its cause, the card's first line: the run first, then the
     bias as what it is and whether the paper's mechanism explains it, what to watch; the evidence)."""
-    found = [c.claim for c in rounding.values() if c.found and c.claim is not None]
-    c = next((x for x in found if x.quantity == "O"), found[0])
+    c = watched_claim(rounding)
     where = f"layer {c.layer} head {c.head}" + (f" feature {c.feature}" if c.feature is not None else "") + (
         f" step {c.step}" if c.quantity == "delta" and c.step is not None else "")
     rows = " in the rows whose maximum repeats" if c.subset == "tied rows" else ""
@@ -167,6 +166,12 @@ def _no_instability(tl: TimelineConclusion, rounding: dict[str, Conclusion], pv:
                   f"a small rounding bias at {where}{rows} ({_size(c)}){'' if explains is None else ' '}{what}",
                   ("timeline", *(n for n, x in rounding.items() if x.found)))
     return cause, lead, because
+
+
+def watched_claim(rounding: dict[str, Conclusion]) -> Claim:
+    """The bias a healthy run's card names and says to watch: the O claim where one is found, else the first found."""
+    found = [c.claim for c in rounding.values() if c.found and c.claim is not None]
+    return next((x for x in found if x.quantity == "O"), found[0])
 
 
 def watch_text(c: Claim) -> str:
@@ -292,8 +297,8 @@ def diagnose(by_name: dict[str, Conclusion], replay: ReplayConclusion) -> Diagno
     actions: list[Action] = []
     for cause in causes:
         if cause.mechanism == NO_INSTABILITY:
-            claim = next(c.claim for c in rounding.values() if c.found and c.claim is not None)
-            actions.append(Action(f"Nothing to act on while the run is healthy; watch {watch_text(claim)}",
+            watch = watch_text(watched_claim(rounding))
+            actions.append(Action(f"Nothing to act on while the run is healthy; watch {watch}",
                                   "the timeline shows no instability, and the bias is small (its size and "
                                   "uncertainty are in the first line)"))
         elif cause.mechanism == ROUNDING and healthy:
